@@ -1,0 +1,117 @@
+"""The proxy<->engine contract (DESIGN.md). Torch-free: the proxy imports this and nothing heavier.
+
+What crosses: a GenerateRequest in, a stream of TokenEvents out. The engine never sees JSON and the proxy
+never touches tensors.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+CacheTier = Literal["none", "device", "host"]
+
+_ids = itertools.count(1)
+
+
+def new_request_id() -> str:
+    return f"req-{next(_ids)}"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean 'off'; seed makes sampling reproducible."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class AbortHandle:
+    """Set by the caller (e.g. on client disconnect); the scheduler frees the request at its next step."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def abort(self) -> None:
+        self._event.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self._event.is_set()
+
+
+@dataclass
+class GenerateRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()
+    # Token offsets (0 < p <= len(prompt_ids)) where the engine keeps a resumable copy of the recurrent
+    # state and a KV boundary. The engine always adds the end of the prompt and the end of generation.
+    checkpoint_positions: tuple[int, ...] = ()
+    session_key: str | None = None
+    # Replay / scripted mode: the engine runs every decode step on the model but emits these ids instead
+    # of sampling. Generation ends when they run out (finish_reason "stop") or at max_new_tokens.
+    forced_output_ids: list[int] | None = None
+    abort: AbortHandle = field(default_factory=AbortHandle)
+    request_id: str = field(default_factory=new_request_id)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        n = len(self.prompt_ids)
+        bad = [p for p in self.checkpoint_positions if not 0 < p <= n]
+        if bad:
+            raise ValueError(f"checkpoint positions {bad} fall outside the prompt (1..{n})")
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    output_tokens: int
+    reused_tokens: int  # prompt tokens served from the prefix cache (the 'cached tokens' agents see)
+    prefilled_tokens: int  # prompt tokens actually run through the model: prompt - reused
+    cache_tier: CacheTier = "none"  # where the reused prefix came from
+    queue_s: float = 0.0  # submit -> first scheduled
+    ttft_s: float = 0.0  # submit -> first output token
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.output_tokens - 1) / self.decode_s if self.decode_s > 0 and self.output_tokens > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of a request's output. The last event has finish_reason and usage set."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str | None = None  # set with finish_reason "error": a sentence for the user
+    # Progress while the request waits or prefills (no tokens yet): lets the proxy send keep-alives.
+    prefilled_so_far: int | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
