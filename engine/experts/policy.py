@@ -17,7 +17,7 @@ def q_star(m: int, bp: float, bh: float) -> int:
     """q* = round(m * B_P / B_H) clamped to [0, m]."""
     if m <= 0:
         return 0
-    if bh <= 0:
+    if bh <= 0 or bp == float("inf"):
         return m
     return max(0, min(m, int(round(m * bp / bh))))
 

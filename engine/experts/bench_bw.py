@@ -1,0 +1,160 @@
+"""`killick bench bw`: the bandwidths the expert hierarchy plans with, measured once per machine and format.
+
+B_P: pinned host -> device copies at expert granularity, a batch of experts per timing (CUDA only).
+B_H: the CPU expert kernel (cpu_runner.run_on_cpu) on one token, at 1..N threads: bytes of weights read / s.
+STREAM: a plain multi-threaded read of a large host buffer, the ceiling both of the above share.
+The profile is written to $XDG_CACHE_HOME/killick (or ~/.cache/killick), one file per
+(expert format, GPU name, thread count); `load_profile` returns None for any other machine or format.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.experts.cpu_runner import run_on_cpu
+from engine.experts.layout import ExpertLayout
+from engine.experts.synthetic import SHAPES, get_shape
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "killick"
+
+
+def machine_key(layout: ExpertLayout, dtype: torch.dtype, threads: int) -> dict:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu-only"
+    fmt = f"{str(dtype).removeprefix('torch.')}-h{layout.hidden}-i{layout.inter}"
+    return {"format": fmt, "gpu": gpu, "threads": threads}
+
+
+def profile_path(key: dict) -> Path:
+    name = re.sub(r"[^A-Za-z0-9.-]+", "_", f"bw-{key['format']}-{key['gpu']}-t{key['threads']}")
+    return cache_dir() / f"{name}.json"
+
+
+def load_profile(layout: ExpertLayout, dtype: torch.dtype, threads: int) -> dict | None:
+    key = machine_key(layout, dtype, threads)
+    path = profile_path(key)
+    try:
+        prof = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return prof if prof.get("key") == key else None  # another machine's or format's: ignored
+
+
+def _timed(fn, reps: int) -> float:
+    fn()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def measure_bp(layout: ExpertLayout, dtype: torch.dtype, batch: int = 64, reps: int = 5) -> float | None:
+    """Pinned H2D bytes/s for `batch` expert blocks copied one block per copy; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    host = torch.empty(batch, layout.numel, dtype=dtype, pin_memory=True).fill_(1)  # [batch, numel]
+    dev = torch.empty_like(host, device="cuda")
+
+    def copy():
+        for i in range(batch):
+            dev[i].copy_(host[i], non_blocking=True)
+        torch.cuda.synchronize()
+
+    return batch * layout.nbytes / _timed(copy, reps)
+
+
+def measure_copy(layout: ExpertLayout, dtype: torch.dtype, batch: int = 64, reps: int = 3) -> float:
+    """Host -> host block copies: what a "fill" costs when the device is the CPU (CI, smoke runs)."""
+    src = torch.ones(batch, layout.numel, dtype=dtype)
+    dst = torch.empty_like(src)
+
+    def copy():
+        for i in range(batch):
+            dst[i].copy_(src[i])
+
+    return batch * layout.nbytes / _timed(copy, reps)
+
+
+def measure_bh(layout: ExpertLayout, dtype: torch.dtype, threads: int, experts: int, reps: int = 3) -> float:
+    """Bytes of expert weights the CPU kernel streams per second for a one-token decode step."""
+    blocks = torch.randn(experts, layout.numel).mul_(0.02).to(dtype)  # [n, numel], beyond the caches
+    x = torch.randn(1, layout.hidden).to(dtype)  # [T=1, H]
+    jobs = [(torch.zeros(1, dtype=torch.long), blocks[e]) for e in range(experts)]
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return experts * layout.nbytes / _timed(lambda: run_on_cpu(x, jobs, layout, 1), reps)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def measure_stream(nbytes: int, threads: int, reps: int = 3) -> float:
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return buf.numel() * 4 / _timed(lambda: buf.sum(), reps)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def run(layout: ExpertLayout, dtype: torch.dtype, threads: list[int], *, experts: int, stream_bytes: int,
+        log=print) -> dict:
+    """Measure everything and return the profile (B_H at the largest thread count is `bh`)."""
+    log(f"bench bw: expert block {layout.nbytes / 2**20:.2f} MiB, threads {threads}")
+    bp = measure_bp(layout, dtype)
+    log(f"  B_P pinned H2D: {bp / 1e9:.1f} GB/s" if bp else "  B_P: skipped (no CUDA)")
+    bh_by_threads = {}
+    for t in threads:
+        bh_by_threads[t] = measure_bh(layout, dtype, t, experts)
+        log(f"  B_H CPU experts, {t} threads: {bh_by_threads[t] / 1e9:.2f} GB/s")
+    stream = measure_stream(stream_bytes, max(threads))
+    log(f"  STREAM read, {max(threads)} threads: {stream / 1e9:.1f} GB/s")
+    key = machine_key(layout, dtype, max(threads))
+    return {"key": key, "bp": bp, "bh": bh_by_threads[max(threads)],
+            "bh_by_threads": {str(k): v for k, v in bh_by_threads.items()}, "stream_read": stream,
+            "expert_bytes": layout.nbytes, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def save_profile(prof: dict) -> Path:
+    path = profile_path(prof["key"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prof, indent=1))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="killick bench bw", description=__doc__.splitlines()[0])
+    ap.add_argument("--synthetic", default="qwen3.6-35b-a3b", choices=list(SHAPES),
+                    help="expert format (shape and dtype) to measure")
+    ap.add_argument("--small", action="store_true", help="scaled-down shape: a seconds-long smoke run")
+    ap.add_argument("--threads", default=None, help="comma-separated CPU thread counts (default 1..cores)")
+    ap.add_argument("--experts", type=int, default=64, help="expert blocks per B_H timing")
+    ap.add_argument("--stream-mib", type=int, default=1024)
+    ap.add_argument("--json", default=None, help="also write the profile here")
+    args = ap.parse_args(argv)
+    shape = get_shape(args.synthetic, scale_down=args.small)
+    cores = os.cpu_count() or 1
+    threads = ([int(t) for t in args.threads.split(",")] if args.threads
+               else sorted({1, *range(2, cores + 1, 2), cores}))
+    prof = run(shape.layout, shape.torch_dtype, threads, experts=args.experts,
+               stream_bytes=args.stream_mib << 20, log=lambda s: print(s, file=sys.stderr, flush=True))
+    path = save_profile(prof)
+    if args.json:
+        Path(args.json).write_text(json.dumps(prof, indent=1))
+    print(json.dumps(prof, indent=1))
+    print(f"profile written to {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
