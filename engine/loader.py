@@ -1,9 +1,10 @@
 """Load a Hugging Face checkpoint directory: config.json + safetensors (one file, or shards with an index).
 
-    cfg, tensors, experts = load_checkpoint(path, device, dtype)
+    cfg, tensors, experts = load_checkpoint(path, device, dtype, expert_device=None)
 
 `tensors` holds every non-expert tensor of the text model under its full name; `experts` is the
-ExpertWeights source (fused [E, 2I, H] / [E, H, I] per MoE layer, whatever the layout on disk). Tensors the
+ExpertWeights source (fused [E, 2I, H] / [E, H, I] per MoE layer, whatever the layout on disk), on
+`expert_device` (default: `device`; "cpu" for backends that keep the pool in host RAM). Tensors the
 text model does not use (`model.visual.*`, `mtp.*`) are never read. Every problem a user can cause raises
 ValueError naming the file or key and what to do about it.
 """
@@ -23,7 +24,7 @@ from engine.layout import fused_expert_shapes, non_expert_shapes, per_expert_sha
 INDEX = "model.safetensors.index.json"
 
 
-def load_checkpoint(path, device="cpu", dtype=torch.float32):
+def load_checkpoint(path, device="cpu", dtype=torch.float32, expert_device=None):
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise ValueError(f"model directory {model_dir} does not exist; pass the folder of a Hugging Face checkpoint")
@@ -31,6 +32,7 @@ def load_checkpoint(path, device="cpu", dtype=torch.float32):
     with ExitStack() as stack:
         reader = _Reader(model_dir, stack, torch.device(device), dtype)
         tensors = {name: reader.get(name, shape) for name, shape in non_expert_shapes(cfg).items()}
+        reader.device = torch.device(expert_device or device)
         experts = _load_experts(cfg, reader)
     return cfg, tensors, experts
 
