@@ -161,6 +161,10 @@ class PrefixCache:
 
     def set_budgets(self, device: int | None = None, host: int | None = None) -> None:
         """Change the budgets (e.g. under memory pressure) and evict down to them."""
+        locked = self.bytes["device"] - self._lru["device"].nbytes
+        if device is not None and device < locked:
+            raise ValueError(f"live requests hold {locked} bytes of the device tier: release them before "
+                             f"lowering its budget to {device}")
         if device is not None:
             self.budget["device"] = _check_budget(device)
         if host is not None:
