@@ -211,10 +211,9 @@ seqs = st.lists(st.integers(0, 2), min_size=1, max_size=8)
 def operations(draw):
     ids = draw(seqs)
     upto = draw(st.integers(1, len(ids)))
-    return (draw(st.sampled_from(["insert", "insert", "insert", "acquire", "acquire", "release", "pin", "unpin", "invalidate",
-                                  "budget"])),
-            ids, upto, draw(st.lists(st.integers(1, upto), max_size=3, unique=True)), draw(st.integers(1, 3)),
-            draw(st.integers(0, 4)), draw(st.integers(0, 40)))
+    kind = draw(st.sampled_from(["insert"] * 3 + ["acquire"] * 2 + ["release", "pin", "unpin", "invalidate", "budget"]))
+    ckpts = draw(st.lists(st.integers(1, upto), max_size=3, unique=True))
+    return kind, ids, upto, ckpts, draw(st.integers(1, 3)), draw(st.integers(0, 4)), draw(st.integers(0, 40))
 
 
 def step(cache, ref, ledger, held, op):
