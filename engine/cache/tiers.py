@@ -151,6 +151,8 @@ class PrefixCache:
 
     def invalidate(self, ids: Sequence[int], length: int = 0) -> int:
         """Drop everything cached beyond ids[:length] (all of it for length 0). Returns nodes dropped."""
+        if not 0 <= length <= len(ids):
+            raise ValueError(f"invalidate length {length} must be in 0..len(ids)={len(ids)}")
         node = self.tree.boundary(ids, length)
         if node is None:
             return 0

@@ -136,6 +136,8 @@ def test_invalidate_drops_everything_beyond_a_prefix():
         cache.invalidate([1], 0)
     cache.release(held)
     assert cache.invalidate([], 0) == 3 and cache.stats()["device_nodes"] == 0
+    with pytest.raises(ValueError, match="0..len"):
+        cache.invalidate([1], 2)
     assert ledger.live == set()
 
 
