@@ -60,9 +60,10 @@ class Tokenizer:
 class IncrementalDecoder:
     """Turns a stream of ids into text deltas; never emits half of a multi-byte character.
 
-    A token can end inside a UTF-8 sequence (byte-level BPE), which decodes to U+FFFD. Such a tail is held
-    back until the ids that complete it arrive; flush() emits whatever is left at the end of the stream.
-    Decoding restarts from the last emitted token (`_prefix`) so each push costs O(new tokens).
+    A token can end inside a UTF-8 sequence (byte-level BPE), which decodes to U+FFFD. Trailing U+FFFD are
+    held back until the ids that complete the character arrive; flush() emits whatever is left at the end.
+    Each push decodes only from `_prefix` (the last complete token, kept as context for decoders that treat
+    a leading token specially), so streaming costs O(new tokens) per push.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
@@ -70,23 +71,30 @@ class IncrementalDecoder:
         self._skip = skip_special
         self._ids: list[int] = []
         self._prefix = 0  # decode context starts here
-        self._read = 0  # text of ids[_prefix:_read] was already emitted
+        self._emitted = 0  # characters of decode(ids[_prefix:]) already returned
 
     def push(self, ids) -> str:
         self._ids.extend(ids)
-        done = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
         text = self._tok.decode(self._ids[self._prefix:], self._skip)
-        if len(text) <= len(done) or text.endswith("\ufffd") or not text.startswith(done):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(done):]
+        stable = text.rstrip("\ufffd")
+        delta = stable[self._emitted:]
+        self._emitted = max(self._emitted, len(stable))
+        if stable == text:  # nothing pending: restart the context at the last token
+            self._restart()
+        return delta
 
     def flush(self) -> str:
         """The held-back tail (incomplete characters come out as U+FFFD)."""
-        done = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
-        text = self._tok.decode(self._ids[self._prefix:], self._skip)
-        self._prefix = self._read = len(self._ids)
-        return text[len(done):] if text.startswith(done) else text
+        text = self._tok.decode(self._ids[self._prefix:], self._skip)[self._emitted:]
+        self._prefix, self._emitted = len(self._ids), 0
+        return text
+
+    def _restart(self) -> None:
+        last = self._tok.decode(self._ids[-1:], self._skip)
+        if "\ufffd" in last:  # a lone fragment of a character is no context
+            self._prefix, self._emitted = len(self._ids), 0
+        else:
+            self._prefix, self._emitted = len(self._ids) - 1, len(last)
 
 
 def load_tokenizer(model_dir: str | Path | None = None) -> Tokenizer:
