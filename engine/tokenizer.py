@@ -8,6 +8,9 @@ the special tokens they name: the chat template relies on it.
 from __future__ import annotations
 
 import json
+import re
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -16,6 +19,7 @@ SHIPPED_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "tokenizer"
 TEMPLATE_FILE = "chat_template.jinja"
 # Qwen's end-of-turn and end-of-text: generation stops at either.
 EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+CHUNK_CACHE_SIZE = 4096  # text pieces between special tokens whose encodings are remembered
 
 
 class Tokenizer:
@@ -35,14 +39,46 @@ class Tokenizer:
         if eos_token and eos_token not in eos and hf.token_to_id(eos_token) is not None:
             eos.append(eos_token)
         self.eos_ids: tuple[int, ...] = tuple(hf.token_to_id(s) for s in eos)
+        self._added_re = _added_token_splitter(hf)
+        self._chunks: OrderedDict[str, tuple[list[int], list[tuple[int, int]]]] = OrderedDict()
+        self._chunks_lock = threading.Lock()  # the proxy and the engine thread may both encode
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self.encode_with_offsets(text)[0]
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Ids and, per token, the (start, end) character span of `text` it came from."""
-        enc = self._tok.encode(text, add_special_tokens=False)
-        return enc.ids, enc.offsets
+        """Ids and, per token, the (start, end) character span of `text` it came from.
+
+        tokenizers cuts text at added tokens before anything else and encodes the pieces independently, so
+        encoding piece by piece gives exactly its ids; remembering pieces makes re-rendering a long
+        conversation every turn cost only its new text.
+        """
+        if self._added_re is None:
+            enc = self._tok.encode(text, add_special_tokens=False)
+            return enc.ids, enc.offsets
+        ids, offsets, pos = [], [], 0
+        for piece in self._added_re.split(text):
+            if not piece:
+                continue
+            piece_ids, piece_offsets = self._encode_piece(piece)
+            ids += piece_ids
+            offsets += [(pos + a, pos + b) for a, b in piece_offsets]
+            pos += len(piece)
+        return ids, offsets
+
+    def _encode_piece(self, piece: str) -> tuple[list[int], list[tuple[int, int]]]:
+        with self._chunks_lock:
+            hit = self._chunks.get(piece)
+            if hit is not None:
+                self._chunks.move_to_end(piece)
+                return hit
+        enc = self._tok.encode(piece, add_special_tokens=False)
+        hit = (enc.ids, enc.offsets)
+        with self._chunks_lock:
+            self._chunks[piece] = hit
+            if len(self._chunks) > CHUNK_CACHE_SIZE:
+                self._chunks.popitem(last=False)
+        return hit
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
@@ -95,6 +131,16 @@ class IncrementalDecoder:
             self._prefix, self._emitted = len(self._ids), 0
         else:
             self._prefix, self._emitted = len(self._ids) - 1, len(last)
+
+
+def _added_token_splitter(hf: _HFTokenizer) -> re.Pattern | None:
+    """A regex splitting text at added tokens the way tokenizers does, or None where piecewise encoding
+    might differ (a normalizer, or added tokens that strip spaces or match whole words only)."""
+    added = list(hf.get_added_tokens_decoder().values())
+    if hf.normalizer is not None or not added or any(t.lstrip or t.rstrip or t.single_word for t in added):
+        return None
+    contents = sorted({t.content for t in added}, key=len, reverse=True)  # leftmost-longest, as tokenizers
+    return re.compile("(" + "|".join(map(re.escape, contents)) + ")")
 
 
 def load_tokenizer(model_dir: str | Path | None = None) -> Tokenizer:

@@ -140,29 +140,37 @@ def _arguments(text: str):
 
 def _structural_starts(body: str, msgs: list[dict]) -> list[int] | None:
     """Message starts read off the turn structure, or None when the text does not have the expected shape."""
-    groups: list[list[int]] = []
-    for j, m in enumerate(msgs):
-        if m["role"] == "tool" and groups and msgs[groups[-1][0]]["role"] == "tool":
-            groups[-1].append(j)
-        else:
-            groups.append([j])
+    groups = _turn_groups(msgs)
     turns = [t.start() for t in re.finditer(re.escape(IM_START), body)]
-    if msgs and len(turns) == len(groups) + 1 and msgs[0]["role"] != "system" and body.startswith(IM_START + "system"):
+    template_system = msgs and msgs[0]["role"] != "system" and body.startswith(IM_START + "system")
+    if template_system and len(turns) == len(groups) + 1:
         turns = turns[1:]  # a system turn the template adds (tools, default prompt)
     if len(turns) != len(groups):
         return None
     starts = []
     for group, start, end in zip(groups, turns, turns[1:] + [len(body)]):
         role = msgs[group[0]]["role"]
-        if not any(body.startswith(IM_START + label, start) for label in (("user", "tool") if role == "tool" else (role,))):
+        labels = ("user", "tool") if role == "tool" else (role,)
+        if not any(body.startswith(IM_START + label, start) for label in labels):
             return None
         starts.append(start)
-        if len(group) > 1:
+        if len(group) > 1:  # later tool results start at their own <tool_response> (and the \n before it)
             opens = [start + t.start() for t in re.finditer("<tool_response>", body[start:end])]
             if len(opens) != len(group):
                 return None
             starts += [p - 1 if body[p - 1] == "\n" else p for p in opens[1:]]
     return starts
+
+
+def _turn_groups(msgs: list[dict]) -> list[list[int]]:
+    """Message indices per expected turn: consecutive tool results share one."""
+    groups: list[list[int]] = []
+    for j, m in enumerate(msgs):
+        if m["role"] == "tool" and groups and msgs[groups[-1][0]]["role"] == "tool":
+            groups[-1].append(j)
+        else:
+            groups.append([j])
+    return groups
 
 
 def _char_segments(body: str, msgs: list[dict], owners: list[int], starts: list[int]) -> list[tuple]:

@@ -94,7 +94,8 @@ def test_message_segments_tile_the_prompt(renderer):
     assert texts[2].startswith("<|im_start|>assistant\n<think>\n") and texts[2].endswith("</tool_call><|im_end|>\n")
     assert texts[3] == "<|im_start|>user\n<tool_response>\na.py\nb.py\n</tool_response>"
     assert texts[4] == "\n<tool_response>\n/work\n</tool_response><|im_end|>\n"
-    assert all(t.startswith("<|im_start|>") and t.endswith("<|im_end|>\n") for i, t in enumerate(texts) if i != 3 and i != 4)
+    whole_turns = [t for i, t in enumerate(texts) if i not in (3, 4)]
+    assert all(t.startswith("<|im_start|>") and t.endswith("<|im_end|>\n") for t in whole_turns)
 
 
 def test_inner_segments_point_at_their_tokens(renderer):
@@ -104,7 +105,8 @@ def test_inner_segments_point_at_their_tokens(renderer):
     tools, = r.of_kind("tools")
     assert piece(r, tools).startswith('<tools>\n{"type": "function"') and piece(r, tools).endswith("</tools>")
     thinks = r.of_kind("think")
-    assert [piece(r, s) for s in thinks] == ["<think>\nI will run ls and pwd.\n</think>", "<think>\nTwo files.\n</think>"]
+    assert [piece(r, s) for s in thinks] == ["<think>\nI will run ls and pwd.\n</think>",
+                                             "<think>\nTwo files.\n</think>"]
     assert [s.message_index for s in thinks] == [2, 5]
     calls = r.of_kind("tool_call")
     assert [piece(r, s) for s in calls] == [
@@ -162,9 +164,9 @@ def test_tools_without_system_message(renderer):
 
 def test_template_messages_shape():
     msgs, owners = template_messages(agent_conv())
+    calls = [{"type": "function", "function": {"name": "bash", "arguments": {"command": c}}} for c in ("ls", "pwd")]
     assert msgs[2] == {"role": "assistant", "content": "", "reasoning_content": "I will run ls and pwd.",
-                       "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": {"command": "ls"}}},
-                                      {"type": "function", "function": {"name": "bash", "arguments": {"command": "pwd"}}}]}
+                       "tool_calls": calls}
     assert msgs[3] == {"role": "tool", "content": "a.py\nb.py"} and owners == list(range(7))
     assert template_tools(agent_conv())[0]["function"]["parameters"]["required"] == ["command"]
 
@@ -191,7 +193,8 @@ QWEN_LIKE = (  # a ChatML template of another shape: no think blocks, tool resul
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
     "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-PLAIN = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+PLAIN = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+         "{% if add_generation_prompt %}[assistant] {% endif %}")
 
 
 def test_model_dir_template_is_honoured(tmp_path):
