@@ -135,9 +135,12 @@ class IncrementalDecoder:
 
 def _added_token_splitter(hf: _HFTokenizer) -> re.Pattern | None:
     """A regex splitting text at added tokens the way tokenizers does, or None where piecewise encoding
-    might differ (a normalizer, or added tokens that strip spaces or match whole words only)."""
+    might differ: added tokens that strip spaces, match whole words only, or are matched after a normalizer
+    (tokens with normalized=False are cut from the raw text first, so a normalizer alone is fine)."""
     added = list(hf.get_added_tokens_decoder().values())
-    if hf.normalizer is not None or not added or any(t.lstrip or t.rstrip or t.single_word for t in added):
+    if not added or any(t.lstrip or t.rstrip or t.single_word for t in added):
+        return None
+    if hf.normalizer is not None and any(t.normalized for t in added):
         return None
     contents = sorted({t.content for t in added}, key=len, reverse=True)  # leftmost-longest, as tokenizers
     return re.compile("(" + "|".join(map(re.escape, contents)) + ")")

@@ -146,3 +146,25 @@ def test_piecewise_encoding_equals_the_library(parts):
     enc = _LIBRARY.encode(text, add_special_tokens=False)
     for _ in range(2):  # cold, then from the piece cache
         assert _SHIPPED.encode_with_offsets(text) == (enc.ids, enc.offsets)
+
+
+def test_piecewise_encoding_with_a_normalizer(tmp_path):
+    from tokenizers import normalizers
+    lib = HFTokenizer.from_file(str(SHIPPED_DIR / "tokenizer.json"))
+    lib.normalizer = normalizers.NFC()  # what real Qwen tokenizers carry
+    lib.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    text = "<|im_start|>user\ncafe\u0301 A\u030a<|im_end|>\n<think>\ne\u0301\n</think>"
+    enc = lib.encode(text, add_special_tokens=False)
+    assert tok.encode_with_offsets(text) == (enc.ids, enc.offsets) == tok.encode_with_offsets(text)
+    assert tok._added_re is not None  # the fast path is in use
+
+
+def test_piecewise_encoding_falls_back_for_stripping_added_tokens(tmp_path):
+    from tokenizers import AddedToken
+    lib = HFTokenizer.from_file(str(SHIPPED_DIR / "tokenizer.json"))
+    lib.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    lib.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert tok._added_re is None
+    assert tok.encode("a  <mask> b") == lib.encode("a  <mask> b", add_special_tokens=False).ids

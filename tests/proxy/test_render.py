@@ -222,3 +222,19 @@ def test_template_errors_are_value_errors():
         ChatRenderer(TOK, template="{% for %}")
     with pytest.raises(ValueError, match="unsupported message role"):
         ChatRenderer(TOK).render(Conversation(messages=(msg("developer", "x"),)))
+
+
+def test_system_message_later_in_the_conversation(renderer):
+    conv = Conversation(messages=(msg("user", "a"), msg("assistant", "Sure."), msg("system", "note"), msg("user", "b")),
+                        enable_thinking=False)
+    r = renderer.render(conv)
+    assert ("<|im_start|>assistant\n<think>\n\n</think>\n\nSure.<|im_end|>\n"
+            "<|im_start|>system\nnote<|im_end|>\n") in r.text
+    assert not r.of_kind("system")  # only a leading system message is the system turn
+    assert [piece(r, s) for s in r.of_kind("message")][2] == "<|im_start|>system\nnote<|im_end|>\n"
+
+
+def test_empty_conversation_is_just_the_generation_prompt(renderer):
+    r = renderer.render(Conversation(messages=()))
+    assert r.text == "<|im_start|>assistant\n<think>\n"
+    assert [s.kind for s in r.segments] == ["generation_prompt"]
