@@ -238,3 +238,20 @@ def test_empty_conversation_is_just_the_generation_prompt(renderer):
     r = renderer.render(Conversation(messages=()))
     assert r.text == "<|im_start|>assistant\n<think>\n"
     assert [s.kind for s in r.segments] == ["generation_prompt"]
+
+
+DROPS_OLD_REASONING = (  # like Qwen3's own templates: reasoning only after the last user message
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and loop.index0 > ns.last %}<think>\n{{ m.reasoning_content }}\n</think>\n\n"
+    "{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_template_that_rewrites_history_still_segments_exactly():
+    conv = Conversation(messages=(msg("user", "a"), msg("assistant", ThinkingPart("r1"), "x"), msg("user", "b"),
+                                  msg("assistant", ThinkingPart("r2"), "y")))
+    r = ChatRenderer(TOK, template=DROPS_OLD_REASONING).render(conv, add_generation_prompt=False)
+    assert [piece(r, s) for s in r.of_kind("message")] == [
+        "<|im_start|>user\na<|im_end|>\n", "<|im_start|>assistant\nx<|im_end|>\n", "<|im_start|>user\nb<|im_end|>\n",
+        "<|im_start|>assistant\n<think>\nr2\n</think>\n\ny<|im_end|>\n"]
+    assert [(piece(r, s), s.message_index) for s in r.of_kind("think")] == [("<think>\nr2\n</think>", 3)]
