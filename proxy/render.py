@@ -1,7 +1,7 @@
 """Conversation -> prompt token ids, with the segment boundaries the cache manager plans around.
 
-The chat template renders the whole conversation once; the ids are exactly `tokenizer.encode(text)` (pieces
-are never tokenised separately). Segments are then found on the text and mapped to token offsets through the
+The chat template renders the whole conversation once; the ids are exactly `tokenizer.encode(text)` of the
+whole text (never a concatenation of separately rendered pieces). Segments are then found on the text and mapped to token offsets through the
 tokenizer's offset mapping:
   system            the system turn, tools included          message_index 0, or None if template-made
   tools             the <tools>...</tools> block inside it   (only when the template writes one)
