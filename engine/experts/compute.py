@@ -9,13 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-
-def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x [n, H], gate_up [2I, H], down [H, I] -> [n, H] (SwiGLU)."""
-    gate, up = (x @ gate_up.t()).chunk(2, dim=-1)  # [n, I] each
-    return (F.silu(gate) * up) @ down.t()
+from engine.layers.mlp import swiglu_fused as expert_mlp  # x [n, H], gate_up [2I, H], down [H, I] -> [n, H]
 
 
 @dataclass

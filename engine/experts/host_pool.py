@@ -130,20 +130,20 @@ class HostPool:
 
 
 def source_fill(source) -> FillFn:
-    """Fill from an ExpertWeights source: gate_up(layer, e) -> [2I, H], down(layer, e) -> [H, I]."""
+    """Fill from an ExpertWeights source (engine/experts/source.py), one whole layer per copy."""
 
     def fill(layer: int, buf: torch.Tensor) -> None:
-        layout_gu = buf.shape[1] // 3 * 2
-        for e in range(buf.shape[0]):
-            gu, dn = source.gate_up(layer, e), source.down(layer, e)
-            buf[e, :layout_gu].view(gu.shape).copy_(gu)
-            buf[e, layout_gu:].view(dn.shape).copy_(dn)
+        gate_up, down = source.stacked(layer)  # [E, 2I, H], [E, H, I]
+        gu = gate_up[0].numel()
+        buf[:, :gu].view(gate_up.shape).copy_(gate_up)
+        buf[:, gu:].view(down.shape).copy_(down)
 
     return fill
 
 
-def pool_from_source(source, layers: Sequence[int], num_experts: int, **load_kw) -> HostPool:
-    """Build and fill a pool from any ExpertWeights source (fused or per-expert checkpoints alike)."""
-    gu = source.gate_up(layers[0], 0)
-    layout = ExpertLayout(hidden=gu.shape[1], inter=gu.shape[0] // 2, itemsize=gu.element_size())
-    return HostPool(layers, num_experts, layout, gu.dtype).load(source_fill(source), **load_kw)
+def pool_from_source(source, **load_kw) -> HostPool:
+    """Build and fill a pool from the model's ExpertWeights (fused and per-expert checkpoints alike)."""
+    layout = ExpertLayout(hidden=source.hidden_size, inter=source.intermediate_size,
+                          itemsize=source.dtype.itemsize)
+    pool = HostPool(source.layers, source.num_experts, layout, source.dtype)
+    return pool.load(source_fill(source), **load_kw)

@@ -46,12 +46,15 @@ class OffloadBackend:
 
     # --- the seam
     def begin_forward(self, num_tokens: int, top_k: int) -> None:
-        """Called by the model once per forward, before any layer: picks layer streaming or not."""
+        """Once per forward, before its layers: picks layer streaming or not. `forward` calls it at the
+        first MoE layer, so models need no hook; calling it earlier (idempotent) is fine."""
         if self.streamer is not None:
             self.streamer.begin(num_tokens, top_k)
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, K], topk_w [T, K] -> [T, H] (routed experts only)."""
+        if layer == self.pool.layers[0]:  # a new forward: the first MoE layer sees all its tokens
+            self.begin_forward(x.shape[0], topk_ids.shape[1])
         self._observe_fill()
         routing = Routing.of(topk_ids)
         table = self.cache.table
@@ -131,7 +134,8 @@ class OffloadBackend:
     # --- control and reporting
     def stats(self) -> dict:
         out = self.stats_.as_dict()
-        out.update(backend=self.name, slots=self.cache.num_slots, bp=self.estimate.bp, bh=self.estimate.bh)
+        out.update(backend=self.name, slots=self.cache.num_slots, bp=self.estimate.bp, bh=self.estimate.bh,
+                   streamed_forwards=self.streamer.streamed_forwards if self.streamer else 0)
         return out
 
     def resize(self, num_slots: int) -> None:

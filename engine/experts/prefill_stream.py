@@ -46,6 +46,7 @@ class PrefillStreamer:
         self.active = False
         self.reserved: list[int] = []  # slots of the next layer, kept locked while this one runs
         self._prefetched: set[int] = set()
+        self.streamed_forwards = 0
 
     def begin(self, num_tokens: int, top_k: int) -> None:
         cache, pool = self.b.cache, self.b.pool
@@ -58,6 +59,7 @@ class PrefillStreamer:
         self.active = should_stream(num_tokens=num_tokens, top_k=top_k, num_experts=e, missing=missing,
                                     expert_bytes=pool.expert_bytes, bp=est.bp, bh=est.bh,
                                     cpu_share=self.b.cpu_share(), device_flops=self.b.device_flops)
+        self.streamed_forwards += self.active
 
     def before_layer(self, layer: int) -> None:
         """Make `layer` fully resident (normally already streamed) and start streaming the next one."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from engine.experts.policy import choose_backend
+from engine.experts.policy import choose_backend, slots_from_spec
 
 _SLOT_BACKENDS = {
     "offload": ("engine.experts.offload", "OffloadBackend"),
@@ -32,3 +32,39 @@ def create_slot_backend(name: str, pool, num_slots: int, device, **kw):
         raise ValueError(f"{name!r} is not a slot-cache backend; choose one of {', '.join(_SLOT_BACKENDS)}")
     module, cls = _SLOT_BACKENDS[name]
     return getattr(importlib.import_module(module), cls)(pool, num_slots, device, **kw)
+
+
+def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes: int | None = None,
+                    profile: dict | None = None, estimate=None, stream_prefill: bool = True,
+                    progress=None, background: bool = False):
+    """`load_model(path, experts=experts_factory(...), expert_device="cpu")`: ExpertWeights -> backend.
+
+    device: where the slots live (the model's device). slots: `--moe-slots` (N, "N%" or None = all the
+    memory in free_bytes). free_bytes: device bytes left after non-expert weights and the KV budget
+    (default: everything free now on CUDA; on CPU, room for every expert). For `fused` the source must
+    already be on `device` (load with expert_device=None)."""
+
+    def build(source):
+        import torch
+
+        total, expert_bytes = len(source.layers) * source.num_experts, source.expert_nbytes()
+        free = free_bytes
+        if free is None:
+            dev = torch.device(device)
+            free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else total * expert_bytes
+        chosen = resolve(name, dense=not source.layers, pool_bytes=total * expert_bytes, free_bytes=free,
+                         profile=profile)
+        if chosen == "fused":
+            from engine.experts.fused import FusedExperts
+
+            return FusedExperts(source)
+        from engine.experts.host_pool import pool_from_source
+        from engine.experts.policy import BandwidthEstimate
+
+        n = slots_from_spec(slots, total_experts=total, expert_bytes=expert_bytes, free_bytes=free)
+        est = estimate or (BandwidthEstimate(bp=profile["bp"] or float("inf"), bh=profile["bh"])
+                           if profile else BandwidthEstimate())
+        pool = pool_from_source(source, progress=progress, background=background)
+        return create_slot_backend(chosen, pool, n, device, estimate=est, stream_prefill=stream_prefill)
+
+    return build

@@ -9,23 +9,16 @@ from engine.experts.host_pool import pool_from_source
 from engine.experts.hybrid import HybridBackend
 from engine.experts.offload import OffloadBackend
 from engine.experts.policy import BandwidthEstimate
+from engine.experts.source import ExpertWeights
 
 L_IDS, E, H, I, K = [0, 2, 3], 8, 16, 12, 3  # MoE layers 0, 2, 3 (layer 1 dense)
 
 
-class TensorSource:
-    """An ExpertWeights source over fused tensors gate_up [E, 2I, H], down [E, H, I] per layer."""
-
-    def __init__(self, seed=0, dtype=torch.float32):
-        g = torch.Generator().manual_seed(seed)
-        self.gu = {l: torch.randn(E, 2 * I, H, generator=g).to(dtype) * 0.3 for l in L_IDS}
-        self.dn = {l: torch.randn(E, H, I, generator=g).to(dtype) * 0.3 for l in L_IDS}
-
-    def gate_up(self, layer, e):
-        return self.gu[layer][e]
-
-    def down(self, layer, e):
-        return self.dn[layer][e]
+def make_source(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = {l: (torch.randn(E, 2 * I, H, generator=g) * 0.3).to(dtype) for l in L_IDS}  # [E, 2I, H]
+    down = {l: (torch.randn(E, H, I, generator=g) * 0.3).to(dtype) for l in L_IDS}  # [E, H, I]
+    return ExpertWeights(gate_up, down)
 
 
 def reference(src, layer, x, ids, w):
@@ -46,12 +39,12 @@ def routing(T, seed):
 
 @pytest.fixture(scope="module")
 def src():
-    return TensorSource()
+    return make_source()
 
 
 @pytest.fixture(scope="module")
 def pool(src):
-    return pool_from_source(src, L_IDS, E)
+    return pool_from_source(src)
 
 
 def check_table(backend):
