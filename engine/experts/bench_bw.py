@@ -86,7 +86,7 @@ def measure_copy(layout: ExpertLayout, dtype: torch.dtype, batch: int = 64, reps
 
 def measure_bh(layout: ExpertLayout, dtype: torch.dtype, threads: int, experts: int, reps: int = 3) -> float:
     """Bytes of expert weights the CPU kernel streams per second for a one-token decode step."""
-    blocks = torch.randn(experts, layout.numel).mul_(0.02).to(dtype)  # [n, numel], beyond the caches
+    blocks = torch.full((experts, layout.numel), 0.02, dtype=dtype)  # [n, numel]; values don't matter
     x = torch.randn(1, layout.hidden).to(dtype)  # [T=1, H]
     jobs = [(torch.zeros(1, dtype=torch.long), blocks[e]) for e in range(experts)]
     prev = torch.get_num_threads()

@@ -102,16 +102,21 @@ def bench_prefill(b, shape, router, device, tokens: int, bw) -> dict:
 
 
 def configs(args, total: int, slots: int):
-    """(label, backend name, slots, stream_prefill, kind): every configuration of one run."""
-    out = [(f"decode {n}", n, slots, True, "decode") for n in args.backends]
-    out.append(("decode fused (all resident)", "offload", total, True, "fused"))
-    out.append((f"prefill {args.prefill_tokens} stream", "offload", slots, True, "prefill"))
-    out.append((f"prefill {args.prefill_tokens} on-demand", "offload", slots, False, "prefill"))
+    """(label, backend name, slots, stream_prefill, kind, threads): every configuration of one run."""
+    t0 = args.threads[0]
+    out = [(f"decode {n} t{t0}", n, slots, True, "decode", t0) for n in args.backends]
+    out += [(f"decode {n} t{t}", n, slots, True, "decode", t) for t in args.threads[1:]
+            for n in args.backends if n != "offload"]
+    out.append(("decode fused (all resident)", "offload", total, True, "fused", t0))
+    out.append((f"prefill {args.prefill_tokens} stream", "offload", slots, True, "prefill", t0))
+    out.append((f"prefill {args.prefill_tokens} on-demand", "offload", slots, False, "prefill", t0))
     return out
 
 
 def run_config(pool, shape, args, device, bw, cfg) -> dict:
-    label, name, slots, stream, kind = cfg
+    label, name, slots, stream, kind, threads = cfg
+    torch.set_num_threads(threads)
+    bw = (bw[0], bw[1][threads])
     est = BandwidthEstimate(bp=bw[0], bh=bw[1], frozen=args.freeze)
     b = create_slot_backend(name, pool, slots, device, estimate=est, stream_prefill=stream)
     router = Router(shape, device, args.routing, seed=1)
@@ -125,7 +130,8 @@ def run_config(pool, shape, args, device, bw, cfg) -> dict:
         else:
             warm = 0 if kind == "fused" else min(args.warmup, 2 * slots // (shape.top_k * shape.layers) + 2)
             res = bench_decode(b, shape, router, device, args.steps, warm, bw)
-        res.update(config=label, backend=name, slots=slots, q_bp=b.estimate.bp, q_bh=b.estimate.bh)
+        res.update(config=label, backend=name, slots=slots, threads=threads, q_bp=b.estimate.bp,
+                   q_bh=b.estimate.bh)
         return res
     finally:
         b.close()
@@ -149,7 +155,8 @@ def parse(argv):
     ap.add_argument("--small", action="store_true", help="scaled-down shape for a CPU smoke test")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--slots", default="37%", help="slot count or percentage of all experts")
-    ap.add_argument("--threads", type=int, default=6, help="CPU threads for the CPU expert path")
+    ap.add_argument("--threads", default="6",
+                    help="CPU threads for the CPU expert path; a list (6,16) repeats the cpu/hybrid decode runs")
     ap.add_argument("--backends", default="offload,cpu,hybrid")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=40)
@@ -159,6 +166,7 @@ def parse(argv):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.backends = args.backends.split(",")
+    args.threads = [int(t) for t in args.threads.split(",")]
     return args
 
 
@@ -166,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     device = torch.device(args.device)
     shape = get_shape(args.synthetic, scale_down=args.small)
-    torch.set_num_threads(args.threads)
     log(f"building {shape.name} pool: {shape.pool_bytes / 1e9:.1f} GB")
     t0 = time.perf_counter()
     pool = synthetic_pool(shape, device=device, progress=lambda p: log("  " + p.line()))
@@ -174,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     layout = shape.layout
     bp = (bench_bw.measure_bp(layout, shape.torch_dtype) if device.type == "cuda"
           else bench_bw.measure_copy(layout, shape.torch_dtype))
-    bh = bench_bw.measure_bh(layout, shape.torch_dtype, args.threads, experts=min(64, shape.experts))
-    log(f"B_P {bp / 1e9:.1f} GB/s, B_H ({args.threads} threads) {bh / 1e9:.2f} GB/s")
+    bh = {t: bench_bw.measure_bh(layout, shape.torch_dtype, t, experts=min(64, shape.experts))
+          for t in args.threads}
+    log(f"B_P {bp / 1e9:.1f} GB/s, B_H " + ", ".join(f"{v / 1e9:.2f} GB/s ({t} thr)" for t, v in bh.items()))
     total = shape.layers * shape.experts
     slots = slots_from_spec(args.slots, total_experts=total, expert_bytes=layout.nbytes, free_bytes=0)
     rows = []
@@ -184,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_config(pool, shape, args, device, (bp, bh), cfg))
         log(f"  {rows[-1]['tok_s']:.1f} tok/s")
     print_table(rows)
-    result = {"shape": shape.__dict__, "device": str(device), "threads": args.threads, "bp": bp, "bh": bh,
+    result = {"shape": shape.__dict__, "device": str(device), "threads": args.threads, "bp": bp,
+              "bh": {str(t): v for t, v in bh.items()},
               "slots": slots, "pinned": pool.pinned, "routing": args.routing, "rows": rows,
               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}
     if args.json:

@@ -61,7 +61,9 @@ class OffloadBackend:
         table.tick()
         streaming = self.streamer is not None and self.streamer.active
         if streaming:
-            self.streamer.before_layer(layer)
+            self.streamer.before_layer(layer)  # waits for this layer's copies, starts the next layer's
+        else:
+            self.cache.ready()  # hits may sit in slots filled by copies still in flight
         slots = self.cache.lookup(layer, routing.experts)
         hits = [i for i, s in enumerate(slots) if s >= 0]
         misses = sorted((i for i, s in enumerate(slots) if s < 0), key=lambda i: -routing.counts[i])

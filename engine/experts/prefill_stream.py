@@ -66,6 +66,7 @@ class PrefillStreamer:
         layers = self.b.pool.layers
         if layer not in self._prefetched:
             self._prefetch(layer)
+        self.b.cache.ready()  # the compute stream waits for this layer, not for the one issued next
         i = self.b.pool.row[layer]
         self.reserved = self._prefetch(layers[i + 1]) if i + 1 < len(layers) else []
 

@@ -96,8 +96,8 @@ def test_bench_decode_smoke(tmp_path, capsys):
                               "--prefill-tokens", "64", "--slots", "60%", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     rows = {r["config"]: r for r in res["rows"]}
-    assert set(rows) >= {"decode offload", "decode cpu", "decode hybrid", "decode fused (all resident)"}
+    assert set(rows) >= {"decode offload t1", "decode cpu t1", "decode hybrid t1", "decode fused (all resident)"}
     assert rows["decode fused (all resident)"]["hit_rate"] == 1.0
-    assert rows["decode cpu"]["fills_per_tok"] == 0 and rows["decode offload"]["cpu_per_tok"] == 0
+    assert rows["decode cpu t1"]["fills_per_tok"] == 0 and rows["decode offload t1"]["cpu_per_tok"] == 0
     assert rows["prefill 64 stream"]["streamed"] and not rows["prefill 64 on-demand"]["streamed"]
     assert "tok/s" in capsys.readouterr().out
