@@ -36,13 +36,14 @@ def create_slot_backend(name: str, pool, num_slots: int, device, **kw):
 
 def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes: int | None = None,
                     profile: dict | None = None, estimate=None, stream_prefill: bool = True,
-                    progress=None, background: bool = False):
+                    progress=None, background: bool = False, checkpoint=None):
     """`load_model(path, experts=experts_factory(...), expert_device="cpu")`: ExpertWeights -> backend.
 
     device: where the slots live (the model's device). slots: `--moe-slots` (N, "N%" or None = all the
     memory in free_bytes). free_bytes: device bytes left after non-expert weights and the KV budget
     (default: everything free now on CUDA; on CPU, room for every expert). For `fused` the source must
-    already be on `device` (load with expert_device=None)."""
+    already be on `device` (load with expert_device=None). checkpoint: fill the pool straight from this
+    directory's safetensors (load the model with expert_device="meta" so experts are not held twice)."""
 
     def build(source):
         import torch
@@ -64,7 +65,12 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
         n = slots_from_spec(slots, total_experts=total, expert_bytes=expert_bytes, free_bytes=free)
         est = estimate or (BandwidthEstimate(bp=profile["bp"] or float("inf"), bh=profile["bh"])
                            if profile else BandwidthEstimate())
-        pool = pool_from_source(source, progress=progress, background=background)
+        if checkpoint is not None:
+            from engine.experts.safetensors_fill import pool_from_checkpoint
+
+            pool = pool_from_checkpoint(checkpoint, source, progress=progress, background=background)
+        else:
+            pool = pool_from_source(source, progress=progress, background=background)
         return create_slot_backend(chosen, pool, n, device, estimate=est, stream_prefill=stream_prefill)
 
     return build

@@ -52,3 +52,16 @@ def test_auto_picks_fused_when_experts_fit(checkpoints):
                                    experts=experts_factory("auto", slots=3, free_bytes=1))
     assert small.model.experts.name == "offload"
     small.model.experts.close()
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_pool_filled_straight_from_safetensors(checkpoints, engine_for, layout):
+    """expert_device="meta": the loader keeps only shapes; the pool reads the files itself."""
+    path = checkpoints["qwen3_moe", layout]
+    eng = Engine.from_pretrained(path, expert_device="meta", experts=experts_factory(
+        "hybrid", slots=3, checkpoint=path, background=True))
+    direct = eng.model.experts.pool.wait()
+    loaded = pool_from_source(load_checkpoint(path)[2])
+    assert all(torch.equal(a, b) for a, b in zip(direct.buffers, loaded.buffers))
+    assert eng.generate(PROMPT, NEW) == engine_for("qwen3_moe").generate(PROMPT, NEW)
+    eng.model.experts.close()
