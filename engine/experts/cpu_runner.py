@@ -1,7 +1,7 @@
 """Run experts on the CPU straight from the host pool: the one function the backends call.
 
-Until the native kernels land (engine/experts/cpu_kernels.py, branch `native`) this is a torch CPU path;
-swapping is the single assignment `run_on_cpu = ...` at the bottom of this file.
+With the native kernels (engine/experts/cpu_kernels.py, branch `native`, extension built) they run the
+experts; otherwise a torch CPU path does. The choice is the single assignment at the bottom of this file.
 """
 from __future__ import annotations
 
@@ -23,4 +23,33 @@ def _torch_run_on_cpu(x: torch.Tensor, jobs, layout: ExpertLayout, top_k: int) -
     return torch.cat(poss), torch.cat(outs)
 
 
-run_on_cpu = _torch_run_on_cpu
+_runners: dict = {}
+
+
+def _native_run_on_cpu(x: torch.Tensor, jobs, layout: ExpertLayout, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract on the native runner: one x row per routed position, weight 1 (combine weights later).
+    The runner's thread count follows torch.get_num_threads(), so `bench bw` can sweep it."""
+    if not jobs:
+        return torch.empty(0, dtype=torch.long), x.new_empty(0, x.shape[1])
+    pos = torch.cat([p for p, _ in jobs])  # [N]
+    rows = x[pos // top_k]  # [N, H]
+    tasks, r = [], 0
+    for p, block in jobs:
+        gate_up, down = split_block(block, layout)
+        tasks += [(gate_up, down, r + j, 1.0) for j in range(len(p))]
+        r += len(p)
+    threads = torch.get_num_threads()
+    if threads not in _runners:
+        _runners[threads] = cpu_kernels.CpuExpertRunner(threads=threads)
+    y = torch.zeros(rows.shape, dtype=torch.float32)  # [N, H], accumulated into
+    _runners[threads].run(tasks, rows, y)
+    return pos, y.to(x.dtype)
+
+
+try:
+    from engine.experts import cpu_kernels
+except ImportError:  # the native branch is not merged yet
+    cpu_kernels = None
+
+run_on_cpu = (_native_run_on_cpu if cpu_kernels is not None and cpu_kernels.native_available()
+              else _torch_run_on_cpu)
