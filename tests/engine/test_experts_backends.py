@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.experts import cpu_runner, offload
 from engine.experts.compute import expert_mlp
 from engine.experts.cpu import CpuBackend
 from engine.experts.host_pool import pool_from_source
@@ -81,7 +82,9 @@ def test_backend_matches_reference(src, pool, cls, slots):
     b.close()
 
 
-def test_backends_bit_identical(pool):
+def test_backends_bit_identical(pool, monkeypatch):
+    """With one expert implementation on both sides, where an expert runs changes no bit of the output."""
+    monkeypatch.setattr(offload, "run_on_cpu", cpu_runner._torch_run_on_cpu)
     outs = []
     for cls, slots in [(OffloadBackend, 2), (CpuBackend, 5), (HybridBackend, 17), (OffloadBackend, 24)]:
         b = cls(pool, slots, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=3e9, frozen=True))
@@ -94,3 +97,14 @@ def test_backends_bit_identical(pool):
         b.close()
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
+
+
+@pytest.mark.skipif(cpu_runner.run_on_cpu is cpu_runner._torch_run_on_cpu, reason="native CPU kernels not built")
+def test_native_cpu_runner_matches_torch(pool):
+    x, ids, _ = routing(6, seed=5)
+    host = pool.wait_layer(2)
+    jobs = [(torch.nonzero(ids.reshape(-1) == e).flatten(), host[e]) for e in range(E)]
+    pos_n, y_n = cpu_runner.run_on_cpu(x, jobs, pool.layout, K)
+    pos_t, y_t = cpu_runner._torch_run_on_cpu(x, jobs, pool.layout, K)
+    assert torch.equal(pos_n, pos_t)
+    torch.testing.assert_close(y_n, y_t, rtol=1e-5, atol=1e-5)
