@@ -101,3 +101,20 @@ def test_bench_decode_smoke(tmp_path, capsys):
     assert rows["decode cpu t1"]["fills_per_tok"] == 0 and rows["decode offload t1"]["cpu_per_tok"] == 0
     assert rows["prefill 64 stream"]["streamed"] and not rows["prefill 64 on-demand"]["streamed"]
     assert "tok/s" in capsys.readouterr().out
+
+
+def test_pin_failure_falls_back_to_pageable_with_one_warning(monkeypatch):
+    """A CUDA runtime that refuses cudaHostRegister (memlock limit): one warning, the pool still loads."""
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(size)
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    with pytest.warns(RuntimeWarning, match="pinning the expert pool failed") as record:
+        pool = HostPool([0, 1, 2], 3, LAYOUT, torch.float32).load(counting_fill)
+    assert len(record) == 1 and len(calls) == 1 and not pool.pinned
+    assert pool.block(2, 1)[0] == 2000 + LAYOUT.numel
