@@ -23,14 +23,14 @@ timeout 150 $PY -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/pyte
     > "$OUT/pytest_gpu.log" 2>&1
 status pytest_gpu $?
 
-# 2. bench bw: B_P, B_H at 1..16 threads, STREAM read (<= 90 s)
-timeout 90 $PY -m engine.experts.bench_bw --threads 1,2,4,6,8,12,16 --experts 64 --stream-mib 4096 \
+# 2. bench bw: B_P, B_H at 1..16 threads, STREAM read (<= 60 s)
+timeout 60 $PY -m engine.experts.bench_bw --threads 1,2,4,6,8,12,16 --experts 64 --stream-mib 2048 \
     --json "$OUT/bench_bw.json" > "$OUT/bench_bw.log" 2>&1
 status bench_bw $?
 
 # 3. synthetic 64 GB pool built once; decode (offload/cpu/hybrid at 6 and 16 threads, fused ceiling) and
-#    8k prefill with and without double buffering (<= 330 s; the pool fill alone is ~60-70 s)
-timeout 330 $PY -m engine.experts.bench_decode --synthetic qwen3.6-35b-a3b --slots 37% --threads 6,16 \
+#    8k prefill with and without double buffering (<= 270 s; the pool fill alone is ~60-70 s)
+timeout 270 $PY -m engine.experts.bench_decode --synthetic qwen3.6-35b-a3b --slots 37% --threads 6,16 \
     --steps 32 --warmup 30 --prefill-tokens 8192 --json "$OUT/bench_decode.json" \
     > "$OUT/bench_decode.txt" 2> "$OUT/bench_decode.log"
 status bench_decode $?

@@ -91,7 +91,8 @@ class HostPool:
 
     def _pin(self, buf: torch.Tensor) -> bool:
         """Page-lock an already filled buffer in place (cudaHostRegister); False (and one warning) on failure."""
-        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+        nbytes = buf.numel() * buf.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 1)  # 1 = cudaHostRegisterPortable
         if int(err) == 0:
             self._registered.append(buf.data_ptr())
             return True

@@ -34,9 +34,9 @@ def test_cuda_backends_match_fused(ckpt, backend):
 
 
 def test_running_estimate_moves_without_freeze(ckpt):
-    est = BandwidthEstimate(bp=1e9, bh=1e9, min_bytes=0)
+    est = BandwidthEstimate(bp=1e9, bh=2e9, min_bytes=0)  # q* = m / 2: both paths get work
     eng = Engine.from_pretrained(ckpt, device="cuda", expert_device="cpu",
                                  experts=experts_factory("hybrid", device="cuda", slots=4, estimate=est))
     eng.generate(PROMPT, 10)
-    assert est.bp != 1e9 and est.bh != 1e9
+    assert est.bp != 1e9 and est.bh != 2e9
     eng.model.experts.close()
