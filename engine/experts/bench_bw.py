@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.experts.cpu_runner import run_on_cpu
+from engine.experts.cpu_runner import native_runner, run_on_cpu
 from engine.experts.layout import ExpertLayout
 from engine.experts.synthetic import SHAPES, get_shape
 
@@ -98,11 +98,14 @@ def measure_bh(layout: ExpertLayout, dtype: torch.dtype, threads: int, experts: 
 
 
 def measure_stream(nbytes: int, threads: int, reps: int = 3) -> float:
+    """Read ceiling: the native kernels' streaming read pass when built, else a torch sum."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    runner = native_runner(threads)
+    read = (lambda: runner.read_bandwidth_pass(buf)) if runner else buf.sum
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return buf.numel() * 4 / _timed(lambda: buf.sum(), reps)
+        return buf.numel() * 4 / _timed(read, reps)
     finally:
         torch.set_num_threads(prev)
 
@@ -122,7 +125,8 @@ def run(layout: ExpertLayout, dtype: torch.dtype, threads: list[int], *, experts
     key = machine_key(layout, dtype, max(threads))
     return {"key": key, "bp": bp, "bh": bh_by_threads[max(threads)],
             "bh_by_threads": {str(k): v for k, v in bh_by_threads.items()}, "stream_read": stream,
-            "expert_bytes": layout.nbytes, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "expert_bytes": layout.nbytes, "cpu_runner": run_on_cpu.__name__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def save_profile(prof: dict) -> Path:

@@ -21,6 +21,7 @@ import time
 import torch
 
 from engine.experts import bench_bw
+from engine.experts.cpu_runner import run_on_cpu
 from engine.experts.policy import BandwidthEstimate, slots_from_spec
 from engine.experts.registry import create_slot_backend
 from engine.experts.synthetic import SHAPES, get_shape, synthetic_pool
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     result = {"shape": shape.__dict__, "device": str(device), "threads": args.threads, "bp": bp,
               "bh": {str(t): v for t, v in bh.items()},
-              "slots": slots, "pinned": pool.pinned, "routing": args.routing, "rows": rows,
+              "slots": slots, "pinned": pool.pinned, "cpu_runner": run_on_cpu.__name__,
+              "routing": args.routing, "rows": rows,
               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}
     if args.json:
         with open(args.json, "w") as f:

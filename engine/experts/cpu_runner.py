@@ -38,12 +38,18 @@ def _native_run_on_cpu(x: torch.Tensor, jobs, layout: ExpertLayout, top_k: int) 
         gate_up, down = split_block(block, layout)
         tasks += [(gate_up, down, r + j, 1.0) for j in range(len(p))]
         r += len(p)
-    threads = torch.get_num_threads()
+    y = torch.zeros(rows.shape, dtype=torch.float32)  # [N, H], accumulated into
+    native_runner(torch.get_num_threads()).run(tasks, rows, y)
+    return pos, y.to(x.dtype)
+
+
+def native_runner(threads: int):
+    """The native CpuExpertRunner with `threads` workers (one per count, reused), or None without it."""
+    if cpu_kernels is None or not cpu_kernels.native_available():
+        return None
     if threads not in _runners:
         _runners[threads] = cpu_kernels.CpuExpertRunner(threads=threads)
-    y = torch.zeros(rows.shape, dtype=torch.float32)  # [N, H], accumulated into
-    _runners[threads].run(tasks, rows, y)
-    return pos, y.to(x.dtype)
+    return _runners[threads]
 
 
 try:

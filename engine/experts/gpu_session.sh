@@ -18,8 +18,16 @@ status() { echo "$1 rc=$2" | tee -a "$OUT/summary.txt"; }
   $PY -c "import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
   $PY -c "import triton; print('triton', triton.__version__)"; } > "$OUT/env.log" 2>&1
 
-# 1. GPU tests: route kernel vs reference, slot backends on CUDA == fused, engine on CUDA (<= 150 s)
-timeout 150 $PY -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/pytest_gpu.xml" \
+# 0. the native CPU expert kernels, if this tree has them and they are not built yet (<= 120 s)
+if [ -f native/build.py ] && ! ls native/_cpu_experts*.so >/dev/null 2>&1; then
+    timeout 120 $PY setup.py build_ext --inplace > "$OUT/build_native.log" 2>&1
+    status build_native $?
+fi
+$PY -c "from engine.experts import cpu_runner; print('cpu runner:', cpu_runner.run_on_cpu.__name__)" \
+    2>&1 | tee -a "$OUT/summary.txt"
+
+# 1. GPU tests: route kernel vs reference, slot backends on CUDA == fused, engine on CUDA (<= 120 s)
+timeout 120 $PY -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/pytest_gpu.xml" \
     > "$OUT/pytest_gpu.log" 2>&1
 status pytest_gpu $?
 
