@@ -35,14 +35,15 @@ def create_slot_backend(name: str, pool, num_slots: int, device, **kw):
 
 
 def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes: int | None = None,
-                    profile: dict | None = None, estimate=None, stream_prefill: bool = True,
-                    progress=None, background: bool = False, checkpoint=None):
+                    reserve_bytes: int = 0, profile: dict | None = None, estimate=None,
+                    stream_prefill: bool = True, progress=None, background: bool = False, checkpoint=None):
     """`load_model(path, experts=experts_factory(...), expert_device="cpu")`: ExpertWeights -> backend.
 
     device: where the slots live (the model's device). slots: `--moe-slots` (N, "N%" or None = all the
     memory in free_bytes). free_bytes: device bytes left after non-expert weights and the KV budget
-    (default: everything free now on CUDA; on CPU, room for every expert). For `fused` the source must
-    already be on `device` (load with expert_device=None). checkpoint: fill the pool straight from this
+    (default: free now on CUDA minus reserve_bytes, e.g. the KV budget; on CPU, room for every expert).
+    profile: the bench bw profile (default: this machine's, if `killick bench bw` ran; {} = none).
+    For `fused` the source must already be on `device` (load with expert_device=None). checkpoint: fill the pool straight from this
     directory's safetensors (load the model with expert_device="meta" so experts are not held twice)."""
 
     def build(source):
@@ -52,9 +53,11 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
         free = free_bytes
         if free is None:
             dev = torch.device(device)
-            free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else total * expert_bytes
+            free = (torch.cuda.mem_get_info(dev)[0] - reserve_bytes if dev.type == "cuda"
+                    else total * expert_bytes)
+        prof = profile if profile is not None else _machine_profile(source)
         chosen = resolve(name, dense=not source.layers, pool_bytes=total * expert_bytes, free_bytes=free,
-                         profile=profile)
+                         profile=prof)
         if chosen == "fused":
             from engine.experts.fused import FusedExperts
 
@@ -63,8 +66,8 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
         from engine.experts.policy import BandwidthEstimate
 
         n = slots_from_spec(slots, total_experts=total, expert_bytes=expert_bytes, free_bytes=free)
-        est = estimate or (BandwidthEstimate(bp=profile["bp"] or float("inf"), bh=profile["bh"])
-                           if profile else BandwidthEstimate())
+        est = estimate or (BandwidthEstimate(bp=prof["bp"] or float("inf"), bh=prof["bh"])
+                           if prof else BandwidthEstimate())
         if checkpoint is not None:
             from engine.experts.safetensors_fill import pool_from_checkpoint
 
@@ -74,3 +77,14 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
         return create_slot_backend(chosen, pool, n, device, estimate=est, stream_prefill=stream_prefill)
 
     return build
+
+
+def _machine_profile(source) -> dict | None:
+    """This machine's `bench bw` profile for the source's expert format, if one was measured."""
+    import torch
+
+    from engine.experts.bench_bw import load_profile
+    from engine.experts.layout import ExpertLayout
+
+    layout = ExpertLayout(source.hidden_size, source.intermediate_size, source.dtype.itemsize)
+    return load_profile(layout, source.dtype, torch.get_num_threads())

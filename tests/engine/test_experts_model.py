@@ -49,7 +49,7 @@ def test_auto_picks_fused_when_experts_fit(checkpoints):
     eng = Engine.from_pretrained(checkpoints["qwen3_5_moe", "fused"], experts=experts_factory("auto"))
     assert eng.model.experts.name == "fused"
     small = Engine.from_pretrained(checkpoints["qwen3_5_moe", "fused"], expert_device="cpu",
-                                   experts=experts_factory("auto", slots=3, free_bytes=1))
+                                   experts=experts_factory("auto", slots=3, free_bytes=1, profile={}))
     assert small.model.experts.name == "offload"
     small.model.experts.close()
 
