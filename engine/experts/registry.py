@@ -43,8 +43,9 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
     memory in free_bytes). free_bytes: device bytes left after non-expert weights and the KV budget
     (default: free now on CUDA minus reserve_bytes, e.g. the KV budget; on CPU, room for every expert).
     profile: the bench bw profile (default: this machine's, if `killick bench bw` ran; {} = none).
-    For `fused` the source must already be on `device` (load with expert_device=None). checkpoint: fill the pool straight from this
-    directory's safetensors (load the model with expert_device="meta" so experts are not held twice)."""
+    For `fused` the source must already be on `device` (load with expert_device=None).
+    checkpoint: fill the pool straight from this directory's safetensors (load the model with
+    expert_device="meta" so experts are not held twice)."""
 
     def build(source):
         import torch
