@@ -11,7 +11,10 @@ from engine.experts.compute import expert_mlp
 from engine.experts.layout import ExpertLayout, split_block
 
 
-def _torch_run_on_cpu(x: torch.Tensor, jobs, layout: ExpertLayout, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+Result = tuple[torch.Tensor, torch.Tensor]  # (positions [N], outputs [N, H])
+
+
+def _torch_run_on_cpu(x: torch.Tensor, jobs, layout: ExpertLayout, top_k: int) -> Result:
     """x [T, H] (CPU); jobs = [(pos LongTensor [n_e], block [numel])] -> (pos [N], y [N, H]) on the CPU."""
     outs, poss = [], []
     for pos, block in jobs:
@@ -26,7 +29,7 @@ def _torch_run_on_cpu(x: torch.Tensor, jobs, layout: ExpertLayout, top_k: int) -
 _runners: dict = {}
 
 
-def _native_run_on_cpu(x: torch.Tensor, jobs, layout: ExpertLayout, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _native_run_on_cpu(x: torch.Tensor, jobs, layout: ExpertLayout, top_k: int) -> Result:
     """Same contract on the native runner: one x row per routed position, weight 1 (combine weights later).
     The runner's thread count follows torch.get_num_threads(), so `bench bw` can sweep it."""
     if not jobs:

@@ -130,7 +130,10 @@ class OffloadBackend:
 
     def _count(self, layer: int, hits: int, misses: int, fills: int, cpu: int) -> None:
         st = self.stats_[layer]
-        st.hits, st.misses, st.fills, st.cpu_runs = st.hits + hits, st.misses + misses, st.fills + fills, st.cpu_runs + cpu
+        st.hits += hits
+        st.misses += misses
+        st.fills += fills
+        st.cpu_runs += cpu
         st.bytes_moved += fills * self.pool.expert_bytes
 
     # --- control and reporting

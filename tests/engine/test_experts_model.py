@@ -39,7 +39,8 @@ def test_greedy_identical_for_every_backend_and_slot_count(checkpoints, engine_f
 
 
 def test_pool_identical_for_fused_and_per_expert_checkpoints(checkpoints):
-    pools = [pool_from_source(load_checkpoint(checkpoints["qwen3_moe", lay])[2]) for lay in ("fused", "per_expert")]
+    pools = [pool_from_source(load_checkpoint(checkpoints["qwen3_moe", lay])[2])
+             for lay in ("fused", "per_expert")]
     assert pools[0].layers == pools[1].layers == [0, 2]  # layer 1 is a dense mlp_only layer
     for a, b in zip(pools[0].buffers, pools[1].buffers):
         assert torch.equal(a, b)
