@@ -7,6 +7,7 @@ leans towards fills, which also warm the cache for the next step.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DEFAULT_BP = 25e9  # bytes/s; replaced by the bench profile or the running estimate
@@ -14,12 +15,12 @@ DEFAULT_BH = 20e9
 
 
 def q_star(m: int, bp: float, bh: float) -> int:
-    """q* = round(m * B_P / B_H) clamped to [0, m]."""
+    """q* = round(m * B_P / B_H) clamped to [0, m] (halves up)."""
     if m <= 0:
         return 0
     if bh <= 0 or bp == float("inf"):
         return m
-    return max(0, min(m, int(round(m * bp / bh))))
+    return max(0, min(m, math.floor(m * bp / bh + 0.5)))  # halves round up, as in the GPU kernel
 
 
 @dataclass
