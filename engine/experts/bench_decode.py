@@ -5,7 +5,7 @@ writes JSON.
 
 Only the routed experts are timed (attention, shared expert and norms are not modelled), so the figures
 are the MoE part of a step. Routing is uniform random top-k by default (no locality: the hit rate is
-about the cache fraction), or `--routing zipf` for skewed expert popularity.
+about the cache fraction); `--routing uniform,zipf` adds decode runs with skewed expert popularity.
 
     python -m engine.experts.bench_decode --synthetic qwen3.6-35b-a3b --slots 37% --threads 6
     python -m engine.experts.bench_decode --small        # CPU smoke test, seconds
@@ -103,24 +103,26 @@ def bench_prefill(b, shape, router, device, tokens: int, bw) -> dict:
 
 
 def configs(args, total: int, slots: int):
-    """(label, backend name, slots, stream_prefill, kind, threads): every configuration of one run."""
-    t0 = args.threads[0]
-    out = [(f"decode {n} t{t0}", n, slots, True, "decode", t0) for n in args.backends]
-    out += [(f"decode {n} t{t}", n, slots, True, "decode", t) for t in args.threads[1:]
+    """(label, backend, slots, stream_prefill, kind, threads, routing): every configuration of one run."""
+    t0, r0 = args.threads[0], args.routing[0]
+    out = [(f"decode {n} t{t0}", n, slots, True, "decode", t0, r0) for n in args.backends]
+    out += [(f"decode {n} t{t}", n, slots, True, "decode", t, r0) for t in args.threads[1:]
             for n in args.backends if n != "offload"]
-    out.append(("decode fused (all resident)", "offload", total, True, "fused", t0))
-    out.append((f"prefill {args.prefill_tokens} stream", "offload", slots, True, "prefill", t0))
-    out.append((f"prefill {args.prefill_tokens} on-demand", "offload", slots, False, "prefill", t0))
+    out.append(("decode fused (all resident)", "offload", total, True, "fused", t0, r0))
+    out += [(f"decode {n} t{t0} {r}", n, slots, True, "decode", t0, r) for r in args.routing[1:]
+            for n in args.backends]
+    out.append((f"prefill {args.prefill_tokens} stream", "offload", slots, True, "prefill", t0, r0))
+    out.append((f"prefill {args.prefill_tokens} on-demand", "offload", slots, False, "prefill", t0, r0))
     return out
 
 
 def run_config(pool, shape, args, device, bw, cfg) -> dict:
-    label, name, slots, stream, kind, threads = cfg
+    label, name, slots, stream, kind, threads, routing = cfg
     torch.set_num_threads(threads)
     bw = (bw[0], bw[1][threads])
     est = BandwidthEstimate(bp=bw[0], bh=bw[1], frozen=args.freeze)
     b = create_slot_backend(name, pool, slots, device, estimate=est, stream_prefill=stream)
-    router = Router(shape, device, args.routing, seed=1)
+    router = Router(shape, device, routing, seed=1)
     try:
         if kind == "fused":
             for layer in range(shape.layers):
@@ -131,7 +133,7 @@ def run_config(pool, shape, args, device, bw, cfg) -> dict:
         else:
             warm = 0 if kind == "fused" else min(args.warmup, 2 * slots // (shape.top_k * shape.layers) + 2)
             res = bench_decode(b, shape, router, device, args.steps, warm, bw)
-        res.update(config=label, backend=name, slots=slots, threads=threads, q_bp=b.estimate.bp,
+        res.update(config=label, backend=name, slots=slots, threads=threads, routing=routing, q_bp=b.estimate.bp,
                    q_bh=b.estimate.bh)
         return res
     finally:
@@ -162,12 +164,15 @@ def parse(argv):
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=40)
     ap.add_argument("--prefill-tokens", type=int, default=8192)
-    ap.add_argument("--routing", choices=("uniform", "zipf"), default="uniform")
+    ap.add_argument("--routing", default="uniform", help="uniform and/or zipf, comma-separated")
     ap.add_argument("--freeze", action="store_true", help="keep q* at the measured profile")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.backends = args.backends.split(",")
     args.threads = [int(t) for t in args.threads.split(",")]
+    args.routing = args.routing.split(",")
+    if not set(args.routing) <= {"uniform", "zipf"}:
+        ap.error(f"--routing takes uniform and/or zipf, got {args.routing}")
     return args
 
 

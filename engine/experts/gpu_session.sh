@@ -38,7 +38,7 @@ status bench_bw $?
 
 # 3. synthetic 64 GB pool built once; decode (offload/cpu/hybrid at 6 and 16 threads, fused ceiling) and
 #    8k prefill with and without double buffering (<= 270 s; the pool fill alone is ~60-70 s)
-timeout 270 $PY -m engine.experts.bench_decode --synthetic qwen3.6-35b-a3b --slots 37% --threads 6,16 \
+timeout 270 $PY -m engine.experts.bench_decode --synthetic qwen3.6-35b-a3b --slots 37% --threads 6,16 --routing uniform,zipf \
     --steps 32 --warmup 30 --prefill-tokens 8192 --json "$OUT/bench_decode.json" \
     > "$OUT/bench_decode.txt" 2> "$OUT/bench_decode.log"
 status bench_decode $?
