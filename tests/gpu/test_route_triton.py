@@ -11,6 +11,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not (torch.cuda.is_available() or INTERPRET):
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu
 
 
 def random_state(g, num_layers, num_experts, num_slots):
