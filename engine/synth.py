@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from engine.config import FULL, LINEAR, config_from_dict
 from engine.layout import FUSED, LAYOUTS, PER_EXPERT, fused_expert_shapes, non_expert_shapes, per_expert_shapes
 
-ARCHS = ("qwen3_5_moe", "qwen3_moe")
+ARCHS = ("qwen3_5_moe", "qwen3_moe", "qwen3_next")
 SIZES = ("tiny", "demo")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -44,7 +44,7 @@ def synth_checkpoint(out_dir, arch: str = "qwen3_5_moe", layout: str = FUSED, si
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dims = dict(_TEXT_SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {}))
-    raw = _qwen3_5_moe_config(dims) if arch == "qwen3_5_moe" else _qwen3_moe_config(dims)
+    raw = {"qwen3_5_moe": _qwen3_5_moe_config, "qwen3_moe": _qwen3_moe_config, "qwen3_next": _qwen3_next_config}[arch](dims)
     cfg = config_from_dict(raw)
     gen = torch.Generator().manual_seed(seed)
     text = _text_tensors(cfg, layout, gen)
@@ -95,6 +95,16 @@ def _qwen3_moe_config(d: dict) -> dict:
                num_experts=d["num_experts"], rope_theta=1000000.0, norm_topk_prob=True, decoder_sparse_step=1,
                mlp_only_layers=[1], intermediate_size=3 * d["hidden_size"], hidden_act="silu", rms_norm_eps=1e-6,
                max_position_embeddings=4096, use_sliding_window=False, attention_bias=False,
+               tie_word_embeddings=False, eos_token_id=d["vocab_size"] - 1)
+    return raw
+
+
+def _qwen3_next_config(d: dict) -> dict:
+    raw = dict(d)  # full_attention_interval instead of layer_types, top-level rope keys: the other spellings
+    raw.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_act="silu", rms_norm_eps=1e-6,
+               max_position_embeddings=4096, attention_bias=False, linear_conv_kernel_dim=4, rope_theta=10000000.0,
+               partial_rotary_factor=0.25, norm_topk_prob=True, decoder_sparse_step=1,
+               mlp_only_layers=[d["num_hidden_layers"] - 2], intermediate_size=3 * d["hidden_size"],
                tie_word_embeddings=False, eos_token_id=d["vocab_size"] - 1)
     return raw
 
