@@ -48,7 +48,8 @@ def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _deltanet_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     H, Hv, vd = cfg.hidden_size, cfg.linear_num_v_heads, cfg.linear_value_dim
     if cfg.arch == "qwen3_next":  # grouped per key head on disk: see ungroup_qwen3_next
-        inputs = {"linear_attn.in_proj_qkvz.weight": (cfg.conv_dim + vd, H), "linear_attn.in_proj_ba.weight": (2 * Hv, H)}
+        inputs = {"linear_attn.in_proj_qkvz.weight": (cfg.conv_dim + vd, H),
+                  "linear_attn.in_proj_ba.weight": (2 * Hv, H)}
     else:
         inputs = {"linear_attn.in_proj_qkv.weight": (cfg.conv_dim, H), "linear_attn.in_proj_z.weight": (vd, H),
                   "linear_attn.in_proj_b.weight": (Hv, H), "linear_attn.in_proj_a.weight": (Hv, H)}

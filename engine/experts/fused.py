@@ -32,7 +32,8 @@ class FusedExperts:
         for expert, count in enumerate(counts):
             if count:
                 rows = tokens[start : start + count]
-                outs.append(swiglu_fused(x[rows], gate_up[expert], down[expert]) * weights[start : start + count, None])
+                y = swiglu_fused(x[rows], gate_up[expert], down[expert])
+                outs.append(y * weights[start : start + count, None])
             start += count
         # back to (token, slot) order, then sum the K slots; plain indexing instead of index_add_, which
         # parallelises even tiny sizes and crawls on an oversubscribed CPU

@@ -54,6 +54,7 @@ class Attention:
         rep = self.cfg.num_heads // kv_heads
         keys, values = keys.repeat_interleave(rep, dim=0), values.repeat_interleave(rep, dim=0)
         # causal, offset by what the cache held before this chunk
-        mask = torch.arange(keys.shape[1], device=q.device)[None, :] <= (pos + torch.arange(T, device=q.device)[:, None])
+        key_pos = torch.arange(keys.shape[1], device=q.device)
+        mask = key_pos[None, :] <= (pos + torch.arange(T, device=q.device)[:, None])  # [T, L]
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale)
         return out.transpose(0, 1)
