@@ -100,6 +100,8 @@ def test_forward_rejects_bad_requests(engine_for):
     model = engine_for("qwen3_moe").model
     with pytest.raises(ValueError, match="logits"):
         model.forward([(prompt(3), model.new_state())], logits="first")
+    with pytest.raises(ValueError, match="at least one"):
+        model.forward([])
     with pytest.raises(ValueError, match="at least one token"):
         model.forward([(torch.tensor([], dtype=torch.long), model.new_state())])
     with pytest.raises(ValueError, match="token ids"):
