@@ -34,8 +34,7 @@ def load_checkpoint(path, device="cpu", dtype=torch.float32, expert_device=None)
         tensors = {name: reader.get(name, shape) for name, shape in non_expert_shapes(cfg).items()}
         if cfg.arch == "qwen3_next":
             _ungroup_qwen3_next(cfg, tensors)
-        reader.device = torch.device(expert_device or device)
-        experts = _load_experts(cfg, reader)
+        experts = _load_experts(cfg, reader, torch.device(expert_device or device))
     return cfg, tensors, experts
 
 
@@ -63,14 +62,15 @@ def _ungroup_qwen3_next(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> N
         tensors[p + "in_proj_a.weight"] = a.reshape(-1, H).contiguous()
 
 
-def _load_experts(cfg: ModelConfig, reader: "_Reader") -> ExpertWeights:
+def _load_experts(cfg: ModelConfig, reader: "_Reader", device: torch.device) -> ExpertWeights:
     gate_up, down = {}, {}
     for layer in cfg.moe_layers:
         (gu_name, gu_shape), (d_name, d_shape) = fused_expert_shapes(cfg, layer).items()
         if reader.has(gu_name):
-            gate_up[layer], down[layer] = reader.get(gu_name, gu_shape), reader.get(d_name, d_shape)
+            gate_up[layer], down[layer] = reader.get(gu_name, gu_shape, device), reader.get(d_name, d_shape, device)
             continue
-        per = [[reader.get(n, s) for n, s in per_expert_shapes(cfg, layer, e).items()] for e in range(cfg.num_experts)]
+        per = [[reader.get(n, s, device) for n, s in per_expert_shapes(cfg, layer, e).items()]
+               for e in range(cfg.num_experts)]
         if not per:
             raise ValueError(f"{reader.where(gu_name)}: config says num_experts=0; this engine needs MoE layers")
         gate_up[layer] = torch.stack([torch.cat([g, u]) for g, u, _ in per])  # [E, 2I, H], gate rows first
@@ -118,7 +118,7 @@ class _Reader:
     def where(self, name: str) -> str:
         return str(self.file_of.get(name, self.model_dir))
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
         if name not in self.file_of:
             raise ValueError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint; "
                              "the weights do not match config.json (incomplete download or wrong model)")
@@ -130,4 +130,4 @@ class _Reader:
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)} "
                              "from config.json; the weights and config.json belong to different models")
-        return tensor.to(device=self.device, dtype=self.dtype)
+        return tensor.to(device=device or self.device, dtype=self.dtype)
