@@ -1,0 +1,58 @@
+"""Harness adapters: detect which agent sent a request, normalise what it alone varies, declare its cuts.
+
+Registry order matters: the first adapter whose detect() says yes wins; generic is always last. Users add
+their own harnesses from a config file (load_user_rules); those are tried before the built-in ones.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from harness_adapters.base import (Adapter, BaseAdapter, Compaction, ElideObservationsExceptLastN,
+                                   ElideToolOutputsBeyondN, ReplaceTrailingMessage, Rule,
+                                   StripThinkingExceptLatestN)
+from harness_adapters.claude_code import ClaudeCodeAdapter
+from harness_adapters.codex import CodexAdapter
+from harness_adapters.generic import GenericAdapter
+from harness_adapters.openclaw import OpenClawAdapter
+from harness_adapters.opencode import OpenCodeAdapter
+from harness_adapters.swe_agent import SweAgentAdapter
+from harness_adapters.user_rules import UserHarness, UserRules, load_user_rules
+
+__all__ = [
+    "Adapter", "BaseAdapter", "Compaction", "ElideObservationsExceptLastN", "ElideToolOutputsBeyondN",
+    "ReplaceTrailingMessage", "Rule", "StripThinkingExceptLatestN", "Registry", "UserHarness", "UserRules",
+    "load_user_rules", "default_registry", "detect_adapter",
+]
+
+
+class Registry:
+    """Adapters tried in order; the generic adapter answers when nothing else does."""
+
+    def __init__(self, adapters: list | None = None):
+        self._adapters = list(adapters) if adapters is not None else [
+            ClaudeCodeAdapter(), CodexAdapter(), OpenCodeAdapter(), OpenClawAdapter(), SweAgentAdapter(),
+        ]
+        self._generic = GenericAdapter()
+
+    def add_first(self, adapters: list) -> None:
+        """User-declared harnesses go before the built-in ones (they know their own traffic best)."""
+        self._adapters = list(adapters) + self._adapters
+
+    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str]) -> Adapter:
+        return next((a for a in self._adapters if a.detect(request, headers)), self._generic)
+
+    def get(self, name: str) -> Adapter:
+        for adapter in self._adapters + [self._generic]:
+            if adapter.name == name:
+                return adapter
+        raise ValueError(f"no harness adapter named {name!r}; known: {self.names()}")
+
+    def names(self) -> list[str]:
+        return [a.name for a in self._adapters] + [self._generic.name]
+
+
+default_registry = Registry()
+
+
+def detect_adapter(request: Mapping[str, Any], headers: Mapping[str, str]) -> Adapter:
+    return default_registry.detect(request, headers)

@@ -1,0 +1,152 @@
+"""Anchor planner: which token offsets of a prompt get a resumable checkpoint.
+
+The gated-DeltaNet layers cannot resume at an arbitrary position, so a later turn that edits history at
+token e reuses the cache only up to the deepest checkpoint at or before e. Candidates are the render's
+segment boundaries; the harness's truncation rules say where future turns will cut (priority 3), the end of
+system + tools is shared by every conversation of a harness (2), every message start is a turn boundary
+(1, the default), the other boundaries (think, tool-call and tool-response edges) are fine-grained (0).
+A per-session budget (count, and bytes at a given size per checkpoint) decides which to keep: highest
+priority first, later positions first within a priority.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from proxy.conversation import Conversation
+from proxy.turns import RenderedLike, message_spans, prefix_end
+
+PREDICTED_CUT, SHARED_PREFIX, TURN_BOUNDARY, FINE = 3, 2, 1, 0
+IMPLICIT_PER_TURN = 2  # the engine always keeps the end of the prompt and the end of generation
+
+
+@dataclass(frozen=True)
+class Candidate:
+    pos: int
+    kind: str  # prefix_end, message_start, think_start, think_end, tool_call_end, tool_response_start/end
+    priority: int = FINE
+    message_index: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class AnchorBudget:
+    """Checkpoints one session may hold (the engine's implicit two per turn included)."""
+
+    max_count: int = 32
+    max_bytes: Optional[int] = None
+    bytes_per_checkpoint: int = 0  # recurrent state + KV boundary bookkeeping, from the engine
+
+    def __post_init__(self) -> None:
+        if self.max_count < IMPLICIT_PER_TURN:
+            raise ValueError(f"anchor budget max_count must be >= {IMPLICIT_PER_TURN} (the engine keeps the "
+                             f"prompt end and generation end), got {self.max_count}")
+
+    @property
+    def cap(self) -> int:
+        if self.max_bytes is not None and self.bytes_per_checkpoint > 0:
+            return max(IMPLICIT_PER_TURN, min(self.max_count, self.max_bytes // self.bytes_per_checkpoint))
+        return self.max_count
+
+
+@dataclass(frozen=True)
+class AnchorPlan:
+    checkpoint_positions: tuple[int, ...]  # new positions for GenerateRequest (start < p < len(prompt))
+    keep: tuple[int, ...]  # earlier anchors still worth holding
+    release: tuple[int, ...]  # earlier anchors dropped by the budget (unpin / let the engine evict)
+    reasons: dict  # position -> candidate kind, for the chosen ones
+
+
+def candidates(rendered: RenderedLike) -> list[Candidate]:
+    """Every segment boundary of the render worth a checkpoint, at priority FINE or TURN_BOUNDARY."""
+    n = len(rendered.ids)
+    out = [Candidate(prefix_end(rendered.segments), "prefix_end", SHARED_PREFIX)]
+    out += [Candidate(lo, "message_start", TURN_BOUNDARY, i) for i, (lo, _) in message_spans(rendered.segments).items()]
+    edges = {"think": ("think_start", "think_end"), "tool_response": ("tool_response_start", "tool_response_end"),
+             "tool_call": (None, "tool_call_end")}
+    for s in rendered.segments:
+        start_kind, end_kind = edges.get(s.kind, (None, None))
+        if start_kind:
+            out.append(Candidate(s.start, start_kind, FINE, s.message_index))
+        if end_kind:
+            out.append(Candidate(s.end, end_kind, FINE, s.message_index))
+    return [c for c in out if 0 < c.pos <= n]
+
+
+def predicted_cuts(rendered: RenderedLike, rules: Sequence, conv: Optional[Conversation] = None) -> dict[int, str]:
+    """Positions where the harness's rules say a later turn will cut -> the rule kind that says so."""
+    cuts: dict[int, str] = {}
+    spans = message_spans(rendered.segments)
+    for rule in rules:
+        kind = getattr(rule, "kind", "")
+        pos = None
+        if kind == "replace_trailing_message" and spans:
+            last = max(spans)
+            if conv is None or last >= len(conv.messages) or rule.marker in conv.messages[last].text:
+                pos = spans[last][0]
+        elif kind == "strip_thinking_except_latest_n":
+            pos = _nth_latest([s.start for s in rendered.segments if s.kind == "think"], rule.n)
+        elif kind == "elide_tool_outputs_beyond_n":
+            pos = _nth_latest([s.start for s in rendered.segments if s.kind == "tool_response"], rule.n)
+        elif kind == "elide_observations_except_last_n":
+            pos = _nth_latest(_observation_starts(spans, rendered, conv), rule.n)
+        elif kind == "compaction":
+            pos = prefix_end(rendered.segments) or None
+        if pos:
+            cuts.setdefault(pos, kind)
+    return cuts
+
+
+def _nth_latest(positions: list[int], n: int) -> Optional[int]:
+    """The n-th latest position: the one the next turn pushes out of the 'latest n' that are kept."""
+    ordered = sorted(set(positions))
+    return ordered[-n] if 0 < n <= len(ordered) else None
+
+
+def _observation_starts(spans: dict, rendered: RenderedLike, conv: Optional[Conversation]) -> list[int]:
+    """Starts of observation messages: tool messages, or user messages after the first one."""
+    if conv is None:
+        return [spans[s.message_index][0] for s in rendered.segments
+                if s.kind == "tool_response" and s.message_index in spans]
+    users = [i for i, m in enumerate(conv.messages) if m.role == "user"]
+    obs = [i for i, m in enumerate(conv.messages) if m.role == "tool" or (m.role == "user" and i != users[0])]
+    return [spans[i][0] for i in obs if i in spans]
+
+
+def plan_anchors(rendered: RenderedLike, rules: Sequence = (), start: int = 0, existing: Sequence[int] = (),
+                 budget: AnchorBudget = AnchorBudget(), conv: Optional[Conversation] = None,
+                 min_priority: int = TURN_BOUNDARY) -> AnchorPlan:
+    """Choose checkpoint positions for one request.
+
+    start: where prefill resumes (positions at or before it are already cached, not takeable now).
+    existing: the session's earlier anchors that lie within the reused prefix (<= start).
+    """
+    n = len(rendered.ids)
+    pool: dict[int, Candidate] = {}
+    for c in candidates(rendered):
+        if c.priority >= min_priority and c.pos < n:
+            _offer(pool, c)
+    for pos, kind in predicted_cuts(rendered, rules, conv).items():
+        if pos < n:
+            _offer(pool, Candidate(pos, kind, PREDICTED_CUT))
+    old = sorted(p for p in set(existing) if 0 < p <= start)
+    fresh = [c for p, c in pool.items() if p > start]
+    held = [pool.get(p, Candidate(p, "earlier", TURN_BOUNDARY)) for p in old]
+    ranked = sorted(held + fresh, key=lambda c: (c.priority, c.pos), reverse=True)
+    chosen = ranked[: budget.cap - IMPLICIT_PER_TURN]
+    chosen_pos = {c.pos for c in chosen}
+    return AnchorPlan(
+        checkpoint_positions=tuple(sorted(c.pos for c in chosen if c.pos > start)),
+        keep=tuple(p for p in old if p in chosen_pos),
+        release=tuple(p for p in old if p not in chosen_pos),
+        reasons={c.pos: c.kind for c in chosen},
+    )
+
+
+def _offer(pool: dict[int, Candidate], c: Candidate) -> None:
+    if c.pos not in pool or pool[c.pos].priority < c.priority:
+        pool[c.pos] = c
+
+
+def best_anchor(anchors: Sequence[int], edit_point: int) -> int:
+    """Deepest checkpoint at or before the edit point: where prefill resumes (0: from scratch)."""
+    return max((a for a in anchors if a <= edit_point), default=0)

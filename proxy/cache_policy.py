@@ -1,0 +1,81 @@
+"""The cache policy for one request, in two calls: plan before submitting, finish after generating.
+
+    adapter = detect_adapter(request, headers)
+    conv = normalize(parse(request), adapter)
+    rendered = renderer.render(conv)
+    turn = policy.plan_turn(request, headers, conv, rendered, adapter)
+    req = GenerateRequest(rendered.ids, ..., checkpoint_positions=turn.checkpoint_positions,
+                          session_key=turn.session_key)
+    ... stream ...
+    record = policy.finish_turn(turn, generated_ids, usage)     # -> TurnRecord for metrics
+
+Torch-free: sessions, diff and anchors are plain Python over token lists and segments.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+from proxy.anchors import AnchorBudget, AnchorPlan, best_anchor, plan_anchors
+from proxy.conversation import Conversation
+from proxy.diff import Edit, PreviousTurn, diff_turn
+from proxy.sessions import SessionStore
+from proxy.turns import RenderedLike, TurnRecord
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    session_key: str
+    session_source: str  # header name, prompt_cache_key, metadata.user_id, prefix, new
+    kind: str  # main, title, compaction
+    harness: str
+    edit: Edit
+    resume_at: int  # deepest known checkpoint at or before the edit point
+    anchors: AnchorPlan
+    record: TurnRecord
+    prompt_ids: tuple[int, ...]
+    segments: tuple
+    conversation: Conversation
+
+    @property
+    def checkpoint_positions(self) -> tuple[int, ...]:
+        return self.anchors.checkpoint_positions
+
+
+class CachePolicy:
+    """Sessions + diff + anchor planner. Thread-safe: handlers may plan and finish from any thread."""
+
+    def __init__(self, store: Optional[SessionStore] = None, budget: AnchorBudget = AnchorBudget()):
+        self.store = store or SessionStore()
+        self.budget = budget
+        self._lock = threading.Lock()
+
+    def plan_turn(self, request: Mapping[str, Any], headers: Mapping[str, str], conv: Conversation,
+                  rendered: RenderedLike, adapter) -> TurnPlan:
+        kind = adapter.side_request_kind(conv) or "main"
+        with self._lock:
+            key, source = self.store.identify(request, headers, rendered.ids, kind)
+            state = self.store.get(key)
+            prev = state.prev if state else None
+            edit = diff_turn(prev, rendered, conv, adapter.rules)
+            resume = best_anchor(state.anchors if state else (), edit.edit_point)
+            existing = state.anchors if state else ()
+            anchors = plan_anchors(rendered, adapter.rules, start=resume, existing=existing,
+                                   budget=self.budget, conv=conv)
+            turn_index = state.turns if state else 0
+        n = len(rendered.ids)
+        record = TurnRecord(key, adapter.name, turn_index, kind, n, edit.edit_point, edit.edit_class,
+                            resume, n - resume, anchors.checkpoint_positions)
+        return TurnPlan(key, source, kind, adapter.name, edit, resume, anchors, record, tuple(rendered.ids),
+                        tuple(rendered.segments), conv)
+
+    def finish_turn(self, turn: TurnPlan, generated_ids: Sequence[int], usage=None) -> TurnRecord:
+        """Remember the turn; the engine kept the planned positions plus the prompt and generation ends."""
+        record = turn.record.with_usage(usage) if usage is not None else turn.record
+        prev = PreviousTurn(turn.prompt_ids, tuple(generated_ids), turn.segments, turn.conversation)
+        n = len(turn.prompt_ids)
+        anchors = turn.anchors.keep + turn.anchors.checkpoint_positions + (n, n + len(generated_ids))
+        with self._lock:
+            self.store.finish_turn(turn.session_key, prev, anchors, record, turn.kind, turn.harness)
+        return record

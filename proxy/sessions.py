@@ -1,0 +1,141 @@
+"""Which conversation a request belongs to, and what the session remembers of its last turn.
+
+A request names its conversation where the harness says so: `x-session-id` (OpenCode), `session-id` /
+`session_id` / `thread-id` headers and `prompt_cache_key` (Codex), the session id inside Claude Code's
+`metadata.user_id`. Otherwise the session whose last turn shares the longest rendered-token prefix with the
+request, provided the match runs past that session's first conversation message (a shared system prompt
+alone is not the same conversation). Side requests (title, compaction summary) live in their own bounded
+LRU under their own key, so they can never evict or overwrite the main conversation.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from harness_adapters.base import header
+from proxy.diff import PreviousTurn, common_prefix_len
+from proxy.turns import first_conversation_message, message_spans
+
+SESSION_HEADERS = ("x-session-id", "session-id", "session_id", "thread-id", "thread_id")
+_CC_SESSION = re.compile(r"_session_([0-9A-Za-z-]{8,})")
+
+
+def claude_code_session(user_id: Any) -> Optional[str]:
+    """Session id inside Claude Code's metadata.user_id: a JSON object text or `user_…_session_<uuid>`."""
+    if not isinstance(user_id, str) or not user_id:
+        return None
+    if user_id.lstrip().startswith("{"):
+        try:
+            value = json.loads(user_id)
+        except ValueError:
+            value = None
+        if isinstance(value, dict) and isinstance(value.get("session_id"), str) and value["session_id"]:
+            return value["session_id"]
+    m = _CC_SESSION.search(user_id)
+    return m.group(1) if m else None
+
+
+def session_hint(request: Mapping[str, Any], headers: Mapping[str, str]) -> Optional[tuple[str, str]]:
+    """(source, id) naming the conversation, or None when the request does not say."""
+    for name in SESSION_HEADERS:
+        value = header(headers, name)
+        if value:
+            return name.lower().replace("_", "-"), value
+    key = request.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        return "prompt_cache_key", key
+    metadata = request.get("metadata")
+    if isinstance(metadata, dict):
+        sid = claude_code_session(metadata.get("user_id"))
+        if sid:
+            return "metadata.user_id", sid
+    return None
+
+
+@dataclass
+class SessionState:
+    key: str
+    kind: str  # "main", "title", "compaction"
+    harness: str = "generic"
+    prev: Optional[PreviousTurn] = None
+    anchors: tuple[int, ...] = ()  # checkpoint positions known to exist along prev.ids
+    turns: int = 0
+    first_message_end: int = 0  # end of prev's first non-system message: the prefix-match threshold
+    records: list = field(default_factory=list)  # recent TurnRecords (bounded by the store)
+
+
+class SessionStore:
+    """Two bounded LRUs of sessions: main conversations and side requests."""
+
+    def __init__(self, max_sessions: int = 32, max_side_sessions: int = 16, max_records: int = 64):
+        if max_sessions < 1 or max_side_sessions < 1:
+            raise ValueError("session store sizes must be >= 1")
+        self._main: OrderedDict[str, SessionState] = OrderedDict()
+        self._side: OrderedDict[str, SessionState] = OrderedDict()
+        self._limits = {"main": max_sessions, "side": max_side_sessions}
+        self.max_records = max_records
+        self._anon = itertools.count(1)
+
+    def _lru(self, kind: str) -> OrderedDict:
+        return self._main if kind == "main" else self._side
+
+    def identify(self, request: Mapping[str, Any], headers: Mapping[str, str], ids: Sequence[int],
+                 kind: str = "main") -> tuple[str, str]:
+        """(session key, how it was found: a hint source, 'prefix' or 'new')."""
+        hint = session_hint(request, headers)
+        if hint is not None:
+            key = f"{hint[1]}#{kind}" if kind != "main" else hint[1]
+            return key, hint[0]
+        match = self._prefix_match(ids, kind)
+        if match is not None:
+            return match, "prefix"
+        return f"anon-{next(self._anon)}" + (f"#{kind}" if kind != "main" else ""), "new"
+
+    def _prefix_match(self, ids: Sequence[int], kind: str) -> Optional[str]:
+        best, best_len = None, 0
+        for key, state in reversed(self._lru(kind).items()):  # most recent first: wins ties
+            if state.prev is None:
+                continue
+            n = common_prefix_len(state.prev.ids, ids)
+            if n > best_len and n >= max(1, state.first_message_end):
+                best, best_len = key, n
+        return best
+
+    def get(self, key: str) -> Optional[SessionState]:
+        for lru in (self._main, self._side):
+            if key in lru:
+                lru.move_to_end(key)
+                return lru[key]
+        return None
+
+    def get_or_create(self, key: str, kind: str = "main", harness: str = "generic") -> SessionState:
+        state = self.get(key)
+        if state is None:
+            lru = self._lru(kind)
+            state = lru[key] = SessionState(key, kind, harness)
+            while len(lru) > self._limits["main" if kind == "main" else "side"]:
+                lru.popitem(last=False)
+        return state
+
+    def finish_turn(self, key: str, prev: PreviousTurn, anchors: Sequence[int], record: Any = None,
+                    kind: str = "main", harness: str = "generic") -> SessionState:
+        """Remember this turn (prompt, generated ids, segments) and the checkpoints it leaves behind."""
+        state = self.get_or_create(key, kind, harness)
+        state.prev, state.turns, state.harness = prev, state.turns + 1, harness
+        state.anchors = tuple(sorted(set(a for a in anchors if 0 < a <= len(prev.ids))))
+        state.first_message_end = _first_message_end(prev)
+        if record is not None:
+            state.records = (state.records + [record])[-self.max_records:]
+        return state
+
+    def sessions(self, kind: str = "main") -> list[str]:
+        return list(self._lru(kind))
+
+
+def _first_message_end(prev: PreviousTurn) -> int:
+    idx = first_conversation_message(prev.segments, prev.conversation)
+    return message_spans(prev.segments)[idx][1] if idx is not None else len(prev.prompt_ids)
