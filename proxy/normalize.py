@@ -4,7 +4,8 @@ Parsing into Conversation already drops cache_control markers, message/item/tool
 metadata. What survives parsing and still changes tokens without changing meaning is handled here:
 Claude Code's per-conversation billing line, text split into several parts, empty text parts, and JSON key
 order in tool arguments and schemas. Whitespace inside text is left alone on purpose: it is the agent's
-meaning (code, diffs). Harness adapters add their own steps after these (`normalize(conv, adapter)`).
+meaning (code, diffs). A harness adapter's own step runs first, on the parts as parsed (before text parts
+are merged), then the base steps (`normalize(conv, adapter)`).
 """
 from __future__ import annotations
 
@@ -105,14 +106,14 @@ BASE_STEPS: tuple[Callable[[Conversation], Conversation], ...] = (
 
 def normalize(conv: Conversation, adapter: Any = None,
               steps: Iterable[Callable[[Conversation], Conversation]] = BASE_STEPS) -> Conversation:
-    """Base steps, then the harness adapter's own `normalize(conv)` (if an adapter is given).
+    """The harness adapter's own `normalize(conv)` (if an adapter is given), then the base steps.
 
     Idempotent: normalize(normalize(c)) == normalize(c). `extras` are carried over untouched.
     """
-    for step in steps:
-        conv = step(conv)
     if adapter is not None:
         conv = adapter.normalize(conv)
+    for step in steps:
+        conv = step(conv)
     return conv
 
 
