@@ -2,7 +2,8 @@
 
 The gated-DeltaNet layers cannot resume at an arbitrary position, so a later turn that edits history at
 token e reuses the cache only up to the deepest checkpoint at or before e. Candidates are the render's
-segment boundaries; the harness's truncation rules say where future turns will cut (priority 3), the end of
+segment boundaries; the harness's truncation rules say where future turns will cut (priority 3, the very
+next cut 4), the end of
 system + tools is shared by every conversation of a harness (2), every message start is a turn boundary
 (1, the default), the other boundaries (think, tool-call and tool-response edges) are fine-grained (0).
 A per-session budget (count, and bytes at a given size per checkpoint) decides which to keep: highest
@@ -13,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from proxy.conversation import Conversation
+from proxy.conversation import Conversation, Message, ThinkingPart, ToolResultPart
 from proxy.turns import RenderedLike, message_spans, prefix_end
 
-PREDICTED_CUT, SHARED_PREFIX, TURN_BOUNDARY, FINE = 3, 2, 1, 0
+IMMINENT_CUT, PREDICTED_CUT, SHARED_PREFIX, TURN_BOUNDARY, FINE = 4, 3, 2, 1, 0
 IMPLICIT_PER_TURN = 2  # the engine always keeps the end of the prompt and the end of generation
 
 
@@ -72,44 +73,70 @@ def candidates(rendered: RenderedLike) -> list[Candidate]:
     return [c for c in out if 0 < c.pos <= n]
 
 
-def predicted_cuts(rendered: RenderedLike, rules: Sequence, conv: Optional[Conversation] = None) -> dict[int, str]:
-    """Positions where the harness's rules say a later turn will cut -> the rule kind that says so."""
-    cuts: dict[int, str] = {}
+def predicted_cuts(rendered: RenderedLike, rules: Sequence, conv: Optional[Conversation] = None) -> dict[int, tuple]:
+    """Positions where the harness's rules say a later turn will cut -> (rule kind, priority).
+
+    Every block a rule will eventually cut (a tool output not yet elided, a reasoning block not yet
+    stripped, an observation) is a future cut, PREDICTED_CUT; it must be anchored while it is new, since
+    an anchor can only be taken while its position is being prefilled. The block the next turn cuts (the
+    n-th latest) is IMMINENT_CUT, so the budget keeps it longest.
+    """
+    cuts: dict[int, tuple] = {}
     spans = message_spans(rendered.segments)
     for rule in rules:
         kind = getattr(rule, "kind", "")
-        pos = None
+        blocks: list[int] = []
         if kind == "replace_trailing_message" and spans:
             last = max(spans)
             if conv is None or last >= len(conv.messages) or rule.marker in conv.messages[last].text:
-                pos = spans[last][0]
+                blocks = [spans[last][0]]
         elif kind == "strip_thinking_except_latest_n":
-            pos = _nth_latest([s.start for s in rendered.segments if s.kind == "think"], rule.n)
+            blocks = _live_blocks(rendered, "think", conv, lambda m: _reasoning(m) != "")
         elif kind == "elide_tool_outputs_beyond_n":
-            pos = _nth_latest([s.start for s in rendered.segments if s.kind == "tool_response"], rule.n)
+            blocks = _live_blocks(rendered, "tool_response", conv, lambda m: rule.placeholder not in _results(m))
         elif kind == "elide_observations_except_last_n":
-            pos = _nth_latest(_observation_starts(spans, rendered, conv), rule.n)
-        elif kind == "compaction":
-            pos = prefix_end(rendered.segments) or None
-        if pos:
-            cuts.setdefault(pos, kind)
+            blocks = _observation_starts(spans, rendered, conv, rule.placeholder)
+        elif kind == "compaction" and prefix_end(rendered.segments):
+            blocks = [prefix_end(rendered.segments)]
+        n = getattr(rule, "n", 1)
+        imminent = sorted(set(blocks))[-n] if 0 < n <= len(set(blocks)) else None
+        for pos in blocks:
+            priority = IMMINENT_CUT if pos == imminent else PREDICTED_CUT
+            if pos and cuts.get(pos, ("", -1))[1] < priority:
+                cuts[pos] = (kind, priority)
     return cuts
 
 
-def _nth_latest(positions: list[int], n: int) -> Optional[int]:
-    """The n-th latest position: the one the next turn pushes out of the 'latest n' that are kept."""
-    ordered = sorted(set(positions))
-    return ordered[-n] if 0 < n <= len(ordered) else None
+def _reasoning(msg: Message) -> str:
+    return "".join(p.text for p in msg.parts if isinstance(p, ThinkingPart))
 
 
-def _observation_starts(spans: dict, rendered: RenderedLike, conv: Optional[Conversation]) -> list[int]:
-    """Starts of observation messages: tool messages, or user messages after the first one."""
+def _results(msg: Message) -> str:
+    return "".join(p.content for p in msg.parts if isinstance(p, ToolResultPart)) + msg.text
+
+
+def _live_blocks(rendered: RenderedLike, kind: str, conv: Optional[Conversation], alive) -> list[int]:
+    """Starts of `kind` segments whose message (per `alive`) has not been cut yet."""
+    out = []
+    for s in rendered.segments:
+        if s.kind != kind:
+            continue
+        msg = conv.messages[s.message_index] if conv is not None and s.message_index is not None \
+            and s.message_index < len(conv.messages) else None
+        if msg is None or alive(msg):
+            out.append(s.start)
+    return out
+
+
+def _observation_starts(spans: dict, rendered: RenderedLike, conv: Optional[Conversation],
+                        placeholder: str) -> list[int]:
+    """Starts of observation messages not yet shortened: tool messages, or user messages after the first."""
     if conv is None:
         return [spans[s.message_index][0] for s in rendered.segments
                 if s.kind == "tool_response" and s.message_index in spans]
     users = [i for i, m in enumerate(conv.messages) if m.role == "user"]
     obs = [i for i, m in enumerate(conv.messages) if m.role == "tool" or (m.role == "user" and i != users[0])]
-    return [spans[i][0] for i in obs if i in spans]
+    return [spans[i][0] for i in obs if i in spans and not (placeholder and placeholder in _results(conv.messages[i]))]
 
 
 def plan_anchors(rendered: RenderedLike, rules: Sequence = (), start: int = 0, existing: Sequence[int] = (),
@@ -125,9 +152,9 @@ def plan_anchors(rendered: RenderedLike, rules: Sequence = (), start: int = 0, e
     for c in candidates(rendered):
         if c.priority >= min_priority and c.pos < n:
             _offer(pool, c)
-    for pos, kind in predicted_cuts(rendered, rules, conv).items():
+    for pos, (kind, priority) in predicted_cuts(rendered, rules, conv).items():
         if pos < n:
-            _offer(pool, Candidate(pos, kind, PREDICTED_CUT))
+            _offer(pool, Candidate(pos, kind, priority))
     old = sorted(p for p in set(existing) if 0 < p <= start)
     fresh = [c for p, c in pool.items() if p > start]
     held = [pool.get(p, Candidate(p, "earlier", TURN_BOUNDARY)) for p in old]

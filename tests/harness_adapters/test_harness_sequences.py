@@ -100,8 +100,9 @@ def test_opencode_append_then_prune_resumes_at_the_cleared_output():
     conv = Conversation(tuple(pruned) + (assistant("", calls=call(9)), tool("x")), TOOLS)
     _, plan, rec = turn(policy, {}, headers, conv, assistant("done"))
     assert rec.edit_class == "tool_output_elision"
-    assert rec.anchor_used == message_start(conv, outputs[1])  # checkpoint at that tool message's start
-    assert rec.edit_point - rec.anchor_used == len("<|im_start|>user\n<tool_response>\n")
+    response = next(s for s in plan.segments if s.kind == "tool_response" and s.message_index == outputs[1])
+    assert rec.anchor_used == response.start  # anchored as a future cut when that output was new
+    assert rec.edit_point - rec.anchor_used == len("\n<tool_response>\n")
 
 
 def test_codex_append_with_reasoning_and_changing_client_metadata():

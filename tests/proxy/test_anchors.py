@@ -3,7 +3,7 @@ import pytest
 
 from harness_adapters import (Compaction, ElideObservationsExceptLastN, ElideToolOutputsBeyondN,
                               ReplaceTrailingMessage, StripThinkingExceptLatestN)
-from proxy.anchors import (IMPLICIT_PER_TURN, PREDICTED_CUT, AnchorBudget, best_anchor, candidates,
+from proxy.anchors import (IMMINENT_CUT, IMPLICIT_PER_TURN, PREDICTED_CUT, AnchorBudget, best_anchor, candidates,
                            plan_anchors, predicted_cuts)
 from proxy.conversation import Conversation, ToolSpec
 from tests.proxy.fake_render import assistant, render, system, tool, user
@@ -50,7 +50,7 @@ def test_trailing_message_rule_predicts_the_cut_at_the_last_message():
     r = render(conv)
     last = max(s.start for s in r.segments if s.kind == "message")
     cuts = predicted_cuts(r, (ReplaceTrailingMessage(marker=marker),), conv)
-    assert cuts == {last: "replace_trailing_message"}
+    assert cuts == {last: ("replace_trailing_message", IMMINENT_CUT)}
     plan = plan_anchors(r, (ReplaceTrailingMessage(marker=marker),), conv=conv, budget=AnchorBudget(max_count=3))
     assert plan.checkpoint_positions == (last,)  # the one slot left after the engine's two goes to the cut
     assert plan.reasons[last] == "replace_trailing_message"
@@ -58,13 +58,20 @@ def test_trailing_message_rule_predicts_the_cut_at_the_last_message():
     assert predicted_cuts(render(no_marker), (ReplaceTrailingMessage(marker=marker),), no_marker) == {}
 
 
-def test_elision_and_thinking_rules_pick_the_nth_latest_block():
-    r = render(agent_conv(4))
+def test_elision_and_thinking_rules_mark_every_live_block_and_the_next_cut():
+    conv = agent_conv(4)
+    r = render(conv)
     responses, thinks = starts(r, "tool_response"), starts(r, "think")
-    assert predicted_cuts(r, (ElideToolOutputsBeyondN(n=2, placeholder="[x]"),)) == {
-        responses[-2]: "elide_tool_outputs_beyond_n"}
-    assert predicted_cuts(r, (StripThinkingExceptLatestN(n=1),)) == {thinks[-1]: "strip_thinking_except_latest_n"}
-    assert predicted_cuts(r, (ElideToolOutputsBeyondN(n=9, placeholder="[x]"),)) == {}
+    rule = ElideToolOutputsBeyondN(n=2, placeholder="[x]")
+    cuts = predicted_cuts(r, (rule,), conv)
+    assert set(cuts) == set(responses)
+    assert [p for p, (_, prio) in cuts.items() if prio == IMMINENT_CUT] == [responses[-2]]
+    assert predicted_cuts(r, (StripThinkingExceptLatestN(n=1),), conv)[thinks[-1]] == (
+        "strip_thinking_except_latest_n", IMMINENT_CUT)
+    assert all(prio == PREDICTED_CUT for _, prio in
+               predicted_cuts(r, (ElideToolOutputsBeyondN(n=9, placeholder="[x]"),), conv).values())
+    elided = Conversation(conv.messages[:3] + (tool("[x]"),) + conv.messages[4:], TOOLS)
+    assert responses[0] not in predicted_cuts(render(elided), (rule,), elided)  # already cut: no anchor needed
 
 
 def test_observation_rule_uses_user_messages_after_the_task():
@@ -73,7 +80,9 @@ def test_observation_rule_uses_user_messages_after_the_task():
     r = render(conv)
     msg = {s.message_index: s.start for s in r.segments if s.kind == "message"}
     assert predicted_cuts(r, (ElideObservationsExceptLastN(n=2),), conv) == {
-        msg[5]: "elide_observations_except_last_n"}
+        msg[3]: ("elide_observations_except_last_n", PREDICTED_CUT),
+        msg[5]: ("elide_observations_except_last_n", IMMINENT_CUT),
+        msg[7]: ("elide_observations_except_last_n", PREDICTED_CUT)}
 
 
 def test_compaction_rule_keeps_the_shared_prefix():
