@@ -24,7 +24,7 @@ IMPLICIT_PER_TURN = 2  # the engine always keeps the end of the prompt and the e
 @dataclass(frozen=True)
 class Candidate:
     pos: int
-    kind: str  # prefix_end, message_start, think_start, think_end, tool_call_end, tool_response_start/end
+    kind: str  # prefix_end, message_start, before_last_token, think_start/end, tool_call_end, tool_response_start/end
     priority: int = FINE
     message_index: Optional[int] = None
 
@@ -62,6 +62,10 @@ def candidates(rendered: RenderedLike) -> list[Candidate]:
     n = len(rendered.ids)
     out = [Candidate(prefix_end(rendered.segments), "prefix_end", SHARED_PREFIX)]
     out += [Candidate(lo, "message_start", TURN_BOUNDARY, i) for i, (lo, _) in message_spans(rendered.segments).items()]
+    # the prompt's last token: the next turn re-renders it followed by the reply and may tokenise the two
+    # together differently ("<think>\n" + "\n</think>" -> "<think>" "\n\n" "</think>"): one token back
+    if n > 1:
+        out.append(Candidate(n - 1, "before_last_token", TURN_BOUNDARY))
     edges = {"think": ("think_start", "think_end"), "tool_response": ("tool_response_start", "tool_response_end"),
              "tool_call": (None, "tool_call_end")}
     for s in rendered.segments:

@@ -64,9 +64,17 @@ def diff_turn(prev: Optional[PreviousTurn], new: RenderedLike, new_conv: Optiona
         return Edit(e, "append", segment_kind="end")
     if e >= len(new.ids):
         return Edit(e, "rewind")
-    if e >= len(prev.prompt_ids):
+    if e >= _generation_start(prev):
         return Edit(e, _reply_edit(new, e), segment_kind="generation")
     return _history_edit(prev, new, e, new_conv, rules)
+
+
+def _generation_start(prev: PreviousTurn) -> int:
+    """Where the assistant turn being generated began: the generation prompt's start, else the prompt end.
+
+    An edit inside the generation prompt (e.g. "<think>\n" re-tokenised as "<think>\n\n" once the reply
+    is sent back without reasoning) is an edit of the reply, not of the history."""
+    return min((s.start for s in prev.segments if s.kind == "generation_prompt"), default=len(prev.prompt_ids))
 
 
 def _reply_edit(new: RenderedLike, e: int) -> EditClass:
