@@ -77,6 +77,8 @@ class Adapter(Protocol):
 
     def side_request_kind(self, conv: Conversation) -> Optional[str]: ...
 
+    def starts_from_summary(self, conv: Conversation) -> bool: ...
+
 
 def header(headers: Mapping[str, str], name: str) -> Optional[str]:
     """Case-insensitive header lookup over any mapping (aiohttp's CIMultiDict or a plain dict)."""
@@ -153,6 +155,13 @@ class BaseAdapter:
         if self.title_without_tools and not conv.tools and self._short(conv):
             return "title"
         return None
+
+    def starts_from_summary(self, conv: Conversation) -> bool:
+        """Whether the history was rebuilt from a compaction summary (a Compaction rule's history marker in
+        its first user message): it continues an earlier conversation rather than starting one."""
+        first = next((m.text for m in conv.messages if m.role == "user"), "")
+        return any(marker in first for rule in self.rules if isinstance(rule, Compaction)
+                   for marker in rule.history_markers)
 
     def _short(self, conv: Conversation) -> bool:
         talk = [m for m in conv.messages if m.role != "system"]

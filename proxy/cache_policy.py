@@ -55,15 +55,17 @@ class CachePolicy:
                   rendered: RenderedLike, adapter) -> TurnPlan:
         kind = adapter.side_request_kind(conv) or "main"
         with self._lock:
-            key, source = self.store.identify(request, headers, rendered.ids, kind)
+            key, source = self.store.identify(request, headers, rendered.ids, kind,
+                                              from_summary=adapter.starts_from_summary(conv))
             state = self.store.get(key)
-            prev = state.prev if state else None
-            edit = diff_turn(prev, rendered, conv, adapter.rules)
-            resume = best_anchor(state.anchors if state else (), edit.edit_point)
-            existing = state.anchors if state else ()
+            if state is not None and state.prev is not None:
+                edit = diff_turn(state.prev, rendered, conv, adapter.rules)
+                resume, existing, turn_index = best_anchor(state.anchors, edit.edit_point), state.anchors, state.turns
+            else:  # a new conversation still shares the harness's fixed prefix with the others
+                shared, resume = self.store.shared_anchor(rendered.ids, kind)
+                edit, existing, turn_index = Edit(shared, "first"), (), 0
             anchors = plan_anchors(rendered, adapter.rules, start=resume, existing=existing,
                                    budget=self.budget, conv=conv)
-            turn_index = state.turns if state else 0
         n = len(rendered.ids)
         record = TurnRecord(key, adapter.name, turn_index, kind, n, edit.edit_point, edit.edit_class,
                             resume, n - resume, anchors.checkpoint_positions)

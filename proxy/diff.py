@@ -46,8 +46,13 @@ class Edit:
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
+    """Length of the common prefix; compares slices (C speed) block by block, 100k-token prompts included."""
+    a, b = list(a), list(b)
+    n, i, step = min(len(a), len(b)), 0, 4096
+    while step:
+        while i + step <= n and a[i:i + step] == b[i:i + step]:
+            i += step
+        step //= 8
     while i < n and a[i] == b[i]:
         i += 1
     return i

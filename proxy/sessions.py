@@ -84,26 +84,51 @@ class SessionStore:
         return self._main if kind == "main" else self._side
 
     def identify(self, request: Mapping[str, Any], headers: Mapping[str, str], ids: Sequence[int],
-                 kind: str = "main") -> tuple[str, str]:
-        """(session key, how it was found: a hint source, 'prefix' or 'new')."""
-        hint = session_hint(request, headers)
-        if hint is not None:
-            key = f"{hint[1]}#{kind}" if kind != "main" else hint[1]
-            return key, hint[0]
-        match = self._prefix_match(ids, kind)
-        if match is not None:
-            return match, "prefix"
-        return f"anon-{next(self._anon)}" + (f"#{kind}" if kind != "main" else ""), "new"
+                 kind: str = "main", from_summary: bool = False) -> tuple[str, str]:
+        """(session key, how it was found: a hint source, 'prefix' or 'new').
 
-    def _prefix_match(self, ids: Sequence[int], kind: str) -> Optional[str]:
-        best, best_len = None, 0
-        for key, state in reversed(self._lru(kind).items()):  # most recent first: wins ties
+        One hint may carry several conversations (Claude Code's sub-agents share the session id): they are
+        threads `id`, `id~2`, ... told apart by prefix match. A history rebuilt from a summary
+        (`from_summary`, see BaseAdapter.starts_from_summary) continues the thread it shares most with.
+        """
+        suffix = f"#{kind}" if kind != "main" else ""
+        hint = session_hint(request, headers)
+        if hint is None:
+            match = self._prefix_match(ids, kind, self._lru(kind))
+            return (match, "prefix") if match else (f"anon-{next(self._anon)}{suffix}", "new")
+        base = hint[1] + suffix
+        threads = [k for k in self._lru(kind) if k == base or k.startswith(base + "~")]
+        match = self._prefix_match(ids, kind, threads)
+        if match is None and threads and from_summary:
+            match = self._prefix_match(ids, kind, threads, threshold=False)
+        if match is None and threads:
+            match = f"{base}~{len(threads) + 1}"
+        return match or base, hint[0]
+
+    def _prefix_match(self, ids: Sequence[int], kind: str, keys, threshold: bool = True) -> Optional[str]:
+        """The session among `keys` sharing the longest prefix with `ids` (ties: most recent), provided the
+        match runs past its first conversation message (unless threshold is False)."""
+        lru = self._lru(kind)
+        best, best_len = None, -1
+        for key in reversed([k for k in lru if k in set(keys)]):
+            state = lru[key]
             if state.prev is None:
                 continue
             n = common_prefix_len(state.prev.ids, ids)
-            if n > best_len and n >= max(1, state.first_message_end):
+            if n > best_len and (not threshold or n >= max(1, state.first_message_end)):
                 best, best_len = key, n
         return best
+
+    def shared_anchor(self, ids: Sequence[int], kind: str = "main") -> tuple[int, int]:
+        """(common prefix, deepest checkpoint within it) over every session: what a new conversation can
+        reuse from the others (e.g. a harness's fixed system prompt and tools)."""
+        best = (0, 0)
+        for state in self._lru(kind).values():
+            if state.prev is not None:
+                n = common_prefix_len(state.prev.ids, ids)
+                anchor = max((a for a in state.anchors if a <= n), default=0)
+                best = max(best, (anchor, n))
+        return best[1], best[0]
 
     def get(self, key: str) -> Optional[SessionState]:
         for lru in (self._main, self._side):

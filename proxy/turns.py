@@ -80,7 +80,7 @@ class TurnRecord:
     turn_index: int  # 0 for the session's first request
     request_kind: str  # "main", "title", "compaction"
     prompt_tokens: int
-    edit_point: int  # first token differing from the previous turn's prompt + reply (0 on the first turn)
+    edit_point: int  # first token differing from the previous turn's prompt + reply (first turn: from any session)
     edit_class: EditClass
     anchor_used: int  # deepest known checkpoint at or before the edit point: where prefill should resume
     expected_reprefill: int  # prompt_tokens - anchor_used: what the policy expects the engine to prefill

@@ -72,11 +72,36 @@ def test_claude_code_billing_hash_does_not_break_the_shared_prefix():
         _, plan, rec = turn(policy, {"metadata": {"user_id": json.dumps({"session_id": sid})}}, {}, conv,
                             assistant("ok"))
         assert (plan.session_key, rec.edit_class) == (sid, "first")
-        plans.append(plan)
-    a, b = plans
+        plans.append((plan, rec))
+    (a, _), (b, second) = plans
     prefix = next(s.end for s in a.segments if s.kind == "system")
     assert a.prompt_ids[:prefix] == b.prompt_ids[:prefix]  # the billing hex differed: the system turn did not
-    assert prefix in a.checkpoint_positions and prefix in b.checkpoint_positions
+    assert prefix in a.checkpoint_positions
+    assert second.anchor_used == prefix  # the second conversation starts from the first one's system turn
+    assert second.expected_reprefill == len(b.prompt_ids) - prefix
+
+
+def test_claude_code_subagents_sharing_the_session_id_are_threads_of_their_own():
+    policy = CachePolicy()
+    request = {"metadata": {"user_id": json.dumps({"session_id": SID})}}
+    headers = {"user-agent": "claude-cli/2.1.3"}
+    main = (system("You are Claude Code."), user("refactor everything"))
+    agent = (system("You are a file search specialist."), user("find the parser"))
+    keys = {}
+    for k in range(3):
+        for name in ("main", "agent"):
+            msgs = main if name == "main" else agent
+            reply = assistant(f"{name} {k}", calls=call(k))
+            _, plan, rec = turn(policy, request, headers, Conversation(msgs, TOOLS), reply)
+            assert rec.edit_class == ("first" if k == 0 else "append")
+            assert keys.setdefault(name, plan.session_key) == plan.session_key
+            msgs += (reply, tool(f"{name} out {k}"))
+            main, agent = (msgs, agent) if name == "main" else (main, msgs)
+    assert keys == {"main": SID, "agent": f"{SID}~2"}
+    compacted = Conversation((system("You are Claude Code."), user("This session is being continued from a "
+                                                                   "previous conversation. Summary: ...")), TOOLS)
+    _, plan, rec = turn(policy, request, headers, compacted, assistant("ok"))
+    assert (plan.session_key, rec.edit_class) == (SID, "compaction")
 
 
 def test_opencode_append_then_prune_resumes_at_the_cleared_output():
