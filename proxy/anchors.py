@@ -138,8 +138,8 @@ def _observation_starts(spans: dict, rendered: RenderedLike, conv: Optional[Conv
     if conv is None:
         return [spans[s.message_index][0] for s in rendered.segments
                 if s.kind == "tool_response" and s.message_index in spans]
-    users = [i for i, m in enumerate(conv.messages) if m.role == "user"]
-    obs = [i for i, m in enumerate(conv.messages) if m.role == "tool" or (m.role == "user" and i != users[0])]
+    task = next((i for i, m in enumerate(conv.messages) if m.role == "user"), -1)
+    obs = [i for i, m in enumerate(conv.messages) if m.role == "tool" or (m.role == "user" and i != task)]
     return [spans[i][0] for i in obs if i in spans and not (placeholder and placeholder in _results(conv.messages[i]))]
 
 

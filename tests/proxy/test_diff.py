@@ -80,7 +80,8 @@ def test_observation_elided_in_user_message_needs_the_rule():
     a = assistant("```bash\nls\n```")
     c = Conversation((SYS, user("task"), a, user("<output>\nbig listing\n</output>"), a, user("<output>x</output>")))
     prev = prev_of(c, a)
-    edited = Conversation(c.messages[:3] + (user("Old environment output: (2 lines omitted)"),) + c.messages[4:] + (a, user("y")))
+    short = user("Old environment output: (2 lines omitted)")
+    edited = Conversation(c.messages[:3] + (short,) + c.messages[4:] + (a, user("y")))
     rule = ElideObservationsExceptLastN(n=1, placeholder="Old environment output:")
     assert diff_turn(prev, render(edited), edited, (rule,)).edit_class == "tool_output_elision"
     assert diff_turn(prev, render(edited), edited).edit_class == "history_edit"
