@@ -21,7 +21,7 @@ from proxy.anchors import AnchorBudget, AnchorPlan, best_anchor, plan_anchors
 from proxy.conversation import Conversation
 from proxy.diff import Edit, PreviousTurn, diff_turn
 from proxy.sessions import SessionStore
-from proxy.turns import RenderedLike, TurnRecord
+from proxy.turns import RenderedLike, TurnRecord, summarize
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,14 @@ class CachePolicy:
                             resume, n - resume, anchors.checkpoint_positions)
         return TurnPlan(key, source, kind, adapter.name, edit, resume, anchors, record, tuple(rendered.ids),
                         tuple(rendered.segments), conv)
+
+    def stats(self) -> dict:
+        """Sessions held and totals over the turns they remember (see turns.summarize)."""
+        with self._lock:
+            states = [self.store.get_quiet(k) for kind in ("main", "side") for k in self.store.sessions(kind)]
+        records = [r for s in states for r in s.records]
+        return {"sessions": len([s for s in states if s.kind == "main"]),
+                "side_sessions": len([s for s in states if s.kind != "main"]), **summarize(records)}
 
     def finish_turn(self, turn: TurnPlan, generated_ids: Sequence[int], usage=None) -> TurnRecord:
         """Remember the turn; the engine kept the planned positions plus the prompt and generation ends."""

@@ -4,7 +4,8 @@ A request names its conversation where the harness says so: `x-session-id` (Open
 `session_id` / `thread-id` headers and `prompt_cache_key` (Codex), the session id inside Claude Code's
 `metadata.user_id`. Otherwise the session whose last turn shares the longest rendered-token prefix with the
 request, provided the match runs past that session's first conversation message (a shared system prompt
-alone is not the same conversation). Side requests (title, compaction summary) live in their own bounded
+alone is not the same conversation). Several conversations under one hint (Claude Code's sub-agents reuse
+the main session id) become threads `id`, `id~2`, ... of it, told apart the same way. Side requests (title, compaction summary) live in their own bounded
 LRU under their own key, so they can never evict or overwrite the main conversation.
 """
 from __future__ import annotations
@@ -25,7 +26,9 @@ _CC_SESSION = re.compile(r"_session_([0-9A-Za-z-]{8,})")
 
 
 def claude_code_session(user_id: Any) -> Optional[str]:
-    """Session id inside Claude Code's metadata.user_id: a JSON object text or `user_…_session_<uuid>`."""
+    """Session id inside Claude Code's metadata.user_id: a JSON object (or its text) or `user_…_session_<uuid>`."""
+    if isinstance(user_id, dict):
+        user_id = json.dumps(user_id)
     if not isinstance(user_id, str) or not user_id:
         return None
     if user_id.lstrip().startswith("{"):
@@ -137,6 +140,10 @@ class SessionStore:
                 return lru[key]
         return None
 
+    def get_quiet(self, key: str) -> Optional[SessionState]:
+        """Like get, without touching the LRU order (for stats)."""
+        return self._main.get(key) or self._side.get(key)
+
     def get_or_create(self, key: str, kind: str = "main", harness: str = "generic") -> SessionState:
         state = self.get(key)
         if state is None:
@@ -158,6 +165,7 @@ class SessionStore:
         return state
 
     def sessions(self, kind: str = "main") -> list[str]:
+        """Keys held, least recently used first; kind "main" or any side kind (they share one LRU)."""
         return list(self._lru(kind))
 
 

@@ -101,3 +101,19 @@ class TurnRecord:
         if self.prefilled_tokens is None:
             return None
         return max(0, self.prefilled_tokens - (self.prompt_tokens - self.edit_point))
+
+
+def summarize(records) -> dict:
+    """Totals over TurnRecords for /metrics: turns per edit class and request kind, tokens expected to be
+    re-prefilled, and (where the engine reported) reused and prefilled tokens."""
+    out: dict = {"turns": 0, "by_edit_class": {}, "by_request_kind": {}, "prompt_tokens": 0,
+                 "expected_reprefill_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0}
+    for r in records:
+        out["turns"] += 1
+        out["by_edit_class"][r.edit_class] = out["by_edit_class"].get(r.edit_class, 0) + 1
+        out["by_request_kind"][r.request_kind] = out["by_request_kind"].get(r.request_kind, 0) + 1
+        out["prompt_tokens"] += r.prompt_tokens
+        out["expected_reprefill_tokens"] += r.expected_reprefill
+        out["reused_tokens"] += r.reused_tokens or 0
+        out["prefilled_tokens"] += r.prefilled_tokens or 0
+    return out

@@ -87,3 +87,24 @@ def test_records_and_anchors_remembered_per_session():
     assert state.records == [rec] and state.turns == 1
     assert n in state.anchors and max(state.anchors) == len(state.prev.ids)
     assert set(turn.checkpoint_positions) <= set(state.anchors)
+
+
+def test_user_id_as_an_object():
+    assert claude_code_session({"device_id": "d", "session_id": UUID}) == UUID
+
+
+def test_stats_and_engine_usage_in_turn_records():
+    from engine.api import Usage
+
+    policy = CachePolicy()
+    msgs = (system("s"), user("q"))
+    for k in range(3):
+        turn, rec = run(policy, Conversation(msgs), assistant(f"a{k}"), headers={"x-session-id": "m"})
+        msgs += (assistant(f"a{k}"), user(f"q{k}"))
+    done = rec.with_usage(Usage(prompt_tokens=rec.prompt_tokens, output_tokens=3, reused_tokens=rec.anchor_used,
+                                prefilled_tokens=rec.expected_reprefill, cache_tier="host", ttft_s=0.5))
+    assert (done.reused_tokens, done.cache_tier, done.wasted_tokens) == (rec.anchor_used, "host", 0)
+    stats = policy.stats()
+    assert (stats["sessions"], stats["turns"]) == (1, 3)
+    assert stats["by_edit_class"] == {"first": 1, "append": 2}
+    assert stats["expected_reprefill_tokens"] < stats["prompt_tokens"]
