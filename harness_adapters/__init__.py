@@ -10,18 +10,14 @@ from typing import Any, Mapping
 from harness_adapters.base import (Adapter, BaseAdapter, Compaction, ElideObservationsExceptLastN,
                                    ElideToolOutputsBeyondN, ReplaceTrailingMessage, Rule,
                                    StripThinkingExceptLatestN)
-from harness_adapters.claude_code import ClaudeCodeAdapter
-from harness_adapters.codex import CodexAdapter
+from harness_adapters.builtin import builtin_adapters
 from harness_adapters.generic import GenericAdapter
-from harness_adapters.openclaw import OpenClawAdapter
-from harness_adapters.opencode import OpenCodeAdapter
-from harness_adapters.swe_agent import SweAgentAdapter
 from harness_adapters.user_rules import UserHarness, UserRules, load_user_rules
 
 __all__ = [
     "Adapter", "BaseAdapter", "Compaction", "ElideObservationsExceptLastN", "ElideToolOutputsBeyondN",
     "ReplaceTrailingMessage", "Rule", "StripThinkingExceptLatestN", "Registry", "UserHarness", "UserRules",
-    "load_user_rules", "default_registry", "detect_adapter",
+    "load_user_rules", "load_registry", "default_registry", "detect_adapter",
 ]
 
 
@@ -29,9 +25,7 @@ class Registry:
     """Adapters tried in order; the generic adapter answers when nothing else does."""
 
     def __init__(self, adapters: list | None = None):
-        self._adapters = list(adapters) if adapters is not None else [
-            ClaudeCodeAdapter(), CodexAdapter(), OpenCodeAdapter(), OpenClawAdapter(), SweAgentAdapter(),
-        ]
+        self._adapters = list(adapters) if adapters is not None else builtin_adapters()
         self._generic = GenericAdapter()
 
     def add_first(self, adapters: list) -> None:
@@ -49,6 +43,14 @@ class Registry:
 
     def names(self) -> list[str]:
         return [a.name for a in self._adapters] + [self._generic.name]
+
+
+def load_registry(user_rules_path=None) -> Registry:
+    """The built-in adapters, preceded by the user's own from a rules file (JSON or TOML) if given."""
+    registry = Registry()
+    if user_rules_path is not None:
+        registry.add_first(load_user_rules(user_rules_path).adapters())
+    return registry
 
 
 default_registry = Registry()

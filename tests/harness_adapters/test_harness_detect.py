@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from harness_adapters import Registry, default_registry, detect_adapter, load_user_rules
+from harness_adapters import Registry, default_registry, detect_adapter, load_registry, load_user_rules
 from harness_adapters.base import ElideToolOutputsBeyondN, request_system_text
 from harness_adapters.opencode import OpenCodeAdapter
 from proxy.conversation import Conversation, ToolSpec
@@ -114,3 +114,20 @@ def test_bad_user_rules_files(tmp_path):
     undetectable.write_text(json.dumps({"harnesses": [{"name": "ghost"}]}))
     with pytest.raises(ValueError, match="no way to detect"):
         load_user_rules(undetectable)
+
+
+def test_user_harness_extending_a_builtin_keeps_its_detection(tmp_path):
+    path = tmp_path / "rules.toml"
+    path.write_text('[[harnesses]]\nname = "opencode-aggressive"\nextends = "opencode"\n'
+                    '[[harnesses.rules]]\nkind = "elide_tool_outputs_beyond_n"\nn = 1\n'
+                    'placeholder = "[Old tool result content cleared]"\n')
+    registry = load_registry(path)
+    found = registry.detect({"messages": []}, {"User-Agent": "opencode/1.18"})
+    assert found.name == "opencode-aggressive"
+    assert [r.n for r in found.rules] == [1]
+    assert found.title_markers == OpenCodeAdapter.title_markers
+    assert OpenCodeAdapter().rules[0].n == 4  # the built-in is untouched
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"harnesses": [{"name": "x", "extends": "vscode"}]}))
+    with pytest.raises(ValueError, match="extends 'vscode' is not a built-in adapter"):
+        load_user_rules(bad)
