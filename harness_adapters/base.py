@@ -118,7 +118,7 @@ class BaseAdapter:
     """Detection by User-Agent prefix, header presence or system-prompt signature; rules as data.
 
     Subclasses set the class attributes; `title_without_tools` says that this harness's main traffic
-    always carries tools, so a short tool-less request is a side request (title generation).
+    always carries tools, so a tool-less request is a side request (short: title generation).
     """
 
     name = "base"
@@ -143,7 +143,7 @@ class BaseAdapter:
         return conv
 
     def side_request_kind(self, conv: Conversation) -> Optional[str]:
-        """'compaction' or 'title' for a harness's side requests, None for the main conversation."""
+        """'compaction', 'title' or 'side' for a harness's side requests, None for the main conversation."""
         users = [m for m in conv.messages if m.role == "user"]
         last_user = users[-1].text if users else ""
         where = last_user + "\n" + conversation_text(conv)
@@ -152,8 +152,8 @@ class BaseAdapter:
                 return "compaction"
         if any(m in conversation_text(conv) for m in self.title_markers):
             return "title"
-        if self.title_without_tools and not conv.tools and self._short(conv):
-            return "title"
+        if self.title_without_tools and not conv.tools:  # e.g. Claude Code's topic / bash-prefix checks
+            return "title" if self._short(conv) else "side"
         return None
 
     def starts_from_summary(self, conv: Conversation) -> bool:

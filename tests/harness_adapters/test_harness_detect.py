@@ -52,6 +52,7 @@ def test_side_request_kinds():
     tools = (ToolSpec("bash", "", "{}"),)
     assert oc.side_request_kind(Conversation((user("short, no tools"),))) == "title"
     assert oc.side_request_kind(Conversation((user("fix"),), tools)) is None
+    assert oc.side_request_kind(Conversation((system("check"), user("ls " * 2000)))) == "side"
     summariser = Conversation((system("You are a helpful AI assistant tasked with summarizing conversations."),
                                user("history...")))
     assert oc.side_request_kind(summariser) == "compaction"
