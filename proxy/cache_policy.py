@@ -58,11 +58,13 @@ class CachePolicy:
             key, source = self.store.identify(request, headers, rendered.ids, kind,
                                               from_summary=adapter.starts_from_summary(conv))
             state = self.store.get(key)
+            last = len(rendered.ids) - 1  # the engine prefills at least one token to get the first logits
             if state is not None and state.prev is not None:
                 edit = diff_turn(state.prev, rendered, conv, adapter.rules)
-                resume, existing, turn_index = best_anchor(state.anchors, edit.edit_point), state.anchors, state.turns
+                resume = best_anchor(state.anchors, min(edit.edit_point, last))
+                existing, turn_index = state.anchors, state.turns
             else:  # a new conversation still shares the harness's fixed prefix with the others
-                shared, resume = self.store.shared_anchor(rendered.ids, kind)
+                shared, resume = self.store.shared_anchor(rendered.ids, kind, max_position=last)
                 edit, existing, turn_index = Edit(shared, "first"), (), 0
             anchors = plan_anchors(rendered, adapter.rules, start=resume, existing=existing,
                                    budget=self.budget, conv=conv)

@@ -122,14 +122,16 @@ class SessionStore:
                 best, best_len = key, n
         return best
 
-    def shared_anchor(self, ids: Sequence[int], kind: str = "main") -> tuple[int, int]:
-        """(common prefix, deepest checkpoint within it) over every session: what a new conversation can
-        reuse from the others (e.g. a harness's fixed system prompt and tools)."""
+    def shared_anchor(self, ids: Sequence[int], kind: str = "main",
+                      max_position: Optional[int] = None) -> tuple[int, int]:
+        """(common prefix, deepest checkpoint within it and <= max_position) over every session: what a new
+        conversation can reuse from the others (e.g. a harness's fixed system prompt and tools)."""
+        limit = len(ids) if max_position is None else max_position
         best = (0, 0)
         for state in self._lru(kind).values():
             if state.prev is not None:
                 n = common_prefix_len(state.prev.ids, ids)
-                anchor = max((a for a in state.anchors if a <= n), default=0)
+                anchor = max((a for a in state.anchors if a <= min(n, limit)), default=0)
                 best = max(best, (anchor, n))
         return best[1], best[0]
 

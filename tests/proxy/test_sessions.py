@@ -108,3 +108,13 @@ def test_stats_and_engine_usage_in_turn_records():
     assert (stats["sessions"], stats["turns"]) == (1, 3)
     assert stats["by_edit_class"] == {"first": 1, "append": 2}
     assert stats["expected_reprefill_tokens"] < stats["prompt_tokens"]
+
+
+def test_retry_of_the_same_prompt_resumes_one_token_before_its_end():
+    policy = CachePolicy()
+    conv = Conversation((system("s"), user("question")))
+    first, _ = run(policy, conv, assistant("a"), headers={"x-session-id": "r"})
+    again, rec = run(policy, conv, assistant("a"), headers={"x-session-id": "r"})
+    n = len(first.prompt_ids)
+    assert rec.edit_class == "rewind"
+    assert (rec.anchor_used, rec.expected_reprefill) == (n - 1, 1)  # the engine always prefills one token
