@@ -109,3 +109,40 @@ def test_billing_line_and_json_key_order_do_not_change_prompt_ids(renderer):
     b = renderer.render(normalize(conv("7c0", '{"cwd":"/","cmd":"ls"}'), adapter))
     assert a.ids == b.ids
     assert "billing" not in a.text
+
+
+def test_swe_agent_observation_elision_and_claude_code_compaction(renderer):
+    policy = CachePolicy()
+    headers = {"user-agent": "mini-swe-agent/2.4"}
+    msgs = (system("You are a helpful assistant that can interact multiple times with a computer shell."),
+            user("<pr_description>fix it</pr_description>"))
+    for k in range(7):
+        reply = assistant(f"THOUGHT: look {k}\n```bash\nls {k}\n```")
+        play(policy, renderer, Conversation(msgs), reply, headers=headers)
+        msgs += (reply, user(f"<returncode>0</returncode>\n<output>\n{'line' * 40} {k}\n</output>"))
+    short = user("Old environment output: (1 lines omitted)")
+    edited = Conversation(msgs[:3] + (short,) + msgs[4:])
+    turn, rec = play(policy, renderer, edited, assistant("done"), headers=headers)
+    assert rec.edit_class == "tool_output_elision"
+    observation = next(s for s in turn.segments if s.kind == "message" and s.message_index == 3)
+    assert rec.anchor_used == observation.start  # anchored as a future cut while it was new
+    assert rec.edit_point - rec.anchor_used <= 3  # "<|im_start|>", "user", "\n"
+
+    request = {"metadata": {"user_id": json.dumps({"session_id": "cc"})}}
+    cc_headers = {"user-agent": "claude-cli/2.1.3"}
+    cc = (system("You are Claude Code."), user("build it"))
+    for k in range(3):
+        reply = assistant("", thinking=f"t{k}", calls=call(k))
+        play(policy, renderer, Conversation(cc, TOOLS), reply, request, cc_headers)
+        cc += (reply, tool(f"ok {k}"))
+    compacted = Conversation((cc[0], user("This session is being continued from a previous conversation that ran "
+                                          "out of context. Summary: built steps 0-2.")), TOOLS)
+    turn, rec = play(policy, renderer, compacted, assistant("next"), request, cc_headers)
+    system_end = next(s.end for s in turn.segments if s.kind == "system")
+    assert (turn.session_key, rec.edit_class, rec.anchor_used) == ("cc", "compaction", system_end)
+
+
+def test_string_and_block_content_give_the_same_prompt_ids(renderer):
+    blocks = Conversation((Message("user", (TextPart("Fix "), TextPart("the bug"))),), TOOLS)
+    plain = Conversation((user("Fix the bug"),), TOOLS)
+    assert renderer.render(normalize(blocks)).ids == renderer.render(normalize(plain)).ids
