@@ -32,8 +32,9 @@ class Registry:
         """User-declared harnesses go before the built-in ones (they know their own traffic best)."""
         self._adapters = list(adapters) + self._adapters
 
-    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str]) -> Adapter:
-        return next((a for a in self._adapters if a.detect(request, headers)), self._generic)
+    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str], conv=None) -> Adapter:
+        """First adapter recognising the request (raw JSON, headers, and/or its parsed Conversation)."""
+        return next((a for a in self._adapters if a.detect(request, headers, conv)), self._generic)
 
     def get(self, name: str) -> Adapter:
         for adapter in self._adapters + [self._generic]:
@@ -56,5 +57,5 @@ def load_registry(user_rules_path=None) -> Registry:
 default_registry = Registry()
 
 
-def detect_adapter(request: Mapping[str, Any], headers: Mapping[str, str]) -> Adapter:
-    return default_registry.detect(request, headers)
+def detect_adapter(request: Mapping[str, Any], headers: Mapping[str, str], conv=None) -> Adapter:
+    return default_registry.detect(request, headers, conv)

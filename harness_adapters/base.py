@@ -71,7 +71,8 @@ class Adapter(Protocol):
     name: str
     rules: tuple
 
-    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str]) -> bool: ...
+    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str],
+               conv: Optional[Conversation] = None) -> bool: ...
 
     def normalize(self, conv: Conversation) -> Conversation: ...
 
@@ -130,13 +131,15 @@ class BaseAdapter:
     title_without_tools = False
     title_max_chars = 4000
 
-    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str]) -> bool:
+    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str],
+               conv: Optional[Conversation] = None) -> bool:
+        """From the raw request, or from its parsed Conversation (`conv`) where the raw one is not at hand."""
         agent = (header(headers, "user-agent") or "").lower()
         if any(s.lower() in agent for s in self.user_agent_contains):
             return True
         if any(header(headers, h) is not None for h in self.headers_present):
             return True
-        system = request_system_text(request)
+        system = request_system_text(request) + ("\n" + conversation_text(conv) if conv is not None else "")
         return any(s in system for s in self.system_contains)
 
     def normalize(self, conv: Conversation) -> Conversation:

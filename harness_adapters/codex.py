@@ -5,9 +5,10 @@ prompt). Compaction asks for a handoff summary, then rebuilds history with a sum
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from harness_adapters.base import BaseAdapter, Compaction, header
+from proxy.conversation import Conversation
 
 
 class CodexAdapter(BaseAdapter):
@@ -21,5 +22,6 @@ class CodexAdapter(BaseAdapter):
         ),
     )
 
-    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str]) -> bool:
-        return super().detect(request, headers) or (header(headers, "originator") or "").startswith("codex")
+    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str],
+               conv: Optional[Conversation] = None) -> bool:
+        return super().detect(request, headers, conv) or (header(headers, "originator") or "").startswith("codex")

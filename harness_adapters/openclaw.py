@@ -4,9 +4,10 @@ Tool-call ids are rewritten between requests (ids never reach the prompt, so not
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from harness_adapters.base import BaseAdapter, ReplaceTrailingMessage
+from proxy.conversation import Conversation
 
 INTERNAL_CONTEXT_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
 
@@ -17,8 +18,11 @@ class OpenClawAdapter(BaseAdapter):
     system_contains = ("OpenClaw",)
     rules = (ReplaceTrailingMessage(marker=INTERNAL_CONTEXT_MARKER),)
 
-    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str]) -> bool:
-        if super().detect(request, headers):
+    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str],
+               conv: Optional[Conversation] = None) -> bool:
+        if super().detect(request, headers, conv):
+            return True
+        if conv is not None and conv.messages and INTERNAL_CONTEXT_MARKER in conv.messages[-1].text:
             return True
         messages = request.get("messages")
         last = messages[-1] if isinstance(messages, list) and messages else None

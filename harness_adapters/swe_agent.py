@@ -5,9 +5,10 @@ observation but the last n to an "Old environment output" line: an elision insid
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from harness_adapters.base import BaseAdapter, ElideObservationsExceptLastN, header
+from proxy.conversation import Conversation
 
 OLD_OBSERVATION = "Old environment output:"
 
@@ -18,11 +19,13 @@ class SweAgentAdapter(BaseAdapter):
     system_contains = ("interact multiple times with a computer shell", "SWE-agent")
     rules = (ElideObservationsExceptLastN(n=5, placeholder=OLD_OBSERVATION),)
 
-    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str]) -> bool:
-        if super().detect(request, headers):
+    def detect(self, request: Mapping[str, Any], headers: Mapping[str, str],
+               conv: Optional[Conversation] = None) -> bool:
+        if super().detect(request, headers, conv):
             return True
         agent = (header(headers, "user-agent") or "").lower()
-        return "litellm" in agent and _only_bash_tool(request)
+        only_bash = _only_bash_tool(request) or (conv is not None and [t.name for t in conv.tools] == ["bash"])
+        return "litellm" in agent and only_bash
 
 
 def _only_bash_tool(request: Mapping[str, Any]) -> bool:

@@ -14,12 +14,13 @@ Torch-free: sessions, diff and anchors are plain Python over token lists and seg
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
 from proxy.anchors import AnchorBudget, AnchorPlan, best_anchor, plan_anchors
 from proxy.conversation import Conversation
 from proxy.diff import Edit, PreviousTurn, diff_turn
+from proxy.normalize import normalize
 from proxy.sessions import SessionStore
 from proxy.turns import RenderedLike, TurnRecord, summarize
 
@@ -55,7 +56,7 @@ class CachePolicy:
                   rendered: RenderedLike, adapter) -> TurnPlan:
         kind = adapter.side_request_kind(conv) or "main"
         with self._lock:
-            key, source = self.store.identify(request, headers, rendered.ids, kind,
+            key, source = self.store.identify(request, headers, rendered.ids, kind, extras=conv.extras,
                                               from_summary=adapter.starts_from_summary(conv))
             state = self.store.get(key)
             last = len(rendered.ids) - 1  # the engine prefills at least one token to get the first logits
@@ -91,3 +92,39 @@ class CachePolicy:
         with self._lock:
             self.store.finish_turn(turn.session_key, prev, anchors, record, turn.kind, turn.harness)
         return record
+
+
+class PolicyPlanner:
+    """The cache policy behind the proxy's planner seam (proxy/context.py: `planner(conv, rendered, headers)`
+    returning something with `checkpoint_positions` and `session_key`), plus the two calls that seam lacks:
+
+        conv = planner.normalize(conv, headers)          # before rendering: detect the harness, normalise
+        turn = planner(conv, rendered, headers)          # a TurnPlan (checkpoint_positions, session_key, record)
+        record = planner.finish(turn, output_ids, usage) # after generation: remember the turn, metrics record
+
+    The harness found by normalize() travels in conv.extras["harness"]; session hints the front-ends parsed
+    travel in conv.extras["session_hint"].
+    """
+
+    def __init__(self, policy: Optional[CachePolicy] = None, registry=None):
+        from harness_adapters import default_registry
+
+        self.policy = policy or CachePolicy()
+        self.registry = registry or default_registry
+
+    def adapter(self, conv: Conversation, headers: Mapping[str, str], request: Optional[Mapping] = None):
+        name = conv.extras.get("harness")
+        return self.registry.get(name) if name else self.registry.detect(request or {}, headers, conv)
+
+    def normalize(self, conv: Conversation, headers: Mapping[str, str],
+                  request: Optional[Mapping] = None) -> Conversation:
+        adapter = self.adapter(conv, headers, request)
+        out = normalize(conv, adapter)
+        return replace(out, extras={**out.extras, "harness": adapter.name})
+
+    def __call__(self, conv: Conversation, rendered: RenderedLike, headers: Mapping[str, str],
+                 request: Optional[Mapping] = None) -> TurnPlan:
+        return self.policy.plan_turn(request or {}, headers, conv, rendered, self.adapter(conv, headers, request))
+
+    def finish(self, turn: TurnPlan, generated_ids: Sequence[int], usage=None) -> TurnRecord:
+        return self.policy.finish_turn(turn, generated_ids, usage)

@@ -5,7 +5,8 @@ A request names its conversation where the harness says so: `x-session-id` (Open
 `metadata.user_id`. Otherwise the session whose last turn shares the longest rendered-token prefix with the
 request, provided the match runs past that session's first conversation message (a shared system prompt
 alone is not the same conversation). Several conversations under one hint (Claude Code's sub-agents reuse
-the main session id) become threads `id`, `id~2`, ... of it, told apart the same way. Side requests (title, compaction summary) live in their own bounded
+the main session id) become threads `id`, `id~2`, ... of it, told apart the same way. Side requests
+(title, compaction summary) live in their own bounded
 LRU under their own key, so they can never evict or overwrite the main conversation.
 """
 from __future__ import annotations
@@ -42,8 +43,13 @@ def claude_code_session(user_id: Any) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def session_hint(request: Mapping[str, Any], headers: Mapping[str, str]) -> Optional[tuple[str, str]]:
-    """(source, id) naming the conversation, or None when the request does not say."""
+def session_hint(request: Mapping[str, Any], headers: Mapping[str, str],
+                 extras: Optional[Mapping[str, Any]] = None) -> Optional[tuple[str, str]]:
+    """(source, id) naming the conversation, or None when the request does not say.
+
+    `extras` is Conversation.extras: the API front-ends put what they parsed under "session_hint"
+    (Anthropic metadata.user_id, Responses prompt_cache_key, chat `user`) when the raw request is not at hand.
+    """
     for name in SESSION_HEADERS:
         value = header(headers, name)
         if value:
@@ -56,6 +62,10 @@ def session_hint(request: Mapping[str, Any], headers: Mapping[str, str]) -> Opti
         sid = claude_code_session(metadata.get("user_id"))
         if sid:
             return "metadata.user_id", sid
+    value = (extras or {}).get("session_hint")
+    if isinstance(value, str) and value:
+        sid = claude_code_session(value)
+        return ("metadata.user_id", sid) if sid else ("session_hint", value)
     return None
 
 
@@ -82,12 +92,14 @@ class SessionStore:
         self._limits = {"main": max_sessions, "side": max_side_sessions}
         self.max_records = max_records
         self._anon = itertools.count(1)
+        self._threads = itertools.count(2)  # thread numbers are never reused, even after eviction
 
     def _lru(self, kind: str) -> OrderedDict:
         return self._main if kind == "main" else self._side
 
     def identify(self, request: Mapping[str, Any], headers: Mapping[str, str], ids: Sequence[int],
-                 kind: str = "main", from_summary: bool = False) -> tuple[str, str]:
+                 kind: str = "main", from_summary: bool = False,
+                 extras: Optional[Mapping[str, Any]] = None) -> tuple[str, str]:
         """(session key, how it was found: a hint source, 'prefix' or 'new').
 
         One hint may carry several conversations (Claude Code's sub-agents share the session id): they are
@@ -95,7 +107,7 @@ class SessionStore:
         (`from_summary`, see BaseAdapter.starts_from_summary) continues the thread it shares most with.
         """
         suffix = f"#{kind}" if kind != "main" else ""
-        hint = session_hint(request, headers)
+        hint = session_hint(request, headers, extras)
         if hint is None:
             match = self._prefix_match(ids, kind, self._lru(kind))
             return (match, "prefix") if match else (f"anon-{next(self._anon)}{suffix}", "new")
@@ -105,7 +117,7 @@ class SessionStore:
         if match is None and threads and from_summary:
             match = self._prefix_match(ids, kind, threads, threshold=False)
         if match is None and threads:
-            match = f"{base}~{len(threads) + 1}"
+            match = f"{base}~{next(self._threads)}"
         return match or base, hint[0]
 
     def _prefix_match(self, ids: Sequence[int], kind: str, keys, threshold: bool = True) -> Optional[str]:

@@ -7,7 +7,8 @@ from harness_adapters.generic import GenericAdapter
 from proxy.cache_policy import CachePolicy
 from proxy.conversation import Conversation
 from proxy.sessions import SessionStore, claude_code_session, session_hint
-from tests.proxy.fake_render import assistant, play, render, system, user
+from proxy.conversation import Message, TextPart, ToolSpec
+from tests.proxy.fake_render import assistant, play, render, reply_ids, system, user
 
 UUID = "0f8c5d1e-9a3b-4c2d-8e7f-112233445566"
 
@@ -118,3 +119,27 @@ def test_retry_of_the_same_prompt_resumes_one_token_before_its_end():
     n = len(first.prompt_ids)
     assert rec.edit_class == "rewind"
     assert (rec.anchor_used, rec.expected_reprefill) == (n - 1, 1)  # the engine always prefills one token
+
+
+def test_policy_planner_fits_the_proxy_seam_with_hints_from_extras():
+    from dataclasses import replace
+
+    from proxy.cache_policy import PolicyPlanner
+
+    planner = PolicyPlanner()
+    bill = "x-anthropic-billing-header: cc_version=2.1.3.abc; cc_entrypoint=cli;"
+    hint = f"user_{'1' * 64}_account__session_{UUID}"
+    msgs = (Message("system", (TextPart(bill), TextPart("You are Claude Code."))), user("go"))
+    for k in range(2):
+        tools = (ToolSpec("bash", "run", "{}"),)
+        conv = planner.normalize(replace(Conversation(msgs, tools), extras={"session_hint": hint}), headers={})
+        assert conv.extras["harness"] == "claude_code" and conv.messages[0].text == "You are Claude Code."
+        rendered = render(conv)
+        turn = planner(conv, rendered, {})
+        assert (turn.session_key, turn.session_source) == (UUID, "metadata.user_id")
+        assert all(0 < p < len(rendered.ids) for p in turn.checkpoint_positions)
+        record = planner.finish(turn, reply_ids(assistant(f"r{k}")))
+        assert record.edit_class == ("first" if k == 0 else "append")
+        msgs += (assistant(f"r{k}"), user(f"q{k}"))
+    plain = planner.normalize(replace(Conversation((user("x"),)), extras={"session_hint": "end-user-7"}), {})
+    assert planner(plain, render(plain), {}).session_key == "end-user-7"
