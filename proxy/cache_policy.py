@@ -17,12 +17,15 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
-from proxy.anchors import AnchorBudget, AnchorPlan, best_anchor, plan_anchors
+from proxy.anchors import IMPLICIT_PER_TURN, SHARED_PREFIX, AnchorBudget, AnchorPlan, best_anchor, plan_anchors
 from proxy.conversation import Conversation
 from proxy.diff import Edit, PreviousTurn, diff_turn
 from proxy.normalize import normalize
 from proxy.sessions import SessionStore
 from proxy.turns import RenderedLike, TurnRecord, summarize
+
+
+SIDE_BUDGET = AnchorBudget(max_count=IMPLICIT_PER_TURN + 1)
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,14 @@ class CachePolicy:
                 resume = best_anchor(state.anchors, min(edit.edit_point, last))
                 existing, turn_index = state.anchors, state.turns
             else:  # a new conversation still shares the harness's fixed prefix with the others
-                shared, resume = self.store.shared_anchor(rendered.ids, kind, max_position=last)
+                shared, resume = self.store.shared_anchor(rendered.ids, max_position=last)
                 edit, existing, turn_index = Edit(shared, "first"), (), 0
-            anchors = plan_anchors(rendered, adapter.rules, start=resume, existing=existing,
-                                   budget=self.budget, conv=conv)
+            if kind == "main":
+                anchors = plan_anchors(rendered, adapter.rules, start=resume, existing=existing,
+                                       budget=self.budget, conv=conv)
+            else:  # one-off side requests: at most the shared system + tools prefix is worth keeping
+                anchors = plan_anchors(rendered, (), start=resume, existing=existing, conv=conv,
+                                       budget=SIDE_BUDGET, min_priority=SHARED_PREFIX)
         n = len(rendered.ids)
         record = TurnRecord(key, adapter.name, turn_index, kind, n, edit.edit_point, edit.edit_class,
                             resume, n - resume, anchors.checkpoint_positions)

@@ -134,13 +134,12 @@ class SessionStore:
                 best, best_len = key, n
         return best
 
-    def shared_anchor(self, ids: Sequence[int], kind: str = "main",
-                      max_position: Optional[int] = None) -> tuple[int, int]:
-        """(common prefix, deepest checkpoint within it and <= max_position) over every session: what a new
-        conversation can reuse from the others (e.g. a harness's fixed system prompt and tools)."""
+    def shared_anchor(self, ids: Sequence[int], max_position: Optional[int] = None) -> tuple[int, int]:
+        """(common prefix, deepest checkpoint within it and <= max_position) over every session, side ones
+        included: what a new conversation can reuse from the others (e.g. a harness's system + tools)."""
         limit = len(ids) if max_position is None else max_position
         best = (0, 0)
-        for state in self._lru(kind).values():
+        for state in list(self._main.values()) + list(self._side.values()):
             if state.prev is not None:
                 n = common_prefix_len(state.prev.ids, ids)
                 anchor = max((a for a in state.anchors if a <= min(n, limit)), default=0)

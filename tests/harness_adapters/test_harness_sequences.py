@@ -54,6 +54,7 @@ def test_claude_code_session_with_billing_line_title_and_compaction():
                                                 "so far, paying close attention to..."),), TOOLS)
     _, side, srec = turn(policy, request, headers, summary_request, assistant("<summary>...</summary>"))
     assert (side.kind, side.session_key) == ("compaction", f"{SID}#compaction")
+    assert side.checkpoint_positions == ()  # one-off: the system + tools prefix is already anchored
     assert policy.store.get(SID).turns == 4  # the summary request did not touch the main state
     compacted = Conversation((sys_msg, user("This session is being continued from a previous conversation that "
                                             "ran out of context. Summary: tests fixed up to step 3.")), TOOLS)
