@@ -124,3 +124,21 @@ def test_best_anchor_and_budget_validation():
     with pytest.raises(ValueError, match="max_count"):
         AnchorBudget(max_count=1)
     assert PREDICTED_CUT > 2
+
+
+def test_long_session_never_holds_more_anchors_than_its_budget():
+    from harness_adapters.opencode import OpenCodeAdapter
+    from proxy.cache_policy import CachePolicy
+    from tests.proxy.fake_render import play
+
+    budget = AnchorBudget(max_count=8, max_bytes=8 * 1000, bytes_per_checkpoint=1000)
+    policy = CachePolicy(budget=budget)
+    msgs = (SYS, user("task"))
+    for k in range(40):
+        reply = assistant(f"s{k}", thinking=f"t{k}", calls=CALL)
+        turn, rec = play(policy, OpenCodeAdapter(), Conversation(msgs, TOOLS), reply, headers={"x-session-id": "long"})
+        state = policy.store.get("long")
+        assert len(state.anchors) <= budget.cap
+        if k:
+            assert (rec.edit_class, rec.anchor_used) == ("append", rec.edit_point)
+        msgs += (reply, tool(f"out {k}"))
