@@ -161,7 +161,8 @@ def plan_anchors(rendered: RenderedLike, rules: Sequence = (), start: int = 0, e
             _offer(pool, Candidate(pos, kind, priority))
     old = sorted(p for p in set(existing) if 0 < p <= start)
     fresh = [c for p, c in pool.items() if p > start]
-    held = [pool.get(p, Candidate(p, "earlier", TURN_BOUNDARY)) for p in old]
+    # an earlier anchor that is no boundary of this render (an old prompt end, one-token-back) goes first
+    held = [pool.get(p, Candidate(p, "earlier", FINE)) for p in old]
     ranked = sorted(held + fresh, key=lambda c: (c.priority, c.pos), reverse=True)
     chosen = ranked[: budget.cap - IMPLICIT_PER_TURN]
     chosen_pos = {c.pos for c in chosen}
