@@ -20,7 +20,7 @@ class ClaudeCodeAdapter(BaseAdapter):
     title_without_tools = True
     rules = (
         Compaction(
-            request_markers=("Your task is to create a detailed summary of the conversation so far",),
+            request_markers=("Your task is to create a detailed summary of the",),  # full and partial compact
             history_markers=("This session is being continued from a previous conversation",),
         ),
     )
