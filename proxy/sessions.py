@@ -123,9 +123,9 @@ class SessionStore:
     def _prefix_match(self, ids: Sequence[int], kind: str, keys, threshold: bool = True) -> Optional[str]:
         """The session among `keys` sharing the longest prefix with `ids` (ties: most recent), provided the
         match runs past its first conversation message (unless threshold is False)."""
-        lru = self._lru(kind)
+        lru, wanted = self._lru(kind), set(keys)
         best, best_len = None, -1
-        for key in reversed([k for k in lru if k in set(keys)]):
+        for key in reversed([k for k in lru if k in wanted]):
             state = lru[key]
             if state.prev is None:
                 continue
