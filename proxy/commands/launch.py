@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from typing import Mapping
@@ -88,12 +89,14 @@ def write_files(launch: LaunchPlan) -> None:
 
 def run_child(argv: list[str], env: dict[str, str]) -> int:
     """Run the agent in the foreground; Ctrl-C goes to it (same process group), we wait for its exit."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    in_main = threading.current_thread() is threading.main_thread()  # only it may install handlers
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
     try:
         proc = subprocess.Popen(argv, env=env)
         code = proc.wait()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
     return 128 - code if code < 0 else code  # killed by signal N -> 128 + N, like a shell
 
 
