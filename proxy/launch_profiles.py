@@ -153,27 +153,32 @@ def _mini_argv(server: str, model: str) -> list[str]:
 def openclaw_config_path(env: Mapping[str, str]) -> Path:
     if env.get("OPENCLAW_CONFIG_PATH"):
         return Path(env["OPENCLAW_CONFIG_PATH"])
-    state = env.get("OPENCLAW_STATE_DIR") or str(Path(env.get("HOME", "~")).expanduser() / ".openclaw")
+    home = env.get("OPENCLAW_HOME") or env.get("HOME", "~")
+    state = env.get("OPENCLAW_STATE_DIR") or str(Path(home).expanduser() / ".openclaw")
     return Path(state) / "openclaw.json"
 
 
 def _openclaw_files(server: str, model: str, env: Mapping[str, str]) -> list[ConfigFile]:
     path = openclaw_config_path(env)
     config = _read_json(path)
-    models = config.setdefault("models", {})
+    models = config.setdefault("models", {"mode": "merge"})  # merge: keep OpenClaw's built-in providers
     providers = models.setdefault("providers", {}) if isinstance(models, dict) else None
     if not isinstance(providers, dict):
         raise ValueError(f"{path}: 'models.providers' is not an object; fix the file or remove that key")
     providers["killick"] = {
         "baseUrl": f"{server}/v1", "apiKey": DUMMY_KEY, "api": "openai-completions",
         "models": [{"id": model, "name": model, "reasoning": True, "input": ["text"],
-                    "contextWindow": 131072, "maxTokens": 16384}],
+                    "contextWindow": 131072, "maxTokens": 16384,
+                    "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}],
     }
     agents = config.setdefault("agents", {})
     defaults = agents.setdefault("defaults", {}) if isinstance(agents, dict) else None
     if not isinstance(defaults, dict):
         raise ValueError(f"{path}: 'agents.defaults' is not an object; fix the file or remove that key")
     defaults["model"] = {"primary": f"killick/{model}"}
+    allowed = defaults.setdefault("models", {})  # the per-agent model allowlist onboarding also fills
+    if isinstance(allowed, dict):
+        allowed.setdefault(f"killick/{model}", {})
     return [ConfigFile(path, json.dumps(config, indent=2) + "\n", path.exists())]
 
 
@@ -194,7 +199,7 @@ PROFILES: dict[str, Profile] = {
         "openclaw", "openclaw",
         "npm install -g openclaw   # needs Node >= 24.16 (older Node installs an empty placeholder); or in a "
         "folder: npm install node@24 openclaw && export PATH=$PWD/node_modules/.bin:$PATH",
-        env=lambda server, model: {"OPENCLAW_NO_RESPAWN": "1"}, argv=lambda server, model: ["openclaw"],
+        env=lambda server, model: {"OPENCLAW_NO_AUTO_UPDATE": "1"}, argv=lambda server, model: ["openclaw"],
         files=_openclaw_files),
     "mini-swe-agent": Profile(
         "mini-swe-agent", "mini", "python3 -m pip install mini-swe-agent   # best in its own venv",
