@@ -132,6 +132,7 @@ def _codex_argv(server: str, model: str) -> list[str]:
         "check_for_update_on_startup": "false",
         "analytics.enabled": "false",
         "otel.exporter": '"none"',
+        "features.plugins": "false",  # else it syncs curated plugins from github.com and chatgpt.com at start
     }
     argv = ["codex"]
     for key, value in overrides.items():

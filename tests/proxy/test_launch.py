@@ -66,6 +66,7 @@ def test_claude_and_codex_point_at_server():
     argv = plan("codex", "http://127.0.0.1:9", "m", {}, ["exec", "hi"]).argv
     assert 'model_providers.killick.base_url="http://127.0.0.1:9/v1"' in argv
     assert 'model_providers.killick.wire_api="responses"' in argv and argv[-2:] == ["exec", "hi"]
+    assert "analytics.enabled=false" in argv and "features.plugins=false" in argv
     mini = plan("mini-swe-agent", "http://127.0.0.1:9", "m", {}, []).argv
     assert mini[:3] == ["mini", "-m", "openai/m"] and "model.model_kwargs.api_base=http://127.0.0.1:9/v1" in mini
 
