@@ -57,7 +57,7 @@ def test_qwen3_moe_dense_layers():
 
 def test_unsupported_architecture_names_file_and_supported_list(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match=r"config\.json.*'llama'.*qwen3_5_moe, qwen3_moe"):
+    with pytest.raises(ValueError, match=r"config\.json.*'llama'.*qwen3_5_moe, qwen3_moe, qwen3_next"):
         load_config(tmp_path)
 
 
@@ -66,3 +66,12 @@ def test_missing_key_names_the_file():
     del broken["hidden_size"]
     with pytest.raises(ValueError, match="x/config.json.*hidden_size"):
         config_from_dict(broken, source="x/config.json")
+
+
+def test_qwen3_next_is_the_hybrid_with_top_level_keys():
+    raw = dict(QWEN35_TEXT, model_type="qwen3_next", full_attention_interval=2, mlp_only_layers=[0],
+               intermediate_size=64)
+    cfg = config_from_dict(raw)
+    assert cfg.weight_prefix == "model." and cfg.zero_centered_norm and cfg.attn_output_gate
+    assert cfg.norm_topk_prob is True and cfg.dense_layers == (0,) and cfg.layer_types[:2] == (LINEAR, FULL)
+    assert config_from_dict(dict(raw, norm_topk_prob=False)).norm_topk_prob is False

@@ -69,3 +69,4 @@ def test_bad_arguments_and_missing_tokenizer(tmp_path):
         synth_checkpoint(tmp_path / "x", arch="llama")
     with pytest.raises(ValueError, match="no tokenizer.json"):
         synth_checkpoint(tmp_path / "y", tokenizer=tmp_path)
+    assert not (tmp_path / "y").exists()  # checked before anything is written
