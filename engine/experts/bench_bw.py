@@ -20,7 +20,8 @@ import torch
 
 from engine.experts.cpu_runner import native_runner, run_on_cpu
 from engine.experts.layout import ExpertLayout
-from engine.experts.synthetic import SHAPES, get_shape
+from engine.experts.bench_args import add_bw_arguments
+from engine.experts.synthetic import get_shape
 
 
 def cache_dir() -> Path:
@@ -138,14 +139,11 @@ def save_profile(prof: dict) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="killick bench bw", description=__doc__.splitlines()[0])
-    ap.add_argument("--synthetic", default="qwen3.6-35b-a3b", choices=list(SHAPES),
-                    help="expert format (shape and dtype) to measure")
-    ap.add_argument("--small", action="store_true", help="scaled-down shape: a seconds-long smoke run")
-    ap.add_argument("--threads", default=None, help="comma-separated CPU thread counts (default 1..cores)")
-    ap.add_argument("--experts", type=int, default=64, help="expert blocks per B_H timing")
-    ap.add_argument("--stream-mib", type=int, default=1024)
-    ap.add_argument("--json", default=None, help="also write the profile here")
-    args = ap.parse_args(argv)
+    add_bw_arguments(ap)
+    return run_args(ap.parse_args(argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
     shape = get_shape(args.synthetic, scale_down=args.small)
     cores = os.cpu_count() or 1
     threads = ([int(t) for t in args.threads.split(",")] if args.threads

@@ -21,10 +21,11 @@ import time
 import torch
 
 from engine.experts import bench_bw
+from engine.experts.bench_args import add_decode_arguments, split_decode_lists
 from engine.experts.cpu_runner import run_on_cpu
 from engine.experts.policy import BandwidthEstimate, slots_from_spec
 from engine.experts.registry import create_slot_backend
-from engine.experts.synthetic import SHAPES, get_shape, synthetic_pool
+from engine.experts.synthetic import get_shape, synthetic_pool
 
 
 def log(msg: str) -> None:
@@ -152,33 +153,15 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['config']:40} {r['tok_s']:10.1f} {bound:>12} {hit:>9} {r['gb_moved']:9.2f}")
 
 
-def parse(argv):
-    ap = argparse.ArgumentParser(prog="bench_decode", description=__doc__.splitlines()[0])
-    ap.add_argument("--synthetic", default="qwen3.6-35b-a3b", choices=list(SHAPES))
-    ap.add_argument("--small", action="store_true", help="scaled-down shape for a CPU smoke test")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--slots", default="37%", help="slot count or percentage of all experts")
-    ap.add_argument("--threads", default="6",
-                    help="CPU threads for the CPU expert path; a list (6,16) repeats the cpu/hybrid decode runs")
-    ap.add_argument("--backends", default="offload,cpu,hybrid")
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--prefill-tokens", type=int, default=8192)
-    ap.add_argument("--routing", default="uniform", help="uniform and/or zipf, comma-separated")
-    ap.add_argument("--freeze", action="store_true", help="keep q* at the measured profile")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    args.backends = args.backends.split(",")
-    args.threads = [int(t) for t in args.threads.split(",")]
-    args.routing = args.routing.split(",")
-    if not set(args.routing) <= {"uniform", "zipf"}:
-        ap.error(f"--routing takes uniform and/or zipf, got {args.routing}")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    device = torch.device(args.device)
+    ap = argparse.ArgumentParser(prog="killick bench decode", description=__doc__.splitlines()[0])
+    add_decode_arguments(ap)
+    return run_args(ap.parse_args(argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
+    args = split_decode_lists(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = get_shape(args.synthetic, scale_down=args.small)
     log(f"building {shape.name} pool: {shape.pool_bytes / 1e9:.1f} GB")
     t0 = time.perf_counter()

@@ -118,3 +118,13 @@ def test_pin_failure_falls_back_to_pageable_with_one_warning(monkeypatch):
         pool = HostPool([0, 1, 2], 3, LAYOUT, torch.float32).load(counting_fill)
     assert len(record) == 1 and len(calls) == 1 and not pool.pinned
     assert pool.block(2, 1)[0] == 2000 + LAYOUT.numel
+
+
+def test_killick_bench_bw_command(tmp_path, monkeypatch, capsys):
+    from proxy.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["bench", "bw", "--small", "--threads", "1", "--experts", "2", "--stream-mib", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["key"]["gpu"] in ("cpu-only", torch.cuda.get_device_name()
+                                                                if torch.cuda.is_available() else "")
+    assert main(["bench", "decode", "--small", "--routing", "nope"]) == 2  # a user error: one line, exit 2
