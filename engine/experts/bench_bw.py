@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from engine.experts.bench_args import add_bw_arguments
 from engine.experts.cpu_runner import native_runner, run_on_cpu
 from engine.experts.layout import ExpertLayout
-from engine.experts.bench_args import add_bw_arguments
 from engine.experts.synthetic import get_shape
 
 
