@@ -82,9 +82,11 @@ def test_backend_matches_reference(src, pool, cls, slots):
     b.close()
 
 
-def test_backends_bit_identical(pool, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backends_bit_identical(dtype, monkeypatch):
     """With one expert implementation on both sides, where an expert runs changes no bit of the output."""
     monkeypatch.setattr(offload, "run_on_cpu", cpu_runner._torch_run_on_cpu)
+    pool = pool_from_source(make_source(dtype=dtype))
     outs = []
     for cls, slots in [(OffloadBackend, 2), (CpuBackend, 5), (HybridBackend, 17), (OffloadBackend, 24)]:
         b = cls(pool, slots, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=3e9, frozen=True))
@@ -92,7 +94,8 @@ def test_backends_bit_identical(pool, monkeypatch):
         for step in range(4):
             b.begin_forward(4, K)
             for layer in L_IDS:
-                res.append(b.forward(layer, *routing(4, seed=100 + step * 7 + layer)))
+                x, ids, w = routing(4, seed=100 + step * 7 + layer)
+                res.append(b.forward(layer, x.to(dtype), ids, w.to(dtype)))
         outs.append(torch.stack(res))
         b.close()
     for o in outs[1:]:
