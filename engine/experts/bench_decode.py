@@ -17,6 +17,7 @@ import gc
 import json
 import sys
 import time
+import traceback
 
 import torch
 
@@ -107,14 +108,14 @@ def configs(args, total: int, slots: int):
     """(label, backend, slots, stream_prefill, kind, threads, routing): every configuration of one run."""
     t0, r0 = args.threads[0], args.routing[0]
     out = [(f"decode {n} t{t0}", n, slots, True, "decode", t0, r0) for n in args.backends]
-    out += [(f"decode {n} t{t}", n, slots, True, "decode", t, r0) for t in args.threads[1:]
-            for n in args.backends if n != "offload"]
     out.append(("decode fused (all resident)", "offload", total, True, "fused", t0, r0))
-    out += [(f"decode {n} t{t0} {r}", n, slots, True, "decode", t0, r) for r in args.routing[1:]
-            for n in args.backends]
     out.append((f"prefill {args.prefill_tokens} stream", "offload", slots, True, "prefill", t0, r0))
     out.append((f"prefill {args.prefill_tokens} on-demand", "offload", slots, False, "prefill", t0, r0))
-    return out
+    out += [(f"decode {n} t{t}", n, slots, True, "decode", t, r0) for t in args.threads[1:]
+            for n in args.backends if n != "offload"]
+    out += [(f"decode {n} t{t0} {r}", n, slots, True, "decode", t0, r) for r in args.routing[1:]
+            for n in args.backends]
+    return out  # most important first: a session cut short still has them
 
 
 def run_config(pool, shape, args, device, bw, cfg) -> dict:
@@ -175,21 +176,23 @@ def run_args(args: argparse.Namespace) -> int:
     log(f"B_P {bp / 1e9:.1f} GB/s, B_H " + ", ".join(f"{v / 1e9:.2f} GB/s ({t} thr)" for t, v in bh.items()))
     total = shape.layers * shape.experts
     slots = slots_from_spec(args.slots, total_experts=total, expert_bytes=layout.nbytes, free_bytes=0)
-    rows = []
+    result = {"shape": shape.__dict__, "device": str(device), "threads": args.threads, "bp": bp,
+              "bh": {str(t): v for t, v in bh.items()}, "slots": slots, "pinned": pool.pinned,
+              "cpu_runner": run_on_cpu.__name__, "routing": args.routing, "rows": [], "failed": [],
+              "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}
     for cfg in configs(args, total, slots):
         log(f"running {cfg[0]} ({cfg[2]} slots)")
-        rows.append(run_config(pool, shape, args, device, (bp, bh), cfg))
-        log(f"  {rows[-1]['tok_s']:.1f} tok/s")
-    print_table(rows)
-    result = {"shape": shape.__dict__, "device": str(device), "threads": args.threads, "bp": bp,
-              "bh": {str(t): v for t, v in bh.items()},
-              "slots": slots, "pinned": pool.pinned, "cpu_runner": run_on_cpu.__name__,
-              "routing": args.routing, "rows": rows,
-              "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-    return 0
+        try:
+            result["rows"].append(run_config(pool, shape, args, device, (bp, bh), cfg))
+            log(f"  {result['rows'][-1]['tok_s']:.1f} tok/s")
+        except Exception as exc:  # one broken configuration must not cost the others' numbers
+            log(f"  FAILED: {exc!r}\n{traceback.format_exc()}")
+            result["failed"].append({"config": cfg[0], "error": repr(exc)})
+        if args.json:  # after every configuration, so a session cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+    print_table(result["rows"])
+    return 1 if result["failed"] else 0
 
 
 if __name__ == "__main__":
