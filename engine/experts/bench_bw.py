@@ -51,11 +51,14 @@ def load_profile(layout: ExpertLayout, dtype: torch.dtype, threads: int) -> dict
 
 
 def _timed(fn, reps: int) -> float:
-    fn()  # warm-up
-    t0 = time.perf_counter()
+    """Fastest of `reps` runs after a warm-up: bandwidth figures are ceilings, noise only slows."""
+    fn()
+    best = float("inf")
     for _ in range(reps):
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / reps
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def measure_bp(layout: ExpertLayout, dtype: torch.dtype, batch: int = 64, reps: int = 5) -> float | None:
