@@ -61,11 +61,15 @@ def _timed(fn, reps: int) -> float:
     return best
 
 
-def measure_bp(layout: ExpertLayout, dtype: torch.dtype, batch: int = 64, reps: int = 5) -> float | None:
-    """Pinned H2D bytes/s for `batch` expert blocks copied one block per copy; None without CUDA."""
+def measure_bp(layout: ExpertLayout, dtype: torch.dtype, batch: int = 64, reps: int = 5,
+               host: torch.Tensor | None = None) -> float | None:
+    """Pinned H2D bytes/s for `batch` expert blocks copied one block per copy; None without CUDA.
+    host: copy from these blocks [batch, numel] (e.g. the real pool, pinned after filling) instead."""
     if not torch.cuda.is_available():
         return None
-    host = torch.empty(batch, layout.numel, dtype=dtype, pin_memory=True).fill_(1)  # [batch, numel]
+    if host is None:
+        host = torch.empty(batch, layout.numel, dtype=dtype, pin_memory=True).fill_(1)  # [batch, numel]
+    batch = host.shape[0]
     dev = torch.empty_like(host, device="cuda")
 
     def copy():

@@ -169,7 +169,8 @@ def run_args(args: argparse.Namespace) -> int:
     pool = synthetic_pool(shape, device=device, progress=lambda p: log("  " + p.line()))
     log(f"pool ready in {time.perf_counter() - t0:.1f}s, pinned={pool.pinned}")
     layout = shape.layout
-    bp = (bench_bw.measure_bp(layout, shape.torch_dtype) if device.type == "cuda"
+    host = pool.wait_layer(0)[:64]  # B_P of the pool's own memory (registered after filling)
+    bp = (bench_bw.measure_bp(layout, shape.torch_dtype, host=host) if device.type == "cuda"
           else bench_bw.measure_copy(layout, shape.torch_dtype))
     bh = {t: bench_bw.measure_bh(layout, shape.torch_dtype, t, experts=min(64, shape.experts))
           for t in args.threads}
