@@ -51,11 +51,12 @@ class BandwidthEstimate:
 def choose_backend(*, dense: bool, pool_bytes: int, free_bytes: int, profile: dict | None) -> str:
     """`--moe-backend auto`: dense -> fused; experts fit -> fused; else offload, hybrid if the CPU pays.
 
-    The CPU pays when the bench profile of this machine says B_H is a real fraction of B_P (a split then
-    shortens a step by up to B_H / B_P); without a profile we stay on offload, the safe choice."""
+    The CPU pays when, by this machine's bench profile, q* would send some misses of a full decode step
+    to the CPU (B_H > B_P: the split then shortens miss service by up to B_H / B_P); without a profile
+    we stay on offload, the safe choice."""
     if dense or pool_bytes <= free_bytes:
         return "fused"
-    if profile and profile.get("bh", 0) >= 0.25 * profile.get("bp", float("inf")):
+    if profile and profile.get("bp") and profile.get("bh") and q_star(64, profile["bp"], profile["bh"]) < 64:
         return "hybrid"
     return "offload"
 

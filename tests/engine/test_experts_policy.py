@@ -41,6 +41,8 @@ def test_auto_backend():
     assert choose_backend(dense=False, profile=None, **kw) == "offload"
     assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 58e9}, **kw) == "hybrid"
     assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 5e9}, **kw) == "offload"
+    assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 54e9}, **kw) == "offload"  # q* = m
+    assert choose_backend(dense=False, profile={"bp": None, "bh": 50e9}, **kw) == "offload"  # CPU-only box
     assert resolve("auto", dense=False, profile=None, **kw) == "offload"
     with pytest.raises(ValueError, match="--moe-backend"):
         resolve("gpu", dense=False, profile=None, **kw)
