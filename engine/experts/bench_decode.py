@@ -21,7 +21,7 @@ import traceback
 
 import torch
 
-from engine.experts import bench_bw
+from engine.experts import bench_bw, bench_route
 from engine.experts.bench_args import add_decode_arguments, split_decode_lists
 from engine.experts.cpu_runner import run_on_cpu
 from engine.experts.policy import BandwidthEstimate, slots_from_spec
@@ -192,8 +192,26 @@ def run_args(args: argparse.Namespace) -> int:
         if args.json:  # after every configuration, so a session cut short keeps what it measured
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1, default=str)
+    result["routing_us_per_layer"] = routing_costs(shape, slots, device)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
     print_table(result["rows"])
+    print("routing bookkeeping, us per MoE layer step:", result["routing_us_per_layer"])
     return 1 if result["failed"] else 0
+
+
+def routing_costs(shape, slots: int, device) -> dict:
+    """Host bookkeeping vs the Triton routing kernel (CUDA only) per MoE layer step."""
+    out = {}
+    for name, fn in (("host", bench_route.host_us), ("triton", bench_route.kernel_us)):
+        if name == "triton" and device.type != "cuda":
+            continue
+        try:
+            out[name] = fn(shape, slots, device)
+        except Exception as exc:  # e.g. the kernel fails to compile: report, keep the other figure
+            out[name] = repr(exc)
+    return out
 
 
 if __name__ == "__main__":
