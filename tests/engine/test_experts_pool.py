@@ -100,6 +100,7 @@ def test_bench_decode_smoke(tmp_path, capsys):
     assert rows["decode fused (all resident)"]["hit_rate"] == 1.0
     assert rows["decode cpu t1"]["fills_per_tok"] == 0 and rows["decode offload t1"]["cpu_per_tok"] == 0
     assert rows["prefill 64 stream"]["streamed"] and not rows["prefill 64 on-demand"]["streamed"]
+    assert res["routing_us_per_layer"]["host"] > 0 and not res["failed"]
     assert "tok/s" in capsys.readouterr().out
 
 
