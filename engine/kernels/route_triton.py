@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "clock"])
 def _route_kernel(ids_ptr, resident_ptr, owner_ptr, stamp_ptr, slot_ids_ptr, fill_e_ptr, fill_s_ptr,
                   cpu_ptr, counts_ptr, sorted_ptr, order_ptr, layer, clock, ratio,
                   TK: tl.constexpr, E: tl.constexpr, S: tl.constexpr, F: tl.constexpr,
