@@ -29,6 +29,8 @@ def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=40)
     ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--warm-prefill", type=int, default=1024,
+                    help="prompt tokens prefilled before each decode run (0: start from an empty cache)")
     ap.add_argument("--routing", default="uniform", help="uniform and/or zipf, comma-separated")
     ap.add_argument("--freeze", action="store_true", help="keep q* at the measured profile")
     ap.add_argument("--json", default=None)

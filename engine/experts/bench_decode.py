@@ -71,7 +71,10 @@ def _diff(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in ("hits", "misses", "fills", "cpu_runs", "bytes_moved")}
 
 
-def bench_decode(b, shape, router, device, steps: int, warmup: int, bw) -> dict:
+def bench_decode(b, shape, router, device, steps: int, warmup: int, bw, prompt: int = 0) -> dict:
+    """Batch-1 decode after a `prompt`-token prefill (as in serving: it leaves streamed layers resident)."""
+    if prompt:
+        run_forward(b, shape, router, torch.randn(prompt, shape.hidden, device=device).to(shape.torch_dtype))
     x = torch.randn(1, shape.hidden, device=device).to(shape.torch_dtype) * 0.1  # [T=1, H]
     for _ in range(warmup):
         run_forward(b, shape, router, x)
@@ -134,7 +137,8 @@ def run_config(pool, shape, args, device, bw, cfg) -> dict:
             res = bench_prefill(b, shape, router, device, args.prefill_tokens, bw)
         else:
             warm = 0 if kind == "fused" else min(args.warmup, 2 * slots // (shape.top_k * shape.layers) + 2)
-            res = bench_decode(b, shape, router, device, args.steps, warm, bw)
+            prompt = 0 if kind == "fused" else args.warm_prefill
+            res = bench_decode(b, shape, router, device, args.steps, warm, bw, prompt)
         res.update(config=label, backend=name, slots=slots, threads=threads, routing=routing, q_bp=b.estimate.bp,
                    q_bh=b.estimate.bh)
         return res

@@ -1,10 +1,12 @@
 """Prefill: stream whole layers through two layer-sized buffers, or serve only the routed experts.
 
 A long extend routes to nearly every expert of every layer, so each MoE layer's experts are copied in
-full while the previous layer computes: slots [0, E) and [E, 2E) of the slot pool are the two buffers
-(even and odd MoE layers), the copy stream loads layer l+1 while layer l runs. A short extend (a tool
-result) touches few experts; the ordinary per-expert path (fill or CPU-run) then moves far fewer bytes.
-The choice compares predicted bytes / bandwidth of the two, not a token threshold.
+full while the previous layer computes: the copy stream loads layer l+1 into the least recently used
+slots while layer l (locked) runs. With a full cache those LRU slots are exactly the buffer layer l-1
+used, so two layer-sized buffers of the slot pool alternate (it needs 2E slots); with free slots the
+streamed layers simply stay resident, and decode after a long prompt starts with a warm cache.
+A short extend (a tool result) touches few experts; the ordinary per-expert path (fill or CPU-run) then
+moves far fewer bytes. The choice compares predicted bytes / bandwidth of the two, not a token threshold.
 """
 from __future__ import annotations
 
@@ -75,8 +77,7 @@ class PrefillStreamer:
         slots = cache.lookup(layer, range(e))
         cache.table.lock(slots[slots >= 0])  # its own residents stay where they are
         missing = [x for x in range(e) if slots[x] < 0]
-        lo = (self.b.pool.row[layer] % 2) * e
-        admitted = cache.admit(layer, missing, lo, lo + e)
+        admitted = cache.admit(layer, missing)  # LRU: free slots, else the layer streamed two steps ago
         st = self.b.stats_[layer]
         st.fills += len(admitted)
         st.bytes_moved += len(admitted) * self.b.pool.expert_bytes

@@ -111,3 +111,18 @@ def test_native_cpu_runner_matches_torch(pool):
     pos_t, y_t = cpu_runner._torch_run_on_cpu(x, jobs, pool.layout, K)
     assert torch.equal(pos_n, pos_t)
     torch.testing.assert_close(y_n, y_t, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("slots,resident", [(2 * E, [0, E, E]), (3 * E, [E, E, E])])
+def test_long_prefill_double_buffers_whole_layers(pool, slots, resident):
+    """Layer l+1 streams into the LRU slots while l runs: with 2E slots two buffers alternate, with room
+    to spare the streamed layers stay resident for the decode that follows."""
+    b = OffloadBackend(pool, slots, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True))
+    x, ids, w = routing(40, seed=1)
+    for layer in L_IDS:
+        b.forward(layer, x, ids, w)
+    assert b.streamer.active
+    assert [b.cache.resident_count(layer) for layer in L_IDS] == resident
+    st = b.stats()
+    assert all(st["layers"][layer]["fills"] == E and st["layers"][layer]["misses"] == 0 for layer in L_IDS)
+    b.close()
