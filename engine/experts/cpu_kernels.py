@@ -68,8 +68,8 @@ def _warn_fallback_once() -> None:
 class CpuFuture:
     """Completion handle of one submitted batch; keeps the tensors alive until it is waited on."""
 
-    def __init__(self, waiter, keep: tuple):
-        self._waiter, self._keep, self._done = waiter, keep, False
+    def __init__(self, waiter, keep: tuple, poll=None):
+        self._waiter, self._keep, self._poll, self._done = waiter, keep, poll, False
 
     def wait(self) -> None:
         if not self._done:
@@ -77,7 +77,8 @@ class CpuFuture:
             self._done, self._keep = True, ()
 
     def done(self) -> bool:
-        return self._done
+        """True once the work finished (wait() still has to be called to release the tensors)."""
+        return self._done or (self._poll is not None and self._poll())
 
 
 def check_tasks(tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> tuple[int, int, torch.dtype]:
@@ -153,7 +154,7 @@ class CpuExpertRunner:
                 self._pending.wait()
             if self.backend == "torch":
                 fut: Future = self._executor.submit(torch_experts, tasks, x, y)
-                self._pending = CpuFuture(fut.result, ())
+                self._pending = CpuFuture(fut.result, (), fut.done)
             else:
                 self._pending = self._submit_native(tasks, x, y, hidden, inter, dtype)
             return self._pending
@@ -173,7 +174,7 @@ class CpuExpertRunner:
             [t[0].data_ptr() for t in tasks], [t[1].data_ptr() for t in tasks],
             [int(t[2]) for t in tasks], [float(t[3]) for t in tasks],
             xf.data_ptr(), xf.stride(0), y.data_ptr(), y.stride(0), x.shape[0], self.prefetch_bytes)
-        return CpuFuture(self._pool.wait, (tasks, xf, y))
+        return CpuFuture(self._pool.wait, (tasks, xf, y), self._pool.done)
 
     def read_bandwidth_pass(self, buf: torch.Tensor) -> int:
         """One STREAM-style read of a contiguous CPU tensor on this runner's threads (native only)."""
