@@ -1,10 +1,12 @@
 """CPU expert bandwidth: native kernel GB/s vs a STREAM-style read GB/s vs torch, at several thread counts.
 
-    python -m engine.experts.bench_cpu [--threads 1,6,16] [--pool-gb 2] [--json out.json]
+    python -m engine.experts.bench_cpu [--threads 1,6,16] [--pool-gb 2] [--sweep] [--json out.json]
 
-Kernel GB/s = expert weight bytes read / wall time of submit+wait, experts drawn without repetition from a
-pool far larger than the last-level cache (Qwen3.6-35B-A3B shape by default: H=2048, I=512, bf16, 6 MiB
-an expert). The read figure runs the native read kernel over the same pool on the same worker pool.
+Kernel GB/s = expert weight bytes read / wall time of submit+wait (Python wrapper included), experts drawn
+without repetition from a pool far larger than the last-level cache (Qwen3.6-35B-A3B shape by default:
+H=2048, I=512, bf16, 6 MiB an expert), `--experts-per-call` distinct experts per call like one MoE layer's
+misses. Read GB/s = the native read kernel over the whole pool on the same worker pool. Torch GB/s = the
+fallback (torch matmuls in the weight dtype) on the same calls with torch.set_num_threads(n).
 """
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import time
 
 import torch
 
-from engine.experts.cpu_kernels import (CpuExpertRunner, physical_cores, split_expert_block, supported_isas,
-                                        torch_experts)
+from engine.experts.cpu_kernels import CpuExpertRunner, ExpertTable, physical_cores, supported_isas, torch_experts
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# --sweep: (label, overrides) measured after the default configuration, same pool, same process.
+SWEEP = [("no software prefetch", {"prefetch": 0}), ("no spinning", {"spin_us": 0}),
+         ("4 tokens per call", {"tokens": 4}), ("32 experts per call", {"experts_per_call": 32})]
 
 
 def make_pool(n_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> torch.Tensor:
@@ -30,52 +34,61 @@ def make_pool(n_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> to
     return pool
 
 
-def call_plan(n_experts: int, per_call: int, tokens: int, gen: torch.Generator) -> list[list[tuple[int, int]]]:
-    """Calls of (token, expert) pairs; each call has per_call distinct experts, shared among its tokens."""
+def call_plan(n_experts: int, per_call: int, tokens: int, gen: torch.Generator) -> list[tuple[list, list]]:
+    """Calls of (expert ids, token ids): per_call distinct experts each, each expert routed from every token."""
     order = torch.randperm(n_experts, generator=gen).tolist()
     calls = []
     for c in range(0, n_experts - per_call + 1, per_call):
         experts = order[c:c + per_call]
-        calls.append([(i % tokens, e) for i, e in enumerate(experts)] + [((i + 1) % tokens, e)
-                     for i, e in enumerate(experts) if tokens > 1])
+        calls.append(([e for e in experts for _ in range(tokens)], [t for _ in experts for t in range(tokens)]))
     return calls
 
 
-def time_calls(run, experts, calls, x, y, limit_s: float) -> tuple[float, int]:
-    """Runs calls until limit_s; returns (seconds, weight bytes read)."""
-    nbytes = experts[0][0].nbytes + experts[0][1].nbytes
+def time_calls(run, table: ExpertTable, calls, x, y, limit_s: float) -> float:
+    """Runs calls until limit_s; returns weight GB/s."""
+    nbytes = 3 * table.hidden * table.inter * table.dtype.itemsize
     done_bytes, t0 = 0, time.perf_counter()
-    for call in calls:
-        tasks = [(experts[e][0], experts[e][1], tok, 0.5) for tok, e in call]
-        run(tasks, x, y)
-        done_bytes += nbytes * len({e for _, e in call})
+    for experts, tokens in calls:
+        run(table, experts, tokens, [0.5] * len(experts), x, y)
+        done_bytes += nbytes * len(set(experts))
         if time.perf_counter() - t0 > limit_s:
             break
-    return time.perf_counter() - t0, done_bytes
+    return done_bytes / (time.perf_counter() - t0) / 1e9
 
 
-def bench_threads(n: int, pool, experts, args, gen) -> dict:
-    x = torch.randn(args.tokens, args.hidden)
-    y = torch.zeros(args.tokens, args.hidden)
-    runner = CpuExpertRunner(threads=n, isa=args.isa, prefetch_bytes=args.prefetch)
-    reads = []
-    for _ in range(args.repeats):
+def torch_routed(table, experts, tokens, weights, x, y) -> None:
+    torch_experts(table.tasks(experts, tokens, weights), x, y)
+
+
+def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict:
+    x = torch.randn(cfg["tokens"], table.hidden)
+    y = torch.zeros(cfg["tokens"], table.hidden)
+    runner = CpuExpertRunner(threads=n, isa=cfg["isa"], prefetch_bytes=cfg["prefetch"], spin_us=cfg["spin_us"])
+    reads, kernel = [], []
+    for _ in range(cfg["repeats"]):  # interleaved, so a noisy neighbour hits both figures alike
         t0 = time.perf_counter()
         runner.read_bandwidth_pass(pool)
-        reads.append(pool.numel() * pool.element_size() / (time.perf_counter() - t0) / 1e9)
-    kernel = []
-    for _ in range(args.repeats):
-        calls = call_plan(len(experts), args.experts_per_call, args.tokens, gen)
-        s, b = time_calls(runner.run, experts, calls, x, y, args.seconds)
-        kernel.append(b / s / 1e9)
-    torch.set_num_threads(n)
-    calls = call_plan(len(experts), args.experts_per_call, args.tokens, gen)
-    s, b = time_calls(torch_experts, experts, calls, x, y, args.seconds)
-    row = {"threads": n, "isa": runner.isa, "kernel_gbs": max(kernel), "read_gbs": max(reads),
-           "torch_gbs": b / s / 1e9, "kernel_runs": kernel, "read_runs": reads,
-           "call_us": 1e6 * args.experts_per_call * (experts[0][0].nbytes + experts[0][1].nbytes) / 1e9 / max(kernel)}
+        reads.append(pool.nbytes / (time.perf_counter() - t0) / 1e9)
+        calls = call_plan(table.num_experts, cfg["experts_per_call"], cfg["tokens"], gen)
+        kernel.append(time_calls(runner.run_routed, table, calls, x, y, cfg["seconds"]))
+    del runner  # parks and joins its workers before torch's threads start
+    row = {"threads": n, "isa": cfg["isa"] or supported_isas()[0], "kernel_gbs": max(kernel),
+           "read_gbs": max(reads), "kernel_runs": kernel, "read_runs": reads}
     row["ratio"] = row["kernel_gbs"] / row["read_gbs"]
+    if with_torch:
+        torch.set_num_threads(n)
+        calls = call_plan(table.num_experts, cfg["experts_per_call"], cfg["tokens"], gen)
+        row["torch_gbs"] = time_calls(torch_routed, table, calls, x, y, cfg["seconds"])
     return row
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(title)
+    print(f"{'threads':>7} {'isa':>10} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6} {'torch GB/s':>11}")
+    for r in rows:
+        torch_gbs = f"{r['torch_gbs']:.1f}" if "torch_gbs" in r else "-"
+        print(f"{r['threads']:>7} {r['isa']:>10} {r['kernel_gbs']:>12.1f} {r['read_gbs']:>10.1f} "
+              f"{r['ratio']:>6.2f} {torch_gbs:>11}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -87,35 +100,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inter", type=int, default=512)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--experts-per-call", type=int, default=8, help="distinct experts per MoE-layer call")
-    p.add_argument("--tokens", type=int, default=1, choices=[1, 2, 3, 4])
+    p.add_argument("--tokens", type=int, default=1, choices=[1, 2, 3, 4], help="tokens routed to each expert")
     p.add_argument("--isa", default=None, help=f"force a kernel path, one of {supported_isas()}")
     p.add_argument("--prefetch", type=int, default=512, help="software prefetch distance in bytes (0: off)")
-    p.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
+    p.add_argument("--spin-us", type=int, default=50, help="how long idle workers spin before parking")
+    p.add_argument("--seconds", type=float, default=1.5, help="time per kernel measurement")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sweep", action="store_true", help="also measure the variants in SWEEP (no torch)")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> list[dict]:
+def main(argv=None) -> dict:
     args = parse_args(argv)
+    if not supported_isas():
+        raise SystemExit("the native extension is not built: pip install needs a C++17 compiler")
     dtype = DTYPES[args.dtype]
     expert_bytes = 3 * args.inter * args.hidden * dtype.itemsize
-    n_experts = max(args.experts_per_call, int(args.pool_gb * 1e9 // expert_bytes))
+    n_experts = max(32, int(args.pool_gb * 1e9 // expert_bytes))
     pool = make_pool(n_experts, args.hidden, args.inter, dtype)
-    experts = [split_expert_block(pool[e], args.hidden, args.inter) for e in range(n_experts)]
+    table = ExpertTable.from_blocks(pool, args.hidden, args.inter)
     gen = torch.Generator().manual_seed(0)
-    rows = [bench_threads(int(n), pool, experts, args, gen) for n in args.threads.split(",")]
-    print(f"pool {pool.nbytes / 1e9:.2f} GB, {n_experts} experts of {expert_bytes / 2**20:.1f} MiB "
-          f"({args.dtype}), {args.experts_per_call} experts x {args.tokens} token(s) per call")
-    print(f"{'threads':>7} {'isa':>10} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6} {'torch GB/s':>11}")
-    for r in rows:
-        print(f"{r['threads']:>7} {r['isa']:>10} {r['kernel_gbs']:>12.1f} {r['read_gbs']:>10.1f} "
-              f"{r['ratio']:>6.2f} {r['torch_gbs']:>11.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": platform.processor() or platform.machine(), "args": vars(args),
-                       "isas": supported_isas(), "rows": rows}, f, indent=1)
-    return rows
+    base = vars(args)
+    configs = [("default", {})] + (SWEEP if args.sweep else [])
+    results = {"machine": platform.processor() or platform.machine(), "args": base, "isas": supported_isas(),
+               "pool_gb": pool.nbytes / 1e9, "configs": {}}
+    for label, overrides in configs:
+        cfg = {**base, **overrides}
+        rows = [bench_threads(int(n), pool, table, cfg, gen, with_torch=not overrides)
+                for n in args.threads.split(",")]
+        results["configs"][label] = rows
+        print_table(f"[{label}] pool {pool.nbytes / 1e9:.2f} GB, {n_experts} experts of "
+                    f"{expert_bytes / 2**20:.1f} MiB ({args.dtype}), {cfg['experts_per_call']} experts x "
+                    f"{cfg['tokens']} token(s) per call, prefetch {cfg['prefetch']} B, spin {cfg['spin_us']} us",
+                    rows)
+        if args.json:  # after every configuration, so a run cut short still leaves numbers
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    return results
 
 
 if __name__ == "__main__":

@@ -81,13 +81,50 @@ class CpuFuture:
         return self._done or (self._poll is not None and self._poll())
 
 
-def check_tasks(tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> tuple[int, int, torch.dtype]:
-    """Validates a batch; returns (H, I, weight dtype). Raises ValueError with what to fix."""
+class ExpertTable:
+    """One MoE layer's experts, validated once: gate_up [E, 2I, H], down [E, H, I] (bf16 or fp32, unit inner
+    stride; e.g. ExpertWeights.stacked(layer)). from_blocks() takes the host pool's [E, 3*I*H] blocks."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+            raise ValueError(f"an expert table needs gate_up [E, 2I, H] and down [E, H, I]; got "
+                             f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
+        self.num_experts, two_i, self.hidden = gate_up.shape
+        self.inter = two_i // 2
+        if tuple(down.shape[1:]) != (self.hidden, self.inter) or two_i % 2:
+            raise ValueError(f"down must be [E, H, I] = [E, {self.hidden}, {self.inter}], got {tuple(down.shape)}")
+        if gate_up.dtype not in _FORMATS or down.dtype != gate_up.dtype:
+            raise ValueError(f"expert weights must be bf16 or fp32, one dtype (got {gate_up.dtype}/{down.dtype})")
+        on_cpu = gate_up.device.type == "cpu" and down.device.type == "cpu"
+        if gate_up.stride(2) != 1 or down.stride(2) != 1 or not on_cpu:
+            raise ValueError("expert weights must be CPU tensors with unit inner stride")
+        self.gate_up, self.down, self.dtype = gate_up, down, gate_up.dtype
+        self._args = (_FORMATS[self.dtype], self.hidden, self.inter, gate_up.data_ptr(), gate_up.stride(0),
+                      gate_up.stride(1), down.data_ptr(), down.stride(0), down.stride(1), self.num_experts)
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, hidden: int, inter: int) -> "ExpertTable":
+        if blocks.dim() != 2 or blocks.shape[1] != 3 * inter * hidden or blocks.stride(1) != 1:
+            raise ValueError(f"expert blocks must be [E, 3*I*H] = [E, {3 * inter * hidden}] with unit inner "
+                             f"stride, got {tuple(blocks.shape)}")
+        n = 2 * inter * hidden
+        return cls(blocks[:, :n].unflatten(1, (2 * inter, hidden)), blocks[:, n:].unflatten(1, (hidden, inter)))
+
+    def tasks(self, experts, tokens, weights) -> list[Task]:
+        return [(self.gate_up[e], self.down[e], t, w) for e, t, w in zip(experts, tokens, weights)]
+
+
+def check_xy(x: torch.Tensor, y: torch.Tensor) -> None:
     if x.dim() != 2 or y.dim() != 2 or x.shape != y.shape:
         raise ValueError(f"x and y must both be [T, H]; got {tuple(x.shape)} and {tuple(y.shape)}")
     if y.dtype != torch.float32 or y.stride(1) != 1 or x.device.type != "cpu" or y.device.type != "cpu":
         raise ValueError("y must be a CPU float32 tensor with unit inner stride (it is accumulated into), "
                          "x a CPU tensor")
+
+
+def check_tasks(tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    """Validates a batch; returns (H, I, weight dtype). Raises ValueError with what to fix."""
+    check_xy(x, y)
     if not tasks:
         return x.shape[1], 0, torch.float32
     T, H = x.shape
@@ -153,11 +190,43 @@ class CpuExpertRunner:
             if self._pending is not None:
                 self._pending.wait()
             if self.backend == "torch":
-                fut: Future = self._executor.submit(torch_experts, tasks, x, y)
-                self._pending = CpuFuture(fut.result, (), fut.done)
+                self._pending = self._submit_torch(tasks, x, y)
             else:
                 self._pending = self._submit_native(tasks, x, y, hidden, inter, dtype)
             return self._pending
+
+    def run_routed(self, table: ExpertTable, experts, tokens, weights, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.submit_routed(table, experts, tokens, weights, x, y).wait()
+
+    def submit_routed(self, table: ExpertTable, experts, tokens, weights, x: torch.Tensor,
+                      y: torch.Tensor) -> CpuFuture:
+        """The per-layer fast path: task i is (table expert experts[i], token tokens[i], weight weights[i]).
+        experts/tokens/weights are int/float sequences or 1-D tensors (e.g. a MoE layer's misses)."""
+        experts, tokens, weights = (v.tolist() if isinstance(v, torch.Tensor) else v
+                                    for v in (experts, tokens, weights))
+        if not len(experts) == len(tokens) == len(weights):
+            raise ValueError("experts, tokens and weights must have one entry per task")
+        check_xy(x, y)
+        if x.shape[1] != table.hidden:
+            raise ValueError(f"x has hidden size {x.shape[1]}, the expert table {table.hidden}")
+        with self._lock:
+            if self._pending is not None:
+                self._pending.wait()
+            if self.backend == "torch":
+                self._pending = self._submit_torch(table.tasks(experts, tokens, weights), x, y)
+                return self._pending
+            xf = x if x.dtype == torch.float32 and x.stride(1) == 1 else x.float().contiguous()
+            try:
+                self._pool.submit_table(self.isa, *table._args, experts, tokens, weights, xf.data_ptr(),
+                                        xf.stride(0), y.data_ptr(), y.stride(0), x.shape[0], self.prefetch_bytes)
+            except TypeError as exc:  # pybind: ids not ints (out-of-range ids raise ValueError already)
+                raise ValueError(f"bad routed task list: {exc}") from exc
+            self._pending = CpuFuture(self._pool.wait, (table, xf, y), self._pool.done)
+            return self._pending
+
+    def _submit_torch(self, tasks, x, y) -> CpuFuture:
+        fut: Future = self._executor.submit(torch_experts, tasks, x, y)
+        return CpuFuture(fut.result, (), fut.done)
 
     def wait(self) -> None:
         with self._lock:

@@ -59,18 +59,52 @@ const KernelTable* table_for(const std::string& isa) {
 
 struct Runner {
   Pool pool;
-  MoeArgs last{};
-
   Runner(int threads, bool pin, int spin_us) : pool(threads, pin, spin_us) {}
 
+  // Tasks as addresses: (gate_up, down, token, weight) per task.
   void submit_moe(const std::string& isa, int fmt, int H, int I, int64_t ld_gu, int64_t ld_dn,
                   const std::vector<uint64_t>& gate_up, const std::vector<uint64_t>& down,
                   const std::vector<int64_t>& tokens, const std::vector<float>& weights, uint64_t x,
                   int64_t x_stride, uint64_t y, int64_t y_stride, int T, int prefetch_bytes) {
+    MoeArgs a = args(isa, fmt, H, I, ld_gu, ld_dn, x, x_stride, y, y_stride, T, prefetch_bytes);
+    check_tokens(tokens, T);
+    start(a, group_tasks(gate_up, down, tokens, weights));
+  }
+
+  // Tasks as expert ids into one layer's table: expert e's gate_up at gu_base + e * gu_estride elements.
+  void submit_table(const std::string& isa, int fmt, int H, int I, uint64_t gu_base, int64_t gu_estride,
+                    int64_t ld_gu, uint64_t dn_base, int64_t dn_estride, int64_t ld_dn, int64_t E,
+                    const std::vector<int64_t>& experts, const std::vector<int64_t>& tokens,
+                    const std::vector<float>& weights, uint64_t x, int64_t x_stride, uint64_t y,
+                    int64_t y_stride, int T, int prefetch_bytes) {
+    MoeArgs a = args(isa, fmt, H, I, ld_gu, ld_dn, x, x_stride, y, y_stride, T, prefetch_bytes);
+    check_tokens(tokens, T);
+    int64_t es = fmt == kBF16 ? 2 : 4;
+    std::vector<uint64_t> gu(experts.size()), dn(experts.size());
+    for (size_t i = 0; i < experts.size(); ++i) {
+      if (experts[i] < 0 || experts[i] >= E)
+        throw std::invalid_argument("expert id " + std::to_string(experts[i]) + " is outside the table's " +
+                                    std::to_string(E) + " experts");
+      gu[i] = gu_base + uint64_t(experts[i] * gu_estride * es);
+      dn[i] = dn_base + uint64_t(experts[i] * dn_estride * es);
+    }
+    start(a, group_tasks(gu, dn, tokens, weights));
+  }
+
+ private:
+  static MoeArgs args(const std::string& isa, int fmt, int H, int I, int64_t ld_gu, int64_t ld_dn, uint64_t x,
+                      int64_t x_stride, uint64_t y, int64_t y_stride, int T, int prefetch_bytes) {
     if (fmt != kF32 && fmt != kBF16) throw std::invalid_argument("unknown weight format tag");
-    MoeArgs a{table_for(isa), Format(fmt), H, I, ld_gu, ld_dn, reinterpret_cast<const float*>(x),
-              x_stride, reinterpret_cast<float*>(y), y_stride, T, prefetch_bytes};
-    auto groups = group_tasks(gate_up, down, tokens, weights);
+    return MoeArgs{table_for(isa), Format(fmt), H, I, ld_gu, ld_dn, reinterpret_cast<const float*>(x),
+                   x_stride, reinterpret_cast<float*>(y), y_stride, T, prefetch_bytes};
+  }
+  static void check_tokens(const std::vector<int64_t>& tokens, int T) {
+    for (int64_t t : tokens)
+      if (t < 0 || t >= T)
+        throw std::invalid_argument("token " + std::to_string(t) + " is outside x's " + std::to_string(T) +
+                                    " rows");
+  }
+  void start(const MoeArgs& a, std::vector<ExpertGroup> groups) {
     py::gil_scoped_release release;
     pool.submit(make_moe_job(a, std::move(groups)));
   }
@@ -90,6 +124,7 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def_property_readonly("threads", [](Runner& r) { return r.pool.threads(); })
       .def_property_readonly("cpus", [](Runner& r) { return r.pool.cpus(); })
       .def("submit_moe", &Runner::submit_moe)
+      .def("submit_table", &Runner::submit_table)
       .def("wait", [](Runner& r) { py::gil_scoped_release release; r.pool.wait(); })
       .def("done", [](Runner& r) { return r.pool.done(); })
       .def("read", [](Runner& r, const std::string& isa, uint64_t p, size_t nbytes) {

@@ -54,6 +54,7 @@ std::vector<int> physical_cpus() {
 Pool::Pool(int threads, bool pin, int spin_us) : spin_us_(spin_us) {
   std::vector<int> phys = physical_cpus();
   int n = int(phys.size());
+  wait_spin_us_ = threads < n ? spin_us : 0;
   // Pin only when every worker gets a core of its own; leave the first core to the caller if we can.
   if (pin && threads <= n) {
     int skip = threads < n ? 1 : 0;
@@ -87,7 +88,7 @@ bool Pool::done() const {
 }
 
 void Pool::wait() {
-  auto until = Clock::now() + std::chrono::microseconds(spin_us_);
+  auto until = Clock::now() + std::chrono::microseconds(wait_spin_us_);
   for (int i = 0; !done(); ++i) {
     if ((i & 255) == 0 && Clock::now() > until) break;
     cpu_relax();

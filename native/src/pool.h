@@ -43,6 +43,7 @@ class Pool {
   std::vector<std::thread> workers_;
   std::vector<int> cpus_;
   int spin_us_;
+  int wait_spin_us_;  // the caller spins only when the pool leaves it a core of its own
   std::shared_ptr<Job> job_;
   std::atomic<uint64_t> generation_{0};
   std::atomic<uint64_t> finished_{0};
