@@ -111,6 +111,9 @@ class ExpertTable:
         return cls(blocks[:, :n].unflatten(1, (2 * inter, hidden)), blocks[:, n:].unflatten(1, (hidden, inter)))
 
     def tasks(self, experts, tokens, weights) -> list[Task]:
+        bad = [e for e in experts if not 0 <= e < self.num_experts]
+        if bad:
+            raise ValueError(f"expert ids {bad} are outside the table's {self.num_experts} experts")
         return [(self.gate_up[e], self.down[e], t, w) for e, t, w in zip(experts, tokens, weights)]
 
 

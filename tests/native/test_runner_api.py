@@ -112,3 +112,23 @@ def test_missing_extension_falls_back_with_one_warning(monkeypatch):
     assert first.backend == second.backend == "torch"
     with pytest.raises(ValueError, match="not built"):
         CpuExpertRunner(backend="native")
+
+
+@pytest.mark.parametrize("backend", ["torch"] + (["native"] if ck.native_available() else []))
+def test_routed_table_path_matches_task_path(backend):
+    gen = torch.Generator().manual_seed(11)
+    hidden, inter = 72, 20
+    blocks = (torch.randn(6, 3 * inter * hidden, generator=gen) * 0.1).bfloat16()  # host pool layout
+    table = ck.ExpertTable.from_blocks(blocks, hidden, inter)
+    x = torch.randn(3, hidden, generator=gen)
+    experts, tokens = torch.tensor([5, 0, 5, 2, 3, 5]), torch.tensor([0, 0, 1, 1, 2, 2])
+    weights = torch.rand(6, generator=gen)
+    y = torch.zeros(3, hidden)
+    runner = CpuExpertRunner(threads=2, backend=backend)
+    runner.run_routed(table, experts, tokens, weights, x, y)
+    ref = reference_experts(table.tasks(experts.tolist(), tokens.tolist(), weights.tolist()), x)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-2
+    with pytest.raises(ValueError):
+        runner.run_routed(table, [6], [0], [1.0], x, y)  # no expert 6
+    with pytest.raises(ValueError, match="one entry per task"):
+        runner.run_routed(table, [1, 2], [0], [1.0], x, y)
