@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -58,8 +59,10 @@ const KernelTable* table_for(const std::string& isa) {
 }
 
 struct Runner {
-  Pool pool;
-  Runner(int threads, bool pin, int spin_us) : pool(threads, pin, spin_us) {}
+  std::unique_ptr<Pool> pool_;
+  Pool& pool;
+  Runner(int threads, bool pin, int spin_us)
+      : pool_(std::make_unique<Pool>(threads, pin, spin_us)), pool(*pool_) {}
 
   // Tasks as addresses: (gate_up, down, token, weight) per task.
   void submit_moe(const std::string& isa, int fmt, int H, int I, int64_t ld_gu, int64_t ld_dn,

@@ -54,8 +54,12 @@ class Pool {
   std::condition_variable park_cv_;
   std::mutex done_mu_;
   std::condition_variable done_cv_;
-  alignas(64) std::atomic<int> barrier_count_{0};
-  alignas(64) std::atomic<int> barrier_sense_{0};
+  // Padding, not alignas: the pool must not be an over-aligned type (bound objects get plain new).
+  char pad0_[64];
+  std::atomic<int> barrier_count_{0};
+  char pad1_[64];
+  std::atomic<int> barrier_sense_{0};
+  char pad2_[64];
 };
 
 }  // namespace killick
