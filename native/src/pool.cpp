@@ -4,8 +4,8 @@
 
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <set>
+#include <string>
 #include <utility>
 
 namespace killick {
@@ -19,10 +19,14 @@ inline void cpu_relax() {
 #endif
 }
 
+// C stdio, not <fstream>: some Python builds link the extension with a static libstdc++ whose iostreams
+// crash once torch has loaded the shared one (seen on the lent GPU box).
 int read_int(const std::string& path) {
-  std::ifstream f(path);
   int v = -1;
-  f >> v;
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    if (std::fscanf(f, "%d", &v) != 1) v = -1;
+    std::fclose(f);
+  }
   return v;
 }
 
