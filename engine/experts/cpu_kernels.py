@@ -154,11 +154,11 @@ class CpuExpertRunner:
 
     threads: worker count (default: physical cores - 1, at least 1); isa: force a kernel path
     ('avx512bf16', 'avx512', 'avx2', 'scalar'; default the best supported); backend: 'auto', 'native'
-    or 'torch'.
+    or 'torch'; pin: one worker per physical core; spin_us: how long idle workers spin before parking.
     """
 
     def __init__(self, threads: int | None = None, isa: str | None = None, backend: str = "auto",
-                 pin: bool = True, spin_us: int = 50, prefetch_bytes: int = PREFETCH_BYTES):
+                 pin: bool = True, spin_us: int = 2000, prefetch_bytes: int = PREFETCH_BYTES):
         if backend not in ("auto", "native", "torch"):
             raise ValueError(f"backend must be 'auto', 'native' or 'torch', not {backend!r}")
         if backend == "native" and _native is None:

@@ -123,7 +123,7 @@ PYBIND11_MODULE(_cpu_experts, m) {
   m.attr("FORMAT_BF16") = int(kBF16);
   m.attr("MAX_TOKENS_PER_PASS") = kMaxTokens;
   py::class_<Runner>(m, "Runner")
-      .def(py::init<int, bool, int>(), py::arg("threads"), py::arg("pin") = true, py::arg("spin_us") = 50)
+      .def(py::init<int, bool, int>(), py::arg("threads"), py::arg("pin") = true, py::arg("spin_us") = 2000)
       .def_property_readonly("threads", [](Runner& r) { return r.pool.threads(); })
       .def_property_readonly("cpus", [](Runner& r) { return r.pool.cpus(); })
       .def("submit_moe", &Runner::submit_moe)

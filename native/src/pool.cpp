@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <set>
@@ -58,7 +59,9 @@ std::vector<int> physical_cpus() {
 Pool::Pool(int threads, bool pin, int spin_us) : spin_us_(spin_us) {
   std::vector<int> phys = physical_cpus();
   int n = int(phys.size());
-  wait_spin_us_ = threads < n ? spin_us : 0;
+  // With a core to spare the caller spins through the whole job (up to 20 ms): a parked thread in a VM can
+  // take hundreds of microseconds to wake, measured as a fixed cost per call on the GPU box.
+  wait_spin_us_ = threads < n ? std::max(spin_us, 20000) : 0;
   // Pin only when every worker gets a core of its own; leave the first core to the caller if we can.
   if (pin && threads <= n) {
     int skip = threads < n ? 1 : 0;
