@@ -58,7 +58,8 @@ class OptionalBuildExt(build_ext):
             try:
                 objects = self.compiler.compile(
                     [os.path.join(SRC, source)], output_dir=self.build_temp,
-                    include_dirs=ext.include_dirs, extra_postargs=BASE_FLAGS + ISA_EXTRA + flags)
+                    include_dirs=ext.include_dirs, extra_postargs=BASE_FLAGS + ISA_EXTRA + flags,
+                    depends=ext.depends)
             except Exception as exc:
                 _warn(f"{name} kernels not built ({exc})")
                 continue

@@ -24,7 +24,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SWEEP = [("short spin (50 us)", {"spin_us": 50}), ("no software prefetch", {"prefetch": 0}),
          ("prefetch 2048 B", {"prefetch": 2048}),
          ("4 tokens per call", {"tokens": 4}), ("4 tokens, prefetch 2048 B", {"tokens": 4, "prefetch": 2048}),
-         ("32 experts per call", {"experts_per_call": 32})]
+         ("32 experts per call", {"experts_per_call": 32}), ("one row at a time", {"row_block": 1}),
+         ("one row at a time, 4 tokens", {"row_block": 1, "tokens": 4})]
 
 
 def make_pool(n_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> torch.Tensor:
@@ -70,7 +71,7 @@ def torch_routed(table, experts, tokens, weights, x, y) -> None:
 def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict:
     x = torch.randn(cfg["tokens"], table.hidden)
     y = torch.zeros(cfg["tokens"], table.hidden)
-    runner = CpuExpertRunner(threads=n, isa=cfg["isa"], prefetch_bytes=cfg["prefetch"], spin_us=cfg["spin_us"])
+    runner = CpuExpertRunner(threads=n, isa=cfg["isa"], prefetch_bytes=cfg["prefetch"], spin_us=cfg["spin_us"], row_block=cfg["row_block"])
     reads, kernel = [], []
     plan = lambda: call_plan(table.num_experts, cfg["experts_per_call"], cfg["tokens"], gen)  # noqa: E731
     for _ in range(cfg["repeats"]):  # interleaved, so a noisy neighbour hits both figures alike
@@ -110,6 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--isa", default=None, help=f"force a kernel path, one of {supported_isas()}")
     p.add_argument("--prefetch", type=int, default=512, help="software prefetch distance in bytes (0: off)")
     p.add_argument("--spin-us", type=int, default=2000, help="how long idle workers spin before parking")
+    p.add_argument("--row-block", type=int, default=0, choices=[0, 1], help="kernel walk order")
     p.add_argument("--seconds", type=float, default=1.5, help="time per kernel measurement")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="also measure the variants in SWEEP (no torch)")

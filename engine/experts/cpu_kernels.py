@@ -154,11 +154,13 @@ class CpuExpertRunner:
 
     threads: worker count (default: physical cores - 1, at least 1); isa: force a kernel path
     ('avx512bf16', 'avx512', 'avx2', 'scalar'; default the best supported); backend: 'auto', 'native'
-    or 'torch'; pin: one worker per physical core; spin_us: how long idle workers spin before parking.
+    or 'torch'; pin: one worker per physical core; spin_us: how long idle workers spin before parking;
+    row_block: kernel walk order (0: four rows side by side, 1: one row at a time).
     """
 
     def __init__(self, threads: int | None = None, isa: str | None = None, backend: str = "auto",
-                 pin: bool = True, spin_us: int = 2000, prefetch_bytes: int = PREFETCH_BYTES):
+                 pin: bool = True, spin_us: int = 2000, prefetch_bytes: int = PREFETCH_BYTES,
+                 row_block: int = 0):
         if backend not in ("auto", "native", "torch"):
             raise ValueError(f"backend must be 'auto', 'native' or 'torch', not {backend!r}")
         if backend == "native" and _native is None:
@@ -182,6 +184,7 @@ class CpuExpertRunner:
             raise ValueError(f"ISA {isa!r} is not available here; choose one of {isas}")
         self.backend, self.isa = "native", isa or isas[0]
         self._pool = _native.Runner(self.threads, pin, spin_us)
+        self._pool.row_block = row_block
 
     def run(self, tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> None:
         self.submit(tasks, x, y).wait()

@@ -52,9 +52,44 @@ inline void dot_block(const typename V::WT* w, int64_t ld, int K, const typename
   }
 }
 
+// One row, one sequential stream: lines alternate between two accumulator sets to hide FMA latency.
+template <class V, int T>
+inline void dot_stream(const typename V::WT* w, int K, const typename V::XT* const* x, float* out, int os,
+                       int pf) {
+  constexpr int LINE = 64 / int(sizeof(typename V::WT));
+  constexpr int J = LINE / V::W > 0 ? LINE / V::W : 1;
+  constexpr int STEP = J * V::W;
+  typename V::R acc[2][T];
+  for (int u = 0; u < 2; ++u)
+    for (int t = 0; t < T; ++t) acc[u][t] = V::zero();
+  int k = 0;
+  for (; k + 2 * STEP <= K; k += 2 * STEP) {
+    if (pf > 0) __builtin_prefetch(reinterpret_cast<const char*>(w + k) + pf, 0, 3);
+    if (pf > 0) __builtin_prefetch(reinterpret_cast<const char*>(w + k) + pf + 64, 0, 3);
+    for (int u = 0; u < 2; ++u)
+      for (int j = 0; j < J; ++j) {
+        typename V::WV wv = V::load_w(w + k + u * STEP + j * V::W);
+        for (int t = 0; t < T; ++t) acc[u][t] = V::fma(acc[u][t], wv, V::load_x(x[t] + k + u * STEP + j * V::W));
+      }
+  }
+  for (; k + V::W <= K; k += V::W) {
+    typename V::WV wv = V::load_w(w + k);
+    for (int t = 0; t < T; ++t) acc[0][t] = V::fma(acc[0][t], wv, V::load_x(x[t] + k));
+  }
+  for (int t = 0; t < T; ++t) {
+    float s = V::hsum(acc[0][t]) + V::hsum(acc[1][t]);
+    for (int kk = k; kk < K; ++kk) s += V::w_scalar(w + kk) * V::x_scalar(x[t] + kk);
+    out[t * os] = s;
+  }
+}
+
 template <class V, int T>
 inline void dot_rows_t(const typename V::WT* w, int64_t ld, int K, int rows,
-                       const typename V::XT* const* x, float* out, int os, int pf) {
+                       const typename V::XT* const* x, float* out, int os, int pf, int row_block) {
+  if (row_block == 1) {
+    for (int r = 0; r < rows; ++r) dot_stream<V, T>(w + r * ld, K, x, out + r, os, pf);
+    return;
+  }
   constexpr int R = rows_per_block<T, V::NACC>();
   int r = 0;
   for (; r + R <= rows; r += R) dot_block<V, T, R>(w + r * ld, ld, K, x, out + r, os, pf);
@@ -63,14 +98,14 @@ inline void dot_rows_t(const typename V::WT* w, int64_t ld, int K, int rows,
 
 template <class V>
 void dot_rows(const void* wp, int64_t ld, int K, int rows, const void* const* xp, int T, float* out,
-              int os, int pf) {
+              int os, int pf, int rb) {
   auto w = static_cast<const typename V::WT*>(wp);
   auto x = reinterpret_cast<const typename V::XT* const*>(xp);
   switch (T) {
-    case 1: dot_rows_t<V, 1>(w, ld, K, rows, x, out, os, pf); break;
-    case 2: dot_rows_t<V, 2>(w, ld, K, rows, x, out, os, pf); break;
-    case 3: dot_rows_t<V, 3>(w, ld, K, rows, x, out, os, pf); break;
-    default: dot_rows_t<V, 4>(w, ld, K, rows, x, out, os, pf); break;
+    case 1: dot_rows_t<V, 1>(w, ld, K, rows, x, out, os, pf, rb); break;
+    case 2: dot_rows_t<V, 2>(w, ld, K, rows, x, out, os, pf, rb); break;
+    case 3: dot_rows_t<V, 3>(w, ld, K, rows, x, out, os, pf, rb); break;
+    default: dot_rows_t<V, 4>(w, ld, K, rows, x, out, os, pf, rb); break;
   }
 }
 

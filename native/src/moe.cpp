@@ -77,9 +77,10 @@ class MoeJob : public Job {
       const void* xs[kMaxTokens];
       for (int t = 0; t < eg.ntok; ++t) xs[t] = x_row(eg.tok[t]);
       auto base = static_cast<const char*>(eg.gate_up);
-      dot(base + i0 * a_.ld_gu * es_, a_.ld_gu, a_.H, n, xs, eg.ntok, gbuf, kChunkRows, a_.prefetch_bytes);
+      dot(base + i0 * a_.ld_gu * es_, a_.ld_gu, a_.H, n, xs, eg.ntok, gbuf, kChunkRows, a_.prefetch_bytes,
+          a_.row_block);
       dot(base + (a_.I + i0) * a_.ld_gu * es_, a_.ld_gu, a_.H, n, xs, eg.ntok, ubuf, kChunkRows,
-          a_.prefetch_bytes);
+          a_.prefetch_bytes, a_.row_block);
       for (int t = 0; t < eg.ntok; ++t) {
         float* act = act_.get() + act_off(g, t) + i0;
         for (int r = 0; r < n; ++r) {
@@ -114,7 +115,7 @@ class MoeJob : public Job {
       auto base = static_cast<const char*>(eg.down);
       for (int64_t h = h0; h < h1; h += kChunkRows) {
         int n = int(std::min<int64_t>(kChunkRows, h1 - h));
-        dot(base + h * a_.ld_dn * es_, a_.ld_dn, a_.I, n, as, eg.ntok, buf, kChunkRows, a_.prefetch_bytes);
+        dot(base + h * a_.ld_dn * es_, a_.ld_dn, a_.I, n, as, eg.ntok, buf, kChunkRows, a_.prefetch_bytes, a_.row_block);
         for (int t = 0; t < eg.ntok; ++t) {
           float* dst = acc.data() + size_t(eg.tok[t]) * span + (h - h0);
           for (int r = 0; r < n; ++r) dst[r] += eg.w[t] * buf[t * kChunkRows + r];

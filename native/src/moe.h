@@ -32,6 +32,7 @@ struct MoeArgs {
   int64_t y_stride;
   int T;
   int prefetch_bytes;
+  int row_block;  // see DotRowsFn
 };
 
 // tasks: parallel arrays (gate_up, down, token, weight); tasks on the same expert are grouped, kMaxTokens

@@ -33,7 +33,8 @@ def rel_err(y, y0, ref):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("hidden,inter", [(67, 29), (130, 45), (256, 96)])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4])
-def test_matches_float64_reference(isa, dtype, hidden, inter, tokens):
+@pytest.mark.parametrize("row_block", [0, 1])
+def test_matches_float64_reference(isa, dtype, hidden, inter, tokens, row_block):
     gen = torch.Generator().manual_seed(hidden * 10 + tokens)
     experts = make_experts(5, hidden, inter, dtype, gen)
     x = torch.randn(tokens, hidden, generator=gen)
@@ -42,7 +43,7 @@ def test_matches_float64_reference(isa, dtype, hidden, inter, tokens):
              for t in range(tokens) for e in {0, (t + 1) % 5, (2 * t + 3) % 5}]
     y0 = torch.randn(tokens, hidden, generator=gen)  # accumulated into, not overwritten
     y = y0.clone()
-    CpuExpertRunner(threads=2, isa=isa).run(tasks, x, y)
+    CpuExpertRunner(threads=2, isa=isa, row_block=row_block).run(tasks, x, y)
     assert rel_err(y, y0, reference_experts(tasks, x)) < tolerance(isa, dtype)
 
 
