@@ -8,6 +8,7 @@ If pinning fails the pool stays pageable (slower copies) and says so once.
 from __future__ import annotations
 
 import threading
+import weakref
 import time
 import warnings
 from dataclasses import dataclass
@@ -94,7 +95,9 @@ class HostPool:
         nbytes = buf.numel() * buf.element_size()
         err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 1)  # 1 = cudaHostRegisterPortable
         if int(err) == 0:
-            self._registered.append(buf.data_ptr())
+            # unregister when the buffer dies, even without close(): a freed-but-registered range makes the
+            # next pool that gets the same addresses fail with cudaErrorHostMemoryAlreadyRegistered
+            self._registered.append(weakref.finalize(buf, _unregister, buf.data_ptr()))
             return True
         warnings.warn(f"pinning the expert pool failed (cudaError {int(err)}); continuing with pageable "
                       "memory: host->device copies will be slower (raise the memlock limit to fix)",
@@ -125,9 +128,13 @@ class HostPool:
         """Unpin (the pool normally lives as long as the process)."""
         if self._thread is not None:
             self._thread.join()
-        for ptr in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
+        for fin in self._registered:
+            fin()
         self._registered.clear()
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def source_fill(source) -> FillFn:
