@@ -13,6 +13,7 @@ import pydantic
 from aiohttp import web
 
 log = logging.getLogger("killick.proxy")
+STREAM_STARTED = "killick_stream_started"  # request key set once SSE headers are sent
 
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
@@ -73,11 +74,19 @@ def error_response(path: str, err: ApiError) -> web.Response:
 def from_validation(exc: pydantic.ValidationError) -> ApiError:
     """The first validation problem as a 400 that names the field, e.g. `messages.0.content: ...`."""
     first = exc.errors(include_url=False)[0]
-    loc = ".".join(str(p) for p in first["loc"])
+    loc = ".".join(str(p) for p in first["loc"] if not _is_union_label(p))
     what = first["msg"]
     if first["type"] == "missing":
         what = "field required"
     return ApiError(400, f"{loc}: {what}" if loc else what, param=loc or None)
+
+
+_TYPE_LABELS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-plain"}
+
+
+def _is_union_label(part) -> bool:
+    """pydantic puts union member names ('str', 'list[...]', 'TextBlock') into error locations; drop them."""
+    return isinstance(part, str) and (part in _TYPE_LABELS or "[" in part or part[:1].isupper())
 
 
 async def read_json_object(request: web.Request) -> dict:
@@ -108,6 +117,10 @@ async def error_middleware(request: web.Request, handler):
             raise
         message = exc.reason if exc.status != 404 else f"no route for {request.method} {request.path}"
         return error_response(request.path, ApiError(exc.status, message))
+    except ConnectionResetError:
+        raise  # the client went away: nobody to answer
     except Exception:  # noqa: BLE001 - the server must keep serving
+        if request.get(STREAM_STARTED):
+            raise  # headers are out: aiohttp closes the connection, the agent sees a cut stream
         log.exception("internal error on %s %s", request.method, request.path)
         return error_response(request.path, ApiError(500, "internal server error (see the server log)"))

@@ -9,6 +9,8 @@ import json
 
 from aiohttp import web
 
+from proxy.errors import STREAM_STARTED
+
 _HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -29,6 +31,7 @@ class SSEWriter:
 
     async def start(self) -> None:
         if not self.started:
+            self.request[STREAM_STARTED] = True
             await self.response.prepare(self.request)
             self.started = True
 
