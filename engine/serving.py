@@ -1,0 +1,223 @@
+"""The serving core: one scheduler thread that owns the model runner; callers submit from any thread.
+
+The step reads like the contract says: schedule -> run (prepare, forward, sample inside the runner) ->
+publish. An asyncio server never blocks on the model: `stream()` hops events onto the caller's loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import AsyncIterator, Callable, Protocol
+
+from engine.api import FinishReason, GenerateRequest, TokenEvent, Usage
+from engine.scheduler import Scheduler, Sequence, Work
+
+log = logging.getLogger("killick.engine")
+EventSink = Callable[[TokenEvent], None]
+
+
+class Runner(Protocol):
+    """What the core needs from the model side (engine/runner.py is the torch implementation)."""
+
+    context_length: int
+
+    def admit(self, seq: Sequence) -> None: ...  # restore the cached prefix: sets num_computed, reused
+
+    def step(self, work: list[Work]) -> list[int | None]: ...  # one forward; a token per sampling item
+
+    def release(self, seq: Sequence) -> None: ...  # cache what is worth keeping, free the rest
+
+    def stats(self) -> dict: ...
+
+
+class EngineCore:
+    def __init__(self, runner: Runner, max_running: int = 4, max_step_tokens: int = 512,
+                 max_waiting: int = 64) -> None:
+        self.runner = runner
+        self.scheduler = Scheduler(max_running, max_step_tokens, max_waiting)
+        self._sinks: dict[str, EventSink] = {}
+        self._inbox: deque[Sequence] = deque()
+        self._calls: deque[tuple[Callable[[], object], "asyncio.Future | None", threading.Event, list]] = deque()
+        self._aborts: set[str] = set()
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.totals = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "prompt_tokens": 0,
+                       "reused_tokens": 0, "prefilled_tokens": 0, "output_tokens": 0}
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "EngineCore":
+        self._thread = threading.Thread(target=self._loop, name="killick-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> "EngineCore":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- caller side (any thread) ---------------------------------------------------------------
+    def submit(self, req: GenerateRequest, on_event: EventSink) -> None:
+        """Queue a request. ValueError: it can never run; OverflowError: the queue is full (try later)."""
+        limit = self.runner.context_length
+        if len(req.prompt_ids) + max(req.max_new_tokens, 0) > limit:
+            raise ValueError(f"prompt is too long: {len(req.prompt_ids)} prompt tokens + "
+                             f"{req.max_new_tokens} new tokens > {limit} context tokens")
+        with self._lock:
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.scheduler.max_waiting:
+                raise OverflowError(f"queue full: {self.scheduler.max_waiting} requests already waiting")
+            self._sinks[req.request_id] = on_event
+            self._inbox.append(Sequence.from_request(req))
+            self.totals["requests"] += 1
+            self._lock.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+            self._lock.notify_all()
+
+    def call(self, fn: Callable[[], object], timeout: float = 60.0) -> object:
+        """Run fn on the engine thread at a safe point between steps (reconfiguration, cache control)."""
+        done, box = threading.Event(), []
+        with self._lock:
+            self._calls.append((fn, None, done, box))
+            self._lock.notify_all()
+        if not done.wait(timeout):
+            raise TimeoutError("engine did not reach a safe point in time")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """Submit and yield events on the running loop; leaving the loop early aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.submit(req, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        finished = False
+        try:
+            while True:
+                ev = await queue.get()
+                finished = ev.final
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                req.abort.abort()
+                self.abort(req.request_id)
+
+    def stats(self) -> dict:
+        with self._lock:
+            active = len(self.scheduler.running)
+            queued = len(self.scheduler.waiting) + len(self._inbox)
+        return {"active": active, "queued": queued, **self.totals, **self.runner.stats()}
+
+    # -- engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._inbox and not self._calls and self.scheduler.idle:
+                    self._lock.wait(0.5)
+                if self._stopping:
+                    break
+                inbox, self._inbox = list(self._inbox), deque()
+                calls, self._calls = list(self._calls), deque()
+                aborts, self._aborts = self._aborts, set()
+            for fn, _, done, box in calls:
+                box.append(_try(fn))
+                done.set()
+            for seq in inbox:
+                self.scheduler.waiting.append(seq)
+            self._apply_aborts(aborts)
+            if not self.scheduler.idle:
+                self._step()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._finish(seq, "abort", error=None)
+
+    def _apply_aborts(self, aborts: set[str]) -> None:
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.request_id in aborts or seq.req.abort.aborted:
+                self._finish(seq, "abort")
+
+    def _step(self) -> None:
+        for seq in self.scheduler.admit():
+            try:
+                self.runner.admit(seq)
+            except Exception as exc:  # a broken cache entry must not take the engine down
+                log.exception("admit failed")
+                self._finish(seq, "error", error=f"engine error while restoring the prefix: {exc}")
+        work = self.scheduler.schedule()
+        if not work:
+            return
+        try:
+            tokens = self.runner.step(work)
+        except Exception as exc:
+            log.exception("engine step failed")
+            for item in work:
+                self._finish(item.seq, "error", error=f"engine error: {exc}")
+            return
+        for item, token in zip(work, tokens):
+            self._publish(item, token)
+
+    def _publish(self, item: Work, token: int | None) -> None:
+        seq = item.seq
+        reason = self.scheduler.advance(item, token)
+        emitted = () if token is None or (reason == "stop" and seq.req.forced_output_ids is None) else (token,)
+        if reason is not None:
+            self._finish(seq, reason, last=emitted)
+        elif emitted:
+            self._emit(seq, TokenEvent(seq.request_id, emitted))
+        elif seq.prefilling:
+            self._emit(seq, TokenEvent(seq.request_id, prefilled_so_far=seq.num_computed))
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, last=()) -> None:
+        self.scheduler.remove(seq, reason)
+        try:
+            self.runner.release(seq)
+        except Exception:
+            log.exception("release failed")
+        usage = self._usage(seq)
+        key = {"abort": "aborted", "error": "errors"}.get(reason, "finished")
+        self.totals[key] += 1
+        for name in ("prompt_tokens", "reused_tokens", "prefilled_tokens", "output_tokens"):
+            self.totals[name] += getattr(usage, name)
+        self._emit(seq, TokenEvent(seq.request_id, tuple(last), reason, usage, error))
+        with self._lock:
+            self._sinks.pop(seq.request_id, None)
+
+    def _usage(self, seq: Sequence) -> Usage:
+        now = time.monotonic()
+        t_admit = seq.t_admit or now
+        t_first = seq.t_first_token or now
+        return Usage(
+            prompt_tokens=seq.num_prompt, output_tokens=seq.num_output, reused_tokens=seq.reused,
+            prefilled_tokens=max(0, min(seq.num_computed, seq.num_prompt) - seq.reused),
+            cache_tier=seq.cache_tier, queue_s=t_admit - seq.t_submit, ttft_s=t_first - seq.t_submit,
+            prefill_s=(seq.t_prefill_done or now) - t_admit, decode_s=now - t_first if seq.t_first_token else 0.0)
+
+    def _emit(self, seq: Sequence, ev: TokenEvent) -> None:
+        sink = self._sinks.get(seq.request_id)
+        if sink is None:
+            return
+        try:
+            sink(ev)
+        except Exception:  # a dead consumer (closed loop) must not stop the engine
+            log.exception("event sink failed for %s", seq.request_id)
+
+
+def _try(fn: Callable[[], object]) -> object:
+    try:
+        return fn()
+    except BaseException as exc:  # handed back to the caller of EngineCore.call
+        return exc

@@ -1,0 +1,93 @@
+"""Scheduler policy: torch-free, milliseconds."""
+import subprocess
+import sys
+
+import pytest
+
+from engine.api import GenerateRequest
+from engine.scheduler import Scheduler, Sequence, Status
+
+
+def seq(n, max_new=4, ckpts=(), stop=frozenset(), forced=None):
+    return Sequence.from_request(GenerateRequest(list(range(1, n + 1)), max_new, stop_ids=stop,
+                                                 checkpoint_positions=ckpts, forced_output_ids=forced))
+
+
+def test_admits_up_to_max_running_in_fifo_order():
+    s = Scheduler(max_running=2, max_step_tokens=64)
+    seqs = [seq(5) for _ in range(3)]
+    for q in seqs:
+        s.add(q)
+    assert s.admit() == seqs[:2]
+    assert [q.status for q in seqs] == [Status.RUNNING, Status.RUNNING, Status.WAITING]
+    s.remove(seqs[0], "stop")
+    assert s.admit() == [seqs[2]]
+
+
+def test_prefill_is_chunked_by_budget_and_never_crosses_a_checkpoint():
+    s = Scheduler(max_running=4, max_step_tokens=16)
+    q = seq(40, ckpts=(10, 30))
+    s.add(q)
+    s.admit()
+    spans = []
+    while q.prefilling:
+        (w,) = s.schedule()
+        spans.append((w.start, w.end, w.checkpoint_here))
+        s.advance(w, 7 if w.samples else None)
+    assert spans == [(0, 10, True), (10, 26, False), (26, 30, True), (30, 40, True)]
+    assert q.tokens[-1] == 7 and q.num_output == 1
+
+
+def test_decodes_go_first_and_prefill_gets_the_rest_of_the_budget():
+    s = Scheduler(max_running=4, max_step_tokens=8)
+    a, b = seq(3), seq(20)
+    s.add(a)
+    s.admit()
+    (w,) = s.schedule()
+    s.advance(w, 9)  # a's prompt done, first token sampled
+    s.add(b)
+    s.admit()
+    work = s.schedule()
+    assert [(x.seq, x.start, x.end) for x in work] == [(a, 3, 4), (b, 0, 7)]
+
+
+def test_stop_id_length_and_forced_outputs_finish_correctly():
+    s = Scheduler()
+    q = seq(2, max_new=5, stop=frozenset({0}))
+    s.add(q)
+    s.admit()
+    (w,) = s.schedule()
+    assert s.advance(w, 0) == "stop" and q.tokens == [1, 2]  # stop token is not appended
+    q = seq(2, max_new=2)
+    s.add(q)
+    s.admit()
+    s.remove(s.running[0], "stop")
+    results = [s.advance(w, t) for w, t in ((s.schedule()[0], 5), (s.schedule()[0], 6))]
+    assert results == [None, "length"]
+    q = seq(2, max_new=10, stop=frozenset({0}), forced=[0, 3])
+    s.remove(s.running[0], "length")
+    s.add(q)
+    s.admit()
+    assert s.advance(s.schedule()[0], 0) is None  # forced ids are emitted even if they are stop ids
+    assert s.advance(s.schedule()[0], 3) == "stop"
+
+
+def test_prefill_only_request_finishes_with_length_when_prompt_is_computed():
+    s = Scheduler(max_step_tokens=4)
+    q = seq(6, max_new=0)
+    s.add(q)
+    s.admit()
+    assert s.advance(s.schedule()[0], None) is None
+    assert s.advance(s.schedule()[0], None) == "length"
+
+
+def test_bad_configuration_is_a_value_error():
+    with pytest.raises(ValueError, match="max_running"):
+        Scheduler(max_running=0)
+    with pytest.raises(ValueError, match="checkpoint positions"):
+        GenerateRequest([1, 2], 1, checkpoint_positions=(3,))
+
+
+def test_scheduler_and_api_import_no_torch():
+    code = "import engine.scheduler, engine.serving, engine.api, sys; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

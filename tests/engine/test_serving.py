@@ -1,0 +1,118 @@
+"""EngineCore threading, events, abort and error paths, with a pure-Python runner (next = last + 1).
+
+The real model runner is exercised end to end in test_runner.py and the proxy tests."""
+import asyncio
+import threading
+import time
+
+import pytest
+
+from engine.api import GenerateRequest, TokenEvent
+from engine.serving import EngineCore
+
+
+class CountingRunner:
+    context_length = 64
+
+    def __init__(self, fail_on=None, gate=None, delay=0.0):
+        self.fail_on, self.gate, self.delay, self.live = fail_on, gate, delay, set()
+
+    def admit(self, seq):
+        self.live.add(seq.request_id)
+
+    def step(self, work):
+        if self.gate is not None:
+            self.gate.wait(5)
+        time.sleep(self.delay)
+        out = []
+        for w in work:
+            if self.fail_on is not None and self.fail_on in w.seq.tokens[w.start:w.end]:
+                raise RuntimeError("boom")
+            out.append((w.seq.tokens[w.end - 1] + 1) % 100 if w.samples else None)
+        return out
+
+    def release(self, seq):
+        self.live.discard(seq.request_id)
+
+    def stats(self):
+        return {"live_states": len(self.live)}
+
+
+def collect(core, req, timeout=5):
+    events, done = [], threading.Event()
+
+    def sink(ev: TokenEvent):
+        events.append(ev)
+        if ev.final:
+            done.set()
+
+    core.submit(req, sink)
+    assert done.wait(timeout)
+    return events
+
+
+def test_generates_streams_and_reports_usage():
+    with EngineCore(CountingRunner(), max_step_tokens=4) as core:
+        evs = collect(core, GenerateRequest([1, 2, 3, 4, 5, 6], 3, stop_ids=frozenset({99})))
+    toks = [t for e in evs for t in e.token_ids]
+    assert toks == [7, 8, 9]
+    last = evs[-1]
+    assert last.finish_reason == "length" and last.usage.output_tokens == 3
+    assert last.usage.prompt_tokens == 6 and last.usage.prefilled_tokens == 6
+    assert any(e.prefilled_so_far == 4 for e in evs)  # progress event during the chunked prefill
+
+
+def test_stop_token_ends_without_being_emitted():
+    with EngineCore(CountingRunner()) as core:
+        evs = collect(core, GenerateRequest([97], 10, stop_ids=frozenset({99})))
+    assert [t for e in evs for t in e.token_ids] == [98]
+    assert evs[-1].finish_reason == "stop" and evs[-1].usage.output_tokens == 2
+
+
+def test_error_in_a_step_fails_that_request_and_the_engine_keeps_serving():
+    runner = CountingRunner(fail_on=42)
+    with EngineCore(runner) as core:
+        bad = collect(core, GenerateRequest([42], 2))
+        good = collect(core, GenerateRequest([1], 2))
+        assert core.stats()["active"] == 0 and runner.live == set()
+    assert bad[-1].finish_reason == "error" and "boom" in bad[-1].error
+    assert [t for e in good for t in e.token_ids] == [2, 3]
+
+
+def test_too_long_and_queue_full_are_rejected_at_submit():
+    gate = threading.Event()
+    with EngineCore(CountingRunner(gate=gate), max_running=1, max_waiting=1) as core:
+        with pytest.raises(ValueError, match="prompt is too long"):
+            core.submit(GenerateRequest([1] * 60, 10), lambda e: None)
+        core.submit(GenerateRequest([1], 50), lambda e: None)
+        for _ in range(200):  # wait until the first request holds the only running slot
+            if core.stats()["active"] == 1:
+                break
+            time.sleep(0.01)
+        core.submit(GenerateRequest([1], 50), lambda e: None)
+        with pytest.raises(OverflowError, match="queue full"):
+            core.submit(GenerateRequest([1], 50), lambda e: None)
+        gate.set()
+
+
+async def test_stream_abort_on_early_exit_frees_the_request():
+    runner = CountingRunner(delay=0.01)
+    with EngineCore(runner) as core:
+        req = GenerateRequest([1], 60)
+        agen = core.stream(req)
+        async for ev in agen:
+            if ev.token_ids:
+                break
+        await agen.aclose()
+        for _ in range(100):
+            if core.stats()["active"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert core.stats()["active"] == 0 and core.stats()["aborted"] == 1 and runner.live == set()
+
+
+def test_call_runs_on_the_engine_thread_and_propagates_errors():
+    with EngineCore(CountingRunner()) as core:
+        assert core.call(lambda: threading.current_thread().name) == "killick-engine"
+        with pytest.raises(ZeroDivisionError):
+            core.call(lambda: 1 / 0)
