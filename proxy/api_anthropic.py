@@ -9,15 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from contextlib import aclosing
 
 from aiohttp import web
 
 from proxy.context import CTX
 from proxy.errors import read_json_object
-from proxy.generation import (
-    Finished, Keepalive, admit, client_gone, collect, generate, prepare, render,
-)
+from proxy.generation import Finished, Generation, Keepalive, client_gone, collect, prepare, render
 from proxy.output_parser import TextDelta, ThinkingDelta, ToolCall
 from proxy.schema_anthropic import CountTokensRequest, MessagesRequest, gen_params, to_conversation
 from proxy.sse import SSEWriter
@@ -30,21 +27,24 @@ async def messages(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     req = MessagesRequest.model_validate(await read_json_object(request))
     prep = prepare(ctx, to_conversation(req), gen_params(req), request.headers)
-    admit(ctx)
     msg = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": req.model}
-    if req.stream:
-        return await _stream(request, msg, len(prep.request.prompt_ids), generate(ctx, prep))
+    async with Generation(ctx, prep) as gen:
+        if req.stream:
+            return await _stream(request, msg, len(prep.request.prompt_ids), gen)
+        return await _complete(request, msg, gen)
+
+
+async def _complete(request: web.Request, msg: dict, gen: Generation) -> web.Response:
     blocks: list = []
-    async with aclosing(generate(ctx, prep)) as items:
-        async for item in items:
-            if isinstance(item, Finished):
-                body = {**msg, "content": [_block_json(b) for b in blocks], **_stop_fields(item),
-                        "usage": usage_json(item)}
-                return web.json_response(body)
-            if isinstance(item, Keepalive) and client_gone(request):
-                raise ConnectionResetError("client went away")
-            if not isinstance(item, Keepalive):
-                collect(blocks, item)
+    async for item in gen:
+        if isinstance(item, Finished):
+            body = {**msg, "content": [_block_json(b) for b in blocks], **_stop_fields(item),
+                    "usage": usage_json(item)}
+            return web.json_response(body)
+        if isinstance(item, Keepalive) and client_gone(request):
+            raise ConnectionResetError("client went away")
+        if not isinstance(item, Keepalive):
+            collect(blocks, item)
     raise RuntimeError("generation ended without a Finished event")
 
 
@@ -126,7 +126,7 @@ class _BlockStream:
             await self.close()
 
 
-async def _stream(request: web.Request, msg: dict, prompt_tokens: int, items) -> web.StreamResponse:
+async def _stream(request: web.Request, msg: dict, prompt_tokens: int, gen: Generation) -> web.StreamResponse:
     sse = SSEWriter(request)
     start_usage = {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0,
                    "cache_read_input_tokens": 0, "output_tokens": 0}
@@ -134,14 +134,13 @@ async def _stream(request: web.Request, msg: dict, prompt_tokens: int, items) ->
         **msg, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}}, "message_start")
     await sse.event({"type": "ping"}, "ping")
     blocks = _BlockStream(sse)
-    async with aclosing(items) as items:
-        async for item in items:
-            if isinstance(item, Keepalive):
-                await sse.event({"type": "ping"}, "ping")
-            elif isinstance(item, Finished):
-                await _finish_stream(sse, blocks, item)
-            else:
-                await blocks.item(item)
+    async for item in gen:
+        if isinstance(item, Keepalive):
+            await sse.event({"type": "ping"}, "ping")
+        elif isinstance(item, Finished):
+            await _finish_stream(sse, blocks, item)
+        else:
+            await blocks.item(item)
     return await sse.finish()
 
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from contextlib import aclosing
 
 from aiohttp import web
 
 from proxy.context import CTX
 from proxy.errors import read_json_object
-from proxy.generation import Finished, Keepalive, admit, client_gone, collect, generate, prepare
+from proxy.generation import Finished, Generation, Keepalive, client_gone, collect, prepare
 from proxy.output_parser import TextDelta, ThinkingDelta, ToolCall
 from proxy.schema_chat import ChatRequest, check_supported, gen_params, to_conversation
 from proxy.sse import SSEWriter
@@ -28,21 +27,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = ChatRequest.model_validate(await read_json_object(request))
     check_supported(req)
     prep = prepare(ctx, to_conversation(req), gen_params(req), request.headers)
-    admit(ctx)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model,
             "system_fingerprint": "killick"}
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _stream(request, head, include_usage, generate(ctx, prep))
+    async with Generation(ctx, prep) as gen:
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await _stream(request, head, include_usage, gen)
+        return await _complete(request, head, gen)
+
+
+async def _complete(request: web.Request, head: dict, gen: Generation) -> web.Response:
     blocks: list = []
-    async with aclosing(generate(ctx, prep)) as items:
-        async for item in items:
-            if isinstance(item, Finished):
-                return web.json_response(_completion(head, blocks, item))
-            if isinstance(item, Keepalive) and client_gone(request):
-                raise ConnectionResetError("client went away")
-            if not isinstance(item, Keepalive):
-                collect(blocks, item)
+    async for item in gen:
+        if isinstance(item, Finished):
+            return web.json_response(_completion(head, blocks, item))
+        if isinstance(item, Keepalive) and client_gone(request):
+            raise ConnectionResetError("client went away")
+        if not isinstance(item, Keepalive):
+            collect(blocks, item)
     raise RuntimeError("generation ended without a Finished event")
 
 
@@ -86,17 +88,16 @@ def _delta(item) -> dict:
     return {"tool_calls": [{"index": item.index, **call}]}
 
 
-async def _stream(request: web.Request, head: dict, include_usage: bool, items) -> web.StreamResponse:
+async def _stream(request: web.Request, head: dict, include_usage: bool, gen: Generation) -> web.StreamResponse:
     sse = SSEWriter(request)
     await sse.event(_chunk(head, {"role": "assistant", "content": ""}))
-    async with aclosing(items) as items:
-        async for item in items:
-            if isinstance(item, Keepalive):
-                await sse.comment("keep-alive")
-            elif isinstance(item, Finished):
-                await _finish_stream(sse, head, include_usage, item)
-            else:
-                await sse.event(_chunk(head, _delta(item)))
+    async for item in gen:
+        if isinstance(item, Keepalive):
+            await sse.comment("keep-alive")
+        elif isinstance(item, Finished):
+            await _finish_stream(sse, head, include_usage, item)
+        else:
+            await sse.event(_chunk(head, _delta(item)))
     return await sse.finish()
 
 

@@ -5,15 +5,15 @@ never kept. Usage carries `input_tokens_details.cached_tokens` and `output_token
 """
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from contextlib import aclosing
 
 from aiohttp import web
 
 from proxy.context import CTX, ServerContext
 from proxy.errors import ApiError, read_json_object
-from proxy.generation import Finished, Keepalive, admit, client_gone, generate, prepare
+from proxy.generation import Finished, Generation, Keepalive, client_gone, prepare
 from proxy.responses_output import OutputItems
 from proxy.schema_responses import ResponsesRequest, custom_tool_names, gen_params, input_messages, to_conversation
 from proxy.sse import SSEWriter
@@ -27,22 +27,25 @@ async def responses(request: web.Request) -> web.StreamResponse:
     req = ResponsesRequest.model_validate(await read_json_object(request))
     previous = _previous(ctx, req)
     prep = prepare(ctx, to_conversation(req, previous), gen_params(req), request.headers)
-    admit(ctx)
     head = _head(req)
     out = OutputItems(custom_tool_names(req), "reasoning.encrypted_content" in (req.include or ()))
-    items = generate(ctx, prep)
-    if req.stream:
-        return await _stream(request, ctx, req, head, out, previous, items)
-    async with aclosing(items) as items:
-        async for item in items:
-            if isinstance(item, Finished):
-                out.close()
-                _remember(ctx, req, head["id"], previous, out)
-                return web.json_response(_final(head, out, item))
-            if isinstance(item, Keepalive) and client_gone(request):
-                raise ConnectionResetError("client went away")
-            if not isinstance(item, Keepalive):
-                out.feed(item)
+    remember = functools.partial(_remember, ctx, req, head["id"], previous, out)
+    async with Generation(ctx, prep) as gen:
+        if req.stream:
+            return await _stream(request, head, out, remember, gen)
+        return await _complete(request, head, out, remember, gen)
+
+
+async def _complete(request: web.Request, head: dict, out: OutputItems, remember, gen: Generation) -> web.Response:
+    async for item in gen:
+        if isinstance(item, Finished):
+            out.close()
+            remember()
+            return web.json_response(_final(head, out, item))
+        if isinstance(item, Keepalive) and client_gone(request):
+            raise ConnectionResetError("client went away")
+        if not isinstance(item, Keepalive):
+            out.feed(item)
     raise RuntimeError("generation ended without a Finished event")
 
 
@@ -106,24 +109,23 @@ class _Events:
         self.seq += 1
 
 
-async def _stream(request, ctx, req, head, out: OutputItems, previous, items) -> web.StreamResponse:
+async def _stream(request: web.Request, head: dict, out: OutputItems, remember, gen: Generation) -> web.StreamResponse:
     sse = SSEWriter(request)
     events = _Events(sse)
     pending = {**head, "status": "in_progress", "output": [], "usage": None}
     await events.send("response.created", {"response": pending})
     await events.send("response.in_progress", {"response": pending})
-    async with aclosing(items) as items:
-        async for item in items:
-            if isinstance(item, Keepalive):
-                await sse.comment("keep-alive")
-                continue
-            if isinstance(item, Finished):
-                emitted = out.close()
-                _remember(ctx, req, head["id"], previous, out)
-                final = _final(head, out, item)
-                emitted.append((TERMINAL_EVENTS[final["status"]], {"response": final}))
-            else:
-                emitted = out.feed(item)
-            for kind, payload in emitted:
-                await events.send(kind, payload)
+    async for item in gen:
+        if isinstance(item, Keepalive):
+            await sse.comment("keep-alive")
+            continue
+        if isinstance(item, Finished):
+            emitted = out.close()
+            remember()
+            final = _final(head, out, item)
+            emitted.append((TERMINAL_EVENTS[final["status"]], {"response": final}))
+        else:
+            emitted = out.feed(item)
+        for kind, payload in emitted:
+            await events.send(kind, payload)
     return await sse.finish()

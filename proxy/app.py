@@ -24,18 +24,19 @@ _API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_toke
 
 
 def create_app(core, tokenizer, renderer, *, model_name: str = "killick", context_length: int | None = None,
-               api_key: str | None = None, max_running: int | None = None, max_queue: int = 64,
-               keepalive_s: float = 5.0, default_max_tokens: int = 8192, planner: Planner = no_plan,
+               api_key: str | None = None, keepalive_s: float = 5.0, default_max_tokens: int = 8192, planner: Planner = no_plan,
                test_hooks: bool = False) -> web.Application:
-    """max_queue: requests that may wait beyond the engine's max_running before new ones get 429."""
-    context_length = context_length or getattr(core, "context_length", None)
+    """The queue limit is the engine's (EngineCore(max_running, max_waiting)): a full queue answers 429.
+
+    context_length defaults to the engine runner's, i.e. the real KV budget of one sequence.
+    """
+    context_length = context_length or getattr(getattr(core, "runner", None), "context_length", None)
     if not context_length or context_length < 2:
         raise ValueError("context_length is unknown: pass create_app(context_length=<the engine's KV budget>)")
     if keepalive_s <= 0:
         raise ValueError(f"keepalive_s must be > 0, got {keepalive_s}")
-    running = max_running or getattr(core, "max_running", 1)
     ctx = ServerContext(core=core, tokenizer=tokenizer, renderer=renderer, model_name=model_name,
-                        context_length=context_length, max_in_flight=running + max_queue, keepalive_s=keepalive_s,
+                        context_length=context_length, keepalive_s=keepalive_s,
                         default_max_tokens=default_max_tokens, planner=planner, test_hooks=test_hooks)
     app = web.Application(client_max_size=MAX_BODY,
                           middlewares=[metrics_middleware, error_middleware, auth_middleware(api_key)])

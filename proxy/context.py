@@ -28,19 +28,18 @@ def no_plan(conv: Conversation, rendered: Any, headers: Mapping[str, str]) -> Pl
 
 @dataclass
 class ServerContext:
-    core: Any  # engine.serving.EngineCore (or anything with submit/abort/stats/stream)
+    core: Any  # engine.serving.EngineCore: submit / abort / stats
     tokenizer: Any  # engine.tokenizer.Tokenizer
     renderer: Any  # proxy.render.ChatRenderer
     model_name: str
     context_length: int  # tokens one request may hold (prompt + output): the engine's real KV budget
-    max_in_flight: int  # running + queued; one more answers 429
     keepalive_s: float = 5.0
     default_max_tokens: int = 8192
     planner: Planner = no_plan
     test_hooks: bool = False  # honour x-killick-forced-output (scripted output for end-to-end tests)
     metrics: Metrics = field(default_factory=Metrics)
     responses: ResponseStore = field(default_factory=ResponseStore)
-    in_flight: int = 0
+    in_flight: int = 0  # requests submitted by this proxy and not yet finished
 
 
 CTX = web.AppKey("killick_ctx", ServerContext)

@@ -1,7 +1,7 @@
 """One request's trip through the engine, shared by every API front-end.
 
-    prepare(): render -> check the context -> plan -> GenerateRequest   (errors are ApiErrors, before any byte)
-    generate(): submit -> stream -> detokenize -> parse -> OutputEvents, KEEPALIVE ticks, then Finished
+    prepare():  render -> check the context -> plan -> GenerateRequest   (errors are ApiErrors, before any byte)
+    Generation: submit -> stream -> detokenize -> parse -> OutputEvents, KEEPALIVE ticks, then Finished
 
 Front-ends only translate Conversation in and OutputEvents out; this module owns admission (429),
 keep-alive timing, stop sequences and aborting the engine request when the client goes away.
@@ -88,82 +88,92 @@ def _forced_output(ctx: ServerContext, headers: Mapping[str, str]) -> list[int] 
     if not ctx.test_hooks or text is None:
         return None
     text = text.encode("latin-1").decode("utf-8").replace("\\n", "\n")
-    return list(ctx.tokenizer.encode(text)) + [min(ctx.tokenizer.eos_ids)]
+    return list(ctx.tokenizer.encode(text))
 
 
-def admit(ctx: ServerContext) -> None:
-    if ctx.in_flight >= ctx.max_in_flight:
-        raise ApiError(429, f"server busy: {ctx.in_flight} requests running or queued "
-                            f"(limit {ctx.max_in_flight}); retry shortly", code="rate_limit_exceeded")
+class Generation:
+    """A submitted request. `async with Generation(ctx, prep) as gen: async for item in gen: ...`
 
+    Entering submits (a full engine queue is a 429 here, before any byte is sent); the items end with one
+    Finished; leaving early (client gone, a write failed) aborts the engine request and frees its state.
+    """
 
-async def generate(ctx: ServerContext, prep: Prepared) -> AsyncIterator[GenItem]:
-    """Run prep.request; always ends with one Finished. Closing the iterator early aborts the request."""
-    req, params = prep.request, prep.params
-    parser = OutputParser(thinking_open=generation_opens_think(prep.prompt_text),
-                          parse_tools=params.parse_tools, stop_sequences=params.stop_sequences)
-    decoder = new_decoder(ctx.tokenizer)
-    events: asyncio.Queue = asyncio.Queue()
-    pump = asyncio.create_task(_pump(ctx, req, events))
-    ctx.in_flight += 1
-    loop, last_sent, reasoning, output_seen = asyncio.get_running_loop(), 0.0, 0, 0
-    last_sent = loop.time()
-    final: TokenEvent | None = None
-    try:
+    def __init__(self, ctx: ServerContext, prep: Prepared):
+        self.ctx, self.prep, self.req = ctx, prep, prep.request
+        self.parser = OutputParser(thinking_open=generation_opens_think(prep.prompt_text),
+                                   parse_tools=prep.params.parse_tools, stop_sequences=prep.params.stop_sequences)
+        self.decoder = ctx.tokenizer.incremental_decoder()
+        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.done = False
+        self._iter: AsyncIterator[GenItem] | None = None
+
+    async def __aenter__(self) -> "Generation":
+        loop = asyncio.get_running_loop()
+        try:
+            self.ctx.core.submit(self.req, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
+        except OverflowError as exc:
+            raise ApiError(429, f"server busy: {exc}; retry shortly", code="rate_limit_exceeded") from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="max_tokens") from None
+        self.ctx.in_flight += 1
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.ctx.in_flight -= 1
+        if self._iter is not None:
+            await self._iter.aclose()
+        if not self.done:
+            self._abort()
+
+    def __aiter__(self) -> AsyncIterator[GenItem]:
+        self._iter = self._items()
+        return self._iter
+
+    def _abort(self) -> None:
+        self.req.abort.abort()
+        self.ctx.core.abort(self.req.request_id)
+
+    async def _items(self) -> AsyncIterator[GenItem]:
+        loop, parser, stop_ids = asyncio.get_running_loop(), self.parser, self.req.stop_ids
+        last_sent, reasoning, seen = loop.time(), 0, 0
+        final: TokenEvent | None = None
         while final is None:
-            wait = max(0.0, last_sent + ctx.keepalive_s - loop.time())
             try:
-                ev = await asyncio.wait_for(events.get(), wait)
+                ev = await asyncio.wait_for(self.events.get(), max(0.0, last_sent + self.ctx.keepalive_s - loop.time()))
             except asyncio.TimeoutError:
                 last_sent = loop.time()
                 yield KEEPALIVE
                 continue
-            ids = [t for t in ev.token_ids if t not in req.stop_ids]
-            output_seen += len(ev.token_ids)
+            ids = [t for t in ev.token_ids if t not in stop_ids]
+            seen += len(ev.token_ids)
             reasoning += len(ids) if parser.mode == "think" else 0
-            out = parser.feed(decoder.feed(ids)) if ids else []
+            out = parser.feed(self.decoder.push(ids)) if ids else []
             if ev.final:
-                out += parser.feed(decoder.flush()) + parser.finish()
+                out += parser.feed(self.decoder.flush()) + parser.finish()
                 final = ev
             elif parser.stopped is not None:
-                final = await _stop_early(ctx, req, events)
+                final = await self._stop_early()
             for item in out:
                 yield item
             last_sent = loop.time() if out else last_sent
-        finished = _finished(final, parser, reasoning, req, output_seen)
-        ctx.metrics.observe_usage(finished.usage)
+        self.done = True
+        finished = _finished(final, parser, reasoning, self.req, seen)
+        self.ctx.metrics.observe_usage(finished.usage)
         yield finished
-    finally:
-        ctx.in_flight -= 1
-        if final is None:  # the client went away (or the front-end failed): free the engine's state
-            req.abort.abort()
-            ctx.core.abort(req.request_id)
-        pump.cancel()
-        await asyncio.gather(pump, return_exceptions=True)
 
+    async def _stop_early(self) -> TokenEvent:
+        """A stop sequence matched: abort the engine request and wait (briefly) for its final usage."""
+        self._abort()
 
-async def _pump(ctx: ServerContext, req: GenerateRequest, events: asyncio.Queue) -> None:
-    try:
-        async for ev in ctx.core.stream(req):
-            events.put_nowait(ev)
-    except Exception as exc:  # noqa: BLE001 - an engine failure ends this request, not the server
-        log.exception("engine failed on %s", req.request_id)
-        events.put_nowait(TokenEvent(req.request_id, finish_reason="error", error=f"engine failure: {exc}"))
+        async def final() -> TokenEvent:
+            while not (ev := await self.events.get()).final:
+                pass
+            return ev
 
-
-async def _stop_early(ctx: ServerContext, req: GenerateRequest, events: asyncio.Queue) -> TokenEvent:
-    """A stop sequence matched: abort the engine request and wait (briefly) for its final usage."""
-    req.abort.abort()
-    ctx.core.abort(req.request_id)
-    async def final() -> TokenEvent:
-        while not (ev := await events.get()).final:
-            pass
-        return ev
-
-    try:
-        return await asyncio.wait_for(final(), 5.0)
-    except asyncio.TimeoutError:
-        return TokenEvent(req.request_id, finish_reason="abort")
+        try:
+            return await asyncio.wait_for(final(), 5.0)
+        except asyncio.TimeoutError:
+            return TokenEvent(self.req.request_id, finish_reason="abort")
 
 
 def _finished(ev: TokenEvent, parser: OutputParser, reasoning: int, req: GenerateRequest,
@@ -178,9 +188,6 @@ def _finished(ev: TokenEvent, parser: OutputParser, reasoning: int, req: Generat
     return Finished(finish, usage, reasoning, error=ev.error)
 
 
-def new_decoder(tokenizer):
-    """Streaming detokenizer: feed(ids) -> newly complete text; flush() -> the rest."""
-    return tokenizer.incremental_decoder()
 
 
 def collect(blocks: list, item: OutputEvent) -> None:

@@ -37,7 +37,7 @@ class CharTokenizer:
         tok = self
 
         class Dec:
-            def feed(self, ids):
+            def push(self, ids):
                 return tok.decode(ids)
 
             def flush(self):
@@ -67,13 +67,25 @@ class ChatMLRenderer:
 class SlowCore:
     """Emits forced_output_ids (or 'ok'), after `prefill_s` of progress events; tracks what is active."""
 
-    max_running = 2
+    max_running, max_waiting = 2, 2
 
     def __init__(self, tok: CharTokenizer, prefill_s: float = 0.0, step_s: float = 0.0):
         self.tok, self.prefill_s, self.step_s = tok, prefill_s, step_s
         self.active = 0
         self.aborted: list[str] = []
         self.requests: list[GenerateRequest] = []
+        self.finished = 0
+        self._tasks: set = set()
+
+    def submit(self, req: GenerateRequest, on_event) -> None:
+        if len(self.requests) - self.finished >= self.max_running + self.max_waiting:
+            raise OverflowError("queue full")
+        self._tasks.add(asyncio.get_running_loop().create_task(self._deliver(req, on_event)))
+
+    async def _deliver(self, req: GenerateRequest, on_event) -> None:
+        async for ev in self.stream(req):
+            on_event(ev)
+        self.finished += 1
 
     def stats(self) -> dict:
         return {"active": self.active, "queued": 0, "cache": {"hits": 1}}
@@ -96,7 +108,7 @@ class SlowCore:
         while loop.time() < end and not req.abort.aborted:
             yield TokenEvent(req.request_id, prefilled_so_far=0)
             await asyncio.sleep(0.02)
-        out = req.forced_output_ids or self.tok.encode("ok") + [2]
+        out = (req.forced_output_ids or self.tok.encode("ok")) + [2]
         n = 0
         for tok in out[:req.max_new_tokens]:
             if req.abort.aborted:
