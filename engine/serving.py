@@ -24,6 +24,8 @@ class Runner(Protocol):
 
     context_length: int
 
+    def validate(self, req: GenerateRequest) -> None: ...  # ValueError if the request can never run
+
     def admit(self, seq: Sequence) -> None: ...  # restore the cached prefix: sets num_computed, reused
 
     def step(self, work: list[Work]) -> list[int | None]: ...  # one forward; a token per sampling item
@@ -70,6 +72,7 @@ class EngineCore:
     # -- caller side (any thread) ---------------------------------------------------------------
     def submit(self, req: GenerateRequest, on_event: EventSink) -> None:
         """Queue a request. ValueError: it can never run; OverflowError: the queue is full (try later)."""
+        self.runner.validate(req)
         limit = self.runner.context_length
         if len(req.prompt_ids) + max(req.max_new_tokens, 0) > limit:
             raise ValueError(f"prompt is too long: {len(req.prompt_ids)} prompt tokens + "

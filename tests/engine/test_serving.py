@@ -17,6 +17,9 @@ class CountingRunner:
     def __init__(self, fail_on=None, gate=None, delay=0.0):
         self.fail_on, self.gate, self.delay, self.live = fail_on, gate, delay, set()
 
+    def validate(self, req):
+        pass
+
     def admit(self, seq):
         self.live.add(seq.request_id)
 

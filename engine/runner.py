@@ -1,0 +1,85 @@
+"""The model runner: the one owner of per-request device state, driven by EngineCore's thread.
+
+Per step it reads: prepare (token slices + each sequence's state) -> forward (all sequences in one batch) ->
+checkpoint where the scheduler stopped a chunk on a checkpoint position -> sample (or take the forced id).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.api import GenerateRequest
+from engine.sampling import Sampler
+from engine.scheduler import Sequence, Work
+
+
+class PrefixStore(Protocol):
+    """The prefix cache as the runner sees it (engine/cache/store.py implements it)."""
+
+    def lookup(self, tokens: list[int], session_key: str | None) -> tuple[int, object | None, str]: ...
+
+    def store(self, tokens: list[int], state, session_key: str | None) -> None: ...
+
+    def stats(self) -> dict: ...
+
+
+class ModelRunner:
+    def __init__(self, model, context_length: int | None = None, cache: PrefixStore | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.vocab_size = model.config.vocab_size
+        self.context_length = context_length or 32768
+        self._states: dict[str, object] = {}
+        self._samplers: dict[str, Sampler] = {}
+        self.steps = 0
+
+    def validate(self, req: GenerateRequest) -> None:
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size}); got {bad[:5]}")
+
+    def admit(self, seq: Sequence) -> None:
+        state = None
+        if self.cache is not None:
+            # the last prompt token must run through the model: its logits give the first output token
+            length, ckpt, tier = self.cache.lookup(seq.tokens[: seq.num_prompt - 1], seq.req.session_key)
+            if ckpt is not None and length > 0:
+                state = self.model.restore(ckpt)
+                seq.num_computed = seq.reused = length
+                seq.cache_tier = tier
+        self._states[seq.request_id] = state if state is not None else self.model.new_state()
+        self._samplers[seq.request_id] = Sampler(seq.req.sampling, self.model.device)
+
+    @torch.inference_mode()
+    def step(self, work: list[Work]) -> list[int | None]:
+        device = self.model.device
+        items = [(torch.tensor(w.seq.tokens[w.start : w.end], dtype=torch.long, device=device),
+                  self._states[w.seq.request_id]) for w in work]
+        logits = self.model.forward(items, logits="last")  # per item [1, V]
+        self.steps += 1
+        out: list[int | None] = []
+        for w, lg in zip(work, logits):
+            seq, state = w.seq, self._states[w.seq.request_id]
+            if self.cache is not None and w.checkpoint_here:
+                self.cache.store(seq.tokens[: w.end], state, seq.req.session_key)
+            if not w.samples or seq.req.max_new_tokens == 0:
+                out.append(None)
+                continue
+            forced = seq.req.forced_output_ids
+            out.append(forced[seq.num_output] if forced is not None else self._samplers[seq.request_id](lg[-1]))
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        state = self._states.pop(seq.request_id, None)
+        self._samplers.pop(seq.request_id, None)
+        # end of generation: the state covers every token fed so far (the last sampled one was not fed)
+        if state is not None and self.cache is not None and seq.finish_reason in ("stop", "length"):
+            if state.length > seq.num_prompt:
+                self.cache.store(seq.tokens[: state.length], state, seq.req.session_key)
+
+    def stats(self) -> dict:
+        out = {"live_states": len(self._states), "steps": self.steps}
+        if self.cache is not None:
+            out.update(self.cache.stats())
+        return out
