@@ -13,7 +13,7 @@ import pydantic
 from aiohttp import web
 
 log = logging.getLogger("killick.proxy")
-STREAM_STARTED = "killick_stream_started"  # request key set once SSE headers are sent
+STREAM_STARTED = web.RequestKey("killick_stream_started", bool)  # set once SSE headers are sent
 
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",

@@ -18,3 +18,32 @@ def fake_stack():
         return app, core
 
     return make
+
+
+class _Clients:
+    """Official SDK clients against a test server; all closed at teardown (unclosed sockets are errors)."""
+
+    def __init__(self):
+        self.made = []
+
+    def anthropic(self, base, **kw):
+        import anthropic
+
+        kw.setdefault("api_key", "sk-ant-dummy")
+        self.made.append(anthropic.AsyncAnthropic(base_url=base, **kw))
+        return self.made[-1]
+
+    def openai(self, base, **kw):
+        import openai
+
+        kw.setdefault("api_key", "sk-dummy")
+        self.made.append(openai.AsyncOpenAI(base_url=base + "/v1", **kw))
+        return self.made[-1]
+
+
+@pytest.fixture
+async def sdk():
+    clients = _Clients()
+    yield clients
+    for client in clients.made:
+        await client.close()

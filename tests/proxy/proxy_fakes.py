@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass
 
 from engine.api import GenerateRequest, TokenEvent, Usage
+from proxy.conversation import ThinkingPart, ToolCallPart
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<|endoftext|>"]
 
@@ -58,10 +59,19 @@ class ChatMLRenderer:
         self.tok = tok
 
     def render(self, conv, add_generation_prompt=True) -> Rendered:
-        text = "".join(f"<|im_start|>{m.role}\n{m.text}<|im_end|>\n" for m in conv.messages)
+        text = "".join(f"<|im_start|>{m.role}\n{''.join(map(_part_text, m.parts))}<|im_end|>\n"
+                       for m in conv.messages)
         if add_generation_prompt:
             text += "<|im_start|>assistant\n" + ("<think>\n" if conv.enable_thinking else "")
         return Rendered(self.tok.encode(text), text)
+
+
+def _part_text(part) -> str:
+    if isinstance(part, ThinkingPart):
+        return f"<think>\n{part.text}\n</think>\n\n"
+    if isinstance(part, ToolCallPart):
+        return f'<tool_call>\n{{"name": "{part.name}", "arguments": {part.arguments}}}\n</tool_call>'
+    return getattr(part, "text", None) or getattr(part, "content", "")
 
 
 class SlowCore:
