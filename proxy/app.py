@@ -38,8 +38,8 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
     ctx = ServerContext(core=core, tokenizer=tokenizer, renderer=renderer, model_name=model_name,
                         context_length=context_length, keepalive_s=keepalive_s,
                         default_max_tokens=default_max_tokens, planner=planner, test_hooks=test_hooks)
-    app = web.Application(client_max_size=MAX_BODY,
-                          middlewares=[metrics_middleware, error_middleware, auth_middleware(api_key)])
+    middlewares = [metrics_middleware, error_middleware, auth_middleware(api_key)]
+    app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
     app[CTX] = ctx
     app.cleanup_ctx.append(_engine_lifetime)
     add_routes(app)

@@ -126,7 +126,8 @@ class SlowCore:
             n += 1
             yield TokenEvent(req.request_id, token_ids=(tok,))
             await asyncio.sleep(self.step_s)
-        finish = "abort" if req.abort.aborted else ("stop" if n < req.max_new_tokens or out[n - 1] in req.stop_ids else "length")
-        p = len(req.prompt_ids)
-        yield TokenEvent(req.request_id, finish_reason=finish,
-                         usage=Usage(prompt_tokens=p, output_tokens=n, reused_tokens=p // 2, prefilled_tokens=p - p // 2))
+        ran_out = n < req.max_new_tokens or out[n - 1] in req.stop_ids
+        finish = "abort" if req.abort.aborted else ("stop" if ran_out else "length")
+        p, reused = len(req.prompt_ids), len(req.prompt_ids) // 2
+        usage = Usage(prompt_tokens=p, output_tokens=n, reused_tokens=reused, prefilled_tokens=p - reused)
+        yield TokenEvent(req.request_id, finish_reason=finish, usage=usage)

@@ -16,8 +16,9 @@ def openai_error(body):
     return body["error"]
 
 
-@pytest.mark.parametrize("path,shape", [("/v1/messages", anthropic_error), ("/v1/messages/count_tokens", anthropic_error),
-                                        ("/v1/chat/completions", openai_error), ("/v1/responses", openai_error)])
+@pytest.mark.parametrize("path,shape", [
+    ("/v1/messages", anthropic_error), ("/v1/messages/count_tokens", anthropic_error),
+    ("/v1/chat/completions", openai_error), ("/v1/responses", openai_error)])
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", "\"caf\xe9\"".encode("latin-1")])
 async def test_malformed_bodies_are_400_in_shape(aiohttp_client, fake_stack, path, shape, raw):
     client = await aiohttp_client(fake_stack()[0])
@@ -93,7 +94,8 @@ async def test_agent_extras_are_accepted(aiohttp_client, fake_stack):
         "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0.abc;",
                     "cache_control": {"type": "ephemeral"}}],
         "messages": [{"role": "system", "content": "inline system"},
-                     {"role": "user", "content": [{"type": "text", "text": "q", "cache_control": {"type": "ephemeral"}}]},
+                     {"role": "user", "content": [{"type": "text", "text": "q",
+                                                   "cache_control": {"type": "ephemeral"}}]},
                      {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
                                                        {"type": "redacted_thinking", "data": "zz"},
                                                        {"type": "tool_use", "id": "toolu_1", "name": "Bash",
@@ -114,8 +116,10 @@ async def test_agent_extras_are_accepted(aiohttp_client, fake_stack):
     assert resp.status == 200, await resp.text()
     resp = await client.post("/v1/chat/completions", json={
         "model": "m", "max_completion_tokens": 5, "stream_options": {"include_usage": True},
-        "messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": [{"type": "text", "text": "q"}]},
+        "messages": [{"role": "developer", "content": "d"},
+                     {"role": "user", "content": [{"type": "text", "text": "q"}]},
                      {"role": "assistant", "content": None, "reasoning_content": "r",
-                      "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]},
+                      "tool_calls": [{"id": "c1", "type": "function",
+                                      "function": {"name": "bash", "arguments": "{}"}}]},
                      {"role": "tool", "tool_call_id": "c1", "content": "out"}]})
     assert resp.status == 200, await resp.text()
