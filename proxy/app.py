@@ -24,8 +24,8 @@ _API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_toke
 
 
 def create_app(core, tokenizer, renderer, *, model_name: str = "killick", context_length: int | None = None,
-               api_key: str | None = None, keepalive_s: float = 5.0, default_max_tokens: int = 8192, planner: Planner = no_plan,
-               test_hooks: bool = False) -> web.Application:
+               api_key: str | None = None, keepalive_s: float = 5.0, default_max_tokens: int = 8192,
+               planner: Planner = no_plan, test_hooks: bool = False) -> web.Application:
     """The queue limit is the engine's (EngineCore(max_running, max_waiting)): a full queue answers 429.
 
     context_length defaults to the engine runner's, i.e. the real KV budget of one sequence.

@@ -113,8 +113,8 @@ class Generation:
             self.ctx.core.submit(self.req, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
         except OverflowError as exc:
             raise ApiError(429, f"server busy: {exc}; retry shortly", code="rate_limit_exceeded") from None
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="max_tokens") from None
+        except ValueError as exc:  # the engine says this request can never run
+            raise ApiError(400, str(exc)) from None
         self.ctx.in_flight += 1
         return self
 

@@ -167,3 +167,22 @@ async def test_tool_call_streams_in_every_api(aiohttp_server, fake_stack, sdk):
         final = await s.get_final_response()
     assert [i.type for i in final.output] == ["message", "function_call"]
     assert json.loads(final.output[1].arguments) == {"cmd": "ls"}
+
+
+async def test_responses_custom_tool_round_trip(aiohttp_client, fake_stack):
+    """Codex's freeform tools (type "custom"): called with raw input, results come back as custom items."""
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    patch = '<tool_call>\\n{"name": "apply_patch", "arguments": {"input": "*** Begin Patch"}}\\n</tool_call>'
+    tools = [{"type": "custom", "name": "apply_patch", "description": "edit files", "format": {"type": "text"}}]
+    out = await (await client.post("/v1/responses", json={"model": "m", "input": "fix it", "tools": tools,
+                                                          "reasoning": {"effort": "none"}},
+                                   headers={FORCED: patch})).json()
+    call = out["output"][0]
+    assert call["type"] == "custom_tool_call" and call["input"] == "*** Begin Patch"
+    follow = [{"role": "user", "content": "fix it"}, call,
+              {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "Done!"}]
+    resp = await client.post("/v1/responses", json={"model": "m", "input": follow, "tools": tools})
+    assert resp.status == 200
+    prompt = core.tok.decode(core.requests[-1].prompt_ids)
+    assert '"input": "*** Begin Patch"' in prompt and "Done!" in prompt
