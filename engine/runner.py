@@ -17,9 +17,11 @@ from engine.scheduler import Sequence, Work
 class PrefixStore(Protocol):
     """The prefix cache as the runner sees it (engine/cache/store.py implements it)."""
 
-    def lookup(self, tokens: list[int], session_key: str | None) -> tuple[int, object | None, str]: ...
+    def acquire(self, tokens: list[int]) -> tuple[object, object | None]: ...  # (match, restored state)
 
-    def store(self, tokens: list[int], state, session_key: str | None) -> None: ...
+    def release(self, match) -> None: ...
+
+    def insert(self, tokens: list[int], state, session_key: str | None = None) -> None: ...
 
     def stats(self) -> dict: ...
 
@@ -32,6 +34,7 @@ class ModelRunner:
         self.context_length = context_length or 32768
         self._states: dict[str, object] = {}
         self._samplers: dict[str, Sampler] = {}
+        self._matches: dict[str, object] = {}
         self.steps = 0
 
     def validate(self, req: GenerateRequest) -> None:
@@ -42,12 +45,11 @@ class ModelRunner:
     def admit(self, seq: Sequence) -> None:
         state = None
         if self.cache is not None:
-            # the last prompt token must run through the model: its logits give the first output token
-            length, ckpt, tier = self.cache.lookup(seq.tokens[: seq.num_prompt - 1], seq.req.session_key)
-            if ckpt is not None and length > 0:
-                state = self.model.restore(ckpt)
-                seq.num_computed = seq.reused = length
-                seq.cache_tier = tier
+            match, state = self.cache.acquire(seq.tokens[: seq.num_prompt])
+            self._matches[seq.request_id] = match
+            if state is not None:
+                seq.num_computed = seq.reused = state.length
+                seq.cache_tier = match.tier
         self._states[seq.request_id] = state if state is not None else self.model.new_state()
         self._samplers[seq.request_id] = Sampler(seq.req.sampling, self.model.device)
 
@@ -62,7 +64,7 @@ class ModelRunner:
         for w, lg in zip(work, logits):
             seq, state = w.seq, self._states[w.seq.request_id]
             if self.cache is not None and w.checkpoint_here:
-                self.cache.store(seq.tokens[: w.end], state, seq.req.session_key)
+                self.cache.insert(seq.tokens[: w.end], state)
             if not w.samples or seq.req.max_new_tokens == 0:
                 out.append(None)
                 continue
@@ -73,10 +75,15 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         state = self._states.pop(seq.request_id, None)
         self._samplers.pop(seq.request_id, None)
-        # end of generation: the state covers every token fed so far (the last sampled one was not fed)
-        if state is not None and self.cache is not None and seq.finish_reason in ("stop", "length"):
-            if state.length > seq.num_prompt:
-                self.cache.store(seq.tokens[: state.length], state, seq.req.session_key)
+        match = self._matches.pop(seq.request_id, None)
+        if self.cache is None:
+            return
+        # end of generation: the state covers every token fed so far (the last sampled one was not fed);
+        # the session keeps its newest path pinned while the agent runs its tools
+        if state is not None and seq.finish_reason in ("stop", "length") and state.length >= seq.num_prompt:
+            self.cache.insert(seq.tokens[: state.length], state, seq.req.session_key)
+        if match is not None:
+            self.cache.release(match)
 
     def stats(self) -> dict:
         out = {"live_states": len(self._states), "steps": self.steps}

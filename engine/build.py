@@ -1,0 +1,85 @@
+"""One place that turns options into a running engine: model + prefix cache + runner + serving core.
+
+`killick serve`, `demo` and `replay` all build through here, so their engine flags mean the same thing.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.serving import EngineCore
+
+DEFAULT_CONTEXT = 32768
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_running: int = 4
+    max_queue: int = 64
+    max_step_tokens: int = 512
+    context_length: int | None = None
+    prefix_cache: bool = True
+    cache_device_mb: int | None = None  # None: a share of free device memory (CPU: of free RAM)
+    cache_host_mb: int | None = None  # None: half of MemAvailable
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError(f"--max-running must be at least 1, got {self.max_running}")
+        if self.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_step_tokens < self.max_running:
+            raise ValueError("--max-step-tokens must be at least --max-running")
+        for name in ("context_length", "cache_device_mb", "cache_host_mb"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-running", type=int, default=4, help="requests decoded together (default 4)")
+    g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more answer 429")
+    g.add_argument("--max-step-tokens", type=int, default=512, help="tokens per engine step (prefill chunk)")
+    g.add_argument("--context-length", type=int, help=f"tokens per request (default {DEFAULT_CONTEXT})")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="re-prefill every prompt from scratch (for comparisons)")
+    g.add_argument("--cache-device-mb", type=int, help="prefix cache budget on the device (MiB)")
+    g.add_argument("--cache-host-mb", type=int, help="prefix cache budget in host RAM (MiB; default half of free)")
+
+
+def options_from_args(args: argparse.Namespace) -> EngineOptions:
+    return EngineOptions(**{k: getattr(args, k) for k in EngineOptions.__dataclass_fields__ if hasattr(args, k)})
+
+
+def default_device_budget(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.25)
+    from engine.cache.tiers import default_host_budget
+
+    return min(2 << 30, default_host_budget(0.1))
+
+
+def build_core(model_dir: Path, opts: EngineOptions = EngineOptions(), model=None) -> EngineCore:
+    """Load the model (unless given) and return a started-on-demand EngineCore (call .start())."""
+    from engine.cache.store import PrefixStore
+    from engine.models import load_model
+    from engine.runner import ModelRunner
+
+    if model is None:
+        model = load_model(model_dir, device=opts.device, dtype=opts.dtype)
+    cache = None
+    if opts.prefix_cache:
+        dev = opts.cache_device_mb << 20 if opts.cache_device_mb else default_device_budget(model.device)
+        host = opts.cache_host_mb << 20 if opts.cache_host_mb else None
+        cache = PrefixStore(model, device_budget=dev, host_budget=host)
+    runner = ModelRunner(model, context_length=opts.context_length or DEFAULT_CONTEXT, cache=cache)
+    return EngineCore(runner, max_running=opts.max_running, max_step_tokens=opts.max_step_tokens,
+                      max_waiting=opts.max_queue)

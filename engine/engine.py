@@ -1,0 +1,69 @@
+"""The small documented entry point over Model, for users and tests.
+
+    from engine import Engine
+    eng = Engine.from_pretrained(path, device="cpu", dtype="float32")
+    eng.score(ids)                                   # FloatTensor [T, V]: logits at every prompt position
+    eng.generate(ids, max_new_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop_ids=())
+                                                     # -> list[int], the new tokens (a stop token included)
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.api import SamplingParams
+from engine.models import load_model
+from engine.sampling import Sampler
+
+PREFILL_CHUNK = 512  # prompt tokens per forward: bounds activation memory on long prompts
+
+
+class Engine:
+    def __init__(self, model):
+        self.model = model
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype="float32", experts=None) -> "Engine":
+        return cls(load_model(path, device=device, dtype=dtype, experts=experts))
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def score(self, ids) -> torch.Tensor:
+        ids = self._ids(ids)
+        state = self.model.new_state()
+        chunks = ids.split(PREFILL_CHUNK)
+        return torch.cat([self.model.forward([(c, state)], logits="all")[0] for c in chunks])
+
+    def prefill(self, ids, state=None):
+        """Run the prompt in chunks; -> (logits of the last position [V], state)."""
+        ids = self._ids(ids)
+        state = state or self.model.new_state()
+        for chunk in ids.split(PREFILL_CHUNK):
+            logits = self.model.forward([(chunk, state)], logits="last")[0][-1]
+        return logits, state
+
+    def generate(self, ids, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, stop_ids=()) -> list[int]:
+        sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed), self.model.device)
+        stop = set(stop_ids)
+        out: list[int] = []
+        if max_new_tokens <= 0:
+            return out
+        logits, state = self.prefill(ids)
+        while True:
+            token = sampler(logits)
+            out.append(token)
+            if token in stop or len(out) >= max_new_tokens:
+                return out
+            step = torch.tensor([token], device=self.model.device)
+            logits = self.model.forward([(step, state)], logits="last")[0][-1]
+
+    def _ids(self, ids) -> torch.Tensor:
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.model.device).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("ids is empty: pass at least one prompt token")
+        vocab = self.model.config.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}")
+        return ids

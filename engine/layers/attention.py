@@ -1,0 +1,57 @@
+"""Gated full attention (Qwen3.5) and plain attention (Qwen3-MoE): q/k RMSNorm per head, partial RoPE, GQA.
+
+Projections run on all tokens of the batch at once; the attention itself per sequence against its own KV.
+N = tokens in the batch, T = tokens of one sequence, L = its cached length, h / kv = heads, D = head dim.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.layers.norm import rms_norm
+from engine.layers.rope import Rope, apply_rope
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], rope: Rope):
+        self.cfg, self.rope = cfg, rope
+        self.q_w, self.k_w, self.v_w, self.o_w = (w[f"self_attn.{n}_proj.weight"] for n in "qkvo")
+        self.q_norm, self.k_norm = w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"]
+
+    def __call__(self, x: torch.Tensor, spans: list) -> torch.Tensor:
+        """x [N, H]; spans: (offset, length, position, KVCache) per sequence -> [N, H]."""
+        cfg, N = self.cfg, x.shape[0]
+        norm = dict(eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm)
+        q = F.linear(x, self.q_w).view(N, cfg.num_heads, -1)  # [N, h, D] or [N, h, 2D] with the gate
+        if cfg.attn_output_gate:
+            q, gate = q.split(cfg.head_dim, dim=-1)
+            gate = gate.reshape(N, -1)
+        q = rms_norm(q, self.q_norm, **norm)
+        k = rms_norm(F.linear(x, self.k_w).view(N, cfg.num_kv_heads, -1), self.k_norm, **norm)
+        v = F.linear(x, self.v_w).view(N, cfg.num_kv_heads, -1)
+        positions = torch.cat([torch.arange(p, p + n, device=x.device) for _, n, p, _ in spans])
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = torch.empty_like(q)
+        for off, n, pos, kv in spans:
+            kv.append(k[off : off + n], v[off : off + n])
+            out[off : off + n] = self._attend(q[off : off + n], kv, pos)
+        out = out.reshape(N, -1)
+        if cfg.attn_output_gate:
+            out = out * torch.sigmoid(gate)
+        return F.linear(out, self.o_w)
+
+    def _attend(self, q: torch.Tensor, kv, pos: int) -> torch.Tensor:
+        """q [T, h, D] at positions pos..pos+T-1 against the sequence's keys [kv, L, D] -> [T, h, D]."""
+        T = q.shape[0]
+        keys, values = kv.keys(), kv.values()
+        rep = self.cfg.num_heads // self.cfg.num_kv_heads
+        keys, values = keys.repeat_interleave(rep, dim=0), values.repeat_interleave(rep, dim=0)
+        mask = None
+        if T > 1:  # causal, offset by what the cache held before this chunk
+            mask = torch.arange(keys.shape[1], device=q.device)[None, :] <= (
+                pos + torch.arange(T, device=q.device)[:, None])
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+                                             scale=self.cfg.head_dim**-0.5)
+        return out.transpose(0, 1)

@@ -1,0 +1,99 @@
+"""The Qwen MoE family (Qwen3.5-MoE hybrid, Qwen3-MoE) as one decoder: embeddings -> layers -> norm -> head.
+
+Each layer: x += mixer(norm(x)); x += mlp(norm(x)). The mixer is gated full attention or gated DeltaNet;
+the MLP is the MoE block (or a dense MLP on Qwen3-MoE's mlp_only layers). Sequences of a batch are
+concatenated along the token axis; only the mixers look at sequence boundaries.
+N = tokens in the batch, H = hidden, V = vocab.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import FULL, ModelConfig
+from engine.layers.attention import Attention
+from engine.layers.deltanet import GatedDeltaNet
+from engine.layers.mlp import DenseMLP
+from engine.layers.moe import MoE
+from engine.layers.norm import rms_norm
+from engine.layers.rope import Rope
+from engine.models.state import KVCache, LinearState, SequenceState, StateCheckpoint
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor], rope: Rope, experts):
+        self.cfg = cfg
+        self.is_attention = cfg.layer_types[layer] == FULL
+        self.mixer = Attention(cfg, w, rope) if self.is_attention else GatedDeltaNet(cfg, w)
+        if layer in cfg.dense_layers:
+            self.mlp = DenseMLP(w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+        else:
+            self.mlp = MoE(cfg, layer, w, experts)
+        self.input_norm, self.post_norm = w["input_layernorm.weight"], w["post_attention_layernorm.weight"]
+
+    def __call__(self, x: torch.Tensor, spans: list) -> torch.Tensor:
+        x = x + self.mixer(self._norm(x, self.input_norm), spans)
+        return x + self.mlp(self._norm(x, self.post_norm))
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, w, self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], experts, device, dtype):
+        self.config, self.device, self.dtype, self.experts = cfg, torch.device(device), dtype, experts
+        p = cfg.weight_prefix
+        self.embed = tensors[p + "embed_tokens.weight"]  # [V, H]
+        self.final_norm = tensors[p + "norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else tensors["lm_head.weight"]
+        rope = Rope(cfg.rotary_dim, cfg.rope_theta, self.device)
+        self.layers = []
+        for layer in range(cfg.num_layers):
+            lp = f"{p}layers.{layer}."
+            w = {k[len(lp) :]: v for k, v in tensors.items() if k.startswith(lp)}
+            self.layers.append(DecoderLayer(cfg, layer, w, rope, experts))
+
+    def new_state(self) -> SequenceState:
+        cfg = self.config
+        layers = []
+        for layer in self.layers:
+            if layer.is_attention:
+                layers.append(KVCache(cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device))
+            else:
+                conv = torch.zeros(cfg.conv_dim, cfg.conv_kernel - 1, dtype=self.dtype, device=self.device)
+                rec = torch.zeros(cfg.linear_num_v_heads, cfg.linear_k_head_dim, cfg.linear_v_head_dim,
+                                  dtype=torch.float32, device=self.device)
+                layers.append(LinearState(conv, rec))
+        return SequenceState(layers)
+
+    def restore(self, ckpt: StateCheckpoint) -> SequenceState:
+        """A fresh state continuing from `ckpt` (which stays valid for further restores)."""
+        layers = [
+            (KVCache if layer.is_attention else LinearState).from_snapshot(*snap, dtype=self.dtype, device=self.device)
+            for layer, snap in zip(self.layers, ckpt.layers)
+        ]
+        return SequenceState(layers, ckpt.length)
+
+    @torch.inference_mode()
+    def forward(self, items: list, logits: Literal["last", "all"] = "last") -> list[torch.Tensor]:
+        """items: [(token_ids LongTensor[T_i], SequenceState)] -> per item FloatTensor [1, V] or [T_i, V]."""
+        if logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+        ids = [torch.as_tensor(t, dtype=torch.long, device=self.device).reshape(-1) for t, _ in items]
+        if any(t.numel() == 0 for t in ids):
+            raise ValueError("every sequence in a forward batch needs at least one token")
+        lengths = [t.numel() for t in ids]
+        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+        x = F.embedding(torch.cat(ids), self.embed)  # [N, H]
+        for index, layer in enumerate(self.layers):
+            spans = [(off, n, st.length, st.layers[index]) for off, n, (_, st) in zip(offsets, lengths, items)]
+            x = layer(x, spans)
+        for n, (_, state) in zip(lengths, items):
+            state.length += n
+        if logits == "last":
+            x = x[[off + n - 1 for off, n in zip(offsets, lengths)]]
+            lengths = [1] * len(lengths)
+        x = rms_norm(x, self.final_norm, self.config.rms_norm_eps, self.config.zero_centered_norm)
+        return list(F.linear(x, self.lm_head).float().split(lengths))

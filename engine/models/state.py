@@ -1,0 +1,91 @@
+"""Per-sequence model state: KV per attention layer, conv + delta state per DeltaNet layer, and checkpoints.
+
+A SequenceState belongs to one sequence and advances as model.forward runs its tokens. A StateCheckpoint is
+an independent, resumable copy at `length` (what the prefix cache stores): recurrent states of every linear
+layer and KV[:length] of every attention layer. kv = KV heads, D = head dim, C = conv channels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCache:
+    """Keys and values of one attention layer for one sequence, in buffers grown geometrically."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 64):
+        self.k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)  # [kv, cap, D]
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [T, kv, D]."""
+        end = self.length + k.shape[0]
+        if end > self.k.shape[1]:
+            self._grow(max(end, 2 * self.k.shape[1]))
+        self.k[:, self.length : end] = k.transpose(0, 1)
+        self.v[:, self.length : end] = v.transpose(0, 1)
+        self.length = end
+
+    def _grow(self, capacity: int) -> None:
+        k = self.k.new_empty(self.k.shape[0], capacity, self.k.shape[2])
+        v = torch.empty_like(k)
+        k[:, : self.length], v[:, : self.length] = self.keys(), self.values()
+        self.k, self.v = k, v
+
+    def keys(self) -> torch.Tensor:
+        return self.k[:, : self.length]
+
+    def values(self) -> torch.Tensor:
+        return self.v[:, : self.length]
+
+    def snapshot(self) -> tuple[torch.Tensor, ...]:
+        return self.keys().clone(), self.values().clone()
+
+    @classmethod
+    def from_snapshot(cls, k: torch.Tensor, v: torch.Tensor, dtype, device) -> "KVCache":
+        cache = cls(k.shape[0], k.shape[2], dtype, device, capacity=max(64, 2 * k.shape[1]))
+        cache.append(k.transpose(0, 1).to(device, dtype), v.transpose(0, 1).to(device, dtype))
+        return cache
+
+
+class LinearState:
+    """One DeltaNet layer: the last K-1 conv inputs [C, K-1] and the delta-rule state [Hv, dk, dv] (fp32)."""
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
+        self.conv, self.recurrent = conv, recurrent
+
+    def snapshot(self) -> tuple[torch.Tensor, ...]:
+        return self.conv.clone(), self.recurrent.clone()
+
+    @classmethod
+    def from_snapshot(cls, conv: torch.Tensor, recurrent: torch.Tensor, dtype, device) -> "LinearState":
+        return cls(conv.to(device, dtype, copy=True), recurrent.to(device, torch.float32, copy=True))
+
+
+@dataclass(frozen=True)
+class StateCheckpoint:
+    length: int
+    layers: tuple[tuple[torch.Tensor, ...], ...]  # per layer: (k, v) [kv, length, D] or (conv, recurrent)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0][0].device
+
+    def to(self, device) -> "StateCheckpoint":
+        layers = tuple(tuple(t.to(device) for t in layer) for layer in self.layers)
+        return StateCheckpoint(self.length, layers)
+
+
+class SequenceState:
+    def __init__(self, layers: list, length: int = 0):
+        self.layers = layers  # KVCache or LinearState, one per decoder layer
+        self.length = length  # tokens this state has seen
+
+    def checkpoint(self) -> StateCheckpoint:
+        return StateCheckpoint(self.length, tuple(layer.snapshot() for layer in self.layers))

@@ -1,0 +1,41 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with an optional seeded generator.
+
+    sampler = Sampler(SamplingParams(temperature=0.7, top_p=0.9, seed=1), device)
+    token = sampler(logits)        # logits FloatTensor [V] -> int
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.api import SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Logits [V] with everything outside the top-k / top-p nucleus set to -inf (0 / 1.0 mean off)."""
+    logits = logits.float().clone()
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits[logits < kth] = float("-inf")
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token once the tokens before it already reach top_p; the first always stays
+        drop = (cumulative - sorted_logits.softmax(-1)) >= top_p
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams = SamplingParams(), device="cpu"):
+        self.params = params
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        p = self.params
+        if p.greedy:
+            return int(torch.argmax(logits))
+        filtered = filter_logits(logits / p.temperature, p.top_k, p.top_p)
+        probs = filtered.softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

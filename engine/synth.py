@@ -1,0 +1,172 @@
+"""Seeded random checkpoints in the real Hugging Face layouts (no network, no transformers, seconds).
+
+    synth_checkpoint(out_dir, arch="qwen3_5_moe", layout="fused", size="tiny", seed=0, vocab_size=None,
+                     tokenizer=None) -> Path
+
+Writes config.json, two safetensors shards with an index (the text model in the first; the `model.visual.*`
+and `mtp.*` tensors a real Qwen3.5 release carries, which the loader must skip, in the second) and, when
+`tokenizer` names a directory or tokenizer.json, a copy of the tokenizer files. Values are bf16 (so exact in
+any dtype we load them into); norm weights are randomised so a `1 + w` vs `w` mix-up changes the output.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.config import FULL, LINEAR, config_from_dict
+from engine.layout import FUSED, LAYOUTS, PER_EXPERT, fused_expert_shapes, non_expert_shapes, per_expert_shapes
+
+ARCHS = ("qwen3_5_moe", "qwen3_moe")
+SIZES = ("tiny", "demo")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+_TEXT_SIZES = {
+    # tiny: what the tests compare against transformers; demo: the embedded default model (still CPU-fast)
+    "tiny": dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, full_attention_interval=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "demo": dict(vocab_size=8192, hidden_size=128, num_hidden_layers=8, full_attention_interval=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=4,
+                 linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+                 num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=64),
+}
+
+
+def synth_checkpoint(out_dir, arch: str = "qwen3_5_moe", layout: str = FUSED, size: str = "tiny", seed: int = 0,
+                     vocab_size: int | None = None, tokenizer=None) -> Path:
+    if arch not in ARCHS or size not in SIZES or layout not in LAYOUTS:
+        raise ValueError(f"synth: arch must be one of {ARCHS}, size one of {SIZES}, layout one of {LAYOUTS}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dims = dict(_TEXT_SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {}))
+    raw = _qwen3_5_moe_config(dims) if arch == "qwen3_5_moe" else _qwen3_moe_config(dims)
+    cfg = config_from_dict(raw)
+    gen = torch.Generator().manual_seed(seed)
+    text = _text_tensors(cfg, layout, gen)
+    extra = _visual_tensors(raw["vision_config"], gen) | _mtp_tensors(cfg, gen) if arch == "qwen3_5_moe" else {}
+    _write_shards(out, [text, extra] if extra else [text])
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    if tokenizer is not None:
+        copy_tokenizer(tokenizer, out)
+    return out
+
+
+def copy_tokenizer(src, out_dir: Path) -> None:
+    src = Path(src)
+    folder = src.parent if src.is_file() else src
+    names = [n for n in TOKENIZER_FILES if (folder / n).is_file()]
+    if "tokenizer.json" not in names:
+        raise ValueError(f"{folder} has no tokenizer.json; pass the shipped tokenizer directory")
+    for name in names:
+        shutil.copyfile(folder / name, Path(out_dir) / name)
+
+
+def _qwen3_5_moe_config(d: dict) -> dict:
+    n, interval = d["num_hidden_layers"], d["full_attention_interval"]
+    text = {k: v for k, v in d.items() if k != "full_attention_interval"}
+    text.update(
+        model_type="qwen3_5_moe_text", hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=4096,
+        attention_bias=False, linear_conv_kernel_dim=4, full_attention_interval=interval,
+        layer_types=[FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
+        mtp_num_hidden_layers=1, tie_word_embeddings=False, eos_token_id=d["vocab_size"] - 1,
+    )
+    v = d["vocab_size"]
+    vision = dict(model_type="qwen3_5_moe_vision", depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                  in_channels=3, patch_size=2, temporal_patch_size=2, spatial_merge_size=2,
+                  out_hidden_size=d["hidden_size"], num_position_embeddings=16, hidden_act="gelu_pytorch_tanh")
+    return dict(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe",
+                text_config=text, vision_config=vision, tie_word_embeddings=False,
+                image_token_id=v - 4, video_token_id=v - 3, vision_start_token_id=v - 6, vision_end_token_id=v - 5)
+
+
+def _qwen3_moe_config(d: dict) -> dict:
+    keep = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "num_experts_per_tok", "moe_intermediate_size")
+    raw = {k: d[k] for k in keep}
+    # Older spellings on purpose (real Qwen3-MoE configs): num_experts and a top-level rope_theta.
+    raw.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3,
+               num_experts=d["num_experts"], rope_theta=1000000.0, norm_topk_prob=True, decoder_sparse_step=1,
+               mlp_only_layers=[1], intermediate_size=3 * d["hidden_size"], hidden_act="silu", rms_norm_eps=1e-6,
+               max_position_embeddings=4096, use_sliding_window=False, attention_bias=False,
+               tie_word_embeddings=False, eos_token_id=d["vocab_size"] - 1)
+    return raw
+
+
+def _value(name: str, shape: tuple[int, ...], gen: torch.Generator, zero_centered: bool) -> torch.Tensor:
+    """One tensor, scaled so activations stay O(1) through a few layers; rounded to bf16."""
+    if name.endswith("A_log"):
+        t = torch.empty(shape).uniform_(0.5, 8.0, generator=gen).log()
+    elif name.endswith("dt_bias"):
+        t = torch.randn(shape, generator=gen) * 0.5
+    elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        # zero-centred norms store w and scale by 1 + w; the gated DeltaNet norm always scales by w
+        centred = zero_centered and not name.endswith("linear_attn.norm.weight")
+        t = torch.randn(shape, generator=gen) * 0.3 + (0.0 if centred else 1.0)
+    else:
+        # routers get twice the scale so top-k choices are clear-cut, not near-ties that rounding could flip
+        scale = 2.0 if name.endswith("mlp.gate.weight") else 1.0
+        t = torch.randn(shape, generator=gen) * scale / shape[-1] ** 0.5
+    return t.to(torch.bfloat16)
+
+
+def _text_tensors(cfg, layout: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, shape in non_expert_shapes(cfg).items():
+        out[name] = _value(name, shape, gen, cfg.zero_centered_norm)
+    for layer in cfg.moe_layers:
+        fused = {n: _value(n, s, gen, False) for n, s in fused_expert_shapes(cfg, layer).items()}
+        if layout == FUSED:
+            out.update(fused)
+            continue
+        gate_up, down = fused.values()  # [E, 2I, H], [E, H, I]
+        I = cfg.moe_intermediate_size
+        for e in range(cfg.num_experts):
+            gate_name, up_name, down_name = per_expert_shapes(cfg, layer, e)
+            out[gate_name], out[up_name] = gate_up[e, :I].clone(), gate_up[e, I:].clone()
+            out[down_name] = down[e].clone()
+    return out
+
+
+def _visual_tensors(v: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The vision tower of a tiny Qwen3.5 checkpoint: present on disk, never used by the text engine."""
+    h, m, c, p, t = v["hidden_size"], v["intermediate_size"], v["in_channels"], v["patch_size"], v["temporal_patch_size"]
+    merged = h * v["spatial_merge_size"] ** 2
+    shapes = {"patch_embed.proj.weight": (h, c, t, p, p), "patch_embed.proj.bias": (h,),
+              "pos_embed.weight": (v["num_position_embeddings"], h),
+              "merger.norm.weight": (h,), "merger.norm.bias": (h,),
+              "merger.linear_fc1.weight": (merged, merged), "merger.linear_fc1.bias": (merged,),
+              "merger.linear_fc2.weight": (v["out_hidden_size"], merged), "merger.linear_fc2.bias": (v["out_hidden_size"],)}
+    for b in range(v["depth"]):
+        bp = f"blocks.{b}."
+        shapes.update({bp + "norm1.weight": (h,), bp + "norm1.bias": (h,), bp + "norm2.weight": (h,),
+                       bp + "norm2.bias": (h,), bp + "attn.qkv.weight": (3 * h, h), bp + "attn.qkv.bias": (3 * h,),
+                       bp + "attn.proj.weight": (h, h), bp + "attn.proj.bias": (h,),
+                       bp + "mlp.linear_fc1.weight": (m, h), bp + "mlp.linear_fc1.bias": (m,),
+                       bp + "mlp.linear_fc2.weight": (h, m), bp + "mlp.linear_fc2.bias": (h,)})
+    return {"model.visual." + n: _value(n, s, gen, False) for n, s in shapes.items()}
+
+
+def _mtp_tensors(cfg, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A few multi-token-prediction head tensors, as the real release ships them (the engine skips them)."""
+    H = cfg.hidden_size
+    shapes = {"mtp.fc.weight": (H, 2 * H), "mtp.norm.weight": (H,), "mtp.pre_fc_norm_embedding.weight": (H,),
+              "mtp.pre_fc_norm_hidden.weight": (H,), "mtp.layers.0.input_layernorm.weight": (H,)}
+    return {n: _value(n, s, gen, True) for n, s in shapes.items()}
+
+
+def _write_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> None:
+    weight_map, total = {}, 0
+    for i, tensors in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

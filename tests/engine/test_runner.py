@@ -1,0 +1,119 @@
+"""The serving core over the real model: batching, chunking, forced outputs, abort, prefix reuse.
+
+Greedy output must never depend on batch composition, chunk size, or what the prefix cache served."""
+import threading
+
+import pytest
+import torch
+
+from engine.api import GenerateRequest, SamplingParams
+from engine.cache.store import PrefixStore
+from engine.runner import ModelRunner
+from engine.serving import EngineCore
+
+
+def run_all(core, reqs, timeout=60):
+    results = {r.request_id: [] for r in reqs}
+    finals, done = {}, threading.Event()
+
+    def sink_for(rid):
+        def sink(ev):
+            results[rid].extend(ev.token_ids)
+            if ev.final:
+                finals[rid] = ev
+                if len(finals) == len(reqs):
+                    done.set()
+        return sink
+
+    for r in reqs:
+        core.submit(r, sink_for(r.request_id))
+    assert done.wait(timeout), "engine did not finish in time"
+    return [results[r.request_id] for r in reqs], [finals[r.request_id] for r in reqs]
+
+
+@pytest.fixture(params=["qwen3_5_moe", "qwen3_moe"])
+def engine(request, engine_for):
+    return engine_for(request.param)
+
+
+def prompts(vocab, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(L),), generator=g).tolist() for L in (5, 37, 90)[:n]]
+
+
+def test_batched_chunked_serving_equals_one_at_a_time(engine):
+    ps = prompts(engine.config.vocab_size)
+    expected = [engine.generate(p, max_new_tokens=8) for p in ps]
+    for step_tokens in (8, 512):
+        runner = ModelRunner(engine.model)
+        with EngineCore(runner, max_running=4, max_step_tokens=step_tokens) as core:
+            got, finals = run_all(core, [GenerateRequest(p, 8) for p in ps])
+        assert got == expected
+        assert [f.usage.prefilled_tokens for f in finals] == [len(p) for p in ps]
+        assert runner.stats()["live_states"] == 0
+
+
+def test_forced_output_runs_the_model_but_emits_the_script(engine):
+    p = prompts(engine.config.vocab_size, 1)[0]
+    script = [3, 1, 4, 1, 5]
+    with EngineCore(ModelRunner(engine.model)) as core:
+        (got,), (final,) = run_all(core, [GenerateRequest(p, 50, forced_output_ids=script)])
+    assert got == script and final.finish_reason == "stop" and final.usage.output_tokens == 5
+
+
+def test_prefix_reuse_gives_the_cold_output_and_reports_reused_tokens(engine):
+    base = prompts(engine.config.vocab_size, 3, seed=1)[2]
+    turn1 = base[:60]
+    cache = PrefixStore(engine.model, device_budget=64 << 20, host_budget=64 << 20)
+    runner = ModelRunner(engine.model, cache=cache)
+    with EngineCore(runner, max_step_tokens=16) as core:
+        (out1,), (f1,) = run_all(core, [GenerateRequest(turn1, 6, checkpoint_positions=(20, 40))])
+        turn2 = turn1 + out1 + base[60:]  # the agent's next turn: history + reply + new text
+        (out2,), (f2,) = run_all(core, [GenerateRequest(turn2, 6)])
+        edited = turn1[:30] + [7, 7, 7] + base[60:]  # an edit at 30: resume from the checkpoint at 20
+        (out3,), (f3,) = run_all(core, [GenerateRequest(edited, 6)])
+    assert f1.usage.reused_tokens == 0
+    assert f2.usage.reused_tokens == len(turn1) + len(out1) - 1  # everything but the unfed last token
+    assert f2.usage.prefilled_tokens == len(turn2) - f2.usage.reused_tokens
+    # hybrid models resume at the deepest recurrent checkpoint (20); pure attention anywhere KV exists (30)
+    hybrid = "linear_attention" in engine.config.layer_types
+    assert f3.usage.reused_tokens == (20 if hybrid else 30) and f3.usage.cache_tier == "device"
+    assert out2 == engine.generate(turn2, max_new_tokens=6)
+    assert out3 == engine.generate(edited, max_new_tokens=6)
+
+
+def test_sampled_output_is_reproducible_with_a_seed(engine):
+    p = prompts(engine.config.vocab_size, 1)[0]
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    with EngineCore(ModelRunner(engine.model)) as core:
+        a, _ = run_all(core, [GenerateRequest(p, 10, sampling=params)])
+        b, _ = run_all(core, [GenerateRequest(p, 10, sampling=params)])
+    assert a == b
+
+
+def test_out_of_vocab_prompt_is_rejected_at_submit(engine):
+    with EngineCore(ModelRunner(engine.model)) as core:
+        with pytest.raises(ValueError, match="token ids"):
+            core.submit(GenerateRequest([engine.config.vocab_size + 5], 2), lambda e: None)
+
+
+def test_long_session_under_small_budgets_uses_the_host_tier_and_stays_exact(engine_for):
+    engine = engine_for("qwen3_5_moe")
+    vocab = engine.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    cache = PrefixStore(engine.model, device_budget=96 << 10, host_budget=256 << 10)
+    runner = ModelRunner(engine.model, cache=cache)
+    history, tiers, peaks = torch.randint(0, vocab, (24,), generator=g).tolist(), [], []
+    with EngineCore(runner, max_step_tokens=64) as core:
+        for turn in range(6):
+            # a side conversation between turns pushes the main session's nodes out of the device tier
+            run_all(core, [GenerateRequest(torch.randint(0, vocab, (40,), generator=g).tolist(), 2)])
+            (out,), (fin,) = run_all(core, [GenerateRequest(history, 3, session_key="main")])
+            assert out == engine.generate(history, max_new_tokens=3)
+            tiers.append(fin.usage.cache_tier)
+            stats = core.stats()
+            peaks.append((stats["cache_device_bytes"], stats["cache_host_bytes"]))
+            history = history + out + torch.randint(0, vocab, (12,), generator=g).tolist()
+    assert "host" in tiers[1:]
+    assert all(d <= 96 << 10 and h <= 256 << 10 for d, h in peaks)
+    assert stats["cache_demotions"] > 0
