@@ -16,38 +16,31 @@ log = logging.getLogger("killick.proxy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.build import add_engine_arguments  # torch-free
+
     parser.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: demo model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8421)
     parser.add_argument("--api-key", metavar="KEY", help="require this key (Bearer or x-api-key) on every route "
                                                          "but /health")
-    parser.add_argument("--max-running", type=int, default=4, help="requests decoded together")
-    parser.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more answer 429")
-    parser.add_argument("--context-length", type=int, help="tokens per request (default: the engine's budget)")
     parser.add_argument("--model-name", default=None, help="name in /v1/models (default: the model directory)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--keepalive", type=float, default=5.0, metavar="S",
-                        help="seconds of silence before a keep-alive while queued or prefilling")
+                        help="seconds of silence before a keep-alive while queued or prefilling (default 5)")
+    add_engine_arguments(parser)
 
 
 def build_app(args: argparse.Namespace) -> web.Application:
     """Load tokenizer, model and engine (torch imported here only) and wrap them in the app."""
+    from engine.build import build_core, options_from_args
     from engine.demo import resolve_model
-    from engine.models import load_model
-    from engine.runner import ModelRunner
-    from engine.serving import EngineCore
     from engine.tokenizer import load_tokenizer
     from proxy.app import create_app
     from proxy.render import ChatRenderer
 
-    if args.max_running < 1 or args.max_queue < 0:
-        raise ValueError("--max-running must be >= 1 and --max-queue >= 0")
+    opts = options_from_args(args)
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, device=args.device, dtype=args.dtype)
-    core = EngineCore(ModelRunner(model, context_length=args.context_length), max_running=args.max_running,
-                      max_waiting=args.max_queue)
+    core = build_core(model_dir, opts)
     return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=args.model_name or model_dir.name,
                       api_key=args.api_key, keepalive_s=args.keepalive)
 

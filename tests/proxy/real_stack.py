@@ -16,16 +16,15 @@ def synth_model_dir(tmp_path_factory):
 
 
 def real_app(model_dir, *, context_length=4096, keepalive_s=5.0, max_running=2, max_waiting=8, api_key=None):
-    from engine.models import load_model
-    from engine.runner import ModelRunner
-    from engine.serving import EngineCore
+    from engine.build import EngineOptions, build_core
     from engine.tokenizer import load_tokenizer
     from proxy.app import create_app
     from proxy.render import ChatRenderer
 
     tok = load_tokenizer(model_dir)
-    core = EngineCore(ModelRunner(load_model(model_dir), context_length=context_length), max_running=max_running,
-                      max_waiting=max_waiting)
+    opts = EngineOptions(max_running=max_running, max_queue=max_waiting, context_length=context_length,
+                         cache_device_mb=64, cache_host_mb=64)
+    core = build_core(model_dir, opts)
     app = create_app(core, tok, ChatRenderer(tok), model_name="tiny", api_key=api_key, keepalive_s=keepalive_s,
                      test_hooks=True)
     return app, core, tok

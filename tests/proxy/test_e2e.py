@@ -58,6 +58,7 @@ async def test_anthropic_plain_stream_and_not(serve, sdk):
         final = await stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert final.usage.output_tokens == msg.usage.output_tokens  # greedy: same answer, same usage
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == prompt
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
     assert core.stats()["active"] == 0
 
@@ -81,6 +82,7 @@ async def test_anthropic_tool_use_then_tool_result_turn(serve, sdk):
     answer = sdk.anthropic(base, default_headers={FORCED: "Done\\n</think>\\n\\nTwo files."})
     second = await answer.messages.create(model="m", max_tokens=50, messages=messages, tools=TOOLS_A)
     assert second.content[-1].text == "Two files." and second.stop_reason == "end_turn"
+    assert second.usage.cache_read_input_tokens >= msg.usage.input_tokens  # the first prompt was reused
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == await _count(
         base, {"model": "m", "messages": messages, "tools": TOOLS_A})
 
@@ -113,6 +115,7 @@ async def test_chat_completions_tools_usage_and_tool_turn(serve, sdk):
                                                 temperature=0)
     assert third.choices[0].finish_reason in ("length", "stop", "tool_calls")
     assert third.usage.prompt_tokens > usage.prompt_tokens and 1 <= third.usage.completion_tokens <= 4
+    assert third.usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens  # earlier prompt reused
 
 
 async def test_responses_stream_and_previous_response(serve, sdk):
@@ -136,6 +139,7 @@ async def test_responses_stream_and_previous_response(serve, sdk):
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "a.py"}])
     assert second.output_text == "One file." and second.status == "completed"
     assert second.usage.input_tokens > u.input_tokens + 10  # the previous turn is in the prompt
+    assert second.usage.input_tokens_details.cached_tokens >= u.input_tokens  # ... and its prompt was reused
 
 
 async def test_keepalive_while_queued_behind_a_running_request(serve):
