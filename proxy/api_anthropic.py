@@ -14,7 +14,9 @@ from aiohttp import web
 
 from proxy.context import CTX
 from proxy.errors import read_json_object
-from proxy.generation import Finished, Generation, Keepalive, client_gone, collect, prepare, render
+from proxy.generation import (
+    Finished, Generation, Keepalive, check_failed, client_gone, collect, prepare, render,
+)
 from proxy.output_parser import TextDelta, ThinkingDelta, ToolCall
 from proxy.schema_anthropic import CountTokensRequest, MessagesRequest, gen_params, to_conversation
 from proxy.sse import SSEWriter
@@ -38,6 +40,7 @@ async def _complete(request: web.Request, msg: dict, gen: Generation) -> web.Res
     blocks: list = []
     async for item in gen:
         if isinstance(item, Finished):
+            check_failed(item)
             body = {**msg, "content": [_block_json(b) for b in blocks], **_stop_fields(item),
                     "usage": usage_json(item)}
             return web.json_response(body)

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from proxy.context import CTX
 from proxy.errors import read_json_object
-from proxy.generation import Finished, Generation, Keepalive, client_gone, collect, prepare
+from proxy.generation import Finished, Generation, Keepalive, check_failed, client_gone, collect, prepare
 from proxy.output_parser import TextDelta, ThinkingDelta, ToolCall
 from proxy.schema_chat import ChatRequest, check_supported, gen_params, to_conversation
 from proxy.sse import SSEWriter
@@ -40,7 +40,7 @@ async def _complete(request: web.Request, head: dict, gen: Generation) -> web.Re
     blocks: list = []
     async for item in gen:
         if isinstance(item, Finished):
-            return web.json_response(_completion(head, blocks, item))
+            return web.json_response(_completion(head, blocks, check_failed(item)))
         if isinstance(item, Keepalive) and client_gone(request):
             raise ConnectionResetError("client went away")
         if not isinstance(item, Keepalive):

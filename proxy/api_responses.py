@@ -13,7 +13,7 @@ from aiohttp import web
 
 from proxy.context import CTX, ServerContext
 from proxy.errors import ApiError, read_json_object
-from proxy.generation import Finished, Generation, Keepalive, client_gone, prepare
+from proxy.generation import Finished, Generation, Keepalive, check_failed, client_gone, prepare
 from proxy.responses_output import OutputItems
 from proxy.schema_responses import ResponsesRequest, custom_tool_names, gen_params, input_messages, to_conversation
 from proxy.sse import SSEWriter
@@ -41,7 +41,7 @@ async def _complete(request: web.Request, head: dict, out: OutputItems, remember
         if isinstance(item, Finished):
             out.close()
             remember()
-            return web.json_response(_final(head, out, item))
+            return web.json_response(_final(head, out, check_failed(item)))
         if isinstance(item, Keepalive) and client_gone(request):
             raise ConnectionResetError("client went away")
         if not isinstance(item, Keepalive):

@@ -190,6 +190,13 @@ def _finished(ev: TokenEvent, parser: OutputParser, reasoning: int, req: Generat
 
 
 
+def check_failed(fin: Finished) -> Finished:
+    """A non-streaming answer cannot carry an engine failure in-band: it becomes a 500 in the API's shape."""
+    if fin.finish == "error":
+        raise ApiError(500, f"generation failed: {fin.error or 'engine error'}")
+    return fin
+
+
 def collect(blocks: list, item: OutputEvent) -> None:
     """Accumulate output events into blocks for a non-streaming answer: adjacent deltas of a kind merge."""
     if isinstance(item, ToolCall):

@@ -81,6 +81,7 @@ class SlowCore:
 
     def __init__(self, tok: CharTokenizer, prefill_s: float = 0.0, step_s: float = 0.0):
         self.tok, self.prefill_s, self.step_s = tok, prefill_s, step_s
+        self.fail_next = False  # end the next request with an engine error
         self.active = 0
         self.aborted: list[str] = []
         self.requests: list[GenerateRequest] = []
@@ -126,6 +127,10 @@ class SlowCore:
             n += 1
             yield TokenEvent(req.request_id, token_ids=(tok,))
             await asyncio.sleep(self.step_s)
+        if self.fail_next:
+            self.fail_next = False
+            yield TokenEvent(req.request_id, finish_reason="error", error="boom")
+            return
         ran_out = n < req.max_new_tokens or out[n - 1] in req.stop_ids
         finish = "abort" if req.abort.aborted else ("stop" if ran_out else "length")
         p, reused = len(req.prompt_ids), len(req.prompt_ids) // 2

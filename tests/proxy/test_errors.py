@@ -123,3 +123,22 @@ async def test_agent_extras_are_accepted(aiohttp_client, fake_stack):
                                       "function": {"name": "bash", "arguments": "{}"}}]},
                      {"role": "tool", "tool_call_id": "c1", "content": "out"}]})
     assert resp.status == 200, await resp.text()
+
+
+async def test_engine_failure_is_a_500_or_an_in_band_error_and_the_server_survives(aiohttp_client, fake_stack):
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    body = {"model": "m", "max_tokens": 5, "messages": MSG}
+    core.fail_next = True
+    resp = await client.post("/v1/messages", json=body)
+    assert resp.status == 500 and "boom" in anthropic_error(await resp.json())["message"]
+    core.fail_next = True
+    resp = await client.post("/v1/chat/completions", json={"model": "m", "messages": MSG})
+    assert resp.status == 500 and openai_error(await resp.json())["type"] == "server_error"
+    core.fail_next = True
+    text = await (await client.post("/v1/messages", json={**body, "stream": True})).text()
+    assert "event: error" in text and "message_stop" not in text
+    core.fail_next = True
+    text = await (await client.post("/v1/responses", json={"model": "m", "input": "q", "stream": True})).text()
+    assert "event: response.failed" in text
+    assert (await client.post("/v1/messages", json=body)).status == 200
