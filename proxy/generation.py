@@ -138,11 +138,15 @@ class Generation:
         last_sent, reasoning, seen = loop.time(), 0, 0
         final: TokenEvent | None = None
         while final is None:
-            try:
-                ev = await asyncio.wait_for(self.events.get(), max(0.0, last_sent + self.ctx.keepalive_s - loop.time()))
-            except asyncio.TimeoutError:
+            # silent for keepalive_s (queued, prefilling, or decoding a buffered tool call): say so
+            wait = last_sent + self.ctx.keepalive_s - loop.time()
+            if wait <= 0:
                 last_sent = loop.time()
                 yield KEEPALIVE
+                continue
+            try:
+                ev = await asyncio.wait_for(self.events.get(), wait)
+            except asyncio.TimeoutError:
                 continue
             ids = [t for t in ev.token_ids if t not in stop_ids]
             seen += len(ev.token_ids)

@@ -186,3 +186,16 @@ async def test_responses_custom_tool_round_trip(aiohttp_client, fake_stack):
     assert resp.status == 200
     prompt = core.tok.decode(core.requests[-1].prompt_ids)
     assert '"input": "*** Begin Patch"' in prompt and "Done!" in prompt
+
+
+async def test_keepalive_continues_while_a_long_tool_call_is_buffered(aiohttp_client, fake_stack):
+    app, core = fake_stack(step_s=0.01, keepalive_s=0.2)
+    client = await aiohttp_client(app)
+    call = '<tool_call>\\n{"name": "write", "arguments": {"text": "' + "x" * 100 + '"}}\\n</tool_call>'
+    resp = await client.post("/v1/messages", headers={FORCED: call}, json={
+        "model": "m", "max_tokens": 500, "stream": True, "thinking": {"type": "disabled"},
+        "tools": [{"name": "write", "input_schema": {"type": "object"}}],
+        "messages": [{"role": "user", "content": "hi"}]})
+    events = [line[7:] for line in (await resp.text()).splitlines() if line.startswith("event: ")]
+    assert events.count("ping") >= 3, events  # ~1.3 s of decoding with nothing visible to send
+    assert "content_block_start" in events
