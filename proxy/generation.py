@@ -87,7 +87,7 @@ def _forced_output(ctx: ServerContext, headers: Mapping[str, str]) -> list[int] 
     text = headers.get(FORCED_OUTPUT_HEADER)
     if not ctx.test_hooks or text is None:
         return None
-    text = text.encode("latin-1").decode("utf-8").replace("\\n", "\n")
+    text = text.replace("\\n", "\n")  # headers are one line: tests write newlines as \n
     return list(ctx.tokenizer.encode(text))
 
 

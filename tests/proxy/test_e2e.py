@@ -192,3 +192,7 @@ async def test_errors_and_models_with_the_real_engine(serve, sdk):
     ok = await sdk.openai(base).chat.completions.create(model="x", max_tokens=3,
                                                         messages=[{"role": "user", "content": "hi"}])
     assert ok.usage.completion_tokens <= 3 and core.stats()["active"] == 0
+    async with aiohttp.ClientSession() as s:
+        metrics = await (await s.get(base + "/metrics")).text()
+    assert 'killick_requests_total{api="anthropic",status="400"} 1' in metrics
+    assert "killick_engine_active 0" in metrics and "killick_engine_cache_misses" in metrics
