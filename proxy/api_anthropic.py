@@ -27,8 +27,9 @@ STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tok
 
 async def messages(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
-    req = MessagesRequest.model_validate(await read_json_object(request))
-    prep = prepare(ctx, to_conversation(req), gen_params(req), request.headers)
+    body = await read_json_object(request)
+    req = MessagesRequest.model_validate(body)
+    prep = prepare(ctx, to_conversation(req), gen_params(req), request.headers, body)
     msg = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": req.model}
     async with Generation(ctx, prep) as gen:
         if req.stream:
@@ -53,8 +54,9 @@ async def _complete(request: web.Request, msg: dict, gen: Generation) -> web.Res
 
 async def count_tokens(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
-    req = CountTokensRequest.model_validate(await read_json_object(request))
-    return web.json_response({"input_tokens": len(render(ctx, to_conversation(req)).ids)})
+    body = await read_json_object(request)
+    conv = ctx.planner.normalize(to_conversation(CountTokensRequest.model_validate(body)), request.headers, body)
+    return web.json_response({"input_tokens": len(render(ctx, conv).ids)})
 
 
 def usage_json(fin: Finished) -> dict:

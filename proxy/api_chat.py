@@ -24,9 +24,10 @@ FINISH_REASONS = {"stop": "stop", "tool_calls": "tool_calls", "length": "length"
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
-    req = ChatRequest.model_validate(await read_json_object(request))
+    body = await read_json_object(request)
+    req = ChatRequest.model_validate(body)
     check_supported(req)
-    prep = prepare(ctx, to_conversation(req), gen_params(req), request.headers)
+    prep = prepare(ctx, to_conversation(req), gen_params(req), request.headers, body)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model,
             "system_fingerprint": "killick"}
     async with Generation(ctx, prep) as gen:

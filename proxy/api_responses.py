@@ -24,9 +24,10 @@ TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.in
 
 async def responses(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
-    req = ResponsesRequest.model_validate(await read_json_object(request))
+    body = await read_json_object(request)
+    req = ResponsesRequest.model_validate(body)
     previous = _previous(ctx, req)
-    prep = prepare(ctx, to_conversation(req, previous), gen_params(req), request.headers)
+    prep = prepare(ctx, to_conversation(req, previous), gen_params(req), request.headers, body)
     head = _head(req)
     out = OutputItems(custom_tool_names(req), "reasoning.encrypted_content" in (req.include or ()))
     remember = functools.partial(_remember, ctx, req, head["id"], previous, out)

@@ -14,7 +14,7 @@ import time
 from aiohttp import web
 
 from proxy import api_anthropic, api_chat, api_responses
-from proxy.context import CTX, Planner, ServerContext, no_plan
+from proxy.context import CTX, NoPlanner, Planner, ServerContext, planner_stats
 from proxy.errors import ApiError, error_middleware, is_anthropic_path
 
 log = logging.getLogger("killick.proxy")
@@ -25,7 +25,7 @@ _API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_toke
 
 def create_app(core, tokenizer, renderer, *, model_name: str = "killick", context_length: int | None = None,
                api_key: str | None = None, keepalive_s: float = 5.0, default_max_tokens: int = 8192,
-               planner: Planner = no_plan, test_hooks: bool = False) -> web.Application:
+               planner: Planner | None = None, test_hooks: bool = False) -> web.Application:
     """The queue limit is the engine's (EngineCore(max_running, max_waiting)): a full queue answers 429.
 
     context_length defaults to the engine runner's, i.e. the real KV budget of one sequence.
@@ -37,7 +37,8 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
         raise ValueError(f"keepalive_s must be > 0, got {keepalive_s}")
     ctx = ServerContext(core=core, tokenizer=tokenizer, renderer=renderer, model_name=model_name,
                         context_length=context_length, keepalive_s=keepalive_s,
-                        default_max_tokens=default_max_tokens, planner=planner, test_hooks=test_hooks)
+                        default_max_tokens=default_max_tokens, planner=planner or NoPlanner(),
+                        test_hooks=test_hooks)
     middlewares = [metrics_middleware, error_middleware, auth_middleware(api_key)]
     app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
     app[CTX] = ctx
@@ -108,7 +109,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
-    text = ctx.metrics.render({**ctx.core.stats(), "proxy_in_flight": ctx.in_flight})
+    stats = {**ctx.core.stats(), "proxy_in_flight": ctx.in_flight}
+    text = ctx.metrics.render(stats, planner_stats(ctx.planner))
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Protocol
 
 from aiohttp import web
 
@@ -18,12 +18,43 @@ class Plan(NamedTuple):
     session_key: str | None = None
 
 
-# planner(conv, rendered, headers) -> Plan. The seam the cache-policy code fills in (anchors, sessions).
-Planner = Callable[[Conversation, Any, Mapping[str, str]], Plan]
+class Planner(Protocol):
+    """The cache-policy seam (proxy/cache_policy.PolicyPlanner fills it). Per request:
+
+        conv = planner.normalize(conv, headers, request)     # before rendering (harness normalisation)
+        turn = planner(conv, rendered, headers, request)      # -> .checkpoint_positions, .session_key
+        planner.finish(turn, output_ids, usage)               # after generation (remember the turn)
+    `request` is the raw JSON body. `stats()` (or `.policy.stats()`) feeds /metrics as killick_policy_*.
+    """
+
+    def normalize(self, conv: Conversation, headers: Mapping[str, str], request: Mapping | None = None
+                  ) -> Conversation: ...
+
+    def __call__(self, conv: Conversation, rendered: Any, headers: Mapping[str, str],
+                 request: Mapping | None = None) -> Any: ...
+
+    def finish(self, turn: Any, output_ids: list[int], usage: Any = None) -> Any: ...
 
 
-def no_plan(conv: Conversation, rendered: Any, headers: Mapping[str, str]) -> Plan:
-    return Plan()
+class NoPlanner:
+    """The default: no normalisation, no checkpoints beyond the engine's own, no session."""
+
+    def normalize(self, conv, headers, request=None):
+        return conv
+
+    def __call__(self, conv, rendered, headers, request=None) -> Plan:
+        return Plan()
+
+    def finish(self, turn, output_ids, usage=None) -> None:
+        return None
+
+
+def planner_stats(planner: Planner) -> dict:
+    for owner in (planner, getattr(planner, "policy", None)):
+        stats = getattr(owner, "stats", None)
+        if callable(stats):
+            return stats()
+    return {}
 
 
 @dataclass
@@ -35,7 +66,7 @@ class ServerContext:
     context_length: int  # tokens one request may hold (prompt + output): the engine's real KV budget
     keepalive_s: float = 5.0
     default_max_tokens: int = 8192
-    planner: Planner = no_plan
+    planner: Planner = field(default_factory=NoPlanner)
     test_hooks: bool = False  # honour x-killick-forced-output (scripted output for end-to-end tests)
     metrics: Metrics = field(default_factory=Metrics)
     responses: ResponseStore = field(default_factory=ResponseStore)

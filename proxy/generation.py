@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator, Literal, Mapping, Union
+from typing import Any, AsyncIterator, Literal, Mapping, Union
 
 from engine.api import GenerateRequest, SamplingParams, TokenEvent, Usage
 from proxy.context import ServerContext
@@ -58,21 +58,25 @@ class Prepared:
     params: GenParams
     prompt_text: str
     request: GenerateRequest
+    turn: Any = None  # the planner's plan, handed back to planner.finish()
 
 
-def prepare(ctx: ServerContext, conv: Conversation, params: GenParams, headers: Mapping[str, str]) -> Prepared:
+def prepare(ctx: ServerContext, conv: Conversation, params: GenParams, headers: Mapping[str, str],
+            body: Mapping) -> Prepared:
+    """normalise -> render -> check the context -> plan -> GenerateRequest."""
+    conv = ctx.planner.normalize(conv, headers, body)
     rendered = render(ctx, conv)
     n = len(rendered.ids)
     if n >= ctx.context_length:
         raise ApiError(400, f"prompt is too long: {n} tokens > {ctx.context_length - 1} maximum",
                        param="messages", code="context_length_exceeded")
     max_new = min(params.max_tokens or ctx.default_max_tokens, ctx.context_length - n)
-    plan = ctx.planner(conv, rendered, headers)
+    turn = ctx.planner(conv, rendered, headers, body)
     request = GenerateRequest(
         prompt_ids=list(rendered.ids), max_new_tokens=max_new, sampling=params.sampling,
-        stop_ids=frozenset(ctx.tokenizer.eos_ids), checkpoint_positions=tuple(plan.checkpoint_positions),
-        session_key=plan.session_key, forced_output_ids=_forced_output(ctx, headers))
-    return Prepared(conv, params, rendered.text, request)
+        stop_ids=frozenset(ctx.tokenizer.eos_ids), checkpoint_positions=tuple(turn.checkpoint_positions),
+        session_key=turn.session_key, forced_output_ids=_forced_output(ctx, headers))
+    return Prepared(conv, params, rendered.text, request, turn)
 
 
 def render(ctx: ServerContext, conv: Conversation):
@@ -83,7 +87,7 @@ def render(ctx: ServerContext, conv: Conversation):
 
 
 def _forced_output(ctx: ServerContext, headers: Mapping[str, str]) -> list[int] | None:
-    """Test hook (create_app(test_hooks=True) only): the engine emits this text's tokens, then EOS."""
+    """Test hook (create_app(test_hooks=True) only): the engine emits this text's tokens instead of sampling."""
     text = headers.get(FORCED_OUTPUT_HEADER)
     if not ctx.test_hooks or text is None:
         return None
@@ -135,7 +139,7 @@ class Generation:
 
     async def _items(self) -> AsyncIterator[GenItem]:
         loop, parser, stop_ids = asyncio.get_running_loop(), self.parser, self.req.stop_ids
-        last_sent, reasoning, seen = loop.time(), 0, 0
+        last_sent, reasoning, output_ids = loop.time(), 0, []
         final: TokenEvent | None = None
         while final is None:
             # silent for keepalive_s (queued, prefilling, or decoding a buffered tool call): say so
@@ -149,7 +153,7 @@ class Generation:
             except asyncio.TimeoutError:
                 continue
             ids = [t for t in ev.token_ids if t not in stop_ids]
-            seen += len(ev.token_ids)
+            output_ids += ev.token_ids
             reasoning += len(ids) if parser.mode == "think" else 0
             out = parser.feed(self.decoder.push(ids)) if ids else []
             if ev.final:
@@ -161,9 +165,16 @@ class Generation:
                 yield item
             last_sent = loop.time() if out else last_sent
         self.done = True
-        finished = _finished(final, parser, reasoning, self.req, seen)
+        finished = _finished(final, parser, reasoning, self.req, len(output_ids))
         self.ctx.metrics.observe_usage(finished.usage)
+        self._finish_turn(output_ids, finished)
         yield finished
+
+    def _finish_turn(self, output_ids: list[int], finished: Finished) -> None:
+        try:
+            self.ctx.planner.finish(self.prep.turn, output_ids, finished.usage)
+        except Exception:  # noqa: BLE001 - bookkeeping must never cost the agent its answer
+            log.exception("cache policy failed to record %s", self.req.request_id)
 
     async def _stop_early(self) -> TokenEvent:
         """A stop sequence matched: abort the engine request and wait (briefly) for its final usage."""

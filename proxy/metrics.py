@@ -1,7 +1,8 @@
 """Prometheus text exposition (format 0.0.4) of the proxy's counters and the engine's own figures.
 
 Counters and histograms are kept here; engine figures (active, queued, cache hits, bytes...) come from
-`core.stats()` at scrape time and are exported as gauges `killick_engine_<key>`.
+`core.stats()` at scrape time and are exported as gauges `killick_engine_<key>`; the cache policy's
+(sessions, turns per edit class) as `killick_policy_<key>`.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class Metrics:
             self.decode_rate.observe(usage.decode_tok_s)
         self.queue.observe(usage.queue_s)
 
-    def render(self, engine_stats: dict) -> str:
+    def render(self, engine_stats: dict, policy_stats: dict | None = None) -> str:
         out = ["# HELP killick_requests_total Finished API requests by API and HTTP status.",
                "# TYPE killick_requests_total counter"]
         out += [f'killick_requests_total{{api="{api}",status="{status}"}} {n}'
@@ -70,9 +71,9 @@ class Metrics:
         out += self.ttft.lines("killick_ttft_seconds", "Time from submit to the first output token.")
         out += self.decode_rate.lines("killick_decode_tokens_per_second", "Decode rate per request.")
         out += self.queue.lines("killick_queue_seconds", "Time from submit to first scheduled.")
-        for key, value in sorted(_flatten(engine_stats).items()):
-            name = "killick_engine_" + key
-            out += [f"# TYPE {name} gauge", f"{name} {value:g}"]
+        for prefix, stats in (("killick_engine_", engine_stats), ("killick_policy_", policy_stats or {})):
+            for key, value in sorted(_flatten(stats).items()):
+                out += [f"# TYPE {prefix}{key} gauge", f"{prefix}{key} {value:g}"]
         return "\n".join(out) + "\n"
 
 

@@ -199,3 +199,43 @@ async def test_keepalive_continues_while_a_long_tool_call_is_buffered(aiohttp_cl
     events = [line[7:] for line in (await resp.text()).splitlines() if line.startswith("event: ")]
     assert events.count("ping") >= 3, events  # ~1.3 s of decoding with nothing visible to send
     assert "content_block_start" in events
+
+
+class RecordingPlanner:
+    """Checks the seam's calls and order; the real policy is proxy/cache_policy.PolicyPlanner."""
+
+    def __init__(self):
+        self.calls = []
+
+    def normalize(self, conv, headers, request=None):
+        self.calls.append(("normalize", request["model"]))
+        return conv
+
+    def __call__(self, conv, rendered, headers, request=None):
+        self.calls.append(("plan", len(rendered.ids)))
+        from proxy.context import Plan
+        return Plan((3, len(rendered.ids) - 1), headers.get("x-session-id"))
+
+    def finish(self, turn, output_ids, usage=None):
+        self.calls.append(("finish", turn.session_key, len(output_ids), usage.output_tokens))
+
+    def stats(self):
+        return {"sessions": 1, "turns": {"append": 2}}
+
+
+async def test_planner_seam_normalize_plan_finish(aiohttp_client, fake_stack):
+    from proxy.app import create_app
+    from proxy_fakes import ChatMLRenderer
+
+    _, core = fake_stack()
+    planner = RecordingPlanner()
+    app = create_app(core, core.tok, ChatMLRenderer(core.tok), context_length=4096, planner=planner)
+    client = await aiohttp_client(app)
+    resp = await client.post("/v1/chat/completions", headers={"x-session-id": "s1"},
+                             json={"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status == 200
+    n = len(core.requests[-1].prompt_ids)
+    assert core.requests[-1].checkpoint_positions == (3, n - 1) and core.requests[-1].session_key == "s1"
+    assert planner.calls == [("normalize", "gpt-5"), ("plan", n), ("finish", "s1", 3, 3)]  # "ok" + EOS
+    text = await (await client.get("/metrics")).text()
+    assert "killick_policy_sessions 1" in text and "killick_policy_turns_append 2" in text
