@@ -15,7 +15,8 @@ def synth_model_dir(tmp_path_factory):
     return synth.synth_checkpoint(out, size="tiny", seed=0, vocab_size=vocab, tokenizer=SHIPPED_TOKENIZER)
 
 
-def real_app(model_dir, *, context_length=4096, keepalive_s=5.0, max_running=2, max_waiting=8, api_key=None):
+def real_app(model_dir, *, context_length=4096, keepalive_s=5.0, max_running=2, max_waiting=8, api_key=None,
+             planner=None):
     from engine.build import EngineOptions, build_core
     from engine.tokenizer import load_tokenizer
     from proxy.app import create_app
@@ -26,5 +27,5 @@ def real_app(model_dir, *, context_length=4096, keepalive_s=5.0, max_running=2, 
                          cache_device_mb=64, cache_host_mb=64)
     core = build_core(model_dir, opts)
     app = create_app(core, tok, ChatRenderer(tok), model_name="tiny", api_key=api_key, keepalive_s=keepalive_s,
-                     test_hooks=True)
+                     planner=planner, test_hooks=True)
     return app, core, tok

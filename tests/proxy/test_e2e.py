@@ -196,3 +196,32 @@ async def test_errors_and_models_with_the_real_engine(serve, sdk):
         metrics = await (await s.get(base + "/metrics")).text()
     assert 'killick_requests_total{api="anthropic",status="400"} 1' in metrics
     assert "killick_engine_active 0" in metrics and "killick_engine_cache_misses" in metrics
+
+
+async def test_cache_policy_planner_end_to_end(aiohttp_server, model_dir, sdk):
+    """Claude Code shape, two turns, billing line changing: the policy normalises it away and plans anchors,
+    so the second turn reuses the first prompt. Runs once proxy/cache_policy.py is on the branch."""
+    cache_policy = pytest.importorskip("proxy.cache_policy")
+    from real_stack import real_app
+
+    planner = cache_policy.PolicyPlanner()
+    app, core, _ = real_app(model_dir, planner=planner)
+    base = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+
+    def system(hexes):
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.3.{hexes}; cc_entrypoint=cli;"},
+                {"type": "text", "text": "You are Claude Code, a coding agent."}]
+
+    client = sdk.anthropic(base, default_headers={FORCED: THINK_AND_CALL})
+    messages = [{"role": "user", "content": "What files are here?"}]
+    first = await client.messages.create(model="claude-opus-4-8", max_tokens=200, system=system("a1b"),
+                                         messages=messages, tools=TOOLS_A, metadata={"user_id": "session_x"})
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": first.content[-1].id,
+                                               "content": "a.py"}]}]
+    second = await client.messages.create(model="claude-opus-4-8", max_tokens=200, system=system("c2d"),
+                                          messages=messages, tools=TOOLS_A, metadata={"user_id": "session_x"})
+    assert second.usage.cache_read_input_tokens >= first.usage.input_tokens
+    async with aiohttp.ClientSession() as s:
+        metrics = await (await s.get(base + "/metrics")).text()
+    assert "killick_policy_" in metrics
