@@ -7,10 +7,10 @@ Real checkpoints and transformers-5 re-saves spell the same things differently (
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("qwen3_5_moe", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("qwen3_5_moe", "qwen3_moe", "qwen3_next")
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -88,6 +88,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         return _qwen3_5_moe(dict(raw), top=raw, source=source, prefix="model.")
     if model_type == "qwen3_moe":
         return _qwen3_moe(raw, source)
+    if model_type == "qwen3_next":
+        return _qwen3_next(raw, source)
     raise ValueError(
         f"{source}: unsupported architecture model_type={model_type!r}; "
         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -190,14 +192,28 @@ def _qwen3_5_moe(text: dict, top: dict, source: str, prefix: str = "model.langua
     )
 
 
+def _dense_layers(raw: dict, layers: int) -> tuple[int, ...]:
+    """Layers with a dense MLP: listed in mlp_only_layers, or off the decoder_sparse_step grid."""
+    step = int(raw.get("decoder_sparse_step", 1))
+    mlp_only = set(raw.get("mlp_only_layers") or [])
+    return tuple(i for i in range(layers) if i in mlp_only or (i + 1) % step != 0)
+
+
+def _qwen3_next(raw: dict, source: str) -> ModelConfig:
+    """Qwen3-Next: Qwen3.5-MoE's hybrid text model with Qwen3-MoE's top-level keys and dense-layer options
+    (its DeltaNet projections are stored grouped per key head; the loader ungroups them)."""
+    cfg = _qwen3_5_moe(dict(raw), top=raw, source=source, prefix="model.")
+    dense = _dense_layers(raw, cfg.num_layers)
+    return replace(cfg, arch="qwen3_next", norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                   dense_layers=dense, intermediate_size=int(raw.get("intermediate_size", 0)))
+
+
 def _qwen3_moe(raw: dict, source: str) -> ModelConfig:
     hidden = int(_get(raw, source, "hidden_size"))
     layers = int(_get(raw, source, "num_hidden_layers"))
     if raw.get("use_sliding_window"):
         raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false")
-    step = int(raw.get("decoder_sparse_step", 1))
-    mlp_only = set(raw.get("mlp_only_layers") or [])
-    dense = tuple(i for i in range(layers) if i in mlp_only or (i + 1) % step != 0)
+    dense = _dense_layers(raw, layers)
     return ModelConfig(
         arch="qwen3_moe",
         weight_prefix="model.",

@@ -22,8 +22,8 @@ class Engine:
         self.model = model
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype="float32", experts=None) -> "Engine":
-        return cls(load_model(path, device=device, dtype=dtype, experts=experts))
+    def from_pretrained(cls, path, device="cpu", dtype="float32", experts=None, expert_device=None) -> "Engine":
+        return cls(load_model(path, device=device, dtype=dtype, experts=experts, expert_device=expert_device))
 
     @property
     def config(self):

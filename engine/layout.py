@@ -47,11 +47,14 @@ def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _deltanet_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     H, Hv, vd = cfg.hidden_size, cfg.linear_num_v_heads, cfg.linear_value_dim
+    if cfg.arch == "qwen3_next":  # grouped per key head on disk: see ungroup_qwen3_next
+        inputs = {"linear_attn.in_proj_qkvz.weight": (cfg.conv_dim + vd, H),
+                  "linear_attn.in_proj_ba.weight": (2 * Hv, H)}
+    else:
+        inputs = {"linear_attn.in_proj_qkv.weight": (cfg.conv_dim, H), "linear_attn.in_proj_z.weight": (vd, H),
+                  "linear_attn.in_proj_b.weight": (Hv, H), "linear_attn.in_proj_a.weight": (Hv, H)}
     return {
-        "linear_attn.in_proj_qkv.weight": (cfg.conv_dim, H),
-        "linear_attn.in_proj_z.weight": (vd, H),
-        "linear_attn.in_proj_b.weight": (Hv, H),
-        "linear_attn.in_proj_a.weight": (Hv, H),
+        **inputs,
         "linear_attn.conv1d.weight": (cfg.conv_dim, 1, cfg.conv_kernel),
         "linear_attn.dt_bias": (Hv,),
         "linear_attn.A_log": (Hv,),
@@ -88,3 +91,4 @@ def per_expert_shapes(cfg: ModelConfig, layer: int, expert: int) -> dict[str, tu
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     ep = f"{layer_prefix(cfg, layer)}mlp.experts.{expert}."
     return {ep + "gate_proj.weight": (I, H), ep + "up_proj.weight": (I, H), ep + "down_proj.weight": (H, I)}
+

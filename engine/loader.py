@@ -1,9 +1,10 @@
 """Load a Hugging Face checkpoint directory: config.json + safetensors (one file, or shards with an index).
 
-    cfg, tensors, experts = load_checkpoint(path, device, dtype)
+    cfg, tensors, experts = load_checkpoint(path, device, dtype, expert_device=None)
 
 `tensors` holds every non-expert tensor of the text model under its full name; `experts` is the
-ExpertWeights source (fused [E, 2I, H] / [E, H, I] per MoE layer, whatever the layout on disk). Tensors the
+ExpertWeights source (fused [E, 2I, H] / [E, H, I] per MoE layer, whatever the layout on disk), on
+`expert_device` (default: `device`; "cpu" for backends that keep the pool in host RAM). Tensors the
 text model does not use (`model.visual.*`, `mtp.*`) are never read. Every problem a user can cause raises
 ValueError naming the file or key and what to do about it.
 """
@@ -16,14 +17,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig, load_config
+from engine.config import FULL, ModelConfig, load_config
 from engine.experts.source import ExpertWeights
-from engine.layout import fused_expert_shapes, non_expert_shapes, per_expert_shapes
+from engine.layout import fused_expert_shapes, layer_prefix, non_expert_shapes, per_expert_shapes
 
 INDEX = "model.safetensors.index.json"
 
 
-def load_checkpoint(path, device="cpu", dtype=torch.float32):
+def load_checkpoint(path, device="cpu", dtype=torch.float32, expert_device=None):
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise ValueError(f"model directory {model_dir} does not exist; pass the folder of a Hugging Face checkpoint")
@@ -31,18 +32,45 @@ def load_checkpoint(path, device="cpu", dtype=torch.float32):
     with ExitStack() as stack:
         reader = _Reader(model_dir, stack, torch.device(device), dtype)
         tensors = {name: reader.get(name, shape) for name, shape in non_expert_shapes(cfg).items()}
-        experts = _load_experts(cfg, reader)
+        if cfg.arch == "qwen3_next":
+            _ungroup_qwen3_next(cfg, tensors)
+        experts = _load_experts(cfg, reader, torch.device(expert_device or device))
     return cfg, tensors, experts
 
 
-def _load_experts(cfg: ModelConfig, reader: "_Reader") -> ExpertWeights:
+def _ungroup_qwen3_next(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """Rewrite Qwen3-Next's grouped DeltaNet input projections, in place, into Qwen3.5's four.
+
+    On disk the rows are grouped per key head g: in_proj_qkvz = [q_g (dk), k_g (dk), v_g (r*dv), z_g (r*dv)]
+    and in_proj_ba = [b_g (r), a_g (r)], r = value heads per key head. Value head g*r + j reads key head g in
+    both models, so regrouping rows is all it takes (the conv channels stay q | k | v).
+    """
+    nk, dk = cfg.linear_num_k_heads, cfg.linear_k_head_dim
+    r = cfg.linear_num_v_heads // nk
+    rv = r * cfg.linear_v_head_dim  # value channels per key head
+    for layer in range(cfg.num_layers):
+        p = f"{layer_prefix(cfg, layer)}linear_attn."
+        if cfg.layer_types[layer] == FULL:
+            continue
+        qkvz = tensors.pop(p + "in_proj_qkvz.weight")
+        H = qkvz.shape[-1]
+        q, k, v, z = qkvz.view(nk, -1, H).split([dk, dk, rv, rv], dim=1)
+        tensors[p + "in_proj_qkv.weight"] = torch.cat([t.reshape(-1, H) for t in (q, k, v)])
+        tensors[p + "in_proj_z.weight"] = z.reshape(-1, H).contiguous()
+        b, a = tensors.pop(p + "in_proj_ba.weight").view(nk, 2 * r, H).split([r, r], dim=1)
+        tensors[p + "in_proj_b.weight"] = b.reshape(-1, H).contiguous()
+        tensors[p + "in_proj_a.weight"] = a.reshape(-1, H).contiguous()
+
+
+def _load_experts(cfg: ModelConfig, reader: "_Reader", device: torch.device) -> ExpertWeights:
     gate_up, down = {}, {}
     for layer in cfg.moe_layers:
         (gu_name, gu_shape), (d_name, d_shape) = fused_expert_shapes(cfg, layer).items()
         if reader.has(gu_name):
-            gate_up[layer], down[layer] = reader.get(gu_name, gu_shape), reader.get(d_name, d_shape)
+            gate_up[layer], down[layer] = reader.get(gu_name, gu_shape, device), reader.get(d_name, d_shape, device)
             continue
-        per = [[reader.get(n, s) for n, s in per_expert_shapes(cfg, layer, e).items()] for e in range(cfg.num_experts)]
+        per = [[reader.get(n, s, device) for n, s in per_expert_shapes(cfg, layer, e).items()]
+               for e in range(cfg.num_experts)]
         if not per:
             raise ValueError(f"{reader.where(gu_name)}: config says num_experts=0; this engine needs MoE layers")
         gate_up[layer] = torch.stack([torch.cat([g, u]) for g, u, _ in per])  # [E, 2I, H], gate rows first
@@ -90,7 +118,7 @@ class _Reader:
     def where(self, name: str) -> str:
         return str(self.file_of.get(name, self.model_dir))
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
         if name not in self.file_of:
             raise ValueError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint; "
                              "the weights do not match config.json (incomplete download or wrong model)")
@@ -102,4 +130,4 @@ class _Reader:
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)} "
                              "from config.json; the weights and config.json belong to different models")
-        return tensor.to(device=self.device, dtype=self.dtype)
+        return tensor.to(device=device or self.device, dtype=self.dtype)

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from engine.config import FULL, LINEAR, config_from_dict
 from engine.layout import FUSED, LAYOUTS, PER_EXPERT, fused_expert_shapes, non_expert_shapes, per_expert_shapes
 
-ARCHS = ("qwen3_5_moe", "qwen3_moe")
+ARCHS = ("qwen3_5_moe", "qwen3_moe", "qwen3_next")
 SIZES = ("tiny", "demo")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -41,29 +41,31 @@ def synth_checkpoint(out_dir, arch: str = "qwen3_5_moe", layout: str = FUSED, si
                      vocab_size: int | None = None, tokenizer=None) -> Path:
     if arch not in ARCHS or size not in SIZES or layout not in LAYOUTS:
         raise ValueError(f"synth: arch must be one of {ARCHS}, size one of {SIZES}, layout one of {LAYOUTS}")
+    tokenizer_files = _tokenizer_files(tokenizer) if tokenizer is not None else []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dims = dict(_TEXT_SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {}))
-    raw = _qwen3_5_moe_config(dims) if arch == "qwen3_5_moe" else _qwen3_moe_config(dims)
+    make = {"qwen3_5_moe": _qwen3_5_moe_config, "qwen3_moe": _qwen3_moe_config, "qwen3_next": _qwen3_next_config}
+    raw = make[arch](dims)
     cfg = config_from_dict(raw)
     gen = torch.Generator().manual_seed(seed)
     text = _text_tensors(cfg, layout, gen)
     extra = _visual_tensors(raw["vision_config"], gen) | _mtp_tensors(cfg, gen) if arch == "qwen3_5_moe" else {}
     _write_shards(out, [text, extra] if extra else [text])
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    if tokenizer is not None:
-        copy_tokenizer(tokenizer, out)
+    for file in tokenizer_files:
+        shutil.copyfile(file, out / file.name)
     return out
 
 
-def copy_tokenizer(src, out_dir: Path) -> None:
+def _tokenizer_files(src) -> list[Path]:
+    """The tokenizer files of a directory (or of the directory holding a given tokenizer.json)."""
     src = Path(src)
     folder = src.parent if src.is_file() else src
-    names = [n for n in TOKENIZER_FILES if (folder / n).is_file()]
-    if "tokenizer.json" not in names:
+    files = [folder / n for n in TOKENIZER_FILES if (folder / n).is_file()]
+    if not any(f.name == "tokenizer.json" for f in files):
         raise ValueError(f"{folder} has no tokenizer.json; pass the shipped tokenizer directory")
-    for name in names:
-        shutil.copyfile(folder / name, Path(out_dir) / name)
+    return files
 
 
 def _qwen3_5_moe_config(d: dict) -> dict:
@@ -95,6 +97,16 @@ def _qwen3_moe_config(d: dict) -> dict:
                num_experts=d["num_experts"], rope_theta=1000000.0, norm_topk_prob=True, decoder_sparse_step=1,
                mlp_only_layers=[1], intermediate_size=3 * d["hidden_size"], hidden_act="silu", rms_norm_eps=1e-6,
                max_position_embeddings=4096, use_sliding_window=False, attention_bias=False,
+               tie_word_embeddings=False, eos_token_id=d["vocab_size"] - 1)
+    return raw
+
+
+def _qwen3_next_config(d: dict) -> dict:
+    raw = dict(d)  # full_attention_interval instead of layer_types, top-level rope keys: the other spellings
+    raw.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_act="silu", rms_norm_eps=1e-6,
+               max_position_embeddings=4096, attention_bias=False, linear_conv_kernel_dim=4, rope_theta=10000000.0,
+               partial_rotary_factor=0.25, norm_topk_prob=True, decoder_sparse_step=1,
+               mlp_only_layers=[d["num_hidden_layers"] - 2], intermediate_size=3 * d["hidden_size"],
                tie_word_embeddings=False, eos_token_id=d["vocab_size"] - 1)
     return raw
 
@@ -136,13 +148,14 @@ def _text_tensors(cfg, layout: str, gen: torch.Generator) -> dict[str, torch.Ten
 
 def _visual_tensors(v: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """The vision tower of a tiny Qwen3.5 checkpoint: present on disk, never used by the text engine."""
-    h, m, c, p, t = v["hidden_size"], v["intermediate_size"], v["in_channels"], v["patch_size"], v["temporal_patch_size"]
+    h, m, c, p = v["hidden_size"], v["intermediate_size"], v["in_channels"], v["patch_size"]
+    t, out = v["temporal_patch_size"], v["out_hidden_size"]
     merged = h * v["spatial_merge_size"] ** 2
     shapes = {"patch_embed.proj.weight": (h, c, t, p, p), "patch_embed.proj.bias": (h,),
               "pos_embed.weight": (v["num_position_embeddings"], h),
               "merger.norm.weight": (h,), "merger.norm.bias": (h,),
               "merger.linear_fc1.weight": (merged, merged), "merger.linear_fc1.bias": (merged,),
-              "merger.linear_fc2.weight": (v["out_hidden_size"], merged), "merger.linear_fc2.bias": (v["out_hidden_size"],)}
+              "merger.linear_fc2.weight": (out, merged), "merger.linear_fc2.bias": (out,)}
     for b in range(v["depth"]):
         bp = f"blocks.{b}."
         shapes.update({bp + "norm1.weight": (h,), bp + "norm1.bias": (h,), bp + "norm2.weight": (h,),

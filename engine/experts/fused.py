@@ -28,15 +28,18 @@ class FusedExperts:
         order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
         tokens, weights = order // K, topk_w.reshape(-1)[order]
-        out = torch.zeros_like(x)
-        start = 0
+        outs, start = [], 0
         for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = tokens[start : start + count]
-            y = swiglu_fused(x[rows], gate_up[expert], down[expert]) * weights[start : start + count, None]
-            out.index_add_(0, rows, y.to(out.dtype))
+            if count:
+                rows = tokens[start : start + count]
+                y = swiglu_fused(x[rows], gate_up[expert], down[expert])
+                outs.append(y * weights[start : start + count, None])
             start += count
+        # back to (token, slot) order, then sum the K slots; plain indexing instead of index_add_, which
+        # parallelises even tiny sizes and crawls on an oversubscribed CPU
+        per_slot = torch.empty(flat_ids.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        per_slot[order] = torch.cat(outs).to(x.dtype)
+        out = per_slot.view(-1, K, x.shape[1]).sum(dim=1)
         self._stats[layer]["hits"] += sum(1 for c in counts if c)  # experts run this step, all resident
         return out
 

@@ -44,14 +44,17 @@ class Attention:
 
     def _attend(self, q: torch.Tensor, kv, pos: int) -> torch.Tensor:
         """q [T, h, D] at positions pos..pos+T-1 against the sequence's keys [kv, L, D] -> [T, h, D]."""
-        T = q.shape[0]
+        T, kv_heads = q.shape[0], self.cfg.num_kv_heads
         keys, values = kv.keys(), kv.values()
-        rep = self.cfg.num_heads // self.cfg.num_kv_heads
+        scale = self.cfg.head_dim**-0.5
+        if T == 1:  # decode: query heads grouped per KV head, no copy of the cache, no SDPA call overhead
+            qg = q.view(kv_heads, -1, q.shape[-1])  # [kv, h/kv, D]
+            probs = torch.softmax((qg @ keys.transpose(1, 2)).float() * scale, dim=-1).to(q.dtype)  # [kv, h/kv, L]
+            return (probs @ values).reshape(1, -1, q.shape[-1])
+        rep = self.cfg.num_heads // kv_heads
         keys, values = keys.repeat_interleave(rep, dim=0), values.repeat_interleave(rep, dim=0)
-        mask = None
-        if T > 1:  # causal, offset by what the cache held before this chunk
-            mask = torch.arange(keys.shape[1], device=q.device)[None, :] <= (
-                pos + torch.arange(T, device=q.device)[:, None])
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
-                                             scale=self.cfg.head_dim**-0.5)
+        # causal, offset by what the cache held before this chunk
+        key_pos = torch.arange(keys.shape[1], device=q.device)
+        mask = key_pos[None, :] <= (pos + torch.arange(T, device=q.device)[:, None])  # [T, L]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale)
         return out.transpose(0, 1)

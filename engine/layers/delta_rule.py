@@ -36,10 +36,10 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     outs = []
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[:, None, None]
-        predicted = torch.einsum("hkv,hk->hv", state, k[:, t])  # what the state already returns for k_t
+        predicted = (state * k[:, t, :, None]).sum(1)  # [Hv, dv]: what the state already returns for k_t
         delta = (v[:, t] - predicted) * beta[:, t, None]  # [Hv, dv]
         state = state + k[:, t, :, None] * delta[:, None, :]
-        outs.append(torch.einsum("hkv,hk->hv", state, q[:, t]))
+        outs.append((state * q[:, t, :, None]).sum(1))
     return torch.stack(outs, dim=0).to(out_dtype), state
 
 

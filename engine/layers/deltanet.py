@@ -47,5 +47,6 @@ class GatedDeltaNet:
         """x [T, C] -> silu(causal depthwise conv) [T, C]; state.conv keeps the last K-1 inputs [C, K-1]."""
         full = torch.cat([state.conv, x.t()], dim=-1)  # [C, K-1+T]
         state.conv = full[:, full.shape[1] - state.conv.shape[1] :].contiguous()
-        y = F.conv1d(full[None], self.conv_w, groups=full.shape[0])[0]  # [C, T]
+        windows = full.unfold(1, self.conv_w.shape[-1], 1)  # [C, T, K]: the K inputs each output sees
+        y = (windows * self.conv_w).sum(-1)  # depthwise conv as elementwise ops (conv1d is slow for tiny T)
         return F.silu(y).t()

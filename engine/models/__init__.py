@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 
-def load_model(path, device="cpu", dtype="float32", experts=None):
+def load_model(path, device="cpu", dtype="float32", experts=None, expert_device=None):
     """Load a checkpoint directory into a Model.
 
     dtype: torch.dtype or its name ("float32", "bfloat16", "float16").
     experts: optional factory `ExpertWeights -> backend` (default: the all-resident FusedExperts reference).
+    expert_device: where the routed experts are loaded (default `device`; "cpu" for a host-RAM pool).
     """
     import torch
 
@@ -15,7 +16,7 @@ def load_model(path, device="cpu", dtype="float32", experts=None):
     from engine.models.qwen import Model
 
     dtype = parse_dtype(dtype)
-    cfg, tensors, source = load_checkpoint(path, device, dtype)
+    cfg, tensors, source = load_checkpoint(path, device, dtype, expert_device)
     backend = (experts or FusedExperts)(source)
     return Model(cfg, tensors, backend, torch.device(device), dtype)
 

@@ -81,6 +81,8 @@ class Model:
         """items: [(token_ids LongTensor[T_i], SequenceState)] -> per item FloatTensor [1, V] or [T_i, V]."""
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+        if not items:
+            raise ValueError("forward needs at least one (token_ids, state) item")
         ids = [torch.as_tensor(t, dtype=torch.long, device=self.device).reshape(-1) for t, _ in items]
         if any(t.numel() == 0 for t in ids):
             raise ValueError("every sequence in a forward batch needs at least one token")

@@ -6,7 +6,7 @@ import torch
 
 from engine.synth import synth_checkpoint
 
-ARCHS = ("qwen3_5_moe", "qwen3_moe")
+ARCHS = ("qwen3_5_moe", "qwen3_moe", "qwen3_next")
 LAYOUTS = ("fused", "per_expert")
 
 
@@ -41,8 +41,9 @@ def reference_for(checkpoints):
         if arch not in _references:
             import transformers
 
-            cls = (transformers.Qwen3_5MoeForConditionalGeneration if arch == "qwen3_5_moe"
-                   else transformers.Qwen3MoeForCausalLM)
+            cls = {"qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration,
+                   "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+                   "qwen3_next": transformers.Qwen3NextForCausalLM}[arch]
             model = cls.from_pretrained(checkpoints[arch, "fused"], dtype=torch.float32,
                                         experts_implementation="eager")
             _references[arch] = model.eval()

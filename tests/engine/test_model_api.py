@@ -100,6 +100,8 @@ def test_forward_rejects_bad_requests(engine_for):
     model = engine_for("qwen3_moe").model
     with pytest.raises(ValueError, match="logits"):
         model.forward([(prompt(3), model.new_state())], logits="first")
+    with pytest.raises(ValueError, match="at least one"):
+        model.forward([])
     with pytest.raises(ValueError, match="at least one token"):
         model.forward([(torch.tensor([], dtype=torch.long), model.new_state())])
     with pytest.raises(ValueError, match="token ids"):
@@ -112,3 +114,10 @@ def test_expert_backend_reports_stats(engine_for):
     stats = backend.stats()
     assert stats["backend"] == "fused" and stats["total"]["hits"] > 0 and stats["total"]["misses"] == 0
     assert set(stats["layers"]) == {0, 2}  # layer 1 of the tiny qwen3_moe is a dense MLP
+
+
+def test_experts_can_live_on_another_device_than_the_model(checkpoints):
+    from engine.models import load_model
+
+    model = load_model(checkpoints["qwen3_moe", "fused"], device="meta", expert_device="cpu")
+    assert model.embed.device.type == "meta" and model.experts.source.device.type == "cpu"

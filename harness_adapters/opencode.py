@@ -1,0 +1,23 @@
+"""OpenCode (1.x): OpenAI chat SSE, `opencode/…` User-Agent, `x-session-id` header.
+
+Append-only and re-sends reasoning_content; with compaction.prune it replaces old tool outputs (beyond
+~40k tokens of recent ones, so a count is only an estimate) by a fixed placeholder. Compaction is a separate
+summariser request; the title request is a parallel tool-less one with a title-generator system prompt.
+"""
+from __future__ import annotations
+
+from harness_adapters.base import BaseAdapter, Compaction, ElideToolOutputsBeyondN
+
+PRUNE_PLACEHOLDER = "[Old tool result content cleared]"
+
+
+class OpenCodeAdapter(BaseAdapter):
+    name = "opencode"
+    user_agent_contains = ("opencode/",)
+    system_contains = ("You are opencode", "You are OpenCode")
+    title_markers = ("You are a title generator",)
+    title_without_tools = True
+    rules = (
+        ElideToolOutputsBeyondN(n=4, placeholder=PRUNE_PLACEHOLDER),
+        Compaction(request_markers=("You are a helpful AI assistant tasked with summarizing conversations",)),
+    )
