@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", metavar="KEY", help="require this key (Bearer or x-api-key) on every route "
                                                          "but /health")
     parser.add_argument("--model-name", default=None, help="name in /v1/models (default: the model directory)")
+    parser.add_argument("--harness-rules", metavar="FILE", help="extra harness normalisation rules (JSON/TOML)")
     parser.add_argument("--keepalive", type=float, default=5.0, metavar="S",
                         help="seconds of silence before a keep-alive while queued or prefilling (default 5)")
     add_engine_arguments(parser)
@@ -34,15 +35,18 @@ def build_app(args: argparse.Namespace) -> web.Application:
     from engine.build import build_core, options_from_args
     from engine.demo import resolve_model
     from engine.tokenizer import load_tokenizer
+    from harness_adapters import load_registry
     from proxy.app import create_app
+    from proxy.cache_policy import PolicyPlanner
     from proxy.render import ChatRenderer
 
     opts = options_from_args(args)
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     core = build_core(model_dir, opts)
+    planner = PolicyPlanner(registry=load_registry(args.harness_rules))
     return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=args.model_name or model_dir.name,
-                      api_key=args.api_key, keepalive_s=args.keepalive)
+                      api_key=args.api_key, keepalive_s=args.keepalive, planner=planner)
 
 
 def run(args: argparse.Namespace) -> int:
