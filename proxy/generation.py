@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal, Mapping, Union
 
 from engine.api import GenerateRequest, SamplingParams, TokenEvent, Usage
-from proxy.context import ServerContext
+from proxy.context import Plan, ServerContext
 from proxy.conversation import Conversation
 from proxy.errors import ApiError
 from proxy.output_parser import OutputEvent, OutputParser, ToolCall, generation_opens_think
@@ -64,19 +64,35 @@ class Prepared:
 def prepare(ctx: ServerContext, conv: Conversation, params: GenParams, headers: Mapping[str, str],
             body: Mapping) -> Prepared:
     """normalise -> render -> check the context -> plan -> GenerateRequest."""
-    conv = ctx.planner.normalize(conv, headers, body)
+    conv = normalize(ctx, conv, headers, body)
     rendered = render(ctx, conv)
     n = len(rendered.ids)
     if n >= ctx.context_length:
         raise ApiError(400, f"prompt is too long: {n} tokens > {ctx.context_length - 1} maximum",
                        param="messages", code="context_length_exceeded")
     max_new = min(params.max_tokens or ctx.default_max_tokens, ctx.context_length - n)
-    turn = ctx.planner(conv, rendered, headers, body)
+    turn = _plan(ctx, conv, rendered, headers, body)
     request = GenerateRequest(
         prompt_ids=list(rendered.ids), max_new_tokens=max_new, sampling=params.sampling,
         stop_ids=frozenset(ctx.tokenizer.eos_ids), checkpoint_positions=tuple(turn.checkpoint_positions),
         session_key=turn.session_key, forced_output_ids=_forced_output(ctx, headers))
     return Prepared(conv, params, rendered.text, request, turn)
+
+
+def normalize(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping) -> Conversation:
+    try:
+        return ctx.planner.normalize(conv, headers, body)
+    except Exception:  # noqa: BLE001 - a policy bug must not cost the agent its answer
+        log.exception("cache policy failed to normalise a request; serving it as sent")
+        return conv
+
+
+def _plan(ctx: ServerContext, conv: Conversation, rendered, headers: Mapping[str, str], body: Mapping):
+    try:
+        return ctx.planner(conv, rendered, headers, body)
+    except Exception:  # noqa: BLE001 - without a plan the engine still serves (its own checkpoints only)
+        log.exception("cache policy failed to plan a request; serving it without anchors")
+        return Plan()
 
 
 def render(ctx: ServerContext, conv: Conversation):

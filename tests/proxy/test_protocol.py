@@ -239,3 +239,16 @@ async def test_planner_seam_normalize_plan_finish(aiohttp_client, fake_stack):
     assert planner.calls == [("normalize", "gpt-5"), ("plan", n), ("finish", "s1", 3, 3)]  # "ok" + EOS
     text = await (await client.get("/metrics")).text()
     assert "killick_policy_sessions 1" in text and "killick_policy_turns_append 2" in text
+
+
+async def test_a_failing_planner_costs_no_answer(aiohttp_client, fake_stack, caplog):
+    class Broken(RecordingPlanner):
+        def __call__(self, conv, rendered, headers, request=None):
+            raise KeyError("bug")
+
+    app, core = fake_stack(planner=Broken())
+    client = await aiohttp_client(app)
+    resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 3,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status == 200 and core.requests[-1].checkpoint_positions == ()
+    assert "cache policy failed to plan" in caplog.text
