@@ -144,7 +144,7 @@ async def test_responses_stream_and_previous_response(serve, sdk):
 
 async def test_keepalive_while_queued_behind_a_running_request(serve):
     """max_running=1: the second stream waits in the engine queue and must still hear from us."""
-    base, core, tok = await serve(max_running=1, keepalive_s=0.2)
+    base, core, tok = await serve(max_running=1, keepalive_s=0.1)
     long_reply = "word " * 400  # ~400 decode steps: close to a second even on a fast box
     async with aiohttp.ClientSession() as s:
         blocker = asyncio.ensure_future(s.post(
