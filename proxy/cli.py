@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("proxy.commands.demo", "run the main job on the embedded demo model"),
     "model": ("proxy.commands.model", "model utilities: synth (write a seeded random checkpoint)"),
     "bench": ("proxy.commands.bench", "benchmarks: bw (PCIe, CPU expert kernel and host read bandwidth)"),
+    "launch": ("proxy.commands.launch", "run a coding agent (claude, opencode, codex, ...) against the server"),
 }
 
 
@@ -43,10 +44,21 @@ def _load(module: str):
         raise
 
 
+def _split_rest(command: str | None, argv: list[str]) -> tuple[list[str], list[str]]:
+    """Everything after the first `--` goes untouched to a subcommand that declares TAKES_REST (launch)."""
+    mod = _load(COMMANDS[command][0]) if command else None
+    if mod is None or not getattr(mod, "TAKES_REST", False) or "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in COMMANDS), None)
+    argv, rest = _split_rest(command, argv)
     args = build_parser(only=command).parse_args(argv)
+    args.rest = rest
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     mod = _load(COMMANDS[args.command][0])
