@@ -31,6 +31,7 @@ class GenParams:
     sampling: SamplingParams = SamplingParams()
     stop_sequences: tuple[str, ...] = ()
     parse_tools: bool = True
+    max_tool_calls: int | None = None  # 1: the agent disabled parallel tool calls
 
 
 class Keepalive:
@@ -121,7 +122,8 @@ class Generation:
     def __init__(self, ctx: ServerContext, prep: Prepared):
         self.ctx, self.prep, self.req = ctx, prep, prep.request
         self.parser = OutputParser(thinking_open=generation_opens_think(prep.prompt_text),
-                                   parse_tools=prep.params.parse_tools, stop_sequences=prep.params.stop_sequences)
+                                   parse_tools=prep.params.parse_tools, stop_sequences=prep.params.stop_sequences,
+                                   max_tool_calls=prep.params.max_tool_calls)
         self.decoder = ctx.tokenizer.incremental_decoder()
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.done = False
@@ -175,7 +177,7 @@ class Generation:
             if ev.final:
                 out += parser.feed(self.decoder.flush()) + parser.finish()
                 final = ev
-            elif parser.stopped is not None:
+            elif parser.ended:
                 final = await self._stop_early()
             for item in out:
                 yield item
@@ -193,7 +195,7 @@ class Generation:
             log.exception("cache policy failed to record %s", self.req.request_id)
 
     async def _stop_early(self) -> TokenEvent:
-        """A stop sequence matched: abort the engine request and wait (briefly) for its final usage."""
+        """The parser needs no more output: abort the engine request and wait (briefly) for its final usage."""
         self._abort()
 
         async def final() -> TokenEvent:
@@ -214,7 +216,7 @@ def _finished(ev: TokenEvent, parser: OutputParser, reasoning: int, req: Generat
     if parser.stopped is not None:
         return Finished("stop_sequence", usage, reasoning, stop_sequence=parser.stopped)
     finish: Finish = ev.finish_reason or "error"
-    if finish == "stop" and parser.tool_calls:
+    if parser.ended or (finish == "stop" and parser.tool_calls):
         finish = "tool_calls"
     return Finished(finish, usage, reasoning, error=ev.error)
 

@@ -252,3 +252,19 @@ async def test_a_failing_planner_costs_no_answer(aiohttp_client, fake_stack, cap
                                                    "messages": [{"role": "user", "content": "hi"}]})
     assert resp.status == 200 and core.requests[-1].checkpoint_positions == ()
     assert "cache policy failed to plan" in caplog.text
+
+
+async def test_parallel_tool_calls_false_stops_after_the_first_call(aiohttp_client, fake_stack):
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    two = ('<tool_call>\\n{"name": "bash", "arguments": {"cmd": "ls"}}\\n</tool_call>\\n'
+           '<tool_call>\\n{"name": "bash", "arguments": {"cmd": "pwd"}}\\n</tool_call>')
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    body = {"model": "m", "tools": tools, "reasoning_effort": "none", "messages": [{"role": "user", "content": "q"}]}
+    out = await (await client.post("/v1/chat/completions", headers={FORCED: two}, json=body)).json()
+    assert len(out["choices"][0]["message"]["tool_calls"]) == 2
+    out = await (await client.post("/v1/chat/completions", headers={FORCED: two},
+                                   json={**body, "parallel_tool_calls": False})).json()
+    calls = out["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"cmd": "ls"}]
+    assert out["choices"][0]["finish_reason"] == "tool_calls" and len(core.aborted) == 1
