@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from proxy.conversation import Conversation, Message, ThinkingPart, ToolResultPart
-from proxy.turns import RenderedLike, message_spans, prefix_end
+from proxy.turns import RenderedLike, first_conversation_message, message_spans, prefix_end
 
 IMMINENT_CUT, PREDICTED_CUT, SHARED_PREFIX, TURN_BOUNDARY, FINE = 4, 3, 2, 1, 0
 IMPLICIT_PER_TURN = 2  # the engine always keeps the end of the prompt and the end of generation
@@ -66,6 +66,12 @@ def candidates(rendered: RenderedLike) -> list[Candidate]:
     # together differently ("<think>\n" + "\n</think>" -> "<think>" "\n\n" "</think>"): one token back
     if n > 1:
         out.append(Candidate(n - 1, "before_last_token", TURN_BOUNDARY))
+    # a request that adds a message instead of the reply (a summary request, a user interrupting) cuts here
+    out += [Candidate(s.start, "generation_prompt_start", TURN_BOUNDARY) for s in rendered.segments
+            if s.kind == "generation_prompt"]
+    # tools connected mid-session (MCP servers) are added at the end of the list
+    out += [Candidate(b.end, "tools_end", SHARED_PREFIX) for t in rendered.segments if t.kind == "tools"
+            for b in _bodies(rendered, t)]
     edges = {"think": ("think_start", "think_end"), "tool_response": ("tool_response_start", "tool_response_end"),
              "tool_call": (None, "tool_call_end")}
     for s in rendered.segments:
@@ -96,12 +102,15 @@ def predicted_cuts(rendered: RenderedLike, rules: Sequence, conv: Optional[Conve
                 blocks = [spans[last][0]]
         elif kind == "strip_thinking_except_latest_n":
             blocks = _live_blocks(rendered, "think", conv, lambda m: _reasoning(m) != "")
-        elif kind == "elide_tool_outputs_beyond_n":
-            blocks = _live_blocks(rendered, "tool_response", conv, lambda m: rule.placeholder not in _results(m))
+        elif kind == "elide_tool_outputs_beyond_n":  # the output is replaced after "<tool_response>\n"
+            blocks = _live_blocks(rendered, "tool_response", conv, lambda m: rule.placeholder not in _results(m),
+                                  inside=True)
         elif kind == "elide_observations_except_last_n":
-            blocks = _observation_starts(spans, rendered, conv, rule.placeholder)
-        elif kind == "compaction" and prefix_end(rendered.segments):
-            blocks = [prefix_end(rendered.segments)]
+            blocks = [body_start(rendered, p) for p in _observation_starts(spans, rendered, conv, rule.placeholder)]
+        elif kind == "compaction" and prefix_end(rendered.segments):  # the summary replaces the first message's text
+            first = first_conversation_message(rendered.segments, conv)
+            blocks = [prefix_end(rendered.segments)] + ([body_start(rendered, spans[first][0])] if first in spans
+                                                        else [])
         n = getattr(rule, "n", 1)
         imminent = sorted(set(blocks))[-n] if 0 < n <= len(set(blocks)) else None
         for pos in blocks:
@@ -119,8 +128,24 @@ def _results(msg: Message) -> str:
     return "".join(p.content for p in msg.parts if isinstance(p, ToolResultPart)) + msg.text
 
 
-def _live_blocks(rendered: RenderedLike, kind: str, conv: Optional[Conversation], alive) -> list[int]:
-    """Starts of `kind` segments whose message (per `alive`) has not been cut yet."""
+def _bodies(rendered: RenderedLike, seg) -> list:
+    """Body segments directly inside `seg` (see proxy/render.py: a block's text after its opening line)."""
+    inner = [b for b in rendered.segments if b.kind == "body" and seg.start <= b.start and b.end <= seg.end
+             and b is not seg and b.message_index == seg.message_index]
+    return sorted(inner, key=lambda b: b.start)[:1]
+
+
+def body_start(rendered: RenderedLike, pos: int) -> int:
+    """Where the text of the message or block starting at `pos` begins (pos itself when there is no body)."""
+    after = [b.start for b in rendered.segments if b.kind == "body" and b.start > pos]
+    owners = [s for s in rendered.segments if s.start == pos and s.kind != "body"]
+    inside = [p for p in after if any(p < s.end for s in owners)]
+    return min(inside, default=pos)
+
+
+def _live_blocks(rendered: RenderedLike, kind: str, conv: Optional[Conversation], alive,
+                 inside: bool = False) -> list[int]:
+    """Starts of `kind` segments whose message (per `alive`) has not been cut yet (of their bodies: inside)."""
     out = []
     for s in rendered.segments:
         if s.kind != kind:
@@ -128,7 +153,7 @@ def _live_blocks(rendered: RenderedLike, kind: str, conv: Optional[Conversation]
         msg = conv.messages[s.message_index] if conv is not None and s.message_index is not None \
             and s.message_index < len(conv.messages) else None
         if msg is None or alive(msg):
-            out.append(s.start)
+            out.append(body_start(rendered, s.start) if inside else s.start)
     return out
 
 

@@ -8,6 +8,8 @@ tokenizer's offset mapping:
   message           one Conversation message, from its <|im_start|> to after its <|im_end|>\n; a tool result
                     sharing a user turn with its neighbours covers its own \n<tool_response>...</tool_response>
   think / tool_call / tool_response   <tag> ... </tag>, both tags included
+  body              inside each message (after its "<|im_start|>role\n"), each of those blocks and <tools>
+                    (after the open tag's newline, up to the close tag)
   generation_prompt what add_generation_prompt appended       message_index None
 Message starts come from the turn structure (one <|im_start|> per turn, consecutive tool results in one turn);
 when a template does not fit that shape, each message prefix is rendered and compared instead (quadratic,
@@ -25,7 +27,8 @@ from engine.tokenizer import Tokenizer
 from proxy.chat_template import compile_template, render_template
 from proxy.conversation import Conversation, Message, ThinkingPart, ToolCallPart, ToolResultPart
 
-SegmentKind = Literal["system", "tools", "message", "think", "tool_call", "tool_response", "generation_prompt"]
+SegmentKind = Literal["system", "tools", "message", "think", "tool_call", "tool_response", "body",
+                      "generation_prompt"]
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 INNER_BLOCKS = {"assistant": (("<think>", "</think>", "think"), ("<tool_call>", "</tool_call>", "tool_call")),
                 "tool": (("<tool_response>", "</tool_response>", "tool_response"),)}
@@ -179,10 +182,13 @@ def _char_segments(body: str, msgs: list[dict], owners: list[int], starts: list[
     ends = starts[1:] + [len(body)]
     for j, (s, e) in enumerate(zip(starts, ends)):
         for open_tag, close_tag, kind in INNER_BLOCKS.get(msgs[j]["role"], ()):
-            spans += [(kind, a, b, owners[j]) for a, b in _tag_spans(body, open_tag, close_tag, s, e)]
+            for a, b in _tag_spans(body, open_tag, close_tag, s, e):
+                spans += [(kind, a, b, owners[j]), _body(body, a, b, open_tag, close_tag, owners[j])]
     for i in sorted(set(owners)):
         mine = [j for j, o in enumerate(owners) if o == i]
-        spans.append(("message", starts[mine[0]], ends[mine[-1]], i))
+        start, end = starts[mine[0]], ends[mine[-1]]
+        header = body.find("\n", start, end) + 1 if body.startswith(IM_START, start) else start
+        spans += [("message", start, end, i), ("body", header or start, end, i)]
     return spans
 
 
@@ -198,8 +204,16 @@ def _system_spans(body: str, msgs: list[dict], owners: list[int]) -> list[tuple]
     blocks = _tag_spans(body, "<tools>", "</tools>", 0, end)
     if blocks:  # the longest: templates also mention an empty "<tools></tools>" in their instructions
         a, b = max(blocks, key=lambda ab: ab[1] - ab[0])
-        spans.append(("tools", a, b, index))
+        spans += [("tools", a, b, index), _body(body, a, b, "<tools>", "</tools>", index)]
     return spans
+
+
+def _body(text: str, a: int, b: int, open_tag: str, close_tag: str, index: int | None) -> tuple:
+    """The inside of <tag>...</tag> at text[a:b]: after the open tag and its newline, up to the close tag.
+    Where a harness rewrites a block (a cleared tool output, an added tool), the edit starts here."""
+    start = a + len(open_tag)
+    start += text.startswith("\n", start)
+    return ("body", start, max(start, b - len(close_tag)), index)
 
 
 def _tag_spans(text: str, open_tag: str, close_tag: str, start: int, end: int) -> list[tuple[int, int]]:

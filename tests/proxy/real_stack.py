@@ -23,8 +23,9 @@ def real_app(model_dir, *, context_length=4096, keepalive_s=5.0, max_running=2, 
     from proxy.render import ChatRenderer
 
     tok = load_tokenizer(model_dir)
+    engine_options = {"cache_device_mb": 64, "cache_host_mb": 64, **engine_options}
     opts = EngineOptions(max_running=max_running, max_queue=max_waiting, context_length=context_length,
-                         cache_device_mb=64, cache_host_mb=64, **engine_options)
+                         **engine_options)
     core = build_core(model_dir, opts)
     app = create_app(core, tok, ChatRenderer(tok), model_name="tiny", api_key=api_key, keepalive_s=keepalive_s,
                      planner=planner, test_hooks=True)
