@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from harness_adapters.base import BaseAdapter, Compaction
 from proxy.conversation import Conversation, Message, TextPart
-from proxy.normalize import is_billing_line
+from proxy.normalize import BILLING_LINE, is_billing_line
 
 
 class ClaudeCodeAdapter(BaseAdapter):
@@ -26,12 +26,20 @@ class ClaudeCodeAdapter(BaseAdapter):
     )
 
     def normalize(self, conv: Conversation) -> Conversation:
-        """Billing lines in any system block (the base normaliser only looks at the first one)."""
+        """Billing lines in any system block (the base normaliser only looks at the first one). Only the line
+        goes: the Anthropic front-end joins the system blocks into one text, the prompt itself follows it."""
         def clean(msg: Message) -> Message:
             if msg.role != "system":
                 return msg
-            parts = tuple(p for p in msg.parts if not (isinstance(p, TextPart) and is_billing_line(p.text)))
+            parts = tuple(_without_billing(p) for p in msg.parts)
+            parts = tuple(p for p in parts if not (isinstance(p, TextPart) and not p.text))
             return msg if parts == msg.parts else Message("system", parts)
 
         msgs = tuple(clean(m) for m in conv.messages)
         return replace(conv, messages=tuple(m for m in msgs if m.parts))
+
+
+def _without_billing(part):
+    if not isinstance(part, TextPart) or not is_billing_line(part.text):
+        return part
+    return TextPart(BILLING_LINE.sub("", part.text, count=1))

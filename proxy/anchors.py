@@ -69,9 +69,9 @@ def candidates(rendered: RenderedLike) -> list[Candidate]:
     # a request that adds a message instead of the reply (a summary request, a user interrupting) cuts here
     out += [Candidate(s.start, "generation_prompt_start", TURN_BOUNDARY) for s in rendered.segments
             if s.kind == "generation_prompt"]
-    # tools connected mid-session (MCP servers) are added at the end of the list
-    out += [Candidate(b.end, "tools_end", SHARED_PREFIX) for t in rendered.segments if t.kind == "tools"
-            for b in _bodies(rendered, t)]
+    # tools connected mid-session (MCP servers) are added at the end of the list, system text at its end
+    out += [Candidate(b.end, f"{t.kind}_end", SHARED_PREFIX) for t in rendered.segments
+            if t.kind in ("tools", "system") for b in _bodies(rendered, t)]
     edges = {"think": ("think_start", "think_end"), "tool_response": ("tool_response_start", "tool_response_end"),
              "tool_call": (None, "tool_call_end")}
     for s in rendered.segments:

@@ -60,7 +60,7 @@ class CachePolicy:
         kind = adapter.side_request_kind(conv) or "main"
         with self._lock:
             key, source = self.store.identify(request, headers, rendered.ids, kind, extras=conv.extras,
-                                              from_summary=adapter.starts_from_summary(conv))
+                                              from_summary=adapter.starts_from_summary(conv), conv=conv)
             state = self.store.get(key)
             last = len(rendered.ids) - 1  # the engine prefills at least one token to get the first logits
             if state is not None and state.prev is not None:

@@ -8,7 +8,8 @@ tokenizer's offset mapping:
   message           one Conversation message, from its <|im_start|> to after its <|im_end|>\n; a tool result
                     sharing a user turn with its neighbours covers its own \n<tool_response>...</tool_response>
   think / tool_call / tool_response   <tag> ... </tag>, both tags included
-  body              inside each message (after its "<|im_start|>role\n"), each of those blocks and <tools>
+  body              inside each message (after its "<|im_start|>role\n"; the system message: its own text
+                    before the tools), each of those blocks and <tools>
                     (after the open tag's newline, up to the close tag)
   generation_prompt what add_generation_prompt appended       message_index None
 Message starts come from the turn structure (one <|im_start|> per turn, consecutive tool results in one turn);
@@ -179,6 +180,7 @@ def _turn_groups(msgs: list[dict]) -> list[list[int]]:
 def _char_segments(body: str, msgs: list[dict], owners: list[int], starts: list[int]) -> list[tuple]:
     """(kind, char start, char end, message index) for everything but the generation prompt."""
     spans = _system_spans(body, msgs, owners)
+    system_owner = spans[0][3] if spans else None  # its body is the system text alone (see _system_spans)
     ends = starts[1:] + [len(body)]
     for j, (s, e) in enumerate(zip(starts, ends)):
         for open_tag, close_tag, kind in INNER_BLOCKS.get(msgs[j]["role"], ()):
@@ -188,7 +190,9 @@ def _char_segments(body: str, msgs: list[dict], owners: list[int], starts: list[
         mine = [j for j, o in enumerate(owners) if o == i]
         start, end = starts[mine[0]], ends[mine[-1]]
         header = body.find("\n", start, end) + 1 if body.startswith(IM_START, start) else start
-        spans += [("message", start, end, i), ("body", header or start, end, i)]
+        spans.append(("message", start, end, i))
+        if i != system_owner:
+            spans.append(("body", header or start, end, i))
     return spans
 
 
@@ -201,6 +205,9 @@ def _system_spans(body: str, msgs: list[dict], owners: list[int]) -> list[tuple]
     end += len(IM_END) + (body[end + len(IM_END):end + len(IM_END) + 1] == "\n")
     index = owners[0] if msgs and msgs[0]["role"] == "system" else None
     spans = [("system", 0, end, index)]
+    text_start = body.find("\n") + 1
+    if index is not None and body.startswith(msgs[0]["content"] or "", text_start):
+        spans.append(("body", text_start, text_start + len(msgs[0]["content"] or ""), index))
     blocks = _tag_spans(body, "<tools>", "</tools>", 0, end)
     if blocks:  # the longest: templates also mention an empty "<tools></tools>" in their instructions
         a, b = max(blocks, key=lambda ab: ab[1] - ab[0])

@@ -99,12 +99,14 @@ class SessionStore:
 
     def identify(self, request: Mapping[str, Any], headers: Mapping[str, str], ids: Sequence[int],
                  kind: str = "main", from_summary: bool = False,
-                 extras: Optional[Mapping[str, Any]] = None) -> tuple[str, str]:
+                 extras: Optional[Mapping[str, Any]] = None, conv=None) -> tuple[str, str]:
         """(session key, how it was found: a hint source, 'prefix' or 'new').
 
         One hint may carry several conversations (Claude Code's sub-agents share the session id): they are
         threads `id`, `id~2`, ... told apart by prefix match. A history rebuilt from a summary
         (`from_summary`, see BaseAdapter.starts_from_summary) continues the thread it shares most with.
+        A thread whose last messages all open `conv` (the Conversation) is the same conversation with its
+        system prompt or tools changed (an MCP server connected), however early that edit falls.
         """
         suffix = f"#{kind}" if kind != "main" else ""
         hint = session_hint(request, headers, extras)
@@ -116,6 +118,8 @@ class SessionStore:
         match = self._prefix_match(ids, kind, threads)
         if match is None and threads and from_summary:
             match = self._prefix_match(ids, kind, threads, threshold=False)
+        if match is None and threads and conv is not None:
+            match = self._same_history(conv, kind, threads)
         if match is None and threads:
             match = f"{base}~{next(self._threads)}"
         return match or base, hint[0]
@@ -133,6 +137,16 @@ class SessionStore:
             if n > best_len and (not threshold or n >= max(1, state.first_message_end)):
                 best, best_len = key, n
         return best
+
+    def _same_history(self, conv, kind: str, keys) -> Optional[str]:
+        """The most recent thread among `keys` whose previous prompt's messages, system ones aside, open `conv`."""
+        talk = _talk(conv)
+        for key in reversed([k for k in self._lru(kind) if k in set(keys)]):
+            prev = self._lru(kind)[key].prev
+            old = _talk(prev.conversation) if prev is not None and prev.conversation is not None else ()
+            if old and talk[:len(old)] == old:
+                return key
+        return None
 
     def shared_anchor(self, ids: Sequence[int], max_position: Optional[int] = None) -> tuple[int, int]:
         """(common prefix, deepest checkpoint within it and <= max_position) over every session, side ones
@@ -185,3 +199,7 @@ class SessionStore:
 def _first_message_end(prev: PreviousTurn) -> int:
     idx = first_conversation_message(prev.segments, prev.conversation)
     return message_spans(prev.segments)[idx][1] if idx is not None else len(prev.prompt_ids)
+
+
+def _talk(conv) -> tuple:
+    return tuple(m for m in conv.messages if m.role != "system")

@@ -198,3 +198,16 @@ def test_expected_reprefill_never_exceeds_tokens_after_resume_point():
         assert rec.anchor_used <= rec.edit_point
         msgs += (reply, user(f"next {k}"))
     assert len(reply_ids(assistant("x"))) > 0
+
+
+def test_claude_code_keeps_its_system_prompt_when_the_billing_line_shares_its_text():
+    """The Anthropic front-end joins system blocks into one text: only the billing line may go, not the prompt."""
+    from proxy.normalize import normalize
+
+    bill = "x-anthropic-billing-header: cc_version=2.1.3.a1f; cc_entrypoint=cli;"
+    conv = Conversation((Message("system", (TextPart(bill + "\n\nYou are Claude Code.\n<env>x</env>"),)),
+                         user("task")), TOOLS)
+    adapter = detect_adapter({}, {"user-agent": "claude-cli/2.1.3"}, conv)
+    out = normalize(conv, adapter)
+    assert adapter.name == "claude_code"
+    assert out.messages[0].role == "system" and out.messages[0].text == "You are Claude Code.\n<env>x</env>"

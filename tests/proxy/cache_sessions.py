@@ -89,11 +89,12 @@ def anthropic_tools(k: int) -> list:
 
 
 def claude_code_system(k: int, billing: str) -> list:
-    env = "gitStatus: clean" if k < 8 else "gitStatus: M src/parser.py"  # refreshed late in the session
+    """From turn 8 an output-style block follows the prompt (the user switched /output-style)."""
+    style = [{"type": "text", "text": "Output style: explanatory. Explain each change."}] if k >= 8 else []
     return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.3.{billing}; cc_entrypoint=cli;"},
             {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.",
              "cache_control": {"type": "ephemeral"}},
-            {"type": "text", "text": f"<env>\nWorking directory: /home/u/proj\n{env}\n</env>"}]
+            {"type": "text", "text": "<env>\nWorking directory: /home/u/proj\ngitStatus: clean\n</env>"}] + style
 
 
 def anthropic_turns(k: int, first_user: str) -> list:
@@ -112,7 +113,7 @@ def claude_code_headers() -> dict:
 
 
 def claude_code_system_tools(k: int):
-    """Claude Code, append-only history, but its tools (turns 3, 6) and system env block (turn 8) change."""
+    """Claude Code, append-only history, but its tools (turns 3, 6) and system prompt (turn 8) change."""
     body = {"model": "claude-sonnet-4-5", "max_tokens": MAX_TOKENS, "temperature": 0,
             "system": claude_code_system(k, f"{k:03x}"), "tools": anthropic_tools(k),
             "metadata": {"user_id": CC_USER}, "messages": anthropic_turns(k, "Fix the parser bug.")}

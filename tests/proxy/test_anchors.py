@@ -27,8 +27,8 @@ def starts(r, kind):
 def test_candidates_cover_every_boundary_kind():
     r = render(agent_conv(2))
     kinds = {c.kind for c in candidates(r)}
-    assert kinds == {"prefix_end", "message_start", "before_last_token", "think_start", "think_end", "tool_call_end",
-                     "tool_response_start", "tool_response_end"}
+    assert kinds == {"prefix_end", "message_start", "before_last_token", "generation_prompt_start", "think_start",
+                     "think_end", "tool_call_end", "tool_response_start", "tool_response_end"}
     system_end = next(s.end for s in r.segments if s.kind == "system")
     assert any(c.kind == "prefix_end" and c.pos == system_end for c in candidates(r))
     assert all(0 < c.pos <= len(r.ids) for c in candidates(r))
@@ -39,9 +39,11 @@ def test_default_plan_is_every_turn_boundary_after_resume_point():
     plan = plan_anchors(r)
     msg_starts = sorted({s.start for s in r.segments if s.kind == "message" and s.start > 0})
     system_end = next(s.end for s in r.segments if s.kind == "system")
-    assert set(plan.checkpoint_positions) == set(msg_starts) | {system_end, len(r.ids) - 1}
+    gen_start = next(s.start for s in r.segments if s.kind == "generation_prompt")  # where a new message would go
+    assert set(plan.checkpoint_positions) == set(msg_starts) | {system_end, gen_start, len(r.ids) - 1}
     later = plan_anchors(r, start=msg_starts[3])
-    assert later.checkpoint_positions == tuple(p for p in msg_starts if p > msg_starts[3]) + (len(r.ids) - 1,)
+    assert later.checkpoint_positions == tuple(p for p in msg_starts if p > msg_starts[3]) + (gen_start,
+                                                                                             len(r.ids) - 1)
 
 
 def test_trailing_message_rule_predicts_the_cut_at_the_last_message():
@@ -99,7 +101,8 @@ def test_budget_by_count_and_bytes_keeps_highest_priority_then_latest():
     system_end = next(s.end for s in r.segments if s.kind == "system")
     plan = plan_anchors(r, budget=AnchorBudget(max_count=6))
     assert len(plan.checkpoint_positions) == 6 - IMPLICIT_PER_TURN
-    assert plan.checkpoint_positions == tuple(sorted([system_end] + msg_starts[-2:] + [len(r.ids) - 1]))
+    gen_start = next(s.start for s in r.segments if s.kind == "generation_prompt")
+    assert plan.checkpoint_positions == tuple(sorted([system_end] + msg_starts[-1:] + [gen_start, len(r.ids) - 1]))
     by_bytes = AnchorBudget(max_count=100, max_bytes=5 * 63_000_000, bytes_per_checkpoint=63_000_000)
     assert by_bytes.cap == 5
     assert len(plan_anchors(r, budget=by_bytes).checkpoint_positions) == 3
