@@ -105,6 +105,21 @@ def test_claude_code_subagents_sharing_the_session_id_are_threads_of_their_own()
     assert (plan.session_key, rec.edit_class) == (SID, "compaction")
 
 
+def test_claude_code_tools_added_mid_session_stay_in_the_same_thread():
+    """An MCP server connecting adds tools (the edit falls before the first message): still the same
+    conversation, not a sub-agent thread; the diff names it."""
+    policy = CachePolicy()
+    request = {"metadata": {"user_id": json.dumps({"session_id": SID})}}
+    headers = {"user-agent": "claude-cli/2.1.3"}
+    msgs = (system("You are Claude Code."), user("refactor everything"))
+    for k, tools in enumerate((TOOLS[:1], TOOLS[:1], TOOLS)):
+        reply = assistant(f"step {k}", calls=call(k))
+        _, plan, rec = turn(policy, request, headers, Conversation(msgs, tools), reply)
+        assert plan.session_key == SID
+        msgs += (reply, tool(f"out {k}"))
+    assert rec.edit_class == "tools_changed"
+
+
 def test_opencode_append_then_prune_resumes_at_the_cleared_output():
     policy = CachePolicy()
     headers = {"user-agent": "opencode/1.18.2", "x-session-id": "ses_abc"}

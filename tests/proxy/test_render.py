@@ -120,6 +120,19 @@ def test_inner_segments_point_at_their_tokens(renderer):
                                                "tool_response": "<tool_response>"}[s.kind])
 
 
+def test_body_segments_start_where_the_text_of_a_block_begins(renderer):
+    """Where a harness rewrites a block (clears a tool output, replaces a message's text, adds a tool, extends
+    the system prompt), its text differs from here on: the anchor planner checkpoints these starts/ends."""
+    r = renderer.render(agent_conv())
+    bodies = {(piece(r, s), s.message_index) for s in r.of_kind("body")}
+    system_text = next(piece(r, s) for s in r.of_kind("body") if s.message_index == 0)
+    assert system_text.startswith("You are a coding agent.") and "# Tools" not in system_text  # ".\n\n" is one token
+    assert ("List the files.<|im_end|>\n", 1) in bodies  # after "<|im_start|>user\n"
+    assert ("a.py\nb.py\n", 3) in bodies and ("/work\n", 4) in bodies  # inside <tool_response>\n ... </tool_response>
+    tools_body, = [s for s in r.of_kind("body") if piece(r, s).startswith('{"type": "function"')]
+    assert renderer.tokenizer.decode(r.ids[tools_body.end:tools_body.end + 1]).startswith("</")  # </tools> next
+
+
 @pytest.mark.parametrize("thinking", [True, False])
 def test_appending_a_turn_keeps_the_earlier_ids_as_prefix(renderer, thinking):
     conv = agent_conv(thinking)
