@@ -26,7 +26,7 @@ EditClass = Literal[
 
 
 class SegmentLike(Protocol):
-    kind: str  # system, tools, message, think, tool_call, tool_response, generation_prompt
+    kind: str  # system, tools, message, think, tool_call, tool_response, body, generation_prompt
     start: int
     end: int
     message_index: Optional[int]
