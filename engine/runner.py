@@ -78,12 +78,14 @@ class ModelRunner:
         match = self._matches.pop(seq.request_id, None)
         if self.cache is None:
             return
-        # end of generation: the state covers every token fed so far (the last sampled one was not fed);
-        # the session keeps its newest path pinned while the agent runs its tools
-        if state is not None and seq.finish_reason in ("stop", "length") and state.length >= seq.num_prompt:
-            self.cache.insert(seq.tokens[: state.length], state, seq.req.session_key)
-        if match is not None:
-            self.cache.release(match)
+        try:
+            # end of generation: the state covers every token fed so far (the last sampled one was not fed);
+            # the session keeps its newest path pinned while the agent runs its tools
+            if state is not None and seq.finish_reason in ("stop", "length") and state.length >= seq.num_prompt:
+                self.cache.insert(seq.tokens[: state.length], state, seq.req.session_key)
+        finally:  # whatever happened above, the path this request locked at admission is unlocked
+            if match is not None:
+                self.cache.release(match)
 
     def reconfigure(self, moe_slots: int | None = None, kv_tokens: int | None = None,
                     prefix_device_bytes: int | None = None, prefix_host_bytes: int | None = None) -> dict:

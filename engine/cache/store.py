@@ -83,7 +83,7 @@ class PrefixStore:
         assert n == len(tokens), "state and tokens disagree"  # internal invariant, not user input
         ckpt = {n: self._checkpoint(state)} if self.linear else {}
         node = self.cache.insert(tokens, n, kv=lambda s, e: self._kv(state, s, e), checkpoints=ckpt)
-        if session_key is not None and node is not None:
+        if session_key is not None and node is not None and node.alive:  # too big for both tiers: gone already
             self._pin(session_key, node)
 
     def stats(self) -> dict:

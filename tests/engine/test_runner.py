@@ -117,3 +117,21 @@ def test_long_session_under_small_budgets_uses_the_host_tier_and_stays_exact(eng
     assert "host" in tiers[1:]
     assert all(d <= 96 << 10 and h <= 256 << 10 for d, h in peaks)
     assert stats["cache_demotions"] > 0
+
+
+def test_a_session_state_too_big_for_both_tiers_is_dropped_without_failing_the_release(engine_for, caplog):
+    """The end-of-generation insert may not fit anywhere (the node is gone at once): pinning it for the session
+    must be skipped, not raise, and the admitted path must be unlocked so later budgets still hold."""
+    engine = engine_for("qwen3_5_moe")
+    vocab = engine.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    cache = PrefixStore(engine.model, device_budget=8 << 10, host_budget=8 << 10)
+    runner = ModelRunner(engine.model, cache=cache)
+    prompt = torch.randint(0, vocab, (60,), generator=g).tolist()
+    with EngineCore(runner, max_step_tokens=64) as core:
+        for _ in range(2):
+            (out,), (fin,) = run_all(core, [GenerateRequest(prompt, 3, session_key="s")])
+            assert out == engine.generate(prompt, max_new_tokens=3) and fin.finish_reason == "length"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert all(node.locks == 0 for node in cache.cache.tree.nodes())
+    cache.cache.check()

@@ -163,13 +163,12 @@ async def test_each_edit_kind_reprefills_only_what_follows_the_edit(kind, aiohtt
         assert cur.record.edit_class == want if want else cur.record.edit_class in REPLY_EDITS, (k, cur.record)
 
 
-async def test_budgets_hold_over_a_long_session(aiohttp_client, model_dir, rules_file):
+async def test_budgets_hold_over_a_long_session(aiohttp_client, model_dir, rules_file, caplog):
     """30 OpenCode turns under tiny prefix-cache budgets: after every turn each tier is within its budget,
     nodes were demoted and dropped on the way, and the outputs still equal the cold run."""
     turns, stats = 30, []
-    warm_stack = recorded_stack(model_dir, rules_file)
-    device_budget, host_budget = 96 << 10, 192 << 10
-    warm_stack[1].runner.reconfigure(prefix_device_bytes=device_budget, prefix_host_bytes=host_budget)
+    warm_stack = recorded_stack(model_dir, rules_file, cache_device_mb=2, cache_host_mb=1)
+    device_budget, host_budget = 2 << 20, 1 << 20  # ~6 MB of KV and checkpoints pass through
 
     async def read_stats(client, k):
         r = await client.get("/v1/killick/stats")
@@ -183,7 +182,8 @@ async def test_budgets_hold_over_a_long_session(aiohttp_client, model_dir, rules
         assert s["cache_device_budget"] == device_budget and s["cache_host_budget"] == host_budget
         assert s["cache_device_bytes"] <= device_budget and s["cache_host_bytes"] <= host_budget
     last = stats[-1]
+    print({k: v for k, v in last.items() if k.startswith("cache_")})
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text  # e.g. "release failed"
     assert last["cache_demotions"] > 0 and last["cache_dropped_nodes"] > 0
-    assert any(t.cached_tokens > 0 for t in warm[1:])  # the budgets still leave room for reuse
-    for t in warm:
-        check_usage(t)
+    for k in range(1, turns):  # the live session's path fits the device: reuse stays as good as unbounded
+        assert check_usage(warm[k]) <= len(warm[k].call.prompt) - edit_point(warm[k - 1], warm[k]) + MERGE_SLACK
