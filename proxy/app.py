@@ -1,0 +1,136 @@
+"""The aiohttp application: one factory, typed app state, middlewares for errors / auth / metrics.
+
+    create_app(core, tokenizer, renderer, model_name=..., context_length=..., api_key=...)
+
+Every handler reads parse -> normalise -> render -> plan -> submit -> stream (see proxy/generation.py).
+The engine core is started and stopped through cleanup_ctx, so the app owns its lifetime.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+from aiohttp import web
+
+from proxy import api_anthropic, api_chat, api_responses
+from proxy.context import CTX, NoPlanner, Planner, ServerContext, planner_stats
+from proxy.errors import ApiError, error_middleware, is_anthropic_path
+
+log = logging.getLogger("killick.proxy")
+MAX_BODY = 64 * 2**20  # agent requests with long histories reach megabytes
+_API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_tokens",
+           "/v1/chat/completions": "chat", "/v1/responses": "responses"}
+
+
+def create_app(core, tokenizer, renderer, *, model_name: str = "killick", context_length: int | None = None,
+               api_key: str | None = None, keepalive_s: float = 5.0, default_max_tokens: int = 8192,
+               planner: Planner | None = None, test_hooks: bool = False) -> web.Application:
+    """The queue limit is the engine's (EngineCore(max_running, max_waiting)): a full queue answers 429.
+
+    context_length defaults to the engine runner's, i.e. the real KV budget of one sequence.
+    """
+    context_length = context_length or getattr(getattr(core, "runner", None), "context_length", None)
+    if not context_length or context_length < 2:
+        raise ValueError("context_length is unknown: pass create_app(context_length=<the engine's KV budget>)")
+    if keepalive_s <= 0:
+        raise ValueError(f"keepalive_s must be > 0, got {keepalive_s}")
+    ctx = ServerContext(core=core, tokenizer=tokenizer, renderer=renderer, model_name=model_name,
+                        context_length=context_length, keepalive_s=keepalive_s,
+                        default_max_tokens=default_max_tokens, planner=planner or NoPlanner(),
+                        test_hooks=test_hooks)
+    middlewares = [metrics_middleware, error_middleware, auth_middleware(api_key)]
+    app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
+    app[CTX] = ctx
+    app.cleanup_ctx.append(_engine_lifetime)
+    add_routes(app)
+    return app
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/", root)  # HEAD too: Claude Code probes it
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", model_info)
+    app.router.add_post("/v1/messages", api_anthropic.messages)
+    app.router.add_post("/v1/messages/count_tokens", api_anthropic.count_tokens)
+    app.router.add_post("/v1/chat/completions", api_chat.chat_completions)
+    app.router.add_post("/v1/responses", api_responses.responses)
+
+
+async def _engine_lifetime(app: web.Application):
+    core = app[CTX].core
+    if hasattr(core, "start"):
+        core.start()
+    yield
+    if hasattr(core, "stop"):
+        core.stop()
+
+
+def auth_middleware(api_key: str | None):
+    @web.middleware
+    async def check_key(request: web.Request, handler):
+        if api_key is None or request.path == "/health":
+            return await handler(request)
+        bearer = request.headers.get("Authorization", "")
+        offered = bearer[7:] if bearer.startswith("Bearer ") else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(offered.encode(), api_key.encode()):
+            what = "x-api-key" if is_anthropic_path(request.path) else "API key"
+            raise ApiError(401, f"invalid {what}: send the server's --api-key as 'Authorization: Bearer KEY' "
+                                "or 'x-api-key: KEY'", code="invalid_api_key")
+        return await handler(request)
+
+    return check_key
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler):
+    api = _API_OF.get(request.path)
+    if api is None:
+        return await handler(request)
+    try:
+        response = await handler(request)
+    except BaseException:
+        request.app[CTX].metrics.request_done(api, 499)  # client closed the request
+        raise
+    request.app[CTX].metrics.request_done(api, response.status)
+    return response
+
+
+async def root(request: web.Request) -> web.Response:
+    return web.json_response({"name": "killick", "model": request.app[CTX].model_name, "status": "ok"})
+
+
+async def health(request: web.Request) -> web.Response:
+    stats = request.app[CTX].core.stats()
+    return web.json_response({"status": "ok", "active": stats.get("active"), "queued": stats.get("queued")})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    stats = {**ctx.core.stats(), "proxy_in_flight": ctx.in_flight}
+    text = ctx.metrics.render(stats, planner_stats(ctx.planner))
+    return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                        headers={"X-Prometheus-Format": "0.0.4"})
+
+
+def _model_entry(ctx: ServerContext, model_id: str) -> dict:
+    """One entry readable by both SDKs: OpenAI (object/created/owned_by), Anthropic (type/display_name)."""
+    created = int(time.time())
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "killick",
+            "type": "model", "display_name": ctx.model_name,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+            "context_length": ctx.context_length, "max_model_len": ctx.context_length}
+
+
+async def models(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    return web.json_response({"object": "list", "data": [_model_entry(ctx, ctx.model_name)], "has_more": False,
+                              "first_id": ctx.model_name, "last_id": ctx.model_name})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    """Any model name an agent asks about is served by the loaded model."""
+    return web.json_response(_model_entry(request.app[CTX], request.match_info["model_id"]))
+

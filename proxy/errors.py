@@ -1,0 +1,126 @@
+"""Errors are part of the API: every endpoint answers in its own API's error shape with the right status.
+
+Anthropic: {"type": "error", "error": {"type": ..., "message": ...}}
+OpenAI:    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+The flavour is chosen by route (/v1/messages* is Anthropic, everything else OpenAI-shaped).
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import pydantic
+from aiohttp import web
+
+log = logging.getLogger("killick.proxy")
+STREAM_STARTED = web.RequestKey("killick_stream_started", bool)  # set once SSE headers are sent
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class ApiError(Exception):
+    """A request the server refuses; `param` names the offending field (dotted path) where there is one."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def anthropic_body(err: ApiError) -> dict:
+    kind = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def openai_body(err: ApiError) -> dict:
+    kind = _OPENAI_TYPES.get(err.status, "server_error" if err.status >= 500 else "invalid_request_error")
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_body(path: str, err: ApiError) -> dict:
+    return anthropic_body(err) if is_anthropic_path(path) else openai_body(err)
+
+
+def error_response(path: str, err: ApiError) -> web.Response:
+    return web.json_response(error_body(path, err), status=err.status)
+
+
+def from_validation(exc: pydantic.ValidationError) -> ApiError:
+    """The first validation problem as a 400 that names the field, e.g. `messages.0.content: ...`."""
+    first = exc.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in first["loc"] if not _is_union_label(p))
+    what = first["msg"]
+    if first["type"] == "missing":
+        what = "field required"
+    return ApiError(400, f"{loc}: {what}" if loc else what, param=loc or None)
+
+
+_TYPE_LABELS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-plain"}
+
+
+def _is_union_label(part) -> bool:
+    """pydantic puts union member names ('str', 'list[...]', 'TextBlock') into error locations; drop them."""
+    return isinstance(part, str) and (part in _TYPE_LABELS or "[" in part or part[:1].isupper())
+
+
+async def read_json_object(request: web.Request) -> dict:
+    """The request body as a JSON object, or a 400 that says what is wrong with it."""
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Turn every failure into the route's error shape; a bug answers 500 and the server keeps serving."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(request.path, err)
+    except pydantic.ValidationError as exc:
+        return error_response(request.path, from_validation(exc))
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(request.path, ApiError(413, f"request body too large: {exc.text}"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.reason if exc.status != 404 else f"no route for {request.method} {request.path}"
+        return error_response(request.path, ApiError(exc.status, message))
+    except ConnectionResetError:
+        raise  # the client went away: nobody to answer
+    except Exception:  # noqa: BLE001 - the server must keep serving
+        if request.get(STREAM_STARTED):
+            raise  # headers are out: aiohttp closes the connection, the agent sees a cut stream
+        log.exception("internal error on %s %s", request.method, request.path)
+        return error_response(request.path, ApiError(500, "internal server error (see the server log)"))

@@ -1,0 +1,227 @@
+"""One request's trip through the engine, shared by every API front-end.
+
+    prepare():  render -> check the context -> plan -> GenerateRequest   (errors are ApiErrors, before any byte)
+    Generation: submit -> stream -> detokenize -> parse -> OutputEvents, KEEPALIVE ticks, then Finished
+
+Front-ends only translate Conversation in and OutputEvents out; this module owns admission (429),
+keep-alive timing, stop sequences and aborting the engine request when the client goes away.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Literal, Mapping, Union
+
+from engine.api import GenerateRequest, SamplingParams, TokenEvent, Usage
+from proxy.context import ServerContext
+from proxy.conversation import Conversation
+from proxy.errors import ApiError
+from proxy.output_parser import OutputEvent, OutputParser, ToolCall, generation_opens_think
+
+log = logging.getLogger("killick.proxy")
+
+FORCED_OUTPUT_HEADER = "x-killick-forced-output"
+Finish = Literal["stop", "length", "tool_calls", "stop_sequence", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class GenParams:
+    max_tokens: int | None  # None: the server default, always clipped to what the context has left
+    sampling: SamplingParams = SamplingParams()
+    stop_sequences: tuple[str, ...] = ()
+    parse_tools: bool = True
+
+
+class Keepalive:
+    """Yielded when nothing was sent for keepalive_s: the front-end writes its API's keep-alive."""
+
+
+KEEPALIVE = Keepalive()
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish: Finish
+    usage: Usage
+    reasoning_tokens: int = 0
+    stop_sequence: str | None = None
+    error: str | None = None
+
+
+GenItem = Union[OutputEvent, Keepalive, Finished]
+
+
+@dataclass
+class Prepared:
+    conv: Conversation
+    params: GenParams
+    prompt_text: str
+    request: GenerateRequest
+    turn: Any = None  # the planner's plan, handed back to planner.finish()
+
+
+def prepare(ctx: ServerContext, conv: Conversation, params: GenParams, headers: Mapping[str, str],
+            body: Mapping) -> Prepared:
+    """normalise -> render -> check the context -> plan -> GenerateRequest."""
+    conv = ctx.planner.normalize(conv, headers, body)
+    rendered = render(ctx, conv)
+    n = len(rendered.ids)
+    if n >= ctx.context_length:
+        raise ApiError(400, f"prompt is too long: {n} tokens > {ctx.context_length - 1} maximum",
+                       param="messages", code="context_length_exceeded")
+    max_new = min(params.max_tokens or ctx.default_max_tokens, ctx.context_length - n)
+    turn = ctx.planner(conv, rendered, headers, body)
+    request = GenerateRequest(
+        prompt_ids=list(rendered.ids), max_new_tokens=max_new, sampling=params.sampling,
+        stop_ids=frozenset(ctx.tokenizer.eos_ids), checkpoint_positions=tuple(turn.checkpoint_positions),
+        session_key=turn.session_key, forced_output_ids=_forced_output(ctx, headers))
+    return Prepared(conv, params, rendered.text, request, turn)
+
+
+def render(ctx: ServerContext, conv: Conversation):
+    try:
+        return ctx.renderer.render(conv, add_generation_prompt=True)
+    except ValueError as exc:  # the template refuses this conversation: the agent's input is at fault
+        raise ApiError(400, f"cannot render this conversation: {exc}", param="messages") from None
+
+
+def _forced_output(ctx: ServerContext, headers: Mapping[str, str]) -> list[int] | None:
+    """Test hook (create_app(test_hooks=True) only): the engine emits this text's tokens instead of sampling."""
+    text = headers.get(FORCED_OUTPUT_HEADER)
+    if not ctx.test_hooks or text is None:
+        return None
+    text = text.replace("\\n", "\n")  # headers are one line: tests write newlines as \n
+    return list(ctx.tokenizer.encode(text))
+
+
+class Generation:
+    """A submitted request. `async with Generation(ctx, prep) as gen: async for item in gen: ...`
+
+    Entering submits (a full engine queue is a 429 here, before any byte is sent); the items end with one
+    Finished; leaving early (client gone, a write failed) aborts the engine request and frees its state.
+    """
+
+    def __init__(self, ctx: ServerContext, prep: Prepared):
+        self.ctx, self.prep, self.req = ctx, prep, prep.request
+        self.parser = OutputParser(thinking_open=generation_opens_think(prep.prompt_text),
+                                   parse_tools=prep.params.parse_tools, stop_sequences=prep.params.stop_sequences)
+        self.decoder = ctx.tokenizer.incremental_decoder()
+        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.done = False
+        self._iter: AsyncIterator[GenItem] | None = None
+
+    async def __aenter__(self) -> "Generation":
+        loop = asyncio.get_running_loop()
+        try:
+            self.ctx.core.submit(self.req, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
+        except OverflowError as exc:
+            raise ApiError(429, f"server busy: {exc}; retry shortly", code="rate_limit_exceeded") from None
+        except ValueError as exc:  # the engine says this request can never run
+            raise ApiError(400, str(exc)) from None
+        self.ctx.in_flight += 1
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.ctx.in_flight -= 1
+        if self._iter is not None:
+            await self._iter.aclose()
+        if not self.done:
+            self._abort()
+
+    def __aiter__(self) -> AsyncIterator[GenItem]:
+        self._iter = self._items()
+        return self._iter
+
+    def _abort(self) -> None:
+        self.req.abort.abort()
+        self.ctx.core.abort(self.req.request_id)
+
+    async def _items(self) -> AsyncIterator[GenItem]:
+        loop, parser, stop_ids = asyncio.get_running_loop(), self.parser, self.req.stop_ids
+        last_sent, reasoning, output_ids = loop.time(), 0, []
+        final: TokenEvent | None = None
+        while final is None:
+            # silent for keepalive_s (queued, prefilling, or decoding a buffered tool call): say so
+            wait = last_sent + self.ctx.keepalive_s - loop.time()
+            if wait <= 0:
+                last_sent = loop.time()
+                yield KEEPALIVE
+                continue
+            try:
+                ev = await asyncio.wait_for(self.events.get(), wait)
+            except asyncio.TimeoutError:
+                continue
+            ids = [t for t in ev.token_ids if t not in stop_ids]
+            output_ids += ev.token_ids
+            reasoning += len(ids) if parser.mode == "think" else 0
+            out = parser.feed(self.decoder.push(ids)) if ids else []
+            if ev.final:
+                out += parser.feed(self.decoder.flush()) + parser.finish()
+                final = ev
+            elif parser.stopped is not None:
+                final = await self._stop_early()
+            for item in out:
+                yield item
+            last_sent = loop.time() if out else last_sent
+        self.done = True
+        finished = _finished(final, parser, reasoning, self.req, len(output_ids))
+        self.ctx.metrics.observe_usage(finished.usage)
+        self._finish_turn(output_ids, finished)
+        yield finished
+
+    def _finish_turn(self, output_ids: list[int], finished: Finished) -> None:
+        try:
+            self.ctx.planner.finish(self.prep.turn, output_ids, finished.usage)
+        except Exception:  # noqa: BLE001 - bookkeeping must never cost the agent its answer
+            log.exception("cache policy failed to record %s", self.req.request_id)
+
+    async def _stop_early(self) -> TokenEvent:
+        """A stop sequence matched: abort the engine request and wait (briefly) for its final usage."""
+        self._abort()
+
+        async def final() -> TokenEvent:
+            while not (ev := await self.events.get()).final:
+                pass
+            return ev
+
+        try:
+            return await asyncio.wait_for(final(), 5.0)
+        except asyncio.TimeoutError:
+            return TokenEvent(self.req.request_id, finish_reason="abort")
+
+
+def _finished(ev: TokenEvent, parser: OutputParser, reasoning: int, req: GenerateRequest,
+              output_seen: int) -> Finished:
+    usage = ev.usage or Usage(prompt_tokens=len(req.prompt_ids), output_tokens=output_seen, reused_tokens=0,
+                              prefilled_tokens=len(req.prompt_ids))
+    if parser.stopped is not None:
+        return Finished("stop_sequence", usage, reasoning, stop_sequence=parser.stopped)
+    finish: Finish = ev.finish_reason or "error"
+    if finish == "stop" and parser.tool_calls:
+        finish = "tool_calls"
+    return Finished(finish, usage, reasoning, error=ev.error)
+
+
+
+
+def check_failed(fin: Finished) -> Finished:
+    """A non-streaming answer cannot carry an engine failure in-band: it becomes a 500 in the API's shape."""
+    if fin.finish == "error":
+        raise ApiError(500, f"generation failed: {fin.error or 'engine error'}")
+    return fin
+
+
+def collect(blocks: list, item: OutputEvent) -> None:
+    """Accumulate output events into blocks for a non-streaming answer: adjacent deltas of a kind merge."""
+    if isinstance(item, ToolCall):
+        blocks.append(item)
+    elif blocks and type(blocks[-1]) is type(item):
+        blocks[-1] = type(item)(blocks[-1].text + item.text)
+    else:
+        blocks.append(item)
+
+
+def client_gone(request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()

@@ -1,0 +1,200 @@
+"""Streaming parser from the model's decoded text to API-neutral output events.
+
+The Qwen chat format: reasoning inside `<think>...</think>` (the generation prompt may already have
+opened it), then the answer, then zero or more tool calls, each
+`<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (the XML variant
+`<tool_call>\n<function=NAME>\n<parameter=P>\nV\n</parameter>\n</function>\n</tool_call>` is accepted too).
+
+Text arrives in arbitrary pieces, so a suffix that could still become a tag or a stop sequence is held back
+until the next piece decides it. A tool call is buffered until its closing tag and then parsed whole:
+malformed JSON degrades to plain text, never an error. Whitespace at the edges of each segment (after
+`<think>`, around `</think>`, between tool calls) is dropped, as the providers do.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Union
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ThinkingDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    index: int  # 0-based among this response's tool calls
+    name: str
+    arguments: str  # JSON object text
+
+
+OutputEvent = Union[TextDelta, ThinkingDelta, ToolCall]
+
+
+def generation_opens_think(prompt_text: str) -> bool:
+    """Whether the rendered prompt ends inside an open <think> block (thinking-enabled generation prompt)."""
+    tail = prompt_text.rstrip()
+    return tail.endswith(THINK_OPEN)
+
+
+class OutputParser:
+    def __init__(self, *, thinking_open: bool, parse_tools: bool = True, stop_sequences: tuple[str, ...] = ()):
+        self.mode = "think" if thinking_open else "text"  # "think" | "text" | "tool"
+        self.parse_tools = parse_tools
+        self.stop_sequences = tuple(s for s in stop_sequences if s)
+        self.stopped: str | None = None  # the stop sequence that ended generation
+        self.tool_calls = 0
+        self._buf = ""  # undecided text (may be the start of a marker)
+        self._tool_buf = ""
+        self._pending_ws = ""  # trailing whitespace held until more visible text follows
+        self._segment_started = False
+        self._before_tool = ("", False)
+
+    def feed(self, text: str) -> list[OutputEvent]:
+        out: list[OutputEvent] = []
+        if self.stopped is None:
+            self._buf += text
+            while self.stopped is None and self._step(out):
+                pass
+        return out
+
+    def finish(self) -> list[OutputEvent]:
+        """Flush everything held back; an unterminated tool call becomes text."""
+        out: list[OutputEvent] = []
+        if self.stopped is None:
+            rest, self._buf = self._buf, ""
+            if self.mode == "tool":
+                self.mode = "text"
+                self._pending_ws, self._segment_started = self._before_tool
+                rest = TOOL_OPEN + self._tool_buf + rest
+            self._emit(out, rest)
+        self._pending_ws = ""
+        return out
+
+    def _markers(self) -> tuple[str, ...]:
+        if self.mode == "tool":
+            return (TOOL_CLOSE,)
+        if self.mode == "think":
+            return (THINK_CLOSE, *self.stop_sequences)
+        return (THINK_OPEN, *((TOOL_OPEN,) if self.parse_tools else ()), *self.stop_sequences)
+
+    def _step(self, out: list[OutputEvent]) -> bool:
+        """Consume up to the next marker; False when the buffer needs more text to decide."""
+        markers = self._markers()
+        hits = [(self._buf.find(m), -len(m), m) for m in markers if m in self._buf]
+        if not hits:
+            keep = _partial_marker_suffix(self._buf, markers)
+            cut = len(self._buf) - keep
+            self._emit(out, self._buf[:cut])
+            self._buf = self._buf[cut:]
+            return False
+        idx, _, marker = min(hits)
+        self._emit(out, self._buf[:idx])
+        self._buf = self._buf[idx + len(marker):]
+        self._transition(out, marker)
+        return True
+
+    def _transition(self, out: list[OutputEvent], marker: str) -> None:
+        if marker == TOOL_OPEN:  # text state before a tool call, restored if the call is malformed
+            self._before_tool = (self._pending_ws, self._segment_started)
+        self._pending_ws = ""
+        self._segment_started = False
+        if self.mode != "tool" and marker in self.stop_sequences:  # the agent's stop wins over structure
+            self.stopped = marker
+            return
+        if marker == THINK_CLOSE:
+            self.mode = "text"
+        elif marker == THINK_OPEN:
+            self.mode = "think"
+        elif marker == TOOL_OPEN:
+            self.mode, self._tool_buf = "tool", ""
+        elif marker == TOOL_CLOSE:
+            self.mode = "text"
+            self._close_tool(out)
+
+    def _close_tool(self, out: list[OutputEvent]) -> None:
+        parsed = parse_tool_call(self._tool_buf)
+        if parsed is None:  # malformed: show the model's text as it was
+            self._pending_ws, self._segment_started = self._before_tool
+            self._emit(out, TOOL_OPEN + self._tool_buf + TOOL_CLOSE)
+            return
+        out.append(ToolCall(self.tool_calls, *parsed))
+        self.tool_calls += 1
+
+    def _emit(self, out: list[OutputEvent], text: str) -> None:
+        if not text:
+            return
+        if self.mode == "tool":
+            self._tool_buf += text
+            return
+        if not self._segment_started:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            if self._segment_started:
+                self._pending_ws += text
+            return
+        piece = self._pending_ws + body
+        self._pending_ws = text[len(body):]
+        self._segment_started = True
+        out.append(ThinkingDelta(piece) if self.mode == "think" else TextDelta(piece))
+
+
+def _partial_marker_suffix(buf: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of buf that is a proper prefix of some marker."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(buf)), best, -1):
+            if buf.endswith(m[:n]):
+                best = n
+                break
+    return best
+
+
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def parse_tool_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments JSON object text) from a tool call's body, or None when it is malformed."""
+    text = body.strip()
+    if text.startswith("<function="):
+        return _parse_xml_call(text)
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+def _parse_xml_call(text: str) -> tuple[str, str] | None:
+    match = _XML_FUNCTION.fullmatch(text)
+    if match is None:
+        return None
+    args = {}
+    for key, raw in _XML_PARAM.findall(match.group(2)):
+        try:
+            args[key.strip()] = json.loads(raw)
+        except (json.JSONDecodeError, RecursionError):
+            args[key.strip()] = raw
+    return match.group(1).strip(), json.dumps(args, ensure_ascii=False)

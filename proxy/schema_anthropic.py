@@ -1,0 +1,181 @@
+"""Anthropic Messages requests: pydantic at the edge, then into a Conversation.
+
+Unknown fields (context_management, output_config, cache_control, citations...) are ignored. Images and
+documents are not understood by the text-only models killick serves: they become a short text placeholder
+and the server logs a warning (an agent session survives a pasted screenshot; the model is told).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.api import SamplingParams
+from proxy.conversation import (
+    Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
+)
+from proxy.generation import GenParams
+
+log = logging.getLogger("killick.proxy")
+IMAGE_PLACEHOLDER = "[image omitted: this model reads text only]"
+DOCUMENT_PLACEHOLDER = "[document omitted: this model reads text only]"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextBlock(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ImageBlock(_Model):
+    type: Literal["image"]
+
+
+class DocumentBlock(_Model):
+    type: Literal["document"]
+
+
+class ThinkingBlock(_Model):
+    type: Literal["thinking"]
+    thinking: str
+    signature: Optional[str] = None
+
+
+class RedactedThinkingBlock(_Model):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+class ToolUseBlock(_Model):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+
+
+ResultContent = Annotated[Union[TextBlock, ImageBlock, DocumentBlock], Field(discriminator="type")]
+
+
+class ToolResultBlock(_Model):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, list[ResultContent], None] = None
+    is_error: bool = False
+
+
+Block = Annotated[
+    Union[TextBlock, ImageBlock, DocumentBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock],
+    Field(discriminator="type"),
+]
+
+
+class AnthropicMessage(_Model):
+    role: Literal["user", "assistant", "system"]  # Claude Code sends role "system" inside messages
+    content: Union[str, list[Block]]
+
+
+class Tool(_Model):
+    name: str = Field(min_length=1)
+    description: str = ""
+    input_schema: Optional[dict] = None
+    type: Optional[str] = None  # server tools ("web_search_2025...") have a type and no schema: skipped
+
+
+class ToolChoice(_Model):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class ThinkingConfig(_Model):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[int] = None
+
+
+class CountTokensRequest(_Model):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Union[str, list[TextBlock], None] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[ThinkingConfig] = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stream: bool = False
+    stop_sequences: Optional[list[str]] = None
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    metadata: Optional[dict] = None
+
+
+def to_conversation(req: CountTokensRequest) -> Conversation:
+    messages: list[Message] = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else "\n\n".join(b.text for b in req.system)
+        messages.append(Message("system", (TextPart(system),)))
+    for msg in req.messages:
+        messages += _convert_message(msg)
+    tools = tuple(ToolSpec(t.name, t.description, canonical_json(t.input_schema or {"type": "object"}))
+                  for t in req.tools or () if t.input_schema is not None or t.type in (None, "custom"))
+    thinking_on = req.thinking is None or req.thinking.type != "disabled"
+    user_id = (getattr(req, "metadata", None) or {}).get("user_id")
+    extras = {"session_hint": user_id} if isinstance(user_id, str) else {}
+    return Conversation(tuple(messages), tools, enable_thinking=thinking_on, extras=extras)
+
+
+def gen_params(req: MessagesRequest) -> GenParams:
+    sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0)
+    parse_tools = bool(req.tools) and not (req.tool_choice and req.tool_choice.type == "none")
+    return GenParams(req.max_tokens, sampling, tuple(req.stop_sequences or ()), parse_tools)
+
+
+def _convert_message(msg: AnthropicMessage) -> list[Message]:
+    """One Anthropic message; a user turn's tool_result blocks become separate 'tool' messages, in order."""
+    if isinstance(msg.content, str):
+        return [Message(msg.role, (TextPart(msg.content),))]
+    out: list[Message] = []
+    run: list[Part] = []
+    for block in msg.content:
+        if isinstance(block, ToolResultBlock):
+            if run:
+                out.append(Message(msg.role, tuple(run)))
+                run = []
+            out.append(Message("tool", (_tool_result(block),)))
+        elif (part := _convert_block(block)) is not None:
+            run.append(part)
+    if run or not out:
+        out.append(Message(msg.role, tuple(run)))
+    return out
+
+
+def _convert_block(block) -> Part | None:
+    if isinstance(block, TextBlock):
+        return TextPart(block.text)
+    if isinstance(block, ThinkingBlock):
+        return ThinkingPart(block.thinking)
+    if isinstance(block, ToolUseBlock):
+        return ToolCallPart(block.name, canonical_json(block.input), block.id)
+    if isinstance(block, RedactedThinkingBlock):
+        return None  # encrypted by another provider: nothing a local model can read
+    return TextPart(_placeholder(block))
+
+
+def _tool_result(block: ToolResultBlock) -> ToolResultPart:
+    if block.content is None or isinstance(block.content, str):
+        text = block.content or ""
+    else:
+        text = "\n".join(b.text if isinstance(b, TextBlock) else _placeholder(b) for b in block.content)
+    return ToolResultPart(text, block.tool_use_id, block.is_error)
+
+
+def _placeholder(block) -> str:
+    log.warning("an %s block was replaced by a text placeholder: the model reads text only", block.type)
+    return IMAGE_PLACEHOLDER if isinstance(block, ImageBlock) else DOCUMENT_PLACEHOLDER

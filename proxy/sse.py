@@ -1,0 +1,55 @@
+"""Server-sent events: one writer for all three APIs.
+
+Anthropic names its events (`event: message_start`); OpenAI chat sends bare `data:` lines ending with
+`data: [DONE]`; Responses names them too. Keep-alives are Anthropic `ping` events or SSE comment lines.
+"""
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from proxy.errors import STREAM_STARTED
+
+_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "Connection": "keep-alive",
+    "X-Accel-Buffering": "no",
+}
+
+
+def _dumps(data: dict) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+class SSEWriter:
+    def __init__(self, request: web.Request, headers: dict[str, str] | None = None):
+        self.request = request
+        self.response = web.StreamResponse(status=200, headers={**_HEADERS, **(headers or {})})
+        self.started = False
+
+    async def start(self) -> None:
+        if not self.started:
+            self.request[STREAM_STARTED] = True
+            await self.response.prepare(self.request)
+            self.started = True
+
+    async def event(self, data: dict, name: str | None = None) -> None:
+        head = f"event: {name}\n" if name else ""
+        await self._write(f"{head}data: {_dumps(data)}\n\n")
+
+    async def data_line(self, text: str) -> None:
+        await self._write(f"data: {text}\n\n")
+
+    async def comment(self, text: str = "keep-alive") -> None:
+        await self._write(f": {text}\n\n")
+
+    async def finish(self) -> web.StreamResponse:
+        await self.start()
+        await self.response.write_eof()
+        return self.response
+
+    async def _write(self, text: str) -> None:
+        await self.start()
+        await self.response.write(text.encode("utf-8"))

@@ -1,0 +1,227 @@
+"""End to end: official SDKs -> aiohttp server on loopback -> real renderer -> EngineCore -> tiny model.
+
+Random weights emit garbage, so tool-call and reasoning paths use the forced-output test hook: the engine
+still runs every decode step and reports real usage, it only emits the given tokens instead of sampling.
+"""
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from conftest import FORCED
+from real_stack import real_app, synth_model_dir
+
+TOOLS_A = [{"name": "bash", "description": "Run a shell command",
+            "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}]
+TOOLS_C = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",
+                                             "parameters": TOOLS_A[0]["input_schema"]}}]
+TOOLS_R = [{"type": "function", "name": "bash", "description": "Run a shell command",
+            "parameters": TOOLS_A[0]["input_schema"]}]
+THINK_AND_CALL = ('Need to list files.\\n</think>\\n\\nListing.\\n<tool_call>\\n'
+                  '{"name": "bash", "arguments": {"cmd": "ls"}}\\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return synth_model_dir(tmp_path_factory)
+
+
+@pytest.fixture
+def serve(aiohttp_server, model_dir):
+    async def start(**kw):
+        app, core, tok = real_app(model_dir, **kw)
+        server = await aiohttp_server(app)
+        return str(server.make_url("")).rstrip("/"), core, tok
+
+    return start
+
+
+async def _count(base, body):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/v1/messages/count_tokens", json=body) as r:
+            return (await r.json())["input_tokens"]
+
+
+async def test_anthropic_plain_stream_and_not(serve, sdk):
+    base, core, _ = await serve()
+    client = sdk.anthropic(base)
+    messages = [{"role": "user", "content": "Say hi."}]
+    greedy = {"temperature": 0}  # this SDK version has no temperature argument
+    msg = await client.messages.create(model="claude-opus-4-8", max_tokens=6, messages=messages, extra_body=greedy)
+    assert msg.model == "claude-opus-4-8" and msg.stop_reason in ("max_tokens", "end_turn")
+    prompt = await _count(base, {"model": "m", "messages": messages})
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == prompt
+    assert 1 <= msg.usage.output_tokens <= 6
+    async with client.messages.stream(model="m", max_tokens=6, messages=messages, extra_body=greedy) as stream:
+        kinds = [ev.type async for ev in stream]
+        final = await stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert final.usage.output_tokens == msg.usage.output_tokens  # greedy: same answer, same usage
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == prompt
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
+    assert core.stats()["active"] == 0
+
+
+async def test_anthropic_tool_use_then_tool_result_turn(serve, sdk):
+    base, core, _ = await serve()
+    client = sdk.anthropic(base, default_headers={FORCED: THINK_AND_CALL})
+    messages = [{"role": "user", "content": "What files are here?"}]
+    async with client.messages.stream(model="m", max_tokens=200, messages=messages, tools=TOOLS_A,
+                                      thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+        deltas = [ev.delta.type async for ev in stream if ev.type == "content_block_delta"]
+        msg = await stream.get_final_message()
+    assert [b.type for b in msg.content] == ["thinking", "text", "tool_use"]
+    assert msg.content[0].thinking == "Need to list files." and msg.content[1].text == "Listing."
+    assert msg.content[2].name == "bash" and msg.content[2].input == {"cmd": "ls"}
+    assert {"thinking_delta", "signature_delta", "text_delta", "input_json_delta"} <= set(deltas)
+    assert msg.stop_reason == "tool_use"
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": msg.content[2].id,
+                                               "content": "a.py\nb.py"}]}]
+    answer = sdk.anthropic(base, default_headers={FORCED: "Done\\n</think>\\n\\nTwo files."})
+    second = await answer.messages.create(model="m", max_tokens=50, messages=messages, tools=TOOLS_A)
+    assert second.content[-1].text == "Two files." and second.stop_reason == "end_turn"
+    assert second.usage.cache_read_input_tokens >= msg.usage.input_tokens  # the first prompt was reused
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == await _count(
+        base, {"model": "m", "messages": messages, "tools": TOOLS_A})
+
+
+async def test_chat_completions_tools_usage_and_tool_turn(serve, sdk):
+    base, core, _ = await serve()
+    client = sdk.openai(base, default_headers={FORCED: THINK_AND_CALL})
+    messages = [{"role": "user", "content": "What files are here?"}]
+    chunks = [c async for c in await client.chat.completions.create(
+        model="gpt-5", messages=messages, tools=TOOLS_C, stream=True, stream_options={"include_usage": True})]
+    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert reasoning == "Need to list files."
+    assert calls[0].function.name == "bash" and json.loads(calls[0].function.arguments) == {"cmd": "ls"}
+    assert chunks[-2].choices[0].finish_reason == "tool_calls"
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0 and usage.completion_tokens_details.reasoning_tokens > 0
+    done = await client.chat.completions.create(model="gpt-5", messages=messages, tools=TOOLS_C)
+    call = done.choices[0].message.tool_calls[0]
+    assert done.choices[0].message.model_extra["reasoning_content"] == "Need to list files."
+    assert done.usage.prompt_tokens == usage.prompt_tokens
+    messages += [{"role": "assistant", "content": done.choices[0].message.content,
+                  "reasoning_content": "Need to list files.",
+                  "tool_calls": [{"id": call.id, "type": "function",
+                                  "function": {"name": "bash", "arguments": call.function.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "a.py"}]
+    plain = sdk.openai(base)
+    third = await plain.chat.completions.create(model="gpt-5", messages=messages, tools=TOOLS_C, max_tokens=4,
+                                                temperature=0)
+    assert third.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert third.usage.prompt_tokens > usage.prompt_tokens and 1 <= third.usage.completion_tokens <= 4
+    assert third.usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens  # earlier prompt reused
+
+
+async def test_responses_stream_and_previous_response(serve, sdk):
+    base, core, _ = await serve()
+    client = sdk.openai(base, default_headers={FORCED: THINK_AND_CALL})
+    async with client.responses.stream(model="gpt-5", input="What files are here?", tools=TOOLS_R,
+                                       instructions="Be brief.") as stream:
+        kinds = [ev.type async for ev in stream]
+        first = await stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert {"response.reasoning_text.delta", "response.output_text.delta",
+            "response.function_call_arguments.delta", "response.output_item.done"} <= set(kinds)
+    assert [i.type for i in first.output] == ["reasoning", "message", "function_call"]
+    call = first.output[2]
+    assert json.loads(call.arguments) == {"cmd": "ls"}
+    u = first.usage
+    assert u.total_tokens == u.input_tokens + u.output_tokens and u.input_tokens_details.cached_tokens >= 0
+    follow = sdk.openai(base, default_headers={FORCED: "ok\\n</think>\\n\\nOne file."})
+    second = await follow.responses.create(
+        model="gpt-5", previous_response_id=first.id, tools=TOOLS_R, instructions="Be brief.",
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "a.py"}])
+    assert second.output_text == "One file." and second.status == "completed"
+    assert second.usage.input_tokens > u.input_tokens + 10  # the previous turn is in the prompt
+    assert second.usage.input_tokens_details.cached_tokens >= u.input_tokens  # ... and its prompt was reused
+
+
+async def test_keepalive_while_queued_behind_a_running_request(serve):
+    """max_running=1: the second stream waits in the engine queue and must still hear from us."""
+    base, core, tok = await serve(max_running=1, keepalive_s=0.2)
+    long_reply = "word " * 150
+    async with aiohttp.ClientSession() as s:
+        blocker = asyncio.ensure_future(s.post(
+            base + "/v1/chat/completions", headers={FORCED: long_reply},
+            json={"model": "m", "max_tokens": 300, "messages": [{"role": "user", "content": "go"}]}))
+        await asyncio.sleep(0.3)
+        async with s.post(base + "/v1/messages", json={
+                "model": "m", "max_tokens": 2, "stream": True,
+                "messages": [{"role": "user", "content": "me too"}]}) as r:
+            events = [line[7:] for line in (await r.text()).splitlines() if line.startswith("event: ")]
+        assert (await blocker).status == 200
+    before_output = events[:events.index("message_delta")]
+    assert before_output.count("ping") >= 3, events
+
+
+async def test_disconnect_releases_the_request(serve):
+    base, core, _ = await serve()
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(base + "/v1/chat/completions", json={
+            "model": "m", "max_tokens": 2000, "stream": True, "messages": [{"role": "user", "content": "talk"}]})
+        await r.content.readline()
+        assert core.stats()["active"] == 1
+        r.close()
+    for _ in range(100):
+        if core.stats()["active"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    stats = core.stats()
+    assert stats["active"] == 0 and stats["queued"] == 0 and stats["aborted"] == 1
+
+
+async def test_errors_and_models_with_the_real_engine(serve, sdk):
+    import anthropic
+    import openai
+
+    base, core, _ = await serve(context_length=64)
+    long = [{"role": "user", "content": "many words " * 60}]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        await sdk.anthropic(base, max_retries=0).messages.create(model="m", max_tokens=5, messages=long)
+    assert "prompt is too long" in err.value.body["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        await sdk.openai(base, max_retries=0).responses.create(model="m", input="many words " * 60)
+    models = await sdk.openai(base).models.list()
+    assert models.data[0].id == "tiny" and models.data[0].model_extra["context_length"] == 64
+    ok = await sdk.openai(base).chat.completions.create(model="x", max_tokens=3,
+                                                        messages=[{"role": "user", "content": "hi"}])
+    assert ok.usage.completion_tokens <= 3 and core.stats()["active"] == 0
+    async with aiohttp.ClientSession() as s:
+        metrics = await (await s.get(base + "/metrics")).text()
+    assert 'killick_requests_total{api="anthropic",status="400"} 1' in metrics
+    assert "killick_engine_active 0" in metrics and "killick_engine_cache_misses" in metrics
+
+
+async def test_cache_policy_planner_end_to_end(aiohttp_server, model_dir, sdk):
+    """Claude Code shape, two turns, billing line changing: the policy normalises it away and plans anchors,
+    so the second turn reuses the first prompt. Runs once proxy/cache_policy.py is on the branch."""
+    cache_policy = pytest.importorskip("proxy.cache_policy")
+    from real_stack import real_app
+
+    planner = cache_policy.PolicyPlanner()
+    app, core, _ = real_app(model_dir, planner=planner)
+    base = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+
+    def system(hexes):
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.3.{hexes}; cc_entrypoint=cli;"},
+                {"type": "text", "text": "You are Claude Code, a coding agent."}]
+
+    client = sdk.anthropic(base, default_headers={FORCED: THINK_AND_CALL})
+    messages = [{"role": "user", "content": "What files are here?"}]
+    first = await client.messages.create(model="claude-opus-4-8", max_tokens=200, system=system("a1b"),
+                                         messages=messages, tools=TOOLS_A, metadata={"user_id": "session_x"})
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": first.content[-1].id,
+                                               "content": "a.py"}]}]
+    second = await client.messages.create(model="claude-opus-4-8", max_tokens=200, system=system("c2d"),
+                                          messages=messages, tools=TOOLS_A, metadata={"user_id": "session_x"})
+    assert second.usage.cache_read_input_tokens >= first.usage.input_tokens
+    async with aiohttp.ClientSession() as s:
+        metrics = await (await s.get(base + "/metrics")).text()
+    assert "killick_policy_" in metrics

@@ -1,0 +1,144 @@
+"""Bad input answered in each API's own error shape, with the status and the field named."""
+import anthropic
+import openai
+import pytest
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def anthropic_error(body):
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    return body["error"]
+
+
+def openai_error(body):
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("path,shape", [
+    ("/v1/messages", anthropic_error), ("/v1/messages/count_tokens", anthropic_error),
+    ("/v1/chat/completions", openai_error), ("/v1/responses", openai_error)])
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", "\"caf\xe9\"".encode("latin-1")])
+async def test_malformed_bodies_are_400_in_shape(aiohttp_client, fake_stack, path, shape, raw):
+    client = await aiohttp_client(fake_stack()[0])
+    resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    assert "JSON" in shape(await resp.json())["message"]
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/messages", {"model": "m", "messages": MSG}, "max_tokens"),
+    ("/v1/messages", {"model": "m", "max_tokens": "5", "messages": MSG}, "max_tokens"),
+    ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+     "messages.0.content"),
+    ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": MSG, "temperature": 3}, "temperature"),
+    ("/v1/chat/completions", {"model": "m"}, "messages"),
+    ("/v1/chat/completions", {"model": "m", "messages": MSG, "n": 2}, "n"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"model": "m", "messages": MSG, "tool_choice": "sometimes"}, "tool_choice"),
+    ("/v1/responses", {"model": "m", "input": [{"type": "teleport"}]}, "input"),
+    ("/v1/responses", {"model": "m", "input": "x", "max_output_tokens": -1}, "max_output_tokens"),
+])
+async def test_invalid_fields_are_named(aiohttp_client, fake_stack, path, body, field):
+    client = await aiohttp_client(fake_stack()[0])
+    resp = await client.post(path, json=body)
+    assert resp.status == 400
+    data = await resp.json()
+    message = data["error"]["message"]
+    assert message.startswith(field), message
+    if "choices" not in data and path != "/v1/messages":
+        assert data["error"]["param"].startswith(field)
+
+
+async def test_prompt_too_long_in_both_shapes(aiohttp_server, fake_stack, sdk):
+    server = await aiohttp_server(fake_stack(context_length=64)[0])
+    base = str(server.make_url("")).rstrip("/")
+    long = [{"role": "user", "content": "word " * 100}]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        await sdk.anthropic(base, max_retries=0).messages.create(model="m", max_tokens=5, messages=long)
+    assert "prompt is too long" in err.value.body["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        await sdk.openai(base, max_retries=0).chat.completions.create(model="m", messages=long)
+    assert err.value.code == "context_length_exceeded"
+
+
+async def test_unknown_routes_and_methods(aiohttp_client, fake_stack):
+    client = await aiohttp_client(fake_stack()[0])
+    resp = await client.post("/v1/nope", json={})
+    assert resp.status == 404 and "/v1/nope" in openai_error(await resp.json())["message"]
+    resp = await client.post("/v1/messages/batches", json={})
+    assert resp.status == 404 and anthropic_error(await resp.json())["type"] == "not_found_error"
+    resp = await client.get("/v1/chat/completions")
+    assert resp.status == 405 and openai_error(await resp.json())
+    assert (await client.get("/health")).status == 200
+
+
+async def test_images_become_a_placeholder_not_an_error(aiohttp_client, fake_stack):
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    content = [{"type": "text", "text": "look"}, {"type": "image", "source": {"type": "base64", "data": "AA=="}}]
+    resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 3,
+                                                   "messages": [{"role": "user", "content": content}]})
+    assert resp.status == 200
+    assert "[image omitted" in core.tok.decode(core.requests[-1].prompt_ids)
+
+
+async def test_agent_extras_are_accepted(aiohttp_client, fake_stack):
+    """Fields real agents send that we do not use: accepted and ignored."""
+    client = await aiohttp_client(fake_stack()[0])
+    resp = await client.post("/v1/messages?beta=true", json={
+        "model": "claude-opus-4-8", "max_tokens": 5, "metadata": {"user_id": "u_session"},
+        "context_management": {"edits": []}, "output_config": {"effort": "high"},
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0.abc;",
+                    "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "system", "content": "inline system"},
+                     {"role": "user", "content": [{"type": "text", "text": "q",
+                                                   "cache_control": {"type": "ephemeral"}}]},
+                     {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+                                                       {"type": "redacted_thinking", "data": "zz"},
+                                                       {"type": "tool_use", "id": "toolu_1", "name": "Bash",
+                                                        "input": {"command": "ls"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                   "content": [{"type": "text", "text": "a.py"}]}]}]})
+    assert resp.status == 200, await resp.text()
+    resp = await client.post("/v1/responses", json={
+        "model": "gpt-5", "store": False, "prompt_cache_key": "s1", "client_metadata": {"x": 1},
+        "include": ["reasoning.encrypted_content"], "reasoning": {"effort": "high", "summary": "auto"},
+        "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "dev"}]},
+                  {"role": "user", "content": "q"},
+                  {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA-foreign"},
+                  {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{\"cmd\": [\"ls\"]}"},
+                  {"type": "function_call_output", "call_id": "c1", "output": "a.py"}],
+        "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}, "strict": False},
+                  {"type": "web_search"}]})
+    assert resp.status == 200, await resp.text()
+    resp = await client.post("/v1/chat/completions", json={
+        "model": "m", "max_completion_tokens": 5, "stream_options": {"include_usage": True},
+        "messages": [{"role": "developer", "content": "d"},
+                     {"role": "user", "content": [{"type": "text", "text": "q"}]},
+                     {"role": "assistant", "content": None, "reasoning_content": "r",
+                      "tool_calls": [{"id": "c1", "type": "function",
+                                      "function": {"name": "bash", "arguments": "{}"}}]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "out"}]})
+    assert resp.status == 200, await resp.text()
+
+
+async def test_engine_failure_is_a_500_or_an_in_band_error_and_the_server_survives(aiohttp_client, fake_stack):
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    body = {"model": "m", "max_tokens": 5, "messages": MSG}
+    core.fail_next = True
+    resp = await client.post("/v1/messages", json=body)
+    assert resp.status == 500 and "boom" in anthropic_error(await resp.json())["message"]
+    core.fail_next = True
+    resp = await client.post("/v1/chat/completions", json={"model": "m", "messages": MSG})
+    assert resp.status == 500 and openai_error(await resp.json())["type"] == "server_error"
+    core.fail_next = True
+    text = await (await client.post("/v1/messages", json={**body, "stream": True})).text()
+    assert "event: error" in text and "message_stop" not in text
+    core.fail_next = True
+    text = await (await client.post("/v1/responses", json={"model": "m", "input": "q", "stream": True})).text()
+    assert "event: response.failed" in text
+    assert (await client.post("/v1/messages", json=body)).status == 200

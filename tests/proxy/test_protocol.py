@@ -1,0 +1,241 @@
+"""Protocol details with a stand-in engine (timing and shapes only; end-to-end behaviour is test_e2e.py)."""
+import asyncio
+import json
+
+import anthropic
+import openai
+import pytest
+
+from conftest import FORCED
+
+TOOL_CALL = 'I will look.\\n<tool_call>\\n{"name": "bash", "arguments": {"cmd": "ls"}}\\n</tool_call>'
+
+
+async def _server(aiohttp_server, fake_stack, **kw):
+    app, core = fake_stack(**kw)
+    server = await aiohttp_server(app)
+    return str(server.make_url("")).rstrip("/"), core
+
+
+async def test_anthropic_keepalive_pings_during_slow_prefill(aiohttp_server, aiohttp_client, fake_stack):
+    app, core = fake_stack(prefill_s=1.0, keepalive_s=0.2)
+    client = await aiohttp_client(app)
+    resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 5, "stream": True,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+    text = await resp.text()
+    events = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
+    first_block = events.index("content_block_start")
+    assert events[0] == "message_start"
+    assert events[:first_block].count("ping") >= 4  # 1 s of prefill at 0.2 s
+    assert events[-2:] == ["message_delta", "message_stop"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"model": "m", "stream": True, "input": "hi"}),
+])
+async def test_openai_keepalive_comments_during_slow_prefill(aiohttp_client, fake_stack, path, body):
+    app, core = fake_stack(prefill_s=1.0, keepalive_s=0.2)
+    client = await aiohttp_client(app)
+    text = await (await client.post(path, json=body)).text()
+    assert text.count(": keep-alive\n\n") >= 4
+    assert core.active == 0
+
+
+async def test_client_disconnect_aborts_the_engine_request(aiohttp_server, fake_stack, sdk):
+    base, core = await _server(aiohttp_server, fake_stack, prefill_s=30.0, keepalive_s=0.1)
+    client = sdk.openai(base, api_key="x", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    for _ in range(50):
+        if core.active == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert core.active == 0 and len(core.aborted) == 1
+
+
+async def test_full_queue_answers_429_in_each_shape(aiohttp_client, fake_stack):
+    app, core = fake_stack(prefill_s=2.0, keepalive_s=0.1)
+    client = await aiohttp_client(app)
+    msg = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    busy = [asyncio.ensure_future(client.post("/v1/messages", json=msg)) for _ in range(4)]
+    await asyncio.sleep(0.2)
+    resp = await client.post("/v1/messages", json=msg)
+    assert resp.status == 429
+    assert (await resp.json())["error"]["type"] == "rate_limit_error"
+    resp = await client.post("/v1/chat/completions", json={"model": "m", "messages": msg["messages"]})
+    assert resp.status == 429 and (await resp.json())["error"]["code"] == "rate_limit_exceeded"
+    for r in await asyncio.gather(*busy):
+        assert r.status == 200
+
+
+async def test_api_key_bearer_and_x_api_key(aiohttp_server, fake_stack, sdk):
+    base, _ = await _server(aiohttp_server, fake_stack, api_key="sekrit")
+    good_a = sdk.anthropic(base, api_key="sekrit", max_retries=0)
+    await good_a.messages.create(model="m", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    good_o = sdk.openai(base, api_key="sekrit", max_retries=0)
+    await good_o.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.AuthenticationError) as err:
+        await sdk.anthropic(base, api_key="bad", max_retries=0).messages.create(
+            model="m", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        await sdk.openai(base, api_key="bad", max_retries=0).models.list()
+
+
+async def test_health_is_open_but_everything_else_needs_the_key(aiohttp_client, fake_stack):
+    app, _ = fake_stack(api_key="k")
+    client = await aiohttp_client(app)
+    assert (await client.get("/health")).status == 200
+    assert (await client.head("/")).status == 401
+    assert (await client.head("/", headers={"x-api-key": "k"})).status == 200
+    assert (await client.get("/metrics", headers={"Authorization": "Bearer k"})).status == 200
+
+
+async def test_stop_sequence_ends_the_answer(aiohttp_client, fake_stack):
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    body = {"model": "m", "max_tokens": 50, "stop_sequences": ["END"], "thinking": {"type": "disabled"},
+            "messages": [{"role": "user", "content": "hi"}]}
+    resp = await client.post("/v1/messages", json=body, headers={FORCED: "one two END three"})
+    out = await resp.json()
+    assert out["stop_reason"] == "stop_sequence" and out["stop_sequence"] == "END"
+    assert out["content"] == [{"type": "text", "text": "one two"}]
+    assert core.aborted  # the engine stopped generating at the stop sequence
+
+
+async def test_previous_response_id_and_store_false(aiohttp_client, fake_stack):
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    first = await (await client.post("/v1/responses", json={"model": "m", "input": "first question"},
+                                     headers={FORCED: "first answer"})).json()
+    second = await client.post("/v1/responses", json={"model": "m", "input": "second",
+                                                      "previous_response_id": first["id"], "store": False})
+    assert second.status == 200
+    prompt = core.tok.decode(core.requests[-1].prompt_ids)
+    assert "first question" in prompt and "first answer" in prompt and "second" in prompt
+    unstored = (await second.json())["id"]
+    third = await client.post("/v1/responses", json={"model": "m", "input": "x", "previous_response_id": unstored})
+    assert third.status == 400
+    assert (await third.json())["error"]["param"] == "previous_response_id"
+
+
+async def test_encrypted_reasoning_round_trips(aiohttp_client, fake_stack):
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    out = await (await client.post(
+        "/v1/responses", json={"model": "m", "input": "q", "store": False, "include": ["reasoning.encrypted_content"]},
+        headers={FORCED: "secret plan\\n</think>\\n\\nanswer"})).json()
+    reasoning = out["output"][0]
+    assert reasoning["type"] == "reasoning" and reasoning["encrypted_content"]
+    reasoning.pop("content")  # an agent may send back only the opaque part
+    follow = [{"role": "user", "content": "q"}, reasoning, out["output"][1], {"role": "user", "content": "next"}]
+    assert (await client.post("/v1/responses", json={"model": "m", "input": follow})).status == 200
+    assert "secret plan" in core.tok.decode(core.requests[-1].prompt_ids)
+
+
+async def test_models_root_and_metrics(aiohttp_client, fake_stack):
+    app, _ = fake_stack(context_length=1234)
+    client = await aiohttp_client(app)
+    assert (await client.head("/")).status == 200
+    models = await (await client.get("/v1/models")).json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["context_length"] == 1234
+    await client.post("/v1/chat/completions", json={"model": "gpt-5", "messages": [{"role": "user", "content": "q"}]})
+    text = await (await client.get("/metrics")).text()
+    assert 'killick_requests_total{api="chat",status="200"} 1' in text
+    assert "killick_ttft_seconds_count 1" in text and "killick_engine_cache_hits 1" in text
+
+
+async def test_tool_call_streams_in_every_api(aiohttp_server, fake_stack, sdk):
+    base, _ = await _server(aiohttp_server, fake_stack)
+    headers = {FORCED: TOOL_CALL}
+    a = sdk.anthropic(base, default_headers=headers)
+    async with a.messages.stream(model="m", max_tokens=200, messages=[{"role": "user", "content": "hi"}],
+                                 thinking={"type": "disabled"},
+                                 tools=[{"name": "bash", "input_schema": {"type": "object"}}]) as s:
+        msg = await s.get_final_message()
+    assert msg.stop_reason == "tool_use" and msg.content[-1].input == {"cmd": "ls"}
+    o = sdk.openai(base, default_headers=headers)
+    chunks = [c async for c in await o.chat.completions.create(
+        model="m", stream=True, messages=[{"role": "user", "content": "hi"}], reasoning_effort="none",
+        tools=[{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}])]
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert json.loads(calls[0].function.arguments) == {"cmd": "ls"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    async with o.responses.stream(model="m", input="hi", reasoning={"effort": "none"},
+                                  tools=[{"type": "function", "name": "bash", "parameters": {"type": "object"}}]) as s:
+        final = await s.get_final_response()
+    assert [i.type for i in final.output] == ["message", "function_call"]
+    assert json.loads(final.output[1].arguments) == {"cmd": "ls"}
+
+
+async def test_responses_custom_tool_round_trip(aiohttp_client, fake_stack):
+    """Codex's freeform tools (type "custom"): called with raw input, results come back as custom items."""
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    patch = '<tool_call>\\n{"name": "apply_patch", "arguments": {"input": "*** Begin Patch"}}\\n</tool_call>'
+    tools = [{"type": "custom", "name": "apply_patch", "description": "edit files", "format": {"type": "text"}}]
+    out = await (await client.post("/v1/responses", json={"model": "m", "input": "fix it", "tools": tools,
+                                                          "reasoning": {"effort": "none"}},
+                                   headers={FORCED: patch})).json()
+    call = out["output"][0]
+    assert call["type"] == "custom_tool_call" and call["input"] == "*** Begin Patch"
+    follow = [{"role": "user", "content": "fix it"}, call,
+              {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "Done!"}]
+    resp = await client.post("/v1/responses", json={"model": "m", "input": follow, "tools": tools})
+    assert resp.status == 200
+    prompt = core.tok.decode(core.requests[-1].prompt_ids)
+    assert '"input": "*** Begin Patch"' in prompt and "Done!" in prompt
+
+
+async def test_keepalive_continues_while_a_long_tool_call_is_buffered(aiohttp_client, fake_stack):
+    app, core = fake_stack(step_s=0.01, keepalive_s=0.2)
+    client = await aiohttp_client(app)
+    call = '<tool_call>\\n{"name": "write", "arguments": {"text": "' + "x" * 100 + '"}}\\n</tool_call>'
+    resp = await client.post("/v1/messages", headers={FORCED: call}, json={
+        "model": "m", "max_tokens": 500, "stream": True, "thinking": {"type": "disabled"},
+        "tools": [{"name": "write", "input_schema": {"type": "object"}}],
+        "messages": [{"role": "user", "content": "hi"}]})
+    events = [line[7:] for line in (await resp.text()).splitlines() if line.startswith("event: ")]
+    assert events.count("ping") >= 3, events  # ~1.3 s of decoding with nothing visible to send
+    assert "content_block_start" in events
+
+
+class RecordingPlanner:
+    """Checks the seam's calls and order; the real policy is proxy/cache_policy.PolicyPlanner."""
+
+    def __init__(self):
+        self.calls = []
+
+    def normalize(self, conv, headers, request=None):
+        self.calls.append(("normalize", request["model"]))
+        return conv
+
+    def __call__(self, conv, rendered, headers, request=None):
+        self.calls.append(("plan", len(rendered.ids)))
+        from proxy.context import Plan
+        return Plan((3, len(rendered.ids) - 1), headers.get("x-session-id"))
+
+    def finish(self, turn, output_ids, usage=None):
+        self.calls.append(("finish", turn.session_key, len(output_ids), usage.output_tokens))
+
+    def stats(self):
+        return {"sessions": 1, "turns": {"append": 2}}
+
+
+async def test_planner_seam_normalize_plan_finish(aiohttp_client, fake_stack):
+    from proxy.app import create_app
+    from proxy_fakes import ChatMLRenderer
+
+    _, core = fake_stack()
+    planner = RecordingPlanner()
+    app = create_app(core, core.tok, ChatMLRenderer(core.tok), context_length=4096, planner=planner)
+    client = await aiohttp_client(app)
+    resp = await client.post("/v1/chat/completions", headers={"x-session-id": "s1"},
+                             json={"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status == 200
+    n = len(core.requests[-1].prompt_ids)
+    assert core.requests[-1].checkpoint_positions == (3, n - 1) and core.requests[-1].session_key == "s1"
+    assert planner.calls == [("normalize", "gpt-5"), ("plan", n), ("finish", "s1", 3, 3)]  # "ok" + EOS
+    text = await (await client.get("/metrics")).text()
+    assert "killick_policy_sessions 1" in text and "killick_policy_turns_append 2" in text
