@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("proxy.commands.model", "model utilities: synth (write a seeded random checkpoint)"),
     "bench": ("proxy.commands.bench", "benchmarks: bw (PCIe, CPU expert kernel and host read bandwidth)"),
     "launch": ("proxy.commands.launch", "run a coding agent (claude, opencode, codex, ...) against the server"),
+    "replay": ("proxy.commands.replay", "replay recorded agent requests; TTFT and cache reuse per turn and mode"),
 }
 
 
