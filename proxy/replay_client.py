@@ -58,24 +58,26 @@ class _Clock:
 
 
 async def send(session: aiohttp.ClientSession, base_url: str, entry: Entry, turn: int,
-               unforced_max_tokens: int = 32, timeout_s: float = 1800.0) -> Result:
+               unforced_max_tokens: int = 32, timeout_s: float = 1800.0, stream: bool = False) -> Result:
+    """stream=True sends non-streaming requests as streams, so their TTFT is a first delta too."""
     headers = request_headers(entry)
+    stream = stream or entry.stream
     reply = entry.reply()
     if reply is not None:
         headers[FORCE_RESPONSE_HEADER] = encode_header(reply)
-    body = request_body(entry, unforced_max_tokens)
+    body = request_body(entry, unforced_max_tokens, stream)
     clock, usage = _Clock(), {}
     async with session.post(base_url.rstrip("/") + entry.path, json=body, headers=headers,
                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
         if resp.status != 200:
             text = await resp.text()
-            return _result(entry, turn, resp, reply is not None, clock, {}, error=text[:300])
-        if entry.stream:
+            return _result(entry, turn, resp, reply is not None, clock, {}, stream, error=text[:300])
+        if stream:
             usage = await _read_stream(resp, entry.path.split("?")[0], clock)
         else:
             usage = _usage(entry.path.split("?")[0], await resp.json())
             clock.first = clock.last = time.perf_counter()
-        return _result(entry, turn, resp, reply is not None, clock, usage)
+        return _result(entry, turn, resp, reply is not None, clock, usage, stream)
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, api: str, clock: _Clock) -> dict:
@@ -140,7 +142,7 @@ def _usage(api: str, body: dict) -> dict:
             "output": int(u.get("completion_tokens") or 0)}
 
 
-def _result(entry: Entry, turn: int, resp, forced: bool, clock: _Clock, usage: dict,
+def _result(entry: Entry, turn: int, resp, forced: bool, clock: _Clock, usage: dict, stream: bool,
             error: str | None = None) -> Result:
     end = time.perf_counter()
     first = clock.first if clock.first is not None else end
@@ -148,17 +150,17 @@ def _result(entry: Entry, turn: int, resp, forced: bool, clock: _Clock, usage: d
     span = (clock.last or first) - first
     edit = resp.headers.get("x-killick-edit-point")
     return Result(
-        entry.index, entry.session, turn, entry.path.split("?")[0], resp.status, entry.stream, forced,
-        ttft_s=first - clock.start, ttft_kind="first delta" if entry.stream else "total", total_s=end - clock.start,
+        entry.index, entry.session, turn, entry.path.split("?")[0], resp.status, stream, forced,
+        ttft_s=first - clock.start, ttft_kind="first delta" if stream else "total", total_s=end - clock.start,
         prompt_tokens=int(usage.get("prompt", 0)), cached_tokens=int(usage.get("cached", 0)),
         prefilled_tokens=int(usage.get("prompt", 0)) - int(usage.get("cached", 0)), output_tokens=out,
-        decode_tok_s=(out - 1) / span if entry.stream and span > 0 and out > 1 else 0.0,
+        decode_tok_s=(out - 1) / span if stream and span > 0 and out > 1 else 0.0,
         edit_point=int(edit) if edit is not None else None, edit_class=resp.headers.get("x-killick-edit-class"),
         kind=resp.headers.get("x-killick-turn-kind"), error=error)
 
 
 async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int = 32,
-                 timeout_s: float = 1800.0) -> list[Result]:
+                 timeout_s: float = 1800.0, stream: bool = False) -> list[Result]:
     """Send every entry in order, one at a time; turns are numbered per recorded session."""
     turns: dict[str, int] = {}
     results = []
@@ -166,5 +168,5 @@ async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int =
         for entry in entries:
             turns[entry.session] = turns.get(entry.session, 0) + 1
             results.append(await send(session, base_url, entry, turns[entry.session], unforced_max_tokens,
-                                      timeout_s))
+                                      timeout_s, stream))
     return results

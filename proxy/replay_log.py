@@ -92,10 +92,13 @@ def request_headers(entry: Entry) -> dict:
     return {k: str(v) for k, v in entry.headers.items() if k.lower() not in DROP_HEADERS}
 
 
-def request_body(entry: Entry, unforced_max_tokens: int) -> dict:
-    """The recorded body; chat streams ask for usage; unforced requests are capped (random weights ramble)."""
+def request_body(entry: Entry, unforced_max_tokens: int, stream: bool = False) -> dict:
+    """The recorded body; chat streams ask for usage; unforced requests are capped (random weights ramble).
+    stream=True sends a non-streaming request as a stream (same prompt, same answer) to time its first delta."""
     body = dict(entry.body)
     api = entry.path.split("?")[0]
+    if stream:
+        body["stream"] = True
     if api == "/v1/chat/completions" and body.get("stream"):
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     if entry.reply() is None:

@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     parser.add_argument("--unforced-max-tokens", type=int, default=32, metavar="N",
                         help="max tokens for requests without a recorded response (default 32)")
+    parser.add_argument("--stream", action="store_true",
+                        help="send non-streaming requests as streams (same prompt and answer) so TTFT is the "
+                             "first delta, not the total time")
     parser.add_argument("--quiet", action="store_true", help="only the summary and the TTFT table")
     add_engine_arguments(parser)
 
@@ -51,12 +54,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the recordings hold no API requests (POST /v1/messages, /v1/chat/completions, "
                          "/v1/responses)")
     if args.url:
-        by_mode = {"url": asyncio.run(_client(args.url, entries, args.unforced_max_tokens))}
+        by_mode = {"url": asyncio.run(_client(args.url, entries, args.unforced_max_tokens, args.stream))}
     else:
         from engine.build import options_from_args
 
         modes = list(MODES) if args.mode == "all" else [args.mode]
-        by_mode = run_modes(entries, args.model, modes, options_from_args(args), args.unforced_max_tokens)
+        by_mode = run_modes(entries, args.model, modes, options_from_args(args), args.unforced_max_tokens,
+                            args.stream)
     report(by_mode, quiet=args.quiet)
     meta = {"recordings": [str(p) for p in args.recordings], "url": args.url, "model": args.model,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -78,10 +82,10 @@ def report(by_mode: dict, quiet: bool = False) -> None:
     print(replay_report.summary_text(by_mode))
 
 
-async def _client(url: str, entries, unforced_max_tokens: int):
+async def _client(url: str, entries, unforced_max_tokens: int, stream: bool):
     from proxy.replay_client import replay
 
-    return await replay(url, entries, unforced_max_tokens)
+    return await replay(url, entries, unforced_max_tokens, stream=stream)
 
 
 def context_needed(entries, margin: int = 4096) -> int:
@@ -92,7 +96,8 @@ def context_needed(entries, margin: int = 4096) -> int:
     return max(32768, longest + margin)
 
 
-def run_modes(entries, model: str | None, modes: list[str], opts=None, unforced_max_tokens: int = 32) -> dict:
+def run_modes(entries, model: str | None, modes: list[str], opts=None, unforced_max_tokens: int = 32,
+              stream: bool = False) -> dict:
     """Each mode on a fresh engine (fresh cache, fresh policy); the weights are loaded once."""
     from dataclasses import replace
 
@@ -107,7 +112,8 @@ def run_modes(entries, model: str | None, modes: list[str], opts=None, unforced_
     weights = load_model(model_dir, device=opts.device, dtype=opts.dtype)
     out = {}
     for mode in modes:
-        out[mode] = asyncio.run(replay_in_process(entries, model_dir, weights, mode, opts, unforced_max_tokens))
+        out[mode] = asyncio.run(replay_in_process(entries, model_dir, weights, mode, opts, unforced_max_tokens,
+                                                  stream))
     return out
 
 
@@ -128,7 +134,8 @@ def build_mode_app(model_dir: Path, weights, mode: str, opts):
                       planner=make_planner(mode), force_responses=True)
 
 
-async def replay_in_process(entries, model_dir: Path, weights, mode: str, opts, unforced_max_tokens: int = 32):
+async def replay_in_process(entries, model_dir: Path, weights, mode: str, opts, unforced_max_tokens: int = 32,
+                            stream: bool = False):
     from aiohttp import web
 
     from proxy.replay_client import replay
@@ -141,6 +148,6 @@ async def replay_in_process(entries, model_dir: Path, weights, mode: str, opts, 
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        return await replay(f"http://127.0.0.1:{port}", entries, unforced_max_tokens)
+        return await replay(f"http://127.0.0.1:{port}", entries, unforced_max_tokens, stream=stream)
     finally:
         await runner.cleanup()
