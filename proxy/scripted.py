@@ -112,16 +112,17 @@ class Script:
         return Reply(str(turn.get("thinking") or ""), text, (call,) if call else ())
 
     def _tool_call(self, options, conv: Conversation) -> tuple[str, str] | None:
+        """The first option naming a declared tool exactly; failing that, the first matching case-blind."""
         declared = [t.name for t in conv.tools]
-        for option in options if isinstance(options, list) else [options]:
-            names = option.get("name")
-            names = [names] if isinstance(names, str) else list(names or ())
-            if option.get("sole") and len(declared) != 1:
-                continue
-            match = next((d for n in names for d in declared if d == n), None)
-            match = match or next((d for n in names for d in declared if d.lower() == n.lower()), None)
-            if match is not None:
-                return match, canonical_json(_fill(option.get("arguments") or {}, self.vars))
+        options = [o for o in (options if isinstance(options, list) else [options])
+                   if not (o.get("sole") and len(declared) != 1)]
+        for same in (str.__eq__, lambda a, b: a.lower() == b.lower()):
+            for option in options:
+                names = option.get("name")
+                names = [names] if isinstance(names, str) else list(names or ())
+                match = next((d for n in names for d in declared if same(d, n)), None)
+                if match is not None:
+                    return match, canonical_json(_fill(option.get("arguments") or {}, self.vars))
         return None
 
 
