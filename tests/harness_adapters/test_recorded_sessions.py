@@ -39,3 +39,28 @@ def test_codex_is_known_by_originator_alone():
     line = _lines("codex")[0]
     assert {k.lower(): v for k, v in line["headers"].items()}.get("originator") == "codex_exec"
     assert default_registry.detect({"input": []}, {"originator": "codex_exec"}).name == "codex"
+
+
+def test_claude_code_default_arguments_do_not_break_the_append():
+    """Recorded: Claude Code re-sends the model's Edit call with `"replace_all": false` added. With the
+    defaults dropped, the next prompt extends the previous prompt + generated reply exactly."""
+    from engine.tokenizer import load_tokenizer
+    from proxy.cache_policy import PolicyPlanner
+    from proxy.render import ChatRenderer
+    from proxy.replay_log import load
+    from proxy.schema_anthropic import MessagesRequest, to_conversation
+    from proxy.scripted import forced_ids
+
+    tok = load_tokenizer(None)
+    renderer, planner = ChatRenderer(tok), PolicyPlanner()
+    entries = load([FIXTURES / "claude.jsonl.gz"])[:6]
+    assert entries[4].reply().tool_calls[0][0] == "Edit"
+    classes = []
+    for e in entries:
+        conv = planner.normalize(to_conversation(MessagesRequest.model_validate(e.body)), e.headers, e.body)
+        rendered = renderer.render(conv)
+        turn = planner(conv, rendered, e.headers, e.body)
+        classes.append(turn.record.edit_class)
+        planner.finish(turn, forced_ids(renderer, tok, conv, rendered.text, e.reply()))
+    assert e.metrics["edit_class"] == "reply_rerendered"  # what the recording server (before the fix) saw
+    assert classes == ["first"] + ["append"] * 5
