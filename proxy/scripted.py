@@ -17,7 +17,8 @@ prefill and every decode step still run on the model (timings and cache behaviou
 
 Turn i answers the i-th assistant message since the last real user message (a user message with text and no
 tool results; OpenClaw's trailing internal-context message does not count). A turn whose tools are all
-undeclared answers with its text, or else the final text (which ends the run). The same shape, {"thinking", "text", "tool_calls":
+undeclared answers with its text, or else the final text (which ends the run); so does a request whose last
+real user message carries the script's own compaction summary. The same shape, {"thinking", "text", "tool_calls":
 [{"name", "arguments"}]}, is what replay forces through the `x-killick-force-response` header.
 """
 from __future__ import annotations
@@ -104,12 +105,18 @@ class Script:
         if not conv.tools or side_kind == "title":
             return Reply(text=self.title)
         index = assistant_turns_since_user(conv)
-        if index >= len(self.turns):  # the steps are over: answer, never loop
+        if index >= len(self.turns) or self._after_own_summary(conv):  # the steps are over: never loop
             return Reply(text=self.final)
         turn = self.turns[index]
         call = self._tool_call(turn.get("tool") or (), conv)
         text = str(turn.get("text") or ("" if call else self.final))
         return Reply(str(turn.get("thinking") or ""), text, (call,) if call else ())
+
+    def _after_own_summary(self, conv: Conversation) -> bool:
+        """The harness compacted and the last prompt is our summary (Codex auto-compaction): the steps
+        were done before it. Starting them over would grow the context into the next compaction, forever."""
+        users = [m for m in conv.messages if is_real_user(m)]
+        return bool(users) and self.summary in users[-1].text
 
     def _tool_call(self, options, conv: Conversation) -> tuple[str, str] | None:
         """The first option naming a declared tool exactly; failing that, the first matching case-blind."""

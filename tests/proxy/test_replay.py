@@ -155,3 +155,37 @@ def test_fixtures_fit_the_size_budget():
         assert {"ts", "method", "path", "headers", "body", "response", "metrics"} <= first.keys()
         assert all(v == "<redacted>" for k, v in first["headers"].items()
                    if k.lower() in ("authorization", "x-api-key"))
+
+
+async def test_replay_command_against_a_url(aiohttp_server, model_dir, tmp_path, capsys):
+    """The CLI end to end: --url, --limit, --stream, --json and --plot (matplotlib, Agg)."""
+    import asyncio
+
+    from proxy.cli import main
+
+    server = await aiohttp_server(_app(model_dir, force_responses=True))
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = ["replay", str(FIXTURES / "mini-swe-agent.jsonl.gz"), "--url", str(server.make_url("")), "--limit", "2",
+            "--stream", "--json", str(out), "--plot", str(png)]
+    assert await asyncio.to_thread(main, argv) == 0
+    data = json.loads(out.read_text())
+    results = data["results"]["url"]
+    assert [r["turn"] for r in results] == [1, 2] and all(r["ttft_kind"] == "first delta" for r in results)
+    assert results[1]["cached_tokens"] > 0 and results[1]["edit_class"] == "append"
+    assert png.stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "TTFT per turn (ms)" in printed and "summary" in printed
+
+
+def test_serve_flags(tmp_path):
+    from proxy.cli import build_parser
+    from proxy.serve import load_script, make_planner
+
+    args = build_parser(only="serve").parse_args(
+        ["serve", "--record", str(tmp_path), "--script", str(FIXTURES / "script.json"), "--script-var", "workdir=/w",
+         "--cache-policy", "prefix", "--allow-forced-responses"])
+    assert args.record == str(tmp_path) and args.allow_forced_responses
+    assert load_script(args.script, args.script_var).vars["workdir"] == "/w"
+    assert make_planner("prefix") is None and make_planner("anchors") is not None
+    with pytest.raises(ValueError, match="K=V"):
+        load_script(args.script, ["novalue"])

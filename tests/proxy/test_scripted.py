@@ -100,3 +100,12 @@ def test_forced_ids_parse_back_into_the_reply():
     calls = [(e.name, json.loads(e.arguments)) for e in events if isinstance(e, ToolCall)]
     assert thinking.strip() == "List first." and text.strip() == "Listing."
     assert calls == [("Bash", {"command": "ls"})]
+
+
+def test_after_a_compaction_with_our_summary_the_script_answers_final():
+    """Recorded with Codex auto-compaction: restarting the steps after our own summary looped forever."""
+    script = Script.load(SCRIPT, workdir="/w")
+    summary = Message("user", (TextPart("Another language model started to solve this problem...\n" +
+                                        script.summary),))
+    assert script.reply(_conv(USER, summary)).text == script.final
+    assert script.reply(_conv(summary, USER)).tool_calls[0][0] == "Bash"  # a new prompt after it: steps again
