@@ -11,7 +11,7 @@ STAMP := $(VENV)/.killick-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py Makefile $(wildcard native/*.cpp native/*.h)
+$(STAMP): pyproject.toml setup.py Makefile native/build.py $(wildcard native/src/*.cpp native/src/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel pybind11
 	$(PIP) install -q "$(TORCH_SPEC)"

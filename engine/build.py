@@ -24,6 +24,8 @@ class EngineOptions:
     prefix_cache: bool = True
     cache_device_mb: int | None = None  # None: a share of free device memory (CPU: of free RAM)
     cache_host_mb: int | None = None  # None: half of MemAvailable
+    moe_backend: str = "auto"  # fused | offload | cpu | hybrid | auto (engine/experts/registry.py)
+    moe_slots: str | None = None  # N, N% of all experts, or None: all the device memory left
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -50,6 +52,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="re-prefill every prompt from scratch (for comparisons)")
     g.add_argument("--cache-device-mb", type=int, help="prefix cache budget on the device (MiB)")
     g.add_argument("--cache-host-mb", type=int, help="prefix cache budget in host RAM (MiB; default half of free)")
+    g.add_argument("--moe-backend", default="auto", choices=["auto", "fused", "offload", "cpu", "hybrid"],
+                   help="where routed experts run: fused (all on the device), offload (misses copied into "
+                        "device slots), cpu (misses run on the CPU), hybrid (q* split); auto picks (default)")
+    g.add_argument("--moe-slots", metavar="N|P%", help="device expert slots for offload/cpu/hybrid: a count or "
+                                                      "a percentage of all experts (default: memory left)")
 
 
 def options_from_args(args: argparse.Namespace) -> EngineOptions:
@@ -74,7 +81,7 @@ def build_core(model_dir: Path, opts: EngineOptions = EngineOptions(), model=Non
     from engine.runner import ModelRunner
 
     if model is None:
-        model = load_model(model_dir, device=opts.device, dtype=opts.dtype)
+        model = load_model(model_dir, device=opts.device, dtype=opts.dtype, **_expert_args(model_dir, opts))
     cache = None
     if opts.prefix_cache:
         dev = opts.cache_device_mb << 20 if opts.cache_device_mb else default_device_budget(model.device)
@@ -83,3 +90,36 @@ def build_core(model_dir: Path, opts: EngineOptions = EngineOptions(), model=Non
     runner = ModelRunner(model, context_length=opts.context_length or DEFAULT_CONTEXT, cache=cache)
     return EngineCore(runner, max_running=opts.max_running, max_step_tokens=opts.max_step_tokens,
                       max_waiting=opts.max_queue)
+
+
+def _expert_args(model_dir: Path, opts: EngineOptions) -> dict:
+    """load_model keywords for the chosen expert backend ('auto' settled here, before any weight loads)."""
+    import torch
+
+    from engine.config import load_config
+    from engine.experts.registry import experts_factory, resolve
+
+    from engine.experts.bench_bw import load_profile
+    from engine.experts.layout import ExpertLayout
+
+    cfg = load_config(model_dir)
+    dtype = getattr(torch, opts.dtype)
+    layout = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype.itemsize)
+    moe_layers = len(cfg.moe_layers)
+    pool_bytes = moe_layers * cfg.num_experts * layout.nbytes
+    device = torch.device(opts.device)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else pool_bytes
+    # `killick bench bw` on this machine says whether CPU execution pays (auto -> hybrid); none: offload
+    profile = load_profile(layout, dtype, torch.get_num_threads())
+    name = resolve(opts.moe_backend, dense=moe_layers == 0, pool_bytes=pool_bytes, free_bytes=free, profile=profile)
+    if name == "fused":
+        return {}
+    progress = _pool_progress if pool_bytes > 1 << 30 else None  # a 64 GB pool takes a minute or more
+    return {"experts": experts_factory(name, device=opts.device, slots=opts.moe_slots, progress=progress),
+            "expert_device": "cpu"}
+
+
+def _pool_progress(p) -> None:
+    import logging
+
+    logging.getLogger("killick.engine").info("loading %s", p.line())

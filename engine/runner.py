@@ -85,8 +85,30 @@ class ModelRunner:
         if match is not None:
             self.cache.release(match)
 
+    def reconfigure(self, moe_slots: int | None = None, kv_tokens: int | None = None,
+                    prefix_device_bytes: int | None = None, prefix_host_bytes: int | None = None) -> dict:
+        """Resize caches between steps (EngineCore.call); every value is checked before anything changes."""
+        experts = self.model.experts
+        if moe_slots is not None and not hasattr(experts, "resize"):
+            raise ValueError("this engine keeps every expert resident (--moe-backend fused): there is no "
+                             "expert cache to resize; start it with --moe-backend offload|cpu|hybrid")
+        if kv_tokens is not None and kv_tokens < 16:
+            raise ValueError(f"the KV budget must be at least 16 tokens, got {kv_tokens}")
+        if (prefix_device_bytes or prefix_host_bytes) and self.cache is None:
+            raise ValueError("the prefix cache is off (--no-prefix-cache): there is no budget to change")
+        if moe_slots is not None:
+            experts.resize(moe_slots)  # checks the size before it frees anything
+        if prefix_device_bytes is not None or prefix_host_bytes is not None:
+            self.cache.cache.set_budgets(device=prefix_device_bytes, host=prefix_host_bytes)
+        if kv_tokens is not None:
+            self.context_length = kv_tokens
+        return self.stats()
+
     def stats(self) -> dict:
-        out = {"live_states": len(self._states), "steps": self.steps}
+        out = {"live_states": len(self._states), "steps": self.steps, "context_length": self.context_length}
+        experts = getattr(self.model, "experts", None)
+        if experts is not None and hasattr(experts, "stats"):
+            out["experts"] = experts.stats()
         if self.cache is not None:
             out.update(self.cache.stats())
         return out

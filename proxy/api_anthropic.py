@@ -15,7 +15,7 @@ from aiohttp import web
 from proxy.context import CTX
 from proxy.errors import read_json_object
 from proxy.generation import (
-    Finished, Generation, Keepalive, check_failed, client_gone, collect, prepare, render,
+    Finished, Generation, Keepalive, check_failed, client_gone, collect, normalize, prepare, render,
 )
 from proxy.record import note_response
 from proxy.output_parser import TextDelta, ThinkingDelta, ToolCall
@@ -55,7 +55,7 @@ async def _complete(request: web.Request, msg: dict, gen: Generation) -> web.Res
 async def count_tokens(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     body = await read_json_object(request)
-    conv = ctx.planner.normalize(to_conversation(CountTokensRequest.model_validate(body)), request.headers, body)
+    conv = normalize(ctx, to_conversation(CountTokensRequest.model_validate(body)), request.headers, body)
     return web.json_response({"input_tokens": len(render(ctx, conv).ids)})
 
 

@@ -14,6 +14,7 @@ import time
 from aiohttp import web
 
 from proxy import api_anthropic, api_chat, api_responses
+from proxy.control import add_control_routes
 from proxy.context import CTX, NoPlanner, Planner, ServerContext, planner_stats
 from proxy.errors import ApiError, error_middleware, is_anthropic_path
 from proxy.record import Recorder, plan_headers, slot_middleware
@@ -63,6 +64,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/messages/count_tokens", api_anthropic.count_tokens)
     app.router.add_post("/v1/chat/completions", api_chat.chat_completions)
     app.router.add_post("/v1/responses", api_responses.responses)
+    add_control_routes(app)
 
 
 async def _engine_lifetime(app: web.Application):

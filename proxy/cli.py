@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("proxy.serve", "serve the agent APIs (Anthropic, OpenAI chat, OpenAI Responses) on loopback"),
     "demo": ("proxy.commands.demo", "run the main job on the embedded demo model"),
     "model": ("proxy.commands.model", "model utilities: synth (write a seeded random checkpoint)"),
+    "ctl": ("proxy.commands.ctl", "control a running server: stats, cache sizes (no restart)"),
     "bench": ("proxy.commands.bench", "benchmarks: bw (PCIe, CPU expert kernel and host read bandwidth)"),
     "launch": ("proxy.commands.launch", "run a coding agent (claude, opencode, codex, ...) against the server"),
     "replay": ("proxy.commands.replay", "replay recorded agent requests; TTFT and cache reuse per turn and mode"),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal, Mapping, Union
 
 from engine.api import GenerateRequest, SamplingParams, TokenEvent, Usage
-from proxy.context import ServerContext
+from proxy.context import Plan, ServerContext
 from proxy.conversation import Conversation
 from proxy.errors import ApiError
 from proxy.output_parser import OutputEvent, OutputParser, ToolCall, generation_opens_think
@@ -32,6 +32,7 @@ class GenParams:
     sampling: SamplingParams = SamplingParams()
     stop_sequences: tuple[str, ...] = ()
     parse_tools: bool = True
+    max_tool_calls: int | None = None  # 1: the agent disabled parallel tool calls
 
 
 class Keepalive:
@@ -65,14 +66,14 @@ class Prepared:
 def prepare(ctx: ServerContext, conv: Conversation, params: GenParams, headers: Mapping[str, str],
             body: Mapping) -> Prepared:
     """normalise -> render -> check the context -> plan -> GenerateRequest."""
-    conv = ctx.planner.normalize(conv, headers, body)
+    conv = normalize(ctx, conv, headers, body)
     rendered = render(ctx, conv)
     n = len(rendered.ids)
     if n >= ctx.context_length:
         raise ApiError(400, f"prompt is too long: {n} tokens > {ctx.context_length - 1} maximum",
                        param="messages", code="context_length_exceeded")
     max_new = min(params.max_tokens or ctx.default_max_tokens, ctx.context_length - n)
-    turn = ctx.planner(conv, rendered, headers, body)
+    turn = _plan(ctx, conv, rendered, headers, body)
     forced = _forced_output(ctx, headers)
     if forced is None:
         forced = _forced_reply(ctx, conv, rendered.text, headers, turn)
@@ -86,6 +87,22 @@ def prepare(ctx: ServerContext, conv: Conversation, params: GenParams, headers: 
     if slot is not None:
         slot.turn = turn
     return Prepared(conv, params, rendered.text, request, turn)
+
+
+def normalize(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping) -> Conversation:
+    try:
+        return ctx.planner.normalize(conv, headers, body)
+    except Exception:  # noqa: BLE001 - a policy bug must not cost the agent its answer
+        log.exception("cache policy failed to normalise a request; serving it as sent")
+        return conv
+
+
+def _plan(ctx: ServerContext, conv: Conversation, rendered, headers: Mapping[str, str], body: Mapping):
+    try:
+        return ctx.planner(conv, rendered, headers, body)
+    except Exception:  # noqa: BLE001 - without a plan the engine still serves (its own checkpoints only)
+        log.exception("cache policy failed to plan a request; serving it without anchors")
+        return Plan()
 
 
 def render(ctx: ServerContext, conv: Conversation):
@@ -131,7 +148,8 @@ class Generation:
     def __init__(self, ctx: ServerContext, prep: Prepared):
         self.ctx, self.prep, self.req = ctx, prep, prep.request
         self.parser = OutputParser(thinking_open=generation_opens_think(prep.prompt_text),
-                                   parse_tools=prep.params.parse_tools, stop_sequences=prep.params.stop_sequences)
+                                   parse_tools=prep.params.parse_tools, stop_sequences=prep.params.stop_sequences,
+                                   max_tool_calls=prep.params.max_tool_calls)
         self.decoder = ctx.tokenizer.incremental_decoder()
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.blocks: list = []  # the output so far, merged as a non-streaming answer would hold it
@@ -186,7 +204,7 @@ class Generation:
             if ev.final:
                 out += parser.feed(self.decoder.flush()) + parser.finish()
                 final = ev
-            elif parser.stopped is not None:
+            elif parser.ended:
                 final = await self._stop_early()
             for item in out:
                 collect(self.blocks, item)
@@ -208,7 +226,7 @@ class Generation:
             log.exception("cache policy failed to record %s", self.req.request_id)
 
     async def _stop_early(self) -> TokenEvent:
-        """A stop sequence matched: abort the engine request and wait (briefly) for its final usage."""
+        """The parser needs no more output: abort the engine request and wait (briefly) for its final usage."""
         self._abort()
 
         async def final() -> TokenEvent:
@@ -229,7 +247,7 @@ def _finished(ev: TokenEvent, parser: OutputParser, reasoning: int, req: Generat
     if parser.stopped is not None:
         return Finished("stop_sequence", usage, reasoning, stop_sequence=parser.stopped)
     finish: Finish = ev.finish_reason or "error"
-    if finish == "stop" and parser.tool_calls:
+    if parser.ended or (finish == "stop" and parser.tool_calls):
         finish = "tool_calls"
     return Finished(finish, usage, reasoning, error=ev.error)
 

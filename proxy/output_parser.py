@@ -48,11 +48,13 @@ def generation_opens_think(prompt_text: str) -> bool:
 
 
 class OutputParser:
-    def __init__(self, *, thinking_open: bool, parse_tools: bool = True, stop_sequences: tuple[str, ...] = ()):
+    def __init__(self, *, thinking_open: bool, parse_tools: bool = True, stop_sequences: tuple[str, ...] = (),
+                 max_tool_calls: int | None = None):
         self.mode = "think" if thinking_open else "text"  # "think" | "text" | "tool"
         self.parse_tools = parse_tools
         self.stop_sequences = tuple(s for s in stop_sequences if s)
         self.stopped: str | None = None  # the stop sequence that ended generation
+        self.max_tool_calls = max_tool_calls  # 1 when the agent disabled parallel tool calls
         self.tool_calls = 0
         self._buf = ""  # undecided text (may be the start of a marker)
         self._tool_buf = ""
@@ -60,18 +62,23 @@ class OutputParser:
         self._segment_started = False
         self._before_tool = ("", False)
 
+    @property
+    def ended(self) -> bool:
+        """A stop sequence matched or the allowed tool calls are made: the rest of the output is dropped."""
+        return self.stopped is not None or self.tool_calls == self.max_tool_calls
+
     def feed(self, text: str) -> list[OutputEvent]:
         out: list[OutputEvent] = []
-        if self.stopped is None:
+        if not self.ended:
             self._buf += text
-            while self.stopped is None and self._step(out):
+            while not self.ended and self._step(out):
                 pass
         return out
 
     def finish(self) -> list[OutputEvent]:
         """Flush everything held back; an unterminated tool call becomes text."""
         out: list[OutputEvent] = []
-        if self.stopped is None:
+        if not self.ended:
             rest, self._buf = self._buf, ""
             if self.mode == "tool":
                 self.mode = "text"

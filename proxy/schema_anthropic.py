@@ -133,8 +133,10 @@ def to_conversation(req: CountTokensRequest) -> Conversation:
 def gen_params(req: MessagesRequest) -> GenParams:
     sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0)
-    parse_tools = bool(req.tools) and not (req.tool_choice and req.tool_choice.type == "none")
-    return GenParams(req.max_tokens, sampling, tuple(req.stop_sequences or ()), parse_tools)
+    choice = req.tool_choice
+    parse_tools = bool(req.tools) and not (choice and choice.type == "none")
+    one_call = 1 if choice and choice.disable_parallel_tool_use else None
+    return GenParams(req.max_tokens, sampling, tuple(req.stop_sequences or ()), parse_tools, one_call)
 
 
 def _convert_message(msg: AnthropicMessage) -> list[Message]:

@@ -125,7 +125,8 @@ def gen_params(req: ChatRequest) -> GenParams:
                               top_k=max(req.top_k or 0, 0), seed=req.seed)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     parse_tools = bool(req.tools) and req.tool_choice != "none"
-    return GenParams(req.max_completion_tokens or req.max_tokens, sampling, stop, parse_tools)
+    one_call = 1 if req.parallel_tool_calls is False else None
+    return GenParams(req.max_completion_tokens or req.max_tokens, sampling, stop, parse_tools, one_call)
 
 
 def content_text(content: Content) -> str:

@@ -215,4 +215,5 @@ def gen_params(req: ResponsesRequest) -> GenParams:
     sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p)
     parse_tools = bool(req.tools) and req.tool_choice != "none"
-    return GenParams(req.max_output_tokens, sampling, (), parse_tools)
+    one_call = 1 if req.parallel_tool_calls is False else None
+    return GenParams(req.max_output_tokens, sampling, (), parse_tools, one_call)

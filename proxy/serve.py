@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", metavar="KEY", help="require this key (Bearer or x-api-key) on every route "
                                                          "but /health")
     parser.add_argument("--model-name", default=None, help="name in /v1/models (default: the model directory)")
+    parser.add_argument("--harness-rules", metavar="FILE", help="extra harness normalisation rules (JSON/TOML)")
     parser.add_argument("--keepalive", type=float, default=5.0, metavar="S",
                         help="seconds of silence before a keep-alive while queued or prefilling (default 5)")
     parser.add_argument("--cache-policy", choices=["anchors", "prefix"], default="anchors",
@@ -44,12 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-def make_planner(cache_policy: str):
+def make_planner(cache_policy: str, registry=None):
     """anchors: the cache policy (sessions, diff, anchors); prefix: none (the engine's own checkpoints)."""
     if cache_policy == "anchors":
         from proxy.cache_policy import PolicyPlanner
 
-        return PolicyPlanner()
+        return PolicyPlanner(registry=registry)
     return None
 
 
@@ -69,6 +70,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     from engine.build import build_core, options_from_args
     from engine.demo import resolve_model
     from engine.tokenizer import load_tokenizer
+    from harness_adapters import load_registry
     from proxy.app import create_app
     from proxy.render import ChatRenderer
 
@@ -76,8 +78,9 @@ def build_app(args: argparse.Namespace) -> web.Application:
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     core = build_core(model_dir, opts)
+    planner = make_planner(args.cache_policy, load_registry(args.harness_rules))
     return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=args.model_name or model_dir.name,
-                      api_key=args.api_key, keepalive_s=args.keepalive, planner=make_planner(args.cache_policy),
+                      api_key=args.api_key, keepalive_s=args.keepalive, planner=planner,
                       script=load_script(args.script, args.script_var), record_dir=args.record,
                       force_responses=args.allow_forced_responses)
 

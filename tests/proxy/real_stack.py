@@ -16,7 +16,7 @@ def synth_model_dir(tmp_path_factory):
 
 
 def real_app(model_dir, *, context_length=4096, keepalive_s=5.0, max_running=2, max_waiting=8, api_key=None,
-             planner=None):
+             planner=None, **engine_options):
     from engine.build import EngineOptions, build_core
     from engine.tokenizer import load_tokenizer
     from proxy.app import create_app
@@ -24,7 +24,7 @@ def real_app(model_dir, *, context_length=4096, keepalive_s=5.0, max_running=2, 
 
     tok = load_tokenizer(model_dir)
     opts = EngineOptions(max_running=max_running, max_queue=max_waiting, context_length=context_length,
-                         cache_device_mb=64, cache_host_mb=64)
+                         cache_device_mb=64, cache_host_mb=64, **engine_options)
     core = build_core(model_dir, opts)
     app = create_app(core, tok, ChatRenderer(tok), model_name="tiny", api_key=api_key, keepalive_s=keepalive_s,
                      planner=planner, test_hooks=True)

@@ -144,12 +144,12 @@ async def test_responses_stream_and_previous_response(serve, sdk):
 
 async def test_keepalive_while_queued_behind_a_running_request(serve):
     """max_running=1: the second stream waits in the engine queue and must still hear from us."""
-    base, core, tok = await serve(max_running=1, keepalive_s=0.2)
-    long_reply = "word " * 150
+    base, core, tok = await serve(max_running=1, keepalive_s=0.1)
+    long_reply = "word " * 400  # ~400 decode steps: close to a second even on a fast box
     async with aiohttp.ClientSession() as s:
         blocker = asyncio.ensure_future(s.post(
             base + "/v1/chat/completions", headers={FORCED: long_reply},
-            json={"model": "m", "max_tokens": 300, "messages": [{"role": "user", "content": "go"}]}))
+            json={"model": "m", "max_tokens": 500, "messages": [{"role": "user", "content": "go"}]}))
         await asyncio.sleep(0.3)
         async with s.post(base + "/v1/messages", json={
                 "model": "m", "max_tokens": 2, "stream": True,
@@ -163,9 +163,12 @@ async def test_keepalive_while_queued_behind_a_running_request(serve):
 async def test_disconnect_releases_the_request(serve):
     base, core, _ = await serve()
     async with aiohttp.ClientSession() as s:
-        r = await s.post(base + "/v1/chat/completions", json={
+        r = await s.post(base + "/v1/chat/completions", headers={FORCED: "word " * 1000}, json={
             "model": "m", "max_tokens": 2000, "stream": True, "messages": [{"role": "user", "content": "talk"}]})
-        await r.content.readline()
+        for _ in range(100):  # until decoding has begun (the answer is reasoning: thinking is on)
+            line = await r.content.readline()
+            if b"word" in line or not line:
+                break
         assert core.stats()["active"] == 1
         r.close()
     for _ in range(100):

@@ -90,8 +90,10 @@ def _check_error(path, resp_status, text):
             assert body["error"]["message"] and body["error"]["type"]
 
 
-def test_fuzz_every_endpoint_no_5xx(fake_stack):
-    app, core = fake_stack(context_length=512)
+def test_fuzz_every_endpoint_no_5xx(fake_stack, caplog):
+    from proxy.cache_policy import PolicyPlanner
+
+    app, core = fake_stack(context_length=512, planner=PolicyPlanner())
     loop = asyncio.new_event_loop()
     client = TestClient(TestServer(app, host="127.0.0.1"), loop=loop)
     loop.run_until_complete(client.start_server())
@@ -114,6 +116,8 @@ def test_fuzz_every_endpoint_no_5xx(fake_stack):
         ok = loop.run_until_complete(client.get("/health"))
         assert ok.status == 200
         assert core.active == 0
+        failures = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert not failures, failures[:3]
     finally:
         loop.run_until_complete(client.close())
         loop.close()

@@ -86,3 +86,10 @@ def test_parse_tool_call_variants():
 def test_unicode_and_whitespace_inside_text_survive():
     events, _ = run("  héllo\n\n  wörld  \n")
     assert events == [TextDelta("héllo\n\n  wörld")]
+
+
+def test_one_tool_call_when_parallel_calls_are_off():
+    two = ('<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>')
+    events, parser = run(two, 5, max_tool_calls=1)
+    assert events == [ToolCall(0, "a", "{}")] and parser.ended and parser.stopped is None

@@ -239,3 +239,32 @@ async def test_planner_seam_normalize_plan_finish(aiohttp_client, fake_stack):
     assert planner.calls == [("normalize", "gpt-5"), ("plan", n), ("finish", "s1", 3, 3)]  # "ok" + EOS
     text = await (await client.get("/metrics")).text()
     assert "killick_policy_sessions 1" in text and "killick_policy_turns_append 2" in text
+
+
+async def test_a_failing_planner_costs_no_answer(aiohttp_client, fake_stack, caplog):
+    class Broken(RecordingPlanner):
+        def __call__(self, conv, rendered, headers, request=None):
+            raise KeyError("bug")
+
+    app, core = fake_stack(planner=Broken())
+    client = await aiohttp_client(app)
+    resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 3,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status == 200 and core.requests[-1].checkpoint_positions == ()
+    assert "cache policy failed to plan" in caplog.text
+
+
+async def test_parallel_tool_calls_false_stops_after_the_first_call(aiohttp_client, fake_stack):
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    two = ('<tool_call>\\n{"name": "bash", "arguments": {"cmd": "ls"}}\\n</tool_call>\\n'
+           '<tool_call>\\n{"name": "bash", "arguments": {"cmd": "pwd"}}\\n</tool_call>')
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    body = {"model": "m", "tools": tools, "reasoning_effort": "none", "messages": [{"role": "user", "content": "q"}]}
+    out = await (await client.post("/v1/chat/completions", headers={FORCED: two}, json=body)).json()
+    assert len(out["choices"][0]["message"]["tool_calls"]) == 2
+    out = await (await client.post("/v1/chat/completions", headers={FORCED: two},
+                                   json={**body, "parallel_tool_calls": False})).json()
+    calls = out["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"cmd": "ls"}]
+    assert out["choices"][0]["finish_reason"] == "tool_calls" and len(core.aborted) == 1

@@ -1,0 +1,46 @@
+"""Command-line options of the expert benchmarks, torch-free so `killick --help` stays light.
+
+`killick bench bw` / `killick bench decode` (proxy/commands/bench.py) and the modules' own `main(argv)`
+share these definitions."""
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_SHAPE = "qwen3.6-35b-a3b"
+
+
+def add_bw_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--synthetic", default=DEFAULT_SHAPE, help="expert format (shape and dtype) to measure")
+    ap.add_argument("--small", action="store_true", help="scaled-down shape: a seconds-long smoke run")
+    ap.add_argument("--threads", default=None, help="comma-separated CPU thread counts (default 1..cores)")
+    ap.add_argument("--experts", type=int, default=64, help="expert blocks per B_H timing")
+    ap.add_argument("--stream-mib", type=int, default=1024, help="buffer size of the STREAM read")
+    ap.add_argument("--json", default=None, help="also write the profile here")
+
+
+def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--synthetic", default=DEFAULT_SHAPE, help="model shape of the synthetic expert pool")
+    ap.add_argument("--small", action="store_true", help="scaled-down shape for a CPU smoke test")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--slots", default="37%", help="slot count or percentage of all experts")
+    ap.add_argument("--threads", default="6",
+                    help="CPU threads for the CPU expert path; a list (6,16) repeats the cpu/hybrid runs")
+    ap.add_argument("--backends", default="offload,cpu,hybrid")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--warm-prefill", type=int, default=1024,
+                    help="prompt tokens prefilled before each decode run (0: start from an empty cache)")
+    ap.add_argument("--routing", default="uniform", help="uniform and/or zipf, comma-separated")
+    ap.add_argument("--freeze", action="store_true", help="keep q* at the measured profile")
+    ap.add_argument("--json", default=None)
+
+
+def split_decode_lists(args: argparse.Namespace) -> argparse.Namespace:
+    """Comma lists -> lists; ValueError on a bad routing name."""
+    args.backends = args.backends.split(",")
+    args.threads = [int(t) for t in args.threads.split(",")]
+    args.routing = args.routing.split(",")
+    if not set(args.routing) <= {"uniform", "zipf"}:
+        raise ValueError(f"--routing takes uniform and/or zipf, got {','.join(args.routing)}")
+    return args

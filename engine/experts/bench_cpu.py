@@ -1,0 +1,152 @@
+"""CPU expert bandwidth: native kernel GB/s vs a STREAM-style read GB/s vs torch, at several thread counts.
+
+    python -m engine.experts.bench_cpu [--threads 1,6,16] [--pool-gb 2] [--sweep] [--json out.json]
+
+Kernel GB/s = expert weight bytes read / wall time of submit+wait (Python wrapper included), experts drawn
+without repetition from a pool far larger than the last-level cache (Qwen3.6-35B-A3B shape by default:
+H=2048, I=512, bf16, 6 MiB an expert), `--experts-per-call` distinct experts per call like one MoE layer's
+misses. Read GB/s = the native read kernel over the whole pool on the same worker pool. Torch GB/s = the
+fallback (torch matmuls in the weight dtype) on the same calls with torch.set_num_threads(n).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from engine.experts.cpu_kernels import CpuExpertRunner, ExpertTable, physical_cores, supported_isas, torch_experts
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# --sweep: (label, overrides) measured after the default configuration, same pool, same process.
+SWEEP = [("short spin (50 us)", {"spin_us": 50}), ("no software prefetch", {"prefetch": 0}),
+         ("prefetch 2048 B", {"prefetch": 2048}),
+         ("4 tokens per call", {"tokens": 4}), ("4 tokens, prefetch 2048 B", {"tokens": 4, "prefetch": 2048}),
+         ("32 experts per call", {"experts_per_call": 32}), ("one row at a time", {"row_block": 1}),
+         ("one row at a time, 4 tokens", {"row_block": 1, "tokens": 4})]
+
+
+def make_pool(n_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> torch.Tensor:
+    """[E, 3*I*H] expert blocks; one random block replicated (normal_ over GBs of fresh memory is slow)."""
+    pool = torch.empty(n_experts, 3 * inter * hidden, dtype=dtype)
+    seed = (torch.randn(3 * inter * hidden) * 0.02).to(dtype)
+    for e in range(n_experts):
+        pool[e].copy_(seed)
+    return pool
+
+
+def call_plan(n_experts: int, per_call: int, tokens: int, gen: torch.Generator) -> list[tuple[list, list]]:
+    """Calls of (expert ids, token ids): per_call distinct experts each, each expert routed from every token."""
+    order = torch.randperm(n_experts, generator=gen).tolist()
+    calls = []
+    for c in range(0, n_experts - per_call + 1, per_call):
+        experts = order[c:c + per_call]
+        calls.append(([e for e in experts for _ in range(tokens)], [t for _ in experts for t in range(tokens)]))
+    return calls
+
+
+def time_calls(run, table: ExpertTable, plan, x, y, limit_s: float) -> float:
+    """Runs passes of plan() (each a fresh order over the whole pool) until limit_s; returns weight GB/s.
+    Only the calls are timed, back to back as a decode step's layers would issue them."""
+    nbytes = 3 * table.hidden * table.inter * table.dtype.itemsize
+    done_bytes, timed = 0, 0.0
+    for _ in range(1000):  # bounded: a pass takes at least milliseconds
+        calls = [(e, t, [0.5] * len(e), len(set(e))) for e, t in plan()]
+        t0 = time.perf_counter()
+        for experts, tokens, weights, unique in calls:
+            run(table, experts, tokens, weights, x, y)
+            done_bytes += nbytes * unique
+        timed += time.perf_counter() - t0
+        if timed > limit_s:
+            break
+    return done_bytes / timed / 1e9
+
+
+def torch_routed(table, experts, tokens, weights, x, y) -> None:
+    torch_experts(table.tasks(experts, tokens, weights), x, y)
+
+
+def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict:
+    x = torch.randn(cfg["tokens"], table.hidden)
+    y = torch.zeros(cfg["tokens"], table.hidden)
+    runner = CpuExpertRunner(threads=n, isa=cfg["isa"], prefetch_bytes=cfg["prefetch"], spin_us=cfg["spin_us"], row_block=cfg["row_block"])
+    reads, kernel = [], []
+    plan = lambda: call_plan(table.num_experts, cfg["experts_per_call"], cfg["tokens"], gen)  # noqa: E731
+    for _ in range(cfg["repeats"]):  # interleaved, so a noisy neighbour hits both figures alike
+        t0 = time.perf_counter()
+        runner.read_bandwidth_pass(pool)
+        reads.append(pool.nbytes / (time.perf_counter() - t0) / 1e9)
+        kernel.append(time_calls(runner.run_routed, table, plan, x, y, cfg["seconds"]))
+    del runner  # parks and joins its workers before torch's threads start
+    row = {"threads": n, "isa": cfg["isa"] or supported_isas()[0], "kernel_gbs": max(kernel),
+           "read_gbs": max(reads), "kernel_runs": kernel, "read_runs": reads}
+    row["ratio"] = row["kernel_gbs"] / row["read_gbs"]
+    if with_torch:
+        torch.set_num_threads(n)
+        row["torch_gbs"] = time_calls(torch_routed, table, plan, x, y, cfg["seconds"])
+    return row
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(title)
+    print(f"{'threads':>7} {'isa':>10} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6} {'torch GB/s':>11}")
+    for r in rows:
+        torch_gbs = f"{r['torch_gbs']:.1f}" if "torch_gbs" in r else "-"
+        print(f"{r['threads']:>7} {r['isa']:>10} {r['kernel_gbs']:>12.1f} {r['read_gbs']:>10.1f} "
+              f"{r['ratio']:>6.2f} {torch_gbs:>11}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    cores = physical_cores()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", default=",".join(str(t) for t in sorted({1, min(6, cores), cores})))
+    p.add_argument("--pool-gb", type=float, default=2.0, help="expert pool size (far above the LLC)")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=512)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--experts-per-call", type=int, default=8, help="distinct experts per MoE-layer call")
+    p.add_argument("--tokens", type=int, default=1, choices=[1, 2, 3, 4], help="tokens routed to each expert")
+    p.add_argument("--isa", default=None, help=f"force a kernel path, one of {supported_isas()}")
+    p.add_argument("--prefetch", type=int, default=512, help="software prefetch distance in bytes (0: off)")
+    p.add_argument("--spin-us", type=int, default=2000, help="how long idle workers spin before parking")
+    p.add_argument("--row-block", type=int, default=0, choices=[0, 1], help="kernel walk order")
+    p.add_argument("--seconds", type=float, default=1.5, help="time per kernel measurement")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sweep", action="store_true", help="also measure the variants in SWEEP (no torch)")
+    p.add_argument("--json", default=None, help="write the results here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if not supported_isas():
+        raise SystemExit("the native extension is not built: pip install needs a C++17 compiler")
+    dtype = DTYPES[args.dtype]
+    expert_bytes = 3 * args.inter * args.hidden * dtype.itemsize
+    n_experts = max(32, int(args.pool_gb * 1e9 // expert_bytes))
+    pool = make_pool(n_experts, args.hidden, args.inter, dtype)
+    table = ExpertTable.from_blocks(pool, args.hidden, args.inter)
+    gen = torch.Generator().manual_seed(0)
+    base = vars(args)
+    configs = [("default", {})] + (SWEEP if args.sweep else [])
+    results = {"machine": platform.processor() or platform.machine(), "args": base, "isas": supported_isas(),
+               "pool_gb": pool.nbytes / 1e9, "configs": {}}
+    for label, overrides in configs:
+        cfg = {**base, **overrides}
+        rows = [bench_threads(int(n), pool, table, cfg, gen, with_torch=not overrides)
+                for n in args.threads.split(",")]
+        results["configs"][label] = rows
+        print_table(f"[{label}] pool {pool.nbytes / 1e9:.2f} GB, {n_experts} experts of "
+                    f"{expert_bytes / 2**20:.1f} MiB ({args.dtype}), {cfg['experts_per_call']} experts x "
+                    f"{cfg['tokens']} token(s) per call, prefetch {cfg['prefetch']} B, spin {cfg['spin_us']} us",
+                    rows)
+        if args.json:  # after every configuration, so a run cut short still leaves numbers
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""`--moe-backend cpu`: misses run on the CPU in place, from the host pool; nothing is filled on a miss.
+
+The slot cache still serves hits (experts streamed there by a long prefill stay resident)."""
+from __future__ import annotations
+
+from engine.experts.offload import OffloadBackend
+
+
+class CpuBackend(OffloadBackend):
+    name = "cpu"
+
+    def split(self, m: int) -> int:
+        return 0
+
+    def cpu_share(self) -> float:
+        return 1.0

@@ -1,0 +1,286 @@
+"""CPU expert execution: the native SwiGLU kernels (native/_cpu_experts) behind a checked torch API.
+
+For each task (gate_up, down, token, weight):   y[token] += weight * down @ (silu(g) * u),
+where [g; u] = gate_up @ x[token].  Shapes: H = hidden, I = expert intermediate, T = tokens.
+  gate_up [2I, H]  rows 0..I-1 gate, I..2I-1 up (HF's fused gate_up_proj[e]); down [H, I]; both row-major
+  with unit inner stride, bf16 or fp32 (one dtype and one row stride per call);
+  x [T, H] (any float dtype; fp32 is passed through), y [T, H] fp32, accumulated into.
+Tasks on the same expert share one pass over its weights (up to 4 tokens a pass). An expert stored as one
+contiguous block (gate_up then down, the host pool's layout) is split with `split_expert_block`.
+
+Without the extension (no compiler at install time) the same API runs on torch, with one warning.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from native import _cpu_experts as _native
+except ImportError:  # not built: torch fallback
+    _native = None
+
+Task = tuple[torch.Tensor, torch.Tensor, int, float]  # (gate_up [2I, H], down [H, I], token, weight)
+
+_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
+_warned = False
+PREFETCH_BYTES = 512  # software prefetch distance along each weight row stream
+
+
+def native_available() -> bool:
+    return _native is not None
+
+
+def supported_isas() -> list[str]:
+    """ISAs the native kernels can use here, best first (empty without the extension)."""
+    return list(_native.supported_isas()) if _native else []
+
+
+def physical_cores() -> int:
+    if _native:
+        return max(1, len(_native.physical_cpus()))
+    import os
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def split_expert_block(block: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views (gate_up [2I, H], down [H, I]) of one contiguous expert block [3 * I * H] (gate_up then down)."""
+    if block.dim() != 1 or block.numel() != 3 * inter * hidden or not block.is_contiguous():
+        raise ValueError(f"an expert block must be a contiguous 1-D tensor of 3*I*H = {3 * inter * hidden} "
+                         f"elements, got shape {tuple(block.shape)}")
+    n = 2 * inter * hidden
+    return block[:n].view(2 * inter, hidden), block[n:].view(hidden, inter)
+
+
+def _warn_fallback_once() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn("killick native CPU kernels are not built (no compiler at install?); "
+                      "CPU experts run on torch and will be several times slower", RuntimeWarning, stacklevel=3)
+
+
+class CpuFuture:
+    """Completion handle of one submitted batch; keeps the tensors alive until it is waited on."""
+
+    def __init__(self, waiter, keep: tuple, poll=None):
+        self._waiter, self._keep, self._poll, self._done = waiter, keep, poll, False
+
+    def wait(self) -> None:
+        if not self._done:
+            self._waiter()
+            self._done, self._keep = True, ()
+
+    def done(self) -> bool:
+        """True once the work finished (wait() still has to be called to release the tensors)."""
+        return self._done or (self._poll is not None and self._poll())
+
+
+class ExpertTable:
+    """One MoE layer's experts, validated once: gate_up [E, 2I, H], down [E, H, I] (bf16 or fp32, unit inner
+    stride; e.g. ExpertWeights.stacked(layer)). from_blocks() takes the host pool's [E, 3*I*H] blocks."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+            raise ValueError(f"an expert table needs gate_up [E, 2I, H] and down [E, H, I]; got "
+                             f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
+        self.num_experts, two_i, self.hidden = gate_up.shape
+        self.inter = two_i // 2
+        if tuple(down.shape[1:]) != (self.hidden, self.inter) or two_i % 2:
+            raise ValueError(f"down must be [E, H, I] = [E, {self.hidden}, {self.inter}], got {tuple(down.shape)}")
+        if gate_up.dtype not in _FORMATS or down.dtype != gate_up.dtype:
+            raise ValueError(f"expert weights must be bf16 or fp32, one dtype (got {gate_up.dtype}/{down.dtype})")
+        on_cpu = gate_up.device.type == "cpu" and down.device.type == "cpu"
+        if gate_up.stride(2) != 1 or down.stride(2) != 1 or not on_cpu:
+            raise ValueError("expert weights must be CPU tensors with unit inner stride")
+        self.gate_up, self.down, self.dtype = gate_up, down, gate_up.dtype
+        self._args = (_FORMATS[self.dtype], self.hidden, self.inter, gate_up.data_ptr(), gate_up.stride(0),
+                      gate_up.stride(1), down.data_ptr(), down.stride(0), down.stride(1), self.num_experts)
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, hidden: int, inter: int) -> "ExpertTable":
+        if blocks.dim() != 2 or blocks.shape[1] != 3 * inter * hidden or blocks.stride(1) != 1:
+            raise ValueError(f"expert blocks must be [E, 3*I*H] = [E, {3 * inter * hidden}] with unit inner "
+                             f"stride, got {tuple(blocks.shape)}")
+        n = 2 * inter * hidden
+        return cls(blocks[:, :n].unflatten(1, (2 * inter, hidden)), blocks[:, n:].unflatten(1, (hidden, inter)))
+
+    def tasks(self, experts, tokens, weights) -> list[Task]:
+        bad = [e for e in experts if not 0 <= e < self.num_experts]
+        if bad:
+            raise ValueError(f"expert ids {bad} are outside the table's {self.num_experts} experts")
+        return [(self.gate_up[e], self.down[e], t, w) for e, t, w in zip(experts, tokens, weights)]
+
+
+def check_xy(x: torch.Tensor, y: torch.Tensor) -> None:
+    if x.dim() != 2 or y.dim() != 2 or x.shape != y.shape:
+        raise ValueError(f"x and y must both be [T, H]; got {tuple(x.shape)} and {tuple(y.shape)}")
+    if y.dtype != torch.float32 or y.stride(1) != 1 or x.device.type != "cpu" or y.device.type != "cpu":
+        raise ValueError("y must be a CPU float32 tensor with unit inner stride (it is accumulated into), "
+                         "x a CPU tensor")
+
+
+def check_tasks(tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    """Validates a batch; returns (H, I, weight dtype). Raises ValueError with what to fix."""
+    check_xy(x, y)
+    if not tasks:
+        return x.shape[1], 0, torch.float32
+    T, H = x.shape
+    gu0, dn0 = tasks[0][0], tasks[0][1]
+    inter = gu0.shape[0] // 2
+    for gu, dn, tok, _ in tasks:
+        if gu.dtype not in _FORMATS or dn.dtype != gu.dtype or gu.dtype != gu0.dtype:
+            raise ValueError(f"expert weights must all be bf16 or all fp32 (got {gu.dtype}/{dn.dtype})")
+        if tuple(gu.shape) != (2 * inter, H) or tuple(dn.shape) != (H, inter):
+            raise ValueError(f"expert shapes must be gate_up [2I, H] = [{2 * inter}, {H}] and down [H, I] = "
+                             f"[{H}, {inter}]; got {tuple(gu.shape)} and {tuple(dn.shape)}")
+        if gu.stride() != gu0.stride() or dn.stride() != dn0.stride() or gu.stride(1) != 1 or dn.stride(1) != 1:
+            raise ValueError("expert weights need unit inner stride and one row stride per call "
+                             "(use .contiguous() or views of one fused tensor)")
+        if gu.device.type != "cpu" or dn.device.type != "cpu":
+            raise ValueError("expert weights for the CPU runner must live in host memory")
+        if not 0 <= int(tok) < T:
+            raise ValueError(f"task token {tok} is outside x's {T} rows")
+    return H, inter, gu0.dtype
+
+
+class CpuExpertRunner:
+    """Runs routed experts on the CPU. One batch in flight at a time; submit() returns at once.
+
+    threads: worker count (default: physical cores - 1, at least 1); isa: force a kernel path
+    ('avx512bf16', 'avx512', 'avx2', 'scalar'; default the best supported); backend: 'auto', 'native'
+    or 'torch'; pin: one worker per physical core; spin_us: how long idle workers spin before parking;
+    row_block: kernel walk order (0: four rows side by side, 1: one row at a time).
+    """
+
+    def __init__(self, threads: int | None = None, isa: str | None = None, backend: str = "auto",
+                 pin: bool = True, spin_us: int = 2000, prefetch_bytes: int = PREFETCH_BYTES,
+                 row_block: int = 0):
+        if backend not in ("auto", "native", "torch"):
+            raise ValueError(f"backend must be 'auto', 'native' or 'torch', not {backend!r}")
+        if backend == "native" and _native is None:
+            raise ValueError("backend='native' asked for, but native/_cpu_experts is not built "
+                             "(pip install needs a C++17 compiler)")
+        if threads is None:
+            threads = max(1, physical_cores() - 1)
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads, self.prefetch_bytes = int(threads), int(prefetch_bytes)
+        self._lock = threading.Lock()
+        self._pending: CpuFuture | None = None
+        if backend == "torch" or _native is None:
+            if backend == "auto":
+                _warn_fallback_once()
+            self.backend, self.isa = "torch", "torch"
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
+            return
+        isas = supported_isas()
+        if isa is not None and isa not in isas:
+            raise ValueError(f"ISA {isa!r} is not available here; choose one of {isas}")
+        self.backend, self.isa = "native", isa or isas[0]
+        self._pool = _native.Runner(self.threads, pin, spin_us)
+        self._pool.row_block = row_block
+
+    def run(self, tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> None:
+        self.submit(tasks, x, y).wait()
+
+    def submit(self, tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> CpuFuture:
+        """Starts y[token] += w * expert(x[token]) for every task; call .wait() before reading y."""
+        hidden, inter, dtype = check_tasks(tasks, x, y)
+        with self._lock:
+            if self._pending is not None:
+                self._pending.wait()
+            if self.backend == "torch":
+                self._pending = self._submit_torch(tasks, x, y)
+            else:
+                self._pending = self._submit_native(tasks, x, y, hidden, inter, dtype)
+            return self._pending
+
+    def run_routed(self, table: ExpertTable, experts, tokens, weights, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.submit_routed(table, experts, tokens, weights, x, y).wait()
+
+    def submit_routed(self, table: ExpertTable, experts, tokens, weights, x: torch.Tensor,
+                      y: torch.Tensor) -> CpuFuture:
+        """The per-layer fast path: task i is (table expert experts[i], token tokens[i], weight weights[i]).
+        experts/tokens/weights are int/float sequences or 1-D tensors (e.g. a MoE layer's misses)."""
+        experts, tokens, weights = (v.tolist() if isinstance(v, torch.Tensor) else v
+                                    for v in (experts, tokens, weights))
+        if not len(experts) == len(tokens) == len(weights):
+            raise ValueError("experts, tokens and weights must have one entry per task")
+        check_xy(x, y)
+        if x.shape[1] != table.hidden:
+            raise ValueError(f"x has hidden size {x.shape[1]}, the expert table {table.hidden}")
+        with self._lock:
+            if self._pending is not None:
+                self._pending.wait()
+            if self.backend == "torch":
+                self._pending = self._submit_torch(table.tasks(experts, tokens, weights), x, y)
+                return self._pending
+            xf = x if x.dtype == torch.float32 and x.stride(1) == 1 else x.float().contiguous()
+            try:
+                self._pool.submit_table(self.isa, *table._args, experts, tokens, weights, xf.data_ptr(),
+                                        xf.stride(0), y.data_ptr(), y.stride(0), x.shape[0], self.prefetch_bytes)
+            except TypeError as exc:  # pybind: ids not ints (out-of-range ids raise ValueError already)
+                raise ValueError(f"bad routed task list: {exc}") from exc
+            self._pending = CpuFuture(self._pool.wait, (table, xf, y), self._pool.done)
+            return self._pending
+
+    def _submit_torch(self, tasks, x, y) -> CpuFuture:
+        fut: Future = self._executor.submit(torch_experts, tasks, x, y)
+        return CpuFuture(fut.result, (), fut.done)
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._pending is not None:
+                self._pending.wait()
+                self._pending = None
+
+    def _submit_native(self, tasks, x, y, hidden, inter, dtype) -> CpuFuture:
+        xf = x if x.dtype == torch.float32 and x.stride(1) == 1 else x.float().contiguous()
+        gu0, dn0 = (tasks[0][0], tasks[0][1]) if tasks else (None, None)
+        self._pool.submit_moe(
+            self.isa, _FORMATS[dtype], hidden, inter,
+            gu0.stride(0) if tasks else hidden, dn0.stride(0) if tasks else inter,
+            [t[0].data_ptr() for t in tasks], [t[1].data_ptr() for t in tasks],
+            [int(t[2]) for t in tasks], [float(t[3]) for t in tasks],
+            xf.data_ptr(), xf.stride(0), y.data_ptr(), y.stride(0), x.shape[0], self.prefetch_bytes)
+        return CpuFuture(self._pool.wait, (tasks, xf, y), self._pool.done)
+
+    def read_bandwidth_pass(self, buf: torch.Tensor) -> int:
+        """One STREAM-style read of a contiguous CPU tensor on this runner's threads (native only)."""
+        if self.backend != "native":
+            raise ValueError("the read kernel needs the native extension")
+        if not buf.is_contiguous() or buf.device.type != "cpu":
+            raise ValueError("the read buffer must be a contiguous CPU tensor")
+        return self._pool.read(self.isa, buf.data_ptr(), buf.numel() * buf.element_size())
+
+
+def torch_experts(tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> None:
+    """The fallback and the speed baseline: same grouping as the kernels, torch matmuls in weight dtype."""
+    by_expert: dict[int, list[tuple[int, float]]] = {}
+    weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for gu, dn, tok, w in tasks:
+        key = gu.data_ptr()
+        by_expert.setdefault(key, []).append((int(tok), float(w)))
+        weights[key] = (gu, dn)
+    for key, routed in by_expert.items():
+        gu, dn = weights[key]
+        toks = torch.tensor([t for t, _ in routed])
+        ws = torch.tensor([w for _, w in routed], dtype=torch.float32)
+        g, u = F.linear(x[toks].to(gu.dtype), gu).float().chunk(2, dim=-1)  # [n, I] each
+        out = F.linear((F.silu(g) * u).to(dn.dtype), dn).float()             # [n, H]
+        y.index_add_(0, toks, out * ws[:, None])
+
+
+def reference_experts(tasks: Sequence[Task], x: torch.Tensor) -> torch.Tensor:
+    """float64 reference for tests: returns the [T, H] sum the runner adds to y."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for gu, dn, tok, w in tasks:
+        g, u = (gu.double() @ x[int(tok)].double()).chunk(2)
+        out[int(tok)] += float(w) * (dn.double() @ (F.silu(g) * u))
+    return out

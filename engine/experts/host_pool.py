@@ -1,0 +1,157 @@
+"""Every routed expert of every MoE layer in host RAM, in its final layout: the source of truth.
+
+L = MoE layers, E = experts per layer. Layer row i is one contiguous tensor [E, numel] (layout.py);
+block (layer, e) is row e of it. Layers are filled one after another (optionally in a background thread)
+and each is pinned right after it is filled: pinning empty memory would fault and zero it for nothing.
+If pinning fails the pool stays pageable (slower copies) and says so once.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from engine.experts.layout import ExpertLayout, split_block
+
+FillFn = Callable[[int, torch.Tensor], None]  # (layer id, layer buffer [E, numel]) -> fills it in place
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    done_bytes: int
+    total_bytes: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:  # bytes/s
+        return self.done_bytes / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def eta(self) -> float:
+        return (self.total_bytes - self.done_bytes) / self.rate if self.rate > 0 else float("inf")
+
+    def line(self) -> str:
+        return (f"experts {self.done_bytes / 1e9:.1f}/{self.total_bytes / 1e9:.1f} GB "
+                f"{self.rate / 1e9:.2f} GB/s ETA {self.eta:.0f}s")
+
+
+class HostPool:
+    def __init__(self, layers: Sequence[int], num_experts: int, layout: ExpertLayout,
+                 dtype: torch.dtype) -> None:
+        self.layers = [int(x) for x in layers]
+        self.row = {layer: i for i, layer in enumerate(self.layers)}
+        self.num_experts, self.layout, self.dtype = num_experts, layout, dtype
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.pinned = False
+        self._registered: list[int] = []
+        self._ready = [threading.Event() for _ in self.layers]
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.expert_bytes * self.num_experts * len(self.layers)
+
+    def load(self, fill: FillFn, *, pin: bool = True, background: bool = False,
+             progress: Callable[[LoadProgress], None] | None = None) -> "HostPool":
+        """Fill (then pin) layer by layer; with background=True return at once, `wait_layer` blocks."""
+        args = (fill, pin and torch.cuda.is_available(), progress)
+        if not background:
+            self._load_all(*args)
+            return self
+        self._thread = threading.Thread(target=self._load_all, args=args, name="host-pool", daemon=True)
+        self._thread.start()
+        return self
+
+    def _load_all(self, fill: FillFn, pin: bool, progress) -> None:
+        t0, per_layer = time.perf_counter(), self.expert_bytes * self.num_experts
+        self.pinned = pin
+        try:
+            for i, layer in enumerate(self.layers):
+                buf = torch.empty(self.num_experts, self.layout.numel, dtype=self.dtype)  # [E, numel]
+                fill(layer, buf)
+                if self.pinned:
+                    self.pinned = self._pin(buf)
+                self.buffers[i] = buf
+                self._ready[i].set()
+                if progress:
+                    progress(LoadProgress((i + 1) * per_layer, self.nbytes, time.perf_counter() - t0))
+        except BaseException as exc:  # surfaced by wait_layer in the thread that needs the layer
+            self._error = exc
+            for ev in self._ready:
+                ev.set()
+
+    def _pin(self, buf: torch.Tensor) -> bool:
+        """Page-lock an already filled buffer in place (cudaHostRegister); False (and one warning) on failure."""
+        nbytes = buf.numel() * buf.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 1)  # 1 = cudaHostRegisterPortable
+        if int(err) == 0:
+            # unregister when the buffer dies, even without close(): a freed-but-registered range makes the
+            # next pool that gets the same addresses fail with cudaErrorHostMemoryAlreadyRegistered
+            self._registered.append(weakref.finalize(buf, _unregister, buf.data_ptr()))
+            return True
+        warnings.warn(f"pinning the expert pool failed (cudaError {int(err)}); continuing with pageable "
+                      "memory: host->device copies will be slower (raise the memlock limit to fix)",
+                      RuntimeWarning, stacklevel=2)
+        return False
+
+    def wait_layer(self, layer: int) -> torch.Tensor:
+        """Layer buffer [E, numel], waiting for the background loader if needed."""
+        i = self.row[layer]
+        self._ready[i].wait()
+        if self._error is not None:
+            raise RuntimeError("loading the expert pool failed") from self._error
+        return self.buffers[i]
+
+    def wait(self) -> "HostPool":
+        for layer in self.layers:
+            self.wait_layer(layer)
+        return self
+
+    def block(self, layer: int, expert: int) -> torch.Tensor:
+        return self.wait_layer(layer)[expert]
+
+    def weights(self, layer: int, expert: int):
+        """(gate_up [2I, H], down [H, I]) views of block (layer, expert)."""
+        return split_block(self.block(layer, expert), self.layout)
+
+    def close(self) -> None:
+        """Unpin (the pool normally lives as long as the process)."""
+        if self._thread is not None:
+            self._thread.join()
+        for fin in self._registered:
+            fin()
+        self._registered.clear()
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def source_fill(source) -> FillFn:
+    """Fill from an ExpertWeights source (engine/experts/source.py), one whole layer per copy."""
+
+    def fill(layer: int, buf: torch.Tensor) -> None:
+        gate_up, down = source.stacked(layer)  # [E, 2I, H], [E, H, I]
+        gu = gate_up[0].numel()
+        buf[:, :gu].view(gate_up.shape).copy_(gate_up)
+        buf[:, gu:].view(down.shape).copy_(down)
+
+    return fill
+
+
+def pool_from_source(source, **load_kw) -> HostPool:
+    """Build and fill a pool from the model's ExpertWeights (fused and per-expert checkpoints alike)."""
+    layout = ExpertLayout(hidden=source.hidden_size, inter=source.intermediate_size,
+                          itemsize=source.dtype.itemsize)
+    pool = HostPool(source.layers, source.num_experts, layout, source.dtype)
+    return pool.load(source_fill(source), **load_kw)

@@ -1,0 +1,153 @@
+"""`--moe-backend offload`: misses are copied into device slots and run there. Also the base of `cpu`
+and `hybrid`, which differ only in how many of a step's m misses they fill (`split`).
+
+T = tokens, K = experts per token, H = hidden. Per MoE layer and step:
+route (host grouping) -> hits run from their slots; of the m misses, split(m) are filled (copy stream)
+and run on the device, the rest run on the CPU concurrently from the host pool -> outputs land in
+y [T*K, H] by (token, k) position -> `compute.combine` sums over k.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from engine.experts.compute import Routing, combine, run_expert
+from engine.experts.cpu_runner import run_on_cpu
+from engine.experts.host_pool import HostPool
+from engine.experts.policy import BandwidthEstimate
+from engine.experts.prefill_stream import PrefillStreamer
+from engine.experts.slot_cache import SlotCache
+from engine.experts.stats import ExpertStats
+
+
+class OffloadBackend:
+    name = "offload"
+
+    def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str = "cpu", *,
+                 estimate: BandwidthEstimate | None = None, stream_prefill: bool = True) -> None:
+        self.pool, self.device = pool, torch.device(device)
+        self.cache = SlotCache(pool, num_slots, self.device)
+        self.stats_ = ExpertStats(pool.layers)
+        self.estimate = estimate or BandwidthEstimate()
+        self.streamer = PrefillStreamer(self) if stream_prefill else None
+        self._cpu = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu")
+        # rough device expert throughput for the prefill choice (flop/s); only the order of magnitude matters
+        self.device_flops = 2e14 if self.device.type == "cuda" else 5e10
+
+    # --- policy hooks, overridden by cpu / hybrid
+    def split(self, m: int) -> int:
+        """How many of m misses to fill (the rest run on the CPU)."""
+        return m
+
+    def cpu_share(self) -> float:
+        return 0.0
+
+    # --- the seam
+    def begin_forward(self, num_tokens: int, top_k: int) -> None:
+        """Once per forward, before its layers: picks layer streaming or not. `forward` calls it at the
+        first MoE layer, so models need no hook; calling it earlier (idempotent) is fine."""
+        if self.streamer is not None:
+            self.streamer.begin(num_tokens, top_k)
+
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_ids [T, K], topk_w [T, K] -> [T, H] (routed experts only)."""
+        if layer == self.pool.layers[0]:  # a new forward: the first MoE layer sees all its tokens
+            self.begin_forward(x.shape[0], topk_ids.shape[1])
+        self._observe_fill()
+        routing = Routing.of(topk_ids)
+        table = self.cache.table
+        table.tick()
+        streaming = self.streamer is not None and self.streamer.active
+        if streaming:
+            self.streamer.before_layer(layer)  # waits for this layer's copies, starts the next layer's
+        else:
+            self.cache.ready()  # hits may sit in slots filled by copies still in flight
+        slots = self.cache.lookup(layer, routing.experts)
+        hits = [i for i, s in enumerate(slots) if s >= 0]
+        misses = sorted((i for i, s in enumerate(slots) if s < 0), key=lambda i: -routing.counts[i])
+        q = len(misses) if streaming else self.split(len(misses))
+        fills, on_cpu = misses[:q], misses[q:]
+        table.touch(slots[hits])
+        table.lock(slots[hits])
+        y = x.new_empty(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
+        pending = self._start_cpu(layer, x, routing, on_cpu)
+        self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills)
+        if pending is not None:
+            pos, vals, seconds = pending.result()
+            y[pos.to(self.device)] = vals.to(self.device, y.dtype)
+            self.estimate.observe_cpu(len(on_cpu) * self.pool.expert_bytes, seconds)
+        self._unlock()
+        self._count(layer, len(hits), len(misses), len(fills), len(on_cpu))
+        return combine(y, topk_w)
+
+    def _run_device(self, layer, x, y, routing: Routing, hit_slots, hits, fills) -> None:
+        """Hits from their slots; fills copied (overlapping the hits' compute) then run. When the cache
+        is smaller than one step's experts, fills go in rounds, each reusing the slots of the last."""
+        want = [routing.experts[i] for i in fills]
+        admitted = self.cache.admit(layer, want)  # issued before the hits run, so copies overlap them
+        for i, s in zip(hits, hit_slots):
+            self._run_slot(x, y, routing, i, s)
+        done = 0
+        while True:
+            self.cache.ready()
+            for j, s in enumerate(admitted):
+                self._run_slot(x, y, routing, fills[done + j], s)
+            done += len(admitted)
+            if done == len(fills):
+                return
+            self._unlock()
+            admitted = self.cache.admit(layer, want[done:])
+            if not admitted:
+                raise RuntimeError("no unlocked expert slot left for a fill")
+
+    def _run_slot(self, x, y, routing: Routing, i: int, slot: int) -> None:
+        pos = routing.positions[i].to(self.device, non_blocking=True)
+        run_expert(y, x, pos, routing.top_k, *self.cache.weights(slot))
+
+    def _start_cpu(self, layer: int, x: torch.Tensor, routing: Routing, on_cpu: list[int]):
+        if not on_cpu:
+            return None
+        host = self.pool.wait_layer(layer)
+        jobs = [(routing.positions[i], host[routing.experts[i]]) for i in on_cpu]
+        return self._cpu.submit(self._cpu_job, x.to("cpu"), jobs, routing.top_k)
+
+    def _cpu_job(self, x_cpu: torch.Tensor, jobs, top_k: int):
+        t0 = time.perf_counter()
+        pos, vals = run_on_cpu(x_cpu, jobs, self.pool.layout, top_k)
+        return pos, vals, time.perf_counter() - t0
+
+    def _unlock(self) -> None:
+        self.cache.table.unlock_all()
+        if self.streamer is not None and self.streamer.active and self.streamer.reserved:
+            self.cache.table.lock(self.streamer.reserved)
+
+    def _observe_fill(self) -> None:
+        timing = self.cache.take_fill_timing()
+        if timing is not None:
+            self.estimate.observe_fill(*timing)
+
+    def _count(self, layer: int, hits: int, misses: int, fills: int, cpu: int) -> None:
+        st = self.stats_[layer]
+        st.hits += hits
+        st.misses += misses
+        st.fills += fills
+        st.cpu_runs += cpu
+        st.bytes_moved += fills * self.pool.expert_bytes
+
+    # --- control and reporting
+    def stats(self) -> dict:
+        out = self.stats_.as_dict()
+        out.update(backend=self.name, slots=self.cache.num_slots, bp=self.estimate.bp, bh=self.estimate.bh,
+                   streamed_forwards=self.streamer.streamed_forwards if self.streamer else 0)
+        return out
+
+    def resize(self, num_slots: int) -> None:
+        """New slot count at a scheduler safe point (between steps); ValueError if impossible."""
+        self.cache.resize(num_slots)
+        if self.streamer is not None:
+            self.streamer.active, self.streamer.reserved = False, []
+
+    def close(self) -> None:
+        self._cpu.shutdown(wait=True)

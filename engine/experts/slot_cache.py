@@ -1,0 +1,116 @@
+"""One pool of device slots shared by all MoE layers; a slot holds one (layer, expert) block.
+
+S = slots, numel = elements per expert block (layout.py). The bookkeeping is `lru.SlotTable`; this file
+owns the device buffer [S, numel] and the copy stream. On CPU the "device" buffer is a separate CPU tensor
+and a fill is a plain copy, so every piece of bookkeeping runs in CI exactly as on a GPU.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from engine.experts.host_pool import HostPool
+from engine.experts.layout import split_block
+from engine.experts.lru import SlotTable
+
+
+class SlotCache:
+    def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str) -> None:
+        self.pool, self.device = pool, torch.device(device)
+        total = pool.num_experts * len(pool.layers)
+        if not 1 <= num_slots <= total:
+            raise ValueError(f"--moe-slots must be between 1 and {total} (all experts), got {num_slots}")
+        self.table = SlotTable(len(pool.layers), pool.num_experts, num_slots)
+        self.buf = self._alloc(num_slots)  # [S, numel]
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.last_fill: tuple | None = None  # (start event, end event, bytes) or (None, seconds, bytes)
+
+    @property
+    def num_slots(self) -> int:
+        return self.table.num_slots
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        try:
+            return torch.empty(n, self.pool.layout.numel, dtype=self.pool.dtype, device=self.device)
+        except torch.OutOfMemoryError as exc:
+            raise ValueError(f"{n} expert slots ({n * self.pool.expert_bytes / 2**30:.1f} GiB) do not fit "
+                             "on the device: ask for fewer slots or a smaller KV budget") from exc
+
+    def weights(self, slot: int):
+        """(gate_up [2I, H], down [H, I]) views of one slot."""
+        return split_block(self.buf[slot], self.pool.layout)
+
+    def lookup(self, layer: int, experts) -> np.ndarray:
+        return self.table.lookup(self.pool.row[layer], experts)
+
+    def admit(self, layer: int, experts: list[int], lo: int = 0, hi: int | None = None) -> list[int]:
+        """Copy as many of `experts` (of `layer`) as unlocked slots in [lo, hi) allow; lock and return
+        their slots (a prefix of `experts`). On CUDA the copies run on the copy stream; call `ready()`."""
+        victims = self.table.victims(len(experts), lo, hi).tolist()
+        if not victims:
+            return []
+        row, host = self.pool.row[layer], self.pool.wait_layer(layer)
+        t0 = time.perf_counter()
+        if self.copy_stream is None:
+            for e, s in zip(experts, victims):
+                self.buf[s].copy_(host[e])
+            self.last_fill = (None, time.perf_counter() - t0, len(victims) * self.pool.expert_bytes)
+        else:
+            self._copy_async(host, experts, victims)
+        for e, s in zip(experts, victims):
+            self.table.assign(s, row, e)
+        self.table.lock(victims)
+        return victims
+
+    def _copy_async(self, host: torch.Tensor, experts: list[int], slots: list[int]) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # a victim may still be read by kernels queued earlier on the compute stream
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            start.record()
+            for e, s in zip(experts, slots):
+                self.buf[s].copy_(host[e], non_blocking=True)
+            end.record()
+        self.last_fill = (start, end, len(slots) * self.pool.expert_bytes)
+
+    def ready(self) -> None:
+        """Make the compute stream wait for the fills issued so far (no host sync)."""
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def take_fill_timing(self) -> tuple[int, float] | None:
+        """(bytes, seconds) of the last fill once it has finished, without blocking; else None."""
+        if self.last_fill is None:
+            return None
+        start, end, nbytes = self.last_fill
+        if start is None:
+            self.last_fill = None
+            return nbytes, end
+        if not end.query():
+            return None
+        self.last_fill = None
+        return nbytes, start.elapsed_time(end) / 1e3
+
+    def resident_count(self, layer: int) -> int:
+        return self.table.resident_count(self.pool.row[layer])
+
+    def resize(self, num_slots: int) -> None:
+        """Change the slot count at a scheduler safe point; keeps the most recently used residents.
+
+        Impossible sizes raise ValueError before anything is freed; the host pool is never touched."""
+        total = self.pool.num_experts * len(self.pool.layers)
+        if not 1 <= num_slots <= total:
+            raise ValueError(f"the expert cache can hold 1..{total} slots, got {num_slots}")
+        if self.table.locked.any():
+            raise ValueError("resize the expert cache between steps, not while a step holds slots")
+        moves = self.table.plan_resize(num_slots)
+        self.ready()  # pending fills land before their slots move
+        new = self._alloc(num_slots)  # may raise ValueError: nothing changed yet
+        if moves:
+            old_idx = torch.tensor([m[0] for m in moves], device=self.device)
+            new[torch.tensor([m[1] for m in moves], device=self.device)] = self.buf[old_idx]
+        self.buf = new
+        self.table.apply_resize(num_slots, moves)

@@ -1,0 +1,45 @@
+"""Per-layer and total expert-cache counters for engine stats. Torch-free."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+FIELDS = ("hits", "misses", "fills", "cpu_runs", "bytes_moved")
+
+
+@dataclass
+class LayerStats:
+    hits: int = 0  # (step, expert) pairs found resident
+    misses: int = 0  # (step, expert) pairs not resident when routed
+    fills: int = 0  # experts copied host -> slot (misses filled and streamed prefill layers)
+    cpu_runs: int = 0  # (step, expert) pairs run on the CPU from the host pool
+    bytes_moved: int = 0  # host -> device bytes
+
+    def add(self, other: "LayerStats") -> None:
+        for f in FIELDS:
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+
+
+class ExpertStats:
+    def __init__(self, layers) -> None:
+        self.layers = {int(layer): LayerStats() for layer in layers}
+
+    def __getitem__(self, layer: int) -> LayerStats:
+        return self.layers[layer]
+
+    def total(self) -> LayerStats:
+        out = LayerStats()
+        for s in self.layers.values():
+            out.add(s)
+        return out
+
+    def as_dict(self) -> dict:
+        def row(s: LayerStats) -> dict:
+            d = asdict(s)
+            d["hit_rate"] = s.hits / (s.hits + s.misses) if s.hits + s.misses else 0.0
+            return d
+
+        return {"total": row(self.total()), "layers": {k: row(v) for k, v in self.layers.items()}}
+
+    def reset(self) -> None:
+        for k in self.layers:
+            self.layers[k] = LayerStats()

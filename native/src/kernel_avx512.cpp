@@ -1,0 +1,101 @@
+// AVX-512 (F + BW) path: bf16 weights widened to fp32 in registers, fp32 activations.
+// With -DKILLICK_BF16_DOT (kernel_avx512bf16.cpp) the bf16 table uses VDPBF16PS on bf16 activations.
+#include <immintrin.h>
+
+#include "kernels.h"
+
+namespace killick {
+namespace {
+#include "kernel_impl.h"
+
+// (GCC 12's _mm512_reduce_add_ps trips -Wuninitialized inside its own header.)
+inline float hsum512(__m512 a) {
+  __m512 s = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0x4E));
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xB1));
+  __m128 q = _mm512_castps512_ps128(s);
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+
+template <class WEIGHT>
+struct Avx512 {
+  using WT = WEIGHT;
+  using XT = float;
+  using WV = __m512;
+  using XV = __m512;
+  using R = __m512;
+  static constexpr int W = 16;
+  static constexpr int NACC = 16;  // 32 zmm registers
+  static R zero() { return _mm512_setzero_ps(); }
+  static WV load_w(const float* p) { return _mm512_loadu_ps(p); }
+  static WV load_w(const uint16_t* p) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  }
+  static XV load_x(const float* p) { return _mm512_loadu_ps(p); }
+  static R fma(R a, WV w, XV x) { return _mm512_fmadd_ps(w, x, a); }
+  static float hsum(R a) { return hsum512(a); }
+  static float w_scalar(const float* p) { return *p; }
+  static float w_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
+  static float x_scalar(const float* p) { return *p; }
+};
+
+#ifdef KILLICK_BF16_DOT
+// Both operands bf16, pairs of products summed into fp32 lanes (VDPBF16PS).
+struct Avx512Dp {
+  using WT = uint16_t;
+  using XT = uint16_t;
+  using WV = __m512bh;
+  using XV = __m512bh;
+  using R = __m512;
+  static constexpr int W = 32;
+  static constexpr int NACC = 16;
+  static R zero() { return _mm512_setzero_ps(); }
+  static WV load_w(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static XV load_x(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static R fma(R a, WV w, XV x) { return _mm512_dpbf16_ps(a, w, x); }
+  static float hsum(R a) { return hsum512(a); }
+  static float w_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
+  static float x_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
+};
+#endif
+
+uint64_t read_avx512(const void* p, size_t nbytes) {
+  const char* c = static_cast<const char*>(p);
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  size_t i = 0;
+  for (; i + 256 <= nbytes; i += 256) {
+    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(c + i));
+    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(c + i + 64));
+    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(c + i + 128));
+    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(c + i + 192));
+  }
+  __m512i a = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, a);
+  uint64_t out = 0;
+  for (int l = 0; l < 8; ++l) out ^= lanes[l];
+  for (; i + 8 <= nbytes; i += 8) {
+    uint64_t w;
+    __builtin_memcpy(&w, c + i, 8);
+    out ^= w;
+  }
+  return out;
+}
+
+#ifdef KILLICK_BF16_DOT
+const KernelTable kTable = {"avx512bf16", {dot_rows<Avx512<float>>, dot_rows<Avx512Dp>},
+                            {false, true}, read_avx512};
+#else
+const KernelTable kTable = {"avx512", {dot_rows<Avx512<float>>, dot_rows<Avx512<uint16_t>>},
+                            {false, false}, read_avx512};
+#endif
+}  // namespace
+
+#ifdef KILLICK_BF16_DOT
+const KernelTable* table_avx512bf16() { return &kTable; }
+#else
+const KernelTable* table_avx512() { return &kTable; }
+#endif
+}  // namespace killick

@@ -1,0 +1,42 @@
+// Portable path: plain C++ compiled with the baseline flags; also the reference the SIMD paths are tested
+// against through the same template.
+#include "kernels.h"
+
+namespace killick {
+namespace {
+#include "kernel_impl.h"
+
+template <class WEIGHT>
+struct Scalar {
+  using WT = WEIGHT;
+  using XT = float;
+  using WV = float;
+  using XV = float;
+  using R = float;
+  static constexpr int W = 1;
+  static constexpr int NACC = 8;
+  static R zero() { return 0.f; }
+  static WV load_w(const WT* p) { return w_scalar(p); }
+  static XV load_x(const XT* p) { return *p; }
+  static R fma(R a, WV w, XV x) { return a + w * x; }
+  static float hsum(R a) { return a; }
+  static float w_scalar(const float* p) { return *p; }
+  static float w_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
+  static float x_scalar(const XT* p) { return *p; }
+};
+
+uint64_t read_scalar(const void* p, size_t nbytes) {
+  const uint64_t* q = static_cast<const uint64_t*>(p);
+  uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  size_t n = nbytes / 8, i = 0;
+  for (; i + 4 <= n; i += 4) { a0 ^= q[i]; a1 ^= q[i + 1]; a2 ^= q[i + 2]; a3 ^= q[i + 3]; }
+  for (; i < n; ++i) a0 ^= q[i];
+  return a0 ^ a1 ^ a2 ^ a3;
+}
+
+const KernelTable kTable = {"scalar", {dot_rows<Scalar<float>>, dot_rows<Scalar<uint16_t>>},
+                            {false, false}, read_scalar};
+}  // namespace
+
+const KernelTable* table_scalar() { return &kTable; }
+}  // namespace killick

@@ -1,0 +1,37 @@
+// Shared declarations between the generic code (baseline flags) and the ISA translation units.
+// Nothing in here may be an inline function or template: the ISA files are compiled with wider
+// instruction sets, and a shared inline symbol could be linked into the generic code (SIGILL on old CPUs).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace killick {
+
+// Weight format tag. Dequantising formats (fp8, 4-bit blocks) get new tags and new dot functions.
+enum Format : int { kF32 = 0, kBF16 = 1 };
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+// out[t * out_stride + r] = sum_k W[r * ld + k] * x[t][k] for r < rows, t < T (1..4), fp32 accumulation.
+// W is `rows` rows of K elements in the table's format; x points at fp32 vectors or, when the table's
+// `x_bf16` is set, at bf16 vectors (the AVX-512-BF16 dot product takes both operands in bf16).
+// row_block 0: walk up to 4 rows side by side (one weight load feeds T tokens x 4 rows of FMAs);
+// row_block 1: one row at a time, two lines per step into two accumulator sets (one sequential stream).
+using DotRowsFn = void (*)(const void* W, int64_t ld, int K, int rows, const void* const* x, int T,
+                           float* out, int out_stride, int prefetch_bytes, int row_block);
+// XOR of every 8-byte word in [p, p + nbytes): a read-only pass the compiler cannot drop (STREAM read).
+using ReadFn = uint64_t (*)(const void* p, size_t nbytes);
+
+struct KernelTable {
+  const char* name;
+  DotRowsFn dot[2];   // indexed by Format
+  bool x_bf16[2];     // per Format: does dot[] want bf16 activations?
+  ReadFn read;
+};
+
+const KernelTable* table_scalar();
+const KernelTable* table_avx2();
+const KernelTable* table_avx512();
+const KernelTable* table_avx512bf16();
+
+}  // namespace killick

@@ -1,0 +1,202 @@
+#include "moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <unordered_map>
+
+namespace killick {
+namespace {
+
+constexpr int kChunkRows = 64;  // rows per dot_rows call: bounds the per-thread scratch
+
+uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return uint16_t(u >> 16);
+}
+
+// [begin, end) of n items for worker w of nw, as even as integers allow.
+inline void split(int64_t n, int w, int nw, int64_t& begin, int64_t& end) {
+  begin = n * w / nw;
+  end = n * (w + 1) / nw;
+}
+
+template <class T>
+struct Aligned {  // 64-byte aligned scratch, so chunks written by different workers share no line
+  std::unique_ptr<T[], void (*)(T*)> p{nullptr, [](T* q) { std::free(q); }};
+  void resize(size_t n) {
+    size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
+    p.reset(static_cast<T*>(std::aligned_alloc(64, bytes ? bytes : 64)));
+  }
+  T* get() const { return p.get(); }
+};
+
+class MoeJob : public Job {
+ public:
+  MoeJob(const MoeArgs& a, std::vector<ExpertGroup> groups) : a_(a), g_(std::move(groups)) {
+    es_ = a.fmt == kBF16 ? 2 : 4;
+    bf_ = a.table->x_bf16[a.fmt];
+    ipad_ = (a.I + 15) / 16 * 16;
+    act_.resize(g_.size() * kMaxTokens * ipad_);
+    if (bf_) prepare_bf16();
+  }
+  int phases() const override { return 2; }
+  void run(int phase, int w, int nw) override { phase == 0 ? gate_up(w, nw) : down(w, nw); }
+
+ private:
+  // The VDPBF16PS path wants bf16 activations: x once here, the SwiGLU output in phase 0.
+  void prepare_bf16() {
+    hpad_ = (a_.H + 31) / 32 * 32;
+    xbf_.resize(size_t(a_.T) * hpad_);
+    actbf_.resize(g_.size() * kMaxTokens * ipad_);
+    for (int t = 0; t < a_.T; ++t)
+      for (int h = 0; h < a_.H; ++h) xbf_.get()[size_t(t) * hpad_ + h] = f32_to_bf16(a_.x[t * a_.x_stride + h]);
+  }
+  const void* x_row(int tok) const {
+    return bf_ ? static_cast<const void*>(xbf_.get() + size_t(tok) * hpad_)
+               : static_cast<const void*>(a_.x + tok * a_.x_stride);
+  }
+  size_t act_off(size_t g, int slot) const { return (g * kMaxTokens + slot) * ipad_; }
+
+  // Phase 0: rows (expert g, i) of the flattened [G * I] range; gate row i and up row I+i together.
+  void gate_up(int w, int nw) {
+    int64_t b, e;
+    split(int64_t(g_.size()) * a_.I, w, nw, b, e);
+    float gbuf[kMaxTokens * kChunkRows], ubuf[kMaxTokens * kChunkRows];
+    auto dot = a_.table->dot[a_.fmt];
+    for (int64_t idx = b; idx < e;) {
+      size_t g = size_t(idx / a_.I);
+      int i0 = int(idx % a_.I);
+      int n = int(std::min<int64_t>({kChunkRows, a_.I - i0, e - idx}));
+      const ExpertGroup& eg = g_[g];
+      const void* xs[kMaxTokens];
+      for (int t = 0; t < eg.ntok; ++t) xs[t] = x_row(eg.tok[t]);
+      auto base = static_cast<const char*>(eg.gate_up);
+      dot(base + i0 * a_.ld_gu * es_, a_.ld_gu, a_.H, n, xs, eg.ntok, gbuf, kChunkRows, a_.prefetch_bytes,
+          a_.row_block);
+      dot(base + (a_.I + i0) * a_.ld_gu * es_, a_.ld_gu, a_.H, n, xs, eg.ntok, ubuf, kChunkRows,
+          a_.prefetch_bytes, a_.row_block);
+      for (int t = 0; t < eg.ntok; ++t) {
+        float* act = act_.get() + act_off(g, t) + i0;
+        for (int r = 0; r < n; ++r) {
+          float gv = gbuf[t * kChunkRows + r];
+          act[r] = gv / (1.f + std::exp(-gv)) * ubuf[t * kChunkRows + r];
+        }
+        if (bf_)
+          for (int r = 0; r < n; ++r) actbf_.get()[act_off(g, t) + i0 + r] = f32_to_bf16(act[r]);
+      }
+      idx += n;
+    }
+  }
+
+  // Phase 1: worker w owns rows [h0, h1) of every output, sums all experts there, adds to y once.
+  void down(int w, int nw) {
+    int64_t h0, h1;
+    split(a_.H, w, nw, h0, h1);
+    int span = int(h1 - h0);
+    if (span == 0) return;
+    thread_local std::vector<float> acc;
+    thread_local std::vector<char> touched;
+    acc.assign(size_t(a_.T) * span, 0.f);
+    touched.assign(a_.T, 0);
+    float buf[kMaxTokens * kChunkRows];
+    auto dot = a_.table->dot[a_.fmt];
+    for (size_t g = 0; g < g_.size(); ++g) {
+      const ExpertGroup& eg = g_[g];
+      const void* as[kMaxTokens];
+      for (int t = 0; t < eg.ntok; ++t)
+        as[t] = bf_ ? static_cast<const void*>(actbf_.get() + act_off(g, t))
+                    : static_cast<const void*>(act_.get() + act_off(g, t));
+      auto base = static_cast<const char*>(eg.down);
+      for (int64_t h = h0; h < h1; h += kChunkRows) {
+        int n = int(std::min<int64_t>(kChunkRows, h1 - h));
+        dot(base + h * a_.ld_dn * es_, a_.ld_dn, a_.I, n, as, eg.ntok, buf, kChunkRows, a_.prefetch_bytes, a_.row_block);
+        for (int t = 0; t < eg.ntok; ++t) {
+          float* dst = acc.data() + size_t(eg.tok[t]) * span + (h - h0);
+          for (int r = 0; r < n; ++r) dst[r] += eg.w[t] * buf[t * kChunkRows + r];
+        }
+      }
+      for (int t = 0; t < eg.ntok; ++t) touched[eg.tok[t]] = 1;
+    }
+    for (int tok = 0; tok < a_.T; ++tok) {
+      if (!touched[tok]) continue;
+      float* y = a_.y + tok * a_.y_stride + h0;
+      const float* src = acc.data() + size_t(tok) * span;
+      for (int r = 0; r < span; ++r) y[r] += src[r];
+    }
+  }
+
+  MoeArgs a_;
+  std::vector<ExpertGroup> g_;
+  int es_ = 2, ipad_ = 0, hpad_ = 0;
+  bool bf_ = false;
+  Aligned<float> act_;       // [G][kMaxTokens][ipad] SwiGLU output, fp32
+  Aligned<uint16_t> actbf_;  // same, bf16 (VDPBF16PS path only)
+  Aligned<uint16_t> xbf_;    // [T][hpad] x in bf16 (VDPBF16PS path only)
+};
+
+class ReadJob : public Job {
+ public:
+  ReadJob(const KernelTable* t, const void* p, size_t n, int workers)
+      : t_(t), p_(static_cast<const char*>(p)), n_(n), out_(size_t(workers) * 8, 0) {}
+  int phases() const override { return 1; }
+  void run(int, int w, int nw) override {
+    int64_t pages = int64_t((n_ + 4095) / 4096), b, e;
+    split(pages, w, nw, b, e);
+    size_t lo = size_t(b) * 4096, hi = std::min(n_, size_t(e) * 4096);
+    if (hi > lo) out_[size_t(w) * 8] = t_->read(p_ + lo, hi - lo);  // 8 words apart: own cache line
+  }
+  uint64_t result() const {
+    uint64_t r = 0;
+    for (uint64_t v : out_) r ^= v;
+    return r;
+  }
+
+ private:
+  const KernelTable* t_;
+  const char* p_;
+  size_t n_;
+  std::vector<uint64_t> out_;
+};
+
+}  // namespace
+
+std::vector<ExpertGroup> group_tasks(const std::vector<uint64_t>& gate_up, const std::vector<uint64_t>& down,
+                                     const std::vector<int64_t>& tokens, const std::vector<float>& weights) {
+  size_t n = gate_up.size();
+  if (down.size() != n || tokens.size() != n || weights.size() != n)
+    throw std::invalid_argument("task arrays differ in length");
+  std::vector<ExpertGroup> groups;
+  std::unordered_map<uint64_t, size_t> open;  // gate_up address -> group with room left
+  for (size_t i = 0; i < n; ++i) {
+    auto it = open.find(gate_up[i]);
+    if (it == open.end() || groups[it->second].ntok == kMaxTokens) {
+      ExpertGroup g{reinterpret_cast<const void*>(gate_up[i]), reinterpret_cast<const void*>(down[i]), 0, {}, {}};
+      groups.push_back(g);
+      it = open.insert_or_assign(gate_up[i], groups.size() - 1).first;
+    }
+    ExpertGroup& g = groups[it->second];
+    g.tok[g.ntok] = int(tokens[i]);
+    g.w[g.ntok] = weights[i];
+    ++g.ntok;
+  }
+  return groups;
+}
+
+std::shared_ptr<Job> make_moe_job(const MoeArgs& args, std::vector<ExpertGroup> groups) {
+  return std::make_shared<MoeJob>(args, std::move(groups));
+}
+
+uint64_t pool_read(Pool& pool, const KernelTable* table, const void* p, size_t nbytes) {
+  auto job = std::make_shared<ReadJob>(table, p, nbytes, pool.threads());
+  pool.submit(job);
+  pool.wait();
+  return job->result();
+}
+
+}  // namespace killick

@@ -1,0 +1,48 @@
+// SwiGLU expert jobs for the pool: y[token] += w * down(silu(gate x) * up x), and a STREAM-style read.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kernels.h"
+#include "pool.h"
+
+namespace killick {
+
+constexpr int kMaxTokens = 4;  // tokens sharing one pass over an expert's weights
+
+// One (layer, expert) and the tokens that route to it. gate_up: [2I, H] rows (gate rows 0..I-1, up rows
+// I..2I-1), row stride ld_gu elements; down: [H, I], row stride ld_dn elements.
+struct ExpertGroup {
+  const void* gate_up;
+  const void* down;
+  int ntok;
+  int tok[kMaxTokens];
+  float w[kMaxTokens];
+};
+
+struct MoeArgs {
+  const KernelTable* table;
+  Format fmt;
+  int H, I;
+  int64_t ld_gu, ld_dn;
+  const float* x;  // [T, H], row stride x_stride
+  int64_t x_stride;
+  float* y;        // [T, H], row stride y_stride, accumulated into
+  int64_t y_stride;
+  int T;
+  int prefetch_bytes;
+  int row_block;  // see DotRowsFn
+};
+
+// tasks: parallel arrays (gate_up, down, token, weight); tasks on the same expert are grouped, kMaxTokens
+// tokens per pass over its weights.
+std::vector<ExpertGroup> group_tasks(const std::vector<uint64_t>& gate_up, const std::vector<uint64_t>& down,
+                                     const std::vector<int64_t>& tokens, const std::vector<float>& weights);
+
+std::shared_ptr<Job> make_moe_job(const MoeArgs& args, std::vector<ExpertGroup> groups);
+
+// XOR-reads [p, p + nbytes) split over the pool's workers; returns the folded XOR.
+uint64_t pool_read(Pool& pool, const KernelTable* table, const void* p, size_t nbytes);
+
+}  // namespace killick

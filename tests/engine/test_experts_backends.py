@@ -1,0 +1,128 @@
+"""Every slot backend equals a per-token reference for every slot count; bookkeeping stays consistent."""
+import numpy as np
+import pytest
+import torch
+
+from engine.experts import cpu_runner, offload
+from engine.experts.compute import expert_mlp
+from engine.experts.cpu import CpuBackend
+from engine.experts.host_pool import pool_from_source
+from engine.experts.hybrid import HybridBackend
+from engine.experts.offload import OffloadBackend
+from engine.experts.policy import BandwidthEstimate
+from engine.experts.source import ExpertWeights
+
+L_IDS, E, H, I, K = [0, 2, 3], 8, 16, 12, 3  # MoE layers 0, 2, 3 (layer 1 dense)
+
+
+def make_source(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = {l: (torch.randn(E, 2 * I, H, generator=g) * 0.3).to(dtype) for l in L_IDS}  # [E, 2I, H]
+    down = {l: (torch.randn(E, H, I, generator=g) * 0.3).to(dtype) for l in L_IDS}  # [E, H, I]
+    return ExpertWeights(gate_up, down)
+
+
+def reference(src, layer, x, ids, w):
+    """Every expert on every token, masked by the routing weights."""
+    out = torch.zeros_like(x)
+    for e in range(E):
+        we = (w * (ids == e)).sum(1, keepdim=True)  # [T, 1]
+        out += we * expert_mlp(x, src.gate_up(layer, e), src.down(layer, e))
+    return out
+
+
+def routing(T, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    return torch.randn(T, H, generator=g), ids, w
+
+
+@pytest.fixture(scope="module")
+def src():
+    return make_source()
+
+
+@pytest.fixture(scope="module")
+def pool(src):
+    return pool_from_source(src)
+
+
+def check_table(backend):
+    t = backend.cache.table
+    for s, o in enumerate(t.owner):
+        if o >= 0:
+            assert t.resident[o // E, o % E] == s
+    assert (np.bincount(t.resident[t.resident >= 0], minlength=t.num_slots) <= 1).all()
+    assert not t.locked.any() or backend.streamer.active
+
+
+@pytest.mark.parametrize("cls", [OffloadBackend, CpuBackend, HybridBackend])
+@pytest.mark.parametrize("slots", [1, 3, 2 * E, len(L_IDS) * E])
+def test_backend_matches_reference(src, pool, cls, slots):
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)  # hybrid fills half the misses
+    b = cls(pool, slots, "cpu", estimate=est)
+    streamed = False
+    for step, T in enumerate([5, 1, 1, 7, 1, 40, 1]):
+        b.begin_forward(T, K)
+        streamed |= b.streamer.active
+        for layer in L_IDS:
+            x, ids, w = routing(T, seed=step * 10 + layer)
+            got = b.forward(layer, x, ids, w)
+            torch.testing.assert_close(got, reference(src, layer, x, ids, w), rtol=1e-5, atol=1e-5)
+            check_table(b)
+    if cls is OffloadBackend:  # a 40-token extend streams whole layers when 2 buffers fit
+        assert streamed == (slots >= 2 * E)
+    tot = b.stats()["total"]
+    assert tot["hits"] + tot["misses"] > 0
+    if cls is CpuBackend:
+        assert tot["cpu_runs"] == tot["misses"]
+    if cls is OffloadBackend:
+        assert tot["cpu_runs"] == 0 and tot["fills"] >= tot["misses"]
+    b.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backends_bit_identical(dtype, monkeypatch):
+    """With one expert implementation on both sides, where an expert runs changes no bit of the output."""
+    monkeypatch.setattr(offload, "run_on_cpu", cpu_runner._torch_run_on_cpu)
+    pool = pool_from_source(make_source(dtype=dtype))
+    outs = []
+    for cls, slots in [(OffloadBackend, 2), (CpuBackend, 5), (HybridBackend, 17), (OffloadBackend, 24)]:
+        b = cls(pool, slots, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=3e9, frozen=True))
+        res = []
+        for step in range(4):
+            b.begin_forward(4, K)
+            for layer in L_IDS:
+                x, ids, w = routing(4, seed=100 + step * 7 + layer)
+                res.append(b.forward(layer, x.to(dtype), ids, w.to(dtype)))
+        outs.append(torch.stack(res))
+        b.close()
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+@pytest.mark.skipif(cpu_runner.run_on_cpu is cpu_runner._torch_run_on_cpu, reason="native CPU kernels not built")
+def test_native_cpu_runner_matches_torch(pool):
+    x, ids, _ = routing(6, seed=5)
+    host = pool.wait_layer(2)
+    jobs = [(torch.nonzero(ids.reshape(-1) == e).flatten(), host[e]) for e in range(E)]
+    pos_n, y_n = cpu_runner.run_on_cpu(x, jobs, pool.layout, K)
+    pos_t, y_t = cpu_runner._torch_run_on_cpu(x, jobs, pool.layout, K)
+    assert torch.equal(pos_n, pos_t)
+    torch.testing.assert_close(y_n, y_t, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("slots,resident", [(2 * E, [0, E, E]), (3 * E, [E, E, E])])
+def test_long_prefill_double_buffers_whole_layers(pool, slots, resident):
+    """Layer l+1 streams into the LRU slots while l runs: with 2E slots two buffers alternate, with room
+    to spare the streamed layers stay resident for the decode that follows."""
+    b = OffloadBackend(pool, slots, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True))
+    x, ids, w = routing(40, seed=1)
+    for layer in L_IDS:
+        b.forward(layer, x, ids, w)
+    assert b.streamer.active
+    assert [b.cache.resident_count(layer) for layer in L_IDS] == resident
+    st = b.stats()
+    assert all(st["layers"][layer]["fills"] == E and st["layers"][layer]["misses"] == 0 for layer in L_IDS)
+    b.close()

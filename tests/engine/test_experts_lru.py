@@ -1,0 +1,63 @@
+"""SlotTable (torch-free): one-pass victim choice equals the k-scan reference; residency invariants."""
+import subprocess
+import sys
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.experts.lru import EMPTY, SlotTable, victims_reference
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-1, 20), st.booleans()), min_size=1, max_size=40), st.integers(0, 45))
+def test_victims_equal_reference(slots, k):
+    t = SlotTable(2, 4, len(slots))
+    t.stamp[:] = [s for s, _ in slots]
+    t.locked[:] = [lk for _, lk in slots]
+    assert t.victims(k).tolist() == victims_reference(t.stamp.tolist(), t.locked.tolist(), k)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5)), min_size=1, max_size=60), st.integers(1, 7))
+def test_assign_keeps_table_consistent(uses, num_slots):
+    t = SlotTable(3, 6, num_slots)
+    for layer, e in uses:
+        t.tick()
+        s = t.lookup(layer, [e])[0]
+        if s == EMPTY:
+            s = int(t.victims(1)[0])
+            t.assign(s, layer, e)
+        t.touch([s])
+        assert t.resident[layer, e] == s and t.owner[s] == layer * 6 + e
+    res = t.resident[t.resident != EMPTY]
+    assert len(set(res.tolist())) == len(res) <= num_slots
+    # the most recent distinct uses are the residents (LRU)
+    recent = list(dict.fromkeys(reversed(uses)))[:num_slots]
+    assert all(t.resident[layer, e] != EMPTY for layer, e in recent)
+
+
+def test_victims_prefer_free_then_oldest_and_skip_locked():
+    t = SlotTable(1, 8, 4)
+    t.tick(); t.assign(0, 0, 0)
+    t.tick(); t.assign(1, 0, 1)
+    t.lock([0])
+    assert t.victims(3).tolist() == [2, 3, 1]
+    assert t.victims(2, lo=1, hi=3).tolist() == [2, 1]
+
+
+def test_resize_keeps_most_recent():
+    t = SlotTable(1, 8, 4)
+    for e in range(4):
+        t.tick(); t.assign(e, 0, e)
+    t.tick(); t.touch([0])  # expert 0 is now the newest
+    moves = t.plan_resize(2)
+    t.apply_resize(2, moves)
+    assert sorted(t.resident[0][t.resident[0] != EMPTY].tolist()) == [0, 1]
+    assert t.resident[0, 0] != EMPTY and t.resident[0, 3] != EMPTY and t.resident[0, 1] == EMPTY
+
+
+def test_policy_modules_import_no_torch():
+    code = ("import sys, engine.experts.lru, engine.experts.policy, engine.experts.stats, "
+            "engine.experts.prefill_stream, engine.experts.registry; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

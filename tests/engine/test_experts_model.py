@@ -1,0 +1,68 @@
+"""Acceptance on CPU: greedy output of the tiny hybrid (qwen3_5_moe) and qwen3_moe checkpoints is identical
+for every slot backend and every slot count from 1 to all experts, and equals the fused reference."""
+import pytest
+import torch
+
+from engine import Engine
+from engine.experts.host_pool import pool_from_source
+from engine.experts.policy import BandwidthEstimate
+from engine.experts.registry import experts_factory
+from engine.loader import load_checkpoint
+
+PROMPT = [(7 * i + 3) % 250 for i in range(40)]  # long enough to stream layers when two buffers fit
+NEW = 10
+
+
+def slot_counts(cfg_layers: int, experts: int) -> list[int]:
+    return sorted({1, 2, experts - 1, 2 * experts, cfg_layers * experts})
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
+@pytest.mark.parametrize("backend", ["offload", "cpu", "hybrid"])
+def test_greedy_identical_for_every_backend_and_slot_count(checkpoints, engine_for, arch, backend):
+    ref_engine = engine_for(arch)
+    ref = ref_engine.generate(PROMPT, NEW)
+    source = load_checkpoint(checkpoints[arch, "fused"])[2]
+    for slots in slot_counts(len(source.layers), source.num_experts):
+        est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)  # hybrid: q* = m / 2
+        eng = Engine.from_pretrained(checkpoints[arch, "fused"], experts=experts_factory(
+            backend, slots=slots, estimate=est), expert_device="cpu")
+        assert eng.generate(PROMPT, NEW) == ref, f"{backend} with {slots} slots"
+        stats = eng.model.experts.stats()
+        st = stats["total"]
+        if backend == "offload":  # the 40-token prompt streams whole layers whenever two buffers fit
+            assert (stats["streamed_forwards"] > 0) == (slots >= 2 * source.num_experts)
+        assert st["hits"] + st["misses"] > 0 and 0.0 <= st["hit_rate"] <= 1.0
+        if backend == "cpu":
+            assert st["cpu_runs"] == st["misses"]
+        eng.model.experts.close()
+
+
+def test_pool_identical_for_fused_and_per_expert_checkpoints(checkpoints):
+    pools = [pool_from_source(load_checkpoint(checkpoints["qwen3_moe", lay])[2])
+             for lay in ("fused", "per_expert")]
+    assert pools[0].layers == pools[1].layers == [0, 2]  # layer 1 is a dense mlp_only layer
+    for a, b in zip(pools[0].buffers, pools[1].buffers):
+        assert torch.equal(a, b)
+
+
+def test_auto_picks_fused_when_experts_fit(checkpoints):
+    eng = Engine.from_pretrained(checkpoints["qwen3_5_moe", "fused"], experts=experts_factory("auto"))
+    assert eng.model.experts.name == "fused"
+    small = Engine.from_pretrained(checkpoints["qwen3_5_moe", "fused"], expert_device="cpu",
+                                   experts=experts_factory("auto", slots=3, free_bytes=1, profile={}))
+    assert small.model.experts.name == "offload"
+    small.model.experts.close()
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_pool_filled_straight_from_safetensors(checkpoints, engine_for, layout):
+    """expert_device="meta": the loader keeps only shapes; the pool reads the files itself."""
+    path = checkpoints["qwen3_moe", layout]
+    eng = Engine.from_pretrained(path, expert_device="meta", experts=experts_factory(
+        "hybrid", slots=3, checkpoint=path, background=True))
+    direct = eng.model.experts.pool.wait()
+    loaded = pool_from_source(load_checkpoint(path)[2])
+    assert all(torch.equal(a, b) for a, b in zip(direct.buffers, loaded.buffers))
+    assert eng.generate(PROMPT, NEW) == engine_for("qwen3_moe").generate(PROMPT, NEW)
+    eng.model.experts.close()

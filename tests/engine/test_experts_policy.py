@@ -1,0 +1,69 @@
+"""q*, the running bandwidth estimate, `auto`, slot sizing and the prefill choice (all torch-free)."""
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.experts.policy import BandwidthEstimate, choose_backend, q_star, slots_from_spec
+from engine.experts.prefill_stream import should_stream
+from engine.experts.registry import resolve
+
+
+@given(st.integers(0, 300), st.floats(1e6, 1e12), st.floats(1e6, 1e12))
+def test_q_star_bounds(m, bp, bh):
+    q = q_star(m, bp, bh)
+    assert 0 <= q <= m
+    assert q == min(m, math.floor(m * bp / bh + 0.5))
+
+
+def test_q_star_laptop_and_server():
+    assert q_star(8, 12e9, 48e9) == 2  # laptop: a quarter filled
+    assert q_star(8, 54e9, 58e9) == 7  # lent box at 6 threads: nearly all filled
+
+
+def test_estimate_follows_measurements_unless_frozen():
+    est = BandwidthEstimate(bp=10e9, bh=10e9, alpha=0.5)
+    est.observe_cpu(5 << 30, 1.0)  # ~5.4 GB/s: something else eats bandwidth
+    assert est.bh == pytest.approx(0.5 * 10e9 + 0.5 * (5 << 30))
+    est.observe_fill(100, 1e-6)  # too small to be a bandwidth sample
+    assert est.bp == 10e9
+    assert est.q(10) > 10 * 10e9 / 10e9 - 1  # CPU slower -> more fills
+    frozen = BandwidthEstimate(bp=10e9, bh=10e9, frozen=True)
+    frozen.observe_cpu(5 << 30, 1.0)
+    assert frozen.bh == 10e9
+
+
+def test_auto_backend():
+    kw = dict(pool_bytes=64 << 30, free_bytes=24 << 30)
+    assert choose_backend(dense=True, profile=None, **kw) == "fused"
+    assert choose_backend(dense=False, profile=None, pool_bytes=1 << 30, free_bytes=2 << 30) == "fused"
+    assert choose_backend(dense=False, profile=None, **kw) == "offload"
+    assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 58e9}, **kw) == "hybrid"
+    assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 5e9}, **kw) == "offload"
+    assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 54e9}, **kw) == "offload"  # q* = m
+    assert choose_backend(dense=False, profile={"bp": None, "bh": 50e9}, **kw) == "offload"  # CPU-only box
+    assert resolve("auto", dense=False, profile=None, **kw) == "offload"
+    with pytest.raises(ValueError, match="--moe-backend"):
+        resolve("gpu", dense=False, profile=None, **kw)
+
+
+def test_slots_from_spec():
+    kw = dict(total_experts=1000, expert_bytes=6 << 20, free_bytes=600 << 20)
+    assert slots_from_spec(None, **kw) == 100
+    assert slots_from_spec("37%", **kw) == 370
+    assert slots_from_spec(5000, **kw) == 1000
+    with pytest.raises(ValueError):
+        slots_from_spec("0%", **kw)
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        slots_from_spec(None, total_experts=10, expert_bytes=1 << 30, free_bytes=1)
+
+
+def test_prefill_choice_by_predicted_bytes():
+    kw = dict(top_k=8, num_experts=256, expert_bytes=6 << 20, bp=50e9, bh=50e9, device_flops=2e14)
+    missing = [160] * 40
+    assert should_stream(num_tokens=8192, missing=missing, cpu_share=0.0, **kw)
+    assert not should_stream(num_tokens=20, missing=missing, cpu_share=0.0, **kw)
+    assert not should_stream(num_tokens=8192, missing=[0] * 40, cpu_share=0.0, **kw)
+    # a cache that already holds most experts makes a medium extend cheaper to serve per expert
+    assert not should_stream(num_tokens=60, missing=[8] * 40, cpu_share=0.5, **kw)

@@ -1,0 +1,131 @@
+"""Host pool loading (background, progress, errors), runtime resize of the slot cache, bench bw profiles,
+synthetic pools and the benchmark script's smoke run."""
+import json
+
+import pytest
+import torch
+
+from engine.experts import bench_bw, bench_decode
+from engine.experts.host_pool import HostPool
+from engine.experts.layout import ExpertLayout, split_block
+from engine.experts.offload import OffloadBackend
+from engine.experts.synthetic import get_shape, synthetic_pool
+
+LAYOUT = ExpertLayout(hidden=8, inter=4, itemsize=4)
+
+
+def counting_fill(layer, buf):
+    buf.copy_(torch.arange(buf.numel(), dtype=buf.dtype).view_as(buf) + 1000 * layer)
+
+
+def test_background_load_reports_progress_and_serves_layers():
+    seen = []
+    pool = HostPool([0, 1, 3], 5, LAYOUT, torch.float32).load(counting_fill, background=True, progress=seen.append)
+    assert pool.block(3, 2)[0] == 3000 + 2 * LAYOUT.numel  # waits for layer 3
+    pool.wait()
+    assert [p.done_bytes for p in seen] == [pool.nbytes // 3 * i for i in (1, 2, 3)]
+    assert seen[-1].total_bytes == pool.nbytes == 3 * 5 * LAYOUT.nbytes and seen[-1].eta == 0
+    gate_up, down = split_block(pool.block(1, 0), LAYOUT)
+    assert gate_up.shape == (8, 8) and down.shape == (8, 4) and down[0, 0] == 1000 + 64
+
+
+def test_loader_error_surfaces_where_the_layer_is_needed():
+    def bad(layer, buf):
+        if layer == 1:
+            raise OSError("disk gone")
+        buf.zero_()
+
+    pool = HostPool([0, 1], 2, LAYOUT, torch.float32).load(bad, background=True)
+    with pytest.raises(RuntimeError, match="loading the expert pool failed"):
+        pool.wait_layer(1)
+
+
+def test_resize_keeps_residents_and_rejects_impossible_sizes():
+    pool = HostPool([0, 1], 4, LAYOUT, torch.float32).load(counting_fill)
+    b = OffloadBackend(pool, 6, "cpu")
+    x, w = torch.randn(1, 8), torch.ones(1, 2) / 2
+    for layer, ids in [(0, [0, 1]), (1, [2, 3]), (0, [2, 3])]:
+        b.forward(layer, x, torch.tensor([ids]), w)
+    before = b.forward(0, x, torch.tensor([[2, 3]]), w)
+    for bad in (0, 9):
+        with pytest.raises(ValueError):
+            b.resize(bad)
+    assert b.cache.num_slots == 6
+    b.resize(2)  # keeps the two most recent: layer 0 experts 2, 3
+    hits = b.stats()["total"]["hits"]
+    assert torch.equal(b.forward(0, x, torch.tensor([[2, 3]]), w), before)
+    assert b.stats()["total"]["hits"] == hits + 2
+    b.resize(8)
+    assert b.cache.num_slots == 8 and b.cache.resident_count(0) == 2
+    for layer in (0, 1):
+        for e in range(4):
+            s = b.cache.lookup(layer, [e])[0]
+            if s >= 0:
+                assert torch.equal(b.cache.buf[s], pool.block(layer, e))
+    b.close()
+
+
+def test_bench_bw_profile_is_keyed_on_machine_and_format(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert bench_bw.main(["--small", "--threads", "1", "--experts", "4", "--stream-mib", "8"]) == 0
+    layout = get_shape("qwen3.6-35b-a3b", scale_down=True).layout
+    prof = bench_bw.load_profile(layout, torch.float32, 1)
+    assert prof and prof["bh"] > 0 and prof["bp"] is None and prof["stream_read"] > 0
+    assert bench_bw.load_profile(layout, torch.float32, 2) is None  # other thread count
+    assert bench_bw.load_profile(layout, torch.bfloat16, 1) is None  # other format
+    path = bench_bw.profile_path(prof["key"])
+    other = dict(prof, key=dict(prof["key"], gpu="NVIDIA H200"))  # copied from another machine
+    path.write_text(json.dumps(other))
+    assert bench_bw.load_profile(layout, torch.float32, 1) is None
+
+
+def test_synthetic_pool_is_seeded_and_shaped():
+    shape = get_shape("qwen3.6-35b-a3b", scale_down=True)
+    a, b = synthetic_pool(shape, seed=3), synthetic_pool(shape, seed=3)
+    assert a.layers == list(range(shape.layers)) and a.buffers[0].shape == (shape.experts, shape.layout.numel)
+    assert all(torch.equal(x, y) for x, y in zip(a.buffers, b.buffers))
+    assert not torch.equal(a.buffers[0], a.buffers[1])  # layers differ
+    full = get_shape("qwen3.6-35b-a3b")
+    assert (full.layers, full.experts, full.top_k, full.hidden, full.inter) == (40, 256, 8, 2048, 512)
+    assert round(full.pool_bytes / 1e9, 1) == 64.4
+
+
+def test_bench_decode_smoke(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench_decode.main(["--small", "--threads", "1", "--steps", "2", "--warmup", "1",
+                              "--prefill-tokens", "64", "--slots", "60%", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["config"]: r for r in res["rows"]}
+    assert set(rows) >= {"decode offload t1", "decode cpu t1", "decode hybrid t1", "decode fused (all resident)"}
+    assert rows["decode fused (all resident)"]["hit_rate"] == 1.0
+    assert rows["decode cpu t1"]["fills_per_tok"] == 0 and rows["decode offload t1"]["cpu_per_tok"] == 0
+    assert rows["prefill 64 stream"]["streamed"] and not rows["prefill 64 on-demand"]["streamed"]
+    assert res["routing_us_per_layer"]["host"] > 0 and not res["failed"]
+    assert "tok/s" in capsys.readouterr().out
+
+
+def test_pin_failure_falls_back_to_pageable_with_one_warning(monkeypatch):
+    """A CUDA runtime that refuses cudaHostRegister (memlock limit): one warning, the pool still loads."""
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(size)
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    with pytest.warns(RuntimeWarning, match="pinning the expert pool failed") as record:
+        pool = HostPool([0, 1, 2], 3, LAYOUT, torch.float32).load(counting_fill)
+    assert len(record) == 1 and len(calls) == 1 and not pool.pinned
+    assert pool.block(2, 1)[0] == 2000 + LAYOUT.numel
+
+
+def test_killick_bench_bw_command(tmp_path, monkeypatch, capsys):
+    from proxy.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["bench", "bw", "--small", "--threads", "1", "--experts", "2", "--stream-mib", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["key"]["gpu"] in ("cpu-only", torch.cuda.get_device_name()
+                                                                if torch.cuda.is_available() else "")
+    assert main(["bench", "decode", "--small", "--routing", "nope"]) == 2  # a user error: one line, exit 2

@@ -1,0 +1,91 @@
+"""Native CPU expert kernels against a float64 reference, on every ISA path this machine supports."""
+import os
+
+import pytest
+import torch
+
+from engine.experts import cpu_kernels as ck
+from engine.experts.cpu_kernels import CpuExpertRunner, reference_experts, split_expert_block
+
+if os.environ.get("KILLICK_REQUIRE_NATIVE") == "1":
+    assert ck.native_available(), "KILLICK_REQUIRE_NATIVE=1 but native/_cpu_experts is not built"
+pytestmark = pytest.mark.skipif(not ck.native_available(), reason="native extension not built")
+
+ISAS = ck.supported_isas() or ["none"]
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def tolerance(isa: str, dtype: torch.dtype) -> float:
+    # VDPBF16PS rounds the activations to bf16 as well: bf16-level error; elsewhere fp32 accumulation only.
+    return 1e-2 if isa == "avx512bf16" and dtype == torch.bfloat16 else 1e-4
+
+
+def make_experts(n, hidden, inter, dtype, gen):
+    return [((torch.randn(2 * inter, hidden, generator=gen) * 0.1).to(dtype),
+             (torch.randn(hidden, inter, generator=gen) * 0.1).to(dtype)) for _ in range(n)]
+
+
+def rel_err(y, y0, ref):
+    return ((y.double() - y0.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("hidden,inter", [(67, 29), (130, 45), (256, 96)])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+@pytest.mark.parametrize("row_block", [0, 1])
+def test_matches_float64_reference(isa, dtype, hidden, inter, tokens, row_block):
+    gen = torch.Generator().manual_seed(hidden * 10 + tokens)
+    experts = make_experts(5, hidden, inter, dtype, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    # top-3 per token, duplicates across tokens: expert 0 is used by every token
+    tasks = [(*experts[e], t, float(torch.rand(1, generator=gen)))
+             for t in range(tokens) for e in {0, (t + 1) % 5, (2 * t + 3) % 5}]
+    y0 = torch.randn(tokens, hidden, generator=gen)  # accumulated into, not overwritten
+    y = y0.clone()
+    CpuExpertRunner(threads=2, isa=isa, row_block=row_block).run(tasks, x, y)
+    assert rel_err(y, y0, reference_experts(tasks, x)) < tolerance(isa, dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_many_tokens_on_one_expert_and_untouched_rows(isa, threads):
+    gen = torch.Generator().manual_seed(threads)
+    (gu, dn), = make_experts(1, 96, 40, torch.bfloat16, gen)
+    x = torch.randn(8, 96, generator=gen)
+    tasks = [(gu, dn, t, 0.5 + t) for t in range(7)]  # 7 tokens: two passes of <= 4; row 7 has no task
+    y0 = torch.randn(8, 96, generator=gen)
+    y = y0.clone()
+    CpuExpertRunner(threads=threads, isa=isa).run(tasks, x, y)
+    assert torch.equal(y[7], y0[7])
+    assert rel_err(y, y0, reference_experts(tasks, x)) < tolerance(isa, torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_expert_block_layout_and_strided_x(isa):
+    gen = torch.Generator().manual_seed(7)
+    hidden, inter = 64, 33
+    blocks = (torch.randn(3, 3 * inter * hidden, generator=gen) * 0.1).bfloat16()  # host pool: gate_up, down
+    experts = [split_expert_block(blocks[e], hidden, inter) for e in range(3)]
+    x = torch.randn(2, 2 * hidden, generator=gen)[:, ::2]  # non-unit inner stride: the wrapper copies
+    tasks = [(*experts[e], t, 0.25) for t in range(2) for e in range(3)]
+    y = torch.zeros(2, hidden)
+    CpuExpertRunner(threads=2, isa=isa).run(tasks, x, y)
+    ref = reference_experts(tasks, x)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < tolerance(isa, torch.bfloat16)
+
+
+def test_no_tasks_leaves_y_alone():
+    y = torch.randn(2, 16)
+    y0 = y.clone()
+    CpuExpertRunner(threads=1).run([], torch.randn(2, 16), y)
+    assert torch.equal(y, y0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_read_kernel_xors_every_word(isa):
+    buf = torch.randint(-2**62, 2**62, (100_003,), dtype=torch.int64)  # not a multiple of a page
+    expect = 0
+    for v in buf.view(torch.uint8).numpy().view("<u8"):
+        expect ^= int(v)
+    assert CpuExpertRunner(threads=2, isa=isa).read_bandwidth_pass(buf) == expect
