@@ -109,7 +109,8 @@ class Recorder:
 
 SLOT = web.RequestKey("killick_record_slot", Slot)  # the slot again, for on_response_prepare
 PLAN_HEADERS = {"x-killick-session": "session", "x-killick-turn-kind": "kind",
-                "x-killick-edit-point": "edit_point", "x-killick-edit-class": "edit_class"}
+                "x-killick-edit-point": "edit_point", "x-killick-edit-class": "edit_class",
+                "x-killick-resume-at": "anchor_used"}
 
 
 def slot_middleware(recorder: Recorder | None):
@@ -140,7 +141,7 @@ def slot_middleware(recorder: Recorder | None):
 
 async def plan_headers(request: web.Request, response: web.StreamResponse) -> None:
     """on_response_prepare: the plan is made before any byte, so even a stream carries its edit point
-    (x-killick-edit-point / -edit-class / -session / -turn-kind) for clients such as replay."""
+    (x-killick-edit-point / -edit-class / -resume-at / -session / -turn-kind) for clients such as replay."""
     slot = request.get(SLOT)
     if slot is None or slot.turn is None:
         return

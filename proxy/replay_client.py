@@ -3,7 +3,8 @@
 TTFT is send -> the first content, thinking or tool delta of a stream; a non-streaming request has no first
 delta, so its TTFT is the total time (ttft_kind "total"). Tokens come from the API's usage fields:
 prompt, cached (the prefix-cache hit) and prefilled = prompt - cached (what the engine ran through the model).
-The edit point and class come from the server's x-killick-edit-point / -edit-class headers when it sends them.
+The edit point, class and resume point come from the server's x-killick-edit-point / -edit-class / -resume-at
+headers when it sends them.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Result:
     decode_tok_s: float = 0.0
     edit_point: int | None = None
     edit_class: str | None = None
+    resume_at: int | None = None  # the planner's checkpoint at or before the edit point
     kind: str | None = None
     error: str | None = None
 
@@ -148,7 +150,7 @@ def _result(entry: Entry, turn: int, resp, forced: bool, clock: _Clock, usage: d
     first = clock.first if clock.first is not None else end
     out = int(usage.get("output", 0))
     span = (clock.last or first) - first
-    edit = resp.headers.get("x-killick-edit-point")
+    edit, resume = resp.headers.get("x-killick-edit-point"), resp.headers.get("x-killick-resume-at")
     return Result(
         entry.index, entry.session, turn, entry.path.split("?")[0], resp.status, stream, forced,
         ttft_s=first - clock.start, ttft_kind="first delta" if stream else "total", total_s=end - clock.start,
@@ -156,6 +158,7 @@ def _result(entry: Entry, turn: int, resp, forced: bool, clock: _Clock, usage: d
         prefilled_tokens=int(usage.get("prompt", 0)) - int(usage.get("cached", 0)), output_tokens=out,
         decode_tok_s=(out - 1) / span if stream and span > 0 and out > 1 else 0.0,
         edit_point=int(edit) if edit is not None else None, edit_class=resp.headers.get("x-killick-edit-class"),
+        resume_at=int(resume) if resume is not None else None,
         kind=resp.headers.get("x-killick-turn-kind"), error=error)
 
 
