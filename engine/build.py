@@ -99,13 +99,19 @@ def _expert_args(model_dir: Path, opts: EngineOptions) -> dict:
     from engine.config import load_config
     from engine.experts.registry import experts_factory, resolve
 
+    from engine.experts.bench_bw import load_profile
+    from engine.experts.layout import ExpertLayout
+
     cfg = load_config(model_dir)
-    dtype_bytes = torch.empty((), dtype=getattr(torch, opts.dtype)).element_size()
+    dtype = getattr(torch, opts.dtype)
+    layout = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype.itemsize)
     moe_layers = len(cfg.moe_layers)
-    pool_bytes = moe_layers * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size * dtype_bytes
+    pool_bytes = moe_layers * cfg.num_experts * layout.nbytes
     device = torch.device(opts.device)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else pool_bytes
-    name = resolve(opts.moe_backend, dense=moe_layers == 0, pool_bytes=pool_bytes, free_bytes=free, profile=None)
+    # `killick bench bw` on this machine says whether CPU execution pays (auto -> hybrid); none: offload
+    profile = load_profile(layout, dtype, torch.get_num_threads())
+    name = resolve(opts.moe_backend, dense=moe_layers == 0, pool_bytes=pool_bytes, free_bytes=free, profile=profile)
     if name == "fused":
         return {}
     progress = _pool_progress if pool_bytes > 1 << 30 else None  # a 64 GB pool takes a minute or more

@@ -6,10 +6,11 @@ whose first user message carries the summary, and a tool-less title side request
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 from harness_adapters.base import BaseAdapter, Compaction
-from proxy.conversation import Conversation, Message, TextPart
+from proxy.conversation import Conversation, Message, TextPart, ToolCallPart, canonical_json
 from proxy.normalize import BILLING_LINE, is_billing_line
 
 
@@ -26,9 +27,15 @@ class ClaudeCodeAdapter(BaseAdapter):
     )
 
     def normalize(self, conv: Conversation) -> Conversation:
-        """Billing lines in any system block (the base normaliser only looks at the first one). Only the line
-        goes: the Anthropic front-end joins the system blocks into one text, the prompt itself follows it."""
+        """Billing lines in any system block (the base normaliser only looks at the first one; only the line
+        goes: the Anthropic front-end joins the system blocks into one text, the prompt follows it), and
+        tool-call arguments Claude Code filled in with their schema defaults when it re-sent the history."""
+        defaults = _schema_defaults(conv)
+
         def clean(msg: Message) -> Message:
+            if msg.role == "assistant" and defaults:
+                parts = tuple(_without_defaults(p, defaults) for p in msg.parts)
+                return msg if parts == msg.parts else Message("assistant", parts)
             if msg.role != "system":
                 return msg
             parts = tuple(_without_billing(p) for p in msg.parts)
@@ -43,3 +50,27 @@ def _without_billing(part):
     if not isinstance(part, TextPart) or not is_billing_line(part.text):
         return part
     return TextPart(BILLING_LINE.sub("", part.text, count=1))
+
+
+def _schema_defaults(conv: Conversation) -> dict[str, dict]:
+    """tool name -> {argument: declared default} (Edit: replace_all false, recorded 2.1.197)."""
+    out = {}
+    for tool in conv.tools:
+        props = tool.parameters.get("properties") or {}
+        found = {k: v["default"] for k, v in props.items() if isinstance(v, dict) and "default" in v}
+        if found:
+            out[tool.name] = found
+    return out
+
+
+def _without_defaults(part, defaults: dict[str, dict]):
+    """The model wrote `Edit{file_path, old_string, new_string}`; Claude Code re-sends it with
+    `"replace_all": false` added. Dropping arguments equal to their declared default restores the model's
+    form, so the re-sent reply matches the generated tokens (an append, not reply_rerendered)."""
+    if not isinstance(part, ToolCallPart) or part.name not in defaults:
+        return part
+    args = json.loads(part.arguments)
+    if not isinstance(args, dict):
+        return part
+    kept = {k: v for k, v in args.items() if not (k in defaults[part.name] and defaults[part.name][k] == v)}
+    return part if kept == args else replace(part, arguments=canonical_json(kept))

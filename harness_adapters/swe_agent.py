@@ -11,6 +11,7 @@ from harness_adapters.base import BaseAdapter, ElideObservationsExceptLastN, hea
 from proxy.conversation import Conversation
 
 OLD_OBSERVATION = "Old environment output:"
+TASK_MARKERS = ("COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", "Please solve this issue")
 
 
 class SweAgentAdapter(BaseAdapter):
@@ -25,7 +26,23 @@ class SweAgentAdapter(BaseAdapter):
             return True
         agent = (header(headers, "user-agent") or "").lower()
         only_bash = _only_bash_tool(request) or (conv is not None and [t.name for t in conv.tools] == ["bash"])
-        return "litellm" in agent and only_bash
+        # mini-swe-agent 2.x through litellm sends the OpenAI SDK's `OpenAI/Python x.y` agent: its task
+        # prompt is the signature (recorded in fixtures/sessions/mini-swe-agent.jsonl.gz)
+        return only_bash and ("litellm" in agent or _task_signature(_first_user_text(request, conv)))
+
+
+def _task_signature(text: str) -> bool:
+    return any(marker in text for marker in TASK_MARKERS)
+
+
+def _first_user_text(request: Mapping[str, Any], conv: Optional[Conversation]) -> str:
+    if conv is not None:
+        return next((m.text for m in conv.messages if m.role == "user"), "")
+    for item in request.get("messages") or ():
+        if isinstance(item, dict) and item.get("role") == "user":
+            content = item.get("content")
+            return content if isinstance(content, str) else ""
+    return ""
 
 
 def _only_bash_tool(request: Mapping[str, Any]) -> bool:

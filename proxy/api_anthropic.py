@@ -17,6 +17,7 @@ from proxy.errors import read_json_object
 from proxy.generation import (
     Finished, Generation, Keepalive, check_failed, client_gone, collect, normalize, prepare, render,
 )
+from proxy.record import note_response
 from proxy.output_parser import TextDelta, ThinkingDelta, ToolCall
 from proxy.schema_anthropic import CountTokensRequest, MessagesRequest, gen_params, to_conversation
 from proxy.sse import SSEWriter
@@ -41,9 +42,8 @@ async def _complete(request: web.Request, msg: dict, gen: Generation) -> web.Res
     blocks: list = []
     async for item in gen:
         if isinstance(item, Finished):
-            check_failed(item)
-            body = {**msg, "content": [_block_json(b) for b in blocks], **_stop_fields(item),
-                    "usage": usage_json(item)}
+            body = message_json(msg, blocks, check_failed(item))
+            note_response(lambda: body)
             return web.json_response(body)
         if isinstance(item, Keepalive) and client_gone(request):
             raise ConnectionResetError("client went away")
@@ -57,6 +57,10 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     conv = normalize(ctx, to_conversation(CountTokensRequest.model_validate(body)), request.headers, body)
     return web.json_response({"input_tokens": len(render(ctx, conv).ids)})
+
+
+def message_json(msg: dict, blocks: list, fin: Finished) -> dict:
+    return {**msg, "content": [_block_json(b) for b in blocks], **_stop_fields(fin), "usage": usage_json(fin)}
 
 
 def usage_json(fin: Finished) -> dict:
@@ -143,6 +147,7 @@ async def _stream(request: web.Request, msg: dict, prompt_tokens: int, gen: Gene
         if isinstance(item, Keepalive):
             await sse.event({"type": "ping"}, "ping")
         elif isinstance(item, Finished):
+            note_response(lambda fin=item: message_json(msg, gen.blocks, fin))
             await _finish_stream(sse, blocks, item)
         else:
             await blocks.item(item)

@@ -14,6 +14,7 @@ from aiohttp import web
 from proxy.context import CTX
 from proxy.errors import read_json_object
 from proxy.generation import Finished, Generation, Keepalive, check_failed, client_gone, collect, prepare
+from proxy.record import note_response
 from proxy.output_parser import TextDelta, ThinkingDelta, ToolCall
 from proxy.schema_chat import ChatRequest, check_supported, gen_params, to_conversation
 from proxy.sse import SSEWriter
@@ -41,7 +42,9 @@ async def _complete(request: web.Request, head: dict, gen: Generation) -> web.Re
     blocks: list = []
     async for item in gen:
         if isinstance(item, Finished):
-            return web.json_response(_completion(head, blocks, check_failed(item)))
+            body = _completion(head, blocks, check_failed(item))
+            note_response(lambda: body)
+            return web.json_response(body)
         if isinstance(item, Keepalive) and client_gone(request):
             raise ConnectionResetError("client went away")
         if not isinstance(item, Keepalive):
@@ -96,6 +99,7 @@ async def _stream(request: web.Request, head: dict, include_usage: bool, gen: Ge
         if isinstance(item, Keepalive):
             await sse.comment("keep-alive")
         elif isinstance(item, Finished):
+            note_response(lambda fin=item: _completion(head, gen.blocks, fin))
             await _finish_stream(sse, head, include_usage, item)
         else:
             await sse.event(_chunk(head, _delta(item)))

@@ -14,6 +14,7 @@ from aiohttp import web
 from proxy.context import CTX, ServerContext
 from proxy.errors import ApiError, read_json_object
 from proxy.generation import Finished, Generation, Keepalive, check_failed, client_gone, prepare
+from proxy.record import note_response
 from proxy.responses_output import OutputItems
 from proxy.schema_responses import ResponsesRequest, custom_tool_names, gen_params, input_messages, to_conversation
 from proxy.sse import SSEWriter
@@ -42,7 +43,9 @@ async def _complete(request: web.Request, head: dict, out: OutputItems, remember
         if isinstance(item, Finished):
             out.close()
             remember()
-            return web.json_response(_final(head, out, check_failed(item)))
+            body = _final(head, out, check_failed(item))
+            note_response(lambda: body)
+            return web.json_response(body)
         if isinstance(item, Keepalive) and client_gone(request):
             raise ConnectionResetError("client went away")
         if not isinstance(item, Keepalive):
@@ -124,6 +127,7 @@ async def _stream(request: web.Request, head: dict, out: OutputItems, remember, 
             emitted = out.close()
             remember()
             final = _final(head, out, item)
+            note_response(lambda final=final: final)
             emitted.append((TERMINAL_EVENTS[final["status"]], {"response": final}))
         else:
             emitted = out.feed(item)

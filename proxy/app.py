@@ -17,6 +17,7 @@ from proxy import api_anthropic, api_chat, api_responses
 from proxy.control import add_control_routes
 from proxy.context import CTX, NoPlanner, Planner, ServerContext, planner_stats
 from proxy.errors import ApiError, error_middleware, is_anthropic_path
+from proxy.record import Recorder, plan_headers, slot_middleware
 
 log = logging.getLogger("killick.proxy")
 MAX_BODY = 64 * 2**20  # agent requests with long histories reach megabytes
@@ -26,10 +27,13 @@ _API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_toke
 
 def create_app(core, tokenizer, renderer, *, model_name: str = "killick", context_length: int | None = None,
                api_key: str | None = None, keepalive_s: float = 5.0, default_max_tokens: int = 8192,
-               planner: Planner | None = None, test_hooks: bool = False) -> web.Application:
+               planner: Planner | None = None, test_hooks: bool = False, force_responses: bool = False,
+               script=None, record_dir=None) -> web.Application:
     """The queue limit is the engine's (EngineCore(max_running, max_waiting)): a full queue answers 429.
 
     context_length defaults to the engine runner's, i.e. the real KV budget of one sequence.
+    force_responses honours replay's x-killick-force-response; script (proxy.scripted.Script) answers every
+    request from a script; record_dir appends one JSON line per API request there (proxy/record.py).
     """
     context_length = context_length or getattr(getattr(core, "runner", None), "context_length", None)
     if not context_length or context_length < 2:
@@ -39,11 +43,13 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
     ctx = ServerContext(core=core, tokenizer=tokenizer, renderer=renderer, model_name=model_name,
                         context_length=context_length, keepalive_s=keepalive_s,
                         default_max_tokens=default_max_tokens, planner=planner or NoPlanner(),
-                        test_hooks=test_hooks)
-    middlewares = [metrics_middleware, error_middleware, auth_middleware(api_key)]
+                        test_hooks=test_hooks, force_responses=force_responses, script=script)
+    recorder = Recorder(record_dir) if record_dir is not None else None
+    middlewares = [slot_middleware(recorder), metrics_middleware, error_middleware, auth_middleware(api_key)]
     app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
     app[CTX] = ctx
     app.cleanup_ctx.append(_engine_lifetime)
+    app.on_response_prepare.append(plan_headers)
     add_routes(app)
     return app
 

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ctl": ("proxy.commands.ctl", "control a running server: stats, cache sizes (no restart)"),
     "bench": ("proxy.commands.bench", "benchmarks: bw (PCIe, CPU expert kernel and host read bandwidth)"),
     "launch": ("proxy.commands.launch", "run a coding agent (claude, opencode, codex, ...) against the server"),
+    "replay": ("proxy.commands.replay", "replay recorded agent requests; TTFT and cache reuse per turn and mode"),
 }
 
 

@@ -68,6 +68,8 @@ class ServerContext:
     default_max_tokens: int = 8192
     planner: Planner = field(default_factory=NoPlanner)
     test_hooks: bool = False  # honour x-killick-forced-output (scripted output for end-to-end tests)
+    force_responses: bool = False  # honour x-killick-force-response (killick replay; serve --allow-forced)
+    script: Any = None  # proxy.scripted.Script: every answer comes from the script (serve --script)
     metrics: Metrics = field(default_factory=Metrics)
     responses: ResponseStore = field(default_factory=ResponseStore)
     in_flight: int = 0  # requests submitted by this proxy and not yet finished

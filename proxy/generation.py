@@ -18,6 +18,7 @@ from proxy.context import Plan, ServerContext
 from proxy.conversation import Conversation
 from proxy.errors import ApiError
 from proxy.output_parser import OutputEvent, OutputParser, ToolCall, generation_opens_think
+from proxy import record, scripted
 
 log = logging.getLogger("killick.proxy")
 
@@ -73,10 +74,18 @@ def prepare(ctx: ServerContext, conv: Conversation, params: GenParams, headers: 
                        param="messages", code="context_length_exceeded")
     max_new = min(params.max_tokens or ctx.default_max_tokens, ctx.context_length - n)
     turn = _plan(ctx, conv, rendered, headers, body)
+    forced = _forced_output(ctx, headers)
+    if forced is None:
+        forced = _forced_reply(ctx, conv, rendered.text, headers, turn)
+    if forced is not None:
+        max_new = max(max_new, min(len(forced), ctx.context_length - n))  # a replay is not cut short
     request = GenerateRequest(
         prompt_ids=list(rendered.ids), max_new_tokens=max_new, sampling=params.sampling,
         stop_ids=frozenset(ctx.tokenizer.eos_ids), checkpoint_positions=tuple(turn.checkpoint_positions),
-        session_key=turn.session_key, forced_output_ids=_forced_output(ctx, headers))
+        session_key=turn.session_key, forced_output_ids=forced)
+    slot = record.current()
+    if slot is not None:
+        slot.turn = turn
     return Prepared(conv, params, rendered.text, request, turn)
 
 
@@ -112,6 +121,23 @@ def _forced_output(ctx: ServerContext, headers: Mapping[str, str]) -> list[int] 
     return list(ctx.tokenizer.encode(text))
 
 
+def _forced_reply(ctx: ServerContext, conv: Conversation, prompt_text: str, headers: Mapping[str, str],
+                  turn) -> list[int] | None:
+    """Replay (x-killick-force-response, honoured only with create_app(force_responses=True)) or the script."""
+    value = headers.get(scripted.FORCE_RESPONSE_HEADER)
+    if value is not None and ctx.force_responses:
+        try:
+            reply = scripted.decode_header(value)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+    elif ctx.script is not None:
+        kind = getattr(turn, "kind", None)
+        reply = ctx.script.reply(conv, None if kind == "main" else kind)
+    else:
+        return None
+    return scripted.forced_ids(ctx.renderer, ctx.tokenizer, conv, prompt_text, reply)
+
+
 class Generation:
     """A submitted request. `async with Generation(ctx, prep) as gen: async for item in gen: ...`
 
@@ -126,6 +152,7 @@ class Generation:
                                    max_tool_calls=prep.params.max_tool_calls)
         self.decoder = ctx.tokenizer.incremental_decoder()
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.blocks: list = []  # the output so far, merged as a non-streaming answer would hold it
         self.done = False
         self._iter: AsyncIterator[GenItem] | None = None
 
@@ -180,12 +207,16 @@ class Generation:
             elif parser.ended:
                 final = await self._stop_early()
             for item in out:
+                collect(self.blocks, item)
                 yield item
             last_sent = loop.time() if out else last_sent
         self.done = True
         finished = _finished(final, parser, reasoning, self.req, len(output_ids))
         self.ctx.metrics.observe_usage(finished.usage)
         self._finish_turn(output_ids, finished)
+        slot = record.current()
+        if slot is not None:
+            slot.finished = finished
         yield finished
 
     def _finish_turn(self, output_ids: list[int], finished: Finished) -> None:
@@ -219,7 +250,6 @@ def _finished(ev: TokenEvent, parser: OutputParser, reasoning: int, req: Generat
     if parser.ended or (finish == "stop" and parser.tool_calls):
         finish = "tool_calls"
     return Finished(finish, usage, reasoning, error=ev.error)
-
 
 
 
