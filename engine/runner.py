@@ -79,13 +79,23 @@ class ModelRunner:
         if self.cache is None:
             return
         try:
-            # end of generation: the state covers every token fed so far (the last sampled one was not fed);
-            # the session keeps its newest path pinned while the agent runs its tools
             if state is not None and seq.finish_reason in ("stop", "length") and state.length >= seq.num_prompt:
-                self.cache.insert(seq.tokens[: state.length], state, seq.req.session_key)
+                self._cache_turn(seq, state)
         finally:  # whatever happened above, the path this request locked at admission is unlocked
             if match is not None:
                 self.cache.release(match)
+
+    @torch.inference_mode()
+    def _cache_turn(self, seq: Sequence, state) -> None:
+        """Cache prompt + reply, the last emitted (or stop) token included, and pin it for the session.
+
+        That token was sampled but never fed; the agent's next prompt repeats it (e.g. `<|im_end|>`), so one
+        more forward step here makes the next turn reuse exactly up to its edit point instead of one short."""
+        tokens = seq.tokens + ([seq.stop_token] if seq.stop_token is not None else [])
+        if state.length == len(tokens) - 1:
+            last = torch.tensor(tokens[-1:], dtype=torch.long, device=self.model.device)
+            self.model.forward([(last, state)], logits="last")
+        self.cache.insert(tokens[: state.length], state, seq.req.session_key)
 
     def reconfigure(self, moe_slots: int | None = None, kv_tokens: int | None = None,
                     prefix_device_bytes: int | None = None, prefix_host_bytes: int | None = None) -> dict:

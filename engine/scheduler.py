@@ -29,6 +29,7 @@ class Sequence:
     num_computed: int = 0
     num_output: int = 0
     reused: int = 0  # prompt tokens taken from the prefix cache at admission
+    stop_token: int | None = None  # the stop id that ended generation: sampled, not emitted, not fed
     cache_tier: str = "none"
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
@@ -147,6 +148,7 @@ class Scheduler:
         req = seq.req
         forced = req.forced_output_ids
         if token in req.stop_ids and forced is None:
+            seq.stop_token = token
             return "stop"
         seq.tokens.append(token)
         if seq.num_output >= req.max_new_tokens:

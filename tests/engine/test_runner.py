@@ -73,7 +73,7 @@ def test_prefix_reuse_gives_the_cold_output_and_reports_reused_tokens(engine):
         edited = turn1[:30] + [7, 7, 7] + base[60:]  # an edit at 30: resume from the checkpoint at 20
         (out3,), (f3,) = run_all(core, [GenerateRequest(edited, 6)])
     assert f1.usage.reused_tokens == 0
-    assert f2.usage.reused_tokens == len(turn1) + len(out1) - 1  # everything but the unfed last token
+    assert f2.usage.reused_tokens == len(turn1) + len(out1)  # the last reply token was fed at release
     assert f2.usage.prefilled_tokens == len(turn2) - f2.usage.reused_tokens
     # hybrid models resume at the deepest recurrent checkpoint (20); pure attention anywhere KV exists (30)
     hybrid = "linear_attention" in engine.config.layer_types
@@ -135,3 +135,18 @@ def test_a_session_state_too_big_for_both_tiers_is_dropped_without_failing_the_r
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     assert all(node.locks == 0 for node in cache.cache.tree.nodes())
     cache.cache.check()
+
+
+def test_a_turn_ended_by_a_stop_id_is_cached_through_that_token(engine):
+    """The next prompt repeats the stop token (`<|im_end|>`): reuse must reach past it, not stop one short."""
+    vocab = engine.config.vocab_size
+    turn1 = prompts(vocab, 3, seed=2)[1]
+    stop = engine.generate(turn1, max_new_tokens=1)[0]  # greedy: the first sampled token is a stop id
+    cache = PrefixStore(engine.model, device_budget=64 << 20, host_budget=64 << 20)
+    with EngineCore(ModelRunner(engine.model, cache=cache)) as core:
+        (out1,), (f1,) = run_all(core, [GenerateRequest(turn1, 5, stop_ids=frozenset({stop}))])
+        turn2 = turn1 + [stop] + [5, 6, 7]
+        (out2,), (f2,) = run_all(core, [GenerateRequest(turn2, 4)])
+    assert out1 == [] and f1.finish_reason == "stop"
+    assert f2.usage.reused_tokens == len(turn1) + 1 and f2.usage.prefilled_tokens == 3
+    assert out2 == engine.generate(turn2, max_new_tokens=4)
