@@ -15,7 +15,7 @@ from aiohttp import web
 from proxy.context import CTX
 from proxy.errors import read_json_object
 from proxy.generation import (
-    Finished, Generation, Keepalive, check_failed, client_gone, collect, normalize, prepare, render,
+    Finished, Generation, Keepalive, collect, normalize, prepare, render, run_to_finish,
 )
 from proxy.record import note_response
 from proxy.output_parser import TextDelta, ThinkingDelta, ToolCall
@@ -40,16 +40,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def _complete(request: web.Request, msg: dict, gen: Generation) -> web.Response:
     blocks: list = []
-    async for item in gen:
-        if isinstance(item, Finished):
-            body = message_json(msg, blocks, check_failed(item))
-            note_response(lambda: body)
-            return web.json_response(body)
-        if isinstance(item, Keepalive) and client_gone(request):
-            raise ConnectionResetError("client went away")
-        if not isinstance(item, Keepalive):
-            collect(blocks, item)
-    raise RuntimeError("generation ended without a Finished event")
+    fin = await run_to_finish(request, gen, lambda item: collect(blocks, item))
+    body = message_json(msg, blocks, fin)
+    note_response(lambda: body)
+    return web.json_response(body)
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from proxy.context import CTX
 from proxy.errors import read_json_object
-from proxy.generation import Finished, Generation, Keepalive, check_failed, client_gone, collect, prepare
+from proxy.generation import Finished, Generation, Keepalive, collect, prepare, run_to_finish
 from proxy.record import note_response
 from proxy.output_parser import TextDelta, ThinkingDelta, ToolCall
 from proxy.schema_chat import ChatRequest, check_supported, gen_params, to_conversation
@@ -40,16 +40,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _complete(request: web.Request, head: dict, gen: Generation) -> web.Response:
     blocks: list = []
-    async for item in gen:
-        if isinstance(item, Finished):
-            body = _completion(head, blocks, check_failed(item))
-            note_response(lambda: body)
-            return web.json_response(body)
-        if isinstance(item, Keepalive) and client_gone(request):
-            raise ConnectionResetError("client went away")
-        if not isinstance(item, Keepalive):
-            collect(blocks, item)
-    raise RuntimeError("generation ended without a Finished event")
+    fin = await run_to_finish(request, gen, lambda item: collect(blocks, item))
+    body = _completion(head, blocks, fin)
+    note_response(lambda: body)
+    return web.json_response(body)
 
 
 def usage_json(fin: Finished) -> dict:

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from proxy.context import CTX, ServerContext
 from proxy.errors import ApiError, read_json_object
-from proxy.generation import Finished, Generation, Keepalive, check_failed, client_gone, prepare
+from proxy.generation import Finished, Generation, Keepalive, prepare, run_to_finish
 from proxy.record import note_response
 from proxy.responses_output import OutputItems
 from proxy.schema_responses import ResponsesRequest, custom_tool_names, gen_params, input_messages, to_conversation
@@ -39,18 +39,12 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 
 async def _complete(request: web.Request, head: dict, out: OutputItems, remember, gen: Generation) -> web.Response:
-    async for item in gen:
-        if isinstance(item, Finished):
-            out.close()
-            remember()
-            body = _final(head, out, check_failed(item))
-            note_response(lambda: body)
-            return web.json_response(body)
-        if isinstance(item, Keepalive) and client_gone(request):
-            raise ConnectionResetError("client went away")
-        if not isinstance(item, Keepalive):
-            out.feed(item)
-    raise RuntimeError("generation ended without a Finished event")
+    fin = await run_to_finish(request, gen, out.feed)
+    out.close()
+    remember()
+    body = _final(head, out, fin)
+    note_response(lambda: body)
+    return web.json_response(body)
 
 
 def _previous(ctx: ServerContext, req: ResponsesRequest):

@@ -270,6 +270,20 @@ def collect(blocks: list, item: OutputEvent) -> None:
         blocks.append(item)
 
 
+async def run_to_finish(request, gen: "Generation", feed) -> Finished:
+    """Drive a non-streaming generation: output events go to feed(item); keep-alives only check that the
+    client is still there; the engine's failure becomes a 500 (check_failed)."""
+    async for item in gen:
+        if isinstance(item, Finished):
+            return check_failed(item)
+        if isinstance(item, Keepalive):
+            if client_gone(request):
+                raise ConnectionResetError("client went away")
+        else:
+            feed(item)
+    raise RuntimeError("generation ended without a Finished event")
+
+
 def client_gone(request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()

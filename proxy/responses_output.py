@@ -10,7 +10,7 @@ import json
 import uuid
 
 from proxy.conversation import Message, Part, TextPart, ThinkingPart, ToolCallPart, canonical_json
-from proxy.output_parser import TextDelta, ThinkingDelta, ToolCall
+from proxy.output_parser import ThinkingDelta, ToolCall
 from proxy.schema_responses import encrypt_reasoning
 
 Emitted = list[tuple[str, dict]]
