@@ -42,7 +42,7 @@ class EngineCore:
         self.scheduler = Scheduler(max_running, max_step_tokens, max_waiting)
         self._sinks: dict[str, EventSink] = {}
         self._inbox: deque[Sequence] = deque()
-        self._calls: deque[tuple[Callable[[], object], "asyncio.Future | None", threading.Event, list]] = deque()
+        self._calls: deque[tuple[Callable[[], object], threading.Event, list]] = deque()
         self._aborts: set[str] = set()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -94,7 +94,7 @@ class EngineCore:
         """Run fn on the engine thread at a safe point between steps (reconfiguration, cache control)."""
         done, box = threading.Event(), []
         with self._lock:
-            self._calls.append((fn, None, done, box))
+            self._calls.append((fn, done, box))
             self._lock.notify_all()
         if not done.wait(timeout):
             raise TimeoutError("engine did not reach a safe point in time")
@@ -137,7 +137,7 @@ class EngineCore:
                 inbox, self._inbox = list(self._inbox), deque()
                 calls, self._calls = list(self._calls), deque()
                 aborts, self._aborts = self._aborts, set()
-            for fn, _, done, box in calls:
+            for fn, done, box in calls:
                 box.append(_try(fn))
                 done.set()
             for seq in inbox:
