@@ -1,8 +1,10 @@
 """Which sequences run in the next engine step, and what each step's output means. Torch-free.
 
 One step = every running sequence that has finished its prompt decodes one token, and the remaining token
-budget goes to prompt chunks (chunked prefill), oldest first. A chunk never crosses a checkpoint position, so
-the runner can snapshot the recurrent state exactly there without extra passes.
+budget goes to prompt chunks (chunked prefill), oldest first. Checkpoint positions do not cut chunks: a
+chunk carries the positions it covers (Work.marks) and the model snapshots its recurrent state there inside
+the one pass (the DeltaNet layers run their recurrence piecewise; projections, attention and experts do not
+split, so a checkpoint costs no extra pass over the weights).
 """
 from __future__ import annotations
 
@@ -52,10 +54,6 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.num_computed < self.num_prompt
 
-    def next_checkpoint(self) -> int | None:
-        i = bisect.bisect_right(self.checkpoints, self.num_computed)
-        return self.checkpoints[i] if i < len(self.checkpoints) else None
-
 
 @dataclass(frozen=True)
 class Work:
@@ -72,6 +70,13 @@ class Work:
     @property
     def checkpoint_here(self) -> bool:
         return self.end in self.seq.checkpoints
+
+    @property
+    def marks(self) -> tuple[int, ...]:
+        """Checkpoint positions strictly inside this chunk (the end one is checkpoint_here)."""
+        cps = self.seq.checkpoints
+        lo, hi = bisect.bisect_right(cps, self.start), bisect.bisect_left(cps, self.end)
+        return tuple(cps[lo:hi])
 
 
 class Scheduler:
@@ -126,9 +131,6 @@ class Scheduler:
             if not seq.prefilling or budget <= 0:
                 continue
             end = min(seq.num_prompt, seq.num_computed + budget)
-            stop = seq.next_checkpoint()
-            if stop is not None:
-                end = min(end, stop)
             work.append(Work(seq, seq.num_computed, end))
             budget -= end - seq.num_computed
         return work

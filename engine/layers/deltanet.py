@@ -24,22 +24,32 @@ class GatedDeltaNet:
         self.dt_bias, self.norm_w, self.out_w = w[p + "dt_bias"], w[p + "norm.weight"], w[p + "out_proj.weight"]
 
     def __call__(self, x: torch.Tensor, spans: list) -> torch.Tensor:
-        """x [N, H]; spans: (offset, length, position, LinearState) per sequence -> [N, H]."""
+        """x [N, H]; spans: (offset, length, position, LinearState, marks) per sequence -> [N, H].
+
+        marks: absolute positions inside (position, position + length) where the state is also copied
+        into state.saved, the recurrence running piecewise between them."""
         cfg, N = self.cfg, x.shape[0]
         qkv = F.linear(x, self.qkv_w)  # [N, C]
         z = F.linear(x, self.z_w).view(N, cfg.linear_num_v_heads, -1)  # output gate [N, Hv, dv]
         beta = torch.sigmoid(F.linear(x, self.b_w))  # [N, Hv]
         g = self.neg_A * F.softplus(F.linear(x, self.a_w).float() + self.dt_bias)  # log-decay <= 0
         out = torch.empty_like(z)
-        for off, n, _, state in spans:
-            s = slice(off, off + n)
-            q, k, v = self._conv(qkv[s], state).split(
+        for off, n, pos, state, marks in spans:
+            cuts = [m - pos for m in marks if pos < m < pos + n]
+            conv_in = state.conv
+            q, k, v = self._conv(qkv[off : off + n], state).split(
                 [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
             q = q.reshape(n, cfg.linear_num_k_heads, -1)
             k = k.reshape(n, cfg.linear_num_k_heads, -1)
-            rule = recurrent_gated_delta_rule if n == 1 else chunked_gated_delta_rule
-            out[s], state.recurrent = rule(q, k, v.reshape(n, cfg.linear_num_v_heads, -1), g[s], beta[s],
-                                           state.recurrent)
+            v = v.reshape(n, cfg.linear_num_v_heads, -1)
+            bounds = [0, *cuts, n]
+            for a, b in zip(bounds, bounds[1:]):
+                s = slice(off + a, off + b)
+                rule = recurrent_gated_delta_rule if b - a == 1 else chunked_gated_delta_rule
+                out[s], state.recurrent = rule(q[a:b], k[a:b], v[a:b], g[s], beta[s], state.recurrent)
+                if b < n:
+                    state.saved[pos + b] = (self._conv_state_at(conv_in, qkv[off : off + n], b),
+                                            state.recurrent.clone())
         out = gated_rms_norm(out, z, self.norm_w, cfg.rms_norm_eps).reshape(N, -1)
         return F.linear(out, self.out_w)
 
@@ -50,3 +60,9 @@ class GatedDeltaNet:
         windows = full.unfold(1, self.conv_w.shape[-1], 1)  # [C, T, K]: the K inputs each output sees
         y = (windows * self.conv_w).sum(-1)  # depthwise conv as elementwise ops (conv1d is slow for tiny T)
         return F.silu(y).t()
+
+    @staticmethod
+    def _conv_state_at(conv_in: torch.Tensor, x: torch.Tensor, t: int) -> torch.Tensor:
+        """The conv state after the first t inputs of x [T, C], given the state before them [C, K-1]."""
+        width = conv_in.shape[1]
+        return torch.cat([conv_in, x[:t].t()], dim=-1)[:, t : t + width].contiguous()

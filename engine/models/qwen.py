@@ -90,7 +90,8 @@ class Model:
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         x = F.embedding(torch.cat(ids), self.embed)  # [N, H]
         for index, layer in enumerate(self.layers):
-            spans = [(off, n, st.length, st.layers[index]) for off, n, (_, st) in zip(offsets, lengths, items)]
+            spans = [(off, n, st.length, st.layers[index], st.marks)
+                     for off, n, (_, st) in zip(offsets, lengths, items)]
             x = layer(x, spans)
         for n, (_, state) in zip(lengths, items):
             state.length += n

@@ -51,10 +51,14 @@ class KVCache:
 
 
 class LinearState:
-    """One DeltaNet layer: the last K-1 conv inputs [C, K-1] and the delta-rule state [Hv, dk, dv] (fp32)."""
+    """One DeltaNet layer: the last K-1 conv inputs [C, K-1] and the delta-rule state [Hv, dk, dv] (fp32).
+
+    `saved` holds copies taken inside a chunk at the positions the forward was asked to mark (position ->
+    (conv, recurrent)), until the runner hands them to the cache (SequenceState.at / drop_marks)."""
 
     def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
         self.conv, self.recurrent = conv, recurrent
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def snapshot(self) -> tuple[torch.Tensor, ...]:
         return self.conv.clone(), self.recurrent.clone()
@@ -86,6 +90,46 @@ class SequenceState:
     def __init__(self, layers: list, length: int = 0):
         self.layers = layers  # KVCache or LinearState, one per decoder layer
         self.length = length  # tokens this state has seen
+        self.marks: tuple[int, ...] = ()  # positions inside the next chunk to snapshot (set by the runner)
+
+    def at(self, position: int) -> "SequenceState":
+        """This state as it was at a marked position of the last forward: the recurrent copies saved there,
+        views of KV[:position] (the KV before it is unchanged). Read-only; valid until the next forward."""
+        layers = [_Saved(*layer.saved[position]) if isinstance(layer, LinearState) else _KVPrefix(layer, position)
+                  for layer in self.layers]
+        return SequenceState(layers, position)
+
+    def drop_marks(self) -> None:
+        self.marks = ()
+        for layer in self.layers:
+            if isinstance(layer, LinearState):
+                layer.saved.clear()
 
     def checkpoint(self) -> StateCheckpoint:
         return StateCheckpoint(self.length, tuple(layer.snapshot() for layer in self.layers))
+
+
+class _Saved:
+    """A LinearState's copy at a marked position, as SequenceState.at hands it out (snapshot() only)."""
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
+        self.conv, self.recurrent = conv, recurrent
+
+    def snapshot(self) -> tuple[torch.Tensor, ...]:
+        return self.conv, self.recurrent  # already private copies
+
+
+class _KVPrefix:
+    """The first `length` entries of a KVCache, as SequenceState.at hands them out."""
+
+    def __init__(self, kv: KVCache, length: int):
+        self.kv, self.length = kv, length
+
+    def keys(self) -> torch.Tensor:
+        return self.kv.k[:, : self.length]
+
+    def values(self) -> torch.Tensor:
+        return self.kv.v[:, : self.length]
+
+    def snapshot(self) -> tuple[torch.Tensor, ...]:
+        return self.keys().clone(), self.values().clone()

@@ -24,17 +24,18 @@ def test_admits_up_to_max_running_in_fifo_order():
     assert s.admit() == [seqs[2]]
 
 
-def test_prefill_is_chunked_by_budget_and_never_crosses_a_checkpoint():
+def test_prefill_is_chunked_by_budget_and_carries_the_checkpoints_inside_each_chunk():
     s = Scheduler(max_running=4, max_step_tokens=16)
-    q = seq(40, ckpts=(10, 30))
+    q = seq(40, ckpts=(10, 16, 30))
     s.add(q)
     s.admit()
     spans = []
     while q.prefilling:
         (w,) = s.schedule()
-        spans.append((w.start, w.end, w.checkpoint_here))
+        spans.append((w.start, w.end, w.marks, w.checkpoint_here))
         s.advance(w, 7 if w.samples else None)
-    assert spans == [(0, 10, True), (10, 26, False), (26, 30, True), (30, 40, True)]
+    # checkpoints do not cut chunks: 10 is marked inside the first, 16 is its end, 30 inside the third
+    assert spans == [(0, 16, (10,), True), (16, 32, (30,), False), (32, 40, (), True)]
     assert q.tokens[-1] == 7 and q.num_output == 1
 
 
