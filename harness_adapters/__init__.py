@@ -9,14 +9,14 @@ from typing import Any, Mapping
 
 from harness_adapters.base import (Adapter, BaseAdapter, Compaction, ElideObservationsExceptLastN,
                                    ElideToolOutputsBeyondN, ReplaceTrailingMessage, Rule,
-                                   StripThinkingExceptLatestN)
+                                   StripThinkingExceptLatestN, VolatileText)
 from harness_adapters.builtin import builtin_adapters
 from harness_adapters.generic import GenericAdapter
 from harness_adapters.user_rules import UserHarness, UserRules, load_user_rules
 
 __all__ = [
     "Adapter", "BaseAdapter", "Compaction", "ElideObservationsExceptLastN", "ElideToolOutputsBeyondN",
-    "ReplaceTrailingMessage", "Rule", "StripThinkingExceptLatestN", "Registry", "UserHarness", "UserRules",
+    "ReplaceTrailingMessage", "Rule", "StripThinkingExceptLatestN", "VolatileText", "Registry", "UserHarness", "UserRules",
     "load_user_rules", "load_registry", "default_registry", "detect_adapter",
 ]
 

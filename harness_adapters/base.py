@@ -6,9 +6,10 @@ the diff can name the edit. Torch-free and aiohttp-free: headers are any str -> 
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Mapping, Optional, Protocol, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from proxy.conversation import Conversation
 
@@ -60,9 +61,33 @@ class Compaction(_Rule):
     history_markers: tuple[str, ...] = ()
 
 
+class VolatileText(_Rule):
+    """Text a later turn rewrites in place, e.g. the environment lines of a system prompt (the model name
+    Claude Code writes changes with /model, the 1M-context switch and compaction). Every match of
+    `pattern` (a Python regex) in the rendered prompt is a future cut at the start of each of its groups,
+    or of the match when it has none: the checkpoint goes on the last token boundary at or before it."""
+
+    kind: Literal["volatile_text"] = "volatile_text"
+    pattern: str = Field(min_length=1)
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"pattern is not a valid regular expression: {exc}") from None
+        return value
+
+
+# The model line Claude Code and OpenCode write into their system prompts; it changes when the user switches
+# model mid-session (the name: group 1) and, for Claude Code, with the 1M-context switch: "Opus 4.8 (1M
+# context). The exact model ID is claude-opus-4-8[1m]." vs "Opus 4.8. The exact ..." (group 2).
+MODEL_LINE = VolatileText(pattern=r"You are powered by the model(?: named)? (\S)[^\n]*?( \(|\. )")
+
 Rule = Annotated[
     Union[StripThinkingExceptLatestN, ElideToolOutputsBeyondN, ElideObservationsExceptLastN,
-          ReplaceTrailingMessage, Compaction],
+          ReplaceTrailingMessage, Compaction, VolatileText],
     Field(discriminator="kind"),
 ]
 

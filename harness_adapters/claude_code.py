@@ -2,14 +2,15 @@
 
 Traffic facts (DESIGN.md): cache_control moves every turn (dropped by parsing), thinking blocks are re-sent,
 `metadata.user_id` carries the session id, `/compact` sends a summary request then starts a new history
-whose first user message carries the summary, and a tool-less title side request.
+whose first user message carries the summary, and a tool-less title side request. The system prompt's
+environment block names the model, and that line changes within a session (see MODEL_LINE).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 
-from harness_adapters.base import BaseAdapter, Compaction
+from harness_adapters.base import MODEL_LINE, BaseAdapter, Compaction, VolatileText
 from proxy.conversation import Conversation, Message, TextPart, ToolCallPart, canonical_json
 from proxy.normalize import BILLING_LINE, is_billing_line
 
@@ -24,6 +25,8 @@ class ClaudeCodeAdapter(BaseAdapter):
             request_markers=("Your task is to create a detailed summary of the",),  # full and partial compact
             history_markers=("This session is being continued from a previous conversation",),
         ),
+        MODEL_LINE,  # recorded 2.1.197: "Opus 4.8 (1M context)" in the main turns, "Opus 4.8" after /compact
+        VolatileText(pattern=r"\ngitStatus: "),  # a snapshot taken when the conversation starts
     )
 
     def normalize(self, conv: Conversation) -> Conversation:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from harness_adapters.base import BaseAdapter, Compaction, header
+from harness_adapters.base import BaseAdapter, Compaction, VolatileText, header
 from proxy.conversation import Conversation
 
 
@@ -20,6 +20,7 @@ class CodexAdapter(BaseAdapter):
             request_markers=("You are performing a CONTEXT CHECKPOINT COMPACTION",),
             history_markers=("Another language model started to solve this problem",),
         ),
+        VolatileText(pattern=r"<current_date>(\S)"),  # <environment_context>, re-sent when it changes
     )
 
     def detect(self, request: Mapping[str, Any], headers: Mapping[str, str],

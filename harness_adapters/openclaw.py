@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from harness_adapters.base import BaseAdapter, ReplaceTrailingMessage
+from harness_adapters.base import BaseAdapter, ReplaceTrailingMessage, VolatileText
 from proxy.conversation import Conversation
 
 INTERNAL_CONTEXT_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
@@ -16,7 +16,8 @@ class OpenClawAdapter(BaseAdapter):
     name = "openclaw"
     user_agent_contains = ("openclaw",)
     system_contains = ("OpenClaw",)
-    rules = (ReplaceTrailingMessage(marker=INTERNAL_CONTEXT_MARKER),)
+    rules = (ReplaceTrailingMessage(marker=INTERNAL_CONTEXT_MARKER),
+             VolatileText(pattern=r"\nCurrent date: (\S)"))  # the system prompt's "Temporal Context"
 
     def detect(self, request: Mapping[str, Any], headers: Mapping[str, str],
                conv: Optional[Conversation] = None) -> bool:

@@ -6,7 +6,7 @@ summariser request; the title request is a parallel tool-less one with a title-g
 """
 from __future__ import annotations
 
-from harness_adapters.base import BaseAdapter, Compaction, ElideToolOutputsBeyondN
+from harness_adapters.base import MODEL_LINE, BaseAdapter, Compaction, ElideToolOutputsBeyondN, VolatileText
 
 PRUNE_PLACEHOLDER = "[Old tool result content cleared]"
 
@@ -20,4 +20,6 @@ class OpenCodeAdapter(BaseAdapter):
     rules = (
         ElideToolOutputsBeyondN(n=4, placeholder=PRUNE_PLACEHOLDER),
         Compaction(request_markers=("You are a helpful AI assistant tasked with summarizing conversations",)),
+        MODEL_LINE,  # /models switches model mid-session
+        VolatileText(pattern=r"Today's date: (\S)"),  # in the system prompt's <env> block
     )

@@ -11,6 +11,7 @@ priority first, later positions first within a priority.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -61,14 +62,17 @@ def candidates(rendered: RenderedLike) -> list[Candidate]:
     """Every segment boundary of the render worth a checkpoint, at priority FINE or TURN_BOUNDARY."""
     n = len(rendered.ids)
     out = [Candidate(prefix_end(rendered.segments), "prefix_end", SHARED_PREFIX)]
-    out += [Candidate(lo, "message_start", TURN_BOUNDARY, i) for i, (lo, _) in message_spans(rendered.segments).items()]
+    # a message start, one token in when every message opens alike: a later turn that replaces the message
+    # (with another role, the summary of a compaction, the reply) repeats that token
+    out += [Candidate(past_opening_token(rendered, lo) if lo else lo, "message_start", TURN_BOUNDARY, i)
+            for i, (lo, _) in message_spans(rendered.segments).items()]
     # the prompt's last token: the next turn re-renders it followed by the reply and may tokenise the two
     # together differently ("<think>\n" + "\n</think>" -> "<think>" "\n\n" "</think>"): one token back
     if n > 1:
         out.append(Candidate(n - 1, "before_last_token", TURN_BOUNDARY))
     # a request that adds a message instead of the reply (a summary request, a user interrupting) cuts here
-    out += [Candidate(s.start, "generation_prompt_start", TURN_BOUNDARY) for s in rendered.segments
-            if s.kind == "generation_prompt"]
+    out += [Candidate(past_opening_token(rendered, s.start), "generation_prompt_start", TURN_BOUNDARY)
+            for s in rendered.segments if s.kind == "generation_prompt"]
     # tools connected mid-session (MCP servers) are added at the end of the list, system text at its end
     out += [Candidate(b.end, f"{t.kind}_end", SHARED_PREFIX) for t in rendered.segments
             if t.kind in ("tools", "system") for b in _bodies(rendered, t)]
@@ -99,7 +103,7 @@ def predicted_cuts(rendered: RenderedLike, rules: Sequence, conv: Optional[Conve
         if kind == "replace_trailing_message" and spans:
             last = max(spans)
             if conv is None or last >= len(conv.messages) or rule.marker in conv.messages[last].text:
-                blocks = [spans[last][0]]
+                blocks = [past_opening_token(rendered, spans[last][0])]
         elif kind == "strip_thinking_except_latest_n":
             blocks = _live_blocks(rendered, "think", conv, lambda m: _reasoning(m) != "")
         elif kind == "elide_tool_outputs_beyond_n":  # the output is replaced after "<tool_response>\n"
@@ -111,13 +115,44 @@ def predicted_cuts(rendered: RenderedLike, rules: Sequence, conv: Optional[Conve
             first = first_conversation_message(rendered.segments, conv)
             blocks = [prefix_end(rendered.segments)] + ([body_start(rendered, spans[first][0])] if first in spans
                                                         else [])
-        n = getattr(rule, "n", 1)
+        elif kind == "volatile_text":  # rewritten in place some later turn, nobody knows which
+            blocks = volatile_positions(rendered, rule.pattern)
+        n = getattr(rule, "n", 0 if kind == "volatile_text" else 1)
         imminent = sorted(set(blocks))[-n] if 0 < n <= len(set(blocks)) else None
         for pos in blocks:
             priority = IMMINENT_CUT if pos == imminent else PREDICTED_CUT
             if pos and cuts.get(pos, ("", -1))[1] < priority:
                 cuts[pos] = (kind, priority)
     return cuts
+
+
+def past_opening_token(rendered: RenderedLike, pos: int) -> int:
+    """pos + 1 when the message (or generation prompt) starting at pos opens with the token every message
+    and the generation prompt open with (`<|im_start|>` in ChatML): whatever replaces it, the reply or
+    another message, repeats that token, so the edit comes one token later and a checkpoint there is exact.
+    Else pos."""
+    ids = rendered.ids
+    gen = next((s.start for s in rendered.segments if s.kind == "generation_prompt"), None)
+    if gen is None or not pos < len(ids) or gen >= len(ids) or ids[pos] != ids[gen]:
+        return pos
+    starts = [lo for lo, _ in message_spans(rendered.segments).values() if lo]
+    return pos + 1 if starts and all(ids[lo] == ids[gen] for lo in starts) else pos
+
+
+def volatile_positions(rendered: RenderedLike, pattern: str, limit: int = 8) -> list[int]:
+    """Token boundaries at or before each match of `pattern` in the rendered text: at the start of each of
+    its groups that took part, or of the match when it has none. Renders without text and offsets (test
+    doubles) have none. At most `limit` matches, the earliest."""
+    text, locate = getattr(rendered, "text", None), getattr(rendered, "boundary_at_or_before", None)
+    if not text or locate is None:
+        return []
+    found = []
+    for k, match in enumerate(re.finditer(pattern, text)):
+        if k == limit:
+            break
+        starts = [match.start(g) for g in range(1, match.re.groups + 1)] or [match.start()]
+        found += [locate(c) for c in starts if c >= 0]
+    return found
 
 
 def _reasoning(msg: Message) -> str:

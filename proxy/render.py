@@ -48,6 +48,11 @@ class Rendered:
     ids: list[int]
     text: str
     segments: tuple[Segment, ...]
+    token_starts: tuple[int, ...] = ()  # char offset in `text` where each token begins
+
+    def boundary_at_or_before(self, char: int) -> int:
+        """Tokens that end at or before text[char]: a checkpoint there is untouched by an edit at `char`."""
+        return max(0, bisect.bisect_right(self.token_starts, char) - 1) if char < len(self.text) else len(self.ids)
 
     def of_kind(self, kind: SegmentKind) -> list[Segment]:
         return [s for s in self.segments if s.kind == kind]
@@ -76,7 +81,7 @@ class ChatRenderer:
         if len(text) > len(body):
             spans.append(("generation_prompt", len(body), len(text), None))
         ids, offsets = self.tokenizer.encode_with_offsets(text)
-        return Rendered(ids, text, _to_token_segments(spans, offsets))
+        return Rendered(ids, text, _to_token_segments(spans, offsets), tuple(o[0] for o in offsets))
 
     def _render(self, msgs: list[dict], tools: list[dict], thinking: bool, generation: bool) -> str:
         tok = self.tokenizer

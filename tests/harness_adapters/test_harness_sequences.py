@@ -4,6 +4,7 @@ and that side requests leave the main conversation alone."""
 import json
 
 from harness_adapters import detect_adapter
+from proxy.anchors import past_opening_token
 from proxy.cache_policy import CachePolicy
 from proxy.conversation import Conversation, Message, TextPart, ToolSpec
 from tests.proxy.fake_render import assistant, play, render, reply_ids, system, tool, user
@@ -18,7 +19,9 @@ def call(k: int):
 
 
 def message_start(conv: Conversation, index: int) -> int:
-    return next(s.start for s in render(conv).segments if s.kind == "message" and s.message_index == index)
+    """Where a replacement of message `index` starts to differ: after the opening token all messages share."""
+    r = render(conv)
+    return past_opening_token(r, next(s.start for s in r.segments if s.kind == "message" and s.message_index == index))
 
 
 def turn(policy, request, headers, conv, reply):
@@ -59,8 +62,9 @@ def test_claude_code_session_with_billing_line_title_and_compaction():
     compacted = Conversation((sys_msg, user("This session is being continued from a previous conversation that "
                                             "ran out of context. Summary: tests fixed up to step 3.")), TOOLS)
     _, plan, rec = turn(policy, request, headers, compacted, assistant("continuing"))
-    prefix = next(s.end for s in render(plan.conversation).segments if s.kind == "system")
-    assert (rec.edit_class, rec.anchor_used) == ("compaction", prefix)
+    r = render(plan.conversation)
+    prefix = next(s.end for s in r.segments if s.kind == "system")
+    assert (rec.edit_class, rec.anchor_used) == ("compaction", past_opening_token(r, prefix))
 
 
 def test_claude_code_billing_hash_does_not_break_the_shared_prefix():
@@ -78,8 +82,9 @@ def test_claude_code_billing_hash_does_not_break_the_shared_prefix():
     prefix = next(s.end for s in a.segments if s.kind == "system")
     assert a.prompt_ids[:prefix] == b.prompt_ids[:prefix]  # the billing hex differed: the system turn did not
     assert prefix in a.checkpoint_positions
-    assert second.anchor_used == prefix  # the second conversation starts from the first one's system turn
-    assert second.expected_reprefill == len(b.prompt_ids) - prefix
+    # the second conversation starts from the first one's system turn and the "<|im_start|>" after it
+    assert second.anchor_used == prefix + 1 and a.prompt_ids[prefix] == b.prompt_ids[prefix]
+    assert second.expected_reprefill == len(b.prompt_ids) - prefix - 1
 
 
 def test_claude_code_subagents_sharing_the_session_id_are_threads_of_their_own():

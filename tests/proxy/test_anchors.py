@@ -4,7 +4,7 @@ import pytest
 from harness_adapters import (Compaction, ElideObservationsExceptLastN, ElideToolOutputsBeyondN,
                               ReplaceTrailingMessage, StripThinkingExceptLatestN)
 from proxy.anchors import (IMMINENT_CUT, IMPLICIT_PER_TURN, PREDICTED_CUT, AnchorBudget, best_anchor, candidates,
-                           plan_anchors, predicted_cuts)
+                           past_opening_token, plan_anchors, predicted_cuts)
 from proxy.conversation import Conversation, ToolSpec
 from tests.proxy.fake_render import assistant, render, system, tool, user
 
@@ -37,9 +37,10 @@ def test_candidates_cover_every_boundary_kind():
 def test_default_plan_is_every_turn_boundary_after_resume_point():
     r = render(agent_conv(3))
     plan = plan_anchors(r)
-    msg_starts = sorted({s.start for s in r.segments if s.kind == "message" and s.start > 0})
+    msg_starts = sorted({past_opening_token(r, s.start) for s in r.segments if s.kind == "message" and s.start > 0})
     system_end = next(s.end for s in r.segments if s.kind == "system")
-    gen_start = next(s.start for s in r.segments if s.kind == "generation_prompt")  # where a new message would go
+    gen = next(s.start for s in r.segments if s.kind == "generation_prompt")
+    gen_start = past_opening_token(r, gen)  # where a new message would go: after its "<"
     assert set(plan.checkpoint_positions) == set(msg_starts) | {system_end, gen_start, len(r.ids) - 1}
     later = plan_anchors(r, start=msg_starts[3])
     assert later.checkpoint_positions == tuple(p for p in msg_starts if p > msg_starts[3]) + (gen_start,
@@ -50,7 +51,8 @@ def test_trailing_message_rule_predicts_the_cut_at_the_last_message():
     marker = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
     conv = Conversation(agent_conv(1).messages + (user(marker + " ctx"),), TOOLS)
     r = render(conv)
-    last = max(s.start for s in r.segments if s.kind == "message")
+    last = past_opening_token(r, max(s.start for s in r.segments if s.kind == "message"))  # after "<"
+    assert last == max(s.start for s in r.segments if s.kind == "message") + 1
     cuts = predicted_cuts(r, (ReplaceTrailingMessage(marker=marker),), conv)
     assert cuts == {last: ("replace_trailing_message", IMMINENT_CUT)}
     plan = plan_anchors(r, (ReplaceTrailingMessage(marker=marker),), conv=conv, budget=AnchorBudget(max_count=3))
@@ -97,11 +99,11 @@ def test_compaction_rule_keeps_the_shared_prefix():
 
 def test_budget_by_count_and_bytes_keeps_highest_priority_then_latest():
     r = render(agent_conv(6))
-    msg_starts = sorted({s.start for s in r.segments if s.kind == "message" and s.start > 0})
+    msg_starts = sorted({past_opening_token(r, s.start) for s in r.segments if s.kind == "message" and s.start > 0})
     system_end = next(s.end for s in r.segments if s.kind == "system")
     plan = plan_anchors(r, budget=AnchorBudget(max_count=6))
     assert len(plan.checkpoint_positions) == 6 - IMPLICIT_PER_TURN
-    gen_start = next(s.start for s in r.segments if s.kind == "generation_prompt")
+    gen_start = past_opening_token(r, next(s.start for s in r.segments if s.kind == "generation_prompt"))
     assert plan.checkpoint_positions == tuple(sorted([system_end] + msg_starts[-1:] + [gen_start, len(r.ids) - 1]))
     by_bytes = AnchorBudget(max_count=100, max_bytes=5 * 63_000_000, bytes_per_checkpoint=63_000_000)
     assert by_bytes.cap == 5
@@ -110,7 +112,7 @@ def test_budget_by_count_and_bytes_keeps_highest_priority_then_latest():
 
 def test_existing_anchors_kept_or_released_under_budget():
     r = render(agent_conv(5))
-    msg_starts = sorted({s.start for s in r.segments if s.kind == "message" and s.start > 0})
+    msg_starts = sorted({past_opening_token(r, s.start) for s in r.segments if s.kind == "message" and s.start > 0})
     resume = msg_starts[6]
     old = tuple(msg_starts[1:7])
     plan = plan_anchors(r, start=resume, existing=old + (len(r.ids) + 50,), budget=AnchorBudget(max_count=6))
@@ -145,3 +147,30 @@ def test_long_session_never_holds_more_anchors_than_its_budget():
         if k:
             assert (rec.edit_class, rec.anchor_used) == ("append", rec.edit_point)
         msgs += (reply, tool(f"out {k}"))
+
+
+def test_volatile_text_rule_anchors_the_last_boundary_at_or_before_each_match():
+    from harness_adapters import VolatileText
+    from proxy.anchors import volatile_positions
+    from proxy.render import ChatRenderer
+    from engine.tokenizer import load_tokenizer
+
+    r = ChatRenderer(load_tokenizer(None)).render(Conversation(
+        (system("Env:\n - Today's date: Sun Nov 29 2026\n - model: a"), user("hi")), TOOLS))
+    rule = VolatileText(pattern=r"Today's date: (\S)")
+    value = r.text.index("Sun Nov")
+    (pos,) = volatile_positions(r, rule.pattern)
+    assert pos == r.boundary_at_or_before(value)
+    assert r.token_starts[pos] <= value and all(s < value for s in r.token_starts[:pos])
+    assert predicted_cuts(r, (rule,), None) == {pos: ("volatile_text", PREDICTED_CUT)}
+    assert pos in plan_anchors(r, (rule,)).checkpoint_positions
+    whole = r.text.index(" - model")  # no group: the match's own start
+    assert volatile_positions(r, r"\n - model") == [r.boundary_at_or_before(whole - 1)]
+    assert volatile_positions(render(agent_conv(1)), rule.pattern) == []  # test doubles carry no offsets
+
+
+def test_volatile_text_rule_rejects_a_bad_pattern():
+    from harness_adapters import VolatileText
+
+    with pytest.raises(ValueError, match="regular expression"):
+        VolatileText(pattern="model (")

@@ -66,8 +66,32 @@ def test_openclaw_tail_replacement_resumes_one_token_before_the_edit(renderer):
         turn, rec = play(policy, renderer, conv, reply, headers={"user-agent": "openclaw/2026.9"})
         if k:
             assert rec.edit_class == "tail_replacement"
-            assert 0 <= rec.edit_point - rec.anchor_used <= 1  # <|im_start|> is reused, the role token differs
+            assert rec.anchor_used == rec.edit_point  # anchored after <|im_start|>: the role token differs
         history += (reply, tool(f"ok {k}"))
+
+
+def test_claude_code_model_switch_resumes_at_the_model_line(renderer):
+    """The environment block names the model; /model and the 1M-context switch rewrite that line in place, in
+    the system turn before ~20k tokens of tools: the planner anchored the line's value while it was new."""
+    policy = CachePolicy()
+    request = {"metadata": {"user_id": json.dumps({"session_id": "cc-model"})}}
+    headers = {"user-agent": "claude-cli/2.1.197"}
+
+    def env(model):
+        return system("You are Claude Code.\n# Environment\n - Platform: linux\n - You are powered by the model "
+                      f"named {model}.\n - Assistant knowledge cutoff is January 2026.\n\ngitStatus: (clean)")
+
+    msgs = (user("fix calc.py"),)
+    models = ["Opus 4.8 (1M context). The exact model ID is claude-opus-4-8[1m]",  # as recorded (2.1.197)
+              "Opus 4.8. The exact model ID is claude-opus-4-8",  # 1M context off (the turn after /compact)
+              "Sonnet 5. The exact model ID is claude-sonnet-5"]  # /model sonnet
+    for k, model in enumerate(models):
+        reply = assistant("", thinking=f"t{k}", calls=call(k))
+        turn, rec = play(policy, renderer, Conversation((env(model),) + msgs, TOOLS), reply, request, headers)
+        msgs += (reply, tool(f"ok {k}"))
+        if k:
+            assert rec.edit_class == "system_changed"
+            assert rec.edit_point > 0 and rec.anchor_used == rec.edit_point, (model, rec.edit_point, rec.anchor_used)
 
 
 def test_opencode_prune_resumes_at_the_cleared_output(renderer):
