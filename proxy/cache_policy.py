@@ -101,7 +101,36 @@ class CachePolicy:
         return record
 
 
-class PolicyPlanner:
+class HarnessNormalizer:
+    """The harness normalisation alone, behind the planner seam: what cache modes off and prefix use, so the
+    prompt (and with it greedy output) is the same in every cache mode. No sessions, no anchors."""
+
+    def __init__(self, registry=None):
+        from harness_adapters import default_registry
+
+        self.registry = registry or default_registry
+
+    def adapter(self, conv: Conversation, headers: Mapping[str, str], request: Optional[Mapping] = None):
+        name = conv.extras.get("harness")
+        return self.registry.get(name) if name else self.registry.detect(request or {}, headers, conv)
+
+    def normalize(self, conv: Conversation, headers: Mapping[str, str],
+                  request: Optional[Mapping] = None) -> Conversation:
+        adapter = self.adapter(conv, headers, request)
+        out = normalize(conv, adapter)
+        return replace(out, extras={**out.extras, "harness": adapter.name})
+
+    def __call__(self, conv: Conversation, rendered: RenderedLike, headers: Mapping[str, str],
+                 request: Optional[Mapping] = None):
+        from proxy.context import Plan
+
+        return Plan()
+
+    def finish(self, turn, generated_ids: Sequence[int], usage=None) -> None:
+        return None
+
+
+class PolicyPlanner(HarnessNormalizer):
     """The cache policy behind the proxy's planner seam (proxy/context.py: `planner(conv, rendered, headers)`
     returning something with `checkpoint_positions` and `session_key`), plus the two calls that seam lacks:
 
@@ -114,20 +143,8 @@ class PolicyPlanner:
     """
 
     def __init__(self, policy: Optional[CachePolicy] = None, registry=None):
-        from harness_adapters import default_registry
-
+        super().__init__(registry)
         self.policy = policy or CachePolicy()
-        self.registry = registry or default_registry
-
-    def adapter(self, conv: Conversation, headers: Mapping[str, str], request: Optional[Mapping] = None):
-        name = conv.extras.get("harness")
-        return self.registry.get(name) if name else self.registry.detect(request or {}, headers, conv)
-
-    def normalize(self, conv: Conversation, headers: Mapping[str, str],
-                  request: Optional[Mapping] = None) -> Conversation:
-        adapter = self.adapter(conv, headers, request)
-        out = normalize(conv, adapter)
-        return replace(out, extras={**out.extras, "harness": adapter.name})
 
     def __call__(self, conv: Conversation, rendered: RenderedLike, headers: Mapping[str, str],
                  request: Optional[Mapping] = None) -> TurnPlan:

@@ -46,12 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def make_planner(cache_policy: str, registry=None):
-    """anchors: the cache policy (sessions, diff, anchors); prefix: none (the engine's own checkpoints)."""
-    if cache_policy == "anchors":
-        from proxy.cache_policy import PolicyPlanner
+    """anchors: the cache policy (sessions, diff, anchors); prefix and off: the harness normalisation only
+    (the engine's own checkpoints), so every mode renders the same prompt."""
+    from proxy.cache_policy import HarnessNormalizer, PolicyPlanner
 
-        return PolicyPlanner(registry=registry)
-    return None
+    return PolicyPlanner(registry=registry) if cache_policy == "anchors" else HarnessNormalizer(registry)
 
 
 def load_script(path: str | None, pairs: list[str]):
