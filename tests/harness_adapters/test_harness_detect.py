@@ -1,10 +1,13 @@
 """Detection order, side-request kinds, rules as data, and user-declared harnesses from JSON/TOML."""
 import json
+import re
+from pathlib import Path
+from typing import get_args
 
 import pytest
 
 from harness_adapters import Registry, default_registry, detect_adapter, load_registry, load_user_rules
-from harness_adapters.base import ElideToolOutputsBeyondN, request_system_text
+from harness_adapters.base import ElideToolOutputsBeyondN, Rule, VolatileText, request_system_text
 from harness_adapters.opencode import OpenCodeAdapter
 from proxy.conversation import Conversation, ToolSpec
 from tests.proxy.fake_render import system, user
@@ -132,3 +135,15 @@ def test_user_harness_extending_a_builtin_keeps_its_detection(tmp_path):
     bad.write_text(json.dumps({"harnesses": [{"name": "x", "extends": "vscode"}]}))
     with pytest.raises(ValueError, match="extends 'vscode' is not a built-in adapter"):
         load_user_rules(bad)
+
+
+def test_the_rules_file_in_the_docs_loads(tmp_path):
+    """docs/PROXY.md's example is a working file, and its table lists exactly the rule kinds there are."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "PROXY.md").read_text()
+    example = re.search(r"```toml\n(.*?)```", doc, re.S).group(1)
+    (tmp_path / "rules.toml").write_text(example)
+    (harness,) = load_user_rules(tmp_path / "rules.toml").harnesses
+    assert any(isinstance(r, VolatileText) and r.pattern == r"Current time: (\S)" for r in harness.rules)
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", doc, re.M))
+    declared = {kind.model_fields["kind"].default for kind in get_args(get_args(Rule)[0])}
+    assert documented == declared
