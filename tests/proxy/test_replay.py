@@ -1,9 +1,8 @@
 """Record -> replay round trip, and replay of every bundled real-harness recording on the tiny checkpoint.
 
 Acceptance (issue 7): for turns >= 2, median TTFT with anchors <= 0.3 x median TTFT with the cache off, and
-the anchors run prefills exactly the tokens after the edit point (+ at most one boundary token). Prefill of
-the real harness prefixes (8-27k tokens) dominates on CPU; the long recordings replay their first turns only
-(the cache-off run needs only the later turns: without a cache each request stands alone).
+the anchors run prefills exactly the tokens after the edit point. Every request of every recording is
+replayed; prefill of the real harness prefixes (8-27k tokens) with the cache off dominates the time.
 """
 import dataclasses
 import gzip
@@ -109,8 +108,7 @@ def test_replay_accepts_bare_lines_and_unknown_fields(tmp_path):
 
 # --- every bundled recording ---------------------------------------------------------------------------------
 
-FAST = {"mini-swe-agent": 8, "codex": 3, "opencode": 3}  # requests replayed (from the start)
-SLOW = {"claude": 3, "openclaw": 3, "codex-compact": 5}  # codex-compact: request 5 follows the compaction
+SLOW = {"claude", "openclaw"}  # 16-17 requests of 16-27k tokens: the cache-off run dominates (~1-2 min each)
 
 
 def _fixture_cases():
@@ -120,33 +118,41 @@ def _fixture_cases():
         yield pytest.param(name, marks=marks, id=name)
 
 
-def test_every_fixture_has_a_replay_case():
-    names = {p.name.split(".jsonl")[0] for p in FIXTURES.glob("*.jsonl.gz")}
-    assert names and names <= set(FAST) | set(SLOW), names - set(FAST) - set(SLOW)
+@pytest.fixture(scope="module")
+def demo_size_dir(tmp_path_factory):
+    """The demo model's size (8 layers, hidden 128, 2.4 MB), generated here: on the 4-layer test model a
+    40-token turn is mostly per-step Python overhead, which is not what the TTFT comparison is about."""
+    synth = pytest.importorskip("engine.synth")
+    from engine.demo import SHIPPED_TOKENIZER
+    from engine.tokenizer import load_tokenizer
+
+    out = tmp_path_factory.mktemp("demo-size")
+    return synth.synth_checkpoint(out, size="demo", seed=0, vocab_size=load_tokenizer(None).vocab_size,
+                                  tokenizer=SHIPPED_TOKENIZER)
 
 
 @pytest.mark.parametrize("name", list(_fixture_cases()))
-def test_fixture_replay_anchors_beat_cache_off(name, model_dir):
+def test_fixture_replay_anchors_beat_cache_off(name, demo_size_dir):
+    """The whole recording with anchors, then each later turn alone with the cache off (without a cache a
+    request stands alone, so replaying the first turns there would only cost time)."""
     from engine.build import EngineOptions
     from proxy.commands.replay import run_modes
 
-    entries = replay_log.load([FIXTURES / f"{name}.jsonl.gz"])[:{**FAST, **SLOW}[name]]
-    assert all(e.reply() is not None for e in entries), "bundled recordings carry every response"
+    entries = replay_log.load([FIXTURES / f"{name}.jsonl.gz"])
+    assert len(entries) >= 6 and all(e.reply() is not None for e in entries), "recordings carry every response"
     opts = EngineOptions(max_step_tokens=2048, cache_device_mb=256, cache_host_mb=256)
-    anchors = run_modes(entries, str(model_dir), ["anchors"], opts, stream=True)["anchors"]
+    anchors = run_modes(entries, str(demo_size_dir), ["anchors"], opts, stream=True)["anchors"]
     later = [r for r in anchors if r.turn >= 2]
-    off = run_modes([entries[r.index] for r in later], str(model_dir), ["off"], opts, stream=True)["off"]
+    off = run_modes([entries[r.index] for r in later], str(demo_size_dir), ["off"], opts, stream=True)["off"]
     assert all(r.status == 200 for r in anchors + off), [r.error for r in anchors + off if r.error]
     assert [r.prompt_tokens for r in off] == [r.prompt_tokens for r in later]
     median_anchors = statistics.median(r.ttft_s for r in later)
     median_off = statistics.median(r.ttft_s for r in off)
+    print(f"{name}: median TTFT anchors {median_anchors * 1e3:.1f} ms, off {median_off * 1e3:.1f} ms")
     assert median_anchors <= 0.3 * median_off, (median_anchors, median_off)
-    for r in later:  # the engine prefills from the planner's resume point: the edit point for an append
-        planned = r.prompt_tokens - r.resume_at
-        assert planned <= r.prefilled_tokens <= planned + 1, (r.turn, r.edit_class, r.prefilled_tokens, planned)
-        if r.edit_class in ("append", "tail_replacement"):
-            new = r.prompt_tokens - r.edit_point
-            assert new <= r.prefilled_tokens <= new + 1, (r.turn, r.edit_class, r.prefilled_tokens, new)
+    for r in later:  # every later turn prefills exactly what is new: the tokens after its edit point
+        assert r.resume_at == r.edit_point, (r.turn, r.edit_class, r.resume_at, r.edit_point)
+        assert r.prefilled_tokens == r.prompt_tokens - r.edit_point, (r.turn, r.edit_class, r.prefilled_tokens)
 
 
 def test_fixtures_fit_the_size_budget():
@@ -182,6 +188,7 @@ async def test_replay_command_against_a_url(aiohttp_server, model_dir, tmp_path,
 
 def test_serve_flags(tmp_path):
     from proxy.cli import build_parser
+    from proxy.cache_policy import HarnessNormalizer, PolicyPlanner
     from proxy.serve import load_script, make_planner
 
     args = build_parser(only="serve").parse_args(
@@ -189,6 +196,6 @@ def test_serve_flags(tmp_path):
          "--cache-policy", "prefix", "--allow-forced-responses"])
     assert args.record == str(tmp_path) and args.allow_forced_responses
     assert load_script(args.script, args.script_var).vars["workdir"] == "/w"
-    assert make_planner("prefix") is None and make_planner("anchors") is not None
+    assert type(make_planner("prefix")) is HarnessNormalizer and isinstance(make_planner("anchors"), PolicyPlanner)
     with pytest.raises(ValueError, match="K=V"):
         load_script(args.script, ["novalue"])
