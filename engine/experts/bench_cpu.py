@@ -17,14 +17,17 @@ import time
 
 import torch
 
-from engine.experts.cpu_kernels import CpuExpertRunner, ExpertTable, physical_cores, supported_isas, torch_experts
+from engine.experts.cpu_kernels import (CpuExpertRunner, ExpertTable, default_walk, physical_cores, supported_isas,
+                                        torch_experts)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # --sweep: (label, overrides) measured after the default configuration, same pool, same process.
 SWEEP = [("short spin (50 us)", {"spin_us": 50}), ("no software prefetch", {"prefetch": 0}),
-         ("prefetch 2048 B", {"prefetch": 2048}),
-         ("4 tokens per call", {"tokens": 4}), ("4 tokens, prefetch 2048 B", {"tokens": 4, "prefetch": 2048}),
-         ("32 experts per call", {"experts_per_call": 32}), ("one row at a time", {"row_block": 1}),
+         ("prefetch 1024 B", {"prefetch": 1024}), ("prefetch 2048 B", {"prefetch": 2048}),
+         ("4 tokens per call", {"tokens": 4}), ("32 experts per call", {"experts_per_call": 32}),
+         ("four rows side by side", {"row_block": 0}), ("one row at a time", {"row_block": 1}),
+         ("one row at a time, prefetch 1024 B", {"row_block": 1, "prefetch": 1024}),
+         ("one row at a time, prefetch 2048 B", {"row_block": 1, "prefetch": 2048}),
          ("one row at a time, 4 tokens", {"row_block": 1, "tokens": 4})]
 
 
@@ -109,9 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts-per-call", type=int, default=8, help="distinct experts per MoE-layer call")
     p.add_argument("--tokens", type=int, default=1, choices=[1, 2, 3, 4], help="tokens routed to each expert")
     p.add_argument("--isa", default=None, help=f"force a kernel path, one of {supported_isas()}")
-    p.add_argument("--prefetch", type=int, default=512, help="software prefetch distance in bytes (0: off)")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="software prefetch distance in bytes (0: off; default: this CPU's, see default_walk)")
     p.add_argument("--spin-us", type=int, default=2000, help="how long idle workers spin before parking")
-    p.add_argument("--row-block", type=int, default=0, choices=[0, 1], help="kernel walk order")
+    p.add_argument("--row-block", type=int, default=None, choices=[0, 1],
+                   help="kernel walk order, 0: four rows side by side, 1: one row at a time (default: this CPU's)")
     p.add_argument("--seconds", type=float, default=1.5, help="time per kernel measurement")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="also measure the variants in SWEEP (no torch)")
@@ -129,6 +134,9 @@ def main(argv=None) -> dict:
     pool = make_pool(n_experts, args.hidden, args.inter, dtype)
     table = ExpertTable.from_blocks(pool, args.hidden, args.inter)
     gen = torch.Generator().manual_seed(0)
+    walk = default_walk()
+    args.row_block = walk[0] if args.row_block is None else args.row_block
+    args.prefetch = walk[1] if args.prefetch is None else args.prefetch
     base = vars(args)
     configs = [("default", {})] + (SWEEP if args.sweep else [])
     results = {"machine": platform.processor() or platform.machine(), "args": base, "isas": supported_isas(),
@@ -140,7 +148,8 @@ def main(argv=None) -> dict:
         results["configs"][label] = rows
         print_table(f"[{label}] pool {pool.nbytes / 1e9:.2f} GB, {n_experts} experts of "
                     f"{expert_bytes / 2**20:.1f} MiB ({args.dtype}), {cfg['experts_per_call']} experts x "
-                    f"{cfg['tokens']} token(s) per call, prefetch {cfg['prefetch']} B, spin {cfg['spin_us']} us",
+                    f"{cfg['tokens']} token(s) per call, {('four rows side by side', 'one row at a time')[cfg['row_block']]}, "
+                    f"prefetch {cfg['prefetch']} B, spin {cfg['spin_us']} us",
                     rows)
         if args.json:  # after every configuration, so a run cut short still leaves numbers
             with open(args.json, "w") as f:

@@ -1,6 +1,7 @@
 #include "moe.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -20,7 +21,7 @@ uint16_t f32_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
-// [begin, end) of n items for worker w of nw, as even as integers allow.
+// [begin, end) of n items for worker w of nw, as even as integers allow (the read job's static split).
 inline void split(int64_t n, int w, int nw, int64_t& begin, int64_t& end) {
   begin = n * w / nw;
   end = n * (w + 1) / nw;
@@ -44,6 +45,10 @@ class MoeJob : public Job {
     ipad_ = (a.I + 15) / 16 * 16;
     act_.resize(g_.size() * kMaxTokens * ipad_);
     if (bf_) prepare_bf16();
+    chunks_per_expert_ = std::max(1, (a.I + kChunkRows - 1) / kChunkRows);  // I is 0 when there are no tasks
+    for (const ExpertGroup& eg : g_) tokens_.insert(tokens_.end(), eg.tok, eg.tok + eg.ntok);
+    std::sort(tokens_.begin(), tokens_.end());
+    tokens_.erase(std::unique(tokens_.begin(), tokens_.end()), tokens_.end());
   }
   int phases() const override { return 2; }
   void run(int phase, int w, int nw) override { phase == 0 ? gate_up(w, nw) : down(w, nw); }
@@ -63,16 +68,18 @@ class MoeJob : public Job {
   }
   size_t act_off(size_t g, int slot) const { return (g * kMaxTokens + slot) * ipad_; }
 
-  // Phase 0: rows (expert g, i) of the flattened [G * I] range; gate row i and up row I+i together.
-  void gate_up(int w, int nw) {
-    int64_t b, e;
-    split(int64_t(g_.size()) * a_.I, w, nw, b, e);
+  // Phase 0: rows (expert g, i) of the flattened [G * I] range, claimed kChunkRows at a time (a slow or
+  // descheduled worker takes fewer chunks instead of holding up the phase); gate row i and up row I+i
+  // together.
+  void gate_up(int, int) {
     float gbuf[kMaxTokens * kChunkRows], ubuf[kMaxTokens * kChunkRows];
     auto dot = a_.table->dot[a_.fmt];
-    for (int64_t idx = b; idx < e;) {
-      size_t g = size_t(idx / a_.I);
-      int i0 = int(idx % a_.I);
-      int n = int(std::min<int64_t>({kChunkRows, a_.I - i0, e - idx}));
+    for (;;) {
+      int64_t c = next_gu_.fetch_add(1, std::memory_order_relaxed);
+      size_t g = size_t(c / chunks_per_expert_);
+      if (g >= g_.size()) break;
+      int i0 = int(c % chunks_per_expert_) * kChunkRows;
+      int n = std::min(kChunkRows, a_.I - i0);
       const ExpertGroup& eg = g_[g];
       const void* xs[kMaxTokens];
       for (int t = 0; t < eg.ntok; ++t) xs[t] = x_row(eg.tok[t]);
@@ -90,49 +97,51 @@ class MoeJob : public Job {
         if (bf_)
           for (int r = 0; r < n; ++r) actbf_.get()[act_off(g, t) + i0 + r] = f32_to_bf16(act[r]);
       }
-      idx += n;
     }
   }
 
-  // Phase 1: worker w owns rows [h0, h1) of every output, sums all experts there, adds to y once.
-  void down(int w, int nw) {
-    int64_t h0, h1;
-    split(a_.H, w, nw, h0, h1);
-    int span = int(h1 - h0);
-    if (span == 0) return;
+  // Phase 1: output rows claimed kChunkRows at a time; the claimer sums every expert over its rows and adds
+  // them to y once, so no two workers write the same row.
+  void down(int, int) {
     thread_local std::vector<float> acc;
-    thread_local std::vector<char> touched;
-    acc.assign(size_t(a_.T) * span, 0.f);
-    touched.assign(a_.T, 0);
+    acc.resize(size_t(a_.T) * kChunkRows);
     float buf[kMaxTokens * kChunkRows];
     auto dot = a_.table->dot[a_.fmt];
-    for (size_t g = 0; g < g_.size(); ++g) {
-      const ExpertGroup& eg = g_[g];
-      const void* as[kMaxTokens];
-      for (int t = 0; t < eg.ntok; ++t)
-        as[t] = bf_ ? static_cast<const void*>(actbf_.get() + act_off(g, t))
-                    : static_cast<const void*>(act_.get() + act_off(g, t));
-      auto base = static_cast<const char*>(eg.down);
-      for (int64_t h = h0; h < h1; h += kChunkRows) {
-        int n = int(std::min<int64_t>(kChunkRows, h1 - h));
-        dot(base + h * a_.ld_dn * es_, a_.ld_dn, a_.I, n, as, eg.ntok, buf, kChunkRows, a_.prefetch_bytes, a_.row_block);
+    for (;;) {
+      int64_t h = next_dn_.fetch_add(1, std::memory_order_relaxed) * kChunkRows;
+      if (h >= a_.H) break;
+      int n = int(std::min<int64_t>(kChunkRows, a_.H - h));
+      for (int tok : tokens_) std::fill_n(acc.data() + size_t(tok) * kChunkRows, n, 0.f);
+      for (size_t g = 0; g < g_.size(); ++g) {
+        const ExpertGroup& eg = g_[g];
+        const void* as[kMaxTokens];
+        for (int t = 0; t < eg.ntok; ++t)
+          as[t] = bf_ ? static_cast<const void*>(actbf_.get() + act_off(g, t))
+                      : static_cast<const void*>(act_.get() + act_off(g, t));
+        auto base = static_cast<const char*>(eg.down);
+        dot(base + h * a_.ld_dn * es_, a_.ld_dn, a_.I, n, as, eg.ntok, buf, kChunkRows, a_.prefetch_bytes,
+            a_.row_block);
         for (int t = 0; t < eg.ntok; ++t) {
-          float* dst = acc.data() + size_t(eg.tok[t]) * span + (h - h0);
+          float* dst = acc.data() + size_t(eg.tok[t]) * kChunkRows;
           for (int r = 0; r < n; ++r) dst[r] += eg.w[t] * buf[t * kChunkRows + r];
         }
       }
-      for (int t = 0; t < eg.ntok; ++t) touched[eg.tok[t]] = 1;
-    }
-    for (int tok = 0; tok < a_.T; ++tok) {
-      if (!touched[tok]) continue;
-      float* y = a_.y + tok * a_.y_stride + h0;
-      const float* src = acc.data() + size_t(tok) * span;
-      for (int r = 0; r < span; ++r) y[r] += src[r];
+      for (int tok : tokens_) {
+        float* y = a_.y + tok * a_.y_stride + h;
+        const float* src = acc.data() + size_t(tok) * kChunkRows;
+        for (int r = 0; r < n; ++r) y[r] += src[r];
+      }
     }
   }
 
   MoeArgs a_;
   std::vector<ExpertGroup> g_;
+  std::vector<int> tokens_;  // the distinct tokens this job adds to
+  int64_t chunks_per_expert_ = 1;
+  // Work counters, claimed with fetch_add; apart from each other and from the read-only fields.
+  alignas(64) std::atomic<int64_t> next_gu_{0};
+  alignas(64) std::atomic<int64_t> next_dn_{0};
+  char pad_[64];
   int es_ = 2, ipad_ = 0, hpad_ = 0;
   bool bf_ = false;
   Aligned<float> act_;       // [G][kMaxTokens][ipad] SwiGLU output, fp32

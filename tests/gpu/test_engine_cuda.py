@@ -77,3 +77,19 @@ def test_cuda_fp32_matches_transformers_on_cuda(ckpt, engines):
         expected = ref(input_ids=prompt[None].cuda()).logits[0].float()
         err = (gpu.score(prompt) - expected).abs().max().item()
     assert err < 1e-3, err
+
+
+def test_cuda_marks_inside_a_chunk_equal_a_chunk_ending_there(engines):
+    """Mid-chunk checkpoints on CUDA (bf16-free fp32): the snapshot at a mark is the state of a chunk ending
+    there, and the prefix cache built from marks serves the same greedy tokens as a cold engine."""
+    _, gpu = engines
+    model, prompt = gpu.model, ids(120, seed=5).cuda()
+    state = model.new_state()
+    state.marks = (17, 64, 65)
+    model.forward([(prompt[:100], state)])
+    for m in state.marks:
+        slow = model.new_state()
+        model.forward([(prompt[:m], slow)])
+        for a, b in zip(state.at(m).checkpoint().layers, slow.checkpoint().layers):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(x, y, atol=5e-4, rtol=1e-4)
