@@ -2,7 +2,6 @@
 import subprocess
 import sys
 
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

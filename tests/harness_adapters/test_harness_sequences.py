@@ -201,7 +201,7 @@ def test_openclaw_tail_replacement_resumes_at_the_replaced_message():
             assert rec.edit_class == "first"
         else:
             assert rec.edit_class == "tail_replacement"
-            assert rec.anchor_used == prev_tail  # the planner kept a checkpoint just before the replaced message
+            assert rec.anchor_used == prev_tail  # kept at the replaced message, past its shared opening token
         prev_tail = message_start(conv, len(conv.messages) - 1)
         assert prev_tail in plan.checkpoint_positions
         history += (reply, tool(f"built {k}"))
