@@ -28,7 +28,9 @@ SWEEP = [("short spin (50 us)", {"spin_us": 50}), ("no software prefetch", {"pre
          ("four rows side by side", {"row_block": 0}), ("one row at a time", {"row_block": 1}),
          ("one row at a time, prefetch 1024 B", {"row_block": 1, "prefetch": 1024}),
          ("one row at a time, prefetch 2048 B", {"row_block": 1, "prefetch": 2048}),
-         ("one row at a time, 4 tokens", {"row_block": 1, "tokens": 4})]
+         ("one row at a time, 4 tokens", {"row_block": 1, "tokens": 4}),
+         ("claims of 64 rows", {"claim_rows": 64}), ("claims of 32 rows", {"claim_rows": 32}),
+         ("claims of 16 rows", {"claim_rows": 16})]
 
 
 def make_pool(n_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> torch.Tensor:
@@ -74,7 +76,8 @@ def torch_routed(table, experts, tokens, weights, x, y) -> None:
 def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict:
     x = torch.randn(cfg["tokens"], table.hidden)
     y = torch.zeros(cfg["tokens"], table.hidden)
-    runner = CpuExpertRunner(threads=n, isa=cfg["isa"], prefetch_bytes=cfg["prefetch"], spin_us=cfg["spin_us"], row_block=cfg["row_block"])
+    runner = CpuExpertRunner(threads=n, isa=cfg["isa"], prefetch_bytes=cfg["prefetch"], spin_us=cfg["spin_us"],
+                             row_block=cfg["row_block"], claim_rows=cfg["claim_rows"])
     reads, kernel = [], []
     plan = lambda: call_plan(table.num_experts, cfg["experts_per_call"], cfg["tokens"], gen)  # noqa: E731
     for _ in range(cfg["repeats"]):  # interleaved, so a noisy neighbour hits both figures alike
@@ -115,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=None,
                    help="software prefetch distance in bytes (0: off; default: this CPU's, see default_walk)")
     p.add_argument("--spin-us", type=int, default=2000, help="how long idle workers spin before parking")
+    p.add_argument("--claim-rows", type=int, default=None,
+                   help="rows a worker claims at a time, 1-64 (default: this CPU's, see default_walk)")
     p.add_argument("--row-block", type=int, default=None, choices=[0, 1],
                    help="kernel walk order, 0: four rows side by side, 1: one row at a time (default: this CPU's)")
     p.add_argument("--seconds", type=float, default=1.5, help="time per kernel measurement")
@@ -137,6 +142,7 @@ def main(argv=None) -> dict:
     walk = default_walk()
     args.row_block = walk[0] if args.row_block is None else args.row_block
     args.prefetch = walk[1] if args.prefetch is None else args.prefetch
+    args.claim_rows = walk[2] if args.claim_rows is None else args.claim_rows
     base = vars(args)
     configs = [("default", {})] + (SWEEP if args.sweep else [])
     results = {"machine": platform.processor() or platform.machine(), "args": base, "isas": supported_isas(),
@@ -149,7 +155,7 @@ def main(argv=None) -> dict:
         print_table(f"[{label}] pool {pool.nbytes / 1e9:.2f} GB, {n_experts} experts of "
                     f"{expert_bytes / 2**20:.1f} MiB ({args.dtype}), {cfg['experts_per_call']} experts x "
                     f"{cfg['tokens']} token(s) per call, {('four rows side by side', 'one row at a time')[cfg['row_block']]}, "
-                    f"prefetch {cfg['prefetch']} B, spin {cfg['spin_us']} us",
+                    f"prefetch {cfg['prefetch']} B, claims of {cfg['claim_rows']} rows, spin {cfg['spin_us']} us",
                     rows)
         if args.json:  # after every configuration, so a run cut short still leaves numbers
             with open(args.json, "w") as f:

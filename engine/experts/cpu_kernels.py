@@ -32,16 +32,17 @@ _warned = False
 PREFETCH_BYTES = 512  # software prefetch distance along each weight row stream (default walk)
 
 
-def default_walk() -> tuple[int, int]:
-    """(row_block, prefetch_bytes) that measured best on this CPU vendor (docs/PERF.md, issue 3): AMD Zen
-    streams one row at a time far better than four rows side by side (kernel/read 0.83 vs 0.57 on the
-    dev box's EPYC); the GPU box's Xeon the other way round at 1-6 threads (0.81 vs 0.72)."""
+def default_walk() -> tuple[int, int, int]:
+    """(row_block, prefetch_bytes, claim_rows) that measured best on this CPU vendor (docs/PERF.md, issue 3):
+    AMD Zen streams one row at a time far better than four rows side by side (kernel/read 0.83 vs 0.57 on
+    the dev box's EPYC) and wants long claims (long sequential runs); the GPU box's Xeon the other way round
+    at 1-6 threads (0.81 vs 0.72), with 32-row claims (6 threads: 55 vs 48-49 GB/s with 64)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
             amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in fh)
     except OSError:
         amd = False
-    return (1, 1024) if amd else (0, PREFETCH_BYTES)
+    return (1, 1024, 64) if amd else (0, PREFETCH_BYTES, 32)
 
 
 def native_available() -> bool:
@@ -169,14 +170,17 @@ class CpuExpertRunner:
     or 'torch'; pin: one worker per physical core; spin_us: how long idle workers spin before parking;
     row_block: kernel walk order (0: four rows side by side, 1: one row at a time); prefetch_bytes:
     software prefetch distance (0: off). None: what measured best on this CPU vendor (default_walk).
+    claim_rows: rows a worker claims at a time (1-64; shorter claims end each phase more evenly, longer
+    ones stream longer runs). None: default_walk's.
     """
 
     def __init__(self, threads: int | None = None, isa: str | None = None, backend: str = "auto",
                  pin: bool = True, spin_us: int = 2000, prefetch_bytes: int | None = None,
-                 row_block: int | None = None):
+                 row_block: int | None = None, claim_rows: int | None = None):
         walk = default_walk()
         row_block = walk[0] if row_block is None else row_block
         prefetch_bytes = walk[1] if prefetch_bytes is None else prefetch_bytes
+        claim_rows = walk[2] if claim_rows is None else claim_rows
         if backend not in ("auto", "native", "torch"):
             raise ValueError(f"backend must be 'auto', 'native' or 'torch', not {backend!r}")
         if backend == "native" and _native is None:
@@ -187,6 +191,7 @@ class CpuExpertRunner:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads, self.prefetch_bytes, self.row_block = int(threads), int(prefetch_bytes), int(row_block)
+        self.claim_rows = int(claim_rows)
         self._lock = threading.Lock()
         self._pending: CpuFuture | None = None
         if backend == "torch" or _native is None:
@@ -201,6 +206,7 @@ class CpuExpertRunner:
         self.backend, self.isa = "native", isa or isas[0]
         self._pool = _native.Runner(self.threads, pin, spin_us)
         self._pool.row_block = self.row_block
+        self._pool.claim_rows = self.claim_rows
 
     def run(self, tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> None:
         self.submit(tasks, x, y).wait()

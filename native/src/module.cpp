@@ -62,6 +62,7 @@ struct Runner {
   std::unique_ptr<Pool> pool_;
   Pool& pool;
   int row_block = 0;  // kernel walk order, see DotRowsFn
+  int claim_rows = 64;  // rows a worker claims at a time, 1..kChunkRows (see moe.cpp)
   Runner(int threads, bool pin, int spin_us)
       : pool_(std::make_unique<Pool>(threads, pin, spin_us)), pool(*pool_) {}
 
@@ -100,7 +101,8 @@ struct Runner {
                       int64_t x_stride, uint64_t y, int64_t y_stride, int T, int prefetch_bytes) const {
     if (fmt != kF32 && fmt != kBF16) throw std::invalid_argument("unknown weight format tag");
     return MoeArgs{table_for(isa), Format(fmt), H, I, ld_gu, ld_dn, reinterpret_cast<const float*>(x),
-                   x_stride, reinterpret_cast<float*>(y), y_stride, T, prefetch_bytes, row_block};
+                   x_stride, reinterpret_cast<float*>(y), y_stride, T, prefetch_bytes, row_block,
+                   claim_rows};
   }
   static void check_tokens(const std::vector<int64_t>& tokens, int T) {
     for (int64_t t : tokens)
@@ -128,6 +130,7 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def_property_readonly("threads", [](Runner& r) { return r.pool.threads(); })
       .def_property_readonly("cpus", [](Runner& r) { return r.pool.cpus(); })
       .def_readwrite("row_block", &Runner::row_block)
+      .def_readwrite("claim_rows", &Runner::claim_rows)
       .def("submit_moe", &Runner::submit_moe)
       .def("submit_table", &Runner::submit_table)
       .def("wait", [](Runner& r) { py::gil_scoped_release release; r.pool.wait(); })

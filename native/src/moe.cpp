@@ -11,7 +11,7 @@
 namespace killick {
 namespace {
 
-constexpr int kChunkRows = 64;  // rows per dot_rows call: bounds the per-thread scratch
+constexpr int kChunkRows = 64;  // rows per dot_rows call at most: bounds the per-thread scratch
 
 uint16_t f32_to_bf16(float f) {
   uint32_t u;
@@ -45,7 +45,10 @@ class MoeJob : public Job {
     ipad_ = (a.I + 15) / 16 * 16;
     act_.resize(g_.size() * kMaxTokens * ipad_);
     if (bf_) prepare_bf16();
-    chunks_per_expert_ = std::max(1, (a.I + kChunkRows - 1) / kChunkRows);  // I is 0 when there are no tasks
+    // Rows a worker claims at a time (gate + up rows in phase 0, output rows in phase 1): shorter claims end
+    // a phase more evenly, longer ones give each worker longer sequential streams.
+    claim_ = std::min(kChunkRows, std::max(1, a.claim_rows));
+    chunks_per_expert_ = std::max(1, (a.I + claim_ - 1) / claim_);  // I is 0 when there are no tasks
     for (const ExpertGroup& eg : g_) tokens_.insert(tokens_.end(), eg.tok, eg.tok + eg.ntok);
     std::sort(tokens_.begin(), tokens_.end());
     tokens_.erase(std::unique(tokens_.begin(), tokens_.end()), tokens_.end());
@@ -68,7 +71,7 @@ class MoeJob : public Job {
   }
   size_t act_off(size_t g, int slot) const { return (g * kMaxTokens + slot) * ipad_; }
 
-  // Phase 0: rows (expert g, i) of the flattened [G * I] range, claimed kChunkRows at a time (a slow or
+  // Phase 0: rows (expert g, i) of the flattened [G * I] range, claimed claim_ rows at a time (a slow or
   // descheduled worker takes fewer chunks instead of holding up the phase); gate row i and up row I+i
   // together.
   void gate_up(int, int) {
@@ -78,8 +81,8 @@ class MoeJob : public Job {
       int64_t c = next_gu_.fetch_add(1, std::memory_order_relaxed);
       size_t g = size_t(c / chunks_per_expert_);
       if (g >= g_.size()) break;
-      int i0 = int(c % chunks_per_expert_) * kChunkRows;
-      int n = std::min(kChunkRows, a_.I - i0);
+      int i0 = int(c % chunks_per_expert_) * claim_;
+      int n = std::min(claim_, a_.I - i0);
       const ExpertGroup& eg = g_[g];
       const void* xs[kMaxTokens];
       for (int t = 0; t < eg.ntok; ++t) xs[t] = x_row(eg.tok[t]);
@@ -100,7 +103,7 @@ class MoeJob : public Job {
     }
   }
 
-  // Phase 1: output rows claimed kChunkRows at a time; the claimer sums every expert over its rows and adds
+  // Phase 1: output rows claimed claim_ at a time; the claimer sums every expert over its rows and adds
   // them to y once, so no two workers write the same row.
   void down(int, int) {
     thread_local std::vector<float> acc;
@@ -108,9 +111,9 @@ class MoeJob : public Job {
     float buf[kMaxTokens * kChunkRows];
     auto dot = a_.table->dot[a_.fmt];
     for (;;) {
-      int64_t h = next_dn_.fetch_add(1, std::memory_order_relaxed) * kChunkRows;
+      int64_t h = next_dn_.fetch_add(1, std::memory_order_relaxed) * claim_;
       if (h >= a_.H) break;
-      int n = int(std::min<int64_t>(kChunkRows, a_.H - h));
+      int n = int(std::min<int64_t>(claim_, a_.H - h));
       for (int tok : tokens_) std::fill_n(acc.data() + size_t(tok) * kChunkRows, n, 0.f);
       for (size_t g = 0; g < g_.size(); ++g) {
         const ExpertGroup& eg = g_[g];
@@ -138,6 +141,7 @@ class MoeJob : public Job {
   std::vector<ExpertGroup> g_;
   std::vector<int> tokens_;  // the distinct tokens this job adds to
   int64_t chunks_per_expert_ = 1;
+  int claim_ = kChunkRows;
   // Work counters, claimed with fetch_add; apart from each other and from the read-only fields.
   alignas(64) std::atomic<int64_t> next_gu_{0};
   alignas(64) std::atomic<int64_t> next_dn_{0};

@@ -33,6 +33,7 @@ struct MoeArgs {
   int T;
   int prefetch_bytes;
   int row_block;  // see DotRowsFn
+  int claim_rows;  // rows a worker claims at a time (clamped to 1..kChunkRows)
 };
 
 // tasks: parallel arrays (gate_up, down, token, weight); tasks on the same expert are grouped, kMaxTokens

@@ -35,6 +35,17 @@ def rel_err(y, y0, ref):
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4])
 @pytest.mark.parametrize("row_block", [0, 1])
 def test_matches_float64_reference(isa, dtype, hidden, inter, tokens, row_block):
+    check_against_reference(isa, dtype, hidden, inter, tokens, row_block)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("claim_rows", [1, 7, 16, 64])
+def test_claim_size_does_not_change_results(isa, claim_rows):
+    """Workers claim rows dynamically; any claim size (odd ones too) covers every row exactly once."""
+    check_against_reference(isa, torch.bfloat16, 130, 45, 3, 0, claim_rows=claim_rows, threads=3)
+
+
+def check_against_reference(isa, dtype, hidden, inter, tokens, row_block, claim_rows=64, threads=2):
     gen = torch.Generator().manual_seed(hidden * 10 + tokens)
     experts = make_experts(5, hidden, inter, dtype, gen)
     x = torch.randn(tokens, hidden, generator=gen)
@@ -43,7 +54,7 @@ def test_matches_float64_reference(isa, dtype, hidden, inter, tokens, row_block)
              for t in range(tokens) for e in {0, (t + 1) % 5, (2 * t + 3) % 5}]
     y0 = torch.randn(tokens, hidden, generator=gen)  # accumulated into, not overwritten
     y = y0.clone()
-    CpuExpertRunner(threads=2, isa=isa, row_block=row_block).run(tasks, x, y)
+    CpuExpertRunner(threads=threads, isa=isa, row_block=row_block, claim_rows=claim_rows).run(tasks, x, y)
     assert rel_err(y, y0, reference_experts(tasks, x)) < tolerance(isa, dtype)
 
 
