@@ -79,8 +79,8 @@ class ModelRunner:
                 for position in state.marks:
                     self.cache.insert(seq.tokens[:position], state.at(position))
                 state.drop_marks()
-            if self.cache is not None and w.checkpoint_here:
-                self.cache.insert(seq.tokens[: w.end], state)
+                if w.checkpoint_here:
+                    self.cache.insert(seq.tokens[: w.end], state)
             if not w.samples or seq.req.max_new_tokens == 0:
                 out.append(None)
                 continue

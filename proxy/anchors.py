@@ -64,14 +64,15 @@ def candidates(rendered: RenderedLike) -> list[Candidate]:
     out = [Candidate(prefix_end(rendered.segments), "prefix_end", SHARED_PREFIX)]
     # a message start, one token in when every message opens alike: a later turn that replaces the message
     # (with another role, the summary of a compaction, the reply) repeats that token
-    out += [Candidate(past_opening_token(rendered, lo) if lo else lo, "message_start", TURN_BOUNDARY, i)
+    opener = opening_token(rendered)
+    out += [Candidate(_past(rendered.ids, lo, opener) if lo else lo, "message_start", TURN_BOUNDARY, i)
             for i, (lo, _) in message_spans(rendered.segments).items()]
     # the prompt's last token: the next turn re-renders it followed by the reply and may tokenise the two
     # together differently ("<think>\n" + "\n</think>" -> "<think>" "\n\n" "</think>"): one token back
     if n > 1:
         out.append(Candidate(n - 1, "before_last_token", TURN_BOUNDARY))
     # a request that adds a message instead of the reply (a summary request, a user interrupting) cuts here
-    out += [Candidate(past_opening_token(rendered, s.start), "generation_prompt_start", TURN_BOUNDARY)
+    out += [Candidate(_past(rendered.ids, s.start, opener), "generation_prompt_start", TURN_BOUNDARY)
             for s in rendered.segments if s.kind == "generation_prompt"]
     # tools connected mid-session (MCP servers) are added at the end of the list, system text at its end
     out += [Candidate(b.end, f"{t.kind}_end", SHARED_PREFIX) for t in rendered.segments
@@ -126,17 +127,26 @@ def predicted_cuts(rendered: RenderedLike, rules: Sequence, conv: Optional[Conve
     return cuts
 
 
-def past_opening_token(rendered: RenderedLike, pos: int) -> int:
-    """pos + 1 when the message (or generation prompt) starting at pos opens with the token every message
-    and the generation prompt open with (`<|im_start|>` in ChatML): whatever replaces it, the reply or
-    another message, repeats that token, so the edit comes one token later and a checkpoint there is exact.
-    Else pos."""
+def opening_token(rendered: RenderedLike) -> Optional[int]:
+    """The token every message (after the first) and the generation prompt open with (`<|im_start|>` in
+    ChatML), or None when they do not share one."""
     ids = rendered.ids
     gen = next((s.start for s in rendered.segments if s.kind == "generation_prompt"), None)
-    if gen is None or not pos < len(ids) or gen >= len(ids) or ids[pos] != ids[gen]:
-        return pos
+    if gen is None or gen >= len(ids):
+        return None
     starts = [lo for lo, _ in message_spans(rendered.segments).values() if lo]
-    return pos + 1 if starts and all(ids[lo] == ids[gen] for lo in starts) else pos
+    return ids[gen] if starts and all(ids[lo] == ids[gen] for lo in starts) else None
+
+
+def past_opening_token(rendered: RenderedLike, pos: int) -> int:
+    """pos + 1 when the message (or generation prompt) starting at pos opens with the opening_token:
+    whatever replaces it, the reply or another message, repeats that token, so the edit comes one token
+    later and a checkpoint there is exact. Else pos."""
+    return _past(rendered.ids, pos, opening_token(rendered))
+
+
+def _past(ids, pos: int, opener: Optional[int]) -> int:
+    return pos + 1 if opener is not None and pos < len(ids) and ids[pos] == opener else pos
 
 
 def volatile_positions(rendered: RenderedLike, pattern: str, limit: int = 8) -> list[int]:

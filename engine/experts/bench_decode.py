@@ -71,6 +71,19 @@ def _diff(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in ("hits", "misses", "fills", "cpu_runs", "bytes_moved")}
 
 
+def _timed(b, shape, router, device, x, repeats: int, bw) -> tuple[float, dict, float]:
+    """Run the MoE stack `repeats` times on x: (seconds, expert counters moved, bound seconds)."""
+    sync(device)
+    before = b.stats()["total"]
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        run_forward(b, shape, router, x)
+    sync(device)
+    secs = time.perf_counter() - t0
+    d = _diff(b.stats()["total"], before)
+    return secs, d, bound_seconds(d, shape.layout.nbytes, *bw)
+
+
 def bench_decode(b, shape, router, device, steps: int, warmup: int, bw, prompt: int = 0) -> dict:
     """Batch-1 decode after a `prompt`-token prefill (as in serving: it leaves streamed layers resident)."""
     if prompt:
@@ -78,15 +91,7 @@ def bench_decode(b, shape, router, device, steps: int, warmup: int, bw, prompt: 
     x = torch.randn(1, shape.hidden, device=device).to(shape.torch_dtype) * 0.1  # [T=1, H]
     for _ in range(warmup):
         run_forward(b, shape, router, x)
-    sync(device)
-    before = b.stats()["total"]
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        run_forward(b, shape, router, x)
-    sync(device)
-    secs = time.perf_counter() - t0
-    d = _diff(b.stats()["total"], before)
-    bound = bound_seconds(d, shape.layout.nbytes, *bw)
+    secs, d, bound = _timed(b, shape, router, device, x, steps, bw)
     return {"tok_s": steps / secs, "bound_tok_s": steps / bound if bound > 0 else None,
             "hit_rate": d["hits"] / max(1, d["hits"] + d["misses"]), "fills_per_tok": d["fills"] / steps,
             "cpu_per_tok": d["cpu_runs"] / steps, "gb_moved": d["bytes_moved"] / 1e9}
@@ -94,14 +99,7 @@ def bench_decode(b, shape, router, device, steps: int, warmup: int, bw, prompt: 
 
 def bench_prefill(b, shape, router, device, tokens: int, bw) -> dict:
     x = torch.randn(tokens, shape.hidden, device=device).to(shape.torch_dtype) * 0.1  # [T, H]
-    sync(device)
-    before = b.stats()["total"]
-    t0 = time.perf_counter()
-    run_forward(b, shape, router, x)
-    sync(device)
-    secs = time.perf_counter() - t0
-    d = _diff(b.stats()["total"], before)
-    bound = bound_seconds(d, shape.layout.nbytes, *bw)
+    secs, d, bound = _timed(b, shape, router, device, x, 1, bw)
     return {"tok_s": tokens / secs, "bound_tok_s": tokens / bound if bound > 0 else None,
             "streamed": bool(b.streamer and b.streamer.active), "gb_moved": d["bytes_moved"] / 1e9,
             "cpu_runs": d["cpu_runs"], "seconds": secs}

@@ -12,6 +12,7 @@ Without the extension (no compiler at install time) the same API runs on torch, 
 """
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +33,7 @@ _warned = False
 PREFETCH_BYTES = 512  # software prefetch distance along each weight row stream (default walk)
 
 
+@functools.lru_cache(maxsize=1)
 def default_walk() -> tuple[int, int, int]:
     """(row_block, prefetch_bytes, claim_rows) that measured best on this CPU vendor (docs/PERF.md, issue 3):
     AMD Zen streams one row at a time far better than four rows side by side (kernel/read 0.83 vs 0.57 on

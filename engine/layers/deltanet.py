@@ -65,4 +65,4 @@ class GatedDeltaNet:
     def _conv_state_at(conv_in: torch.Tensor, x: torch.Tensor, t: int) -> torch.Tensor:
         """The conv state after the first t inputs of x [T, C], given the state before them [C, K-1]."""
         width = conv_in.shape[1]
-        return torch.cat([conv_in, x[:t].t()], dim=-1)[:, t : t + width].contiguous()
+        return torch.cat([conv_in, x[max(0, t - width) : t].t()], dim=-1)[:, -width:].contiguous()
