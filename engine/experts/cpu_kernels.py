@@ -31,6 +31,7 @@ Task = tuple[torch.Tensor, torch.Tensor, int, float]  # (gate_up [2I, H], down [
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 _warned = False
 PREFETCH_BYTES = 512  # software prefetch distance along each weight row stream (default walk)
+PREFETCH_HINTS = {"t0": 3, "t1": 2, "t2": 1, "nta": 0}  # -> __builtin_prefetch locality (native/src/kernels.h)
 
 
 @functools.lru_cache(maxsize=1)
@@ -173,16 +174,21 @@ class CpuExpertRunner:
     row_block: kernel walk order (0: four rows side by side, 1: one row at a time); prefetch_bytes:
     software prefetch distance (0: off). None: what measured best on this CPU vendor (default_walk).
     claim_rows: rows a worker claims at a time (1-64; shorter claims end each phase more evenly, longer
-    ones stream longer runs). None: default_walk's.
+    ones stream longer runs). None: default_walk's. guided: claims shrink from claim_rows to 8 rows as each
+    phase runs out, so the workers finish a phase together (False: every claim is claim_rows long).
+    prefetch_hint: which software prefetch instruction ('t0': into L1, 't1', 't2', 'nta').
     """
 
     def __init__(self, threads: int | None = None, isa: str | None = None, backend: str = "auto",
                  pin: bool = True, spin_us: int = 2000, prefetch_bytes: int | None = None,
-                 row_block: int | None = None, claim_rows: int | None = None):
+                 row_block: int | None = None, claim_rows: int | None = None, guided: bool = True,
+                 prefetch_hint: str = "t0"):
         walk = default_walk()
         row_block = walk[0] if row_block is None else row_block
         prefetch_bytes = walk[1] if prefetch_bytes is None else prefetch_bytes
         claim_rows = walk[2] if claim_rows is None else claim_rows
+        if prefetch_hint not in PREFETCH_HINTS:
+            raise ValueError(f"prefetch_hint must be one of {sorted(PREFETCH_HINTS)}, not {prefetch_hint!r}")
         if backend not in ("auto", "native", "torch"):
             raise ValueError(f"backend must be 'auto', 'native' or 'torch', not {backend!r}")
         if backend == "native" and _native is None:
@@ -193,7 +199,7 @@ class CpuExpertRunner:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads, self.prefetch_bytes, self.row_block = int(threads), int(prefetch_bytes), int(row_block)
-        self.claim_rows = int(claim_rows)
+        self.claim_rows, self.guided, self.prefetch_hint = int(claim_rows), bool(guided), prefetch_hint
         self._lock = threading.Lock()
         self._pending: CpuFuture | None = None
         if backend == "torch" or _native is None:
@@ -209,6 +215,8 @@ class CpuExpertRunner:
         self._pool = _native.Runner(self.threads, pin, spin_us)
         self._pool.row_block = self.row_block
         self._pool.claim_rows = self.claim_rows
+        self._pool.guided = self.guided
+        self._pool.prefetch_hint = PREFETCH_HINTS[prefetch_hint]
 
     def run(self, tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> None:
         self.submit(tasks, x, y).wait()

@@ -14,9 +14,9 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <class WEIGHT>
+// fp32 weights against fp32 activations.
 struct Avx2 {
-  using WT = WEIGHT;
+  using WT = float;
   using XT = float;
   using WV = __m256;
   using XV = __m256;
@@ -25,16 +25,44 @@ struct Avx2 {
   static constexpr int NACC = 8;  // 16 ymm registers: 8 accumulators + weights + one activation
   static R zero() { return _mm256_setzero_ps(); }
   static WV load_w(const float* p) { return _mm256_loadu_ps(p); }
-  static WV load_w(const uint16_t* p) {
-    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  }
   static XV load_x(const float* p) { return _mm256_loadu_ps(p); }
   static R fma(R a, WV w, XV x) { return _mm256_fmadd_ps(w, x, a); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
   static float hsum(R a) { return hsum256(a); }
   static float w_scalar(const float* p) { return *p; }
-  static float w_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
   static float x_scalar(const float* p) { return *p; }
+};
+
+// bf16 weights against bf16 activations: one 32-byte load of each brings 16 elements, split in registers into
+// the even elements (shifted up: bf16 -> fp32 is a 16-bit shift) and the odd ones (masked in place), each pair
+// of halves into its own fp32 accumulator. Half the loads per weight line of widening 8 weights at a time
+// against fp32 activations: on Zen 3 the load count, not the arithmetic, held a core below its read rate
+// (one contiguous stream, 1 core: 0.78 -> 0.86 of the read kernel; docs/PERF.md, issue 3).
+struct Pair {
+  __m256 even, odd;
+};
+struct Avx2Bf {
+  using WT = uint16_t;
+  using XT = uint16_t;
+  using WV = __m256i;
+  using XV = __m256i;
+  using R = Pair;
+  static constexpr int W = 16;
+  static constexpr int NACC = 6;  // accumulator pairs: 12 of the 16 ymm registers
+  static R zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static WV load_w(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static XV load_x(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static __m256 even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+  static __m256 odd(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xFFFF0000u))));
+  }
+  static R fma(R a, WV w, XV x) {
+    return {_mm256_fmadd_ps(even(w), even(x), a.even), _mm256_fmadd_ps(odd(w), odd(x), a.odd)};
+  }
+  static R add(R a, R b) { return {_mm256_add_ps(a.even, b.even), _mm256_add_ps(a.odd, b.odd)}; }
+  static float hsum(R a) { return hsum256(_mm256_add_ps(a.even, a.odd)); }
+  static float w_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
+  static float x_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
 };
 
 uint64_t read_avx2(const void* p, size_t nbytes) {
@@ -58,8 +86,7 @@ uint64_t read_avx2(const void* p, size_t nbytes) {
   return out;
 }
 
-const KernelTable kTable = {"avx2", {dot_rows<Avx2<float>>, dot_rows<Avx2<uint16_t>>},
-                            {false, false}, read_avx2};
+const KernelTable kTable = {"avx2", {dot_rows<Avx2>, dot_rows<Avx2Bf>}, {false, true}, read_avx2};
 }  // namespace
 
 const KernelTable* table_avx2() { return &kTable; }

@@ -35,6 +35,7 @@ struct Avx512 {
   }
   static XV load_x(const float* p) { return _mm512_loadu_ps(p); }
   static R fma(R a, WV w, XV x) { return _mm512_fmadd_ps(w, x, a); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
   static float hsum(R a) { return hsum512(a); }
   static float w_scalar(const float* p) { return *p; }
   static float w_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
@@ -55,6 +56,7 @@ struct Avx512Dp {
   static WV load_w(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static XV load_x(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static R fma(R a, WV w, XV x) { return _mm512_dpbf16_ps(a, w, x); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
   static float hsum(R a) { return hsum512(a); }
   static float w_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
   static float x_scalar(const uint16_t* p) { return bf16_to_f32(*p); }

@@ -14,7 +14,7 @@ constexpr int rows_per_block() {
   return NACC / T >= 4 ? 4 : (NACC / T >= 2 ? 2 : 1);
 }
 
-template <class V, int T, int ROWS>
+template <class V, int T, int ROWS, int LOC>
 inline void dot_block(const typename V::WT* w, int64_t ld, int K, const typename V::XT* const* x,
                       float* out, int os, int pf) {
   using WT = typename V::WT;
@@ -27,7 +27,7 @@ inline void dot_block(const typename V::WT* w, int64_t ld, int K, const typename
   for (; k + J * V::W <= K; k += J * V::W) {
     if (pf > 0)
       for (int r = 0; r < ROWS; ++r)
-        __builtin_prefetch(reinterpret_cast<const char*>(w + r * ld + k) + pf, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(w + r * ld + k) + pf, 0, LOC);
     for (int j = 0; j < J; ++j) {
       typename V::WV wv[ROWS];
       for (int r = 0; r < ROWS; ++r) wv[r] = V::load_w(w + r * ld + k + j * V::W);
@@ -52,60 +52,77 @@ inline void dot_block(const typename V::WT* w, int64_t ld, int K, const typename
   }
 }
 
-// One row, one sequential stream: lines alternate between two accumulator sets to hide FMA latency.
-template <class V, int T>
+// One row, one sequential stream, two lines a step; A independent accumulator sets (every vector of a step
+// has its own while registers allow), so no FMA latency chain runs through a step.
+template <class V, int T, int LOC>
 inline void dot_stream(const typename V::WT* w, int K, const typename V::XT* const* x, float* out, int os,
-                       int pf) {
+                            int pf) {
   constexpr int LINE = 64 / int(sizeof(typename V::WT));
   constexpr int J = LINE / V::W > 0 ? LINE / V::W : 1;
-  constexpr int STEP = J * V::W;
-  typename V::R acc[2][T];
-  for (int u = 0; u < 2; ++u)
+  constexpr int STEP = 2 * J * V::W;  // two lines
+  constexpr int NV = 2 * J;           // vectors per step
+  constexpr int A0 = (V::NACC - 2) / T;
+  constexpr int A = A0 >= NV ? NV : (A0 >= 4 && NV % 4 == 0 ? 4 : (A0 >= 2 ? 2 : 1));
+  typename V::R acc[A][T];
+  for (int u = 0; u < A; ++u)
     for (int t = 0; t < T; ++t) acc[u][t] = V::zero();
   int k = 0;
-  for (; k + 2 * STEP <= K; k += 2 * STEP) {
-    if (pf > 0) __builtin_prefetch(reinterpret_cast<const char*>(w + k) + pf, 0, 3);
-    if (pf > 0) __builtin_prefetch(reinterpret_cast<const char*>(w + k) + pf + 64, 0, 3);
-    for (int u = 0; u < 2; ++u)
-      for (int j = 0; j < J; ++j) {
-        typename V::WV wv = V::load_w(w + k + u * STEP + j * V::W);
-        for (int t = 0; t < T; ++t) acc[u][t] = V::fma(acc[u][t], wv, V::load_x(x[t] + k + u * STEP + j * V::W));
-      }
+  for (; k + STEP <= K; k += STEP) {
+    if (pf > 0) __builtin_prefetch(reinterpret_cast<const char*>(w + k) + pf, 0, LOC);
+    if (pf > 0) __builtin_prefetch(reinterpret_cast<const char*>(w + k) + pf + 64, 0, LOC);
+    for (int v = 0; v < NV; ++v) {
+      typename V::WV wv = V::load_w(w + k + v * V::W);
+      for (int t = 0; t < T; ++t) acc[v % A][t] = V::fma(acc[v % A][t], wv, V::load_x(x[t] + k + v * V::W));
+    }
   }
   for (; k + V::W <= K; k += V::W) {
     typename V::WV wv = V::load_w(w + k);
     for (int t = 0; t < T; ++t) acc[0][t] = V::fma(acc[0][t], wv, V::load_x(x[t] + k));
   }
   for (int t = 0; t < T; ++t) {
-    float s = V::hsum(acc[0][t]) + V::hsum(acc[1][t]);
-    for (int kk = k; kk < K; ++kk) s += V::w_scalar(w + kk) * V::x_scalar(x[t] + kk);
-    out[t * os] = s;
+    typename V::R s = acc[0][t];
+    for (int u = 1; u < A; ++u) s = V::add(s, acc[u][t]);
+    float f = V::hsum(s);
+    for (int kk = k; kk < K; ++kk) f += V::w_scalar(w + kk) * V::x_scalar(x[t] + kk);
+    out[t * os] = f;
   }
 }
 
-template <class V, int T>
+template <class V, int T, int LOC>
 inline void dot_rows_t(const typename V::WT* w, int64_t ld, int K, int rows,
                        const typename V::XT* const* x, float* out, int os, int pf, int row_block) {
   if (row_block == 1) {
-    for (int r = 0; r < rows; ++r) dot_stream<V, T>(w + r * ld, K, x, out + r, os, pf);
+    for (int r = 0; r < rows; ++r) dot_stream<V, T, LOC>(w + r * ld, K, x, out + r, os, pf);
     return;
   }
   constexpr int R = rows_per_block<T, V::NACC>();
   int r = 0;
-  for (; r + R <= rows; r += R) dot_block<V, T, R>(w + r * ld, ld, K, x, out + r, os, pf);
-  for (; r < rows; ++r) dot_block<V, T, 1>(w + r * ld, ld, K, x, out + r, os, pf);
+  for (; r + R <= rows; r += R) dot_block<V, T, R, LOC>(w + r * ld, ld, K, x, out + r, os, pf);
+  for (; r < rows; ++r) dot_block<V, T, 1, LOC>(w + r * ld, ld, K, x, out + r, os, pf);
 }
 
-template <class V>
-void dot_rows(const void* wp, int64_t ld, int K, int rows, const void* const* xp, int T, float* out,
-              int os, int pf, int rb) {
+template <class V, int LOC>
+void dot_rows_loc(const void* wp, int64_t ld, int K, int rows, const void* const* xp, int T, float* out,
+                  int os, int pf, int rb) {
   auto w = static_cast<const typename V::WT*>(wp);
   auto x = reinterpret_cast<const typename V::XT* const*>(xp);
   switch (T) {
-    case 1: dot_rows_t<V, 1>(w, ld, K, rows, x, out, os, pf, rb); break;
-    case 2: dot_rows_t<V, 2>(w, ld, K, rows, x, out, os, pf, rb); break;
-    case 3: dot_rows_t<V, 3>(w, ld, K, rows, x, out, os, pf, rb); break;
-    default: dot_rows_t<V, 4>(w, ld, K, rows, x, out, os, pf, rb); break;
+    case 1: dot_rows_t<V, 1, LOC>(w, ld, K, rows, x, out, os, pf, rb); break;
+    case 2: dot_rows_t<V, 2, LOC>(w, ld, K, rows, x, out, os, pf, rb); break;
+    case 3: dot_rows_t<V, 3, LOC>(w, ld, K, rows, x, out, os, pf, rb); break;
+    default: dot_rows_t<V, 4, LOC>(w, ld, K, rows, x, out, os, pf, rb); break;
+  }
+}
+
+// pf_hint: __builtin_prefetch's locality (3: prefetcht0, into L1; 2: t1, L2; 1: t2; 0: prefetchnta).
+template <class V>
+void dot_rows(const void* w, int64_t ld, int K, int rows, const void* const* x, int T, float* out, int os,
+              int pf, int pf_hint, int rb) {
+  switch (pf_hint) {
+    case 0: dot_rows_loc<V, 0>(w, ld, K, rows, x, T, out, os, pf, rb); break;
+    case 1: dot_rows_loc<V, 1>(w, ld, K, rows, x, T, out, os, pf, rb); break;
+    case 2: dot_rows_loc<V, 2>(w, ld, K, rows, x, T, out, os, pf, rb); break;
+    default: dot_rows_loc<V, 3>(w, ld, K, rows, x, T, out, os, pf, rb); break;
   }
 }
 

@@ -19,6 +19,7 @@ struct Scalar {
   static WV load_w(const WT* p) { return w_scalar(p); }
   static XV load_x(const XT* p) { return *p; }
   static R fma(R a, WV w, XV x) { return a + w * x; }
+  static R add(R a, R b) { return a + b; }
   static float hsum(R a) { return a; }
   static float w_scalar(const float* p) { return *p; }
   static float w_scalar(const uint16_t* p) { return bf16_to_f32(*p); }

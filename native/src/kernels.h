@@ -16,9 +16,11 @@ enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 // W is `rows` rows of K elements in the table's format; x points at fp32 vectors or, when the table's
 // `x_bf16` is set, at bf16 vectors (the AVX-512-BF16 dot product takes both operands in bf16).
 // row_block 0: walk up to 4 rows side by side (one weight load feeds T tokens x 4 rows of FMAs);
-// row_block 1: one row at a time, two lines per step into two accumulator sets (one sequential stream).
+// row_block 1: one row at a time, two lines per step into independent accumulators (one sequential stream).
+// prefetch_bytes ahead along each row stream (0: none), with prefetch_hint as __builtin_prefetch's locality
+// (3: prefetcht0 into L1, 2: prefetcht1, 1: prefetcht2, 0: prefetchnta).
 using DotRowsFn = void (*)(const void* W, int64_t ld, int K, int rows, const void* const* x, int T,
-                           float* out, int out_stride, int prefetch_bytes, int row_block);
+                           float* out, int out_stride, int prefetch_bytes, int prefetch_hint, int row_block);
 // XOR of every 8-byte word in [p, p + nbytes): a read-only pass the compiler cannot drop (STREAM read).
 using ReadFn = uint64_t (*)(const void* p, size_t nbytes);
 

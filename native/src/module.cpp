@@ -63,6 +63,8 @@ struct Runner {
   Pool& pool;
   int row_block = 0;  // kernel walk order, see DotRowsFn
   int claim_rows = 64;  // rows a worker claims at a time, 1..kChunkRows (see moe.cpp)
+  bool guided = true;   // claims shrink towards the end of each phase
+  int prefetch_hint = 3;  // __builtin_prefetch locality of the software prefetches (3: prefetcht0)
   Runner(int threads, bool pin, int spin_us)
       : pool_(std::make_unique<Pool>(threads, pin, spin_us)), pool(*pool_) {}
 
@@ -101,8 +103,8 @@ struct Runner {
                       int64_t x_stride, uint64_t y, int64_t y_stride, int T, int prefetch_bytes) const {
     if (fmt != kF32 && fmt != kBF16) throw std::invalid_argument("unknown weight format tag");
     return MoeArgs{table_for(isa), Format(fmt), H, I, ld_gu, ld_dn, reinterpret_cast<const float*>(x),
-                   x_stride, reinterpret_cast<float*>(y), y_stride, T, prefetch_bytes, row_block,
-                   claim_rows};
+                   x_stride, reinterpret_cast<float*>(y), y_stride, T, prefetch_bytes, prefetch_hint, row_block,
+                   claim_rows, guided};
   }
   static void check_tokens(const std::vector<int64_t>& tokens, int T) {
     for (int64_t t : tokens)
@@ -131,6 +133,8 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def_property_readonly("cpus", [](Runner& r) { return r.pool.cpus(); })
       .def_readwrite("row_block", &Runner::row_block)
       .def_readwrite("claim_rows", &Runner::claim_rows)
+      .def_readwrite("guided", &Runner::guided)
+      .def_readwrite("prefetch_hint", &Runner::prefetch_hint)
       .def("submit_moe", &Runner::submit_moe)
       .def("submit_table", &Runner::submit_table)
       .def("wait", [](Runner& r) { py::gil_scoped_release release; r.pool.wait(); })

@@ -12,6 +12,7 @@ namespace killick {
 namespace {
 
 constexpr int kChunkRows = 64;  // rows per dot_rows call at most: bounds the per-thread scratch
+constexpr int kLeastClaim = 8;  // guided claims shrink to this many rows (two four-row blocks)
 
 uint16_t f32_to_bf16(float f) {
   uint32_t u;
@@ -48,7 +49,7 @@ class MoeJob : public Job {
     // Rows a worker claims at a time (gate + up rows in phase 0, output rows in phase 1): shorter claims end
     // a phase more evenly, longer ones give each worker longer sequential streams.
     claim_ = std::min(kChunkRows, std::max(1, a.claim_rows));
-    chunks_per_expert_ = std::max(1, (a.I + claim_ - 1) / claim_);  // I is 0 when there are no tasks
+    least_ = std::min(claim_, kLeastClaim);
     for (const ExpertGroup& eg : g_) tokens_.insert(tokens_.end(), eg.tok, eg.tok + eg.ntok);
     std::sort(tokens_.begin(), tokens_.end());
     tokens_.erase(std::unique(tokens_.begin(), tokens_.end()), tokens_.end());
@@ -57,6 +58,28 @@ class MoeJob : public Job {
   void run(int phase, int w, int nw) override { phase == 0 ? gate_up(w, nw) : down(w, nw); }
 
  private:
+  // Claims the next rows of a phase's flattened range [0, total), never across a segment (an expert's I
+  // rows, or the H output rows): returns how many (0 once the phase is done) and their start. Guided claims
+  // shrink from claim_ to least_ rows as the phase runs out (a share of what is left per worker), so the
+  // workers reach the phase barrier together instead of waiting on one full-size claim.
+  int claim(std::atomic<int64_t>& next, int64_t total, int64_t seg, int nw, int64_t& start) {
+    int64_t cur = next.load(std::memory_order_relaxed);
+    for (;;) {
+      if (cur >= total) return 0;
+      int64_t n = claim_;
+      if (a_.guided) {
+        int64_t share = (total - cur + 2 * nw - 1) / (2 * nw);
+        share = (share + least_ - 1) / least_ * least_;
+        n = std::max<int64_t>(least_, std::min<int64_t>(claim_, share));
+      }
+      n = std::min(n, seg - cur % seg);
+      if (next.compare_exchange_weak(cur, cur + n, std::memory_order_relaxed)) {
+        start = cur;
+        return int(n);
+      }
+    }
+  }
+
   // The VDPBF16PS path wants bf16 activations: x once here, the SwiGLU output in phase 0.
   void prepare_bf16() {
     hpad_ = (a_.H + 31) / 32 * 32;
@@ -71,26 +94,24 @@ class MoeJob : public Job {
   }
   size_t act_off(size_t g, int slot) const { return (g * kMaxTokens + slot) * ipad_; }
 
-  // Phase 0: rows (expert g, i) of the flattened [G * I] range, claimed claim_ rows at a time (a slow or
-  // descheduled worker takes fewer chunks instead of holding up the phase); gate row i and up row I+i
+  // Phase 0: rows (expert g, i) of the flattened [G * I] range, claimed as in claim() (a slow or
+  // descheduled worker takes fewer claims instead of holding up the phase); gate row i and up row I+i
   // together.
-  void gate_up(int, int) {
+  void gate_up(int, int nw) {
     float gbuf[kMaxTokens * kChunkRows], ubuf[kMaxTokens * kChunkRows];
     auto dot = a_.table->dot[a_.fmt];
-    for (;;) {
-      int64_t c = next_gu_.fetch_add(1, std::memory_order_relaxed);
-      size_t g = size_t(c / chunks_per_expert_);
-      if (g >= g_.size()) break;
-      int i0 = int(c % chunks_per_expert_) * claim_;
-      int n = std::min(claim_, a_.I - i0);
+    const int64_t total = int64_t(g_.size()) * a_.I;
+    for (int64_t start; int n = claim(next_gu_, total, a_.I, nw, start);) {
+      size_t g = size_t(start / a_.I);
+      int i0 = int(start % a_.I);
       const ExpertGroup& eg = g_[g];
       const void* xs[kMaxTokens];
       for (int t = 0; t < eg.ntok; ++t) xs[t] = x_row(eg.tok[t]);
       auto base = static_cast<const char*>(eg.gate_up);
       dot(base + i0 * a_.ld_gu * es_, a_.ld_gu, a_.H, n, xs, eg.ntok, gbuf, kChunkRows, a_.prefetch_bytes,
-          a_.row_block);
+          a_.prefetch_hint, a_.row_block);
       dot(base + (a_.I + i0) * a_.ld_gu * es_, a_.ld_gu, a_.H, n, xs, eg.ntok, ubuf, kChunkRows,
-          a_.prefetch_bytes, a_.row_block);
+          a_.prefetch_bytes, a_.prefetch_hint, a_.row_block);
       for (int t = 0; t < eg.ntok; ++t) {
         float* act = act_.get() + act_off(g, t) + i0;
         for (int r = 0; r < n; ++r) {
@@ -103,17 +124,15 @@ class MoeJob : public Job {
     }
   }
 
-  // Phase 1: output rows claimed claim_ at a time; the claimer sums every expert over its rows and adds
+  // Phase 1: output rows claimed as in claim(); the claimer sums every expert over its rows and adds
   // them to y once, so no two workers write the same row.
-  void down(int, int) {
+  void down(int, int nw) {
     thread_local std::vector<float> acc;
     acc.resize(size_t(a_.T) * kChunkRows);
     float buf[kMaxTokens * kChunkRows];
     auto dot = a_.table->dot[a_.fmt];
-    for (;;) {
-      int64_t h = next_dn_.fetch_add(1, std::memory_order_relaxed) * claim_;
-      if (h >= a_.H) break;
-      int n = int(std::min<int64_t>(claim_, a_.H - h));
+    const int64_t total = g_.empty() ? 0 : a_.H;
+    for (int64_t h; int n = claim(next_dn_, total, a_.H, nw, h);) {
       for (int tok : tokens_) std::fill_n(acc.data() + size_t(tok) * kChunkRows, n, 0.f);
       for (size_t g = 0; g < g_.size(); ++g) {
         const ExpertGroup& eg = g_[g];
@@ -123,7 +142,7 @@ class MoeJob : public Job {
                       : static_cast<const void*>(act_.get() + act_off(g, t));
         auto base = static_cast<const char*>(eg.down);
         dot(base + h * a_.ld_dn * es_, a_.ld_dn, a_.I, n, as, eg.ntok, buf, kChunkRows, a_.prefetch_bytes,
-            a_.row_block);
+            a_.prefetch_hint, a_.row_block);
         for (int t = 0; t < eg.ntok; ++t) {
           float* dst = acc.data() + size_t(eg.tok[t]) * kChunkRows;
           for (int r = 0; r < n; ++r) dst[r] += eg.w[t] * buf[t * kChunkRows + r];
@@ -140,8 +159,8 @@ class MoeJob : public Job {
   MoeArgs a_;
   std::vector<ExpertGroup> g_;
   std::vector<int> tokens_;  // the distinct tokens this job adds to
-  int64_t chunks_per_expert_ = 1;
-  int claim_ = kChunkRows;
+  int claim_ = kChunkRows;  // rows a claim takes at most
+  int least_ = kLeastClaim;  // and at least (guided claims), but for a segment's last rows
   // Work counters, claimed with fetch_add; apart from each other and from the read-only fields.
   alignas(64) std::atomic<int64_t> next_gu_{0};
   alignas(64) std::atomic<int64_t> next_dn_{0};

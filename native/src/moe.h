@@ -32,8 +32,10 @@ struct MoeArgs {
   int64_t y_stride;
   int T;
   int prefetch_bytes;
+  int prefetch_hint;  // see DotRowsFn
   int row_block;  // see DotRowsFn
   int claim_rows;  // rows a worker claims at a time (clamped to 1..kChunkRows)
+  bool guided;     // claims shrink towards the end of each phase (see MoeJob::claim)
 };
 
 // tasks: parallel arrays (gate_up, down, token, weight); tasks on the same expert are grouped, kMaxTokens

@@ -1,0 +1,20 @@
+"""The kernel-vs-read benchmark runs end to end on a small pool and reports what docs/PERF.md quotes."""
+import pytest
+
+from engine.experts import bench_cpu
+from engine.experts import cpu_kernels as ck
+
+pytestmark = pytest.mark.skipif(not ck.native_available(), reason="native extension not built")
+
+
+def test_bench_reports_kernel_read_and_torch(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    res = bench_cpu.main(["--threads", "1", "--pool-gb", "0.2", "--seconds", "0.05", "--repeats", "2",
+                          "--json", str(out)])
+    (row,) = res["configs"]["default"]
+    assert row["threads"] == 1 and row["isa"] == ck.supported_isas()[0]
+    assert len(row["kernel_runs"]) == len(row["read_runs"]) == 2
+    assert row["kernel_gbs"] == max(row["kernel_runs"]) > 0 and row["read_gbs"] == max(row["read_runs"]) > 0
+    assert row["read_fastest_pass_gbs"] >= row["read_gbs"] * 0.999  # one pass is never below the average
+    assert row["ratio"] == pytest.approx(row["kernel_gbs"] / row["read_gbs"]) and row["torch_gbs"] > 0
+    assert out.exists() and "kernel GB/s" in capsys.readouterr().out
