@@ -14,9 +14,13 @@ constexpr int rows_per_block() {
   return NACC / T >= 4 ? 4 : (NACC / T >= 2 ? 2 : 1);
 }
 
+// Each row's prefetch runs pf bytes ahead of its loads; past the row's end it continues into the same row of
+// the next block (ROWS rows on) when `next` says that block is part of this call, and stops otherwise. (Running
+// on into the next row in memory would fetch rows this block is already reading, and leave the next block's
+// rows to start cold: a third of each 1 KiB down-projection row.)
 template <class V, int T, int ROWS, int LOC>
 inline void dot_block(const typename V::WT* w, int64_t ld, int K, const typename V::XT* const* x,
-                      float* out, int os, int pf) {
+                      float* out, int os, int pf, bool next) {
   using WT = typename V::WT;
   constexpr int LINE = 64 / int(sizeof(WT));
   constexpr int J = LINE / V::W > 0 ? LINE / V::W : 1;
@@ -25,9 +29,17 @@ inline void dot_block(const typename V::WT* w, int64_t ld, int K, const typename
     for (int t = 0; t < T; ++t) acc[r][t] = V::zero();
   int k = 0;
   for (; k + J * V::W <= K; k += J * V::W) {
-    if (pf > 0)
-      for (int r = 0; r < ROWS; ++r)
-        __builtin_prefetch(reinterpret_cast<const char*>(w + r * ld + k) + pf, 0, LOC);
+    if (pf > 0) {
+      const int64_t off = int64_t(k) * int64_t(sizeof(WT)) + pf;  // bytes from the row's start
+      const int64_t row_bytes = int64_t(K) * int64_t(sizeof(WT));
+      for (int r = 0; r < ROWS; ++r) {
+        const char* row = reinterpret_cast<const char*>(w + r * ld);
+        if (off < row_bytes)
+          __builtin_prefetch(row + off, 0, LOC);
+        else if (next)
+          __builtin_prefetch(row + ROWS * ld * int64_t(sizeof(WT)) + (off - row_bytes), 0, LOC);
+      }
+    }
     for (int j = 0; j < J; ++j) {
       typename V::WV wv[ROWS];
       for (int r = 0; r < ROWS; ++r) wv[r] = V::load_w(w + r * ld + k + j * V::W);
@@ -97,8 +109,8 @@ inline void dot_rows_t(const typename V::WT* w, int64_t ld, int K, int rows,
   }
   constexpr int R = rows_per_block<T, V::NACC>();
   int r = 0;
-  for (; r + R <= rows; r += R) dot_block<V, T, R, LOC>(w + r * ld, ld, K, x, out + r, os, pf);
-  for (; r < rows; ++r) dot_block<V, T, 1, LOC>(w + r * ld, ld, K, x, out + r, os, pf);
+  for (; r + R <= rows; r += R) dot_block<V, T, R, LOC>(w + r * ld, ld, K, x, out + r, os, pf, r + 2 * R <= rows);
+  for (; r < rows; ++r) dot_block<V, T, 1, LOC>(w + r * ld, ld, K, x, out + r, os, pf, r + 2 <= rows);
 }
 
 template <class V, int LOC>
