@@ -5,8 +5,10 @@
 Kernel GB/s = expert weight bytes read / wall time of submit+wait (Python wrapper included), experts drawn
 without repetition from a pool far larger than the last-level cache (Qwen3.6-35B-A3B shape by default:
 H=2048, I=512, bf16, 6 MiB an expert), `--experts-per-call` distinct experts per call like one MoE layer's
-misses. Read GB/s = the native read kernel in passes over the whole pool on the same worker pool, for as
-long as a kernel measurement (--seconds), interleaved with them; both figures are the best of --repeats.
+misses. Read GB/s = the native read kernel in passes over the whole pool on the same worker pool, each worker
+reading its part front to back (STREAM-style), for as long as a kernel measurement (--seconds), interleaved
+with them; all figures are the best of --repeats. Read x4 GB/s = the same with each worker reading four
+pieces of its part side by side, which keeps more lines in flight on some CPUs (a stricter ceiling).
 Torch GB/s = the fallback (torch matmuls in the weight dtype) on the same calls with torch.set_num_threads(n).
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from engine.experts.cpu_kernels import (PREFETCH_HINTS, CpuExpertRunner, ExpertT
                                         supported_isas, torch_experts)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+WALKS = ("four rows side by side", "one row at a time", "two row streams")
 # --sweep: (label, overrides) measured after the default configuration, same pool, same process.
 SWEEP = [("short spin (50 us)", {"spin_us": 50}), ("no software prefetch", {"prefetch": 0}),
          ("prefetch 1024 B", {"prefetch": 1024}), ("prefetch 2048 B", {"prefetch": 2048}),
@@ -31,7 +34,9 @@ SWEEP = [("short spin (50 us)", {"spin_us": 50}), ("no software prefetch", {"pre
          ("one row at a time, prefetch 2048 B", {"row_block": 1, "prefetch": 2048}),
          ("one row at a time, 4 tokens", {"row_block": 1, "tokens": 4}),
          ("claims of 64 rows", {"claim_rows": 64}), ("claims of 32 rows", {"claim_rows": 32}),
-         ("claims of 16 rows", {"claim_rows": 16}), ("fixed-size claims (not guided)", {"guided": False})]
+         ("claims of 16 rows", {"claim_rows": 16}), ("fixed-size claims (not guided)", {"guided": False}),
+         ("two row streams", {"row_block": 2}), ("two row streams, prefetch 512 B", {"row_block": 2, "prefetch": 512}),
+         ("two row streams, 2 tokens", {"row_block": 2, "tokens": 2})]
 
 
 def make_pool(n_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> torch.Tensor:
@@ -70,14 +75,14 @@ def time_calls(run, table: ExpertTable, plan, x, y, limit_s: float) -> float:
     return done_bytes / timed / 1e9
 
 
-def time_reads(runner, pool: torch.Tensor, limit_s: float) -> tuple[float, float]:
-    """Read passes over the whole pool until limit_s (at least one); returns (GB/s over them all, GB/s of
-    the fastest pass). The first is the reference: as long a window as a kernel measurement, so the best of
-    a few is not a luckier, shorter window than the kernel's."""
+def time_reads(runner, pool: torch.Tensor, limit_s: float, streams: int = 1) -> tuple[float, float]:
+    """Read passes over the whole pool until limit_s (at least one), each worker reading its part as `streams`
+    streams; returns (GB/s over them all, GB/s of the fastest pass). The first is the reference: as long a
+    window as a kernel measurement, so the best of a few is not a luckier, shorter window than the kernel's."""
     done_bytes, timed, best = 0, 0.0, 0.0
     for _ in range(100_000):  # bounded: a pass over a pool far above the LLC takes milliseconds
         t0 = time.perf_counter()
-        runner.read_bandwidth_pass(pool)
+        runner.read_bandwidth_pass(pool, streams)
         dt = time.perf_counter() - t0
         timed, done_bytes, best = timed + dt, done_bytes + pool.nbytes, max(best, pool.nbytes / dt)
         if timed > limit_s:
@@ -95,18 +100,22 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
     runner = CpuExpertRunner(threads=n, isa=cfg["isa"], prefetch_bytes=cfg["prefetch"], spin_us=cfg["spin_us"],
                              row_block=cfg["row_block"], claim_rows=cfg["claim_rows"], guided=cfg["guided"],
                              prefetch_hint=cfg["prefetch_hint"])
-    reads, passes, kernel = [], [], []
+    reads, passes, reads4, kernel = [], [], [], []
     plan = lambda: call_plan(table.num_experts, cfg["experts_per_call"], cfg["tokens"], gen)  # noqa: E731
-    for _ in range(cfg["repeats"]):  # interleaved, so a noisy neighbour hits both figures alike
+    for _ in range(cfg["repeats"]):  # interleaved, so a noisy neighbour hits all figures alike
         window, fastest = time_reads(runner, pool, cfg["seconds"])
         reads.append(window)
         passes.append(fastest)
+        if cfg["read4"]:
+            reads4.append(time_reads(runner, pool, cfg["seconds"], streams=4)[0])
         kernel.append(time_calls(runner.run_routed, table, plan, x, y, cfg["seconds"]))
     del runner  # parks and joins its workers before torch's threads start
     row = {"threads": n, "isa": cfg["isa"] or supported_isas()[0], "kernel_gbs": max(kernel),
            "read_gbs": max(reads), "kernel_runs": kernel, "read_runs": reads,
            "read_fastest_pass_gbs": max(passes)}
     row["ratio"] = row["kernel_gbs"] / row["read_gbs"]
+    if reads4:
+        row.update(read4_gbs=max(reads4), read4_runs=reads4, ratio4=row["kernel_gbs"] / max(reads4))
     if with_torch:
         torch.set_num_threads(n)
         row["torch_gbs"] = time_calls(torch_routed, table, plan, x, y, cfg["seconds"])
@@ -115,12 +124,13 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
 
 def print_table(title: str, rows: list[dict]) -> None:
     print(title)
-    print(f"{'threads':>7} {'isa':>10} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6} {'torch GB/s':>11} "
-          f"{'fastest read pass':>18}")
+    print(f"{'threads':>7} {'isa':>10} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6} {'read x4 GB/s':>13} "
+          f"{'ratio':>6} {'torch GB/s':>11}")
     for r in rows:
         torch_gbs = f"{r['torch_gbs']:.1f}" if "torch_gbs" in r else "-"
+        read4, ratio4 = (f"{r['read4_gbs']:.1f}", f"{r['ratio4']:.2f}") if "read4_gbs" in r else ("-", "-")
         print(f"{r['threads']:>7} {r['isa']:>10} {r['kernel_gbs']:>12.1f} {r['read_gbs']:>10.1f} "
-              f"{r['ratio']:>6.2f} {torch_gbs:>11} {r['read_fastest_pass_gbs']:>18.1f}")
+              f"{r['ratio']:>6.2f} {read4:>13} {ratio4:>6} {torch_gbs:>11}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -143,8 +153,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rows a worker claims at a time, 1-64 (default: this CPU's, see default_walk)")
     p.add_argument("--no-guided", dest="guided", action="store_false",
                    help="every claim --claim-rows long (default: claims shrink as each phase runs out)")
-    p.add_argument("--row-block", type=int, default=None, choices=[0, 1],
-                   help="kernel walk order, 0: four rows side by side, 1: one row at a time (default: this CPU's)")
+    p.add_argument("--row-block", type=int, default=None, choices=[0, 1, 2],
+                   help="kernel walk order, 0: four rows side by side, 1: one row at a time, 2: two row streams "
+                        "(gate with up, expert with expert) (default: this CPU's)")
+    p.add_argument("--no-read4", dest="read4", action="store_false",
+                   help="skip the second read reference (each worker reading four streams side by side)")
     p.add_argument("--seconds", type=float, default=1.5, help="time per kernel measurement")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="also measure the variants in SWEEP (no torch)")
@@ -177,7 +190,7 @@ def main(argv=None) -> dict:
         results["configs"][label] = rows
         print_table(f"[{label}] pool {pool.nbytes / 1e9:.2f} GB, {n_experts} experts of "
                     f"{expert_bytes / 2**20:.1f} MiB ({args.dtype}), {cfg['experts_per_call']} experts x "
-                    f"{cfg['tokens']} token(s) per call, {('four rows side by side', 'one row at a time')[cfg['row_block']]}, "
+                    f"{cfg['tokens']} token(s) per call, {WALKS[cfg['row_block']]}, "
                     f"prefetch {cfg['prefetch']} B ({cfg['prefetch_hint']}), claims of {('', 'up to ')[cfg['guided']]}{cfg['claim_rows']} rows, "
                     f"spin {cfg['spin_us']} us",
                     rows)

@@ -37,15 +37,15 @@ PREFETCH_HINTS = {"t0": 3, "t1": 2, "t2": 1, "nta": 0}  # -> __builtin_prefetch 
 @functools.lru_cache(maxsize=1)
 def default_walk() -> tuple[int, int, int]:
     """(row_block, prefetch_bytes, claim_rows) that measured best on this CPU vendor (docs/PERF.md, issue 3):
-    AMD Zen streams one row at a time far better than four rows side by side (kernel/read 0.83 vs 0.57 on
-    the dev box's EPYC) and wants long claims (long sequential runs); the GPU box's Xeon the other way round
-    at 1-6 threads (0.81 vs 0.72), with 32-row claims (6 threads: 55 vs 48-49 GB/s with 64)."""
+    AMD Zen wants two long sequential streams per core (an expert's gate and up rows side by side, then two
+    experts' down rows: 1 KiB prefetch, 64-row claims); four short rows side by side are its worst walk
+    (kernel/read 0.57). The GPU box's Xeon streams four rows side by side best, with 32-row claims."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
             amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in fh)
     except OSError:
         amd = False
-    return (1, 1024, 64) if amd else (0, PREFETCH_BYTES, 32)
+    return (2, 1024, 64) if amd else (0, PREFETCH_BYTES, 32)
 
 
 def native_available() -> bool:
@@ -171,7 +171,8 @@ class CpuExpertRunner:
     threads: worker count (default: physical cores - 1, at least 1); isa: force a kernel path
     ('avx512bf16', 'avx512', 'avx2', 'scalar'; default the best supported); backend: 'auto', 'native'
     or 'torch'; pin: one worker per physical core; spin_us: how long idle workers spin before parking;
-    row_block: kernel walk order (0: four rows side by side, 1: one row at a time); prefetch_bytes:
+    row_block: kernel walk order (0: four rows side by side, 1: one row at a time, 2: two rows at a time from
+    two streams: an expert's gate and up rows, then two experts' down rows); prefetch_bytes:
     software prefetch distance (0: off). None: what measured best on this CPU vendor (default_walk).
     claim_rows: rows a worker claims at a time (1-64; shorter claims end each phase more evenly, longer
     ones stream longer runs). None: default_walk's. guided: claims shrink from claim_rows to 8 rows as each
@@ -187,6 +188,8 @@ class CpuExpertRunner:
         row_block = walk[0] if row_block is None else row_block
         prefetch_bytes = walk[1] if prefetch_bytes is None else prefetch_bytes
         claim_rows = walk[2] if claim_rows is None else claim_rows
+        if row_block not in (0, 1, 2):
+            raise ValueError(f"row_block must be 0, 1 or 2, not {row_block!r}")
         if prefetch_hint not in PREFETCH_HINTS:
             raise ValueError(f"prefetch_hint must be one of {sorted(PREFETCH_HINTS)}, not {prefetch_hint!r}")
         if backend not in ("auto", "native", "torch"):
@@ -283,13 +286,17 @@ class CpuExpertRunner:
             xf.data_ptr(), xf.stride(0), y.data_ptr(), y.stride(0), x.shape[0], self.prefetch_bytes)
         return CpuFuture(self._pool.wait, (tasks, xf, y), self._pool.done)
 
-    def read_bandwidth_pass(self, buf: torch.Tensor) -> int:
-        """One STREAM-style read of a contiguous CPU tensor on this runner's threads (native only)."""
+    def read_bandwidth_pass(self, buf: torch.Tensor, streams: int = 1) -> int:
+        """One read of a contiguous CPU tensor on this runner's threads (native only); returns the XOR of its
+        8-byte words. streams=1: each worker reads its part front to back (STREAM-style); 2 or 4: each worker
+        reads that many equal pieces of its part side by side."""
         if self.backend != "native":
             raise ValueError("the read kernel needs the native extension")
         if not buf.is_contiguous() or buf.device.type != "cpu":
             raise ValueError("the read buffer must be a contiguous CPU tensor")
-        return self._pool.read(self.isa, buf.data_ptr(), buf.numel() * buf.element_size())
+        if streams not in (1, 2, 4):
+            raise ValueError(f"streams must be 1, 2 or 4, not {streams!r}")
+        return self._pool.read(self.isa, buf.data_ptr(), buf.numel() * buf.element_size(), streams)
 
 
 def torch_experts(tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> None:

@@ -65,7 +65,7 @@ struct Avx2Bf {
   static float x_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
 };
 
-uint64_t read_avx2(const void* p, size_t nbytes) {
+uint64_t read_one_avx2(const void* p, size_t nbytes) {
   const char* c = static_cast<const char*>(p);
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
   size_t i = 0;
@@ -86,7 +86,24 @@ uint64_t read_avx2(const void* p, size_t nbytes) {
   return out;
 }
 
-const KernelTable kTable = {"avx2", {dot_rows<Avx2>, dot_rows<Avx2Bf>}, {false, true}, read_avx2};
+struct ReadAvx2 {
+  using V = __m256i;
+  static constexpr int BYTES = 32;
+  static V zero() { return _mm256_setzero_si256(); }
+  static V load(const char* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static V mix(V a, V b) { return _mm256_xor_si256(a, b); }
+  static uint64_t fold(V a) {
+    return uint64_t(_mm256_extract_epi64(a, 0)) ^ uint64_t(_mm256_extract_epi64(a, 1)) ^
+           uint64_t(_mm256_extract_epi64(a, 2)) ^ uint64_t(_mm256_extract_epi64(a, 3));
+  }
+};
+
+uint64_t read_avx2(const void* p, size_t nbytes, int streams) {
+  return streams <= 1 ? read_one_avx2(p, nbytes) : read_streams<ReadAvx2>(p, nbytes, streams);
+}
+
+const KernelTable kTable = {"avx2", {dot_rows<Avx2>, dot_rows<Avx2Bf>}, {dot_pair<Avx2>, dot_pair<Avx2Bf>},
+                            {false, true}, read_avx2};
 }  // namespace
 
 const KernelTable* table_avx2() { return &kTable; }

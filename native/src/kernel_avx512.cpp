@@ -63,7 +63,7 @@ struct Avx512Dp {
 };
 #endif
 
-uint64_t read_avx512(const void* p, size_t nbytes) {
+uint64_t read_one_avx512(const void* p, size_t nbytes) {
   const char* c = static_cast<const char*>(p);
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
   size_t i = 0;
@@ -86,12 +86,31 @@ uint64_t read_avx512(const void* p, size_t nbytes) {
   return out;
 }
 
+struct ReadAvx512 {
+  using V = __m512i;
+  static constexpr int BYTES = 64;
+  static V zero() { return _mm512_setzero_si512(); }
+  static V load(const char* p) { return _mm512_loadu_si512(p); }
+  static V mix(V a, V b) { return _mm512_xor_si512(a, b); }
+  static uint64_t fold(V a) {
+    alignas(64) uint64_t lanes[8];
+    _mm512_store_si512(lanes, a);
+    uint64_t out = 0;
+    for (int l = 0; l < 8; ++l) out ^= lanes[l];
+    return out;
+  }
+};
+
+uint64_t read_avx512(const void* p, size_t nbytes, int streams) {
+  return streams <= 1 ? read_one_avx512(p, nbytes) : read_streams<ReadAvx512>(p, nbytes, streams);
+}
+
 #ifdef KILLICK_BF16_DOT
 const KernelTable kTable = {"avx512bf16", {dot_rows<Avx512<float>>, dot_rows<Avx512Dp>},
-                            {false, true}, read_avx512};
+                            {dot_pair<Avx512<float>>, dot_pair<Avx512Dp>}, {false, true}, read_avx512};
 #else
 const KernelTable kTable = {"avx512", {dot_rows<Avx512<float>>, dot_rows<Avx512<uint16_t>>},
-                            {false, false}, read_avx512};
+                            {dot_pair<Avx512<float>>, dot_pair<Avx512<uint16_t>>}, {false, false}, read_avx512};
 #endif
 }  // namespace
 

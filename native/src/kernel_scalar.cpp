@@ -26,7 +26,7 @@ struct Scalar {
   static float x_scalar(const XT* p) { return *p; }
 };
 
-uint64_t read_scalar(const void* p, size_t nbytes) {
+uint64_t read_one_scalar(const void* p, size_t nbytes) {
   const uint64_t* q = static_cast<const uint64_t*>(p);
   uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
   size_t n = nbytes / 8, i = 0;
@@ -35,8 +35,25 @@ uint64_t read_scalar(const void* p, size_t nbytes) {
   return a0 ^ a1 ^ a2 ^ a3;
 }
 
+struct ReadScalar {
+  using V = uint64_t;
+  static constexpr int BYTES = 8;
+  static V zero() { return 0; }
+  static V load(const char* p) {
+    uint64_t w;
+    __builtin_memcpy(&w, p, 8);
+    return w;
+  }
+  static V mix(V a, V b) { return a ^ b; }
+  static uint64_t fold(V a) { return a; }
+};
+
+uint64_t read_scalar(const void* p, size_t nbytes, int streams) {
+  return streams <= 1 ? read_one_scalar(p, nbytes) : read_streams<ReadScalar>(p, nbytes, streams);
+}
+
 const KernelTable kTable = {"scalar", {dot_rows<Scalar<float>>, dot_rows<Scalar<uint16_t>>},
-                            {false, false}, read_scalar};
+                            {dot_pair<Scalar<float>>, dot_pair<Scalar<uint16_t>>}, {false, false}, read_scalar};
 }  // namespace
 
 const KernelTable* table_scalar() { return &kTable; }

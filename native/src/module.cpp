@@ -139,9 +139,11 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def("submit_table", &Runner::submit_table)
       .def("wait", [](Runner& r) { py::gil_scoped_release release; r.pool.wait(); })
       .def("done", [](Runner& r) { return r.pool.done(); })
-      .def("read", [](Runner& r, const std::string& isa, uint64_t p, size_t nbytes) {
+      .def("read", [](Runner& r, const std::string& isa, uint64_t p, size_t nbytes, int streams) {
+        if (streams != 1 && streams != 2 && streams != 4)
+          throw std::invalid_argument("read streams must be 1, 2 or 4, got " + std::to_string(streams));
         const KernelTable* t = table_for(isa);
         py::gil_scoped_release release;
-        return pool_read(r.pool, t, reinterpret_cast<const void*>(p), nbytes);
-      });
+        return pool_read(r.pool, t, reinterpret_cast<const void*>(p), nbytes, streams);
+      }, py::arg("isa"), py::arg("p"), py::arg("nbytes"), py::arg("streams") = 1);
 }

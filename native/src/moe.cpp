@@ -108,10 +108,17 @@ class MoeJob : public Job {
       const void* xs[kMaxTokens];
       for (int t = 0; t < eg.ntok; ++t) xs[t] = x_row(eg.tok[t]);
       auto base = static_cast<const char*>(eg.gate_up);
-      dot(base + i0 * a_.ld_gu * es_, a_.ld_gu, a_.H, n, xs, eg.ntok, gbuf, kChunkRows, a_.prefetch_bytes,
-          a_.prefetch_hint, a_.row_block);
-      dot(base + (a_.I + i0) * a_.ld_gu * es_, a_.ld_gu, a_.H, n, xs, eg.ntok, ubuf, kChunkRows,
-          a_.prefetch_bytes, a_.prefetch_hint, a_.row_block);
+      const char* gate = base + i0 * a_.ld_gu * es_;
+      const char* up = base + (a_.I + i0) * a_.ld_gu * es_;
+      if (a_.row_block == kPairWalk) {
+        a_.table->dot2[a_.fmt](gate, up, a_.ld_gu, a_.H, n, xs, xs, eg.ntok, gbuf, ubuf, kChunkRows,
+                               a_.prefetch_bytes, a_.prefetch_hint);
+      } else {
+        dot(gate, a_.ld_gu, a_.H, n, xs, eg.ntok, gbuf, kChunkRows, a_.prefetch_bytes, a_.prefetch_hint,
+            a_.row_block);
+        dot(up, a_.ld_gu, a_.H, n, xs, eg.ntok, ubuf, kChunkRows, a_.prefetch_bytes, a_.prefetch_hint,
+            a_.row_block);
+      }
       for (int t = 0; t < eg.ntok; ++t) {
         float* act = act_.get() + act_off(g, t) + i0;
         for (int r = 0; r < n; ++r) {
@@ -129,24 +136,36 @@ class MoeJob : public Job {
   void down(int, int nw) {
     thread_local std::vector<float> acc;
     acc.resize(size_t(a_.T) * kChunkRows);
-    float buf[kMaxTokens * kChunkRows];
+    float buf[2][kMaxTokens * kChunkRows];
     auto dot = a_.table->dot[a_.fmt];
     const int64_t total = g_.empty() ? 0 : a_.H;
     for (int64_t h; int n = claim(next_dn_, total, a_.H, nw, h);) {
       for (int tok : tokens_) std::fill_n(acc.data() + size_t(tok) * kChunkRows, n, 0.f);
-      for (size_t g = 0; g < g_.size(); ++g) {
-        const ExpertGroup& eg = g_[g];
-        const void* as[kMaxTokens];
-        for (int t = 0; t < eg.ntok; ++t)
-          as[t] = bf_ ? static_cast<const void*>(actbf_.get() + act_off(g, t))
-                      : static_cast<const void*>(act_.get() + act_off(g, t));
-        auto base = static_cast<const char*>(eg.down);
-        dot(base + h * a_.ld_dn * es_, a_.ld_dn, a_.I, n, as, eg.ntok, buf, kChunkRows, a_.prefetch_bytes,
-            a_.prefetch_hint, a_.row_block);
-        for (int t = 0; t < eg.ntok; ++t) {
-          float* dst = acc.data() + size_t(eg.tok[t]) * kChunkRows;
-          for (int r = 0; r < n; ++r) dst[r] += eg.w[t] * buf[t * kChunkRows + r];
+      for (size_t g = 0; g < g_.size();) {
+        // The pair walk takes two experts at once when they have as many tokens (always, in decode).
+        const bool pair = a_.row_block == kPairWalk && g + 1 < g_.size() && g_[g + 1].ntok == g_[g].ntok;
+        const void* as[2][kMaxTokens];
+        const char* rows[2];
+        for (size_t e = 0; e < (pair ? 2u : 1u); ++e) {
+          for (int t = 0; t < g_[g + e].ntok; ++t)
+            as[e][t] = bf_ ? static_cast<const void*>(actbf_.get() + act_off(g + e, t))
+                           : static_cast<const void*>(act_.get() + act_off(g + e, t));
+          rows[e] = static_cast<const char*>(g_[g + e].down) + h * a_.ld_dn * es_;
         }
+        if (pair)
+          a_.table->dot2[a_.fmt](rows[0], rows[1], a_.ld_dn, a_.I, n, as[0], as[1], g_[g].ntok, buf[0], buf[1],
+                                 kChunkRows, a_.prefetch_bytes, a_.prefetch_hint);
+        else
+          dot(rows[0], a_.ld_dn, a_.I, n, as[0], g_[g].ntok, buf[0], kChunkRows, a_.prefetch_bytes,
+              a_.prefetch_hint, a_.row_block == kPairWalk ? 1 : a_.row_block);
+        for (size_t e = 0; e < (pair ? 2u : 1u); ++e) {
+          const ExpertGroup& eg = g_[g + e];
+          for (int t = 0; t < eg.ntok; ++t) {
+            float* dst = acc.data() + size_t(eg.tok[t]) * kChunkRows;
+            for (int r = 0; r < n; ++r) dst[r] += eg.w[t] * buf[e][t * kChunkRows + r];
+          }
+        }
+        g += pair ? 2 : 1;
       }
       for (int tok : tokens_) {
         float* y = a_.y + tok * a_.y_stride + h;
@@ -174,14 +193,14 @@ class MoeJob : public Job {
 
 class ReadJob : public Job {
  public:
-  ReadJob(const KernelTable* t, const void* p, size_t n, int workers)
-      : t_(t), p_(static_cast<const char*>(p)), n_(n), out_(size_t(workers) * 8, 0) {}
+  ReadJob(const KernelTable* t, const void* p, size_t n, int workers, int streams)
+      : t_(t), p_(static_cast<const char*>(p)), n_(n), streams_(streams), out_(size_t(workers) * 8, 0) {}
   int phases() const override { return 1; }
   void run(int, int w, int nw) override {
     int64_t pages = int64_t((n_ + 4095) / 4096), b, e;
     split(pages, w, nw, b, e);
     size_t lo = size_t(b) * 4096, hi = std::min(n_, size_t(e) * 4096);
-    if (hi > lo) out_[size_t(w) * 8] = t_->read(p_ + lo, hi - lo);  // 8 words apart: own cache line
+    if (hi > lo) out_[size_t(w) * 8] = t_->read(p_ + lo, hi - lo, streams_);  // 8 words apart: own line
   }
   uint64_t result() const {
     uint64_t r = 0;
@@ -193,6 +212,7 @@ class ReadJob : public Job {
   const KernelTable* t_;
   const char* p_;
   size_t n_;
+  int streams_;
   std::vector<uint64_t> out_;
 };
 
@@ -224,8 +244,8 @@ std::shared_ptr<Job> make_moe_job(const MoeArgs& args, std::vector<ExpertGroup> 
   return std::make_shared<MoeJob>(args, std::move(groups));
 }
 
-uint64_t pool_read(Pool& pool, const KernelTable* table, const void* p, size_t nbytes) {
-  auto job = std::make_shared<ReadJob>(table, p, nbytes, pool.threads());
+uint64_t pool_read(Pool& pool, const KernelTable* table, const void* p, size_t nbytes, int streams) {
+  auto job = std::make_shared<ReadJob>(table, p, nbytes, pool.threads(), streams);
   pool.submit(job);
   pool.wait();
   return job->result();

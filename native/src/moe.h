@@ -10,6 +10,9 @@
 namespace killick {
 
 constexpr int kMaxTokens = 4;  // tokens sharing one pass over an expert's weights
+// row_block value for the pair walk: an expert's gate and up rows side by side in phase 0, two experts' down
+// rows side by side in phase 1 (DotPairFn); 0 and 1 are DotRowsFn's walks.
+constexpr int kPairWalk = 2;
 
 // One (layer, expert) and the tokens that route to it. gate_up: [2I, H] rows (gate rows 0..I-1, up rows
 // I..2I-1), row stride ld_gu elements; down: [H, I], row stride ld_dn elements.
@@ -33,7 +36,7 @@ struct MoeArgs {
   int T;
   int prefetch_bytes;
   int prefetch_hint;  // see DotRowsFn
-  int row_block;  // see DotRowsFn
+  int row_block;  // see DotRowsFn; kPairWalk: two row streams at a time (DotPairFn)
   int claim_rows;  // rows a worker claims at a time (clamped to 1..kChunkRows)
   bool guided;     // claims shrink towards the end of each phase (see MoeJob::claim)
 };
@@ -45,7 +48,8 @@ std::vector<ExpertGroup> group_tasks(const std::vector<uint64_t>& gate_up, const
 
 std::shared_ptr<Job> make_moe_job(const MoeArgs& args, std::vector<ExpertGroup> groups);
 
-// XOR-reads [p, p + nbytes) split over the pool's workers; returns the folded XOR.
-uint64_t pool_read(Pool& pool, const KernelTable* table, const void* p, size_t nbytes);
+// XOR-reads [p, p + nbytes) split over the pool's workers, each reading its part as `streams` streams
+// (see ReadFn); returns the folded XOR.
+uint64_t pool_read(Pool& pool, const KernelTable* table, const void* p, size_t nbytes, int streams = 1);
 
 }  // namespace killick

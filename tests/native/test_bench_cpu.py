@@ -17,4 +17,5 @@ def test_bench_reports_kernel_read_and_torch(tmp_path, capsys):
     assert row["kernel_gbs"] == max(row["kernel_runs"]) > 0 and row["read_gbs"] == max(row["read_runs"]) > 0
     assert row["read_fastest_pass_gbs"] >= row["read_gbs"] * 0.999  # one pass is never below the average
     assert row["ratio"] == pytest.approx(row["kernel_gbs"] / row["read_gbs"]) and row["torch_gbs"] > 0
+    assert len(row["read4_runs"]) == 2 and row["ratio4"] == pytest.approx(row["kernel_gbs"] / row["read4_gbs"])
     assert out.exists() and "kernel GB/s" in capsys.readouterr().out

@@ -34,7 +34,7 @@ def rel_err(y, y0, ref):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("hidden,inter", [(67, 29), (130, 45), (256, 96)])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4])
-@pytest.mark.parametrize("row_block", [0, 1])
+@pytest.mark.parametrize("row_block", [0, 1, 2])
 def test_matches_float64_reference(isa, dtype, hidden, inter, tokens, row_block):
     check_against_reference(isa, dtype, hidden, inter, tokens, row_block)
 
@@ -47,6 +47,7 @@ def test_claim_size_does_not_change_results(isa, claim_rows, guided):
     a phase, covers every row exactly once."""
     check_against_reference(isa, torch.bfloat16, 130, 45, 3, 0, claim_rows=claim_rows, threads=3, guided=guided)
     check_against_reference(isa, torch.bfloat16, 700, 300, 1, 0, claim_rows=claim_rows, threads=5, guided=guided)
+    check_against_reference(isa, torch.bfloat16, 700, 300, 2, 2, claim_rows=claim_rows, threads=5, guided=guided)
 
 
 def check_against_reference(isa, dtype, hidden, inter, tokens, row_block, claim_rows=64, threads=2, guided=True):
@@ -65,7 +66,7 @@ def check_against_reference(isa, dtype, hidden, inter, tokens, row_block, claim_
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("hint", ["t0", "t1", "t2", "nta"])
-@pytest.mark.parametrize("row_block", [0, 1])
+@pytest.mark.parametrize("row_block", [0, 1, 2])
 def test_prefetch_hint_does_not_change_results(isa, hint, row_block):
     gen = torch.Generator().manual_seed(11)
     experts = make_experts(3, 300, 70, torch.bfloat16, gen)
@@ -83,14 +84,15 @@ def test_unknown_prefetch_hint_is_refused():
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("threads", [1, 3, 5])
-def test_many_tokens_on_one_expert_and_untouched_rows(isa, threads):
+@pytest.mark.parametrize("row_block", [0, 2])
+def test_many_tokens_on_one_expert_and_untouched_rows(isa, threads, row_block):
     gen = torch.Generator().manual_seed(threads)
     (gu, dn), = make_experts(1, 96, 40, torch.bfloat16, gen)
     x = torch.randn(8, 96, generator=gen)
     tasks = [(gu, dn, t, 0.5 + t) for t in range(7)]  # 7 tokens: two passes of <= 4; row 7 has no task
     y0 = torch.randn(8, 96, generator=gen)
     y = y0.clone()
-    CpuExpertRunner(threads=threads, isa=isa).run(tasks, x, y)
+    CpuExpertRunner(threads=threads, isa=isa, row_block=row_block).run(tasks, x, y)
     assert torch.equal(y[7], y0[7])
     assert rel_err(y, y0, reference_experts(tasks, x)) < tolerance(isa, torch.bfloat16)
 
@@ -117,9 +119,18 @@ def test_no_tasks_leaves_y_alone():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_read_kernel_xors_every_word(isa):
+@pytest.mark.parametrize("streams", [1, 2, 4])
+def test_read_kernel_xors_every_word(isa, streams):
     buf = torch.randint(-2**62, 2**62, (100_003,), dtype=torch.int64)  # not a multiple of a page
     expect = 0
     for v in buf.view(torch.uint8).numpy().view("<u8"):
         expect ^= int(v)
-    assert CpuExpertRunner(threads=2, isa=isa).read_bandwidth_pass(buf) == expect
+    for threads in (1, 3):
+        assert CpuExpertRunner(threads=threads, isa=isa).read_bandwidth_pass(buf, streams) == expect
+
+
+def test_read_streams_and_walk_are_checked():
+    with pytest.raises(ValueError, match="streams"):
+        CpuExpertRunner(threads=1).read_bandwidth_pass(torch.zeros(64), streams=3)
+    with pytest.raises(ValueError, match="row_block"):
+        CpuExpertRunner(threads=1, row_block=3)
