@@ -24,7 +24,7 @@ from engine.experts.cpu_kernels import (PREFETCH_HINTS, CpuExpertRunner, ExpertT
                                         supported_isas, torch_experts)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-WALKS = ("four rows side by side", "one row at a time", "two row streams")
+WALKS = ("four rows side by side", "one row at a time", "two row streams", "four row streams")
 # --sweep: (label, overrides) measured after the default configuration, same pool, same process.
 SWEEP = [("short spin (50 us)", {"spin_us": 50}), ("no software prefetch", {"prefetch": 0}),
          ("prefetch 1024 B", {"prefetch": 1024}), ("prefetch 2048 B", {"prefetch": 2048}),
@@ -36,7 +36,8 @@ SWEEP = [("short spin (50 us)", {"spin_us": 50}), ("no software prefetch", {"pre
          ("claims of 64 rows", {"claim_rows": 64}), ("claims of 32 rows", {"claim_rows": 32}),
          ("claims of 16 rows", {"claim_rows": 16}), ("fixed-size claims (not guided)", {"guided": False}),
          ("two row streams", {"row_block": 2}), ("two row streams, prefetch 512 B", {"row_block": 2, "prefetch": 512}),
-         ("two row streams, 2 tokens", {"row_block": 2, "tokens": 2})]
+         ("two row streams, 2 tokens", {"row_block": 2, "tokens": 2}), ("four row streams", {"row_block": 3}),
+         ("four row streams, 2 tokens", {"row_block": 3, "tokens": 2})]
 
 
 def make_pool(n_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> torch.Tensor:
@@ -153,9 +154,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rows a worker claims at a time, 1-64 (default: this CPU's, see default_walk)")
     p.add_argument("--no-guided", dest="guided", action="store_false",
                    help="every claim --claim-rows long (default: claims shrink as each phase runs out)")
-    p.add_argument("--row-block", type=int, default=None, choices=[0, 1, 2],
+    p.add_argument("--row-block", type=int, default=None, choices=[0, 1, 2, 3],
                    help="kernel walk order, 0: four rows side by side, 1: one row at a time, 2: two row streams "
-                        "(gate with up, expert with expert) (default: this CPU's)")
+                        "(gate with up, expert with expert), 3: four streams (default: this CPU's)")
     p.add_argument("--no-read4", dest="read4", action="store_false",
                    help="skip the second read reference (each worker reading four streams side by side)")
     p.add_argument("--seconds", type=float, default=1.5, help="time per kernel measurement")

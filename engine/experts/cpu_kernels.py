@@ -37,15 +37,16 @@ PREFETCH_HINTS = {"t0": 3, "t1": 2, "t2": 1, "nta": 0}  # -> __builtin_prefetch 
 @functools.lru_cache(maxsize=1)
 def default_walk() -> tuple[int, int, int]:
     """(row_block, prefetch_bytes, claim_rows) that measured best on this CPU vendor (docs/PERF.md, issue 3):
-    AMD Zen wants two long sequential streams per core (an expert's gate and up rows side by side, then two
-    experts' down rows: 1 KiB prefetch, 64-row claims); four short rows side by side are its worst walk
-    (kernel/read 0.57). The GPU box's Xeon streams four rows side by side best, with 32-row claims."""
+    AMD Zen wants several long sequential streams per core (the four-stream walk: both halves of a claim's
+    gate and up rows, four experts' down rows; 512 B prefetch, 64-row claims); four short rows side by side
+    are its worst walk (kernel/read 0.57). The GPU box's Xeon streams four rows side by side best (the two-
+    stream walk measured no better there), with 32-row claims."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
             amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in fh)
     except OSError:
         amd = False
-    return (2, 1024, 64) if amd else (0, PREFETCH_BYTES, 32)
+    return (3, 512, 64) if amd else (0, PREFETCH_BYTES, 32)
 
 
 def native_available() -> bool:
@@ -171,8 +172,9 @@ class CpuExpertRunner:
     threads: worker count (default: physical cores - 1, at least 1); isa: force a kernel path
     ('avx512bf16', 'avx512', 'avx2', 'scalar'; default the best supported); backend: 'auto', 'native'
     or 'torch'; pin: one worker per physical core; spin_us: how long idle workers spin before parking;
-    row_block: kernel walk order (0: four rows side by side, 1: one row at a time, 2: two rows at a time from
-    two streams: an expert's gate and up rows, then two experts' down rows); prefetch_bytes:
+    row_block: kernel walk order (0: four rows side by side, 1: one row at a time, 2: two row streams side by
+    side: an expert's gate and up rows, then two experts' down rows; 3: four streams: both halves of the gate
+    and up rows, four experts' down rows); prefetch_bytes:
     software prefetch distance (0: off). None: what measured best on this CPU vendor (default_walk).
     claim_rows: rows a worker claims at a time (1-64; shorter claims end each phase more evenly, longer
     ones stream longer runs). None: default_walk's. guided: claims shrink from claim_rows to 8 rows as each
@@ -188,8 +190,8 @@ class CpuExpertRunner:
         row_block = walk[0] if row_block is None else row_block
         prefetch_bytes = walk[1] if prefetch_bytes is None else prefetch_bytes
         claim_rows = walk[2] if claim_rows is None else claim_rows
-        if row_block not in (0, 1, 2):
-            raise ValueError(f"row_block must be 0, 1 or 2, not {row_block!r}")
+        if row_block not in (0, 1, 2, 3):
+            raise ValueError(f"row_block must be 0, 1, 2 or 3, not {row_block!r}")
         if prefetch_hint not in PREFETCH_HINTS:
             raise ValueError(f"prefetch_hint must be one of {sorted(PREFETCH_HINTS)}, not {prefetch_hint!r}")
         if backend not in ("auto", "native", "torch"):

@@ -102,7 +102,7 @@ uint64_t read_avx2(const void* p, size_t nbytes, int streams) {
   return streams <= 1 ? read_one_avx2(p, nbytes) : read_streams<ReadAvx2>(p, nbytes, streams);
 }
 
-const KernelTable kTable = {"avx2", {dot_rows<Avx2>, dot_rows<Avx2Bf>}, {dot_pair<Avx2>, dot_pair<Avx2Bf>},
+const KernelTable kTable = {"avx2", {dot_rows<Avx2>, dot_rows<Avx2Bf>}, {dot_streams<Avx2>, dot_streams<Avx2Bf>},
                             {false, true}, read_avx2};
 }  // namespace
 

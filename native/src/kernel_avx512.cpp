@@ -107,10 +107,10 @@ uint64_t read_avx512(const void* p, size_t nbytes, int streams) {
 
 #ifdef KILLICK_BF16_DOT
 const KernelTable kTable = {"avx512bf16", {dot_rows<Avx512<float>>, dot_rows<Avx512Dp>},
-                            {dot_pair<Avx512<float>>, dot_pair<Avx512Dp>}, {false, true}, read_avx512};
+                            {dot_streams<Avx512<float>>, dot_streams<Avx512Dp>}, {false, true}, read_avx512};
 #else
 const KernelTable kTable = {"avx512", {dot_rows<Avx512<float>>, dot_rows<Avx512<uint16_t>>},
-                            {dot_pair<Avx512<float>>, dot_pair<Avx512<uint16_t>>}, {false, false}, read_avx512};
+                            {dot_streams<Avx512<float>>, dot_streams<Avx512<uint16_t>>}, {false, false}, read_avx512};
 #endif
 }  // namespace
 

@@ -53,7 +53,7 @@ uint64_t read_scalar(const void* p, size_t nbytes, int streams) {
 }
 
 const KernelTable kTable = {"scalar", {dot_rows<Scalar<float>>, dot_rows<Scalar<uint16_t>>},
-                            {dot_pair<Scalar<float>>, dot_pair<Scalar<uint16_t>>}, {false, false}, read_scalar};
+                            {dot_streams<Scalar<float>>, dot_streams<Scalar<uint16_t>>}, {false, false}, read_scalar};
 }  // namespace
 
 const KernelTable* table_scalar() { return &kTable; }

@@ -21,11 +21,10 @@ enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 // (3: prefetcht0 into L1, 2: prefetcht1, 1: prefetcht2, 0: prefetchnta).
 using DotRowsFn = void (*)(const void* W, int64_t ld, int K, int rows, const void* const* x, int T,
                            float* out, int out_stride, int prefetch_bytes, int prefetch_hint, int row_block);
-// Row r of W1 against x1 into out1[t * out_stride + r] and row r of W2 against x2 into out2, r < rows, the two
-// walked side by side (two sequential streams); same formats and activations as DotRowsFn.
-using DotPairFn = void (*)(const void* W1, const void* W2, int64_t ld, int K, int rows, const void* const* x1,
-                           const void* const* x2, int T, float* out1, float* out2, int out_stride,
-                           int prefetch_bytes, int prefetch_hint);
+// Rows r < rows of S matrices (S = 2 or 4) walked side by side, S sequential streams: row r of W[s] against
+// the activations x[s] (T of them) into out[s][t * out_stride + r]; same formats and activations as DotRowsFn.
+using DotStreamsFn = void (*)(int S, const void* const* W, int64_t ld, int K, int rows, const void* const* const* x,
+                              int T, float* const* out, int out_stride, int prefetch_bytes, int prefetch_hint);
 // XOR of every 8-byte word in [p, p + nbytes): a read-only pass the compiler cannot drop. streams 1: one
 // sequential pass (STREAM read); 2 or 4: that many equal parts read side by side.
 using ReadFn = uint64_t (*)(const void* p, size_t nbytes, int streams);
@@ -33,8 +32,8 @@ using ReadFn = uint64_t (*)(const void* p, size_t nbytes, int streams);
 struct KernelTable {
   const char* name;
   DotRowsFn dot[2];   // indexed by Format
-  DotPairFn dot2[2];  // indexed by Format
-  bool x_bf16[2];     // per Format: do dot[] and dot2[] want bf16 activations?
+  DotStreamsFn dots[2];  // indexed by Format
+  bool x_bf16[2];        // per Format: do dot[] and dots[] want bf16 activations?
   ReadFn read;
 };
 

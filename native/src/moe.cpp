@@ -48,6 +48,7 @@ class MoeJob : public Job {
     if (bf_) prepare_bf16();
     // Rows a worker claims at a time (gate + up rows in phase 0, output rows in phase 1): shorter claims end
     // a phase more evenly, longer ones give each worker longer sequential streams.
+    streams_ = a.row_block == kQuadWalk ? 4 : (a.row_block == kPairWalk ? 2 : 1);
     claim_ = std::min(kChunkRows, std::max(1, a.claim_rows));
     least_ = std::min(claim_, kLeastClaim);
     for (const ExpertGroup& eg : g_) tokens_.insert(tokens_.end(), eg.tok, eg.tok + eg.ntok);
@@ -110,9 +111,22 @@ class MoeJob : public Job {
       auto base = static_cast<const char*>(eg.gate_up);
       const char* gate = base + i0 * a_.ld_gu * es_;
       const char* up = base + (a_.I + i0) * a_.ld_gu * es_;
-      if (a_.row_block == kPairWalk) {
-        a_.table->dot2[a_.fmt](gate, up, a_.ld_gu, a_.H, n, xs, xs, eg.ntok, gbuf, ubuf, kChunkRows,
-                               a_.prefetch_bytes, a_.prefetch_hint);
+      if (streams_ > 1) {
+        const int64_t row = a_.ld_gu * es_;
+        const void* const* xss[4] = {xs, xs, xs, xs};
+        int h = streams_ == 4 ? n / 2 : 0;  // quad walk: halves of the gate and up rows as four streams
+        if (h > 0) {
+          const void* w[4] = {gate, gate + h * row, up, up + h * row};
+          float* out[4] = {gbuf, gbuf + h, ubuf, ubuf + h};
+          a_.table->dots[a_.fmt](4, w, a_.ld_gu, a_.H, h, xss, eg.ntok, out, kChunkRows, a_.prefetch_bytes,
+                                 a_.prefetch_hint);
+        }
+        if (n > 2 * h) {  // the pair walk, or the quad walk's odd last row
+          const void* w[2] = {gate + 2 * h * row, up + 2 * h * row};
+          float* out[2] = {gbuf + 2 * h, ubuf + 2 * h};
+          a_.table->dots[a_.fmt](2, w, a_.ld_gu, a_.H, n - 2 * h, xss, eg.ntok, out, kChunkRows,
+                                 a_.prefetch_bytes, a_.prefetch_hint);
+        }
       } else {
         dot(gate, a_.ld_gu, a_.H, n, xs, eg.ntok, gbuf, kChunkRows, a_.prefetch_bytes, a_.prefetch_hint,
             a_.row_block);
@@ -136,36 +150,43 @@ class MoeJob : public Job {
   void down(int, int nw) {
     thread_local std::vector<float> acc;
     acc.resize(size_t(a_.T) * kChunkRows);
-    float buf[2][kMaxTokens * kChunkRows];
+    float buf[4][kMaxTokens * kChunkRows];
     auto dot = a_.table->dot[a_.fmt];
     const int64_t total = g_.empty() ? 0 : a_.H;
     for (int64_t h; int n = claim(next_dn_, total, a_.H, nw, h);) {
       for (int tok : tokens_) std::fill_n(acc.data() + size_t(tok) * kChunkRows, n, 0.f);
       for (size_t g = 0; g < g_.size();) {
-        // The pair walk takes two experts at once when they have as many tokens (always, in decode).
-        const bool pair = a_.row_block == kPairWalk && g + 1 < g_.size() && g_[g + 1].ntok == g_[g].ntok;
-        const void* as[2][kMaxTokens];
-        const char* rows[2];
-        for (size_t e = 0; e < (pair ? 2u : 1u); ++e) {
+        // The stream walks take up to streams_ experts at once when they have as many tokens (always, in
+        // decode); a lone expert goes through the one-row walk.
+        size_t m = 1;
+        while (m < size_t(streams_) && g + m < g_.size() && g_[g + m].ntok == g_[g].ntok) ++m;
+        if (m == 3) m = 2;
+        const void* as[4][kMaxTokens];
+        const void* w[4];
+        float* out[4];
+        for (size_t e = 0; e < m; ++e) {
           for (int t = 0; t < g_[g + e].ntok; ++t)
             as[e][t] = bf_ ? static_cast<const void*>(actbf_.get() + act_off(g + e, t))
                            : static_cast<const void*>(act_.get() + act_off(g + e, t));
-          rows[e] = static_cast<const char*>(g_[g + e].down) + h * a_.ld_dn * es_;
+          w[e] = static_cast<const char*>(g_[g + e].down) + h * a_.ld_dn * es_;
+          out[e] = buf[e];
         }
-        if (pair)
-          a_.table->dot2[a_.fmt](rows[0], rows[1], a_.ld_dn, a_.I, n, as[0], as[1], g_[g].ntok, buf[0], buf[1],
-                                 kChunkRows, a_.prefetch_bytes, a_.prefetch_hint);
-        else
-          dot(rows[0], a_.ld_dn, a_.I, n, as[0], g_[g].ntok, buf[0], kChunkRows, a_.prefetch_bytes,
-              a_.prefetch_hint, a_.row_block == kPairWalk ? 1 : a_.row_block);
-        for (size_t e = 0; e < (pair ? 2u : 1u); ++e) {
+        if (m > 1) {
+          const void* const* xs[4] = {as[0], as[1], as[2], as[3]};
+          a_.table->dots[a_.fmt](int(m), w, a_.ld_dn, a_.I, n, xs, g_[g].ntok, out, kChunkRows, a_.prefetch_bytes,
+                                 a_.prefetch_hint);
+        } else {
+          dot(w[0], a_.ld_dn, a_.I, n, as[0], g_[g].ntok, buf[0], kChunkRows, a_.prefetch_bytes, a_.prefetch_hint,
+              streams_ > 1 ? 1 : a_.row_block);
+        }
+        for (size_t e = 0; e < m; ++e) {
           const ExpertGroup& eg = g_[g + e];
           for (int t = 0; t < eg.ntok; ++t) {
             float* dst = acc.data() + size_t(eg.tok[t]) * kChunkRows;
             for (int r = 0; r < n; ++r) dst[r] += eg.w[t] * buf[e][t * kChunkRows + r];
           }
         }
-        g += pair ? 2 : 1;
+        g += m;
       }
       for (int tok : tokens_) {
         float* y = a_.y + tok * a_.y_stride + h;
@@ -178,6 +199,7 @@ class MoeJob : public Job {
   MoeArgs a_;
   std::vector<ExpertGroup> g_;
   std::vector<int> tokens_;  // the distinct tokens this job adds to
+  int streams_ = 1;         // row streams a kernel call walks side by side (the stream walks: 2 or 4)
   int claim_ = kChunkRows;  // rows a claim takes at most
   int least_ = kLeastClaim;  // and at least (guided claims), but for a segment's last rows
   // Work counters, claimed with fetch_add; apart from each other and from the read-only fields.

@@ -10,9 +10,11 @@
 namespace killick {
 
 constexpr int kMaxTokens = 4;  // tokens sharing one pass over an expert's weights
-// row_block value for the pair walk: an expert's gate and up rows side by side in phase 0, two experts' down
-// rows side by side in phase 1 (DotPairFn); 0 and 1 are DotRowsFn's walks.
+// row_block values for the stream walks (DotStreamsFn): kPairWalk, an expert's gate and up rows side by side in
+// phase 0 and two experts' down rows in phase 1; kQuadWalk, both halves of the gate and up rows, four experts'
+// down rows. 0 and 1 are DotRowsFn's walks.
 constexpr int kPairWalk = 2;
+constexpr int kQuadWalk = 3;
 
 // One (layer, expert) and the tokens that route to it. gate_up: [2I, H] rows (gate rows 0..I-1, up rows
 // I..2I-1), row stride ld_gu elements; down: [H, I], row stride ld_dn elements.
@@ -36,7 +38,7 @@ struct MoeArgs {
   int T;
   int prefetch_bytes;
   int prefetch_hint;  // see DotRowsFn
-  int row_block;  // see DotRowsFn; kPairWalk: two row streams at a time (DotPairFn)
+  int row_block;  // see DotRowsFn, kPairWalk and kQuadWalk
   int claim_rows;  // rows a worker claims at a time (clamped to 1..kChunkRows)
   bool guided;     // claims shrink towards the end of each phase (see MoeJob::claim)
 };

@@ -34,7 +34,7 @@ def rel_err(y, y0, ref):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("hidden,inter", [(67, 29), (130, 45), (256, 96)])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4])
-@pytest.mark.parametrize("row_block", [0, 1, 2])
+@pytest.mark.parametrize("row_block", [0, 1, 2, 3])
 def test_matches_float64_reference(isa, dtype, hidden, inter, tokens, row_block):
     check_against_reference(isa, dtype, hidden, inter, tokens, row_block)
 
@@ -48,6 +48,21 @@ def test_claim_size_does_not_change_results(isa, claim_rows, guided):
     check_against_reference(isa, torch.bfloat16, 130, 45, 3, 0, claim_rows=claim_rows, threads=3, guided=guided)
     check_against_reference(isa, torch.bfloat16, 700, 300, 1, 0, claim_rows=claim_rows, threads=5, guided=guided)
     check_against_reference(isa, torch.bfloat16, 700, 300, 2, 2, claim_rows=claim_rows, threads=5, guided=guided)
+    check_against_reference(isa, torch.bfloat16, 700, 300, 1, 3, claim_rows=claim_rows, threads=4, guided=guided)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("row_block", [2, 3])
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_stream_walks_take_experts_in_twos_and_fours(isa, row_block, tokens):
+    """Seven experts with as many tokens each: the down phase walks them 4 + 2 + 1 (quad) or 2 + 2 + 2 + 1."""
+    gen = torch.Generator().manual_seed(17 + tokens)
+    experts = make_experts(7, 200, 90, torch.bfloat16, gen)
+    x = torch.randn(tokens, 200, generator=gen)
+    tasks = [(*experts[e], t, 0.1 + e / 10) for e in range(7) for t in range(tokens)]
+    y = torch.zeros(tokens, 200)
+    CpuExpertRunner(threads=3, isa=isa, row_block=row_block, claim_rows=16).run(tasks, x, y)
+    assert rel_err(y, torch.zeros(tokens, 200), reference_experts(tasks, x)) < tolerance(isa, torch.bfloat16)
 
 
 def check_against_reference(isa, dtype, hidden, inter, tokens, row_block, claim_rows=64, threads=2, guided=True):
@@ -66,7 +81,7 @@ def check_against_reference(isa, dtype, hidden, inter, tokens, row_block, claim_
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("hint", ["t0", "t1", "t2", "nta"])
-@pytest.mark.parametrize("row_block", [0, 1, 2])
+@pytest.mark.parametrize("row_block", [0, 1, 2, 3])
 def test_prefetch_hint_does_not_change_results(isa, hint, row_block):
     gen = torch.Generator().manual_seed(11)
     experts = make_experts(3, 300, 70, torch.bfloat16, gen)
@@ -84,7 +99,7 @@ def test_unknown_prefetch_hint_is_refused():
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("threads", [1, 3, 5])
-@pytest.mark.parametrize("row_block", [0, 2])
+@pytest.mark.parametrize("row_block", [0, 2, 3])
 def test_many_tokens_on_one_expert_and_untouched_rows(isa, threads, row_block):
     gen = torch.Generator().manual_seed(threads)
     (gu, dn), = make_experts(1, 96, 40, torch.bfloat16, gen)
@@ -133,4 +148,4 @@ def test_read_streams_and_walk_are_checked():
     with pytest.raises(ValueError, match="streams"):
         CpuExpertRunner(threads=1).read_bandwidth_pass(torch.zeros(64), streams=3)
     with pytest.raises(ValueError, match="row_block"):
-        CpuExpertRunner(threads=1, row_block=3)
+        CpuExpertRunner(threads=1, row_block=4)
