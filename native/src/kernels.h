@@ -14,7 +14,7 @@ enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 // out[t * out_stride + r] = sum_k W[r * ld + k] * x[t][k] for r < rows, t < T (1..4), fp32 accumulation.
 // W is `rows` rows of K elements in the table's format; x points at fp32 vectors or, when the table's
-// `x_bf16` is set, at bf16 vectors (the AVX-512-BF16 dot product takes both operands in bf16).
+// `x_bf16` is set, at bf16 vectors (VDPBF16PS and the AVX2 bf16 path take both operands in bf16).
 // row_block 0: walk up to 4 rows side by side (one weight load feeds T tokens x 4 rows of FMAs);
 // row_block 1: one row at a time, two lines per step into independent accumulators (one sequential stream).
 // prefetch_bytes ahead along each row stream (0: none), with prefetch_hint as __builtin_prefetch's locality

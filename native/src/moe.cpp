@@ -46,9 +46,9 @@ class MoeJob : public Job {
     ipad_ = (a.I + 15) / 16 * 16;
     act_.resize(g_.size() * kMaxTokens * ipad_);
     if (bf_) prepare_bf16();
+    streams_ = a.row_block == kQuadWalk ? 4 : (a.row_block == kPairWalk ? 2 : 1);
     // Rows a worker claims at a time (gate + up rows in phase 0, output rows in phase 1): shorter claims end
     // a phase more evenly, longer ones give each worker longer sequential streams.
-    streams_ = a.row_block == kQuadWalk ? 4 : (a.row_block == kPairWalk ? 2 : 1);
     claim_ = std::min(kChunkRows, std::max(1, a.claim_rows));
     least_ = std::min(claim_, kLeastClaim);
     for (const ExpertGroup& eg : g_) tokens_.insert(tokens_.end(), eg.tok, eg.tok + eg.ntok);
