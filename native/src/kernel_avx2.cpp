@@ -1,6 +1,8 @@
 // AVX2 + FMA path (compiled with -mavx2 -mfma; only called after a runtime CPU check).
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "kernels.h"
 
 namespace killick {
@@ -65,7 +67,7 @@ struct Avx2Bf {
   static float x_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
 };
 
-uint64_t read_one_avx2(const void* p, size_t nbytes) {
+uint64_t read_avx2(const void* p, size_t nbytes) {
   const char* c = static_cast<const char*>(p);
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
   size_t i = 0;
@@ -98,12 +100,8 @@ struct ReadAvx2 {
   }
 };
 
-uint64_t read_avx2(const void* p, size_t nbytes, int streams) {
-  return streams <= 1 ? read_one_avx2(p, nbytes) : read_streams<ReadAvx2>(p, nbytes, streams);
-}
-
 const KernelTable kTable = {"avx2", {dot_rows<Avx2>, dot_rows<Avx2Bf>}, {dot_streams<Avx2>, dot_streams<Avx2Bf>},
-                            {false, true}, read_avx2};
+                            {false, true}, read_streams<ReadAvx2, read_avx2>};
 }  // namespace
 
 const KernelTable* table_avx2() { return &kTable; }

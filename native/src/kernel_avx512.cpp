@@ -2,6 +2,8 @@
 // With -DKILLICK_BF16_DOT (kernel_avx512bf16.cpp) the bf16 table uses VDPBF16PS on bf16 activations.
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "kernels.h"
 
 namespace killick {
@@ -63,7 +65,7 @@ struct Avx512Dp {
 };
 #endif
 
-uint64_t read_one_avx512(const void* p, size_t nbytes) {
+uint64_t read_avx512(const void* p, size_t nbytes) {
   const char* c = static_cast<const char*>(p);
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
   size_t i = 0;
@@ -101,16 +103,14 @@ struct ReadAvx512 {
   }
 };
 
-uint64_t read_avx512(const void* p, size_t nbytes, int streams) {
-  return streams <= 1 ? read_one_avx512(p, nbytes) : read_streams<ReadAvx512>(p, nbytes, streams);
-}
-
 #ifdef KILLICK_BF16_DOT
 const KernelTable kTable = {"avx512bf16", {dot_rows<Avx512<float>>, dot_rows<Avx512Dp>},
-                            {dot_streams<Avx512<float>>, dot_streams<Avx512Dp>}, {false, true}, read_avx512};
+                            {dot_streams<Avx512<float>>, dot_streams<Avx512Dp>}, {false, true},
+                            read_streams<ReadAvx512, read_avx512>};
 #else
 const KernelTable kTable = {"avx512", {dot_rows<Avx512<float>>, dot_rows<Avx512<uint16_t>>},
-                            {dot_streams<Avx512<float>>, dot_streams<Avx512<uint16_t>>}, {false, false}, read_avx512};
+                            {dot_streams<Avx512<float>>, dot_streams<Avx512<uint16_t>>}, {false, false},
+                            read_streams<ReadAvx512, read_avx512>};
 #endif
 }  // namespace
 

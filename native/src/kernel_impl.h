@@ -68,7 +68,7 @@ inline void dot_block(const typename V::WT* w, int64_t ld, int K, const typename
 // has its own while registers allow), so no FMA latency chain runs through a step.
 template <class V, int T, int LOC>
 inline void dot_stream(const typename V::WT* w, int K, const typename V::XT* const* x, float* out, int os,
-                            int pf) {
+                       int pf) {
   constexpr int LINE = 64 / int(sizeof(typename V::WT));
   constexpr int J = LINE / V::W > 0 ? LINE / V::W : 1;
   constexpr int STEP = 2 * J * V::W;  // two lines
@@ -199,21 +199,29 @@ void dot_streams_loc(int S, const void* const* w, int64_t ld, int K, int rows, c
   for (int s = 0; s < S; ++s) dot_rows_loc<V, LOC>(w[s], ld, K, rows, x[s], T, out[s], os, pf, 1);
 }
 
-template <class V>
-void dot_streams(int S, const void* const* w, int64_t ld, int K, int rows, const void* const* const* x, int T,
-                 float* const* out, int os, int pf, int pf_hint) {
+// Calls f(std::integral_constant<int, L>) with L the prefetch locality for pf_hint: __builtin_prefetch's
+// (3: prefetcht0, into L1; 2: t1, L2; 1: t2; 0: prefetchnta), which must be a compile-time constant.
+template <class F>
+void with_locality(int pf_hint, F&& f) {
   switch (pf_hint) {
-    case 0: dot_streams_loc<V, 0>(S, w, ld, K, rows, x, T, out, os, pf); break;
-    case 1: dot_streams_loc<V, 1>(S, w, ld, K, rows, x, T, out, os, pf); break;
-    case 2: dot_streams_loc<V, 2>(S, w, ld, K, rows, x, T, out, os, pf); break;
-    default: dot_streams_loc<V, 3>(S, w, ld, K, rows, x, T, out, os, pf); break;
+    case 0: f(std::integral_constant<int, 0>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 3>{}); break;
   }
 }
 
-// A read pass over `streams` equal parts of [p, p + nbytes) side by side, one line of each a step (the tail
-// that does not divide evenly read after): the STREAM-style read with 1, and a read that keeps the hardware
-// prefetcher running on several streams per core with more. RV supplies V (a vector), BYTES (its size),
-// zero(), load(const char*), mix(V, V) and fold(V) -> uint64_t.
+template <class V>
+void dot_streams(int S, const void* const* w, int64_t ld, int K, int rows, const void* const* const* x, int T,
+                 float* const* out, int os, int pf, int pf_hint) {
+  with_locality(pf_hint, [&](auto loc) {
+    dot_streams_loc<V, decltype(loc)::value>(S, w, ld, K, rows, x, T, out, os, pf);
+  });
+}
+
+// A read pass over S equal parts of [p, p + nbytes) side by side, one line of each a step (the tail that does
+// not divide evenly read after): keeps the hardware prefetcher running on several streams per core. RV
+// supplies V (a vector), BYTES (its size), zero(), load(const char*), mix(V, V) and fold(V) -> uint64_t.
 template <class RV, int S>
 uint64_t read_parts(const char* c, size_t nbytes) {
   typename RV::V acc[S][64 / RV::BYTES];
@@ -222,7 +230,8 @@ uint64_t read_parts(const char* c, size_t nbytes) {
   size_t part = nbytes / S / 64 * 64;
   for (size_t i = 0; i < part; i += 64)
     for (int s = 0; s < S; ++s)
-      for (int j = 0; j < 64 / RV::BYTES; ++j) acc[s][j] = RV::mix(acc[s][j], RV::load(c + s * part + i + j * RV::BYTES));
+      for (int j = 0; j < 64 / RV::BYTES; ++j)
+        acc[s][j] = RV::mix(acc[s][j], RV::load(c + s * part + i + j * RV::BYTES));
   uint64_t out = 0;
   for (int s = 0; s < S; ++s)
     for (int j = 0; j < 64 / RV::BYTES; ++j) out ^= RV::fold(acc[s][j]);
@@ -234,26 +243,24 @@ uint64_t read_parts(const char* c, size_t nbytes) {
   return out;
 }
 
-template <class RV>
+// The table's ReadFn: ONE (the ISA's own sequential loop, the STREAM-style read) for one stream, read_parts
+// for 2 or 4.
+template <class RV, uint64_t (*ONE)(const void*, size_t)>
 uint64_t read_streams(const void* p, size_t nbytes, int streams) {
   const char* c = static_cast<const char*>(p);
   switch (streams) {
-    case 1: return read_parts<RV, 1>(c, nbytes);
+    case 1: return ONE(p, nbytes);
     case 2: return read_parts<RV, 2>(c, nbytes);
     default: return read_parts<RV, 4>(c, nbytes);
   }
 }
 
-// pf_hint: __builtin_prefetch's locality (3: prefetcht0, into L1; 2: t1, L2; 1: t2; 0: prefetchnta).
 template <class V>
 void dot_rows(const void* w, int64_t ld, int K, int rows, const void* const* x, int T, float* out, int os,
               int pf, int pf_hint, int rb) {
-  switch (pf_hint) {
-    case 0: dot_rows_loc<V, 0>(w, ld, K, rows, x, T, out, os, pf, rb); break;
-    case 1: dot_rows_loc<V, 1>(w, ld, K, rows, x, T, out, os, pf, rb); break;
-    case 2: dot_rows_loc<V, 2>(w, ld, K, rows, x, T, out, os, pf, rb); break;
-    default: dot_rows_loc<V, 3>(w, ld, K, rows, x, T, out, os, pf, rb); break;
-  }
+  with_locality(pf_hint, [&](auto loc) {
+    dot_rows_loc<V, decltype(loc)::value>(w, ld, K, rows, x, T, out, os, pf, rb);
+  });
 }
 
 inline float bf16_to_f32(uint16_t v) {

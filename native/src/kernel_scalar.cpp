@@ -1,5 +1,7 @@
 // Portable path: plain C++ compiled with the baseline flags; also the reference the SIMD paths are tested
 // against through the same template.
+#include <type_traits>
+
 #include "kernels.h"
 
 namespace killick {
@@ -26,7 +28,7 @@ struct Scalar {
   static float x_scalar(const XT* p) { return *p; }
 };
 
-uint64_t read_one_scalar(const void* p, size_t nbytes) {
+uint64_t read_scalar(const void* p, size_t nbytes) {
   const uint64_t* q = static_cast<const uint64_t*>(p);
   uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
   size_t n = nbytes / 8, i = 0;
@@ -48,12 +50,9 @@ struct ReadScalar {
   static uint64_t fold(V a) { return a; }
 };
 
-uint64_t read_scalar(const void* p, size_t nbytes, int streams) {
-  return streams <= 1 ? read_one_scalar(p, nbytes) : read_streams<ReadScalar>(p, nbytes, streams);
-}
-
 const KernelTable kTable = {"scalar", {dot_rows<Scalar<float>>, dot_rows<Scalar<uint16_t>>},
-                            {dot_streams<Scalar<float>>, dot_streams<Scalar<uint16_t>>}, {false, false}, read_scalar};
+                            {dot_streams<Scalar<float>>, dot_streams<Scalar<uint16_t>>}, {false, false},
+                            read_streams<ReadScalar, read_scalar>};
 }  // namespace
 
 const KernelTable* table_scalar() { return &kTable; }
