@@ -80,8 +80,7 @@ def test_cuda_fp32_matches_transformers_on_cuda(ckpt, engines):
 
 
 def test_cuda_marks_inside_a_chunk_equal_a_chunk_ending_there(engines):
-    """Mid-chunk checkpoints on CUDA (bf16-free fp32): the snapshot at a mark is the state of a chunk ending
-    there, and the prefix cache built from marks serves the same greedy tokens as a cold engine."""
+    """Mid-chunk checkpoints on CUDA (fp32): the snapshot at a mark is the state of a chunk ending there."""
     _, gpu = engines
     model, prompt = gpu.model, ids(120, seed=5).cuda()
     state = model.new_state()
