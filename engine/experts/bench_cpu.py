@@ -10,6 +10,12 @@ reading its part front to back (STREAM-style), for as long as a kernel measureme
 with them; all figures are the best of --repeats. Read x4 GB/s = the same with each worker reading four
 pieces of its part side by side, which keeps more lines in flight on some CPUs (a stricter ceiling).
 Torch GB/s = the fallback (torch matmuls in the weight dtype) on the same calls with torch.set_num_threads(n).
+
+A second table says where the best kernel window's time went (the pool's profile, CpuExpertRunner.profile):
+per call and worker, the share of the window spent in the Python wrapper (outside submit..wait), waiting to
+be dispatched, running the kernels, at the barrier between the gate/up and down phases, idle at the end
+waiting for the last worker, and from the last worker's end until wait() returned; "GB/s running" = weight
+bytes / (kernel running time per worker), the rate of the loops themselves, to hold against the read.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from engine.experts.cpu_kernels import (PREFETCH_HINTS, CpuExpertRunner, ExpertT
                                         supported_isas, torch_experts)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+CALLER_JOINS = {"auto": None, "yes": True, "no": False}
 WALKS = ("four rows side by side", "one row at a time", "two row streams", "four row streams")
 # --sweep: (label, overrides) measured after the default configuration, same pool, same process.
 SWEEP = [("short spin (50 us)", {"spin_us": 50}), ("no software prefetch", {"prefetch": 0}),
@@ -37,7 +44,8 @@ SWEEP = [("short spin (50 us)", {"spin_us": 50}), ("no software prefetch", {"pre
          ("claims of 16 rows", {"claim_rows": 16}), ("fixed-size claims (not guided)", {"guided": False}),
          ("two row streams", {"row_block": 2}), ("two row streams, prefetch 512 B", {"row_block": 2, "prefetch": 512}),
          ("two row streams, 2 tokens", {"row_block": 2, "tokens": 2}), ("four row streams", {"row_block": 3}),
-         ("four row streams, 2 tokens", {"row_block": 3, "tokens": 2})]
+         ("four row streams, 2 tokens", {"row_block": 3, "tokens": 2}),
+         ("caller never joins", {"caller_joins": "no"})]
 
 
 def make_pool(n_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> torch.Tensor:
@@ -59,9 +67,9 @@ def call_plan(n_experts: int, per_call: int, tokens: int, gen: torch.Generator) 
     return calls
 
 
-def time_calls(run, table: ExpertTable, plan, x, y, limit_s: float) -> float:
-    """Runs passes of plan() (each a fresh order over the whole pool) until limit_s; returns weight GB/s.
-    Only the calls are timed, back to back as a decode step's layers would issue them."""
+def time_calls(run, table: ExpertTable, plan, x, y, limit_s: float) -> tuple[float, float, float]:
+    """Runs passes of plan() (each a fresh order over the whole pool) until limit_s; returns (weight GB/s,
+    weight bytes, seconds). Only the calls are timed, back to back as a decode step's layers would issue them."""
     nbytes = 3 * table.hidden * table.inter * table.dtype.itemsize
     done_bytes, timed = 0, 0.0
     for _ in range(1000):  # bounded: a pass takes at least milliseconds
@@ -73,7 +81,7 @@ def time_calls(run, table: ExpertTable, plan, x, y, limit_s: float) -> float:
         timed += time.perf_counter() - t0
         if timed > limit_s:
             break
-    return done_bytes / timed / 1e9
+    return done_bytes / timed / 1e9, done_bytes, timed
 
 
 def time_reads(runner, pool: torch.Tensor, limit_s: float, streams: int = 1) -> tuple[float, float]:
@@ -95,12 +103,24 @@ def torch_routed(table, experts, tokens, weights, x, y) -> None:
     torch_experts(table.tasks(experts, tokens, weights), x, y)
 
 
+def breakdown(prof: dict, threads: int, nbytes: float, seconds: float) -> dict:
+    """Shares of a kernel window's core-time (threads x seconds) from the pool's profile of it."""
+    core_s = threads * seconds
+    out = {"calls": prof["jobs"], "ms_per_call": 1e3 * seconds / max(1, prof["jobs"]),
+           "wrapper": 1 - prof["wall_s"] / core_s}
+    for key in ("dispatch", "run", "barrier", "tail", "wake"):
+        out[key] = prof[key + "_s"] / core_s
+    out["gate_up_run"], out["down_run"] = (v / core_s for v in prof["run_phase_s"][:2])
+    out["running_gbs"] = nbytes / (prof["run_s"] / threads) / 1e9 if prof["run_s"] else 0.0
+    return out
+
+
 def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict:
     x = torch.randn(cfg["tokens"], table.hidden)
     y = torch.zeros(cfg["tokens"], table.hidden)
     runner = CpuExpertRunner(threads=n, isa=cfg["isa"], prefetch_bytes=cfg["prefetch"], spin_us=cfg["spin_us"],
                              row_block=cfg["row_block"], claim_rows=cfg["claim_rows"], guided=cfg["guided"],
-                             prefetch_hint=cfg["prefetch_hint"])
+                             prefetch_hint=cfg["prefetch_hint"], caller_joins=CALLER_JOINS[cfg["caller_joins"]])
     reads, passes, reads4, kernel = [], [], [], []
     plan = lambda: call_plan(table.num_experts, cfg["experts_per_call"], cfg["tokens"], gen)  # noqa: E731
     for _ in range(cfg["repeats"]):  # interleaved, so a noisy neighbour hits all figures alike
@@ -109,17 +129,22 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
         passes.append(fastest)
         if cfg["read4"]:
             reads4.append(time_reads(runner, pool, cfg["seconds"], streams=4)[0])
-        kernel.append(time_calls(runner.run_routed, table, plan, x, y, cfg["seconds"]))
+        runner.set_profile(True)
+        gbs, nbytes, seconds = time_calls(runner.run_routed, table, plan, x, y, cfg["seconds"])
+        if not kernel or gbs > max(kernel):
+            where = breakdown(runner.profile(), n, nbytes, seconds)
+        kernel.append(gbs)
+    runner.set_profile(False)
     del runner  # parks and joins its workers before torch's threads start
     row = {"threads": n, "isa": cfg["isa"] or supported_isas()[0], "kernel_gbs": max(kernel),
            "read_gbs": max(reads), "kernel_runs": kernel, "read_runs": reads,
-           "read_fastest_pass_gbs": max(passes)}
+           "read_fastest_pass_gbs": max(passes), "where": where}
     row["ratio"] = row["kernel_gbs"] / row["read_gbs"]
     if reads4:
         row.update(read4_gbs=max(reads4), read4_runs=reads4, ratio4=row["kernel_gbs"] / max(reads4))
     if with_torch:
         torch.set_num_threads(n)
-        row["torch_gbs"] = time_calls(torch_routed, table, plan, x, y, cfg["seconds"])
+        row["torch_gbs"] = time_calls(torch_routed, table, plan, x, y, cfg["seconds"])[0]
     return row
 
 
@@ -132,6 +157,14 @@ def print_table(title: str, rows: list[dict]) -> None:
         read4, ratio4 = (f"{r['read4_gbs']:.1f}", f"{r['ratio4']:.2f}") if "read4_gbs" in r else ("-", "-")
         print(f"{r['threads']:>7} {r['isa']:>10} {r['kernel_gbs']:>12.1f} {r['read_gbs']:>10.1f} "
               f"{r['ratio']:>6.2f} {read4:>13} {ratio4:>6} {torch_gbs:>11}")
+    print("where the best kernel window's time went (% of threads x window):")
+    print(f"{'threads':>7} {'ms/call':>8} {'wrapper':>8} {'dispatch':>9} {'gate/up':>8} {'down':>6} {'barrier':>8} "
+          f"{'tail':>6} {'wake':>6} {'GB/s running':>13}")
+    for r in rows:
+        w = r["where"]
+        print(f"{r['threads']:>7} {w['ms_per_call']:>8.3f} {100 * w['wrapper']:>8.1f} {100 * w['dispatch']:>9.1f} "
+              f"{100 * w['gate_up_run']:>8.1f} {100 * w['down_run']:>6.1f} {100 * w['barrier']:>8.1f} "
+              f"{100 * w['tail']:>6.1f} {100 * w['wake']:>6.1f} {w['running_gbs']:>13.1f}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -157,6 +190,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--row-block", type=int, default=None, choices=[0, 1, 2, 3],
                    help="kernel walk order, 0: four rows side by side, 1: one row at a time, 2: two row streams "
                         "(gate with up, expert with expert), 3: four streams (default: this CPU's)")
+    p.add_argument("--caller-joins", default="auto", choices=sorted(CALLER_JOINS),
+                   help="the calling thread is worker 0 (auto: when the pool takes every core)")
     p.add_argument("--no-read4", dest="read4", action="store_false",
                    help="skip the second read reference (each worker reading four streams side by side)")
     p.add_argument("--seconds", type=float, default=1.5, help="time per kernel measurement")
@@ -193,7 +228,7 @@ def main(argv=None) -> dict:
                     f"{expert_bytes / 2**20:.1f} MiB ({args.dtype}), {cfg['experts_per_call']} experts x "
                     f"{cfg['tokens']} token(s) per call, {WALKS[cfg['row_block']]}, "
                     f"prefetch {cfg['prefetch']} B ({cfg['prefetch_hint']}), claims of {('', 'up to ')[cfg['guided']]}{cfg['claim_rows']} rows, "
-                    f"spin {cfg['spin_us']} us",
+                    f"spin {cfg['spin_us']} us, caller joins: {cfg['caller_joins']}",
                     rows)
         if args.json:  # after every configuration, so a run cut short still leaves numbers
             with open(args.json, "w") as f:

@@ -94,7 +94,8 @@ class CpuFuture:
             self._done, self._keep = True, ()
 
     def done(self) -> bool:
-        """True once the work finished (wait() still has to be called to release the tensors)."""
+        """True once the work finished (wait() still has to be called to release the tensors). With a runner whose
+        caller joins (CpuExpertRunner.caller_joins) the work finishes only inside wait()."""
         return self._done or (self._poll is not None and self._poll())
 
 
@@ -116,8 +117,9 @@ class ExpertTable:
         if gate_up.stride(2) != 1 or down.stride(2) != 1 or not on_cpu:
             raise ValueError("expert weights must be CPU tensors with unit inner stride")
         self.gate_up, self.down, self.dtype = gate_up, down, gate_up.dtype
-        self._args = (_FORMATS[self.dtype], self.hidden, self.inter, gate_up.data_ptr(), gate_up.stride(0),
-                      gate_up.stride(1), down.data_ptr(), down.stride(0), down.stride(1), self.num_experts)
+        self._native = None if _native is None else _native.Table(
+            _FORMATS[self.dtype], self.hidden, self.inter, gate_up.data_ptr(), gate_up.stride(0), gate_up.stride(1),
+            down.data_ptr(), down.stride(0), down.stride(1), self.num_experts)
 
     @classmethod
     def from_blocks(cls, blocks: torch.Tensor, hidden: int, inter: int) -> "ExpertTable":
@@ -134,20 +136,22 @@ class ExpertTable:
         return [(self.gate_up[e], self.down[e], t, w) for e, t, w in zip(experts, tokens, weights)]
 
 
-def check_xy(x: torch.Tensor, y: torch.Tensor) -> None:
-    if x.dim() != 2 or y.dim() != 2 or x.shape != y.shape:
-        raise ValueError(f"x and y must both be [T, H]; got {tuple(x.shape)} and {tuple(y.shape)}")
-    if y.dtype != torch.float32 or y.stride(1) != 1 or x.device.type != "cpu" or y.device.type != "cpu":
+def check_xy(x: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
+    """Checks the activations and the output; returns (T, H). Few torch calls: it runs on every MoE layer."""
+    shape = x.shape
+    if len(shape) != 2 or shape != y.shape:
+        raise ValueError(f"x and y must both be [T, H]; got {tuple(shape)} and {tuple(y.shape)}")
+    if y.dtype != torch.float32 or y.stride(1) != 1 or not (x.is_cpu and y.is_cpu):
         raise ValueError("y must be a CPU float32 tensor with unit inner stride (it is accumulated into), "
                          "x a CPU tensor")
+    return shape[0], shape[1]
 
 
 def check_tasks(tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> tuple[int, int, torch.dtype]:
     """Validates a batch; returns (H, I, weight dtype). Raises ValueError with what to fix."""
-    check_xy(x, y)
+    T, H = check_xy(x, y)
     if not tasks:
-        return x.shape[1], 0, torch.float32
-    T, H = x.shape
+        return H, 0, torch.float32
     gu0, dn0 = tasks[0][0], tasks[0][1]
     inter = gu0.shape[0] // 2
     for gu, dn, tok, _ in tasks:
@@ -180,12 +184,15 @@ class CpuExpertRunner:
     ones stream longer runs). None: default_walk's. guided: claims shrink from claim_rows to 8 rows as each
     phase runs out, so the workers finish a phase together (False: every claim is claim_rows long).
     prefetch_hint: which software prefetch instruction ('t0': into L1, 't1', 't2', 'nta').
+    caller_joins: the calling thread is worker 0 and runs its share inside wait(), so a job finishes only
+    once waited on (done() stays False until then); None: when threads >= the physical cores, where no core
+    is left for a parked caller to wake on.
     """
 
     def __init__(self, threads: int | None = None, isa: str | None = None, backend: str = "auto",
                  pin: bool = True, spin_us: int = 2000, prefetch_bytes: int | None = None,
                  row_block: int | None = None, claim_rows: int | None = None, guided: bool = True,
-                 prefetch_hint: str = "t0"):
+                 prefetch_hint: str = "t0", caller_joins: bool | None = None):
         walk = default_walk()
         row_block = walk[0] if row_block is None else row_block
         prefetch_bytes = walk[1] if prefetch_bytes is None else prefetch_bytes
@@ -210,14 +217,17 @@ class CpuExpertRunner:
         if backend == "torch" or _native is None:
             if backend == "auto":
                 _warn_fallback_once()
-            self.backend, self.isa = "torch", "torch"
+            self.backend, self.isa, self.caller_joins = "torch", "torch", False
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
             return
         isas = supported_isas()
         if isa is not None and isa not in isas:
             raise ValueError(f"ISA {isa!r} is not available here; choose one of {isas}")
         self.backend, self.isa = "native", isa or isas[0]
-        self._pool = _native.Runner(self.threads, pin, spin_us)
+        self._pool = _native.Runner(self.threads, pin, spin_us, -1 if caller_joins is None else int(caller_joins))
+        self.caller_joins = self._pool.caller_joins
+        self._pool.isa = self.isa
+        self._pool.prefetch_bytes = self.prefetch_bytes
         self._pool.row_block = self.row_block
         self._pool.claim_rows = self.claim_rows
         self._pool.guided = self.guided
@@ -249,9 +259,9 @@ class CpuExpertRunner:
                                     for v in (experts, tokens, weights))
         if not len(experts) == len(tokens) == len(weights):
             raise ValueError("experts, tokens and weights must have one entry per task")
-        check_xy(x, y)
-        if x.shape[1] != table.hidden:
-            raise ValueError(f"x has hidden size {x.shape[1]}, the expert table {table.hidden}")
+        T, hidden = check_xy(x, y)
+        if hidden != table.hidden:
+            raise ValueError(f"x has hidden size {hidden}, the expert table {table.hidden}")
         with self._lock:
             if self._pending is not None:
                 self._pending.wait()
@@ -260,8 +270,8 @@ class CpuExpertRunner:
                 return self._pending
             xf = x if x.dtype == torch.float32 and x.stride(1) == 1 else x.float().contiguous()
             try:
-                self._pool.submit_table(self.isa, *table._args, experts, tokens, weights, xf.data_ptr(),
-                                        xf.stride(0), y.data_ptr(), y.stride(0), x.shape[0], self.prefetch_bytes)
+                self._pool.submit_table(table._native, experts, tokens, weights, xf.data_ptr(), xf.stride(0),
+                                        y.data_ptr(), y.stride(0), T)
             except TypeError as exc:  # pybind: ids not ints (out-of-range ids raise ValueError already)
                 raise ValueError(f"bad routed task list: {exc}") from exc
             self._pending = CpuFuture(self._pool.wait, (table, xf, y), self._pool.done)
@@ -281,12 +291,28 @@ class CpuExpertRunner:
         xf = x if x.dtype == torch.float32 and x.stride(1) == 1 else x.float().contiguous()
         gu0, dn0 = (tasks[0][0], tasks[0][1]) if tasks else (None, None)
         self._pool.submit_moe(
-            self.isa, _FORMATS[dtype], hidden, inter,
-            gu0.stride(0) if tasks else hidden, dn0.stride(0) if tasks else inter,
+            _FORMATS[dtype], hidden, inter, gu0.stride(0) if tasks else hidden, dn0.stride(0) if tasks else inter,
             [t[0].data_ptr() for t in tasks], [t[1].data_ptr() for t in tasks],
             [int(t[2]) for t in tasks], [float(t[3]) for t in tasks],
-            xf.data_ptr(), xf.stride(0), y.data_ptr(), y.stride(0), x.shape[0], self.prefetch_bytes)
+            xf.data_ptr(), xf.stride(0), y.data_ptr(), y.stride(0), x.shape[0])
         return CpuFuture(self._pool.wait, (tasks, xf, y), self._pool.done)
+
+    def set_profile(self, on: bool) -> None:
+        """Native only: timestamp every worker's phases of the jobs from here on, or stop (a few clock reads per
+        worker and job); either way the sums start again from zero."""
+        if self.backend != "native":
+            raise ValueError("profiling needs the native extension")
+        self.wait()
+        self._pool.set_profile(bool(on))
+
+    def profile(self) -> dict:
+        """Core-seconds of the profiled jobs since set_profile(True), by where they went: per job and worker,
+        submit until wait() returns = dispatch (until the worker starts) + run (inside the kernels; by phase in
+        run_phase_s) + barrier (between phases) + tail (waiting for the last worker) + wake (last worker done
+        until wait() returns). jobs: how many; wall_s: their sum, threads x (submit to return) each."""
+        if self.backend != "native":
+            raise ValueError("profiling needs the native extension")
+        return dict(self._pool.profile())
 
     def read_bandwidth_pass(self, buf: torch.Tensor, streams: int = 1) -> int:
         """One read of a contiguous CPU tensor on this runner's threads (native only); returns the XOR of its
@@ -296,7 +322,7 @@ class CpuExpertRunner:
             raise ValueError("the read kernel needs the native extension")
         if not buf.is_contiguous() or buf.device.type != "cpu":
             raise ValueError("the read buffer must be a contiguous CPU tensor")
-        return self._pool.read(self.isa, buf.data_ptr(), buf.numel() * buf.element_size(), streams)
+        return self._pool.read(buf.data_ptr(), buf.numel() * buf.element_size(), streams)
 
 
 def torch_experts(tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> None:

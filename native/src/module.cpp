@@ -58,52 +58,77 @@ const KernelTable* table_for(const std::string& isa) {
   throw std::invalid_argument("ISA '" + isa + "' is not available on this machine/build");
 }
 
+// One MoE layer's experts, checked once: expert e's gate_up [2I, H] at gu + e * gu_estride elements (rows
+// ld_gu apart), its down [H, I] at dn + e * dn_estride (rows ld_dn apart).
+struct Table {
+  Format fmt;
+  int H, I;
+  uint64_t gu, dn;
+  int64_t gu_estride, ld_gu, dn_estride, ld_dn, E;
+  Table(int fmt_, int H_, int I_, uint64_t gu_, int64_t gu_estride_, int64_t ld_gu_, uint64_t dn_,
+        int64_t dn_estride_, int64_t ld_dn_, int64_t E_)
+      : fmt(check_format(fmt_)), H(H_), I(I_), gu(gu_), dn(dn_), gu_estride(gu_estride_), ld_gu(ld_gu_),
+        dn_estride(dn_estride_), ld_dn(ld_dn_), E(E_) {
+    if (H < 1 || I < 1 || E < 1) throw std::invalid_argument("an expert table needs H, I and E >= 1");
+  }
+  static Format check_format(int fmt) {
+    if (fmt != kF32 && fmt != kBF16) throw std::invalid_argument("unknown weight format tag");
+    return Format(fmt);
+  }
+};
+
 struct Runner {
   std::unique_ptr<Pool> pool_;
   Pool& pool;
+  const KernelTable* kernels;  // the ISA's kernels (isa property)
+  std::string isa;
   int row_block = 0;  // kernel walk order, see DotRowsFn
   int claim_rows = 64;  // rows a worker claims at a time, 1..kChunkRows (see moe.cpp)
   bool guided = true;   // claims shrink towards the end of each phase
   int prefetch_hint = 3;  // __builtin_prefetch locality of the software prefetches (3: prefetcht0)
-  Runner(int threads, bool pin, int spin_us)
-      : pool_(std::make_unique<Pool>(threads, pin, spin_us)), pool(*pool_) {}
+  int prefetch_bytes = 512;  // software prefetch distance along each weight row stream (0: none)
+  Runner(int threads, bool pin, int spin_us, int caller_joins)
+      : pool_(std::make_unique<Pool>(threads, pin, spin_us, caller_joins)), pool(*pool_),
+        kernels(table_for(supported_isas().front())), isa(supported_isas().front()) {}
+
+  void set_isa(const std::string& name) {
+    kernels = table_for(name);
+    isa = name;
+  }
 
   // Tasks as addresses: (gate_up, down, token, weight) per task.
-  void submit_moe(const std::string& isa, int fmt, int H, int I, int64_t ld_gu, int64_t ld_dn,
-                  const std::vector<uint64_t>& gate_up, const std::vector<uint64_t>& down,
-                  const std::vector<int64_t>& tokens, const std::vector<float>& weights, uint64_t x,
-                  int64_t x_stride, uint64_t y, int64_t y_stride, int T, int prefetch_bytes) {
-    MoeArgs a = args(isa, fmt, H, I, ld_gu, ld_dn, x, x_stride, y, y_stride, T, prefetch_bytes);
+  void submit_moe(int fmt, int H, int I, int64_t ld_gu, int64_t ld_dn, const std::vector<uint64_t>& gate_up,
+                  const std::vector<uint64_t>& down, const std::vector<int64_t>& tokens,
+                  const std::vector<float>& weights, uint64_t x, int64_t x_stride, uint64_t y, int64_t y_stride,
+                  int T) {
+    MoeArgs a = args(Table::check_format(fmt), H, I, ld_gu, ld_dn, x, x_stride, y, y_stride, T);
     check_tokens(tokens, T);
     start(a, group_tasks(gate_up, down, tokens, weights));
   }
 
-  // Tasks as expert ids into one layer's table: expert e's gate_up at gu_base + e * gu_estride elements.
-  void submit_table(const std::string& isa, int fmt, int H, int I, uint64_t gu_base, int64_t gu_estride,
-                    int64_t ld_gu, uint64_t dn_base, int64_t dn_estride, int64_t ld_dn, int64_t E,
-                    const std::vector<int64_t>& experts, const std::vector<int64_t>& tokens,
-                    const std::vector<float>& weights, uint64_t x, int64_t x_stride, uint64_t y,
-                    int64_t y_stride, int T, int prefetch_bytes) {
-    MoeArgs a = args(isa, fmt, H, I, ld_gu, ld_dn, x, x_stride, y, y_stride, T, prefetch_bytes);
+  // Tasks as expert ids into one layer's table.
+  void submit_table(const Table& t, const std::vector<int64_t>& experts, const std::vector<int64_t>& tokens,
+                    const std::vector<float>& weights, uint64_t x, int64_t x_stride, uint64_t y, int64_t y_stride,
+                    int T) {
+    MoeArgs a = args(t.fmt, t.H, t.I, t.ld_gu, t.ld_dn, x, x_stride, y, y_stride, T);
     check_tokens(tokens, T);
-    int64_t es = fmt == kBF16 ? 2 : 4;
+    int64_t es = t.fmt == kBF16 ? 2 : 4;
     std::vector<uint64_t> gu(experts.size()), dn(experts.size());
     for (size_t i = 0; i < experts.size(); ++i) {
-      if (experts[i] < 0 || experts[i] >= E)
+      if (experts[i] < 0 || experts[i] >= t.E)
         throw std::invalid_argument("expert id " + std::to_string(experts[i]) + " is outside the table's " +
-                                    std::to_string(E) + " experts");
-      gu[i] = gu_base + uint64_t(experts[i] * gu_estride * es);
-      dn[i] = dn_base + uint64_t(experts[i] * dn_estride * es);
+                                    std::to_string(t.E) + " experts");
+      gu[i] = t.gu + uint64_t(experts[i] * t.gu_estride * es);
+      dn[i] = t.dn + uint64_t(experts[i] * t.dn_estride * es);
     }
     start(a, group_tasks(gu, dn, tokens, weights));
   }
 
  private:
-  MoeArgs args(const std::string& isa, int fmt, int H, int I, int64_t ld_gu, int64_t ld_dn, uint64_t x,
-                      int64_t x_stride, uint64_t y, int64_t y_stride, int T, int prefetch_bytes) const {
-    if (fmt != kF32 && fmt != kBF16) throw std::invalid_argument("unknown weight format tag");
-    return MoeArgs{table_for(isa), Format(fmt), H, I, ld_gu, ld_dn, reinterpret_cast<const float*>(x),
-                   x_stride, reinterpret_cast<float*>(y), y_stride, T, prefetch_bytes, prefetch_hint, row_block,
+  MoeArgs args(Format fmt, int H, int I, int64_t ld_gu, int64_t ld_dn, uint64_t x, int64_t x_stride, uint64_t y,
+               int64_t y_stride, int T) const {
+    return MoeArgs{kernels, fmt, H, I, ld_gu, ld_dn, reinterpret_cast<const float*>(x), x_stride,
+                   reinterpret_cast<float*>(y), y_stride, T, prefetch_bytes, prefetch_hint, row_block,
                    claim_rows, guided};
   }
   static void check_tokens(const std::vector<int64_t>& tokens, int T) {
@@ -127,23 +152,46 @@ PYBIND11_MODULE(_cpu_experts, m) {
   m.attr("FORMAT_F32") = int(kF32);
   m.attr("FORMAT_BF16") = int(kBF16);
   m.attr("MAX_TOKENS_PER_PASS") = kMaxTokens;
+  py::class_<Table>(m, "Table")
+      .def(py::init<int, int, int, uint64_t, int64_t, int64_t, uint64_t, int64_t, int64_t, int64_t>(),
+           py::arg("fmt"), py::arg("H"), py::arg("I"), py::arg("gu_ptr"), py::arg("gu_expert_stride"),
+           py::arg("gu_row_stride"), py::arg("dn_ptr"), py::arg("dn_expert_stride"), py::arg("dn_row_stride"),
+           py::arg("E"));
   py::class_<Runner>(m, "Runner")
-      .def(py::init<int, bool, int>(), py::arg("threads"), py::arg("pin") = true, py::arg("spin_us") = 2000)
+      .def(py::init<int, bool, int, int>(), py::arg("threads"), py::arg("pin") = true, py::arg("spin_us") = 2000,
+           py::arg("caller_joins") = -1)
       .def_property_readonly("threads", [](Runner& r) { return r.pool.threads(); })
       .def_property_readonly("cpus", [](Runner& r) { return r.pool.cpus(); })
+      .def_property_readonly("caller_joins", [](Runner& r) { return r.pool.caller_joins(); })
+      .def_property("isa", [](Runner& r) { return r.isa; }, &Runner::set_isa)
       .def_readwrite("row_block", &Runner::row_block)
       .def_readwrite("claim_rows", &Runner::claim_rows)
       .def_readwrite("guided", &Runner::guided)
       .def_readwrite("prefetch_hint", &Runner::prefetch_hint)
+      .def_readwrite("prefetch_bytes", &Runner::prefetch_bytes)
       .def("submit_moe", &Runner::submit_moe)
       .def("submit_table", &Runner::submit_table)
+      .def("set_profile", [](Runner& r, bool on) { py::gil_scoped_release release; r.pool.set_profile(on); },
+           "start (True: from zero) or stop timestamping jobs; waits for the job in flight first")
+      .def("profile", [](Runner& r) {
+        PoolProfile p = r.pool.profile();
+        py::dict d;
+        d["jobs"] = p.jobs;
+        d["wall_s"] = p.wall_s;
+        d["dispatch_s"] = p.dispatch_s;
+        d["run_s"] = p.run_s;
+        d["barrier_s"] = p.barrier_s;
+        d["tail_s"] = p.tail_s;
+        d["wake_s"] = p.wake_s;
+        d["run_phase_s"] = std::vector<double>(p.run_phase_s, p.run_phase_s + kMaxProfiledPhases);
+        return d;
+      }, "core-seconds of the profiled jobs waited on so far, by where they went (see PoolProfile)")
       .def("wait", [](Runner& r) { py::gil_scoped_release release; r.pool.wait(); })
       .def("done", [](Runner& r) { return r.pool.done(); })
-      .def("read", [](Runner& r, const std::string& isa, uint64_t p, size_t nbytes, int streams) {
+      .def("read", [](Runner& r, uint64_t p, size_t nbytes, int streams) {
         if (streams != 1 && streams != 2 && streams != 4)
           throw std::invalid_argument("read streams must be 1, 2 or 4, got " + std::to_string(streams));
-        const KernelTable* t = table_for(isa);
         py::gil_scoped_release release;
-        return pool_read(r.pool, t, reinterpret_cast<const void*>(p), nbytes, streams);
-      }, py::arg("isa"), py::arg("p"), py::arg("nbytes"), py::arg("streams") = 1);
+        return pool_read(r.pool, r.kernels, reinterpret_cast<const void*>(p), nbytes, streams);
+      }, py::arg("p"), py::arg("nbytes"), py::arg("streams") = 1);
 }

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -13,6 +14,10 @@ namespace killick {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -56,18 +61,22 @@ std::vector<int> physical_cpus() {
   return out;
 }
 
-Pool::Pool(int threads, bool pin, int spin_us) : spin_us_(spin_us) {
+Pool::Pool(int threads, bool pin, int spin_us, int caller_joins) : spin_us_(spin_us) {
+  if (threads < 1) throw std::invalid_argument("a pool needs at least one thread");
+  threads_ = threads;
   std::vector<int> phys = physical_cpus();
   int n = int(phys.size());
-  // With a core to spare the caller spins through the whole job (up to 20 ms): a parked thread in a VM can
-  // take hundreds of microseconds to wake, measured as a fixed cost per call on the GPU box.
-  wait_spin_us_ = threads < n ? std::max(spin_us, 20000) : 0;
-  // Pin only when every worker gets a core of its own; leave the first core to the caller if we can.
+  caller_joins_ = caller_joins < 0 ? threads >= n : caller_joins != 0;
+  // With a core of its own (or as a worker itself) the caller spins through the whole job (up to 20 ms): a
+  // parked thread in a VM can take hundreds of microseconds to wake, measured as a fixed cost per call.
+  wait_spin_us_ = threads < n || caller_joins_ ? std::max(spin_us, 20000) : 0;
+  // Pin only when every worker gets a core of its own; leave the first core to the caller if we can (when it
+  // joins, that core is its own as worker 0).
   if (pin && threads <= n) {
-    int skip = threads < n ? 1 : 0;
+    int skip = threads < n && !caller_joins_ ? 1 : 0;
     for (int i = 0; i < threads; ++i) cpus_.push_back(phys[(i + skip) % n]);
   }
-  for (int i = 0; i < threads; ++i) workers_.emplace_back([this, i] { worker_main(i); });
+  for (int i = caller_joins_ ? 1 : 0; i < threads; ++i) workers_.emplace_back([this, i] { worker_main(i); });
 }
 
 Pool::~Pool() {
@@ -81,6 +90,8 @@ Pool::~Pool() {
 
 void Pool::submit(std::shared_ptr<Job> job) {
   wait();
+  job_profiled_ = profile_on_ && job->phases() <= kMaxProfiledPhases;
+  if (job_profiled_) submit_ns_ = now_ns();
   job_ = std::move(job);
   remaining_.store(threads(), std::memory_order_relaxed);
   generation_.fetch_add(1, std::memory_order_seq_cst);
@@ -95,6 +106,10 @@ bool Pool::done() const {
 }
 
 void Pool::wait() {
+  uint64_t gen = generation_.load(std::memory_order_acquire);
+  uint64_t ran = caller_ran_.load(std::memory_order_relaxed);
+  if (caller_joins_ && ran != gen && job_ && caller_ran_.compare_exchange_strong(ran, gen))
+    run_job(0, gen, caller_sense_);
   auto until = Clock::now() + std::chrono::microseconds(wait_spin_us_);
   for (int i = 0; !done(); ++i) {
     if ((i & 255) == 0 && Clock::now() > until) break;
@@ -102,7 +117,36 @@ void Pool::wait() {
   }
   std::unique_lock<std::mutex> lock(done_mu_);
   done_cv_.wait(lock, [this] { return done(); });
+  if (job_ && job_profiled_) fold_profile(now_ns());
   job_.reset();
+}
+
+void Pool::set_profile(bool on) {
+  wait();
+  profile_on_ = on;
+  profile_ = PoolProfile{};
+  stamps_.assign(size_t(threads_), Stamps{});
+}
+
+void Pool::fold_profile(int64_t woken_ns) {
+  const int phases = job_->phases(), last = phases - 1;
+  const double ns = 1e-9;
+  int64_t last_end = 0;
+  for (const Stamps& s : stamps_) last_end = std::max(last_end, s.end[last]);
+  for (const Stamps& s : stamps_) {
+    profile_.dispatch_s += (s.start[0] - submit_ns_) * ns;
+    for (int p = 0; p < phases; ++p) {
+      double run = (s.end[p] - s.start[p]) * ns;
+      profile_.run_s += run;
+      profile_.run_phase_s[p] += run;
+      if (p > 0) profile_.barrier_s += (s.start[p] - s.end[p - 1]) * ns;
+    }
+    profile_.tail_s += (last_end - s.end[last]) * ns;
+  }
+  const double n = double(stamps_.size());
+  profile_.wake_s += n * (woken_ns - last_end) * ns;
+  profile_.wall_s += n * (woken_ns - submit_ns_) * ns;
+  ++profile_.jobs;
 }
 
 uint64_t Pool::await_generation(uint64_t seen) {
@@ -134,6 +178,33 @@ void Pool::barrier(int& sense) {
   }
 }
 
+void Pool::run_job(int index, uint64_t generation, int& sense) {
+  // A joining caller takes worker 0's core for its share only (its own affinity is the caller's business):
+  // unpinned, the scheduler may stack it on a worker's core, and a statically split job (the read) then
+  // waits for the two sharing one core.
+  cpu_set_t caller_mask;
+  bool repin = caller_joins_ && index == 0 && !cpus_.empty() &&
+               sched_getaffinity(0, sizeof(caller_mask), &caller_mask) == 0;
+  if (repin) pin_to(cpus_[0]);
+  Job* job = job_.get();
+  int phases = job->phases();
+  Stamps* st = job_profiled_ ? &stamps_[size_t(index)] : nullptr;
+  for (int p = 0; p < phases; ++p) {
+    if (st) st->start[p] = now_ns();
+    job->run(p, index, threads());
+    if (st) st->end[p] = now_ns();
+    if (p + 1 < phases) barrier(sense);
+  }
+  if (repin) sched_setaffinity(0, sizeof(caller_mask), &caller_mask);
+  if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    {
+      std::lock_guard<std::mutex> lock(done_mu_);
+      finished_.store(generation, std::memory_order_release);
+    }
+    done_cv_.notify_all();
+  }
+}
+
 void Pool::worker_main(int index) {
   if (index < int(cpus_.size())) pin_to(cpus_[index]);
   uint64_t seen = 0;
@@ -141,19 +212,7 @@ void Pool::worker_main(int index) {
   for (;;) {
     seen = await_generation(seen);
     if (stop_.load()) return;
-    Job* job = job_.get();
-    int phases = job->phases();
-    for (int p = 0; p < phases; ++p) {
-      job->run(p, index, threads());
-      if (p + 1 < phases) barrier(sense);
-    }
-    if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      {
-        std::lock_guard<std::mutex> lock(done_mu_);
-        finished_.store(seen, std::memory_order_release);
-      }
-      done_cv_.notify_all();
-    }
+    run_job(index, seen, sense);
   }
 }
 

@@ -1,5 +1,8 @@
 // A persistent pool of worker threads pinned to physical cores. One job at a time; a job is a fixed
 // number of phases with a barrier between them. Workers spin briefly after a job, then park.
+// When the pool takes every core, the caller's own thread is worker 0 (caller_joins): it runs its share in
+// wait(), so no core is left to wake the caller on (a parked caller took ~100 us a job to get a core back
+// from spinning workers on a 2-core VM); the job then finishes only inside wait().
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -19,12 +22,25 @@ class Job {
   virtual void run(int phase, int worker, int workers) = 0;
 };
 
+// Where a pool's core-time went, summed over profiled jobs (Pool::set_profile). Per job and worker, the
+// wall time from submit() to the caller's return from wait() splits into: dispatch (submit until the worker
+// starts), run (inside Job::run, every phase), barrier (waiting for the others between phases), tail
+// (after its last phase until the last worker's), and wake (last worker done until wait() returns).
+// Jobs of more than kMaxProfiledPhases phases are not profiled.
+constexpr int kMaxProfiledPhases = 3;
+struct PoolProfile {
+  uint64_t jobs = 0;
+  double wall_s = 0, dispatch_s = 0, run_s = 0, barrier_s = 0, tail_s = 0, wake_s = 0;  // core-seconds
+  double run_phase_s[kMaxProfiledPhases] = {0, 0, 0};  // run_s by phase
+};
+
 // CPU ids, one per physical core (first hardware thread of each core) the process may run on.
 std::vector<int> physical_cpus();
 
 class Pool {
  public:
-  Pool(int threads, bool pin, int spin_us);
+  // caller_joins: 1 yes, 0 no, -1 when threads >= the physical cores this process may run on.
+  Pool(int threads, bool pin, int spin_us, int caller_joins = -1);
   ~Pool();
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
@@ -32,19 +48,38 @@ class Pool {
   void submit(std::shared_ptr<Job> job);  // waits for the job in flight first
   void wait();                            // blocks until the last submitted job finished
   bool done() const;
-  int threads() const { return int(workers_.size()); }
+  int threads() const { return threads_; }
+  bool caller_joins() const { return caller_joins_; }
   const std::vector<int>& cpus() const { return cpus_; }
+  // Timestamps every worker's phases from the next submit() on; profile() sums the jobs waited on since.
+  void set_profile(bool on);
+  PoolProfile profile() const { return profile_; }
 
  private:
   void worker_main(int index);
+  void run_job(int index, uint64_t generation, int& sense);  // one worker's phases of the current job
   uint64_t await_generation(uint64_t seen);
   void barrier(int& sense);
+  void fold_profile(int64_t woken_ns);
 
-  std::vector<std::thread> workers_;
-  std::vector<int> cpus_;
+  struct alignas(64) Stamps {  // one worker's, on its own line: start and end of each phase (ns)
+    int64_t start[kMaxProfiledPhases], end[kMaxProfiledPhases];
+  };
+
+  std::vector<std::thread> workers_;  // worker indices 1.. when the caller joins, else 0..
+  std::vector<int> cpus_;  // worker index -> CPU it is pinned to (empty: not pinned; the caller never is)
+  int threads_;
+  bool caller_joins_;
+  int caller_sense_ = 0;                    // the caller's barrier sense (caller_joins_)
+  std::atomic<uint64_t> caller_ran_{0};     // the last generation whose worker-0 share a caller took
   int spin_us_;
   int wait_spin_us_;  // the caller spins only when the pool leaves it a core of its own
   std::shared_ptr<Job> job_;
+  bool profile_on_ = false;  // set between jobs only (set_profile waits first)
+  bool job_profiled_ = false;
+  int64_t submit_ns_ = 0;
+  std::vector<Stamps> stamps_;
+  PoolProfile profile_;
   std::atomic<uint64_t> generation_{0};
   std::atomic<uint64_t> finished_{0};
   std::atomic<int> remaining_{0};

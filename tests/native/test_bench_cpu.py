@@ -18,4 +18,10 @@ def test_bench_reports_kernel_read_and_torch(tmp_path, capsys):
     assert row["read_fastest_pass_gbs"] >= row["read_gbs"] * 0.999  # one pass is never below the average
     assert row["ratio"] == pytest.approx(row["kernel_gbs"] / row["read_gbs"]) and row["torch_gbs"] > 0
     assert len(row["read4_runs"]) == 2 and row["ratio4"] == pytest.approx(row["kernel_gbs"] / row["read4_gbs"])
-    assert out.exists() and "kernel GB/s" in capsys.readouterr().out
+    where = row["where"]  # the best kernel window's core-time, split by the pool's profile
+    shares = [where[k] for k in ("wrapper", "dispatch", "run", "barrier", "tail", "wake")]
+    assert sum(shares) == pytest.approx(1.0) and where["run"] > 0.5 and where["calls"] > 0
+    assert where["gate_up_run"] + where["down_run"] == pytest.approx(where["run"])
+    assert where["running_gbs"] >= row["kernel_gbs"]  # the loops alone run at least as fast as whole calls
+    printed = capsys.readouterr().out
+    assert out.exists() and "kernel GB/s" in printed and "GB/s running" in printed

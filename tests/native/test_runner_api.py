@@ -132,3 +132,80 @@ def test_routed_table_path_matches_task_path(backend):
         runner.run_routed(table, [6], [0], [1.0], x, y)  # no expert 6
     with pytest.raises(ValueError, match="one entry per task"):
         runner.run_routed(table, [1, 2], [0], [1.0], x, y)
+
+
+def _rel_err(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+@native
+@pytest.mark.parametrize("threads,joins", [(1, True), (2, True), (2, False), (3, True)])
+def test_a_joining_caller_runs_its_share_inside_wait(threads, joins):
+    tasks, x = big_batch(n_experts=8, hidden=256, inter=96)
+    runner = CpuExpertRunner(threads=threads, caller_joins=joins)
+    assert runner.caller_joins is joins
+    ref = reference_experts(tasks, x)
+    for _ in range(3):  # back to back: each job reuses the caller's barrier sense
+        y = torch.zeros_like(x)
+        fut = runner.submit(tasks, x, y)
+        if joins:
+            time.sleep(0.02)
+            assert not fut.done()  # worker 0 is the caller: nothing finishes it before wait()
+        fut.wait()
+        assert fut.done() and _rel_err(y, ref) < 1e-4
+    buf = torch.randint(0, 2**62, (1 << 16,), dtype=torch.int64)
+    expect = 0
+    for v in buf.tolist():
+        expect ^= v
+    assert runner.read_bandwidth_pass(buf) % 2**64 == expect % 2**64
+
+
+@native
+def test_the_caller_joins_by_default_only_when_the_pool_takes_every_core():
+    cores = ck.physical_cores()
+    assert CpuExpertRunner(threads=cores).caller_joins
+    assert CpuExpertRunner(threads=cores + 1, pin=False).caller_joins
+    if cores > 1:
+        assert not CpuExpertRunner(threads=cores - 1).caller_joins
+
+
+@native
+def test_two_threads_waiting_on_one_joined_job_both_return():
+    tasks, x = big_batch(n_experts=8, hidden=256, inter=96)
+    runner = CpuExpertRunner(threads=2, caller_joins=True)
+    y = torch.zeros_like(x)
+    fut = runner.submit(tasks, x, y)
+    waiter = threading.Thread(target=runner.wait)
+    waiter.start()
+    fut.wait()  # one of the two runs worker 0's share, the other waits for the job
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert _rel_err(y, reference_experts(tasks, x)) < 1e-4
+
+
+@native
+@pytest.mark.parametrize("joins", [True, False])
+def test_the_profile_accounts_for_every_core_second(joins):
+    tasks, x = big_batch(n_experts=6, hidden=256, inter=96)
+    runner = CpuExpertRunner(threads=2, caller_joins=joins)
+    runner.run(tasks, x, torch.zeros_like(x))  # not profiled
+    runner.set_profile(True)
+    assert runner.profile()["jobs"] == 0
+    for _ in range(5):
+        runner.run(tasks, x, torch.zeros_like(x))
+    runner.read_bandwidth_pass(torch.zeros(1 << 20, dtype=torch.uint8))  # a one-phase job
+    p = runner.profile()
+    assert p["jobs"] == 6
+    parts = [p[k] for k in ("dispatch_s", "run_s", "barrier_s", "tail_s", "wake_s")]
+    assert min(parts) >= 0 and p["run_s"] > 0
+    assert sum(parts) == pytest.approx(p["wall_s"], rel=1e-9)
+    assert sum(p["run_phase_s"]) == pytest.approx(p["run_s"], rel=1e-9) and p["run_phase_s"][2] == 0
+    runner.set_profile(False)
+    runner.run(tasks, x, torch.zeros_like(x))
+    assert runner.profile()["jobs"] == 0  # switching zeroes the sums; jobs while off are not counted
+
+
+@native
+def test_an_empty_expert_table_is_refused():
+    with pytest.raises(ValueError, match="E >= 1"):
+        ck.ExpertTable(torch.zeros(0, 8, 4), torch.zeros(0, 4, 4))
