@@ -8,7 +8,9 @@ H=2048, I=512, bf16, 6 MiB an expert), `--experts-per-call` distinct experts per
 misses. Read GB/s = the native read kernel in passes over the whole pool on the same worker pool, each worker
 reading its part front to back (STREAM-style), for as long as a kernel measurement (--seconds), interleaved
 with them; all figures are the best of --repeats. Read x4 GB/s = the same with each worker reading four
-pieces of its part side by side, which keeps more lines in flight on some CPUs (a stricter ceiling).
+pieces of its part side by side, which keeps more lines in flight on some CPUs; read dyn GB/s = the workers
+claiming 2 MiB pieces in turn instead of a fixed part each, so one slow core (a busy neighbour on a VM) does
+not hold up the pass. "best" = the kernel against the fastest of the three reads (the strictest ceiling).
 Torch GB/s = the fallback (torch matmuls in the weight dtype) on the same calls with torch.set_num_threads(n).
 
 A second table says where the best kernel window's time went (the pool's profile, CpuExpertRunner.profile):
@@ -31,6 +33,7 @@ from engine.experts.cpu_kernels import (PREFETCH_HINTS, CpuExpertRunner, ExpertT
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CALLER_JOINS = {"auto": None, "yes": True, "no": False}
+DYN_CHUNK = 2 << 20  # read dyn: pieces the workers claim in turn
 WALKS = ("four rows side by side", "one row at a time", "two row streams", "four row streams")
 # --sweep: (label, overrides) measured after the default configuration, same pool, same process.
 SWEEP = [("short spin (50 us)", {"spin_us": 50}), ("no software prefetch", {"prefetch": 0}),
@@ -84,14 +87,15 @@ def time_calls(run, table: ExpertTable, plan, x, y, limit_s: float) -> tuple[flo
     return done_bytes / timed / 1e9, done_bytes, timed
 
 
-def time_reads(runner, pool: torch.Tensor, limit_s: float, streams: int = 1) -> tuple[float, float]:
+def time_reads(runner, pool: torch.Tensor, limit_s: float, streams: int = 1, chunk: int = 0) -> tuple[float, float]:
     """Read passes over the whole pool until limit_s (at least one), each worker reading its part as `streams`
-    streams; returns (GB/s over them all, GB/s of the fastest pass). The first is the reference: as long a
-    window as a kernel measurement, so the best of a few is not a luckier, shorter window than the kernel's."""
+    streams (chunk > 0: claiming chunk-byte pieces in turn); returns (GB/s over them all, GB/s of the fastest
+    pass). The first is the reference: as long a window as a kernel measurement, so the best of a few is not a
+    luckier, shorter window than the kernel's."""
     done_bytes, timed, best = 0, 0.0, 0.0
     for _ in range(100_000):  # bounded: a pass over a pool far above the LLC takes milliseconds
         t0 = time.perf_counter()
-        runner.read_bandwidth_pass(pool, streams)
+        runner.read_bandwidth_pass(pool, streams, chunk)
         dt = time.perf_counter() - t0
         timed, done_bytes, best = timed + dt, done_bytes + pool.nbytes, max(best, pool.nbytes / dt)
         if timed > limit_s:
@@ -121,7 +125,7 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
     runner = CpuExpertRunner(threads=n, isa=cfg["isa"], prefetch_bytes=cfg["prefetch"], spin_us=cfg["spin_us"],
                              row_block=cfg["row_block"], claim_rows=cfg["claim_rows"], guided=cfg["guided"],
                              prefetch_hint=cfg["prefetch_hint"], caller_joins=CALLER_JOINS[cfg["caller_joins"]])
-    reads, passes, reads4, kernel = [], [], [], []
+    reads, passes, reads4, reads_dyn, kernel = [], [], [], [], []
     plan = lambda: call_plan(table.num_experts, cfg["experts_per_call"], cfg["tokens"], gen)  # noqa: E731
     for _ in range(cfg["repeats"]):  # interleaved, so a noisy neighbour hits all figures alike
         window, fastest = time_reads(runner, pool, cfg["seconds"])
@@ -129,6 +133,8 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
         passes.append(fastest)
         if cfg["read4"]:
             reads4.append(time_reads(runner, pool, cfg["seconds"], streams=4)[0])
+        if cfg["read_dyn"]:
+            reads_dyn.append(time_reads(runner, pool, cfg["seconds"], chunk=DYN_CHUNK)[0])
         runner.set_profile(True)
         gbs, nbytes, seconds = time_calls(runner.run_routed, table, plan, x, y, cfg["seconds"])
         if not kernel or gbs > max(kernel):
@@ -142,6 +148,10 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
     row["ratio"] = row["kernel_gbs"] / row["read_gbs"]
     if reads4:
         row.update(read4_gbs=max(reads4), read4_runs=reads4, ratio4=row["kernel_gbs"] / max(reads4))
+    if reads_dyn:
+        row.update(read_dyn_gbs=max(reads_dyn), read_dyn_runs=reads_dyn)
+    row["best_read_gbs"] = max(reads + reads4 + reads_dyn)
+    row["ratio_best"] = row["kernel_gbs"] / row["best_read_gbs"]
     if with_torch:
         torch.set_num_threads(n)
         row["torch_gbs"] = time_calls(torch_routed, table, plan, x, y, cfg["seconds"])[0]
@@ -150,13 +160,12 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
 
 def print_table(title: str, rows: list[dict]) -> None:
     print(title)
-    print(f"{'threads':>7} {'isa':>10} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6} {'read x4 GB/s':>13} "
-          f"{'ratio':>6} {'torch GB/s':>11}")
+    print(f"{'threads':>7} {'isa':>10} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6} {'read x4':>8} "
+          f"{'read dyn':>9} {'best':>5} {'torch GB/s':>11}")
     for r in rows:
-        torch_gbs = f"{r['torch_gbs']:.1f}" if "torch_gbs" in r else "-"
-        read4, ratio4 = (f"{r['read4_gbs']:.1f}", f"{r['ratio4']:.2f}") if "read4_gbs" in r else ("-", "-")
+        cols = [f"{r[k]:.1f}" if k in r else "-" for k in ("read4_gbs", "read_dyn_gbs", "torch_gbs")]
         print(f"{r['threads']:>7} {r['isa']:>10} {r['kernel_gbs']:>12.1f} {r['read_gbs']:>10.1f} "
-              f"{r['ratio']:>6.2f} {read4:>13} {ratio4:>6} {torch_gbs:>11}")
+              f"{r['ratio']:>6.2f} {cols[0]:>8} {cols[1]:>9} {r['ratio_best']:>5.2f} {cols[2]:>11}")
     print("where the best kernel window's time went (% of threads x window):")
     print(f"{'threads':>7} {'ms/call':>8} {'wrapper':>8} {'dispatch':>9} {'gate/up':>8} {'down':>6} {'barrier':>8} "
           f"{'tail':>6} {'wake':>6} {'GB/s running':>13}")
@@ -193,7 +202,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--caller-joins", default="auto", choices=sorted(CALLER_JOINS),
                    help="the calling thread is worker 0 (auto: when the pool takes every core)")
     p.add_argument("--no-read4", dest="read4", action="store_false",
-                   help="skip the second read reference (each worker reading four streams side by side)")
+                   help="skip the read reference with each worker reading four streams side by side")
+    p.add_argument("--no-read-dyn", dest="read_dyn", action="store_false",
+                   help="skip the read reference with 2 MiB pieces claimed in turn")
     p.add_argument("--seconds", type=float, default=1.5, help="time per kernel measurement")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="also measure the variants in SWEEP (no torch)")

@@ -314,15 +314,16 @@ class CpuExpertRunner:
             raise ValueError("profiling needs the native extension")
         return dict(self._pool.profile())
 
-    def read_bandwidth_pass(self, buf: torch.Tensor, streams: int = 1) -> int:
+    def read_bandwidth_pass(self, buf: torch.Tensor, streams: int = 1, chunk_bytes: int = 0) -> int:
         """One read of a contiguous CPU tensor on this runner's threads (native only); returns the XOR of its
-        8-byte words. streams=1: each worker reads its part front to back (STREAM-style); 2 or 4: each worker
-        reads that many equal pieces of its part side by side."""
+        8-byte words. chunk_bytes 0: each worker reads its own contiguous part (STREAM's static split); else
+        the workers claim pieces of chunk_bytes (a multiple of 64) in turn, so a slow core holds up no one.
+        streams=1: front to back; 2 or 4: that many equal pieces of a part (or chunk) side by side."""
         if self.backend != "native":
             raise ValueError("the read kernel needs the native extension")
         if not buf.is_contiguous() or buf.device.type != "cpu":
             raise ValueError("the read buffer must be a contiguous CPU tensor")
-        return self._pool.read(buf.data_ptr(), buf.numel() * buf.element_size(), streams)
+        return self._pool.read(buf.data_ptr(), buf.numel() * buf.element_size(), streams, chunk_bytes)
 
 
 def torch_experts(tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> None:

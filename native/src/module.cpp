@@ -188,10 +188,13 @@ PYBIND11_MODULE(_cpu_experts, m) {
       }, "core-seconds of the profiled jobs waited on so far, by where they went (see PoolProfile)")
       .def("wait", [](Runner& r) { py::gil_scoped_release release; r.pool.wait(); })
       .def("done", [](Runner& r) { return r.pool.done(); })
-      .def("read", [](Runner& r, uint64_t p, size_t nbytes, int streams) {
+      .def("read", [](Runner& r, uint64_t p, size_t nbytes, int streams, size_t chunk_bytes) {
         if (streams != 1 && streams != 2 && streams != 4)
           throw std::invalid_argument("read streams must be 1, 2 or 4, got " + std::to_string(streams));
+        if (chunk_bytes % 64)
+          throw std::invalid_argument("read chunks must be a multiple of 64 bytes, got " +
+                                      std::to_string(chunk_bytes));
         py::gil_scoped_release release;
-        return pool_read(r.pool, r.kernels, reinterpret_cast<const void*>(p), nbytes, streams);
-      }, py::arg("p"), py::arg("nbytes"), py::arg("streams") = 1);
+        return pool_read(r.pool, r.kernels, reinterpret_cast<const void*>(p), nbytes, streams, chunk_bytes);
+      }, py::arg("p"), py::arg("nbytes"), py::arg("streams") = 1, py::arg("chunk_bytes") = 0);
 }

@@ -215,14 +215,22 @@ class MoeJob : public Job {
 
 class ReadJob : public Job {
  public:
-  ReadJob(const KernelTable* t, const void* p, size_t n, int workers, int streams)
-      : t_(t), p_(static_cast<const char*>(p)), n_(n), streams_(streams), out_(size_t(workers) * 8, 0) {}
+  ReadJob(const KernelTable* t, const void* p, size_t n, int workers, int streams, size_t chunk)
+      : t_(t), p_(static_cast<const char*>(p)), n_(n), streams_(streams), chunk_(chunk),
+        out_(size_t(workers) * 8, 0) {}
   int phases() const override { return 1; }
   void run(int, int w, int nw) override {
-    int64_t pages = int64_t((n_ + 4095) / 4096), b, e;
-    split(pages, w, nw, b, e);
-    size_t lo = size_t(b) * 4096, hi = std::min(n_, size_t(e) * 4096);
-    if (hi > lo) out_[size_t(w) * 8] = t_->read(p_ + lo, hi - lo, streams_);  // 8 words apart: own line
+    uint64_t acc = 0;
+    if (chunk_ == 0) {  // STREAM-style: each worker its own contiguous part
+      int64_t pages = int64_t((n_ + 4095) / 4096), b, e;
+      split(pages, w, nw, b, e);
+      size_t lo = size_t(b) * 4096, hi = std::min(n_, size_t(e) * 4096);
+      if (hi > lo) acc = t_->read(p_ + lo, hi - lo, streams_);
+    } else {  // chunks claimed in turn: a slow core reads fewer of them instead of holding up the pass
+      for (size_t lo; (lo = next_.fetch_add(chunk_, std::memory_order_relaxed)) < n_;)
+        acc ^= t_->read(p_ + lo, std::min(chunk_, n_ - lo), streams_);
+    }
+    out_[size_t(w) * 8] = acc;  // 8 words apart: own line
   }
   uint64_t result() const {
     uint64_t r = 0;
@@ -235,7 +243,9 @@ class ReadJob : public Job {
   const char* p_;
   size_t n_;
   int streams_;
+  size_t chunk_;
   std::vector<uint64_t> out_;
+  alignas(64) std::atomic<size_t> next_{0};
 };
 
 }  // namespace
@@ -266,8 +276,9 @@ std::shared_ptr<Job> make_moe_job(const MoeArgs& args, std::vector<ExpertGroup> 
   return std::make_shared<MoeJob>(args, std::move(groups));
 }
 
-uint64_t pool_read(Pool& pool, const KernelTable* table, const void* p, size_t nbytes, int streams) {
-  auto job = std::make_shared<ReadJob>(table, p, nbytes, pool.threads(), streams);
+uint64_t pool_read(Pool& pool, const KernelTable* table, const void* p, size_t nbytes, int streams,
+                   size_t chunk_bytes) {
+  auto job = std::make_shared<ReadJob>(table, p, nbytes, pool.threads(), streams, chunk_bytes);
   pool.submit(job);
   pool.wait();
   return job->result();

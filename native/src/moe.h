@@ -51,7 +51,9 @@ std::vector<ExpertGroup> group_tasks(const std::vector<uint64_t>& gate_up, const
 std::shared_ptr<Job> make_moe_job(const MoeArgs& args, std::vector<ExpertGroup> groups);
 
 // XOR-reads [p, p + nbytes) split over the pool's workers, each reading its part as `streams` streams
-// (see ReadFn); returns the folded XOR.
-uint64_t pool_read(Pool& pool, const KernelTable* table, const void* p, size_t nbytes, int streams = 1);
+// (see ReadFn); returns the folded XOR. chunk_bytes 0: worker w reads the w-th contiguous part (STREAM's
+// static split); else the workers claim chunk_bytes pieces in turn (a multiple of 64 keeps lines whole).
+uint64_t pool_read(Pool& pool, const KernelTable* table, const void* p, size_t nbytes, int streams = 1,
+                   size_t chunk_bytes = 0);
 
 }  // namespace killick

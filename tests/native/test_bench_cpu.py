@@ -18,6 +18,10 @@ def test_bench_reports_kernel_read_and_torch(tmp_path, capsys):
     assert row["read_fastest_pass_gbs"] >= row["read_gbs"] * 0.999  # one pass is never below the average
     assert row["ratio"] == pytest.approx(row["kernel_gbs"] / row["read_gbs"]) and row["torch_gbs"] > 0
     assert len(row["read4_runs"]) == 2 and row["ratio4"] == pytest.approx(row["kernel_gbs"] / row["read4_gbs"])
+    assert len(row["read_dyn_runs"]) == 2
+    assert row["best_read_gbs"] == max(row["read_gbs"], row["read4_gbs"], row["read_dyn_gbs"])
+    assert row["ratio_best"] == pytest.approx(row["kernel_gbs"] / row["best_read_gbs"])
+    assert row["ratio_best"] <= row["ratio"]
     where = row["where"]  # the best kernel window's core-time, split by the pool's profile
     shares = [where[k] for k in ("wrapper", "dispatch", "run", "barrier", "tail", "wake")]
     assert sum(shares) == pytest.approx(1.0) and where["run"] > 0.5 and where["calls"] > 0

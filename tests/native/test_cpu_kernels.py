@@ -141,11 +141,15 @@ def test_read_kernel_xors_every_word(isa, streams):
     for v in buf.view(torch.uint8).numpy().view("<u8"):
         expect ^= int(v)
     for threads in (1, 3):
-        assert CpuExpertRunner(threads=threads, isa=isa).read_bandwidth_pass(buf, streams) == expect
+        runner = CpuExpertRunner(threads=threads, isa=isa)
+        for chunk in (0, 64, 4096, 1 << 16):  # static split, and chunks claimed in turn (the last one short)
+            assert runner.read_bandwidth_pass(buf, streams, chunk) == expect
 
 
-def test_read_streams_and_walk_are_checked():
+def test_read_streams_chunks_and_walk_are_checked():
     with pytest.raises(ValueError, match="streams"):
         CpuExpertRunner(threads=1).read_bandwidth_pass(torch.zeros(64), streams=3)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        CpuExpertRunner(threads=1).read_bandwidth_pass(torch.zeros(64), chunk_bytes=100)
     with pytest.raises(ValueError, match="row_block"):
         CpuExpertRunner(threads=1, row_block=4)
