@@ -15,12 +15,12 @@ constexpr int rows_per_block() {
 }
 
 // Each row's prefetch runs pf bytes ahead of its loads; past the row's end it continues into the same row of
-// the next block (ROWS rows on) when `next` says that block is part of this call, and stops otherwise. (Running
-// on into the next row in memory would fetch rows this block is already reading, and leave the next block's
-// rows to start cold: a third of each 1 KiB down-projection row.)
+// `cont` (the next block of this call, ROWS rows on, or the first rows the caller walks next), and stops where
+// cont is null. (Running on into the next row in memory would fetch rows this block is already reading, and
+// leave the next block's rows to start cold: a third of each 1 KiB down-projection row.)
 template <class V, int T, int ROWS, int LOC>
 inline void dot_block(const typename V::WT* w, int64_t ld, int K, const typename V::XT* const* x,
-                      float* out, int os, int pf, bool next) {
+                      float* out, int os, int pf, const typename V::WT* cont) {
   using WT = typename V::WT;
   constexpr int LINE = 64 / int(sizeof(WT));
   constexpr int J = LINE / V::W > 0 ? LINE / V::W : 1;
@@ -36,8 +36,8 @@ inline void dot_block(const typename V::WT* w, int64_t ld, int K, const typename
         const char* row = reinterpret_cast<const char*>(w + r * ld);
         if (off < row_bytes)
           __builtin_prefetch(row + off, 0, LOC);
-        else if (next)
-          __builtin_prefetch(row + ROWS * ld * int64_t(sizeof(WT)) + (off - row_bytes), 0, LOC);
+        else if (cont)
+          __builtin_prefetch(reinterpret_cast<const char*>(cont + r * ld) + (off - row_bytes), 0, LOC);
       }
     }
     for (int j = 0; j < J; ++j) {
@@ -157,29 +157,37 @@ inline void dot_streams_t(const void* const* wp, int64_t ld, int K, int rows, co
   }
 }
 
+// then: the rows the caller walks after these (same ld, at least a block of them), or null; the last block's
+// prefetches run on into them.
 template <class V, int T, int LOC>
 inline void dot_rows_t(const typename V::WT* w, int64_t ld, int K, int rows,
-                       const typename V::XT* const* x, float* out, int os, int pf, int row_block) {
+                       const typename V::XT* const* x, float* out, int os, int pf, int row_block,
+                       const typename V::WT* then) {
   if (row_block == 1) {
     for (int r = 0; r < rows; ++r) dot_stream<V, T, LOC>(w + r * ld, K, x, out + r, os, pf);
     return;
   }
   constexpr int R = rows_per_block<T, V::NACC>();
   int r = 0;
-  for (; r + R <= rows; r += R) dot_block<V, T, R, LOC>(w + r * ld, ld, K, x, out + r, os, pf, r + 2 * R <= rows);
-  for (; r < rows; ++r) dot_block<V, T, 1, LOC>(w + r * ld, ld, K, x, out + r, os, pf, r + 2 <= rows);
+  for (; r + R <= rows; r += R)
+    dot_block<V, T, R, LOC>(w + r * ld, ld, K, x, out + r, os, pf,
+                            r + 2 * R <= rows ? w + (r + R) * ld : (r + R == rows ? then : nullptr));
+  for (; r < rows; ++r)
+    dot_block<V, T, 1, LOC>(w + r * ld, ld, K, x, out + r, os, pf,
+                            r + 2 <= rows ? w + (r + 1) * ld : (r + 1 == rows ? then : nullptr));
 }
 
 template <class V, int LOC>
 void dot_rows_loc(const void* wp, int64_t ld, int K, int rows, const void* const* xp, int T, float* out,
-                  int os, int pf, int rb) {
+                  int os, int pf, int rb, const void* thenp) {
   auto w = static_cast<const typename V::WT*>(wp);
+  auto then = static_cast<const typename V::WT*>(thenp);
   auto x = reinterpret_cast<const typename V::XT* const*>(xp);
   switch (T) {
-    case 1: dot_rows_t<V, 1, LOC>(w, ld, K, rows, x, out, os, pf, rb); break;
-    case 2: dot_rows_t<V, 2, LOC>(w, ld, K, rows, x, out, os, pf, rb); break;
-    case 3: dot_rows_t<V, 3, LOC>(w, ld, K, rows, x, out, os, pf, rb); break;
-    default: dot_rows_t<V, 4, LOC>(w, ld, K, rows, x, out, os, pf, rb); break;
+    case 1: dot_rows_t<V, 1, LOC>(w, ld, K, rows, x, out, os, pf, rb, then); break;
+    case 2: dot_rows_t<V, 2, LOC>(w, ld, K, rows, x, out, os, pf, rb, then); break;
+    case 3: dot_rows_t<V, 3, LOC>(w, ld, K, rows, x, out, os, pf, rb, then); break;
+    default: dot_rows_t<V, 4, LOC>(w, ld, K, rows, x, out, os, pf, rb, then); break;
   }
 }
 
@@ -196,7 +204,7 @@ void dot_streams_loc(int S, const void* const* w, int64_t ld, int K, int rows, c
     return;
   }
   // 3-4 tokens: accumulators for several streams would spill; one stream after the other
-  for (int s = 0; s < S; ++s) dot_rows_loc<V, LOC>(w[s], ld, K, rows, x[s], T, out[s], os, pf, 1);
+  for (int s = 0; s < S; ++s) dot_rows_loc<V, LOC>(w[s], ld, K, rows, x[s], T, out[s], os, pf, 1, nullptr);
 }
 
 // Calls f(std::integral_constant<int, L>) with L the prefetch locality for pf_hint: __builtin_prefetch's
@@ -257,9 +265,9 @@ uint64_t read_streams(const void* p, size_t nbytes, int streams) {
 
 template <class V>
 void dot_rows(const void* w, int64_t ld, int K, int rows, const void* const* x, int T, float* out, int os,
-              int pf, int pf_hint, int rb) {
+              int pf, int pf_hint, int rb, const void* then) {
   with_locality(pf_hint, [&](auto loc) {
-    dot_rows_loc<V, decltype(loc)::value>(w, ld, K, rows, x, T, out, os, pf, rb);
+    dot_rows_loc<V, decltype(loc)::value>(w, ld, K, rows, x, T, out, os, pf, rb, then);
   });
 }
 

@@ -19,8 +19,11 @@ enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 // row_block 1: one row at a time, two lines per step into independent accumulators (one sequential stream).
 // prefetch_bytes ahead along each row stream (0: none), with prefetch_hint as __builtin_prefetch's locality
 // (3: prefetcht0 into L1, 2: prefetcht1, 1: prefetcht2, 0: prefetchnta).
+// then: the rows the caller walks next (same ld, at least 4 of them) or null: row_block 0's prefetches run on
+// from the last rows into them instead of stopping at the end of the call.
 using DotRowsFn = void (*)(const void* W, int64_t ld, int K, int rows, const void* const* x, int T,
-                           float* out, int out_stride, int prefetch_bytes, int prefetch_hint, int row_block);
+                           float* out, int out_stride, int prefetch_bytes, int prefetch_hint, int row_block,
+                           const void* then);
 // Rows r < rows of S matrices (S = 2 or 4) walked side by side, S sequential streams: row r of W[s] against
 // the activations x[s] (T of them) into out[s][t * out_stride + r]; same formats and activations as DotRowsFn.
 using DotStreamsFn = void (*)(int S, const void* const* W, int64_t ld, int K, int rows, const void* const* const* x,

@@ -129,9 +129,9 @@ class MoeJob : public Job {
         }
       } else {
         dot(gate, a_.ld_gu, a_.H, n, xs, eg.ntok, gbuf, kChunkRows, a_.prefetch_bytes, a_.prefetch_hint,
-            a_.row_block);
+            a_.row_block, up);
         dot(up, a_.ld_gu, a_.H, n, xs, eg.ntok, ubuf, kChunkRows, a_.prefetch_bytes, a_.prefetch_hint,
-            a_.row_block);
+            a_.row_block, nullptr);
       }
       for (int t = 0; t < eg.ntok; ++t) {
         float* act = act_.get() + act_off(g, t) + i0;
@@ -176,8 +176,11 @@ class MoeJob : public Job {
           a_.table->dots[a_.fmt](int(m), w, a_.ld_dn, a_.I, n, xs, g_[g].ntok, out, kChunkRows, a_.prefetch_bytes,
                                  a_.prefetch_hint);
         } else {
+          // the next expert's rows h.. come next: the prefetches run on into them
+          const void* then = g + 1 < g_.size() && streams_ == 1
+                                 ? static_cast<const char*>(g_[g + 1].down) + h * a_.ld_dn * es_ : nullptr;
           dot(w[0], a_.ld_dn, a_.I, n, as[0], g_[g].ntok, buf[0], kChunkRows, a_.prefetch_bytes, a_.prefetch_hint,
-              streams_ > 1 ? 1 : a_.row_block);
+              streams_ > 1 ? 1 : a_.row_block, then);
         }
         for (size_t e = 0; e < m; ++e) {
           const ExpertGroup& eg = g_[g + e];
