@@ -179,13 +179,6 @@ void Pool::barrier(int& sense) {
 }
 
 void Pool::run_job(int index, uint64_t generation, int& sense) {
-  // A joining caller takes worker 0's core for its share only (its own affinity is the caller's business):
-  // unpinned, the scheduler may stack it on a worker's core, and a statically split job (the read) then
-  // waits for the two sharing one core.
-  cpu_set_t caller_mask;
-  bool repin = caller_joins_ && index == 0 && !cpus_.empty() &&
-               sched_getaffinity(0, sizeof(caller_mask), &caller_mask) == 0;
-  if (repin) pin_to(cpus_[0]);
   Job* job = job_.get();
   int phases = job->phases();
   Stamps* st = job_profiled_ ? &stamps_[size_t(index)] : nullptr;
@@ -195,7 +188,6 @@ void Pool::run_job(int index, uint64_t generation, int& sense) {
     if (st) st->end[p] = now_ns();
     if (p + 1 < phases) barrier(sense);
   }
-  if (repin) sched_setaffinity(0, sizeof(caller_mask), &caller_mask);
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
     {
       std::lock_guard<std::mutex> lock(done_mu_);
