@@ -22,6 +22,12 @@ def test_bench_reports_kernel_read_and_torch(tmp_path, capsys):
     assert row["best_read_gbs"] == max(row["read_gbs"], row["read4_gbs"], row["read_dyn_gbs"])
     assert row["ratio_best"] == pytest.approx(row["kernel_gbs"] / row["best_read_gbs"])
     assert row["ratio_best"] <= row["ratio"]
+    pairs = [k / r for k, r in zip(row["kernel_runs"], row["read_runs"])]
+    assert row["ratio_rounds"] == pytest.approx(sum(pairs) / 2)  # the median of two rounds
+    best_pairs = [k / max(r, r4, rd) for k, r, r4, rd in
+                  zip(row["kernel_runs"], row["read_runs"], row["read4_runs"], row["read_dyn_runs"])]
+    assert row["ratio_best_rounds"] == pytest.approx(sum(best_pairs) / 2)
+    assert row["ratio_best_rounds"] <= row["ratio_rounds"] + 1e-12
     where = row["where"]  # the best kernel window's core-time, split by the pool's profile
     shares = [where[k] for k in ("wrapper", "dispatch", "run", "barrier", "tail", "wake")]
     assert sum(shares) == pytest.approx(1.0) and where["run"] > 0.5 and where["calls"] > 0
