@@ -209,3 +209,25 @@ def test_the_profile_accounts_for_every_core_second(joins):
 def test_an_empty_expert_table_is_refused():
     with pytest.raises(ValueError, match="E >= 1"):
         ck.ExpertTable(torch.zeros(0, 8, 4), torch.zeros(0, 4, 4))
+
+
+@native
+def test_run_routed_converts_x_and_waits_for_a_pending_batch():
+    gen = torch.Generator().manual_seed(5)
+    hidden, inter = 48, 24
+    blocks = (torch.randn(4, 3 * inter * hidden, generator=gen) * 0.1).float()
+    table = ck.ExpertTable.from_blocks(blocks, hidden, inter)
+    x32 = torch.randn(2, hidden, generator=gen)
+    experts, tokens, weights = [3, 1, 3], [0, 0, 1], [0.5, 1.0, 2.0]
+    ref = reference_experts(table.tasks(experts, tokens, weights), x32)
+    runner = CpuExpertRunner(threads=2)
+    y = torch.zeros(2, hidden)
+    fut = runner.submit_routed(table, experts, tokens, weights, x32, y)  # pending when run_routed starts
+    x_strided = x32.t().contiguous().t()  # inner stride 2: converted to fp32 rows
+    runner.run_routed(table, experts, tokens, weights, x_strided, y)
+    assert fut.done() and _rel_err(y, 2 * ref) < 1e-5
+    y2 = torch.zeros(2, hidden)
+    runner.run_routed(table, experts, tokens, weights, x32.double(), y2)  # any float dtype
+    assert _rel_err(y2, ref) < 1e-5
+    with pytest.raises(ValueError, match="hidden size"):
+        runner.run_routed(table, experts, tokens, weights, torch.randn(2, hidden + 1), torch.zeros(2, hidden + 1))
