@@ -80,8 +80,8 @@ struct Table {
 struct Runner {
   std::unique_ptr<Pool> pool_;
   Pool& pool;
-  const KernelTable* kernels;  // the ISA's kernels (isa property)
-  std::string isa;
+  std::string isa;             // best supported unless set (isa property)
+  const KernelTable* kernels;  // isa's kernels
   int row_block = 0;  // kernel walk order, see DotRowsFn
   int claim_rows = 64;  // rows a worker claims at a time, 1..kChunkRows (see moe.cpp)
   bool guided = true;   // claims shrink towards the end of each phase
@@ -89,7 +89,7 @@ struct Runner {
   int prefetch_bytes = 512;  // software prefetch distance along each weight row stream (0: none)
   Runner(int threads, bool pin, int spin_us, int caller_joins)
       : pool_(std::make_unique<Pool>(threads, pin, spin_us, caller_joins)), pool(*pool_),
-        kernels(table_for(supported_isas().front())), isa(supported_isas().front()) {}
+        isa(supported_isas().front()), kernels(table_for(isa)) {}
 
   void set_isa(const std::string& name) {
     kernels = table_for(name);
@@ -172,7 +172,7 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def("submit_moe", &Runner::submit_moe)
       .def("submit_table", &Runner::submit_table)
       .def("set_profile", [](Runner& r, bool on) { py::gil_scoped_release release; r.pool.set_profile(on); },
-           "start (True: from zero) or stop timestamping jobs; waits for the job in flight first")
+           "start or stop timestamping jobs (the sums restart from zero); waits for the job in flight first")
       .def("profile", [](Runner& r) {
         PoolProfile p = r.pool.profile();
         py::dict d;

@@ -176,9 +176,9 @@ class MoeJob : public Job {
           a_.table->dots[a_.fmt](int(m), w, a_.ld_dn, a_.I, n, xs, g_[g].ntok, out, kChunkRows, a_.prefetch_bytes,
                                  a_.prefetch_hint);
         } else {
-          // the next expert's rows h.. come next: the prefetches run on into them
-          const void* then = g + 1 < g_.size() && streams_ == 1
-                                 ? static_cast<const char*>(g_[g + 1].down) + h * a_.ld_dn * es_ : nullptr;
+          // the next expert's rows h.. come next: the four-row walk's prefetches run on into them
+          const void* then = g + 1 < g_.size() ? static_cast<const char*>(g_[g + 1].down) + h * a_.ld_dn * es_
+                                               : nullptr;
           dot(w[0], a_.ld_dn, a_.I, n, as[0], g_[g].ntok, buf[0], kChunkRows, a_.prefetch_bytes, a_.prefetch_hint,
               streams_ > 1 ? 1 : a_.row_block, then);
         }

@@ -46,7 +46,7 @@ class Pool {
   Pool& operator=(const Pool&) = delete;
 
   void submit(std::shared_ptr<Job> job);  // waits for the job in flight first
-  void wait();                            // blocks until the last submitted job finished
+  void wait();  // blocks until the last submitted job finished (running worker 0's share if the caller joins)
   bool done() const;
   int threads() const { return threads_; }
   bool caller_joins() const { return caller_joins_; }
@@ -73,7 +73,7 @@ class Pool {
   int caller_sense_ = 0;                    // the caller's barrier sense (caller_joins_)
   std::atomic<uint64_t> caller_ran_{0};     // the last generation whose worker-0 share a caller took
   int spin_us_;
-  int wait_spin_us_;  // the caller spins only when the pool leaves it a core of its own
+  int wait_spin_us_;  // the caller spins only with a core of its own (the pool leaves it one, or it joins)
   std::shared_ptr<Job> job_;
   bool profile_on_ = false;  // set between jobs only (set_profile waits first)
   bool job_profiled_ = false;
