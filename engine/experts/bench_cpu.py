@@ -2,7 +2,8 @@
 
     python -m engine.experts.bench_cpu [--threads 1,6,16] [--pool-gb 2] [--sweep] [--json out.json]
 
-Kernel GB/s = expert weight bytes read / wall time of submit+wait (Python wrapper included), experts drawn
+Kernel GB/s = expert weight bytes read / wall time of the calls (CpuExpertRunner.run_io on buffers checked
+once, as a decode loop would call it; Python wrapper included), experts drawn
 without repetition from a pool far larger than the last-level cache (Qwen3.6-35B-A3B shape by default:
 H=2048, I=512, bf16, 6 MiB an expert), `--experts-per-call` distinct experts per call like one MoE layer's
 misses. Read GB/s = the native read kernel in passes over the whole pool on the same worker pool, each worker
@@ -25,6 +26,7 @@ bytes / (kernel running time per worker), the rate of the loops themselves, to h
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -32,8 +34,8 @@ import time
 
 import torch
 
-from engine.experts.cpu_kernels import (PREFETCH_HINTS, CpuExpertRunner, ExpertTable, default_walk, physical_cores,
-                                        supported_isas, torch_experts)
+from engine.experts.cpu_kernels import (PREFETCH_HINTS, CpuExpertRunner, ExpertTable, RoutedIO, default_walk,
+                                        physical_cores, supported_isas, torch_experts)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CALLER_JOINS = {"auto": None, "yes": True, "no": False}
@@ -74,16 +76,17 @@ def call_plan(n_experts: int, per_call: int, tokens: int, gen: torch.Generator) 
     return calls
 
 
-def time_calls(run, table: ExpertTable, plan, x, y, limit_s: float) -> tuple[float, float, float]:
-    """Runs passes of plan() (each a fresh order over the whole pool) until limit_s; returns (weight GB/s,
-    weight bytes, seconds). Only the calls are timed, back to back as a decode step's layers would issue them."""
+def time_calls(run, table: ExpertTable, plan, limit_s: float) -> tuple[float, float, float]:
+    """Runs passes of plan() (each a fresh order over the whole pool) as run(table, experts, tokens, weights)
+    until limit_s; returns (weight GB/s, weight bytes, seconds). Only the calls are timed, back to back as a
+    decode step's layers would issue them."""
     nbytes = 3 * table.hidden * table.inter * table.dtype.itemsize
     done_bytes, timed = 0, 0.0
     for _ in range(1000):  # bounded: a pass takes at least milliseconds
         calls = [(e, t, [0.5] * len(e), len(set(e))) for e, t in plan()]
         t0 = time.perf_counter()
         for experts, tokens, weights, unique in calls:
-            run(table, experts, tokens, weights, x, y)
+            run(table, experts, tokens, weights)
             done_bytes += nbytes * unique
         timed += time.perf_counter() - t0
         if timed > limit_s:
@@ -129,6 +132,7 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
     runner = CpuExpertRunner(threads=n, isa=cfg["isa"], prefetch_bytes=cfg["prefetch"], spin_us=cfg["spin_us"],
                              row_block=cfg["row_block"], claim_rows=cfg["claim_rows"], guided=cfg["guided"],
                              prefetch_hint=cfg["prefetch_hint"], caller_joins=CALLER_JOINS[cfg["caller_joins"]])
+    io = RoutedIO(x, y)
     reads, passes, reads4, reads_dyn, kernel = [], [], [], [], []
     plan = lambda: call_plan(table.num_experts, cfg["experts_per_call"], cfg["tokens"], gen)  # noqa: E731
     for _ in range(cfg["repeats"]):  # interleaved, so a noisy neighbour hits all figures alike
@@ -140,7 +144,7 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
         if cfg["read_dyn"]:
             reads_dyn.append(time_reads(runner, pool, cfg["seconds"], chunk=DYN_CHUNK)[0])
         runner.set_profile(True)
-        gbs, nbytes, seconds = time_calls(runner.run_routed, table, plan, x, y, cfg["seconds"])
+        gbs, nbytes, seconds = time_calls(functools.partial(runner.run_io, io=io), table, plan, cfg["seconds"])
         if not kernel or gbs > max(kernel):
             where = breakdown(runner.profile(), n, nbytes, seconds)
         kernel.append(gbs)
@@ -163,7 +167,7 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
     row["ratio_best_rounds"] = statistics.median(k / r for k, r in zip(kernel, best_of_round))
     if with_torch:
         torch.set_num_threads(n)
-        row["torch_gbs"] = time_calls(torch_routed, table, plan, x, y, cfg["seconds"])[0]
+        row["torch_gbs"] = time_calls(functools.partial(torch_routed, x=x, y=y), table, plan, cfg["seconds"])[0]
     return row
 
 

@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -96,32 +97,55 @@ struct Runner {
     isa = name;
   }
 
-  // Tasks as addresses: (gate_up, down, token, weight) per task.
+  // Tasks as addresses: (gate_up, down, token, weight) per task. Returns at once (wait() for the result).
   void submit_moe(int fmt, int H, int I, int64_t ld_gu, int64_t ld_dn, const std::vector<uint64_t>& gate_up,
                   const std::vector<uint64_t>& down, const std::vector<int64_t>& tokens,
                   const std::vector<float>& weights, uint64_t x, int64_t x_stride, uint64_t y, int64_t y_stride,
                   int T) {
     MoeArgs a = args(Table::check_format(fmt), H, I, ld_gu, ld_dn, x, x_stride, y, y_stride, T);
+    size_t n = gate_up.size();
+    if (down.size() != n || tokens.size() != n || weights.size() != n)
+      throw std::invalid_argument("task arrays differ in length");
     check_tokens(tokens, T);
-    start(a, group_tasks(gate_up, down, tokens, weights));
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    start(a, gate_up, down, tokens, weights, false);
   }
 
-  // Tasks as expert ids into one layer's table.
+  // Tasks as expert ids into one layer's table; `wait`: also wait for the result before returning (one call
+  // a layer: the caller's code and data are cold after each call's streaming, and every crossing costs).
   void submit_table(const Table& t, const std::vector<int64_t>& experts, const std::vector<int64_t>& tokens,
                     const std::vector<float>& weights, uint64_t x, int64_t x_stride, uint64_t y, int64_t y_stride,
-                    int T) {
+                    int T, bool wait) {
     MoeArgs a = args(t.fmt, t.H, t.I, t.ld_gu, t.ld_dn, x, x_stride, y, y_stride, T);
+    size_t n = experts.size();
+    if (tokens.size() != n || weights.size() != n)
+      throw std::invalid_argument("experts, tokens and weights must have one entry per task");
     check_tokens(tokens, T);
-    int64_t es = t.fmt == kBF16 ? 2 : 4;
-    std::vector<uint64_t> gu(experts.size()), dn(experts.size());
-    for (size_t i = 0; i < experts.size(); ++i) {
-      if (experts[i] < 0 || experts[i] >= t.E)
-        throw std::invalid_argument("expert id " + std::to_string(experts[i]) + " is outside the table's " +
+    for (int64_t e : experts)
+      if (e < 0 || e >= t.E)
+        throw std::invalid_argument("expert id " + std::to_string(e) + " is outside the table's " +
                                     std::to_string(t.E) + " experts");
-      gu[i] = t.gu + uint64_t(experts[i] * t.gu_estride * es);
-      dn[i] = t.dn + uint64_t(experts[i] * t.dn_estride * es);
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t es = t.fmt == kBF16 ? 2 : 4;
+    gu_.resize(n);
+    dn_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      gu_[i] = t.gu + uint64_t(experts[i] * t.gu_estride * es);
+      dn_[i] = t.dn + uint64_t(experts[i] * t.dn_estride * es);
     }
-    start(a, group_tasks(gu, dn, tokens, weights));
+    start(a, gu_, dn_, tokens, weights, wait);
+  }
+
+  uint64_t read(uint64_t p, size_t nbytes, int streams, size_t chunk_bytes) {
+    if (streams != 1 && streams != 2 && streams != 4)
+      throw std::invalid_argument("read streams must be 1, 2 or 4, got " + std::to_string(streams));
+    if (chunk_bytes % 64)
+      throw std::invalid_argument("read chunks must be a multiple of 64 bytes, got " + std::to_string(chunk_bytes));
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    return pool_read(pool, kernels, reinterpret_cast<const void*>(p), nbytes, streams, chunk_bytes);
   }
 
  private:
@@ -137,10 +161,18 @@ struct Runner {
         throw std::invalid_argument("token " + std::to_string(t) + " is outside x's " + std::to_string(T) +
                                     " rows");
   }
-  void start(const MoeArgs& a, std::vector<ExpertGroup> groups) {
-    py::gil_scoped_release release;
-    pool.submit(make_moe_job(a, std::move(groups)));
+  // Checked tasks, the GIL released and mu_ held: wait for the job in flight (the planner reuses its job),
+  // plan, submit, and maybe wait.
+  void start(const MoeArgs& a, const std::vector<uint64_t>& gate_up, const std::vector<uint64_t>& down,
+             const std::vector<int64_t>& tokens, const std::vector<float>& weights, bool wait) {
+    pool.wait();
+    pool.submit(planner_.plan(a, gate_up.size(), gate_up.data(), down.data(), tokens.data(), weights.data()));
+    if (wait) pool.wait();
   }
+
+  std::mutex mu_;  // one submitting thread at a time: the planner's job and gu_/dn_ are shared
+  MoePlanner planner_;
+  std::vector<uint64_t> gu_, dn_;  // submit_table's addresses, kept across calls
 };
 
 }  // namespace
@@ -170,7 +202,9 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def_readwrite("prefetch_hint", &Runner::prefetch_hint)
       .def_readwrite("prefetch_bytes", &Runner::prefetch_bytes)
       .def("submit_moe", &Runner::submit_moe)
-      .def("submit_table", &Runner::submit_table)
+      .def("submit_table", &Runner::submit_table, py::arg("table"), py::arg("experts"), py::arg("tokens"),
+           py::arg("weights"), py::arg("x"), py::arg("x_stride"), py::arg("y"), py::arg("y_stride"), py::arg("T"),
+           py::arg("wait") = false)
       .def("set_profile", [](Runner& r, bool on) { py::gil_scoped_release release; r.pool.set_profile(on); },
            "start or stop timestamping jobs (the sums restart from zero); waits for the job in flight first")
       .def("profile", [](Runner& r) {
@@ -188,13 +222,6 @@ PYBIND11_MODULE(_cpu_experts, m) {
       }, "core-seconds of the profiled jobs waited on so far, by where they went (see PoolProfile)")
       .def("wait", [](Runner& r) { py::gil_scoped_release release; r.pool.wait(); })
       .def("done", [](Runner& r) { return r.pool.done(); })
-      .def("read", [](Runner& r, uint64_t p, size_t nbytes, int streams, size_t chunk_bytes) {
-        if (streams != 1 && streams != 2 && streams != 4)
-          throw std::invalid_argument("read streams must be 1, 2 or 4, got " + std::to_string(streams));
-        if (chunk_bytes % 64)
-          throw std::invalid_argument("read chunks must be a multiple of 64 bytes, got " +
-                                      std::to_string(chunk_bytes));
-        py::gil_scoped_release release;
-        return pool_read(r.pool, r.kernels, reinterpret_cast<const void*>(p), nbytes, streams, chunk_bytes);
-      }, py::arg("p"), py::arg("nbytes"), py::arg("streams") = 1, py::arg("chunk_bytes") = 0);
+      .def("read", &Runner::read, py::arg("p"), py::arg("nbytes"), py::arg("streams") = 1,
+           py::arg("chunk_bytes") = 0);
 }

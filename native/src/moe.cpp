@@ -6,7 +6,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
-#include <unordered_map>
 
 namespace killick {
 namespace {
@@ -29,32 +28,45 @@ inline void split(int64_t n, int w, int nw, int64_t& begin, int64_t& end) {
 }
 
 template <class T>
-struct Aligned {  // 64-byte aligned scratch, so chunks written by different workers share no line
+struct Aligned {  // 64-byte aligned scratch, so chunks written by different workers share no line; grows only
   std::unique_ptr<T[], void (*)(T*)> p{nullptr, [](T* q) { std::free(q); }};
-  void resize(size_t n) {
+  size_t cap = 0;
+  void reserve(size_t n) {
+    if (n <= cap && p) return;
     size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
     p.reset(static_cast<T*>(std::aligned_alloc(64, bytes ? bytes : 64)));
+    cap = bytes / sizeof(T);
   }
   T* get() const { return p.get(); }
 };
 
+}  // namespace
+
 class MoeJob : public Job {
  public:
-  MoeJob(const MoeArgs& a, std::vector<ExpertGroup> groups) : a_(a), g_(std::move(groups)) {
+  // Groups the tasks (see MoePlanner::plan) and sets up the scratch for one run; not while in flight.
+  void plan(const MoeArgs& a, size_t n, const uint64_t* gate_up, const uint64_t* down, const int64_t* tokens,
+            const float* weights) {
+    a_ = a;
+    group(n, gate_up, down, tokens, weights);
     es_ = a.fmt == kBF16 ? 2 : 4;
     bf_ = a.table->x_bf16[a.fmt];
     ipad_ = (a.I + 15) / 16 * 16;
-    act_.resize(g_.size() * kMaxTokens * ipad_);
+    act_.reserve(g_.size() * kMaxTokens * ipad_);
     if (bf_) prepare_bf16();
     streams_ = a.row_block == kQuadWalk ? 4 : (a.row_block == kPairWalk ? 2 : 1);
     // Rows a worker claims at a time (gate + up rows in phase 0, output rows in phase 1): shorter claims end
     // a phase more evenly, longer ones give each worker longer sequential streams.
     claim_ = std::min(kChunkRows, std::max(1, a.claim_rows));
     least_ = std::min(claim_, kLeastClaim);
+    tokens_.clear();
     for (const ExpertGroup& eg : g_) tokens_.insert(tokens_.end(), eg.tok, eg.tok + eg.ntok);
     std::sort(tokens_.begin(), tokens_.end());
     tokens_.erase(std::unique(tokens_.begin(), tokens_.end()), tokens_.end());
+    next_gu_.store(0, std::memory_order_relaxed);  // published by Pool::submit
+    next_dn_.store(0, std::memory_order_relaxed);
   }
+  const std::vector<ExpertGroup>& groups() const { return g_; }
   int phases() const override { return 2; }
   void run(int phase, int w, int nw) override { phase == 0 ? gate_up(w, nw) : down(w, nw); }
 
@@ -81,11 +93,36 @@ class MoeJob : public Job {
     }
   }
 
+  // Tasks on one gate_up address share a group (first-appearance order) until it holds kMaxTokens tokens.
+  // An open-addressed table of slots (address -> latest group of it) sized to twice the tasks: no hashing
+  // library, nothing allocated once warm.
+  void group(size_t n, const uint64_t* gate_up, const uint64_t* down, const int64_t* tokens,
+             const float* weights) {
+    g_.clear();
+    size_t size = 16;
+    while (size < 2 * n) size *= 2;
+    slots_.assign(size, -1);
+    for (size_t i = 0; i < n; ++i) {
+      size_t s = size_t((gate_up[i] >> 6) * 0x9E3779B97F4A7C15ull) & (size - 1);
+      while (slots_[s] >= 0 && g_[size_t(slots_[s])].gate_up != reinterpret_cast<const void*>(gate_up[i]))
+        s = (s + 1) & (size - 1);
+      if (slots_[s] < 0 || g_[size_t(slots_[s])].ntok == kMaxTokens) {
+        g_.push_back(ExpertGroup{reinterpret_cast<const void*>(gate_up[i]), reinterpret_cast<const void*>(down[i]),
+                                 0, {}, {}});
+        slots_[s] = int64_t(g_.size() - 1);
+      }
+      ExpertGroup& g = g_[size_t(slots_[s])];
+      g.tok[g.ntok] = int(tokens[i]);
+      g.w[g.ntok] = weights[i];
+      ++g.ntok;
+    }
+  }
+
   // The VDPBF16PS path wants bf16 activations: x once here, the SwiGLU output in phase 0.
   void prepare_bf16() {
     hpad_ = (a_.H + 31) / 32 * 32;
-    xbf_.resize(size_t(a_.T) * hpad_);
-    actbf_.resize(g_.size() * kMaxTokens * ipad_);
+    xbf_.reserve(size_t(a_.T) * hpad_);
+    actbf_.reserve(g_.size() * kMaxTokens * ipad_);
     for (int t = 0; t < a_.T; ++t)
       for (int h = 0; h < a_.H; ++h) xbf_.get()[size_t(t) * hpad_ + h] = f32_to_bf16(a_.x[t * a_.x_stride + h]);
   }
@@ -202,6 +239,7 @@ class MoeJob : public Job {
   MoeArgs a_;
   std::vector<ExpertGroup> g_;
   std::vector<int> tokens_;  // the distinct tokens this job adds to
+  std::vector<int64_t> slots_;  // group()'s table: index into g_, -1 empty
   int streams_ = 1;         // row streams a kernel call walks side by side (the stream walks: 2 or 4)
   int claim_ = kChunkRows;  // rows a claim takes at most
   int least_ = kLeastClaim;  // and at least (guided claims), but for a segment's last rows
@@ -215,6 +253,8 @@ class MoeJob : public Job {
   Aligned<uint16_t> actbf_;  // same, bf16 (VDPBF16PS path only)
   Aligned<uint16_t> xbf_;    // [T][hpad] x in bf16 (VDPBF16PS path only)
 };
+
+namespace {
 
 class ReadJob : public Job {
  public:
@@ -253,31 +293,16 @@ class ReadJob : public Job {
 
 }  // namespace
 
-std::vector<ExpertGroup> group_tasks(const std::vector<uint64_t>& gate_up, const std::vector<uint64_t>& down,
-                                     const std::vector<int64_t>& tokens, const std::vector<float>& weights) {
-  size_t n = gate_up.size();
-  if (down.size() != n || tokens.size() != n || weights.size() != n)
-    throw std::invalid_argument("task arrays differ in length");
-  std::vector<ExpertGroup> groups;
-  std::unordered_map<uint64_t, size_t> open;  // gate_up address -> group with room left
-  for (size_t i = 0; i < n; ++i) {
-    auto it = open.find(gate_up[i]);
-    if (it == open.end() || groups[it->second].ntok == kMaxTokens) {
-      ExpertGroup g{reinterpret_cast<const void*>(gate_up[i]), reinterpret_cast<const void*>(down[i]), 0, {}, {}};
-      groups.push_back(g);
-      it = open.insert_or_assign(gate_up[i], groups.size() - 1).first;
-    }
-    ExpertGroup& g = groups[it->second];
-    g.tok[g.ntok] = int(tokens[i]);
-    g.w[g.ntok] = weights[i];
-    ++g.ntok;
-  }
-  return groups;
+MoePlanner::MoePlanner() : job_(std::make_shared<MoeJob>()) {}
+MoePlanner::~MoePlanner() = default;
+
+std::shared_ptr<Job> MoePlanner::plan(const MoeArgs& args, size_t n, const uint64_t* gate_up, const uint64_t* down,
+                                      const int64_t* tokens, const float* weights) {
+  job_->plan(args, n, gate_up, down, tokens, weights);
+  return job_;
 }
 
-std::shared_ptr<Job> make_moe_job(const MoeArgs& args, std::vector<ExpertGroup> groups) {
-  return std::make_shared<MoeJob>(args, std::move(groups));
-}
+const std::vector<ExpertGroup>& MoePlanner::groups() const { return job_->groups(); }
 
 uint64_t pool_read(Pool& pool, const KernelTable* table, const void* p, size_t nbytes, int streams,
                    size_t chunk_bytes) {

@@ -43,12 +43,25 @@ struct MoeArgs {
   bool guided;     // claims shrink towards the end of each phase (see MoeJob::claim)
 };
 
-// tasks: parallel arrays (gate_up, down, token, weight); tasks on the same expert are grouped, kMaxTokens
-// tokens per pass over its weights.
-std::vector<ExpertGroup> group_tasks(const std::vector<uint64_t>& gate_up, const std::vector<uint64_t>& down,
-                                     const std::vector<int64_t>& tokens, const std::vector<float>& weights);
+class MoeJob;
 
-std::shared_ptr<Job> make_moe_job(const MoeArgs& args, std::vector<ExpertGroup> groups);
+// Plans SwiGLU jobs into one job object reused call after call (task grouping, activations and scratch are
+// kept and only grow), so a warm MoE-layer call allocates nothing: each call runs with caches emptied by the
+// previous call's streaming, where every fresh allocation and page costs. One per Runner; plan() only while
+// the previous plan is not in flight (Pool::wait() first).
+class MoePlanner {
+ public:
+  MoePlanner();
+  ~MoePlanner();
+  // Tasks as parallel arrays (gate_up address, down address, token, weight); tasks on the same expert are
+  // grouped in first-appearance order, kMaxTokens tokens per pass over its weights. Returns the job to submit.
+  std::shared_ptr<Job> plan(const MoeArgs& args, size_t n, const uint64_t* gate_up, const uint64_t* down,
+                            const int64_t* tokens, const float* weights);
+  const std::vector<ExpertGroup>& groups() const;  // of the last plan
+
+ private:
+  std::shared_ptr<MoeJob> job_;
+};
 
 // XOR-reads [p, p + nbytes) split over the pool's workers, each reading its part as `streams` streams
 // (see ReadFn); returns the folded XOR. chunk_bytes 0: worker w reads the w-th contiguous part (STREAM's
