@@ -51,6 +51,7 @@ SWEEP = [("short spin (50 us)", {"spin_us": 50}), ("no software prefetch", {"pre
          ("one row at a time, 4 tokens", {"row_block": 1, "tokens": 4}),
          ("claims of 64 rows", {"claim_rows": 64}), ("claims of 32 rows", {"claim_rows": 32}),
          ("claims of 16 rows", {"claim_rows": 16}), ("fixed-size claims (not guided)", {"guided": False}),
+         ("claims shrink to 4 rows", {"least_rows": 4}),
          ("two row streams", {"row_block": 2}), ("two row streams, prefetch 512 B", {"row_block": 2, "prefetch": 512}),
          ("two row streams, 2 tokens", {"row_block": 2, "tokens": 2}), ("four row streams", {"row_block": 3}),
          ("four row streams, 2 tokens", {"row_block": 3, "tokens": 2}),
@@ -131,7 +132,8 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
     y = torch.zeros(cfg["tokens"], table.hidden)
     runner = CpuExpertRunner(threads=n, isa=cfg["isa"], prefetch_bytes=cfg["prefetch"], spin_us=cfg["spin_us"],
                              row_block=cfg["row_block"], claim_rows=cfg["claim_rows"], guided=cfg["guided"],
-                             prefetch_hint=cfg["prefetch_hint"], caller_joins=CALLER_JOINS[cfg["caller_joins"]])
+                             prefetch_hint=cfg["prefetch_hint"], caller_joins=CALLER_JOINS[cfg["caller_joins"]],
+                             least_rows=cfg["least_rows"])
     io = RoutedIO(x, y)
     reads, passes, reads4, reads_dyn, kernel = [], [], [], [], []
     plan = lambda: call_plan(table.num_experts, cfg["experts_per_call"], cfg["tokens"], gen)  # noqa: E731
@@ -210,6 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rows a worker claims at a time, 1-64 (default: this CPU's, see default_walk)")
     p.add_argument("--no-guided", dest="guided", action="store_false",
                    help="every claim --claim-rows long (default: claims shrink as each phase runs out)")
+    p.add_argument("--least-rows", type=int, default=8, help="rows the guided claims shrink to, 1-64")
     p.add_argument("--row-block", type=int, default=None, choices=[0, 1, 2, 3],
                    help="kernel walk order, 0: four rows side by side, 1: one row at a time, 2: two row streams "
                         "(gate with up, expert with expert), 3: four streams (default: this CPU's)")
@@ -249,11 +252,12 @@ def main(argv=None) -> dict:
         rows = [bench_threads(int(n), pool, table, cfg, gen, with_torch=not overrides)
                 for n in args.threads.split(",")]
         results["configs"][label] = rows
+        shrink = f" shrinking to {cfg['least_rows']}" if cfg["guided"] else ""
         print_table(f"[{label}] pool {pool.nbytes / 1e9:.2f} GB, {n_experts} experts of "
                     f"{expert_bytes / 2**20:.1f} MiB ({args.dtype}), {cfg['experts_per_call']} experts x "
                     f"{cfg['tokens']} token(s) per call, {WALKS[cfg['row_block']]}, "
-                    f"prefetch {cfg['prefetch']} B ({cfg['prefetch_hint']}), claims of {('', 'up to ')[cfg['guided']]}{cfg['claim_rows']} rows, "
-                    f"spin {cfg['spin_us']} us, caller joins: {cfg['caller_joins']}",
+                    f"prefetch {cfg['prefetch']} B ({cfg['prefetch_hint']}), claims of {cfg['claim_rows']} rows"
+                    f"{shrink}, spin {cfg['spin_us']} us, caller joins: {cfg['caller_joins']}",
                     rows)
         if args.json:  # after every configuration, so a run cut short still leaves numbers
             with open(args.json, "w") as f:

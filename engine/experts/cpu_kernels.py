@@ -204,8 +204,9 @@ class CpuExpertRunner:
     and up rows, four experts' down rows); prefetch_bytes:
     software prefetch distance (0: off). None: what measured best on this CPU vendor (default_walk).
     claim_rows: rows a worker claims at a time (1-64; shorter claims end each phase more evenly, longer
-    ones stream longer runs). None: default_walk's. guided: claims shrink from claim_rows to 8 rows as each
-    phase runs out, so the workers finish a phase together (False: every claim is claim_rows long).
+    ones stream longer runs). None: default_walk's. guided: claims shrink from claim_rows to least_rows
+    (1-64, default 8: two four-row blocks) as each phase runs out, so the workers finish a phase together
+    (False: every claim is claim_rows long).
     prefetch_hint: which software prefetch instruction ('t0': into L1, 't1', 't2', 'nta').
     caller_joins: the calling thread is worker 0 and runs its share inside wait(), so a job finishes only
     once waited on (done() stays False until then); None: when threads >= the physical cores, where no core
@@ -215,13 +216,15 @@ class CpuExpertRunner:
     def __init__(self, threads: int | None = None, isa: str | None = None, backend: str = "auto",
                  pin: bool = True, spin_us: int = 2000, prefetch_bytes: int | None = None,
                  row_block: int | None = None, claim_rows: int | None = None, guided: bool = True,
-                 prefetch_hint: str = "t0", caller_joins: bool | None = None):
+                 prefetch_hint: str = "t0", caller_joins: bool | None = None, least_rows: int = 8):
         walk = default_walk()
         row_block = walk[0] if row_block is None else row_block
         prefetch_bytes = walk[1] if prefetch_bytes is None else prefetch_bytes
         claim_rows = walk[2] if claim_rows is None else claim_rows
         if row_block not in (0, 1, 2, 3):
             raise ValueError(f"row_block must be 0, 1, 2 or 3, not {row_block!r}")
+        if not 1 <= least_rows <= 64:
+            raise ValueError(f"least_rows must be 1-64, not {least_rows!r}")
         if prefetch_hint not in PREFETCH_HINTS:
             raise ValueError(f"prefetch_hint must be one of {sorted(PREFETCH_HINTS)}, not {prefetch_hint!r}")
         if backend not in ("auto", "native", "torch"):
@@ -235,6 +238,7 @@ class CpuExpertRunner:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads, self.prefetch_bytes, self.row_block = int(threads), int(prefetch_bytes), int(row_block)
         self.claim_rows, self.guided, self.prefetch_hint = int(claim_rows), bool(guided), prefetch_hint
+        self.least_rows = int(least_rows)
         self._lock = threading.Lock()
         self._pending: CpuFuture | None = None
         if backend == "torch" or _native is None:
@@ -254,6 +258,7 @@ class CpuExpertRunner:
         self._pool.row_block = self.row_block
         self._pool.claim_rows = self.claim_rows
         self._pool.guided = self.guided
+        self._pool.least_claim = self.least_rows
         self._pool.prefetch_hint = PREFETCH_HINTS[prefetch_hint]
 
     def run(self, tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> None:

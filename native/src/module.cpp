@@ -86,6 +86,7 @@ struct Runner {
   int row_block = 0;  // kernel walk order, see DotRowsFn
   int claim_rows = 64;  // rows a worker claims at a time, 1..kChunkRows (see moe.cpp)
   bool guided = true;   // claims shrink towards the end of each phase
+  int least_claim = 8;  // to this many rows (two four-row blocks)
   int prefetch_hint = 3;  // __builtin_prefetch locality of the software prefetches (3: prefetcht0)
   int prefetch_bytes = 512;  // software prefetch distance along each weight row stream (0: none)
   Runner(int threads, bool pin, int spin_us, int caller_joins)
@@ -153,7 +154,7 @@ struct Runner {
                int64_t y_stride, int T) const {
     return MoeArgs{kernels, fmt, H, I, ld_gu, ld_dn, reinterpret_cast<const float*>(x), x_stride,
                    reinterpret_cast<float*>(y), y_stride, T, prefetch_bytes, prefetch_hint, row_block,
-                   claim_rows, guided};
+                   claim_rows, guided, least_claim};
   }
   static void check_tokens(const std::vector<int64_t>& tokens, int T) {
     for (int64_t t : tokens)
@@ -199,6 +200,7 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def_readwrite("row_block", &Runner::row_block)
       .def_readwrite("claim_rows", &Runner::claim_rows)
       .def_readwrite("guided", &Runner::guided)
+      .def_readwrite("least_claim", &Runner::least_claim)
       .def_readwrite("prefetch_hint", &Runner::prefetch_hint)
       .def_readwrite("prefetch_bytes", &Runner::prefetch_bytes)
       .def("submit_moe", &Runner::submit_moe)

@@ -11,7 +11,6 @@ namespace killick {
 namespace {
 
 constexpr int kChunkRows = 64;  // rows per dot_rows call at most: bounds the per-thread scratch
-constexpr int kLeastClaim = 8;  // guided claims shrink to this many rows (two four-row blocks)
 
 uint16_t f32_to_bf16(float f) {
   uint32_t u;
@@ -58,7 +57,7 @@ class MoeJob : public Job {
     // Rows a worker claims at a time (gate + up rows in phase 0, output rows in phase 1): shorter claims end
     // a phase more evenly, longer ones give each worker longer sequential streams.
     claim_ = std::min(kChunkRows, std::max(1, a.claim_rows));
-    least_ = std::min(claim_, kLeastClaim);
+    least_ = std::min(claim_, std::max(1, a.least_claim));
     tokens_.clear();
     for (const ExpertGroup& eg : g_) tokens_.insert(tokens_.end(), eg.tok, eg.tok + eg.ntok);
     std::sort(tokens_.begin(), tokens_.end());
@@ -242,7 +241,7 @@ class MoeJob : public Job {
   std::vector<int64_t> slots_;  // group()'s table: index into g_, -1 empty
   int streams_ = 1;         // row streams a kernel call walks side by side (the stream walks: 2 or 4)
   int claim_ = kChunkRows;  // rows a claim takes at most
-  int least_ = kLeastClaim;  // and at least (guided claims), but for a segment's last rows
+  int least_ = 8;  // and at least (guided claims), but for a segment's last rows
   // Work counters, claimed with fetch_add; apart from each other and from the read-only fields.
   alignas(64) std::atomic<int64_t> next_gu_{0};
   alignas(64) std::atomic<int64_t> next_dn_{0};

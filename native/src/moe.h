@@ -41,6 +41,7 @@ struct MoeArgs {
   int row_block;  // see DotRowsFn, kPairWalk and kQuadWalk
   int claim_rows;  // rows a worker claims at a time (clamped to 1..kChunkRows)
   bool guided;     // claims shrink towards the end of each phase (see MoeJob::claim)
+  int least_claim;  // to this many rows (clamped to 1..claim_rows)
 };
 
 class MoeJob;

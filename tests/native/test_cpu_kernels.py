@@ -41,14 +41,15 @@ def test_matches_float64_reference(isa, dtype, hidden, inter, tokens, row_block)
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("claim_rows", [1, 7, 16, 64])
-@pytest.mark.parametrize("guided", [True, False], ids=["guided", "fixed"])
-def test_claim_size_does_not_change_results(isa, claim_rows, guided):
+@pytest.mark.parametrize("least", [8, 4, 3, None], ids=["guided", "guided-4", "guided-3", "fixed"])
+def test_claim_size_does_not_change_results(isa, claim_rows, least):
     """Workers claim rows dynamically; any claim size (odd ones too), fixed or shrinking towards the end of
-    a phase, covers every row exactly once."""
-    check_against_reference(isa, torch.bfloat16, 130, 45, 3, 0, claim_rows=claim_rows, threads=3, guided=guided)
-    check_against_reference(isa, torch.bfloat16, 700, 300, 1, 0, claim_rows=claim_rows, threads=5, guided=guided)
-    check_against_reference(isa, torch.bfloat16, 700, 300, 2, 2, claim_rows=claim_rows, threads=5, guided=guided)
-    check_against_reference(isa, torch.bfloat16, 700, 300, 1, 3, claim_rows=claim_rows, threads=4, guided=guided)
+    a phase to any least size, covers every row exactly once."""
+    kw = dict(claim_rows=claim_rows, guided=least is not None, least_rows=least or 8)
+    check_against_reference(isa, torch.bfloat16, 130, 45, 3, 0, threads=3, **kw)
+    check_against_reference(isa, torch.bfloat16, 700, 300, 1, 0, threads=5, **kw)
+    check_against_reference(isa, torch.bfloat16, 700, 300, 2, 2, threads=5, **kw)
+    check_against_reference(isa, torch.bfloat16, 700, 300, 1, 3, threads=4, **kw)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -65,7 +66,8 @@ def test_stream_walks_take_experts_in_twos_and_fours(isa, row_block, tokens):
     assert rel_err(y, torch.zeros(tokens, 200), reference_experts(tasks, x)) < tolerance(isa, torch.bfloat16)
 
 
-def check_against_reference(isa, dtype, hidden, inter, tokens, row_block, claim_rows=64, threads=2, guided=True):
+def check_against_reference(isa, dtype, hidden, inter, tokens, row_block, claim_rows=64, threads=2, guided=True,
+                            least_rows=8):
     gen = torch.Generator().manual_seed(hidden * 10 + tokens)
     experts = make_experts(5, hidden, inter, dtype, gen)
     x = torch.randn(tokens, hidden, generator=gen)
@@ -75,7 +77,7 @@ def check_against_reference(isa, dtype, hidden, inter, tokens, row_block, claim_
     y0 = torch.randn(tokens, hidden, generator=gen)  # accumulated into, not overwritten
     y = y0.clone()
     CpuExpertRunner(threads=threads, isa=isa, row_block=row_block, claim_rows=claim_rows,
-                    guided=guided).run(tasks, x, y)
+                    guided=guided, least_rows=least_rows).run(tasks, x, y)
     assert rel_err(y, y0, reference_experts(tasks, x)) < tolerance(isa, dtype)
 
 
@@ -92,9 +94,12 @@ def test_prefetch_hint_does_not_change_results(isa, hint, row_block):
     assert rel_err(y, torch.zeros(2, 300), reference_experts(tasks, x)) < tolerance(isa, torch.bfloat16)
 
 
-def test_unknown_prefetch_hint_is_refused():
+def test_unknown_prefetch_hint_and_least_claim_are_refused():
     with pytest.raises(ValueError, match="prefetch_hint"):
         CpuExpertRunner(threads=1, prefetch_hint="t3")
+    for least in (0, 65):
+        with pytest.raises(ValueError, match="least_rows"):
+            CpuExpertRunner(threads=1, least_rows=least)
 
 
 @pytest.mark.parametrize("isa", ISAS)
