@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from engine.experts.bench_args import add_bw_arguments
-from engine.experts.cpu_runner import native_runner, run_on_cpu
+from engine.experts.cpu_runner import layer_table, native_runner, run_on_cpu
 from engine.experts.layout import ExpertLayout
 from engine.experts.synthetic import get_shape
 
@@ -96,11 +96,12 @@ def measure_bh(layout: ExpertLayout, dtype: torch.dtype, threads: int, experts: 
     """Bytes of expert weights the CPU kernel streams per second for a one-token decode step."""
     blocks = torch.full((experts, layout.numel), 0.02, dtype=dtype)  # [n, numel]; values don't matter
     x = torch.randn(1, layout.hidden).to(dtype)  # [T=1, H]
-    jobs = [(torch.zeros(1, dtype=torch.long), blocks[e]) for e in range(experts)]
+    jobs = [(torch.zeros(1, dtype=torch.long), e) for e in range(experts)]
+    table = layer_table(blocks, layout)  # once per layer, as the backends keep it
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return experts * layout.nbytes / _timed(lambda: run_on_cpu(x, jobs, layout, 1), reps)
+        return experts * layout.nbytes / _timed(lambda: run_on_cpu(x, blocks, jobs, layout, 1, table), reps)
     finally:
         torch.set_num_threads(prev)
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from engine.experts.compute import Routing, combine, run_expert
-from engine.experts.cpu_runner import run_on_cpu
+from engine.experts.cpu_runner import layer_table, run_on_cpu
 from engine.experts.host_pool import HostPool
 from engine.experts.policy import BandwidthEstimate
 from engine.experts.prefill_stream import PrefillStreamer
@@ -33,6 +33,7 @@ class OffloadBackend:
         self.estimate = estimate or BandwidthEstimate()
         self.streamer = PrefillStreamer(self) if stream_prefill else None
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu")
+        self._cpu_tables: dict = {}  # layer -> cpu_runner.layer_table of its host blocks, built on first use
         # rough device expert throughput for the prefill choice (flop/s); only the order of magnitude matters
         self.device_flops = 2e14 if self.device.type == "cuda" else 5e10
 
@@ -110,12 +111,14 @@ class OffloadBackend:
         if not on_cpu:
             return None
         host = self.pool.wait_layer(layer)
-        jobs = [(routing.positions[i], host[routing.experts[i]]) for i in on_cpu]
-        return self._cpu.submit(self._cpu_job, x.to("cpu"), jobs, routing.top_k)
+        if layer not in self._cpu_tables:
+            self._cpu_tables[layer] = layer_table(host, self.pool.layout)
+        jobs = [(routing.positions[i], routing.experts[i]) for i in on_cpu]
+        return self._cpu.submit(self._cpu_job, x.to("cpu"), host, jobs, routing.top_k, self._cpu_tables[layer])
 
-    def _cpu_job(self, x_cpu: torch.Tensor, jobs, top_k: int):
+    def _cpu_job(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs, top_k: int, table):
         t0 = time.perf_counter()
-        pos, vals = run_on_cpu(x_cpu, jobs, self.pool.layout, top_k)
+        pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table)
         return pos, vals, time.perf_counter() - t0
 
     def _unlock(self) -> None:
@@ -151,3 +154,4 @@ class OffloadBackend:
 
     def close(self) -> None:
         self._cpu.shutdown(wait=True)
+        self._cpu_tables.clear()

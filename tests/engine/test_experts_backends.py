@@ -106,11 +106,13 @@ def test_backends_bit_identical(dtype, monkeypatch):
 def test_native_cpu_runner_matches_torch(pool):
     x, ids, _ = routing(6, seed=5)
     host = pool.wait_layer(2)
-    jobs = [(torch.nonzero(ids.reshape(-1) == e).flatten(), host[e]) for e in range(E)]
-    pos_n, y_n = cpu_runner.run_on_cpu(x, jobs, pool.layout, K)
-    pos_t, y_t = cpu_runner._torch_run_on_cpu(x, jobs, pool.layout, K)
-    assert torch.equal(pos_n, pos_t)
-    torch.testing.assert_close(y_n, y_t, rtol=1e-5, atol=1e-5)
+    jobs = [(torch.nonzero(ids.reshape(-1) == e).flatten(), e) for e in range(E)]
+    pos_t, y_t = cpu_runner._torch_run_on_cpu(x, host, jobs, pool.layout, K)
+    table = cpu_runner.layer_table(host, pool.layout)
+    for tab in (table, None):  # the table kept with the layer, or one built for the call
+        pos_n, y_n = cpu_runner.run_on_cpu(x, host, jobs, pool.layout, K, tab)
+        assert torch.equal(pos_n, pos_t)
+        torch.testing.assert_close(y_n, y_t, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("slots,resident", [(2 * E, [0, E, E]), (3 * E, [E, E, E])])
