@@ -65,7 +65,6 @@ class MoeJob : public Job {
     next_gu_.store(0, std::memory_order_relaxed);  // published by Pool::submit
     next_dn_.store(0, std::memory_order_relaxed);
   }
-  const std::vector<ExpertGroup>& groups() const { return g_; }
   int phases() const override { return 2; }
   void run(int phase, int w, int nw) override { phase == 0 ? gate_up(w, nw) : down(w, nw); }
 
@@ -94,15 +93,17 @@ class MoeJob : public Job {
 
   // Tasks on one gate_up address share a group (first-appearance order) until it holds kMaxTokens tokens.
   // An open-addressed table of slots (address -> latest group of it) sized to twice the tasks: no hashing
-  // library, nothing allocated once warm.
+  // library, nothing allocated once warm. Fibonacci hashing takes the product's top bits: experts sit a
+  // power-of-two multiple apart, so the low bits of their addresses (and of the product) are all alike.
   void group(size_t n, const uint64_t* gate_up, const uint64_t* down, const int64_t* tokens,
              const float* weights) {
     g_.clear();
-    size_t size = 16;
-    while (size < 2 * n) size *= 2;
+    int bits = 4;
+    while ((size_t(1) << bits) < 2 * n) ++bits;
+    const size_t size = size_t(1) << bits;
     slots_.assign(size, -1);
     for (size_t i = 0; i < n; ++i) {
-      size_t s = size_t((gate_up[i] >> 6) * 0x9E3779B97F4A7C15ull) & (size - 1);
+      size_t s = size_t((gate_up[i] * 0x9E3779B97F4A7C15ull) >> (64 - bits));
       while (slots_[s] >= 0 && g_[size_t(slots_[s])].gate_up != reinterpret_cast<const void*>(gate_up[i]))
         s = (s + 1) & (size - 1);
       if (slots_[s] < 0 || g_[size_t(slots_[s])].ntok == kMaxTokens) {
@@ -300,8 +301,6 @@ std::shared_ptr<Job> MoePlanner::plan(const MoeArgs& args, size_t n, const uint6
   job_->plan(args, n, gate_up, down, tokens, weights);
   return job_;
 }
-
-const std::vector<ExpertGroup>& MoePlanner::groups() const { return job_->groups(); }
 
 uint64_t pool_read(Pool& pool, const KernelTable* table, const void* p, size_t nbytes, int streams,
                    size_t chunk_bytes) {

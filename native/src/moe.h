@@ -58,7 +58,6 @@ class MoePlanner {
   // grouped in first-appearance order, kMaxTokens tokens per pass over its weights. Returns the job to submit.
   std::shared_ptr<Job> plan(const MoeArgs& args, size_t n, const uint64_t* gate_up, const uint64_t* down,
                             const int64_t* tokens, const float* weights);
-  const std::vector<ExpertGroup>& groups() const;  // of the last plan
 
  private:
   std::shared_ptr<MoeJob> job_;
