@@ -1,7 +1,8 @@
 """`killick bench bw`: the bandwidths the expert hierarchy plans with, measured once per machine and format.
 
 B_P: pinned host -> device copies at expert granularity, a batch of experts per timing (CUDA only).
-B_H: the CPU expert kernel (cpu_runner.run_on_cpu) on one token, at 1..N threads: bytes of weights read / s.
+B_H: the CPU expert path (cpu_runner.run_on_cpu) on one token, 8 experts a call like a decode step's MoE
+layers, at 1..N threads: bytes of weights read / s.
 STREAM: a plain multi-threaded read of a large host buffer, the ceiling both of the above share.
 The profile is written to $XDG_CACHE_HOME/killick (or ~/.cache/killick), one file per
 (expert format, GPU name, thread count); `load_profile` returns None for any other machine or format.
@@ -92,16 +93,24 @@ def measure_copy(layout: ExpertLayout, dtype: torch.dtype, batch: int = 64, reps
     return batch * layout.nbytes / _timed(copy, reps)
 
 
-def measure_bh(layout: ExpertLayout, dtype: torch.dtype, threads: int, experts: int, reps: int = 3) -> float:
-    """Bytes of expert weights the CPU kernel streams per second for a one-token decode step."""
+def measure_bh(layout: ExpertLayout, dtype: torch.dtype, threads: int, experts: int, reps: int = 3,
+               per_call: int = 8) -> float:
+    """Bytes of expert weights the CPU path (run_on_cpu) streams per second in one-token decode steps: calls
+    of `per_call` experts (one MoE layer's top-k), `experts` blocks in all per timing."""
     blocks = torch.full((experts, layout.numel), 0.02, dtype=dtype)  # [n, numel]; values don't matter
     x = torch.randn(1, layout.hidden).to(dtype)  # [T=1, H]
-    jobs = [(torch.zeros(1, dtype=torch.long), e) for e in range(experts)]
+    calls = [[(torch.zeros(1, dtype=torch.long), e) for e in range(c, min(c + per_call, experts))]
+             for c in range(0, experts, per_call)]
     table = layer_table(blocks, layout)  # once per layer, as the backends keep it
+
+    def sweep():
+        for jobs in calls:
+            run_on_cpu(x, blocks, jobs, layout, 1, table)
+
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return experts * layout.nbytes / _timed(lambda: run_on_cpu(x, blocks, jobs, layout, 1, table), reps)
+        return experts * layout.nbytes / _timed(sweep, reps)
     finally:
         torch.set_num_threads(prev)
 
