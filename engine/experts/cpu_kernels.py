@@ -278,8 +278,8 @@ class CpuExpertRunner:
 
     def run_routed(self, table: ExpertTable, experts, tokens, weights, x: torch.Tensor, y: torch.Tensor) -> None:
         """submit_routed(...).wait(), in one native call (see run_io)."""
-        if x.dtype != torch.float32 or x.stride(-1) != 1:
-            x = x.float().contiguous()
+        if x.dim() == 2 and (x.dtype != torch.float32 or x.stride(1) != 1):
+            x = x.float().contiguous()  # (any other shape: RoutedIO names it)
         self.run_io(table, experts, tokens, weights, RoutedIO(x, y))
 
     def run_io(self, table: ExpertTable, experts, tokens, weights, io: "RoutedIO") -> None:

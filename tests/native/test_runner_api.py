@@ -250,6 +250,9 @@ def test_run_io_matches_run_routed_and_checks_its_buffers(backend):
     assert torch.equal(y_io - y0, y_routed) or _rel_err(y_io - y0, y_routed.double()) < 1e-6
     with pytest.raises(ValueError, match="float32"):
         ck.RoutedIO(x.double(), torch.zeros(3, hidden))
+    for bad_x in (x[0], torch.tensor(1.0), x.double()[None]):  # not [T, H]: named, whatever the dtype
+        with pytest.raises(ValueError, match="\\[T, H\\]"):
+            runner.run_routed(table, experts, tokens, weights, bad_x, y_routed)
     with pytest.raises(ValueError, match="\\[T, H\\]"):
         ck.RoutedIO(x, torch.zeros(2, hidden))
     with pytest.raises(ValueError, match="hidden size"):
