@@ -151,6 +151,14 @@ class RoutedIO:
         self.ptrs = (x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), self.rows)  # submit_table's x..T
 
 
+def _fp32_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels read it: float32 rows with unit inner stride (a copy only when it is not already);
+    anything but [T, H] passes through for check_xy / RoutedIO to name."""
+    if x.dim() != 2 or (x.dtype == torch.float32 and x.stride(1) == 1):
+        return x
+    return x.float().contiguous()
+
+
 def _as_lists(*columns):
     """Task columns as lists (1-D tensors converted); all one length."""
     out = [v.tolist() if isinstance(v, torch.Tensor) else v for v in columns]
@@ -278,9 +286,7 @@ class CpuExpertRunner:
 
     def run_routed(self, table: ExpertTable, experts, tokens, weights, x: torch.Tensor, y: torch.Tensor) -> None:
         """submit_routed(...).wait(), in one native call (see run_io)."""
-        if x.dim() == 2 and (x.dtype != torch.float32 or x.stride(1) != 1):
-            x = x.float().contiguous()  # (any other shape: RoutedIO names it)
-        self.run_io(table, experts, tokens, weights, RoutedIO(x, y))
+        self.run_io(table, experts, tokens, weights, RoutedIO(_fp32_rows(x), y))
 
     def run_io(self, table: ExpertTable, experts, tokens, weights, io: "RoutedIO") -> None:
         """run_routed on buffers checked once (RoutedIO): y[token] += ... for io.x and io.y. A decode loop's
@@ -293,6 +299,8 @@ class CpuExpertRunner:
         if self.backend == "torch":
             self.submit_routed(table, experts, tokens, weights, io.x, io.y).wait()
             return
+        if type(experts) is not list or type(tokens) is not list or type(weights) is not list:
+            experts, tokens, weights = _as_lists(experts, tokens, weights)
         self._submit_table(table, experts, tokens, weights, io.ptrs, None)
 
     def submit_routed(self, table: ExpertTable, experts, tokens, weights, x: torch.Tensor,
@@ -316,15 +324,14 @@ class CpuExpertRunner:
                     self._pending.wait()
                 self._pending = self._submit_torch(tasks, x, y)
                 return self._pending
-        xf = x if x.dtype == torch.float32 and x.stride(1) == 1 else x.float().contiguous()
+        xf = _fp32_rows(x)
         return self._submit_table(table, experts, tokens, weights,
                                   (xf.data_ptr(), xf.stride(0), y.data_ptr(), y.stride(0), T), (table, xf, y))
 
     def _submit_table(self, table, experts, tokens, weights, xy: tuple, keep: tuple | None) -> CpuFuture | None:
-        """Native: the tasks on the table, x/y as (x_ptr, x_stride, y_ptr, y_stride, T). keep None: the result is
-        waited for inside the same native call; else returns a future that keeps `keep` alive until waited on."""
-        if type(experts) is not list or type(tokens) is not list or type(weights) is not list:
-            experts, tokens, weights = _as_lists(experts, tokens, weights)
+        """Native: the tasks (lists) on the table, x/y as (x_ptr, x_stride, y_ptr, y_stride, T). keep None: the
+        result is waited for inside the same native call; else returns a future that keeps `keep` alive until
+        waited on."""
         with self._lock:
             if self._pending is not None:
                 self._pending.wait()
@@ -348,7 +355,7 @@ class CpuExpertRunner:
                 self._pending = None
 
     def _submit_native(self, tasks, x, y, hidden, inter, dtype) -> CpuFuture:
-        xf = x if x.dtype == torch.float32 and x.stride(1) == 1 else x.float().contiguous()
+        xf = _fp32_rows(x)
         gu0, dn0 = (tasks[0][0], tasks[0][1]) if tasks else (None, None)
         self._pool.submit_moe(
             _FORMATS[dtype], hidden, inter, gu0.stride(0) if tasks else hidden, dn0.stride(0) if tasks else inter,
