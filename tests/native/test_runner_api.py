@@ -22,8 +22,10 @@ def big_batch(n_experts=12, hidden=1024, inter=512):
 
 @native
 def test_submit_returns_before_done_and_wait_releases_the_gil():
-    tasks, x = big_batch()
-    runner = CpuExpertRunner(threads=1, isa="scalar")  # slowest path: the job lasts long enough to observe
+    # slowest path and ~0.2 GB of weights: the job lasts several times the 10 ms the test needs to observe, even
+    # after the spinning thread has held the GIL for a switch interval between submit() and wait()
+    tasks, x = big_batch(n_experts=36)
+    runner = CpuExpertRunner(threads=1, isa="scalar")
     counter, stop = [0], threading.Event()
 
     def spin():
