@@ -1,0 +1,162 @@
+"""One decode step of Gated DeltaNet per sequence, states updated in place in the slot pools.
+
+    conv_step(proj, conv_state, slots, conv_w) -> qkv [B, C]          (silu of the causal conv, state shifted)
+    rule_step(qkv, proj, rec_state, slots, consts) -> out [B, Hv*dv]  (delta rule + gated RMSNorm)
+
+proj [B, P] is the fused input projection of a DeltaNet layer: columns [0, C) the conv input (q | k | v),
+then z [Hv*dv], b [Hv], a [Hv] (engine/models/fused.py lays it out). States: conv [S, C, K-1] in the model
+dtype, recurrent [S, Hv, dk, dv] fp32; `slots` [B] int32 picks each sequence's row. The arithmetic is the
+eager path's (engine/layers/deltanet.py, delta_rule.recurrent_gated_delta_rule, norm.gated_rms_norm):
+references conv_step_ref / rule_step_ref below. B = sequences, C = conv channels, K = conv width,
+Hk / Hv = key / value heads, dk / dv = head dims.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engine.layers.delta_rule import recurrent_gated_delta_rule
+from engine.layers.norm import gated_rms_norm
+
+
+@triton.jit
+def _conv_step_kernel(x_ptr, x_stride, state_ptr, slots_ptr, w_ptr, out_ptr, C,
+                      KW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    j = tl.arange(0, BLOCK_W)
+    old = j < KW - 1
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    st = state_ptr + slot * C * (KW - 1) + c[:, None] * (KW - 1)  # [BLOCK_C, 1]
+    x = tl.load(x_ptr + b * x_stride + c, mask=cm, other=0.0)
+    hist = tl.load(st + j[None, :], mask=cm[:, None] & old[None, :], other=0.0)  # [BLOCK_C, BLOCK_W]
+    w_hist = tl.load(w_ptr + c[:, None] * KW + j[None, :], mask=cm[:, None] & old[None, :], other=0.0)
+    w_new = tl.load(w_ptr + c * KW + (KW - 1), mask=cm, other=0.0)
+    y = tl.sum(hist.to(tl.float32) * w_hist.to(tl.float32), axis=1) + x.to(tl.float32) * w_new.to(tl.float32)
+    y = y / (1.0 + tl.exp(-y))
+    tl.store(out_ptr + b * C + c, y.to(out_ptr.dtype.element_ty), mask=cm)
+    # shift: slot j takes slot j + 1, the last takes x (every read above happens before any write)
+    nxt = tl.load(st + (j + 1)[None, :], mask=cm[:, None] & (j + 1 < KW - 1)[None, :], other=0.0)
+    shifted = tl.where((j == KW - 2)[None, :], x[:, None].to(nxt.dtype), nxt)
+    tl.debug_barrier()
+    tl.store(st + j[None, :], shifted, mask=cm[:, None] & old[None, :])
+
+
+def conv_step(proj: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, conv_w: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """proj [B, >=C] (row stride free, unit column stride); conv_state [S, C, K-1]; conv_w [C, K]."""
+    B = proj.shape[0]
+    S, C, km1 = conv_state.shape
+    if conv_w.shape != (C, km1 + 1) or proj.stride(1) != 1 or not conv_state.is_contiguous():
+        raise ValueError(f"conv_step: conv_w {tuple(conv_w.shape)} / state {tuple(conv_state.shape)} mismatch")
+    if slots.dtype != torch.int32 or slots.shape != (B,):
+        raise ValueError("conv_step wants slots int32 [B]")
+    out = out if out is not None else torch.empty(B, C, dtype=proj.dtype, device=proj.device)
+    block_c = 256
+    _conv_step_kernel[(B, triton.cdiv(C, block_c))](proj, proj.stride(0), conv_state, slots, conv_w.contiguous(),
+                                                    out, C, KW=km1 + 1, BLOCK_C=block_c,
+                                                    BLOCK_W=triton.next_power_of_2(max(km1, 2)), num_warps=4)
+    return out
+
+
+def conv_step_ref(proj, conv_state, slots, conv_w):
+    C = conv_state.shape[1]
+    x = proj[:, :C]
+    out = torch.empty_like(x)
+    for i, s in enumerate(slots.tolist()):
+        full = torch.cat([conv_state[s], x[i, :, None]], dim=-1)  # [C, K]
+        out[i] = F.silu((full * conv_w).sum(-1))
+        conv_state[s] = full[:, 1:]
+    return out
+
+
+@dataclass(frozen=True)
+class RuleConsts:
+    """The per-layer constants of the decode rule (head counts and dims, weights)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int  # dk
+    value_dim: int  # dv
+    neg_A: torch.Tensor  # [Hv] fp32: -exp(A_log)
+    dt_bias: torch.Tensor  # [Hv]
+    norm_w: torch.Tensor  # [dv]
+    eps: float
+
+
+@triton.jit
+def _rule_step_kernel(qkv_ptr, proj_ptr, proj_stride, z_off, b_off, a_off, state_ptr, slots_ptr, nega_ptr,
+                      dtb_ptr, normw_ptr, out_ptr, eps, scale, C, HV,
+                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KEYS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // REP
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    q = tl.load(qkv_ptr + b * C + hk * DK + dk).to(tl.float32)
+    k = tl.load(qkv_ptr + b * C + KEYS + hk * DK + dk).to(tl.float32)
+    v = tl.load(qkv_ptr + b * C + 2 * KEYS + h * DV + dv).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    row = proj_ptr + b * proj_stride
+    a = tl.load(row + a_off + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+    g = tl.load(nega_ptr + h) * softplus
+    beta_in = tl.load(row + b_off + h).to(tl.float32)
+    beta = (1.0 / (1.0 + tl.exp(-beta_in))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    sp = state_ptr + ((slot * HV + h) * DK + dk[:, None]) * DV + dv[None, :]
+    S = tl.load(sp) * tl.exp(g)  # [DK, DV]
+    delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
+    S = S + k[:, None] * delta[None, :]
+    tl.store(sp, S)
+    o = tl.sum(S * q[:, None], axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)  # [DV]
+    y = (o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = y * tl.load(normw_ptr + dv).to(tl.float32)
+    z = tl.load(row + z_off + h * DV + dv).to(tl.float32)
+    tl.store(out_ptr + b * HV * DV + h * DV + dv, (y * z / (1.0 + tl.exp(-z))).to(out_ptr.dtype.element_ty))
+
+
+def rule_step(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
+              consts: RuleConsts, out: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [B, C] from conv_step; proj [B, P] the fused projection (z, b, a read from it); rec_state
+    [S, Hv, dk, dv] fp32 updated in place -> [B, Hv*dv] in qkv's dtype (already gated-normed)."""
+    c = consts
+    B, C = qkv.shape
+    keys, values = c.key_heads * c.key_dim, c.value_heads * c.value_dim
+    if C != 2 * keys + values or rec_state.dtype != torch.float32 or not rec_state.is_contiguous():
+        raise ValueError(f"rule_step: qkv has {C} channels, expected {2 * keys + values}; state must be fp32")
+    if proj.stride(1) != 1 or proj.shape[1] < C + values + 2 * c.value_heads:
+        raise ValueError("rule_step: proj must hold conv input, z, b and a, unit column stride")
+    out = out if out is not None else torch.empty(B, values, dtype=qkv.dtype, device=qkv.device)
+    z_off = C
+    b_off = z_off + values
+    a_off = b_off + c.value_heads
+    _rule_step_kernel[(B, c.value_heads)](qkv, proj, proj.stride(0), z_off, b_off, a_off, rec_state, slots,
+                                          c.neg_A, c.dt_bias, c.norm_w, out, c.eps, c.key_dim ** -0.5, C,
+                                          c.value_heads, REP=c.value_heads // c.key_heads, DK=c.key_dim,
+                                          DV=c.value_dim, KEYS=keys, num_warps=8 if c.key_dim * c.value_dim >= 8192 else 4)
+    return out
+
+
+def rule_step_ref(qkv, proj, rec_state, slots, consts: RuleConsts):
+    c = consts
+    B, C = qkv.shape
+    keys, values = c.key_heads * c.key_dim, c.value_heads * c.value_dim
+    q, k, v = qkv.split([keys, keys, values], dim=-1)
+    z = proj[:, C : C + values].reshape(B, c.value_heads, c.value_dim)
+    beta = torch.sigmoid(proj[:, C + values : C + values + c.value_heads])
+    a = proj[:, C + values + c.value_heads : C + values + 2 * c.value_heads]
+    g = c.neg_A * F.softplus(a.float() + c.dt_bias)
+    out = torch.empty(B, c.value_heads, c.value_dim, dtype=qkv.dtype, device=qkv.device)
+    for i, s in enumerate(slots.tolist()):
+        o, rec_state[s] = recurrent_gated_delta_rule(
+            q[i].view(1, c.key_heads, -1), k[i].view(1, c.key_heads, -1), v[i].view(1, c.value_heads, -1),
+            g[i : i + 1], beta[i : i + 1], rec_state[s])
+        out[i] = o[0]
+    return gated_rms_norm(out, z, c.norm_w, c.eps).reshape(B, -1)

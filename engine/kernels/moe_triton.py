@@ -1,0 +1,260 @@
+"""The MoE block on the device without a host sync: router top-k, then every (token, expert) pair through
+two grouped GEMM kernels that read each expert's weights once per block of pairs.
+
+    ids, w = route_topk(logits, top_k, norm_topk, shared)       # [N, KP] int32 / fp32, KP = K (+1 shared)
+    blocks = pair_blocks(ids) | expert_blocks(ids, E, BM)       # which pairs each program runs, on device
+    y = run_experts(x, gate_up, down, ids, w, blocks)           # [N, KP, H]: weighted output of each pair
+
+The shared expert rides along as expert E (weights stacked after the routed ones) with weight
+sigmoid(shared gate), so one launch pair serves the whole block; the caller sums the KP rows of a token
+(kernels/norm_triton.add_rms_norm does it with the residual add). A block is BM pairs of one expert:
+`pair_blocks` gives each pair its own block (decode: a few pairs, static shapes, graph-safe), `expert_blocks`
+groups the pairs of each expert (prefill: hundreds of tokens per expert, real GEMM tiles).
+N = tokens, E = experts (+1 with the shared one), K = top-k, KP = pairs per token, H = hidden, I = expert
+intermediate, P = N * KP pairs, NB = blocks, BM = pairs per block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, stride, E,
+                       K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    live = cols < E
+    logit = tl.load(logits_ptr + row * stride + cols, mask=live, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logit - tl.max(logit, axis=0))
+    p = tl.where(live, p / tl.sum(p, axis=0), -1.0)
+    slots = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    ws = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k in tl.static_range(K):
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, cols, BLOCK_E), axis=0)  # lowest id among equal maxima
+        ids = tl.where(slots == k, idx, ids)
+        ws = tl.where(slots == k, best, ws)
+        p = tl.where(cols == idx, -1.0, p)
+    if NORM:
+        ws = ws / tl.sum(tl.where(slots < K, ws, 0.0), axis=0)
+    if SHARED:
+        s = tl.load(logits_ptr + row * stride + E).to(tl.float32)
+        ids = tl.where(slots == K, E, ids)
+        ws = tl.where(slots == K, 1.0 / (1.0 + tl.exp(-s)), ws)
+    valid = tl.load(valid_ptr + row)  # rows of a padded decode batch route nowhere
+    ids = tl.where(valid != 0, ids, -1)
+    tl.store(ids_ptr + row * KP + slots, ids, mask=slots < KP)
+    tl.store(w_ptr + row * KP + slots, ws, mask=slots < KP)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool, shared: bool,
+               valid: torch.Tensor | None = None, out=None):
+    """logits [N, E (+1: the shared expert's gate logit last)] -> ids [N, KP] int32, weights [N, KP] fp32.
+
+    Softmax over the E routed logits in fp32, the top-k (lowest id first among ties), renormalised when
+    norm_topk; with `shared`, pair K is (E, sigmoid(gate logit)). valid [N] int8: rows with 0 get id -1."""
+    N, width = logits.shape
+    E = width - 1 if shared else width
+    if logits.stride(1) != 1 or not 0 < top_k <= E:
+        raise ValueError(f"route_topk wants row-major logits and 0 < top_k <= {E}")
+    kp = top_k + (1 if shared else 0)
+    if valid is None:
+        valid = torch.ones(N, dtype=torch.int8, device=logits.device)
+    ids, w = out if out is not None else (torch.empty(N, kp, dtype=torch.int32, device=logits.device),
+                                          torch.empty(N, kp, dtype=torch.float32, device=logits.device))
+    _route_topk_kernel[(N,)](logits, ids, w, valid, logits.stride(0), E, K=top_k, KP=kp, SHARED=shared,
+                             NORM=norm_topk, BLOCK_E=triton.next_power_of_2(E),
+                             BLOCK_K=triton.next_power_of_2(kp), num_warps=4)
+    return ids, w
+
+
+def route_topk_ref(logits, top_k, norm_topk, shared, valid=None):
+    E = logits.shape[1] - (1 if shared else 0)
+    probs = F.softmax(logits[:, :E].float(), dim=-1)
+    w, ids = probs.topk(top_k, dim=-1)
+    if norm_topk:
+        w = w / w.sum(-1, keepdim=True)
+    ids = ids.int()
+    if shared:
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1)
+        w = torch.cat([w, torch.sigmoid(logits[:, E:].float())], dim=1)
+    if valid is not None:
+        ids = torch.where(valid[:, None] != 0, ids, -1)
+    return ids, w
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """rows [NB, BM] int32: pair index per block row (-1: empty); expert [NB] int32 (-1: idle block)."""
+
+    rows: torch.Tensor
+    expert: torch.Tensor
+
+    @property
+    def bm(self) -> int:
+        return self.rows.shape[1]
+
+
+_PAIR_ROWS: dict = {}
+
+
+def pair_blocks(ids: torch.Tensor, bm: int = 16) -> Blocks:
+    """One block per pair: no sorting, shapes fixed by the pair count (the decode mapping)."""
+    P = ids.numel()
+    key = (P, bm, ids.device)
+    if key not in _PAIR_ROWS:
+        rows = torch.full((P, bm), -1, dtype=torch.int32, device=ids.device)
+        rows[:, 0] = torch.arange(P, dtype=torch.int32, device=ids.device)
+        _PAIR_ROWS[key] = rows
+    return Blocks(_PAIR_ROWS[key], ids.reshape(-1))
+
+
+def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
+    """The pairs of each expert in blocks of bm (pair order within an expert kept), all on the device.
+
+    The block count is the bound min(P, ceil(P / bm) + E); blocks past the used ones are idle."""
+    flat = ids.reshape(-1).long()
+    P, dev = flat.numel(), flat.device
+    nb = min(P, -(-P // bm) + num_experts)
+    routed = flat >= 0
+    key = torch.where(routed, flat, num_experts)  # unrouted pairs (padding) sort last, into no block
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    blocks_of = (counts + bm - 1) // bm
+    first_block = torch.cumsum(blocks_of, 0) - blocks_of
+    first_pair = torch.cumsum(counts, 0) - counts
+    e_sorted = key[order]
+    keep = e_sorted < num_experts
+    e_sorted, order = e_sorted[keep], order[keep]
+    rank = torch.arange(order.numel(), device=dev) - first_pair[e_sorted]
+    block = first_block[e_sorted] + rank // bm
+    rows = torch.full((nb, bm), -1, dtype=torch.int32, device=dev)
+    rows[block, rank % bm] = order.int()
+    expert = torch.full((nb,), -1, dtype=torch.int32, device=dev)
+    expert[block] = e_sorted.int()
+    return Blocks(rows, expert)
+
+
+@triton.jit
+def _expert_up_kernel(x_ptr, w_ptr, rows_ptr, exp_ptr, act_ptr, H, I, KP,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    e = tl.load(exp_ptr + b)
+    if e >= 0:
+        rm = tl.arange(0, BM)
+        rows = tl.load(rows_ptr + b * BM + rm)
+        valid = rows >= 0
+        tok = tl.where(valid, rows // KP, 0).to(tl.int64)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = rn < I
+        base = w_ptr + e.to(tl.int64) * (2 * I * H)
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            rk = k0 + tl.arange(0, BK)
+            kmask = rk < H
+            xa = tl.load(x_ptr + tok[:, None] * H + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            wmask = nmask[:, None] & kmask[None, :]
+            wg = tl.load(base + rn[:, None] * H + rk[None, :], mask=wmask, other=0.0)
+            wu = tl.load(base + (I + rn)[:, None] * H + rk[None, :], mask=wmask, other=0.0)
+            if IEEE:
+                acc_g += tl.dot(xa, tl.trans(wg), input_precision="ieee")
+                acc_u += tl.dot(xa, tl.trans(wu), input_precision="ieee")
+            else:
+                acc_g += tl.dot(xa, tl.trans(wg))
+                acc_u += tl.dot(xa, tl.trans(wu))
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        out = act_ptr + rows.to(tl.int64)[:, None] * I + rn[None, :]
+        tl.store(out, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _expert_down_kernel(act_ptr, w_ptr, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    e = tl.load(exp_ptr + b)
+    if e >= 0:
+        rm = tl.arange(0, BM)
+        rows = tl.load(rows_ptr + b * BM + rm)
+        valid = rows >= 0
+        r64 = tl.where(valid, rows, 0).to(tl.int64)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = rn < H
+        base = w_ptr + e.to(tl.int64) * (H * I)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            rk = k0 + tl.arange(0, BK)
+            kmask = rk < I
+            a = tl.load(act_ptr + r64[:, None] * I + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(base + rn[:, None] * I + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w))
+        acc = acc * tl.load(pw_ptr + r64, mask=valid, other=0.0)[:, None]
+        tl.store(y_ptr + r64[:, None] * H + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=valid[:, None] & nmask[None, :])
+
+
+def _tiles(bm: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages) for a launch: decode blocks (BM 16) stream weights in wide K tiles over many
+    programs; prefill blocks use square-ish tiles."""
+    if bm <= 16:
+        return min(64, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(k)), 4, 3
+    return min(64, triton.next_power_of_2(n)), min(64, triton.next_power_of_2(k)), 4, 3
+
+
+def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor, blocks: Blocks, out: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """x [N, H]; gate_up [E, 2I, H]; down [E, H, I]; ids / weights [N, KP] -> y [N, KP, H] (x's dtype).
+
+    Rows of pairs with id -1 (padding) are left unwritten. out = (act [P, I], y [N, KP, H]) reuses buffers."""
+    N, H = x.shape
+    E, two_i, Hw = gate_up.shape
+    I = two_i // 2
+    if Hw != H or down.shape != (E, H, I) or ids.shape != weights.shape or ids.shape[0] != N:
+        raise ValueError(f"run_experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down "
+                         f"{tuple(down.shape)}, ids {tuple(ids.shape)} do not fit together")
+    if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
+        raise ValueError("run_experts wants contiguous x, gate_up and down")
+    if x.dtype != gate_up.dtype or x.dtype != down.dtype:
+        raise ValueError(f"run_experts: x is {x.dtype} but the experts are {gate_up.dtype}")
+    KP = ids.shape[1]
+    P = N * KP
+    if out is None:
+        act = torch.empty(P, I, dtype=x.dtype, device=x.device)
+        y = torch.empty(N, KP, H, dtype=x.dtype, device=x.device)
+    else:
+        act, y = out
+    nb, bm = blocks.rows.shape
+    ieee = x.dtype == torch.float32
+    bn, bk, warps, stages = _tiles(bm, I, H)
+    _expert_up_kernel[(nb, triton.cdiv(I, bn))](x, gate_up, blocks.rows, blocks.expert, act, H, I, KP,
+                                                BM=bm, BN=bn, BK=bk, IEEE=ieee, num_warps=warps,
+                                                num_stages=stages)
+    bn, bk, warps, stages = _tiles(bm, H, I)
+    _expert_down_kernel[(nb, triton.cdiv(H, bn))](act, down, blocks.rows, blocks.expert, weights, y, H, I,
+                                                  BM=bm, BN=bn, BK=bk, IEEE=ieee, num_warps=warps,
+                                                  num_stages=stages)
+    return y
+
+
+def run_experts_ref(x, gate_up, down, ids, weights):
+    """The slow, obviously right version: every pair on its own, in fp32."""
+    N, KP = ids.shape
+    y = torch.zeros(N, KP, x.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(N):
+        for k in range(KP):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            g, u = (x[t].float() @ gate_up[e].float().T).chunk(2)
+            y[t, k] = (F.silu(g) * u) @ down[e].float().T * weights[t, k]
+    return y.to(x.dtype)

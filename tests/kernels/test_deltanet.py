@@ -1,0 +1,47 @@
+"""DeltaNet decode kernels (conv step, rule step with gated norm) against the eager layer's arithmetic,
+states in slot pools updated in place, several steps in a row."""
+import pytest
+import torch
+
+from engine.kernels.deltanet_triton import RuleConsts, conv_step, conv_step_ref, rule_step, rule_step_ref
+from tests.kernels.conftest import float_dtypes, rel_err, tol
+
+
+def consts(g, dev, hk=2, hv=4, dk=16, dv=16):
+    return RuleConsts(hk, hv, dk, dv, neg_A=-torch.rand(hv, generator=g).to(dev) * 2,
+                      dt_bias=torch.randn(hv, generator=g).to(dev), norm_w=(1 + 0.3 * torch.randn(dv, generator=g)).to(dev),
+                      eps=1e-6)
+
+
+@pytest.mark.parametrize("dtype", float_dtypes())
+def test_decode_steps_match_reference(dev, dtype):
+    g = torch.Generator().manual_seed(21)
+    c = consts(g, dev)
+    C = 2 * c.key_heads * c.key_dim + c.value_heads * c.value_dim
+    P = C + c.value_heads * c.value_dim + 2 * c.value_heads + 5  # spare columns: row stride != width
+    S, B, KW = 5, 3, 4
+    conv_w = (torch.randn(C, KW, generator=g) * 0.5).to(dev, dtype)
+    conv_a = torch.randn(S, C, KW - 1, generator=g).to(dev, dtype)
+    rec_a = (torch.randn(S, c.value_heads, c.key_dim, c.value_dim, generator=g) * 0.1).to(dev)
+    conv_b, rec_b = conv_a.clone(), rec_a.clone()
+    slots = torch.tensor([3, 0, 4], dtype=torch.int32, device=dev)
+    for step in range(3):
+        proj = torch.randn(B, P, generator=g).to(dev, dtype)
+        qkv = conv_step(proj, conv_a, slots, conv_w)
+        qkv_ref = conv_step_ref(proj, conv_b, slots, conv_w)
+        assert rel_err(qkv, qkv_ref) < tol(dtype), step
+        assert rel_err(conv_a, conv_b) == 0.0
+        out = rule_step(qkv_ref, proj, rec_a, slots, c)
+        ref = rule_step_ref(qkv_ref, proj, rec_b, slots, c)
+        assert rel_err(out, ref) < 4 * tol(dtype), step
+        assert rel_err(rec_a, rec_b) < 1e-5
+    untouched = torch.tensor([1, 2])
+    assert torch.equal(rec_a[untouched.to(dev)].cpu(), rec_b[untouched.to(dev)].cpu())
+
+
+def test_rule_step_names_a_wrong_width(dev):
+    g = torch.Generator().manual_seed(1)
+    c = consts(g, dev)
+    with pytest.raises(ValueError, match="channels"):
+        rule_step(torch.zeros(1, 10, device=dev), torch.zeros(1, 200, device=dev),
+                  torch.zeros(1, 4, 16, 16, device=dev), torch.zeros(1, dtype=torch.int32, device=dev), c)
