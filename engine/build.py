@@ -26,6 +26,7 @@ class EngineOptions:
     cache_host_mb: int | None = None  # None: half of MemAvailable
     moe_backend: str = "auto"  # fused | offload | cpu | hybrid | auto (engine/experts/registry.py)
     moe_slots: str | None = None  # N, N% of all experts, or None: all the device memory left
+    fast_path: bool = True  # CUDA: Triton kernels, static state slots, decode steps as CUDA graphs
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -55,6 +56,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-backend", default="auto", choices=["auto", "fused", "offload", "cpu", "hybrid"],
                    help="where routed experts run: fused (all on the device), offload (misses copied into "
                         "device slots), cpu (misses run on the CPU), hybrid (q* split); auto picks (default)")
+    g.add_argument("--eager", dest="fast_path", action="store_false",
+                   help="CUDA: run the eager reference path instead of the fast one (kernels, CUDA graphs)")
     g.add_argument("--moe-slots", metavar="N|P%", help="device expert slots for offload/cpu/hybrid: a count or "
                                                       "a percentage of all experts (default: memory left)")
 
@@ -82,14 +85,34 @@ def build_core(model_dir: Path, opts: EngineOptions = EngineOptions(), model=Non
 
     if model is None:
         model = load_model(model_dir, device=opts.device, dtype=opts.dtype, **_expert_args(model_dir, opts))
+    context = opts.context_length or DEFAULT_CONTEXT
+    if opts.fast_path and model.device.type == "cuda" and model.fast is None:
+        _enable_fast(model, opts.max_running, context)
     cache = None
     if opts.prefix_cache:
         dev = opts.cache_device_mb << 20 if opts.cache_device_mb else default_device_budget(model.device)
         host = opts.cache_host_mb << 20 if opts.cache_host_mb else None
         cache = PrefixStore(model, device_budget=dev, host_budget=host)
-    runner = ModelRunner(model, context_length=opts.context_length or DEFAULT_CONTEXT, cache=cache)
+    runner = ModelRunner(model, context_length=context, cache=cache)
     return EngineCore(runner, max_running=opts.max_running, max_step_tokens=opts.max_step_tokens,
                       max_waiting=opts.max_queue)
+
+
+def _enable_fast(model, max_running: int, context: int) -> None:
+    """The fast path with a slot for each running request (+1 for a turn being cached while the next
+    starts); where it cannot serve the model the engine says why and stays eager."""
+    import logging
+
+    from engine.models.fast_support import fast_unsupported
+
+    log = logging.getLogger("killick.engine")
+    reason = fast_unsupported(model)
+    if reason is not None:
+        log.warning("eager engine path: %s", reason)
+        return
+    model.enable_fast(slots=max_running + 1, capacity=context + 1)
+    log.info("fast engine path: %d state slots of %d tokens (%.1f GiB), decode as CUDA graphs",
+             max_running + 1, context + 1, model.fast.pool.nbytes / 2**30)
 
 
 def _expert_args(model_dir: Path, opts: EngineOptions) -> dict:

@@ -15,15 +15,26 @@ from engine.models import load_model
 from engine.sampling import Sampler
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds activation memory on long prompts
+FAST_CONTEXT = 32768  # tokens per sequence in the fast path's KV slots (longer prompts run eagerly)
 
 
 class Engine:
     def __init__(self, model):
         self.model = model
+        self._reserve = 0  # tokens generate() will add after the prompt (so the state it gets fits them)
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype="float32", experts=None, expert_device=None) -> "Engine":
-        return cls(load_model(path, device=device, dtype=dtype, experts=experts, expert_device=expert_device))
+    def from_pretrained(cls, path, device="cpu", dtype="float32", experts=None, expert_device=None,
+                        fast: bool | None = None) -> "Engine":
+        """fast: the Triton/CUDA-graph path (default: on where it is available, i.e. CUDA with every expert
+        resident); False keeps the eager reference path everywhere."""
+        model = load_model(path, device=device, dtype=dtype, experts=experts, expert_device=expert_device)
+        if fast or (fast is None and model.device.type == "cuda"):
+            from engine.models.fast_support import fast_unsupported
+
+            if fast or fast_unsupported(model) is None:
+                model.enable_fast(slots=2, capacity=FAST_CONTEXT)
+        return cls(model)
 
     @property
     def config(self):
@@ -31,14 +42,14 @@ class Engine:
 
     def score(self, ids) -> torch.Tensor:
         ids = self._ids(ids)
-        state = self.model.new_state()
+        state = self.model.new_state(len(ids))
         chunks = ids.split(PREFILL_CHUNK)
         return torch.cat([self.model.forward([(c, state)], logits="all")[0] for c in chunks])
 
     def prefill(self, ids, state=None):
         """Run the prompt in chunks; -> (logits of the last position [V], state)."""
         ids = self._ids(ids)
-        state = state or self.model.new_state()
+        state = state or self.model.new_state(len(ids) + self._reserve)
         for chunk in ids.split(PREFILL_CHUNK):
             logits = self.model.forward([(chunk, state)], logits="last")[0][-1]
         return logits, state
@@ -50,13 +61,15 @@ class Engine:
         out: list[int] = []
         if max_new_tokens <= 0:
             return out
+        self._reserve = max_new_tokens
         logits, state = self.prefill(ids)
+        self._reserve = 0
         while True:
             token = sampler(logits)
             out.append(token)
             if token in stop or len(out) >= max_new_tokens:
                 return out
-            step = torch.tensor([token], device=self.model.device)
+            step = torch.tensor([token])
             logits = self.model.forward([(step, state)], logits="last")[0][-1]
 
     def _ids(self, ids) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from engine.api import GenerateRequest
-from engine.sampling import Sampler
+from engine.sampling import Sampler, argmax_rows, wait_for_device
 from engine.scheduler import Sequence, Work
 
 
@@ -62,44 +62,61 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, work: list[Work]) -> list[int | None]:
-        device = self.model.device
-        items = [(torch.tensor(w.seq.tokens[w.start : w.end], dtype=torch.long, device=device),
-                  self._states[w.seq.request_id]) for w in work]
+        # token ids stay on the host: the model moves them (a decode graph reads them as ints)
+        items = [(torch.tensor(w.seq.tokens[w.start : w.end], dtype=torch.long), self._states[w.seq.request_id])
+                 for w in work]
         if self._cpu_threads > 1:
             torch.set_num_threads(self._cpu_threads if sum(w.end - w.start for w in work) >= SMALL_STEP else 1)
         if self.cache is not None:
             for w, (_, state) in zip(work, items):
-                state.marks = w.marks  # snapshots inside the chunk, taken in the same pass
+                state.checkpoint_positions = w.checkpoint_positions  # snapshots inside the chunk, same pass
         logits = self.model.forward(items, logits="last")  # per item [1, V]
         self.steps += 1
-        out: list[int | None] = []
-        for w, lg in zip(work, logits):
+        for w in work:
             seq, state = w.seq, self._states[w.seq.request_id]
             if self.cache is not None:
-                for position in state.marks:
+                for position in state.checkpoint_positions:
                     self.cache.insert(seq.tokens[:position], state.at(position))
-                state.drop_marks()
+                state.drop_checkpoints()
                 if w.checkpoint_here:
                     self.cache.insert(seq.tokens[: w.end], state)
+        return self._sample(work, logits)
+
+    def _sample(self, work: list[Work], logits: list[torch.Tensor]) -> list[int | None]:
+        """A token per sampling item: forced ids as given, greedy rows in one batched argmax (one wait for
+        the device per step), the others through their own Sampler."""
+        out: list[int | None] = [None] * len(work)
+        greedy = []
+        for i, (w, lg) in enumerate(zip(work, logits)):
+            seq = w.seq
             if not w.samples or seq.req.max_new_tokens == 0:
-                out.append(None)
                 continue
-            forced = seq.req.forced_output_ids
-            out.append(forced[seq.num_output] if forced is not None else self._samplers[seq.request_id](lg[-1]))
+            if seq.req.forced_output_ids is not None:
+                out[i] = seq.req.forced_output_ids[seq.num_output]
+            elif seq.req.sampling.greedy:
+                greedy.append(i)
+            else:
+                out[i] = self._samplers[seq.request_id](lg[-1])
+        if greedy:
+            for i, token in zip(greedy, argmax_rows([logits[i][-1] for i in greedy])):
+                out[i] = token
+        else:
+            wait_for_device(self.model.device)  # step timings and prefill progress mean work done
         return out
 
     def release(self, seq: Sequence) -> None:
         state = self._states.pop(seq.request_id, None)
         self._samplers.pop(seq.request_id, None)
         match = self._matches.pop(seq.request_id, None)
-        if self.cache is None:
-            return
         try:
-            if state is not None and seq.finish_reason in ("stop", "length") and state.length >= seq.num_prompt:
+            if (self.cache is not None and state is not None and seq.finish_reason in ("stop", "length")
+                    and state.length >= seq.num_prompt):
                 self._cache_turn(seq, state)
         finally:  # whatever happened above, the path this request locked at admission is unlocked
             if match is not None:
                 self.cache.release(match)
+            if state is not None and hasattr(state, "release"):
+                state.release()  # a slot state's slot goes back to the pool now, not at garbage collection
 
     @torch.inference_mode()
     def _cache_turn(self, seq: Sequence, state) -> None:
@@ -109,7 +126,7 @@ class ModelRunner:
         more forward step here makes the next turn reuse exactly up to its edit point instead of one short."""
         tokens = seq.tokens + ([seq.stop_token] if seq.stop_token is not None else [])
         if state.length == len(tokens) - 1:
-            last = torch.tensor(tokens[-1:], dtype=torch.long, device=self.model.device)
+            last = torch.tensor(tokens[-1:], dtype=torch.long)
             self.model.forward([(last, state)], logits="last")
         self.cache.insert(tokens[: state.length], state, seq.req.session_key)
 
@@ -122,6 +139,10 @@ class ModelRunner:
                              "expert cache to resize; start it with --moe-backend offload|cpu|hybrid")
         if kv_tokens is not None and kv_tokens < 16:
             raise ValueError(f"the KV budget must be at least 16 tokens, got {kv_tokens}")
+        fast = getattr(self.model, "fast", None)
+        if kv_tokens is not None and fast is not None and kv_tokens > fast.pool.capacity:
+            raise ValueError(f"the fast path's KV slots hold {fast.pool.capacity} tokens each; restart the "
+                             f"server with --context-length {kv_tokens} to allow {kv_tokens}")
         if (prefix_device_bytes or prefix_host_bytes) and self.cache is None:
             raise ValueError("the prefix cache is off (--no-prefix-cache): there is no budget to change")
         if moe_slots is not None:

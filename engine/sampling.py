@@ -39,3 +39,22 @@ class Sampler:
         filtered = filter_logits(logits / p.temperature, p.top_k, p.top_p)
         probs = filtered.softmax(-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block until the device has finished the work queued so far, without holding the GIL (CUDA)."""
+    if device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+
+
+def argmax_rows(rows: list[torch.Tensor]) -> list[int]:
+    """Greedy tokens of several logits rows [V] at once: one argmax, one copy to the host."""
+    ids = torch.stack(rows).argmax(-1)
+    if ids.device.type != "cuda":
+        return ids.tolist()
+    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    host.copy_(ids, non_blocking=True)
+    wait_for_device(ids.device)
+    return host.tolist()

@@ -2,7 +2,7 @@
 
 One step = every running sequence that has finished its prompt decodes one token, and the remaining token
 budget goes to prompt chunks (chunked prefill), oldest first. Checkpoint positions do not cut chunks: a
-chunk carries the positions it covers (Work.marks) and the model snapshots its recurrent state there inside
+chunk carries the positions it covers (Work.checkpoint_positions) and the model snapshots its recurrent state there inside
 the one pass (the DeltaNet layers run their recurrence piecewise; projections, attention and experts do not
 split, so a checkpoint costs no extra pass over the weights).
 """
@@ -35,7 +35,7 @@ class Sequence:
     cache_tier: str = "none"
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
-    checkpoints: list[int] = field(default_factory=list)  # sorted prompt positions still to snapshot
+    checkpoint_positions: list[int] = field(default_factory=list)  # sorted prompt positions to snapshot
     t_submit: float = field(default_factory=time.monotonic)
     t_admit: float = 0.0
     t_first_token: float = 0.0
@@ -44,7 +44,7 @@ class Sequence:
     @classmethod
     def from_request(cls, req: GenerateRequest) -> "Sequence":
         n = len(req.prompt_ids)
-        return cls(req, list(req.prompt_ids), n, checkpoints=sorted(set(req.checkpoint_positions) | {n}))
+        return cls(req, list(req.prompt_ids), n, checkpoint_positions=sorted(set(req.checkpoint_positions) | {n}))
 
     @property
     def request_id(self) -> str:
@@ -69,12 +69,12 @@ class Work:
 
     @property
     def checkpoint_here(self) -> bool:
-        return self.end in self.seq.checkpoints
+        return self.end in self.seq.checkpoint_positions
 
     @property
-    def marks(self) -> tuple[int, ...]:
+    def checkpoint_positions(self) -> tuple[int, ...]:
         """Checkpoint positions strictly inside this chunk (the end one is checkpoint_here)."""
-        cps = self.seq.checkpoints
+        cps = self.seq.checkpoint_positions
         lo, hi = bisect.bisect_right(cps, self.start), bisect.bisect_left(cps, self.end)
         return tuple(cps[lo:hi])
 

@@ -34,6 +34,12 @@ class ExpertWeights:
     def stacked(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._gate_up[layer], self._down[layer]
 
+    def rebind(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Point a layer at other tensors of the same values (a view into a larger stack, say)."""
+        if gate_up.shape != self._gate_up[layer].shape or down.shape != self._down[layer].shape:
+            raise ValueError(f"rebind: layer {layer} keeps its shapes")
+        self._gate_up[layer], self._down[layer] = gate_up, down
+
     def expert_nbytes(self) -> int:
         """Bytes of one (layer, expert): what a cache slot must hold."""
         return 3 * self.hidden_size * self.intermediate_size * self.dtype.itemsize

@@ -20,7 +20,7 @@ class Attention:
         self.q_norm, self.k_norm = w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"]
 
     def __call__(self, x: torch.Tensor, spans: list) -> torch.Tensor:
-        """x [N, H]; spans: (offset, length, position, KVCache, marks) per sequence -> [N, H]."""
+        """x [N, H]; spans: a Span per sequence (its state a KVCache) -> [N, H]."""
         cfg, N = self.cfg, x.shape[0]
         norm = dict(eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm)
         q = F.linear(x, self.q_w).view(N, cfg.num_heads, -1)  # [N, h, D] or [N, h, 2D] with the gate
@@ -30,11 +30,11 @@ class Attention:
         q = rms_norm(q, self.q_norm, **norm)
         k = rms_norm(F.linear(x, self.k_w).view(N, cfg.num_kv_heads, -1), self.k_norm, **norm)
         v = F.linear(x, self.v_w).view(N, cfg.num_kv_heads, -1)
-        positions = torch.cat([torch.arange(p, p + n, device=x.device) for _, n, p, _, _ in spans])
+        positions = torch.cat([torch.arange(s.position, s.position + s.length, device=x.device) for s in spans])
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = torch.empty_like(q)
-        for off, n, pos, kv, _ in spans:  # KV needs no marks: a prefix of it is the KV at any position
+        for off, n, pos, kv, _ in spans:  # KV needs no checkpoints: a prefix of it is the KV at any position
             kv.append(k[off : off + n], v[off : off + n])
             out[off : off + n] = self._attend(q[off : off + n], kv, pos)
         out = out.reshape(N, -1)

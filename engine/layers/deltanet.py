@@ -22,36 +22,49 @@ class GatedDeltaNet:
         self.conv_w = w[p + "conv1d.weight"]  # [C, 1, K]
         self.neg_A = -w[p + "A_log"].float().exp()  # [Hv]; decay rate, in fp32 as fp16 could overflow
         self.dt_bias, self.norm_w, self.out_w = w[p + "dt_bias"], w[p + "norm.weight"], w[p + "out_proj.weight"]
+        self.chunked_rule = chunked_gated_delta_rule  # the fast path swaps in fla's kernels on CUDA
 
     def __call__(self, x: torch.Tensor, spans: list) -> torch.Tensor:
-        """x [N, H]; spans: (offset, length, position, LinearState, marks) per sequence -> [N, H].
-
-        marks: absolute positions inside (position, position + length) where the state is also copied
-        into state.saved, the recurrence running piecewise between them."""
-        cfg, N = self.cfg, x.shape[0]
+        """x [N, H]; spans: a Span per sequence (its state a LinearState) -> [N, H]."""
         qkv = F.linear(x, self.qkv_w)  # [N, C]
-        z = F.linear(x, self.z_w).view(N, cfg.linear_num_v_heads, -1)  # output gate [N, Hv, dv]
-        beta = torch.sigmoid(F.linear(x, self.b_w))  # [N, Hv]
-        g = self.neg_A * F.softplus(F.linear(x, self.a_w).float() + self.dt_bias)  # log-decay <= 0
-        out = torch.empty_like(z)
-        for off, n, pos, state, marks in spans:
-            cuts = [m - pos for m in marks if pos < m < pos + n]
-            conv_in = state.conv
-            q, k, v = self._conv(qkv[off : off + n], state).split(
-                [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
-            q = q.reshape(n, cfg.linear_num_k_heads, -1)
-            k = k.reshape(n, cfg.linear_num_k_heads, -1)
-            v = v.reshape(n, cfg.linear_num_v_heads, -1)
-            bounds = [0, *cuts, n]
-            for a, b in zip(bounds, bounds[1:]):
-                s = slice(off + a, off + b)
-                rule = recurrent_gated_delta_rule if b - a == 1 else chunked_gated_delta_rule
-                out[s], state.recurrent = rule(q[a:b], k[a:b], v[a:b], g[s], beta[s], state.recurrent)
-                if b < n:
-                    state.saved[pos + b] = (self._conv_state_at(conv_in, qkv[off : off + n], b),
-                                            state.recurrent.clone())
-        out = gated_rms_norm(out, z, self.norm_w, cfg.rms_norm_eps).reshape(N, -1)
+        z = F.linear(x, self.z_w)  # output gate [N, Hv*dv]
+        beta, g = self.gates(F.linear(x, self.b_w), F.linear(x, self.a_w))
+        out = torch.empty_like(z).view(x.shape[0], self.cfg.linear_num_v_heads, -1)
+        for span in spans:
+            self.run_sequence(qkv, g, beta, span, out)
+        return self.output(out, z)
+
+    def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw b, a projections [N, Hv] -> (beta in the model dtype, log-decay g <= 0 in fp32)."""
+        return torch.sigmoid(b), self.neg_A * F.softplus(a.float() + self.dt_bias)
+
+    def output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Delta-rule output [N, Hv, dv], gate z [N, Hv*dv] -> the layer's output [N, H]."""
+        N = out.shape[0]
+        out = gated_rms_norm(out, z.reshape(out.shape), self.norm_w, self.cfg.rms_norm_eps).reshape(N, -1)
         return F.linear(out, self.out_w)
+
+    def run_sequence(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, span, out: torch.Tensor) -> None:
+        """Conv + delta rule over one sequence's rows of qkv [N, C], writing out [N, Hv, dv].
+
+        At each checkpoint position inside the chunk the state is also copied into state.checkpoints, the
+        recurrence running piecewise between them."""
+        cfg = self.cfg
+        off, n, pos, state, positions = span
+        inside = [p - pos for p in positions if pos < p < pos + n]
+        rows = qkv[off : off + n]
+        conv_in = state.conv.clone() if inside else state.conv  # a slot state's conv is overwritten in place
+        q, k, v = self._conv(rows, state).split([cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
+        q = q.reshape(n, cfg.linear_num_k_heads, -1)
+        k = k.reshape(n, cfg.linear_num_k_heads, -1)
+        v = v.reshape(n, cfg.linear_num_v_heads, -1)
+        bounds = [0, *inside, n]
+        for a, b in zip(bounds, bounds[1:]):
+            s = slice(off + a, off + b)
+            rule = recurrent_gated_delta_rule if b - a == 1 else self.chunked_rule
+            out[s], state.recurrent = rule(q[a:b], k[a:b], v[a:b], g[s], beta[s], state.recurrent)
+            if b < n:
+                state.checkpoints[pos + b] = (self._conv_state_at(conv_in, rows, b), state.recurrent.clone())
 
     def _conv(self, x: torch.Tensor, state) -> torch.Tensor:
         """x [T, C] -> silu(causal depthwise conv) [T, C]; state.conv keeps the last K-1 inputs [C, K-1]."""

@@ -19,7 +19,8 @@ from engine.layers.mlp import DenseMLP
 from engine.layers.moe import MoE
 from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
-from engine.models.state import KVCache, LinearState, SequenceState, StateCheckpoint
+from engine.models.slots import SlotState
+from engine.models.state import KVCache, LinearState, SequenceState, Span, StateCheckpoint
 
 
 class DecoderLayer:
@@ -54,8 +55,24 @@ class Model:
             lp = f"{p}layers.{layer}."
             w = {k[len(lp) :]: v for k, v in tensors.items() if k.startswith(lp)}
             self.layers.append(DecoderLayer(cfg, layer, w, rope, experts))
+        self.fast = None  # FastPath once enable_fast() ran: slot states, Triton kernels, CUDA graphs
+        self.graphs = None
 
-    def new_state(self) -> SequenceState:
+    def enable_fast(self, slots: int, capacity: int, graphs: bool | None = None) -> None:
+        """Serve slot states through the fast path: `slots` sequences of up to `capacity` tokens each in a
+        static pool; decode steps replayed as CUDA graphs (default: on CUDA). States beyond the pool, and
+        every state made before this call, keep using the eager path."""
+        from engine.models.fast_support import make_fast_path
+
+        self.fast, self.graphs = make_fast_path(self, slots, capacity, graphs)
+
+    def new_state(self, tokens: int = 0) -> SequenceState:
+        """A state for a sequence of up to `tokens` tokens (0: unknown); a fast-path slot when one is free
+        and the sequence fits it."""
+        if self.fast is not None and tokens <= self.fast.pool.capacity:
+            state = self.fast.pool.new_state()
+            if state is not None:
+                return state
         cfg = self.config
         layers = []
         for layer in self.layers:
@@ -70,6 +87,10 @@ class Model:
 
     def restore(self, ckpt: StateCheckpoint) -> SequenceState:
         """A fresh state continuing from `ckpt` (which stays valid for further restores)."""
+        if self.fast is not None:
+            state = self.fast.pool.restore(ckpt)
+            if state is not None:
+                return state
         layers = [
             (KVCache if layer.is_attention else LinearState).from_snapshot(*snap, dtype=self.dtype, device=self.device)
             for layer, snap in zip(self.layers, ckpt.layers)
@@ -83,6 +104,8 @@ class Model:
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         if not items:
             raise ValueError("forward needs at least one (token_ids, state) item")
+        if self.fast is not None and all(isinstance(st, SlotState) for _, st in items):
+            return self._forward_fast(items, logits)
         ids = [torch.as_tensor(t, dtype=torch.long, device=self.device).reshape(-1) for t, _ in items]
         if any(t.numel() == 0 for t in ids):
             raise ValueError("every sequence in a forward batch needs at least one token")
@@ -90,7 +113,7 @@ class Model:
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         x = F.embedding(torch.cat(ids), self.embed)  # [N, H]
         for index, layer in enumerate(self.layers):
-            spans = [(off, n, st.length, st.layers[index], st.marks)
+            spans = [Span(off, n, st.length, st.layers[index], st.checkpoint_positions)
                      for off, n, (_, st) in zip(offsets, lengths, items)]
             x = layer(x, spans)
         for n, (_, state) in zip(lengths, items):
@@ -100,3 +123,13 @@ class Model:
             lengths = [1] * len(lengths)
         x = rms_norm(x, self.final_norm, self.config.rms_norm_eps, self.config.zero_centered_norm)
         return list(F.linear(x, self.lm_head).float().split(lengths))
+
+    def _forward_fast(self, items: list, logits: str) -> list[torch.Tensor]:
+        one_each = all(torch.as_tensor(t).numel() == 1 for t, _ in items)
+        if one_each and self.graphs is not None and len(items) <= self.graphs.max_batch:
+            ids = [int(torch.as_tensor(t).reshape(-1)[0]) for t, _ in items]
+            out = self.graphs.run(ids, [st.slot for _, st in items], [st.length for _, st in items])
+            for _, st in items:
+                st.advance(1)
+            return list(out.split(1))
+        return self.fast.forward(items, logits)

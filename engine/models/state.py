@@ -7,6 +7,7 @@ layer and KV[:length] of every attention layer. kv = KV heads, D = head dim, C =
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -53,12 +54,13 @@ class KVCache:
 class LinearState:
     """One DeltaNet layer: the last K-1 conv inputs [C, K-1] and the delta-rule state [Hv, dk, dv] (fp32).
 
-    `saved` holds copies taken inside a chunk at the positions the forward was asked to mark (position ->
-    (conv, recurrent)), until the runner hands them to the cache (SequenceState.at / drop_marks)."""
+    `checkpoints` holds copies taken inside a chunk at the checkpoint positions the forward was given
+    (position -> (conv, recurrent)), until the runner hands them to the cache (SequenceState.at /
+    drop_checkpoints)."""
 
     def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
         self.conv, self.recurrent = conv, recurrent
-        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.checkpoints: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def snapshot(self) -> tuple[torch.Tensor, ...]:
         return self.conv.clone(), self.recurrent.clone()
@@ -90,27 +92,28 @@ class SequenceState:
     def __init__(self, layers: list, length: int = 0):
         self.layers = layers  # KVCache or LinearState, one per decoder layer
         self.length = length  # tokens this state has seen
-        self.marks: tuple[int, ...] = ()  # positions inside the next chunk to snapshot (set by the runner)
+        # checkpoint positions strictly inside the next chunk: the forward snapshots them (set by the runner)
+        self.checkpoint_positions: tuple[int, ...] = ()
 
     def at(self, position: int) -> "SequenceState":
-        """This state as it was at a marked position of the last forward: the recurrent copies saved there,
+        """This state as it was at a checkpoint position of the last forward: the recurrent copies taken there,
         views of KV[:position] (the KV before it is unchanged). Read-only; valid until the next forward."""
-        layers = [_Saved(*layer.saved[position]) if isinstance(layer, LinearState) else _KVPrefix(layer, position)
+        layers = [_Saved(*layer.checkpoints[position]) if isinstance(layer, LinearState) else _KVPrefix(layer, position)
                   for layer in self.layers]
         return SequenceState(layers, position)
 
-    def drop_marks(self) -> None:
-        self.marks = ()
+    def drop_checkpoints(self) -> None:
+        self.checkpoint_positions = ()
         for layer in self.layers:
             if isinstance(layer, LinearState):
-                layer.saved.clear()
+                layer.checkpoints.clear()
 
     def checkpoint(self) -> StateCheckpoint:
         return StateCheckpoint(self.length, tuple(layer.snapshot() for layer in self.layers))
 
 
 class _Saved:
-    """A LinearState's copy at a marked position, as SequenceState.at hands it out (snapshot() only)."""
+    """A LinearState's copy at a checkpoint position, as SequenceState.at hands it out (snapshot() only)."""
 
     def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
         self.conv, self.recurrent = conv, recurrent
@@ -133,3 +136,13 @@ class _KVPrefix:
 
     def snapshot(self) -> tuple[torch.Tensor, ...]:
         return self.keys().clone(), self.values().clone()
+
+
+class Span(NamedTuple):
+    """One sequence of a forward batch as a layer sees it."""
+
+    offset: int  # first row of its tokens in the batch
+    length: int  # its tokens in this forward
+    position: int  # tokens its state had seen before them
+    state: object  # its per-layer state: KVCache / LinearState (or their slot versions)
+    checkpoint_positions: tuple[int, ...]  # absolute positions inside the chunk to snapshot

@@ -57,17 +57,17 @@ def test_checkpoint_restore_continues_identically(arch, engine_for):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("marks", [(1,), (37,), (3, 4, 64, 69), (13, 50)])
-def test_marks_inside_a_chunk_snapshot_what_a_chunk_ending_there_would(arch, marks, engine_for):
-    """The fast path (one pass, recurrence split at the marks) against the slow one (a chunk ending at each
-    mark): same recurrent and conv state, same KV prefix, and a restore from either continues alike."""
+@pytest.mark.parametrize("positions", [(1,), (37,), (3, 4, 64, 69), (13, 50)])
+def test_checkpoints_inside_a_chunk_snapshot_what_a_chunk_ending_there_would(arch, positions, engine_for):
+    """One pass with the recurrence split at the checkpoint positions against a chunk ending at each of
+    them: same recurrent and conv state, same KV prefix, and a restore from either continues alike."""
     model = engine_for(arch).model
-    ids = prompt(100, seed=33 + sum(marks))
+    ids = prompt(100, seed=33 + sum(positions))
     state = model.new_state()
     model.forward([(ids[:5], state)])
-    state.marks = tuple(5 + m for m in marks)
+    state.checkpoint_positions = tuple(5 + m for m in positions)
     model.forward([(ids[5:75], state)], logits="all")
-    for m in state.marks:
+    for m in state.checkpoint_positions:
         fast = state.at(m).checkpoint()
         slow_state = model.new_state()
         model.forward([(ids[:m], slow_state)])
@@ -80,8 +80,8 @@ def test_marks_inside_a_chunk_snapshot_what_a_chunk_ending_there_would(arch, mar
         tail = ids[m:m + 20]
         torch.testing.assert_close(model.forward([(tail, model.restore(fast))], logits="all")[0],
                                    model.forward([(tail, slow_state)], logits="all")[0], atol=5 * TOL, rtol=TOL)
-    state.drop_marks()
-    assert state.marks == () and all(not getattr(layer, "saved", {}) for layer in state.layers)
+    state.drop_checkpoints()
+    assert state.checkpoint_positions == () and all(not getattr(layer, "checkpoints", {}) for layer in state.layers)
 
 
 def test_checkpoint_holds_recurrent_state_and_kv_up_to_length(engine_for):

@@ -32,7 +32,7 @@ def test_prefill_is_chunked_by_budget_and_carries_the_checkpoints_inside_each_ch
     spans = []
     while q.prefilling:
         (w,) = s.schedule()
-        spans.append((w.start, w.end, w.marks, w.checkpoint_here))
+        spans.append((w.start, w.end, w.checkpoint_positions, w.checkpoint_here))
         s.advance(w, 7 if w.samples else None)
     # checkpoints do not cut chunks: 10 is marked inside the first, 16 is its end, 30 inside the third
     assert spans == [(0, 16, (10,), True), (16, 32, (30,), False), (32, 40, (), True)]

@@ -79,14 +79,14 @@ def test_cuda_fp32_matches_transformers_on_cuda(ckpt, engines):
     assert err < 1e-3, err
 
 
-def test_cuda_marks_inside_a_chunk_equal_a_chunk_ending_there(engines):
-    """Mid-chunk checkpoints on CUDA (fp32): the snapshot at a mark is the state of a chunk ending there."""
+def test_cuda_checkpoints_inside_a_chunk_equal_a_chunk_ending_there(engines):
+    """Mid-chunk checkpoints on CUDA (fp32): the snapshot at a position is the state of a chunk ending there."""
     _, gpu = engines
     model, prompt = gpu.model, ids(120, seed=5).cuda()
     state = model.new_state()
-    state.marks = (17, 64, 65)
+    state.checkpoint_positions = (17, 64, 65)
     model.forward([(prompt[:100], state)])
-    for m in state.marks:
+    for m in state.checkpoint_positions:
         slow = model.new_state()
         model.forward([(prompt[:m], slow)])
         for a, b in zip(state.at(m).checkpoint().layers, slow.checkpoint().layers):

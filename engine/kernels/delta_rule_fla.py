@@ -1,0 +1,25 @@
+"""The chunked gated delta rule through fla-core's Triton kernels (CUDA only; imported lazily).
+
+Same contract as engine/layers/delta_rule.chunked_gated_delta_rule, the torch reference it is tested
+against: q, k [T, Hk, dk]; v [T, Hv, dv]; g (log decay), beta [T, Hv]; state [Hv, dk, dv] fp32
+-> (o [T, Hv, dv] in v's dtype, new state fp32). fla normalises q and k itself (use_qk_l2norm_in_kernel)
+and maps value head i to key head i // (Hv / Hk), as the reference does; it computes in TF32 inside.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+
+def available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("fla") is not None
+
+
+def chunked_gated_delta_rule_fla(q, k, v, g, beta, state):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype),
+                                      scale=q.shape[-1] ** -0.5, initial_state=state[None].float(),
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return o[0], final[0]

@@ -1,0 +1,145 @@
+"""The fast path of the decoder: fused projections, Triton kernels, per-sequence state in a StatePool.
+
+    fast = FastPath(model, pool)
+    fast.forward(items, logits)                    # like Model.forward; every state is a slot state
+    fast.decode(ids, slots, positions, valid)      # one token per sequence, static shapes, no host sync:
+                                                   # what a CUDA graph captures (engine/models/graphs.py)
+
+A decode step per layer: add+norm, one projection GEMM, the mixer's kernels (qk-norm/RoPE/KV store + split
+attention, or conv step + delta-rule step), o/out GEMM, add+norm, router GEMM, top-k, two grouped expert
+kernels; the next add+norm sums the experts' rows into the residual. Prefill chunks run the same
+projections with the prefill attention kernel, the chunked delta rule (fla's kernels on CUDA) and experts
+grouped per expert. N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.attention_triton import (decode_attention, decode_splits, prefill_attention, prefill_block,
+                                             prefill_tiles, qk_rope_store)
+from engine.kernels.deltanet_triton import conv_step, rule_step
+from engine.kernels.moe_triton import expert_blocks, pair_blocks, route_topk, run_experts
+from engine.kernels.norm_triton import add_rms_norm
+from engine.layers.moe import MoE
+from engine.models.fused import FusedAttention, FusedMoE, fuse_attention, fuse_deltanet, fuse_moe
+from engine.models.state import Span
+
+GROUP_PAIRS = 128  # from this many (token, expert) pairs on, experts run grouped per expert, not per pair
+GROUP_BLOCK = 64  # pairs per block when grouped
+
+
+class FastPath:
+    def __init__(self, model, pool, chunked_rule=None):
+        cfg = model.config
+        self.model, self.pool, self.cfg = model, pool, cfg
+        self.mixers, self.mlps = [], []
+        for layer in model.layers:
+            self.mixers.append(fuse_attention(layer.mixer, cfg) if layer.is_attention else fuse_deltanet(layer.mixer, cfg))
+            self.mlps.append(fuse_moe(layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp)
+            if chunked_rule is not None and not layer.is_attention:
+                layer.mixer.chunked_rule = chunked_rule
+        norms = [layer.input_norm for layer in model.layers] + [model.final_norm]
+        self.norms = [(layer.post_norm, norms[i + 1]) for i, layer in enumerate(model.layers)]
+        self.splits = decode_splits(pool.capacity)
+
+    # -- one token per sequence -----------------------------------------------------------------------
+    def decode(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B] int64, slots / positions [B] int32 (device) -> logits [B, V] fp32. valid [B] int8: 0
+        marks padding rows (their slot is the pool's scratch row; they route to no expert)."""
+        model, zc, eps = self.model, self.cfg.zero_centered_norm, self.cfg.rms_norm_eps
+        x = F.embedding(ids, model.embed)
+        x, h = add_rms_norm(x, None, model.layers[0].input_norm, eps, zc)
+        for i, layer in enumerate(model.layers):
+            m, state = self.mixers[i], self.pool.layers[i]
+            if isinstance(m, FusedAttention):
+                proj = F.linear(h, m.qkv_w)
+                q = torch.empty(h.shape[0], m.consts.heads, m.consts.head_dim, dtype=h.dtype, device=h.device)
+                qk_rope_store(proj, q, state[0], state[1], slots, positions, m.consts)
+                mix = F.linear(decode_attention(q, proj, state[0], state[1], slots, positions, m.consts,
+                                                splits=self.splits), m.o_w)
+            else:
+                proj = F.linear(h, m.in_w)
+                qkv = conv_step(proj, state[0], slots, m.conv_w)
+                mix = F.linear(rule_step(qkv, proj, state[1], slots, m.consts), m.out_w)
+            post, nxt = self.norms[i]
+            x, h = add_rms_norm(x, mix, post, eps, zc)
+            x, h = add_rms_norm(x, self._mlp(i, h, valid), nxt, eps, zc)
+        return F.linear(h, model.lm_head).float()
+
+    # -- any batch of slot states ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, items: list, logits: str = "last") -> list[torch.Tensor]:
+        """items: [(token ids LongTensor[T_i], SlotState)] -> per item logits [1, V] or [T_i, V] (fp32)."""
+        model, dev = self.model, self.model.device
+        ids = [torch.as_tensor(t, dtype=torch.long, device=dev).reshape(-1) for t, _ in items]
+        lengths = [t.numel() for t in ids]
+        states = [st for _, st in items]
+        slots_tok = [st.slot for st, n in zip(states, lengths) for _ in range(n)]
+        pos_tok = [p for st, n in zip(states, lengths) for p in range(st.length, st.length + n)]
+        meta = torch.tensor([slots_tok, pos_tok], dtype=torch.int32).to(dev, non_blocking=True)
+        tokens = torch.cat(ids)
+        one_each = all(n == 1 for n in lengths)
+        if one_each:
+            out = self.decode(tokens, meta[0], meta[1])
+        else:
+            out = self._prefill(tokens, meta[0], meta[1], lengths, states, logits)
+        for st, n in zip(states, lengths):
+            st.advance(n)
+        return list(out.split(1 if one_each or logits == "last" else lengths))
+
+    def _prefill(self, tokens, slots, positions, lengths, states, logits):
+        model, zc, eps = self.model, self.cfg.zero_centered_norm, self.cfg.rms_norm_eps
+        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+        tiles = prefill_tiles([(off, n, st.length, st.slot) for off, n, st in zip(offsets, lengths, states)],
+                              prefill_block(self.cfg.head_dim)[0], model.device)
+        x = F.embedding(tokens, model.embed)
+        x, h = add_rms_norm(x, None, model.layers[0].input_norm, eps, zc)
+        for i, layer in enumerate(model.layers):
+            m = self.mixers[i]
+            if isinstance(m, FusedAttention):
+                k, v = self.pool.layers[i]
+                proj = F.linear(h, m.qkv_w)
+                q = torch.empty(h.shape[0], m.consts.heads, m.consts.head_dim, dtype=h.dtype, device=h.device)
+                qk_rope_store(proj, q, k, v, slots, positions, m.consts)
+                mix = F.linear(prefill_attention(q, proj, k, v, tiles, m.consts), m.o_w)
+            else:
+                spans = [Span(off, n, st.length, st.layers[i], st.checkpoint_positions)
+                         for off, n, st in zip(offsets, lengths, states)]
+                mix = self._deltanet_prefill(layer.mixer, m, h, spans)
+            post, nxt = self.norms[i]
+            x, h = add_rms_norm(x, mix, post, eps, zc)
+            x, h = add_rms_norm(x, self._mlp(i, h, None), nxt, eps, zc)
+        if logits == "last":
+            h = h[[off + n - 1 for off, n in zip(offsets, lengths)]]
+        return F.linear(h, model.lm_head).float()
+
+    def _deltanet_prefill(self, net, m, h, spans):
+        """The eager layer's per-sequence conv + chunked rule (with checkpoints), on one fused projection."""
+        c = m.consts
+        C = 2 * c.key_heads * c.key_dim + c.value_heads * c.value_dim
+        values = c.value_heads * c.value_dim
+        proj = F.linear(h, m.in_w)
+        z = proj[:, C : C + values]
+        beta, g = net.gates(proj[:, C + values : C + values + c.value_heads], proj[:, C + values + c.value_heads :])
+        out = torch.empty(h.shape[0], c.value_heads, c.value_dim, dtype=h.dtype, device=h.device)
+        for span in spans:
+            net.run_sequence(proj[:, :C], g, beta, span, out)
+        return net.output(out, z)
+
+    def _mlp(self, i: int, h: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """-> rows to add to the residual: [N, KP, H] expert outputs (already weighted), or [N, 1, H]."""
+        mlp = self.mlps[i]
+        if not isinstance(mlp, FusedMoE):
+            return mlp(h)[:, None]
+        ids, w = route_topk(F.linear(h, mlp.router_w), mlp.top_k, mlp.norm_topk, mlp.shared_folded, valid)
+        if ids.numel() < GROUP_PAIRS:
+            blocks = pair_blocks(ids)
+        else:
+            blocks = expert_blocks(ids, mlp.gate_up.shape[0], GROUP_BLOCK)
+        y = run_experts(h, mlp.gate_up, mlp.down, ids, w, blocks)
+        if mlp.shared is not None:
+            shared = torch.sigmoid(F.linear(h, mlp.shared_gate_w)) * mlp.shared(h)
+            y = torch.cat([y, shared[:, None]], dim=1)
+        return y

@@ -1,0 +1,46 @@
+"""Whether a loaded model can take the fast path, and building it (imports Triton only when it can).
+
+The fast path needs Triton and a CUDA device (or Triton's CPU interpreter, TRITON_INTERPRET=1, which the
+tests use), every routed expert resident on the device (the `fused` backend: slot backends keep their own
+eager path), and head dims the kernels tile (powers of two).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def fast_unsupported(model) -> str | None:
+    """None when the fast path can serve `model`, else the reason in a sentence."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if model.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the fast path runs on CUDA (this model is on {model.device})"
+    experts = getattr(model, "experts", None)
+    if experts is not None and getattr(experts, "name", None) != "fused" and model.config.moe_layers:
+        return f"the {experts.name} expert backend runs its experts on the eager path"
+    cfg = model.config
+    dims = [cfg.head_dim] + ([cfg.linear_k_head_dim, cfg.linear_v_head_dim] if cfg.linear_num_v_heads else [])
+    if not all(_pow2(d) for d in dims):
+        return f"head dims {dims} are not all powers of two"
+    return None
+
+
+def make_fast_path(model, slots: int, capacity: int, graphs: bool | None):
+    """-> (FastPath, DecodeGraphs or None); ValueError naming why when the model cannot take it."""
+    reason = fast_unsupported(model)
+    if reason is not None:
+        raise ValueError(f"the fast path is not available: {reason}")
+    from engine.kernels import delta_rule_fla
+    from engine.models.fast import FastPath
+    from engine.models.graphs import DecodeGraphs
+    from engine.models.slots import StatePool
+
+    rule = delta_rule_fla.chunked_gated_delta_rule_fla if delta_rule_fla.available() else None
+    fast = FastPath(model, StatePool(model, slots, capacity), chunked_rule=rule)
+    use_graphs = model.device.type == "cuda" if graphs is None else graphs
+    return fast, DecodeGraphs(fast, slots) if use_graphs else None

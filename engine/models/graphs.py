@@ -1,0 +1,75 @@
+"""CUDA graphs of the decode step: one per batch-size bucket, captured on first use, replayed every step.
+
+    graphs = DecodeGraphs(fast, max_batch=8)
+    logits = graphs.run(ids, slots, positions)     # lists of ints -> [B, V] fp32, valid until the next run
+
+A bucket holds its inputs in one int32 device tensor [4, b] (token ids, slots, positions, valid flags),
+filled by one copy from pinned host memory; rows past the batch are padding (the pool's scratch slot,
+routed to no expert). Replay launches the whole step (hundreds of kernels) at once and releases the GIL,
+so the proxy's event loop keeps running while the GPU works.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+class _Graph:
+    def __init__(self, fast, size: int):
+        dev = fast.model.device
+        self.size = size
+        self.host = torch.zeros(4, size, dtype=torch.int32, pin_memory=True)
+        self.inputs = torch.zeros(4, size, dtype=torch.int32, device=dev)
+        self._pad(fast.pool.scratch, 0)
+        self.inputs.copy_(self.host)
+        ids, slots, pos, valid = self.inputs
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # compile kernels, create handles, fill the caches, off the capture
+            for _ in range(2):
+                fast.decode(ids, slots, pos, valid)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = fast.decode(ids, slots, pos, valid)
+
+    def _pad(self, scratch: int, start: int) -> None:
+        self.host[:, start:] = 0
+        self.host[1, start:] = scratch
+
+    def run(self, ids: list[int], slots: list[int], positions: list[int], scratch: int) -> torch.Tensor:
+        n = len(ids)
+        self.host[0, :n] = torch.tensor(ids, dtype=torch.int32)
+        self.host[1, :n] = torch.tensor(slots, dtype=torch.int32)
+        self.host[2, :n] = torch.tensor(positions, dtype=torch.int32)
+        self.host[3, :n] = 1
+        self._pad(scratch, n)
+        self.inputs.copy_(self.host, non_blocking=True)
+        self.graph.replay()
+        return self.logits[:n]
+
+
+class DecodeGraphs:
+    def __init__(self, fast, max_batch: int):
+        self.fast = fast
+        self.sizes = buckets_for(max_batch)
+        self._graphs: dict[int, _Graph] = {}
+        self.replays = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def run(self, ids: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
+        size = next(s for s in self.sizes if s >= len(ids))
+        if size not in self._graphs:
+            self._graphs[size] = _Graph(self.fast, size)
+        self.replays += 1
+        return self._graphs[size].run(ids, slots, positions, self.fast.pool.scratch)
