@@ -19,7 +19,7 @@ class EngineOptions:
     dtype: str = "float32"
     max_running: int = 4
     max_queue: int = 64
-    max_step_tokens: int = 512
+    max_step_tokens: int | None = None  # None: 512 on CPU, 2048 on CUDA (see step_tokens)
     context_length: int | None = None
     prefix_cache: bool = True
     cache_device_mb: int | None = None  # None: a share of free device memory (CPU: of free RAM)
@@ -33,7 +33,7 @@ class EngineOptions:
             raise ValueError(f"--max-running must be at least 1, got {self.max_running}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
-        if self.max_step_tokens < self.max_running:
+        if self.max_step_tokens is not None and self.max_step_tokens < self.max_running:
             raise ValueError("--max-step-tokens must be at least --max-running")
         for name in ("context_length", "cache_device_mb", "cache_host_mb"):
             value = getattr(self, name)
@@ -47,7 +47,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-running", type=int, default=4, help="requests decoded together (default 4)")
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more answer 429")
-    g.add_argument("--max-step-tokens", type=int, default=512, help="tokens per engine step (prefill chunk)")
+    g.add_argument("--max-step-tokens", type=int,
+                   help="tokens per engine step, i.e. the prefill chunk (default 512 on CPU, 2048 on CUDA)")
     g.add_argument("--context-length", type=int, help=f"tokens per request (default {DEFAULT_CONTEXT})")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="re-prefill every prompt from scratch (for comparisons)")
@@ -94,8 +95,15 @@ def build_core(model_dir: Path, opts: EngineOptions = EngineOptions(), model=Non
         host = opts.cache_host_mb << 20 if opts.cache_host_mb else None
         cache = PrefixStore(model, device_budget=dev, host_budget=host)
     runner = ModelRunner(model, context_length=context, cache=cache)
-    return EngineCore(runner, max_running=opts.max_running, max_step_tokens=opts.max_step_tokens,
+    return EngineCore(runner, max_running=opts.max_running, max_step_tokens=step_tokens(opts, model.device),
                       max_waiting=opts.max_queue)
+
+
+def step_tokens(opts: EngineOptions, device) -> int:
+    """Tokens per engine step: a GPU runs long prefill chunks at the same cost per token as short ones."""
+    if opts.max_step_tokens is not None:
+        return opts.max_step_tokens
+    return max(opts.max_running, 2048 if device.type == "cuda" else 512)
 
 
 def _enable_fast(model, max_running: int, context: int) -> None:

@@ -21,7 +21,7 @@ from engine.config import FULL, LINEAR, config_from_dict
 from engine.layout import FUSED, LAYOUTS, fused_expert_shapes, non_expert_shapes, per_expert_shapes
 
 ARCHS = ("qwen3_5_moe", "qwen3_moe", "qwen3_next")
-SIZES = ("tiny", "demo")
+SIZES = ("tiny", "demo", "qwen3.6-35b-a3b")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 _TEXT_SIZES = {
@@ -34,23 +34,46 @@ _TEXT_SIZES = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=4,
                  linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
                  num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=64),
+    # the released model's widths (40 layers, 248k vocab: a 70 GB checkpoint; pick fewer layers with
+    # `layers=`); the engine benchmarks and the peer comparison run on it
+    "qwen3.6-35b-a3b": dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, full_attention_interval=4,
+                            num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                            linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512),
 }
 
 
+def synth_config(arch: str = "qwen3_5_moe", size: str = "tiny", vocab_size: int | None = None,
+                 layers: int | None = None) -> dict:
+    """The raw config.json of a synthetic checkpoint (layers: override the size's layer count)."""
+    if arch not in ARCHS or size not in SIZES:
+        raise ValueError(f"synth: arch must be one of {ARCHS}, size one of {SIZES}")
+    if layers is not None and layers < 1:
+        raise ValueError(f"synth: layers must be at least 1, got {layers}")
+    dims = dict(_TEXT_SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {}))
+    if layers is not None:
+        dims["num_hidden_layers"] = layers
+    make = {"qwen3_5_moe": _qwen3_5_moe_config, "qwen3_moe": _qwen3_moe_config, "qwen3_next": _qwen3_next_config}
+    return make[arch](dims)
+
+
 def synth_checkpoint(out_dir, arch: str = "qwen3_5_moe", layout: str = FUSED, size: str = "tiny", seed: int = 0,
-                     vocab_size: int | None = None, tokenizer=None) -> Path:
-    if arch not in ARCHS or size not in SIZES or layout not in LAYOUTS:
-        raise ValueError(f"synth: arch must be one of {ARCHS}, size one of {SIZES}, layout one of {LAYOUTS}")
+                     vocab_size: int | None = None, tokenizer=None, layers: int | None = None,
+                     device: str = "cpu") -> Path:
+    """device: where values are drawn (a CUDA generator makes the large sizes fast; other values, same
+    distributions)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"synth: layout must be one of {LAYOUTS}")
+    raw = synth_config(arch, size, vocab_size, layers)
     tokenizer_files = _tokenizer_files(tokenizer) if tokenizer is not None else []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dims = dict(_TEXT_SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {}))
-    make = {"qwen3_5_moe": _qwen3_5_moe_config, "qwen3_moe": _qwen3_moe_config, "qwen3_next": _qwen3_next_config}
-    raw = make[arch](dims)
     cfg = config_from_dict(raw)
-    gen = torch.Generator().manual_seed(seed)
-    text = _text_tensors(cfg, layout, gen)
-    extra = _visual_tensors(raw["vision_config"], gen) | _mtp_tensors(cfg, gen) if arch == "qwen3_5_moe" else {}
+    gen = torch.Generator(device).manual_seed(seed)
+    text = {k: v.cpu() for k, v in _text_tensors(cfg, layout, gen).items()}
+    cpu_gen = torch.Generator().manual_seed(seed + 1) if gen.device.type != "cpu" else gen
+    extra = _visual_tensors(raw["vision_config"], cpu_gen) | _mtp_tensors(cfg, cpu_gen) if arch == "qwen3_5_moe" else {}
     _write_shards(out, [text, extra] if extra else [text])
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     for file in tokenizer_files:
@@ -112,20 +135,25 @@ def _qwen3_next_config(d: dict) -> dict:
 
 
 def _value(name: str, shape: tuple[int, ...], gen: torch.Generator, zero_centered: bool) -> torch.Tensor:
-    """One tensor, scaled so activations stay O(1) through a few layers; rounded to bf16."""
+    """One tensor, scaled so activations stay O(1) through a few layers; rounded to bf16, drawn and left on
+    the generator's device (in slices along dim 0, so a large tensor needs no fp32 copy of itself)."""
+    dev = gen.device
     if name.endswith("A_log"):
-        t = torch.empty(shape).uniform_(0.5, 8.0, generator=gen).log()
-    elif name.endswith("dt_bias"):
-        t = torch.randn(shape, generator=gen) * 0.5
-    elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return torch.empty(shape, device=dev).uniform_(0.5, 8.0, generator=gen).log().to(torch.bfloat16)
+    if name.endswith("dt_bias"):
+        return (torch.randn(shape, generator=gen, device=dev) * 0.5).to(torch.bfloat16)
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
         # zero-centred norms store w and scale by 1 + w; the gated DeltaNet norm always scales by w
         centred = zero_centered and not name.endswith("linear_attn.norm.weight")
-        t = torch.randn(shape, generator=gen) * 0.3 + (0.0 if centred else 1.0)
-    else:
-        # routers get twice the scale so top-k choices are clear-cut, not near-ties that rounding could flip
-        scale = 2.0 if name.endswith("mlp.gate.weight") else 1.0
-        t = torch.randn(shape, generator=gen) * scale / shape[-1] ** 0.5
-    return t.to(torch.bfloat16)
+        return (torch.randn(shape, generator=gen, device=dev) * 0.3 + (0.0 if centred else 1.0)).to(torch.bfloat16)
+    # routers get twice the scale so top-k choices are clear-cut, not near-ties that rounding could flip
+    scale = (2.0 if name.endswith("mlp.gate.weight") else 1.0) / shape[-1] ** 0.5
+    out = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+    step = max(1, (1 << 26) // max(1, out[0].numel()))
+    for i in range(0, shape[0], step):
+        n = min(step, shape[0] - i)
+        out[i : i + n] = torch.randn((n, *shape[1:]), generator=gen, device=dev) * scale
+    return out
 
 
 def _text_tensors(cfg, layout: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -183,3 +211,22 @@ def _write_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> None:
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def synth_model(size: str = "qwen3.6-35b-a3b", layers: int | None = None, device: str = "cuda",
+                dtype=torch.bfloat16, seed: int = 0, arch: str = "qwen3_5_moe"):
+    """A Model with seeded random weights drawn straight on `device`: a synthetic checkpoint of a real
+    model's widths without writing (or reading) it. -> (Model, raw config dict)."""
+    from engine.experts.fused import FusedExperts
+    from engine.experts.source import ExpertWeights
+    from engine.models.qwen import Model
+
+    raw = synth_config(arch, size, None, layers)
+    cfg = config_from_dict(raw)
+    gen = torch.Generator(device).manual_seed(seed)
+    tensors = {n: _value(n, s, gen, cfg.zero_centered_norm).to(dtype) for n, s in non_expert_shapes(cfg).items()}
+    gate_up, down = {}, {}
+    for layer in cfg.moe_layers:
+        gu, dn = (_value(n, s, gen, False).to(dtype) for n, s in fused_expert_shapes(cfg, layer).items())
+        gate_up[layer], down[layer] = gu, dn
+    return Model(cfg, tensors, FusedExperts(ExpertWeights(gate_up, down)), torch.device(device), dtype), raw

@@ -120,7 +120,8 @@ def qk_rope_store_ref(proj, k_slab, v_slab, slots, positions, c: AttnConsts):
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, o_ptr, lse_ptr, scale, cap, HQ, HKV, SPLITS,
-                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                         PREC: tl.constexpr):
     b = tl.program_id(0)
     j = tl.program_id(1)
     s = tl.program_id(2)
@@ -142,13 +143,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, o_ptr, lse_ptr
         n = n0 + tl.arange(0, BN)
         nm = n < end
         kt = tl.load(k_ptr + base + n.to(tl.int64)[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)
-        sc = tl.dot(q, tl.trans(kt)) * scale
+        sc = tl.dot(q, tl.trans(kt), input_precision=PREC) * scale
         sc = tl.where(nm[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         p = tl.exp(sc - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         vt = tl.load(v_ptr + base + n.to(tl.int64)[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     live = l_i > 0
@@ -178,6 +179,11 @@ def _combine_kernel(o_ptr, lse_ptr, proj_ptr, proj_stride, out_ptr, HQ, SPLITS, 
     tl.store(out_ptr + (b * HQ + h) * D + d, o.to(dt))
 
 
+def _precision(x: torch.Tensor) -> str:
+    """fp32 inputs multiply exactly (the verification dtype); others in the tensor cores' own mode."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 def decode_splits(cap: int) -> int:
     """Key ranges a decode step splits each (sequence, KV head) into: enough programs for long contexts."""
     return max(4, min(64, triton.cdiv(cap, 1024)))
@@ -196,7 +202,7 @@ def decode_attention(q: torch.Tensor, proj: torch.Tensor, k_slab: torch.Tensor, 
     bn = 64 if D <= 128 else 32
     _decode_split_kernel[(B, c.kv_heads, splits)](q, k_slab, v_slab, slots, positions, o_part, lse, D ** -0.5, cap,
                                                   c.heads, c.kv_heads, splits, G=G, GP=max(16, triton.next_power_of_2(G)),
-                                                  D=D, BN=bn, num_warps=4)
+                                                  D=D, BN=bn, PREC=_precision(q), num_warps=4)
     out = out if out is not None else torch.empty(B, c.heads * D, dtype=q.dtype, device=q.device)
     _combine_kernel[(B, c.heads)](o_part, lse, proj, proj.stride(0), out, c.heads, splits, c.q_width, D=D,
                                   BS=triton.next_power_of_2(splits), GATED=c.gated, num_warps=4)
@@ -205,7 +211,7 @@ def decode_attention(q: torch.Tensor, proj: torch.Tensor, k_slab: torch.Tensor, 
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, tiles_ptr, out_ptr, scale, cap, HQ, HKV,
-                    G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                    G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     j = h // G
@@ -228,13 +234,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tiles_ptr, out_ptr, scale, cap, HQ, HKV
         n = n0 + tl.arange(0, BN)
         nm = n < end
         kt = tl.load(k_ptr + base + n.to(tl.int64)[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)
-        sc = tl.dot(q, tl.trans(kt)) * scale
+        sc = tl.dot(q, tl.trans(kt), input_precision=PREC) * scale
         sc = tl.where((n[None, :] <= qpos[:, None]) & nm[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         p = tl.exp(sc - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         vt = tl.load(v_ptr + base + n.to(tl.int64)[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     o = acc / l_i[:, None]
@@ -261,7 +267,7 @@ def prefill_attention(q: torch.Tensor, proj: torch.Tensor, k_slab: torch.Tensor,
     out = torch.empty(N, c.heads, D, dtype=q.dtype, device=q.device)
     _prefill_kernel[(tiles.shape[0], c.heads)](q, k_slab, v_slab, tiles, out, D ** -0.5, k_slab.shape[2], c.heads,
                                                c.kv_heads, G=c.heads // c.kv_heads, D=D, BM=bm, BN=bn,
-                                               num_warps=warps)
+                                               PREC=_precision(q), num_warps=warps)
     out = out.reshape(N, -1)
     if c.gated:
         gate = proj[:, : c.heads * c.q_width].reshape(N, c.heads, c.q_width)[..., D:].reshape(N, -1)

@@ -144,7 +144,7 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
 
 @triton.jit
 def _expert_up_kernel(x_ptr, w_ptr, rows_ptr, exp_ptr, act_ptr, H, I, KP,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(exp_ptr + b)
     if e >= 0:
@@ -164,12 +164,8 @@ def _expert_up_kernel(x_ptr, w_ptr, rows_ptr, exp_ptr, act_ptr, H, I, KP,
             wmask = nmask[:, None] & kmask[None, :]
             wg = tl.load(base + rn[:, None] * H + rk[None, :], mask=wmask, other=0.0)
             wu = tl.load(base + (I + rn)[:, None] * H + rk[None, :], mask=wmask, other=0.0)
-            if IEEE:
-                acc_g += tl.dot(xa, tl.trans(wg), input_precision="ieee")
-                acc_u += tl.dot(xa, tl.trans(wu), input_precision="ieee")
-            else:
-                acc_g += tl.dot(xa, tl.trans(wg))
-                acc_u += tl.dot(xa, tl.trans(wu))
+            acc_g += tl.dot(xa, tl.trans(wg), input_precision=PREC)
+            acc_u += tl.dot(xa, tl.trans(wu), input_precision=PREC)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         out = act_ptr + rows.to(tl.int64)[:, None] * I + rn[None, :]
         tl.store(out, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
@@ -177,7 +173,7 @@ def _expert_up_kernel(x_ptr, w_ptr, rows_ptr, exp_ptr, act_ptr, H, I, KP,
 
 @triton.jit
 def _expert_down_kernel(act_ptr, w_ptr, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(exp_ptr + b)
     if e >= 0:
@@ -194,10 +190,7 @@ def _expert_down_kernel(act_ptr, w_ptr, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I,
             kmask = rk < I
             a = tl.load(act_ptr + r64[:, None] * I + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
             w = tl.load(base + rn[:, None] * I + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(a, tl.trans(w))
+            acc += tl.dot(a, tl.trans(w), input_precision=PREC)
         acc = acc * tl.load(pw_ptr + r64, mask=valid, other=0.0)[:, None]
         tl.store(y_ptr + r64[:, None] * H + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=valid[:, None] & nmask[None, :])
@@ -234,14 +227,14 @@ def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
     else:
         act, y = out
     nb, bm = blocks.rows.shape
-    ieee = x.dtype == torch.float32
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 exact; 16-bit inputs ignore it
     bn, bk, warps, stages = _tiles(bm, I, H)
     _expert_up_kernel[(nb, triton.cdiv(I, bn))](x, gate_up, blocks.rows, blocks.expert, act, H, I, KP,
-                                                BM=bm, BN=bn, BK=bk, IEEE=ieee, num_warps=warps,
+                                                BM=bm, BN=bn, BK=bk, PREC=prec, num_warps=warps,
                                                 num_stages=stages)
     bn, bk, warps, stages = _tiles(bm, H, I)
     _expert_down_kernel[(nb, triton.cdiv(H, bn))](act, down, blocks.rows, blocks.expert, weights, y, H, I,
-                                                  BM=bm, BN=bn, BK=bk, IEEE=ieee, num_warps=warps,
+                                                  BM=bm, BN=bn, BK=bk, PREC=prec, num_warps=warps,
                                                   num_stages=stages)
     return y
 

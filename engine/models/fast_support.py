@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch
+
 
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
@@ -31,16 +33,19 @@ def fast_unsupported(model) -> str | None:
 
 
 def make_fast_path(model, slots: int, capacity: int, graphs: bool | None):
-    """-> (FastPath, DecodeGraphs or None); ValueError naming why when the model cannot take it."""
+    """-> (FastPath, DecodeSteps); graphs: capture decode steps as CUDA graphs (default: on CUDA).
+    ValueError naming why when the model cannot take the fast path."""
     reason = fast_unsupported(model)
     if reason is not None:
         raise ValueError(f"the fast path is not available: {reason}")
     from engine.kernels import delta_rule_fla
     from engine.models.fast import FastPath
-    from engine.models.graphs import DecodeGraphs
+    from engine.models.graphs import DecodeSteps
     from engine.models.slots import StatePool
 
-    rule = delta_rule_fla.chunked_gated_delta_rule_fla if delta_rule_fla.available() else None
+    # fla computes in TF32 inside: fp32 models (the verification dtype) keep the exact torch rule
+    use_fla = delta_rule_fla.available() and model.dtype != torch.float32
+    rule = delta_rule_fla.chunked_gated_delta_rule_fla if use_fla else None
     fast = FastPath(model, StatePool(model, slots, capacity), chunked_rule=rule)
-    use_graphs = model.device.type == "cuda" if graphs is None else graphs
-    return fast, DecodeGraphs(fast, slots) if use_graphs else None
+    capture = model.device.type == "cuda" if graphs is None else graphs
+    return fast, DecodeSteps(fast, slots, capture)

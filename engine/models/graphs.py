@@ -1,12 +1,13 @@
-"""CUDA graphs of the decode step: one per batch-size bucket, captured on first use, replayed every step.
+"""Decode steps in batch-size buckets; on CUDA each bucket is a graph captured on first use and replayed.
 
-    graphs = DecodeGraphs(fast, max_batch=8)
-    logits = graphs.run(ids, slots, positions)     # lists of ints -> [B, V] fp32, valid until the next run
+    steps = DecodeSteps(fast, max_batch=8, capture=True)
+    logits = steps.run(ids, slots, positions)      # lists of ints -> [B, V] fp32, valid until the next run
 
 A bucket holds its inputs in one int32 device tensor [4, b] (token ids, slots, positions, valid flags),
-filled by one copy from pinned host memory; rows past the batch are padding (the pool's scratch slot,
-routed to no expert). Replay launches the whole step (hundreds of kernels) at once and releases the GIL,
-so the proxy's event loop keeps running while the GPU works.
+filled by one copy from (pinned) host memory; rows past the batch are padding (the pool's scratch slot,
+routed to no expert). The same bucket shapes run with or without capture, so a replayed step and a
+directly launched one compute bit-identical logits. Replay launches the whole step (hundreds of kernels)
+at once and releases the GIL, so the proxy's event loop keeps running while the GPU works.
 """
 from __future__ import annotations
 
@@ -21,14 +22,19 @@ def buckets_for(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-class _Graph:
-    def __init__(self, fast, size: int):
+class _Bucket:
+    def __init__(self, fast, size: int, capture: bool):
         dev = fast.model.device
-        self.size = size
-        self.host = torch.zeros(4, size, dtype=torch.int32, pin_memory=True)
+        self.fast, self.size, self.graph = fast, size, None
+        self.host = torch.zeros(4, size, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self.inputs = torch.zeros(4, size, dtype=torch.int32, device=dev)
         self._pad(fast.pool.scratch, 0)
         self.inputs.copy_(self.host)
+        if capture:
+            self._capture(dev)
+
+    def _capture(self, dev) -> None:
+        fast = self.fast
         ids, slots, pos, valid = self.inputs
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -52,15 +58,17 @@ class _Graph:
         self.host[3, :n] = 1
         self._pad(scratch, n)
         self.inputs.copy_(self.host, non_blocking=True)
+        if self.graph is None:
+            return self.fast.decode(*self.inputs)[:n]
         self.graph.replay()
         return self.logits[:n]
 
 
-class DecodeGraphs:
-    def __init__(self, fast, max_batch: int):
-        self.fast = fast
+class DecodeSteps:
+    def __init__(self, fast, max_batch: int, capture: bool):
+        self.fast, self.capture = fast, capture
         self.sizes = buckets_for(max_batch)
-        self._graphs: dict[int, _Graph] = {}
+        self._buckets: dict[int, _Bucket] = {}
         self.replays = 0
 
     @property
@@ -69,7 +77,7 @@ class DecodeGraphs:
 
     def run(self, ids: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
         size = next(s for s in self.sizes if s >= len(ids))
-        if size not in self._graphs:
-            self._graphs[size] = _Graph(self.fast, size)
-        self.replays += 1
-        return self._graphs[size].run(ids, slots, positions, self.fast.pool.scratch)
+        if size not in self._buckets:
+            self._buckets[size] = _Bucket(self.fast, size, self.capture)
+        self.replays += self.capture
+        return self._buckets[size].run(ids, slots, positions, self.fast.pool.scratch)

@@ -56,7 +56,7 @@ class Model:
             w = {k[len(lp) :]: v for k, v in tensors.items() if k.startswith(lp)}
             self.layers.append(DecoderLayer(cfg, layer, w, rope, experts))
         self.fast = None  # FastPath once enable_fast() ran: slot states, Triton kernels, CUDA graphs
-        self.graphs = None
+        self.decode_steps = None  # its decode steps in batch buckets (graph-captured on CUDA)
 
     def enable_fast(self, slots: int, capacity: int, graphs: bool | None = None) -> None:
         """Serve slot states through the fast path: `slots` sequences of up to `capacity` tokens each in a
@@ -64,7 +64,7 @@ class Model:
         every state made before this call, keep using the eager path."""
         from engine.models.fast_support import make_fast_path
 
-        self.fast, self.graphs = make_fast_path(self, slots, capacity, graphs)
+        self.fast, self.decode_steps = make_fast_path(self, slots, capacity, graphs)
 
     def new_state(self, tokens: int = 0) -> SequenceState:
         """A state for a sequence of up to `tokens` tokens (0: unknown); a fast-path slot when one is free
@@ -126,9 +126,9 @@ class Model:
 
     def _forward_fast(self, items: list, logits: str) -> list[torch.Tensor]:
         one_each = all(torch.as_tensor(t).numel() == 1 for t, _ in items)
-        if one_each and self.graphs is not None and len(items) <= self.graphs.max_batch:
-            ids = [int(torch.as_tensor(t).reshape(-1)[0]) for t, _ in items]
-            out = self.graphs.run(ids, [st.slot for _, st in items], [st.length for _, st in items])
+        if one_each and len(items) <= self.decode_steps.max_batch:
+            ids = [int(torch.as_tensor(t).reshape(-1)[0]) for t, _ in items]  # host ids: no device sync
+            out = self.decode_steps.run(ids, [st.slot for _, st in items], [st.length for _, st in items])
             for _, st in items:
                 st.advance(1)
             return list(out.split(1))

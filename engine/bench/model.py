@@ -1,0 +1,241 @@
+"""`killick bench model`: the whole engine as serving runs it (EngineCore -> scheduler -> runner -> model),
+on a checkpoint directory or a synthetic model of a real model's widths drawn on the device.
+
+    python -m engine.bench.model --synthetic qwen3.6-35b-a3b --layers 8 --json out.json
+    python -m engine.bench.model --model DIR --device cuda --dtype bfloat16
+
+Rows: decode at each batch size (concurrent requests through the real scheduler, greedy, steady state),
+prefill of one long prompt, and the time to first token of a short extend after that prompt is cached.
+Beside each decode row, an in-process bound: the bytes one decode step must read (non-expert weights,
+the experts a batch routes to under uniform routing, the KV it attends over) at the device-to-device copy
+rate measured in the same process. Prints a table; --json writes it (engine/bench/peers/compare.py reads it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import threading
+import time
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint directory (default: a synthetic model, see --synthetic)")
+    src.add_argument("--synthetic", default="qwen3.6-35b-a3b", help="synthetic size (default qwen3.6-35b-a3b)")
+    p.add_argument("--layers", type=int, help="decoder layers of the synthetic model (default: all)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--batches", default="1,4,8", help="decode batch sizes (default 1,4,8)")
+    p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size (default 64)")
+    p.add_argument("--warmup", type=int, default=8, help="decode steps before timing (default 8)")
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens of each decode request (default 64)")
+    p.add_argument("--prefill", type=int, default=8192, help="tokens of the long prompt (default 8192; 0: skip)")
+    p.add_argument("--extend", type=int, default=256, help="tokens appended after the cached prompt (default 256)")
+    p.add_argument("--max-step-tokens", type=int, help="prefill chunk (default: the serve default for the device)")
+    p.add_argument("--eager", action="store_true", help="the eager reference path instead of the fast one")
+    p.add_argument("--json", help="write the results here")
+
+
+def hbm_rate(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device-to-device copy, bytes read + written per second (the median of reps)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if i >= 2:
+            times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return nbytes / sorted(times)[len(times) // 2]
+
+
+def step_bytes(cfg, itemsize: int, batch: int, context: int) -> dict:
+    """Bytes one decode step of `batch` sequences at `context` tokens must read, by part (from the config:
+    every projection, router and shared expert once, the lm_head once, the experts the batch routes to
+    under uniform routing, and the KV of every sequence)."""
+    H = cfg.hidden_size
+    weights = 0
+    for layer, kind in enumerate(cfg.layer_types):
+        if kind == "full_attention":
+            q = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+            weights += (q + 2 * cfg.num_kv_heads * cfg.head_dim) * H + cfg.num_heads * cfg.head_dim * H
+        else:
+            values = cfg.linear_num_v_heads * cfg.linear_v_head_dim
+            weights += (cfg.conv_dim + values + 2 * cfg.linear_num_v_heads) * H + values * H
+        if layer in cfg.dense_layers:
+            weights += 3 * cfg.intermediate_size * H
+        else:
+            weights += cfg.num_experts * H + (H + 3 * cfg.shared_expert_intermediate_size * H
+                                              if cfg.shared_expert_intermediate_size else 0)
+    E, K = cfg.num_experts, cfg.top_k
+    active = E * (1 - (1 - K / E) ** batch)  # expected distinct experts per layer under uniform routing
+    experts = active * 3 * cfg.moe_intermediate_size * H * len(cfg.moe_layers)
+    attn_layers = sum(1 for t in cfg.layer_types if t == "full_attention")
+    kv = attn_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * 2
+    out = {"weights": weights, "lm_head": cfg.vocab_size * H, "experts": experts, "kv": kv}
+    out = {k: v * itemsize for k, v in out.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+class Collector:
+    """Token timestamps per request, taken on the engine thread as events are published."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+        self.final: dict[str, object] = {}
+        self.done = threading.Event()
+        self.pending = 0
+        self.order: list[str] = []  # request ids in submission order
+
+    def sink(self, rid: str):
+        self.times[rid] = []
+        self.pending += 1
+
+        def on_event(ev) -> None:
+            if ev.token_ids:
+                self.times[rid].extend([time.perf_counter()] * len(ev.token_ids))
+            if ev.final:
+                self.final[rid] = ev
+                self.pending -= 1
+                if self.pending == 0:
+                    self.done.set()
+
+        return on_event
+
+
+def run_requests(core, prompts: list[list[int]], new_tokens: int, timeout: float = 600.0) -> Collector:
+    from engine.api import GenerateRequest
+
+    col = Collector()
+    reqs = [GenerateRequest(p, new_tokens) for p in prompts]
+    for r in reqs:
+        core.submit(r, col.sink(r.request_id))
+    if not col.done.wait(timeout):
+        raise TimeoutError(f"{len(prompts)} requests did not finish in {timeout} s")
+    for r in reqs:
+        ev = col.final[r.request_id]
+        if ev.finish_reason == "error":
+            raise RuntimeError(ev.error)
+    col.order = [r.request_id for r in reqs]
+    return col
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def bench_decode(core, vocab: int, batch: int, args, seed: int) -> float:
+    """Seconds per decode step of `batch` concurrent requests (request 0's tokens after the warm-up)."""
+    prompts = [random_prompt(args.prompt, vocab, seed + i) for i in range(batch)]
+    run_requests(core, prompts, args.warmup)  # compiles, captures this batch's graph
+    col = run_requests(core, [random_prompt(args.prompt, vocab, seed + 100 + i) for i in range(batch)],
+                       args.warmup + args.steps)
+    t = col.times[col.order[0]]
+    return (t[args.warmup + args.steps - 1] - t[args.warmup - 1]) / args.steps
+
+
+def bench_prefill(core, vocab: int, args, seed: int) -> tuple[float, float, int]:
+    """-> (prefill seconds of the long prompt, TTFT of the extend, tokens the extend reused)."""
+    run_requests(core, [random_prompt(args.prefill, vocab, seed)], 1)  # warm-up at the same size
+    prompt = random_prompt(args.prefill, vocab, seed + 1)
+    first = run_requests(core, [prompt], 1)
+    prefill_s = first.final[first.order[0]].usage.ttft_s
+    ext = run_requests(core, [prompt + random_prompt(args.extend, vocab, seed + 2)], 1)
+    usage = ext.final[ext.order[0]].usage
+    return prefill_s, usage.ttft_s, usage.reused_tokens
+
+
+def build(args):
+    from engine.build import EngineOptions, build_core
+    from engine.models import load_model, parse_dtype
+    from engine.synth import synth_model
+
+    dtype = parse_dtype(args.dtype)
+    if args.model:
+        model = load_model(args.model, device=args.device, dtype=dtype)
+        name = args.model
+    else:
+        model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=dtype)
+        name = f"synthetic {args.synthetic}, {model.config.num_layers} layers"
+    batches = [int(b) for b in args.batches.split(",")]
+    context = args.prefill + args.extend + 64 if args.prefill else args.prompt + args.warmup + args.steps + 64
+    opts = EngineOptions(device=args.device, dtype=args.dtype, max_running=max(batches), context_length=context,
+                         fast_path=not args.eager,
+                         **({"max_step_tokens": args.max_step_tokens} if args.max_step_tokens else {}))
+    return build_core(None, opts, model=model).start(), model, name, batches, context
+
+
+def run(args) -> dict:
+    core, model, name, batches, context = build(args)
+    vocab = model.config.vocab_size
+    rate = hbm_rate(model.device) if model.device.type == "cuda" else float("nan")
+    rows = []
+    try:
+        for b in batches:
+            step = bench_decode(core, vocab, b, args, seed=1000 * b)
+            need = step_bytes(model.config, model.dtype.itemsize, b, args.prompt + args.warmup + args.steps // 2)
+            bound = b * rate / need["total"]
+            rows.append({"name": f"decode_b{b}", "placement": "resident", "tok_s": b / step, "ms_per_step": step * 1e3,
+                         "bound_tok_s": bound, "of_bound": (b / step) / bound, "step_bytes": need})
+        if args.prefill:
+            prefill_s, ttft, reused = bench_prefill(core, vocab, args, seed=7)
+            rows.append({"name": f"prefill_{args.prefill}", "placement": "resident", "tok_s": args.prefill / prefill_s,
+                         "seconds": prefill_s})
+            rows.append({"name": f"extend_{args.extend}", "placement": "resident", "ttft_ms": ttft * 1e3,
+                         "reused_tokens": reused, "tok_s": args.extend / ttft})
+    finally:
+        core.stop()
+    return {"what": "whole engine: EngineCore -> scheduler -> ModelRunner -> Model", "model": name,
+            "path": "fast" if model.fast is not None else "eager", "device": _device_name(model.device), "dtype": args.dtype,
+            "hbm_copy_gbs": rate / 1e9, "context": context, "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
+            "rows": rows}
+
+
+def print_table(res: dict) -> None:
+    print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path, {res['device']}, "
+          f"HBM copy {res['hbm_copy_gbs']:.0f} GB/s, commit {res['commit']}")
+    print(f"{'row':<16}{'tok/s':>12}{'ms/step':>10}{'bound tok/s':>13}{'of bound':>10}  note")
+    for r in res["rows"]:
+        note = ""
+        if r["name"].startswith("prefill"):
+            note = f"{r['seconds']:.3f} s"
+        if r["name"].startswith("extend"):
+            note = f"TTFT {r['ttft_ms']:.1f} ms, {r['reused_tokens']} tokens reused"
+        print(f"{r['name']:<16}{r['tok_s']:>12.1f}{r.get('ms_per_step', float('nan')):>10.3f}"
+              f"{r.get('bound_tok_s', float('nan')):>13.1f}{r.get('of_bound', float('nan')):>10.2f}  {note}")
+
+
+def _device_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="killick bench model", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    res = run(args)
+    print_table(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
