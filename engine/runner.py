@@ -62,9 +62,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, work: list[Work]) -> list[int | None]:
-        # token ids stay on the host: the model moves them (a decode graph reads them as ints)
-        items = [(torch.tensor(w.seq.tokens[w.start : w.end], dtype=torch.long), self._states[w.seq.request_id])
-                 for w in work]
+        # token ids stay host-side lists: the model moves them (a decode step reads them as ints)
+        items = [(w.seq.tokens[w.start : w.end], self._states[w.seq.request_id]) for w in work]
         if self._cpu_threads > 1:
             torch.set_num_threads(self._cpu_threads if sum(w.end - w.start for w in work) >= SMALL_STEP else 1)
         if self.cache is not None:
@@ -126,7 +125,7 @@ class ModelRunner:
         more forward step here makes the next turn reuse exactly up to its edit point instead of one short."""
         tokens = seq.tokens + ([seq.stop_token] if seq.stop_token is not None else [])
         if state.length == len(tokens) - 1:
-            last = torch.tensor(tokens[-1:], dtype=torch.long)
+            last = tokens[-1:]
             self.model.forward([(last, state)], logits="last")
         self.cache.insert(tokens[: state.length], state, seq.req.session_key)
 

@@ -54,7 +54,13 @@ def argmax_rows(rows: list[torch.Tensor]) -> list[int]:
     ids = torch.stack(rows).argmax(-1)
     if ids.device.type != "cuda":
         return ids.tolist()
-    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    n = ids.shape[0]
+    if _PINNED.get("ids") is None or _PINNED["ids"].shape[0] < n:
+        _PINNED["ids"] = torch.empty(max(n, 64), dtype=ids.dtype, pin_memory=True)  # pinning costs a syscall
+    host = _PINNED["ids"][:n]
     host.copy_(ids, non_blocking=True)
     wait_for_device(ids.device)
     return host.tolist()
+
+
+_PINNED: dict[str, torch.Tensor] = {}  # the engine thread's reusable pinned buffer

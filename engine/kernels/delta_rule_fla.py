@@ -8,6 +8,7 @@ and maps value head i to key head i // (Hv / Hk), as the reference does; it comp
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import torch
 
@@ -16,9 +17,15 @@ def available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("fla") is not None
 
 
-def chunked_gated_delta_rule_fla(q, k, v, g, beta, state):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+def _kernel():
+    with warnings.catch_warnings():  # fla warns on import about optional packages it does not need here
+        warnings.simplefilter("ignore")
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    return chunk_gated_delta_rule
 
+
+def chunked_gated_delta_rule_fla(q, k, v, g, beta, state):
+    chunk_gated_delta_rule = _kernel()
     o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype),
                                       scale=q.shape[-1] ** -0.5, initial_state=state[None].float(),
                                       output_final_state=True, use_qk_l2norm_in_kernel=True)

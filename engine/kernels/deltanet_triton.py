@@ -1,7 +1,11 @@
 """One decode step of Gated DeltaNet per sequence, states updated in place in the slot pools.
 
     conv_step(proj, conv_state, slots, conv_w) -> qkv [B, C]          (silu of the causal conv, state shifted)
-    rule_step(qkv, proj, rec_state, slots, consts) -> out [B, Hv*dv]  (delta rule + gated RMSNorm)
+    rule_step(qkv, proj, rec_state, slots, consts) -> out [B, Hv*dv]  (delta rule, then gated RMSNorm)
+
+The rule runs a program per (sequence, value head, block of dv columns): the state's columns update
+independently, and small tiles stay in registers; the gated norm over each head's dv follows as a second
+launch.
 
 proj [B, P] is the fused input projection of a DeltaNet layer: columns [0, C) the conv input (q | k | v),
 then z [Hv*dv], b [Hv], a [Hv] (engine/models/fused.py lays it out). States: conv [S, C, K-1] in the model
@@ -90,14 +94,15 @@ class RuleConsts:
 
 
 @triton.jit
-def _rule_step_kernel(qkv_ptr, proj_ptr, proj_stride, z_off, b_off, a_off, state_ptr, slots_ptr, nega_ptr,
-                      dtb_ptr, normw_ptr, out_ptr, eps, scale, C, HV,
-                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KEYS: tl.constexpr):
+def _rule_step_kernel(qkv_ptr, proj_ptr, proj_stride, b_off, a_off, state_ptr, slots_ptr, nega_ptr, dtb_ptr,
+                      o_ptr, scale, C, HV,
+                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KEYS: tl.constexpr):
+    # one program: one sequence, one value head, BV of its dv columns (the state columns are independent)
     b = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // REP
     dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
+    dv = tl.program_id(2) * BV + tl.arange(0, BV)
     q = tl.load(qkv_ptr + b * C + hk * DK + dk).to(tl.float32)
     k = tl.load(qkv_ptr + b * C + KEYS + hk * DK + dk).to(tl.float32)
     v = tl.load(qkv_ptr + b * C + 2 * KEYS + h * DV + dv).to(tl.float32)
@@ -108,18 +113,30 @@ def _rule_step_kernel(qkv_ptr, proj_ptr, proj_stride, z_off, b_off, a_off, state
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
     g = tl.load(nega_ptr + h) * softplus
     beta_in = tl.load(row + b_off + h).to(tl.float32)
-    beta = (1.0 / (1.0 + tl.exp(-beta_in))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    beta = (1.0 / (1.0 + tl.exp(-beta_in))).to(qkv_ptr.dtype.element_ty).to(tl.float32)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     sp = state_ptr + ((slot * HV + h) * DK + dk[:, None]) * DV + dv[None, :]
-    S = tl.load(sp) * tl.exp(g)  # [DK, DV]
+    S = tl.load(sp) * tl.exp(g)  # [DK, BV]
     delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
     S = S + k[:, None] * delta[None, :]
     tl.store(sp, S)
-    o = tl.sum(S * q[:, None], axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)  # [DV]
-    y = (o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = y * tl.load(normw_ptr + dv).to(tl.float32)
-    z = tl.load(row + z_off + h * DV + dv).to(tl.float32)
-    tl.store(out_ptr + b * HV * DV + h * DV + dv, (y * z / (1.0 + tl.exp(-z))).to(out_ptr.dtype.element_ty))
+    tl.store(o_ptr + (b * HV + h) * DV + dv, tl.sum(S * q[:, None], axis=0))
+
+
+@triton.jit
+def _gated_norm_kernel(o_ptr, proj_ptr, proj_stride, z_off, normw_ptr, out_ptr, eps, HV,
+                       DV: tl.constexpr, BH: tl.constexpr):
+    b = tl.program_id(0)
+    hs = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = hs < HV
+    dv = tl.arange(0, DV)
+    at = hs[:, None] * DV + dv[None, :]
+    dt = out_ptr.dtype.element_ty
+    o = tl.load(o_ptr + b * HV * DV + at, mask=hm[:, None], other=0.0).to(dt).to(tl.float32)  # [BH, DV]
+    y = (o / tl.sqrt(tl.sum(o * o, axis=1) / DV + eps)[:, None]).to(dt).to(tl.float32)
+    y = y * tl.load(normw_ptr + dv).to(tl.float32)[None, :]
+    z = tl.load(proj_ptr + b * proj_stride + z_off + at, mask=hm[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + b * HV * DV + at, (y * z / (1.0 + tl.exp(-z))).to(dt), mask=hm[:, None])
 
 
 def rule_step(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
@@ -133,14 +150,19 @@ def rule_step(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, sl
         raise ValueError(f"rule_step: qkv has {C} channels, expected {2 * keys + values}; state must be fp32")
     if proj.stride(1) != 1 or proj.shape[1] < C + values + 2 * c.value_heads:
         raise ValueError("rule_step: proj must hold conv input, z, b and a, unit column stride")
-    out = out if out is not None else torch.empty(B, values, dtype=qkv.dtype, device=qkv.device)
     z_off = C
     b_off = z_off + values
     a_off = b_off + c.value_heads
-    _rule_step_kernel[(B, c.value_heads)](qkv, proj, proj.stride(0), z_off, b_off, a_off, rec_state, slots,
-                                          c.neg_A, c.dt_bias, c.norm_w, out, c.eps, c.key_dim ** -0.5, C,
-                                          c.value_heads, REP=c.value_heads // c.key_heads, DK=c.key_dim,
-                                          DV=c.value_dim, KEYS=keys, num_warps=8 if c.key_dim * c.value_dim >= 8192 else 4)
+    o = torch.empty(B, values, dtype=torch.float32, device=qkv.device)
+    bv = min(32, c.value_dim)
+    _rule_step_kernel[(B, c.value_heads, c.value_dim // bv)](
+        qkv, proj, proj.stride(0), b_off, a_off, rec_state, slots, c.neg_A, c.dt_bias, o, c.key_dim ** -0.5, C,
+        c.value_heads, REP=c.value_heads // c.key_heads, DK=c.key_dim, DV=c.value_dim, BV=bv, KEYS=keys,
+        num_warps=4)
+    out = out if out is not None else torch.empty(B, values, dtype=qkv.dtype, device=qkv.device)
+    bh = max(1, min(c.value_heads, 4096 // c.value_dim))
+    _gated_norm_kernel[(B, triton.cdiv(c.value_heads, bh))](o, proj, proj.stride(0), z_off, c.norm_w, out, c.eps,
+                                                            c.value_heads, DV=c.value_dim, BH=bh, num_warps=4)
     return out
 
 

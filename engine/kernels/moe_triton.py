@@ -205,10 +205,12 @@ def _tiles(bm: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                weights: torch.Tensor, blocks: Blocks, out: tuple[torch.Tensor, torch.Tensor] | None = None):
+                weights: torch.Tensor, blocks: Blocks, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                tiles: tuple[tuple, tuple] | None = None):
     """x [N, H]; gate_up [E, 2I, H]; down [E, H, I]; ids / weights [N, KP] -> y [N, KP, H] (x's dtype).
 
-    Rows of pairs with id -1 (padding) are left unwritten. out = (act [P, I], y [N, KP, H]) reuses buffers."""
+    Rows of pairs with id -1 (padding) are left unwritten. out = (act [P, I], y [N, KP, H]) reuses buffers;
+    tiles = ((BN, BK, warps, stages) of the up kernel, same of the down kernel) overrides _tiles."""
     N, H = x.shape
     E, two_i, Hw = gate_up.shape
     I = two_i // 2
@@ -228,11 +230,11 @@ def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
         act, y = out
     nb, bm = blocks.rows.shape
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 exact; 16-bit inputs ignore it
-    bn, bk, warps, stages = _tiles(bm, I, H)
+    bn, bk, warps, stages = tiles[0] if tiles else _tiles(bm, I, H)
     _expert_up_kernel[(nb, triton.cdiv(I, bn))](x, gate_up, blocks.rows, blocks.expert, act, H, I, KP,
                                                 BM=bm, BN=bn, BK=bk, PREC=prec, num_warps=warps,
                                                 num_stages=stages)
-    bn, bk, warps, stages = _tiles(bm, H, I)
+    bn, bk, warps, stages = tiles[1] if tiles else _tiles(bm, H, I)
     _expert_down_kernel[(nb, triton.cdiv(H, bn))](act, down, blocks.rows, blocks.expert, weights, y, H, I,
                                                   BM=bm, BN=bn, BK=bk, PREC=prec, num_warps=warps,
                                                   num_stages=stages)

@@ -17,15 +17,16 @@ from engine.layers.norm import rms_norm
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, eps, H, R,
-                         ZERO_CENTERED: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_H: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, eps, H,
+                         R: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_DELTA: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     live = cols < H
     x = tl.load(x_ptr + row * H + cols, mask=live, other=0.0).to(tl.float32)
     if HAS_DELTA:
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for r in range(R):
+        for r in tl.static_range(R):  # unrolled: the R row loads are in flight together
             acc += tl.load(d_ptr + (row * R + r) * H + cols, mask=live, other=0.0).to(tl.float32)
         x = (x + acc).to(xo_ptr.dtype.element_ty).to(tl.float32)
         tl.store(xo_ptr + row * H + cols, x.to(xo_ptr.dtype.element_ty), mask=live)
@@ -51,7 +52,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if weight.shape != (H,):
         raise ValueError(f"norm weight {tuple(weight.shape)} does not match hidden size {H}")
     x_out, h = out if out is not None else (torch.empty_like(x) if delta is not None else x, torch.empty_like(x))
-    _add_rms_norm_kernel[(N,)](x, delta if delta is not None else x, weight, x_out, h, eps, H, R,
+    _add_rms_norm_kernel[(N,)](x, delta if delta is not None else x, weight, x_out, h, eps, H, R=R,
                                ZERO_CENTERED=zero_centered, HAS_DELTA=delta is not None,
                                BLOCK_H=triton.next_power_of_2(H), num_warps=4 if H <= 2048 else 8)
     return x_out, h

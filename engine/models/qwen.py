@@ -99,7 +99,8 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, items: list, logits: Literal["last", "all"] = "last") -> list[torch.Tensor]:
-        """items: [(token_ids LongTensor[T_i], SequenceState)] -> per item FloatTensor [1, V] or [T_i, V]."""
+        """items: [(token ids: list or LongTensor [T_i], SequenceState)] -> per item FloatTensor [1, V] or
+        [T_i, V]. Host-side ids (lists, CPU tensors) let a decode step start without waiting for the device."""
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         if not items:
@@ -125,9 +126,10 @@ class Model:
         return list(F.linear(x, self.lm_head).float().split(lengths))
 
     def _forward_fast(self, items: list, logits: str) -> list[torch.Tensor]:
-        one_each = all(torch.as_tensor(t).numel() == 1 for t, _ in items)
-        if one_each and len(items) <= self.decode_steps.max_batch:
-            ids = [int(torch.as_tensor(t).reshape(-1)[0]) for t, _ in items]  # host ids: no device sync
+        sizes = [len(t) if isinstance(t, list) else torch.as_tensor(t).numel() for t, _ in items]
+        if all(n == 1 for n in sizes) and len(items) <= self.decode_steps.max_batch:
+            # lists or CPU tensors: no device sync (a CUDA tensor costs one)
+            ids = [t[0] if isinstance(t, list) else int(torch.as_tensor(t).reshape(-1)[0]) for t, _ in items]
             out = self.decode_steps.run(ids, [st.slot for _, st in items], [st.length for _, st in items])
             for _, st in items:
                 st.advance(1)

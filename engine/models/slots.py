@@ -62,6 +62,7 @@ class SlotState(SequenceState):
     def __init__(self, layers: list, slot: int, release):
         super().__init__(layers)
         self.slot = slot
+        self._kv = [layer for layer in layers if isinstance(layer, SlotKV)]
         self._release = weakref.finalize(self, release, slot)
 
     def release(self) -> None:
@@ -70,9 +71,8 @@ class SlotState(SequenceState):
     def advance(self, n: int) -> None:
         """n tokens were written by the kernels: the state and every KV view move on."""
         self.length += n
-        for layer in self.layers:
-            if isinstance(layer, SlotKV):
-                layer.length += n
+        for kv in self._kv:
+            kv.length += n
 
 
 class StatePool:

@@ -61,10 +61,6 @@ def test_graph_replay_equals_direct_launch(demo_ckpt):
     direct = load_model(demo_ckpt, device="cuda", dtype="bfloat16")
     direct.enable_fast(slots=4, capacity=256, graphs=False)
     reqs = prompts(3, 20, graphed.config.vocab_size, seed=1)  # 3 sequences: the 4-bucket with one padding row
-    a = greedy_through_core(graphed, reqs, 24)
-    b = greedy_through_core(direct, reqs, 24)
-    assert a == b
-    assert graphed.decode_steps.replays > 0 and direct.decode_steps.replays == 0
     sa = [graphed.new_state() for _ in range(3)]
     sb = [direct.new_state() for _ in range(3)]
     graphed.forward([(torch.tensor(p), s) for p, s in zip(reqs, sa)])
@@ -73,17 +69,23 @@ def test_graph_replay_equals_direct_launch(demo_ckpt):
         toks = [torch.tensor([7 + step + i]) for i in range(3)]
         la = torch.cat(graphed.forward(list(zip(toks, sa))))
         lb = torch.cat(direct.forward(list(zip(toks, sb))))
-        assert torch.equal(la, lb), step
+        assert torch.equal(la, lb), (step, rel(la, lb))
+    for s in sa + sb:
+        s.release()
+    a = greedy_through_core(graphed, reqs, 24)
+    b = greedy_through_core(direct, reqs, 24)
+    assert a == b
+    assert graphed.decode_steps.replays > 0 and direct.decode_steps.replays == 0
 
 
-def test_bf16_fast_close_to_eager(demo_ckpt):
-    eager = Engine.from_pretrained(demo_ckpt, device="cuda", dtype="bfloat16", fast=False)
-    fast = Engine.from_pretrained(demo_ckpt, device="cuda", dtype="bfloat16", fast=True)
-    ids = prompts(1, 300, eager.config.vocab_size, seed=2)[0]
-    ref, got = eager.score(ids), fast.score(ids)
-    assert rel(got, ref) < 0.05  # bf16 rounding in different places (fused sums, fp32 norms)
-    top_agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert top_agree > 0.9, top_agree
+def test_bf16_fast_no_less_accurate_than_eager(demo_ckpt):
+    """Against fp32, the bf16 fast path (fp32 sums and norms inside its kernels) errs no more than bf16 eager."""
+    ids = prompts(1, 300, 8192, seed=2)[0]
+    ref = Engine.from_pretrained(demo_ckpt, device="cuda", dtype="float32", fast=False).score(ids)
+    eager = Engine.from_pretrained(demo_ckpt, device="cuda", dtype="bfloat16", fast=False).score(ids)
+    fast = Engine.from_pretrained(demo_ckpt, device="cuda", dtype="bfloat16", fast=True).score(ids)
+    e_eager, e_fast = rel(eager, ref), rel(fast, ref)
+    assert e_fast < 1.5 * e_eager + 1e-3, (e_fast, e_eager)
 
 
 def test_fp32_fast_matches_eager_on_cuda(demo_ckpt):

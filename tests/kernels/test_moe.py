@@ -65,3 +65,4 @@ def test_run_experts_names_a_dtype_mismatch(dev):
     ids = torch.zeros(2, 1, dtype=torch.int32, device=dev)
     with pytest.raises(ValueError, match="experts are"):
         run_experts(x, gu, dn, ids, torch.ones(2, 1, device=dev), pair_blocks(ids))
+
