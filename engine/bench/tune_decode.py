@@ -1,10 +1,10 @@
-"""Tile sweep for the decode step's memory-bound kernels at the Qwen3.6-35B-A3B widths (CUDA).
+"""Speed of the decode step's memory-bound kernels at the Qwen3.6-35B-A3B widths (CUDA), in GB/s against
+the device-to-device copy rate: cuBLAS and linear_skinny on each projection shape, the fused gated-norm
+out projection, and the (autotuned) grouped expert kernels at batch 1 and 8 and a 2048-token prefill.
 
     python -m engine.bench.tune_decode [--json out.json]
 
-Projections: cuBLAS (F.linear) against linear_skinny's tiles; experts: run_experts' up and down tiles for
-decode (pair blocks, batch 1 and 8) and prefill (expert blocks, 2048 tokens). Weights rotate through
-copies larger than L2 so every timing streams from HBM. Prints GB/s per variant and the best of each.
+Weights rotate through copies larger than L2, so every timing streams from HBM.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-H, E, K, I = 2048, 257, 9, 512
+H, E, K, I, HV, DV = 2048, 257, 9, 512, 32, 128
 PROJ = {"deltanet_in": (12352, 2048), "attn_qkv": (9216, 2048), "out_proj": (2048, 4096), "router": (257, 2048)}
 
 
@@ -25,67 +25,60 @@ def timed(fn, nbytes: int) -> float:
     return nbytes / (do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3) / 1e9
 
 
-def sweep_projections(results: dict) -> None:
-    from engine.kernels.gemv_triton import linear_skinny
+def rotating(shape, nbytes_each: int) -> itertools.cycle:
+    copies = max(2, (256 << 20) // nbytes_each)
+    return itertools.cycle([torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)])
+
+
+def projections(results: dict) -> None:
+    from engine.kernels.gemv_triton import gated_out_proj, linear_skinny
 
     for (name, (n, k)), m in itertools.product(PROJ.items(), (1, 8)):
-        copies = max(2, (256 << 20) // (n * k * 2))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        ws = rotating((n, k), n * k * 2)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        it = itertools.cycle(ws)
-        row = {"cublas": timed(lambda: F.linear(x, next(it)), n * k * 2)}
-        for bn, bk, warps in itertools.product((8, 16, 32, 64), (256, 512), (4,)):
-            try:
-                row[f"skinny bn{bn} bk{bk} w{warps}"] = timed(lambda: linear_skinny(x, next(it), bn, bk, warps), n * k * 2)
-            except Exception as e:  # a tile that does not compile for this shape
-                row[f"skinny bn{bn} bk{bk} w{warps}"] = f"error: {type(e).__name__}"
+        row = {"cublas": timed(lambda: F.linear(x, next(ws)), n * k * 2)}
+        for bn, bk in itertools.product((8, 16, 32, 64), (256, 512)):
+            row[f"skinny bn{bn} bk{bk}"] = timed(lambda: linear_skinny(x, next(ws), bn, bk), n * k * 2)
         results[f"{name} M={m}"] = row
-        del ws
+    for m in (1, 8):
+        ws = rotating((H, HV * DV), H * HV * DV * 2)
+        o = torch.randn(m, HV * DV, device="cuda")
+        proj = torch.randn(m, 12352, device="cuda", dtype=torch.bfloat16)
+        nw = torch.ones(DV, device="cuda", dtype=torch.bfloat16)
+        results[f"gated_out_proj M={m}"] = {"fused": timed(lambda: gated_out_proj(o, proj, 8192, nw, 1e-6, next(ws)),
+                                                           H * HV * DV * 2)}
 
 
-def sweep_experts(results: dict) -> None:
+def experts(results: dict) -> None:
     from engine.kernels.moe_triton import expert_blocks, pair_blocks, route_topk, run_experts
 
     gu = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
     dn = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
-    ups = [(bn, bk, w, 3) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)]
-    downs = [(bn, bk, w, 3) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
     for tokens in (1, 8, 2048):
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
-        logits = torch.randn(tokens, E, device="cuda")
-        ids, w = route_topk(logits, K - 1, True, True)
-        blocks = pair_blocks(ids) if tokens < 16 else expert_blocks(ids, E, 64)
-        distinct = int(torch.unique(ids).numel())
-        up_bytes, down_bytes = distinct * 2 * I * H * 2, distinct * H * I * 2
-        base = (ups[0], downs[0])
-        row = {}
-        for up in ups:
-            row[f"up {up}"] = timed(lambda: run_experts(x, gu, dn, ids, w, blocks, tiles=(up, base[1])),
-                                    up_bytes + down_bytes)
-        best_up = max((k for k in row if k.startswith("up")), key=lambda k: row[k])
-        up_cfg = eval(best_up[3:])  # noqa: S307 - our own key text
-        for down in downs:
-            row[f"down {down}"] = timed(lambda: run_experts(x, gu, dn, ids, w, blocks, tiles=(up_cfg, down)),
-                                        up_bytes + down_bytes)
-        row["default"] = timed(lambda: run_experts(x, gu, dn, ids, w, blocks), up_bytes + down_bytes)
-        results[f"experts tokens={tokens}"] = row
+        ids, w = route_topk(torch.randn(tokens, E, device="cuda"), K - 1, True, True)
+        blocks = pair_blocks(ids) if tokens * K < 128 else expert_blocks(ids, E, 64)
+        nbytes = int(torch.unique(ids).numel()) * 3 * I * H * 2
+        results[f"experts tokens={tokens}"] = {"autotuned": timed(lambda: run_experts(x, gu, dn, ids, w, blocks), nbytes)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench.tune_decode")
     p.add_argument("--json")
-    p.add_argument("--only", choices=["projections", "experts"])
     args = p.parse_args(argv)
-    results: dict = {}
-    if args.only != "experts":
-        sweep_projections(results)
-    if args.only != "projections":
-        sweep_experts(results)
+    from engine.bench.model import hbm_rate
+
+    copy = hbm_rate(torch.device("cuda")) / 1e9
+    results: dict = {"copy_gbs": copy}
+    projections(results)
+    experts(results)
+    print(f"device-to-device copy {copy:.0f} GB/s")
     for name, row in results.items():
-        nums = {k: v for k, v in row.items() if isinstance(v, float)}
-        best = sorted(nums, key=lambda k: -nums[k])[:3]
-        ref = row.get("cublas", row.get("default"))
-        print(f"{name:<24} reference {ref:7.0f} GB/s; best " + "; ".join(f"{k} {nums[k]:.0f}" for k in best))
+        if not isinstance(row, dict):
+            continue
+        best = sorted(row, key=lambda k: -row[k])[:3]
+        print(f"{name:<26}" + "; ".join(f"{k} {row[k]:.0f} GB/s ({row[k] / copy:.2f})" for k in best)
+              + (f"; cublas {row['cublas']:.0f}" if "cublas" in row and "cublas" not in best else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -145,6 +145,21 @@ def rule_step(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, sl
     [S, Hv, dk, dv] fp32 updated in place -> [B, Hv*dv] in qkv's dtype (already gated-normed)."""
     c = consts
     B, C = qkv.shape
+    values = c.value_heads * c.value_dim
+    o = rule_step_raw(qkv, proj, rec_state, slots, c)
+    out = out if out is not None else torch.empty(B, values, dtype=qkv.dtype, device=qkv.device)
+    bh = max(1, min(c.value_heads, 4096 // c.value_dim))
+    _gated_norm_kernel[(B, triton.cdiv(c.value_heads, bh))](o, proj, proj.stride(0), C, c.norm_w, out, c.eps,
+                                                            c.value_heads, DV=c.value_dim, BH=bh, num_warps=4)
+    return out
+
+
+def rule_step_raw(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
+                  consts: RuleConsts) -> torch.Tensor:
+    """The delta rule alone -> o [B, Hv*dv] fp32, before the gated norm (which a consumer may fuse:
+    gemv_triton.gated_out_proj)."""
+    c = consts
+    B, C = qkv.shape
     keys, values = c.key_heads * c.key_dim, c.value_heads * c.value_dim
     if C != 2 * keys + values or rec_state.dtype != torch.float32 or not rec_state.is_contiguous():
         raise ValueError(f"rule_step: qkv has {C} channels, expected {2 * keys + values}; state must be fp32")
@@ -159,11 +174,7 @@ def rule_step(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, sl
         qkv, proj, proj.stride(0), b_off, a_off, rec_state, slots, c.neg_A, c.dt_bias, o, c.key_dim ** -0.5, C,
         c.value_heads, REP=c.value_heads // c.key_heads, DK=c.key_dim, DV=c.value_dim, BV=bv, KEYS=keys,
         num_warps=4)
-    out = out if out is not None else torch.empty(B, values, dtype=qkv.dtype, device=qkv.device)
-    bh = max(1, min(c.value_heads, 4096 // c.value_dim))
-    _gated_norm_kernel[(B, triton.cdiv(c.value_heads, bh))](o, proj, proj.stride(0), z_off, c.norm_w, out, c.eps,
-                                                            c.value_heads, DV=c.value_dim, BH=bh, num_warps=4)
-    return out
+    return o
 
 
 def rule_step_ref(qkv, proj, rec_state, slots, consts: RuleConsts):
