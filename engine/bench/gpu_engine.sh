@@ -23,7 +23,7 @@ fi
 { date -u; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; nproc; git log -1 --format=%h
   $PY -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"; } > "$OUT/env.log" 2>&1
 
-CKPT=build/peers/ckpt
+CKPT=build/peers/ckpt/qwen3.6-35b-a3b-L8  
 ( timeout ${PEER_S:-540} bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 --backend cuda \
     --ncmoe ${NCMOE:-0,5} --reps 2 --jobs $(( $(nproc) - 3 )) --out "$OUT/peer" > "$OUT/peer.log" 2>&1
   echo $? > "$OUT/peer.rc" ) &
