@@ -156,8 +156,7 @@ def rule_step(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, sl
 
 def rule_step_raw(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
                   consts: RuleConsts) -> torch.Tensor:
-    """The delta rule alone -> o [B, Hv*dv] fp32, before the gated norm (which a consumer may fuse:
-    gemv_triton.gated_out_proj)."""
+    """The delta rule alone -> o [B, Hv*dv] fp32, before the gated norm."""
     c = consts
     B, C = qkv.shape
     keys, values = c.key_heads * c.key_dim, c.value_heads * c.value_dim

@@ -17,27 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-# Tiles are picked per GPU by timing these on the first launch of each shape (Triton's autotuner; one
-# candidate under the CPU interpreter). Decode blocks (BM 16) want many programs streaming wide K tiles,
-# prefill blocks (BM 64) real GEMM tiles. (BN, BK, warps, stages)
-_UP = [(16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (32, 256, 8, 4), (64, 128, 4, 3), (64, 64, 4, 4),
-       (64, 128, 8, 3), (128, 64, 8, 3)]
-_DOWN = [(32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3),
-         (32, 256, 4, 3), (16, 256, 4, 4)]
-
-
-def _configs(tiles):
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        tiles = tiles[:1]
-    return [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in tiles]
-
 
 @triton.jit
 def _route_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, stride, E,
@@ -158,9 +141,8 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
     return Blocks(rows, expert)
 
 
-@triton.autotune(configs=_configs(_UP), key=["H", "I", "NBK", "BM", "PREC"])
 @triton.jit
-def _expert_up_kernel(x_ptr, w_ptr, rows_ptr, exp_ptr, act_ptr, H, I, KP, NBK,
+def _expert_up_kernel(x_ptr, w_ptr, rows_ptr, exp_ptr, act_ptr, H, I, KP,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(exp_ptr + b)
@@ -188,9 +170,8 @@ def _expert_up_kernel(x_ptr, w_ptr, rows_ptr, exp_ptr, act_ptr, H, I, KP, NBK,
         tl.store(out, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
 
-@triton.autotune(configs=_configs(_DOWN), key=["H", "I", "NBK", "BM", "PREC"])
 @triton.jit
-def _expert_down_kernel(act_ptr, w_ptr, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I, NBK,
+def _expert_down_kernel(act_ptr, w_ptr, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(exp_ptr + b)
@@ -212,6 +193,15 @@ def _expert_down_kernel(act_ptr, w_ptr, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I, 
         acc = acc * tl.load(pw_ptr + r64, mask=valid, other=0.0)[:, None]
         tl.store(y_ptr + r64[:, None] * H + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=valid[:, None] & nmask[None, :])
+
+
+def _tiles(bm: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages): decode blocks (BM 16) stream weights in wide K tiles, prefill blocks use
+    square-ish tiles. Measured on the H200 against Triton's autotuner, whose picks (timed on weights that
+    stayed in L2) ran 7-11% slower in the decode step (docs/PERF.md)."""
+    if bm <= 16:
+        return min(64, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(k)), 4, 3
+    return min(64, triton.next_power_of_2(n)), min(64, triton.next_power_of_2(k)), 4, 3
 
 
 def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
@@ -238,11 +228,12 @@ def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
         act, y = out
     nb, bm = blocks.rows.shape
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 exact; 16-bit inputs ignore it
-    nbk = triton.next_power_of_2(nb)  # tiles are tuned per block-count class (decode batch sizes differ)
-    _expert_up_kernel[lambda meta: (nb, triton.cdiv(I, meta["BN"]))](
-        x, gate_up, blocks.rows, blocks.expert, act, H, I, KP, nbk, BM=bm, PREC=prec)
-    _expert_down_kernel[lambda meta: (nb, triton.cdiv(H, meta["BN"]))](
-        act, down, blocks.rows, blocks.expert, weights, y, H, I, nbk, BM=bm, PREC=prec)
+    bn, bk, warps, stages = _tiles(bm, I, H)
+    _expert_up_kernel[(nb, triton.cdiv(I, bn))](x, gate_up, blocks.rows, blocks.expert, act, H, I, KP, BM=bm,
+                                                BN=bn, BK=bk, PREC=prec, num_warps=warps, num_stages=stages)
+    bn, bk, warps, stages = _tiles(bm, H, I)
+    _expert_down_kernel[(nb, triton.cdiv(H, bn))](act, down, blocks.rows, blocks.expert, weights, y, H, I, BM=bm,
+                                                  BN=bn, BK=bk, PREC=prec, num_warps=warps, num_stages=stages)
     return y
 
 

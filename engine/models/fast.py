@@ -6,8 +6,8 @@
                                                    # what a CUDA graph captures (engine/models/graphs.py)
 
 A decode step per layer: add+norm, one projection GEMM, the mixer's kernels (qk-norm/RoPE/KV store + split
-attention + o GEMM, or conv step + delta-rule step + gated norm fused into the out GEMM), add+norm, router
-GEMM, top-k, two grouped expert kernels; the next add+norm sums the experts' rows into the residual. Prefill chunks run the same
+attention, or conv step + delta-rule step + gated norm), o/out GEMM, add+norm, router GEMM, top-k, two
+grouped expert kernels; the next add+norm sums the experts' rows into the residual. Prefill chunks run the same
 projections with the prefill attention kernel, the chunked delta rule (fla's kernels on CUDA) and experts
 grouped per expert. N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
 """
@@ -18,8 +18,7 @@ import torch.nn.functional as F
 
 from engine.kernels.attention_triton import (decode_attention, decode_splits, prefill_attention, prefill_block,
                                              prefill_tiles, qk_rope_store)
-from engine.kernels.deltanet_triton import conv_step, rule_step_raw
-from engine.kernels.gemv_triton import gated_out_proj
+from engine.kernels.deltanet_triton import conv_step, rule_step
 from engine.kernels.moe_triton import expert_blocks, pair_blocks, route_topk, run_experts
 from engine.kernels.norm_triton import add_rms_norm
 from engine.layers.moe import MoE
@@ -63,8 +62,7 @@ class FastPath:
             else:
                 proj = F.linear(h, m.in_w)
                 qkv = conv_step(proj, state[0], slots, m.conv_w)
-                o = rule_step_raw(qkv, proj, state[1], slots, m.consts)
-                mix = gated_out_proj(o, proj, qkv.shape[1], m.consts.norm_w, m.consts.eps, m.out_w)
+                mix = F.linear(rule_step(qkv, proj, state[1], slots, m.consts), m.out_w)
             post, nxt = self.norms[i]
             x, h = add_rms_norm(x, mix, post, eps, zc)
             x, h = add_rms_norm(x, self._mlp(i, h, valid), nxt, eps, zc)
