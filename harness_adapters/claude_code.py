@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from harness_adapters.base import MODEL_LINE, BaseAdapter, Compaction, VolatileText
 from proxy.conversation import Conversation, Message, TextPart, ToolCallPart, canonical_json
-from proxy.normalize import BILLING_LINE, is_billing_line
+from harness_adapters.normalize import BILLING_LINE, is_billing_line
 
 
 class ClaudeCodeAdapter(BaseAdapter):

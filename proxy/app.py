@@ -13,11 +13,13 @@ import time
 
 from aiohttp import web
 
-from proxy import api_anthropic, api_chat, api_responses
-from proxy.control import add_control_routes
+from proxy.apis.anthropic import handlers as anthropic
+from proxy.apis.chat import handlers as chat
+from proxy.apis.responses import handlers as responses
+from proxy.apis.control import add_control_routes
 from proxy.context import CTX, NoPlanner, Planner, ServerContext, planner_stats
 from proxy.errors import ApiError, error_middleware, is_anthropic_path
-from proxy.record import Recorder, plan_headers, slot_middleware
+from proxy.replay.record import Recorder, plan_headers, slot_middleware
 
 log = logging.getLogger("killick.proxy")
 MAX_BODY = 64 * 2**20  # agent requests with long histories reach megabytes
@@ -32,8 +34,8 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
     """The queue limit is the engine's (EngineCore(max_running, max_waiting)): a full queue answers 429.
 
     context_length defaults to the engine runner's, i.e. the real KV budget of one sequence.
-    force_responses honours replay's x-killick-force-response; script (proxy.scripted.Script) answers every
-    request from a script; record_dir appends one JSON line per API request there (proxy/record.py).
+    force_responses honours replay's x-killick-force-response; script (proxy.replay.scripted.Script) answers every
+    request from a script; record_dir appends one JSON line per API request there (proxy/replay/record.py).
     """
     context_length = context_length or getattr(getattr(core, "runner", None), "context_length", None)
     if not context_length or context_length < 2:
@@ -60,10 +62,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model_id:.+}", model_info)
-    app.router.add_post("/v1/messages", api_anthropic.messages)
-    app.router.add_post("/v1/messages/count_tokens", api_anthropic.count_tokens)
-    app.router.add_post("/v1/chat/completions", api_chat.chat_completions)
-    app.router.add_post("/v1/responses", api_responses.responses)
+    app.router.add_post("/v1/messages", anthropic.messages)
+    app.router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
+    app.router.add_post("/v1/chat/completions", chat.chat_completions)
+    app.router.add_post("/v1/responses", responses.responses)
     add_control_routes(app)
 
 

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from proxy.conversation import Conversation
 from proxy.metrics import Metrics
-from proxy.response_store import ResponseStore
+from proxy.apis.responses.store import ResponseStore
 
 
 class Plan(NamedTuple):
@@ -60,8 +60,8 @@ def planner_stats(planner: Planner) -> dict:
 @dataclass
 class ServerContext:
     core: Any  # engine.serving.EngineCore: submit / abort / stats
-    tokenizer: Any  # engine.tokenizer.Tokenizer
-    renderer: Any  # proxy.render.ChatRenderer
+    tokenizer: Any  # proxy.prompt.tokenizer.Tokenizer
+    renderer: Any  # proxy.prompt.render.ChatRenderer
     model_name: str
     context_length: int  # tokens one request may hold (prompt + output): the engine's real KV budget
     keepalive_s: float = 5.0
@@ -69,7 +69,7 @@ class ServerContext:
     planner: Planner = field(default_factory=NoPlanner)
     test_hooks: bool = False  # honour x-killick-forced-output (scripted output for end-to-end tests)
     force_responses: bool = False  # honour x-killick-force-response (killick replay; serve --allow-forced)
-    script: Any = None  # proxy.scripted.Script: every answer comes from the script (serve --script)
+    script: Any = None  # proxy.replay.scripted.Script: every answer comes from the script (serve --script)
     metrics: Metrics = field(default_factory=Metrics)
     responses: ResponseStore = field(default_factory=ResponseStore)
     in_flight: int = 0  # requests submitted by this proxy and not yet finished

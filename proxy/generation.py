@@ -17,8 +17,8 @@ from engine.api import GenerateRequest, SamplingParams, TokenEvent, Usage
 from proxy.context import Plan, ServerContext
 from proxy.conversation import Conversation
 from proxy.errors import ApiError
-from proxy.output_parser import OutputEvent, OutputParser, ToolCall, generation_opens_think
-from proxy import record, scripted
+from proxy.prompt.output_parser import OutputEvent, OutputParser, ToolCall, generation_opens_think
+from proxy.replay import record, scripted
 
 log = logging.getLogger("killick.proxy")
 

@@ -1,6 +1,6 @@
 """Command-line options of the expert benchmarks, torch-free so `killick --help` stays light.
 
-`killick bench bw` / `killick bench decode` (proxy/commands/bench.py) and the modules' own `main(argv)`
+`killick bench bw` / `killick bench decode` (proxy/cli/bench.py) and the modules' own `main(argv)`
 share these definitions."""
 from __future__ import annotations
 

@@ -44,12 +44,12 @@ def test_codex_is_known_by_originator_alone():
 def test_claude_code_default_arguments_do_not_break_the_append():
     """Recorded: Claude Code re-sends the model's Edit call with `"replace_all": false` added. With the
     defaults dropped, the next prompt extends the previous prompt + generated reply exactly."""
-    from engine.tokenizer import load_tokenizer
-    from proxy.cache_policy import PolicyPlanner
-    from proxy.render import ChatRenderer
-    from proxy.replay_log import load
-    from proxy.schema_anthropic import MessagesRequest, to_conversation
-    from proxy.scripted import forced_ids
+    from proxy.prompt.tokenizer import load_tokenizer
+    from proxy.policy.cache_policy import PolicyPlanner
+    from proxy.prompt.render import ChatRenderer
+    from proxy.replay.log import load
+    from proxy.apis.anthropic.schema import MessagesRequest, to_conversation
+    from proxy.replay.scripted import forced_ids
 
     tok = load_tokenizer(None)
     renderer, planner = ChatRenderer(tok), PolicyPlanner()

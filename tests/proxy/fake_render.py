@@ -1,4 +1,4 @@
-"""A small stand-in for proxy/render.py for policy tests: one token per character, exact segments.
+"""A small stand-in for proxy/prompt/render.py for policy tests: one token per character, exact segments.
 
 Same layout as the shipped ChatML template (system turn with tools, <think> in every assistant turn, tool
 results sharing a user turn), so edit points fall where the real renderer puts them, and no tokenizer is
@@ -118,7 +118,7 @@ def tool(content: str, call_id: str = "") -> Message:
 def play(policy, adapter, conv: Conversation, reply: Message, request: dict | None = None,
          headers: dict | None = None):
     """One request through the cache policy with the fake renderer; returns (TurnPlan, TurnRecord)."""
-    from proxy.normalize import normalize
+    from harness_adapters.normalize import normalize
 
     conv = normalize(conv, adapter)
     rendered = render(conv)
