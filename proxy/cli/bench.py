@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.experts.bench_args import add_bw_arguments, add_decode_arguments
+from engine.bench.args import add_bw_arguments, add_decode_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,9 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "bw":
-        from engine.experts import bench_bw
+        from engine.bench import bw
 
-        return bench_bw.run_args(args)
-    from engine.experts import bench_decode
+        return bw.run_args(args)
+    from engine.bench import decode
 
-    return bench_decode.run_args(args)
+    return decode.run_args(args)

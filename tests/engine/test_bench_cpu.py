@@ -1,7 +1,7 @@
 """The kernel-vs-read benchmark runs end to end on a small pool and reports what docs/PERF.md quotes."""
 import pytest
 
-from engine.experts import bench_cpu
+from engine.bench import cpu as bench_cpu
 from engine.experts import cpu_kernels as ck
 
 pytestmark = pytest.mark.skipif(not ck.native_available(), reason="native extension not built")

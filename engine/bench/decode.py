@@ -7,8 +7,8 @@ Only the routed experts are timed (attention, shared expert and norms are not mo
 are the MoE part of a step. Routing is uniform random top-k by default (no locality: the hit rate is
 about the cache fraction); `--routing uniform,zipf` adds decode runs with skewed expert popularity.
 
-    python -m engine.experts.bench_decode --synthetic qwen3.6-35b-a3b --slots 37% --threads 6
-    python -m engine.experts.bench_decode --small        # CPU smoke test, seconds
+    python -m engine.bench.decode --synthetic qwen3.6-35b-a3b --slots 37% --threads 6
+    python -m engine.bench.decode --small        # CPU smoke test, seconds
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ import traceback
 
 import torch
 
-from engine.experts import bench_bw, bench_route
-from engine.experts.bench_args import add_decode_arguments, split_decode_lists
+from engine.bench import bw as bench_bw
+from engine.bench import route as bench_route
+from engine.bench.args import add_decode_arguments, split_decode_lists
 from engine.experts.cpu_runner import run_on_cpu
 from engine.experts.policy import BandwidthEstimate, slots_from_spec
 from engine.experts.registry import create_slot_backend

@@ -1,6 +1,6 @@
 """CPU expert bandwidth: native kernel GB/s vs a STREAM-style read GB/s vs torch, at several thread counts.
 
-    python -m engine.experts.bench_cpu [--threads 1,6,16] [--pool-gb 2] [--sweep] [--json out.json]
+    python -m engine.bench.cpu [--threads 1,6,16] [--pool-gb 2] [--sweep] [--json out.json]
 
 Kernel GB/s = expert weight bytes read / wall time of the calls (CpuExpertRunner.run_io on buffers checked
 once, as a decode loop would call it; Python wrapper included), experts drawn

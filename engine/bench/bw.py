@@ -4,51 +4,24 @@ B_P: pinned host -> device copies at expert granularity, a batch of experts per 
 B_H: the CPU expert path (cpu_runner.run_on_cpu) on one token, 8 experts a call like a decode step's MoE
 layers, at 1..N threads: bytes of weights read / s.
 STREAM: a plain multi-threaded read of a large host buffer, the ceiling both of the above share.
-The profile is written to $XDG_CACHE_HOME/killick (or ~/.cache/killick), one file per
-(expert format, GPU name, thread count); `load_profile` returns None for any other machine or format.
+The profile is saved where model loading reads it (engine/experts/profile.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from engine.experts.bench_args import add_bw_arguments
+from engine.bench.args import add_bw_arguments
 from engine.experts.cpu_runner import layer_table, native_runner, run_on_cpu
-from engine.experts.layout import ExpertLayout
+from engine.experts.block_layout import ExpertLayout
+from engine.experts.profile import machine_key, save_profile
 from engine.experts.synthetic import get_shape
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "killick"
-
-
-def machine_key(layout: ExpertLayout, dtype: torch.dtype, threads: int) -> dict:
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu-only"
-    fmt = f"{str(dtype).removeprefix('torch.')}-h{layout.hidden}-i{layout.inter}"
-    return {"format": fmt, "gpu": gpu, "threads": threads}
-
-
-def profile_path(key: dict) -> Path:
-    name = re.sub(r"[^A-Za-z0-9.-]+", "_", f"bw-{key['format']}-{key['gpu']}-t{key['threads']}")
-    return cache_dir() / f"{name}.json"
-
-
-def load_profile(layout: ExpertLayout, dtype: torch.dtype, threads: int) -> dict | None:
-    key = machine_key(layout, dtype, threads)
-    path = profile_path(key)
-    try:
-        prof = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return prof if prof.get("key") == key else None  # another machine's or format's: ignored
 
 
 def _timed(fn, reps: int) -> float:
@@ -145,13 +118,6 @@ def run(layout: ExpertLayout, dtype: torch.dtype, threads: list[int], *, experts
             "bh_by_threads": {str(k): v for k, v in bh_by_threads.items()}, "stream_read": stream,
             "expert_bytes": layout.nbytes, "cpu_runner": run_on_cpu.__name__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
-def save_profile(prof: dict) -> Path:
-    path = profile_path(prof["key"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(prof, indent=1))
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:

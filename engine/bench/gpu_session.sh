@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One GPU-box session for the expert hierarchy (issue 5): tests/gpu, `bench bw`, then the synthetic
+# One GPU-box session for the expert hierarchy: tests/gpu, `bench bw`, then the synthetic
 # Qwen3.6-35B-A3B benchmark (slot cache 37% of the pool, CPU path at 6 and 16 threads), in ~8 minutes.
 # Run from the repo root on the GPU box (torch 2.11+ with CUDA, no internet):
-#     OUT=/some/dir bash engine/experts/gpu_session.sh
+#     OUT=/some/dir bash engine/bench/gpu_session.sh
 # Everything lands under $OUT: *.log per step, bench_bw.json, bench_decode.json, summary.txt.
 # A failing or timed-out step is logged and the session continues with the next one.
 set -x
@@ -33,14 +33,14 @@ timeout 100 $PY -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/pyte
 status pytest_gpu $?
 
 # 2. bench bw: B_P, B_H at 1..16 threads, STREAM read (<= 50 s)
-timeout 50 $PY -m engine.experts.bench_bw --threads 1,2,4,6,8,12,16 --experts 64 --stream-mib 2048 \
+timeout 50 $PY -m engine.bench.bw --threads 1,2,4,6,8,12,16 --experts 64 --stream-mib 2048 \
     --json "$OUT/bench_bw.json" > "$OUT/bench_bw.log" 2>&1
 status bench_bw $?
 
 # 3. synthetic 64 GB pool built once; decode (offload/cpu/hybrid at 6 and 16 threads, fused ceiling) and
 #    8k prefill with and without double buffering, zipf routing, routing bookkeeping cost (<= 240 s; the
 #    pool fill alone is ~60-70 s; bench_decode.json is rewritten after every configuration)
-timeout 240 $PY -m engine.experts.bench_decode --synthetic qwen3.6-35b-a3b --slots 37% --threads 6,16 \
+timeout 240 $PY -m engine.bench.decode --synthetic qwen3.6-35b-a3b --slots 37% --threads 6,16 \
     --routing uniform,zipf --steps 32 --warmup 30 --prefill-tokens 8192 --json "$OUT/bench_decode.json" \
     > "$OUT/bench_decode.txt" 2> "$OUT/bench_decode.log"
 status bench_decode $?
