@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from engine.common_prefix import common_prefix_len
 from proxy.conversation import Conversation
 from proxy.policy.turns import EditClass, RenderedLike, first_conversation_message, message_spans, segments_at
 
@@ -43,19 +44,6 @@ class Edit:
     edit_class: EditClass
     message_index: Optional[int] = None  # previous turn's message the edit falls in, where there is one
     segment_kind: str = ""  # innermost previous-turn segment kind at the edit point ("generation" in the reply)
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix; compares slices (C speed) block by block, 100k-token prompts included."""
-    a, b = list(a), list(b)
-    n, i, step = min(len(a), len(b)), 0, 4096
-    while step:
-        while i + step <= n and a[i:i + step] == b[i:i + step]:
-            i += step
-        step //= 8
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def diff_turn(prev: Optional[PreviousTurn], new: RenderedLike, new_conv: Optional[Conversation] = None,

@@ -18,8 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+from engine.common_prefix import common_prefix_len
 from harness_adapters.base import header
-from proxy.policy.diff import PreviousTurn, common_prefix_len
+from proxy.policy.diff import PreviousTurn
 from proxy.policy.turns import first_conversation_message, message_spans
 
 SESSION_HEADERS = ("x-session-id", "session-id", "session_id", "thread-id", "thread_id")

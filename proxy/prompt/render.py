@@ -24,9 +24,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from proxy.prompt.tokenizer import Tokenizer
-from proxy.prompt.chat_template import compile_template, render_template
+from engine.common_prefix import common_prefix_len
 from proxy.conversation import Conversation, Message, ThinkingPart, ToolCallPart, ToolResultPart
+from proxy.prompt.chat_template import compile_template, render_template
+from proxy.prompt.tokenizer import Tokenizer
 
 SegmentKind = Literal["system", "tools", "message", "think", "tool_call", "tool_response", "body",
                       "generation_prompt"]
@@ -73,7 +74,7 @@ class ChatRenderer:
         body = self._render(msgs, tools, conv.enable_thinking, False)
         text = self._render(msgs, tools, conv.enable_thinking, True) if add_generation_prompt else body
         if not text.startswith(body):  # a template that changes earlier text when asked to generate
-            body = body[:_common_prefix_len(body, text)]
+            body = body[:common_prefix_len(body, text)]
         starts = _structural_starts(body, msgs)
         if starts is None:
             starts = self._prefix_starts(body, msgs, tools, conv.enable_thinking)
@@ -100,7 +101,7 @@ class ChatRenderer:
                 prefix = self._render(msgs[:i], tools, thinking, False)
             except (ValueError, LookupError, AttributeError, TypeError):  # e.g. templates reading messages[0]
                 prefix = ""
-            prev = max(prev, _common_prefix_len(prefix, body))
+            prev = max(prev, common_prefix_len(prefix, body))
             starts.append(prev)
         return starts
 
@@ -247,16 +248,3 @@ def _to_token_segments(spans: list[tuple], offsets: list[tuple[int, int]]) -> tu
     segments = [Segment(kind, bisect.bisect_left(token_starts, a), bisect.bisect_left(token_starts, b), i)
                 for kind, a, b, i in spans]
     return tuple(sorted((s for s in segments if s.end > s.start), key=lambda s: (s.start, -s.end)))
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    if b.startswith(a):
-        return len(a)
-    lo, hi = 0, min(len(a), len(b))  # invariant: a[:lo] == b[:lo]; binary search keeps compares in C
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

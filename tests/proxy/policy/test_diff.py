@@ -1,6 +1,6 @@
 """Edit point and edit class of a turn against the previous one, on renders shaped like the real template."""
 from proxy.conversation import Conversation, ToolSpec
-from proxy.policy.diff import PreviousTurn, common_prefix_len, diff_turn
+from proxy.policy.diff import PreviousTurn, diff_turn
 from harness_adapters import Compaction, ElideObservationsExceptLastN
 from tests.proxy.fake_render import assistant, render, reply_ids, system, tool, user
 
@@ -11,12 +11,6 @@ SYS = system("You are a coding agent.")
 def prev_of(conv: Conversation, reply) -> PreviousTurn:
     r = render(conv)
     return PreviousTurn(tuple(r.ids), tuple(reply_ids(reply)), r.segments, conv)
-
-
-def test_common_prefix_len():
-    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
-    assert common_prefix_len([], [1]) == 0
-    assert common_prefix_len([1, 2], [1, 2, 3]) == 2
 
 
 def test_first_turn_has_no_previous():

@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 
 from proxy.policy.anchors import IMPLICIT_PER_TURN, AnchorBudget, plan_anchors
 from proxy.conversation import Conversation, Message, TextPart, ThinkingPart, ToolCallPart, ToolResultPart
-from proxy.policy.diff import PreviousTurn, common_prefix_len, diff_turn
+from proxy.policy.diff import PreviousTurn, diff_turn
 from harness_adapters.normalize import normalize
 from tests.proxy.fake_render import render, reply_ids
 
@@ -23,14 +23,6 @@ conversation = st.builds(Conversation, st.lists(message, max_size=6).map(tuple))
 def test_normalize_is_idempotent(conv):
     once = normalize(conv)
     assert normalize(once) == once
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 2), max_size=40), st.lists(st.integers(0, 2), max_size=40))
-def test_common_prefix_len_matches_the_definition(a, b):
-    n = common_prefix_len(a, b)
-    assert a[:n] == b[:n]
-    assert n == min(len(a), len(b)) or a[n] != b[n]
 
 
 def agent_turns(k: int) -> tuple:
