@@ -17,8 +17,10 @@ from proxy.apis.anthropic import handlers as anthropic
 from proxy.apis.chat import handlers as chat
 from proxy.apis.responses import handlers as responses
 from proxy.apis.control import add_control_routes
-from proxy.context import CTX, NoPlanner, Planner, ServerContext, planner_stats
+from proxy.apis.responses.store import RESPONSES, ResponseStore
+from proxy.context import CTX, ServerContext
 from proxy.errors import ApiError, error_middleware, is_anthropic_path
+from proxy.policy.planner import NoAnchors, Planner
 from proxy.replay.record import Recorder, plan_headers, slot_middleware
 
 log = logging.getLogger("killick.proxy")
@@ -44,12 +46,13 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
         raise ValueError(f"keepalive_s must be > 0, got {keepalive_s}")
     ctx = ServerContext(core=core, tokenizer=tokenizer, renderer=renderer, model_name=model_name,
                         context_length=context_length, keepalive_s=keepalive_s,
-                        default_max_tokens=default_max_tokens, planner=planner or NoPlanner(),
+                        default_max_tokens=default_max_tokens, planner=planner or NoAnchors(),
                         test_hooks=test_hooks, force_responses=force_responses, script=script)
     recorder = Recorder(record_dir) if record_dir is not None else None
     middlewares = [slot_middleware(recorder), metrics_middleware, error_middleware, auth_middleware(api_key)]
     app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
     app[CTX] = ctx
+    app[RESPONSES] = ResponseStore()
     app.cleanup_ctx.append(_engine_lifetime)
     app.on_response_prepare.append(plan_headers)
     add_routes(app)
@@ -120,7 +123,7 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     stats = {**ctx.core.stats(), "proxy_in_flight": ctx.in_flight}
-    text = ctx.metrics.render(stats, planner_stats(ctx.planner))
+    text = ctx.metrics.render(stats, ctx.planner.stats())
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
 

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal, Mapping, Union
 
 from engine.api import GenerateRequest, SamplingParams, TokenEvent, Usage
-from proxy.context import Plan, ServerContext
+from proxy.context import ServerContext
 from proxy.conversation import Conversation
 from proxy.errors import ApiError
+from proxy.policy.planner import Plan
 from proxy.prompt.output_parser import OutputEvent, OutputParser, ToolCall, generation_opens_think
 from proxy.replay import record, scripted
 
@@ -131,8 +132,7 @@ def _forced_reply(ctx: ServerContext, conv: Conversation, prompt_text: str, head
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
     elif ctx.script is not None:
-        kind = getattr(turn, "kind", None)
-        reply = ctx.script.reply(conv, None if kind == "main" else kind)
+        reply = ctx.script.reply(conv, turn.side_kind)
     else:
         return None
     return scripted.forced_ids(ctx.renderer, ctx.tokenizer, conv, prompt_text, reply)

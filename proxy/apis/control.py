@@ -12,7 +12,7 @@ import asyncio
 
 from aiohttp import web
 
-from proxy.context import CTX, planner_stats
+from proxy.context import CTX
 from proxy.errors import ApiError
 
 _FIELDS = {"moe_slots": "moe_slots", "kv_tokens": "kv_tokens", "prefix_device_mb": "prefix_device_bytes",
@@ -26,7 +26,7 @@ def add_control_routes(app: web.Application) -> None:
 
 async def stats(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
-    return web.json_response({"engine": ctx.core.stats(), "policy": planner_stats(ctx.planner),
+    return web.json_response({"engine": ctx.core.stats(), "policy": ctx.planner.stats(),
                               "context_length": ctx.context_length}, dumps=_dumps)
 
 

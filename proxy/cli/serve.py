@@ -48,9 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def make_planner(cache_policy: str, registry=None):
     """anchors: the cache policy (sessions, diff, anchors); prefix and off: the harness normalisation only
     (the engine's own checkpoints), so every mode renders the same prompt."""
-    from proxy.policy.cache_policy import HarnessNormalizer, PolicyPlanner
+    from proxy.policy.cache_policy import PolicyPlanner
+    from proxy.policy.planner import HarnessNormalizer, NoAnchors
 
-    return PolicyPlanner(registry=registry) if cache_policy == "anchors" else HarnessNormalizer(registry)
+    return PolicyPlanner(registry=registry) if cache_policy == "anchors" else NoAnchors(HarnessNormalizer(registry))
 
 
 def load_script(path: str | None, pairs: list[str]):

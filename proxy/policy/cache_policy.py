@@ -1,6 +1,6 @@
 """The cache policy for one request, in two calls: plan before submitting, finish after generating.
 
-    adapter = detect_adapter(request, headers)
+    adapter = registry.detect(request, headers, conv)
     conv = normalize(parse(request), adapter)
     rendered = renderer.render(conv)
     turn = policy.plan_turn(request, headers, conv, rendered, adapter)
@@ -9,18 +9,20 @@
     ... stream ...
     record = policy.finish_turn(turn, generated_ids, usage)     # -> TurnRecord for metrics
 
-Torch-free: sessions, diff and anchors are plain Python over token lists and segments.
+`PolicyPlanner` puts this behind the proxy's planner seam (proxy/policy/planner.py). Torch-free: sessions,
+diff and anchors are plain Python over token lists and segments.
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from proxy.policy.anchors import IMPLICIT_PER_TURN, SHARED_PREFIX, AnchorBudget, AnchorPlan, best_anchor, plan_anchors
+from harness_adapters import Registry
 from proxy.conversation import Conversation
+from proxy.policy.anchors import IMPLICIT_PER_TURN, SHARED_PREFIX, AnchorBudget, AnchorPlan, best_anchor, plan_anchors
 from proxy.policy.diff import Edit, PreviousTurn, diff_turn
-from harness_adapters.normalize import normalize
+from proxy.policy.planner import HarnessNormalizer, Plan
 from proxy.policy.sessions import SessionStore
 from proxy.policy.turns import RenderedLike, TurnRecord, summarize
 
@@ -28,23 +30,19 @@ from proxy.policy.turns import RenderedLike, TurnRecord, summarize
 SIDE_BUDGET = AnchorBudget(max_count=IMPLICIT_PER_TURN + 1)
 
 
-@dataclass(frozen=True)
-class TurnPlan:
-    session_key: str
+@dataclass(frozen=True, kw_only=True)
+class TurnPlan(Plan):
+    """The Plan of one turn, with what finish_turn() needs to remember it."""
+
     session_source: str  # header name, prompt_cache_key, metadata.user_id, prefix, new
-    kind: str  # main, title, compaction
+    kind: str  # main, title, side, compaction
     harness: str
     edit: Edit
     resume_at: int  # deepest known checkpoint at or before the edit point
     anchors: AnchorPlan
-    record: TurnRecord
     prompt_ids: tuple[int, ...]
     segments: tuple
     conversation: Conversation
-
-    @property
-    def checkpoint_positions(self) -> tuple[int, ...]:
-        return self.anchors.checkpoint_positions
 
 
 class CachePolicy:
@@ -79,8 +77,10 @@ class CachePolicy:
         n = len(rendered.ids)
         record = TurnRecord(key, adapter.name, turn_index, kind, n, edit.edit_point, edit.edit_class,
                             resume, n - resume, anchors.checkpoint_positions)
-        return TurnPlan(key, source, kind, adapter.name, edit, resume, anchors, record, tuple(rendered.ids),
-                        tuple(rendered.segments), conv)
+        return TurnPlan(checkpoint_positions=anchors.checkpoint_positions, session_key=key, record=record,
+                        session_source=source, kind=kind, harness=adapter.name, edit=edit, resume_at=resume,
+                        anchors=anchors, prompt_ids=tuple(rendered.ids), segments=tuple(rendered.segments),
+                        conversation=conv)
 
     def stats(self) -> dict:
         """Sessions held and totals over the turns they remember (see turns.summarize)."""
@@ -101,54 +101,26 @@ class CachePolicy:
         return record
 
 
-class HarnessNormalizer:
-    """The harness normalisation alone, behind the planner seam: what cache modes off and prefix use, so the
-    prompt (and with it greedy output) is the same in every cache mode. No sessions, no anchors."""
+class PolicyPlanner:
+    """The cache policy behind the planner seam: the harness normalisation, then CachePolicy. The harness
+    found by normalize() travels in conv.extras["harness"]; session hints the front-ends parsed travel in
+    conv.extras["session_hint"]."""
 
-    def __init__(self, registry=None):
-        from harness_adapters import default_registry
-
-        self.registry = registry or default_registry
-
-    def adapter(self, conv: Conversation, headers: Mapping[str, str], request: Optional[Mapping] = None):
-        name = conv.extras.get("harness")
-        return self.registry.get(name) if name else self.registry.detect(request or {}, headers, conv)
+    def __init__(self, policy: Optional[CachePolicy] = None, registry: Optional[Registry] = None):
+        self.harness = HarnessNormalizer(registry)
+        self.policy = policy or CachePolicy()
 
     def normalize(self, conv: Conversation, headers: Mapping[str, str],
                   request: Optional[Mapping] = None) -> Conversation:
-        adapter = self.adapter(conv, headers, request)
-        out = normalize(conv, adapter)
-        return replace(out, extras={**out.extras, "harness": adapter.name})
-
-    def __call__(self, conv: Conversation, rendered: RenderedLike, headers: Mapping[str, str],
-                 request: Optional[Mapping] = None):
-        from proxy.context import Plan
-
-        return Plan()
-
-    def finish(self, turn, generated_ids: Sequence[int], usage=None) -> None:
-        return None
-
-
-class PolicyPlanner(HarnessNormalizer):
-    """The cache policy behind the proxy's planner seam (proxy/context.py: `planner(conv, rendered, headers)`
-    returning something with `checkpoint_positions` and `session_key`), plus the two calls that seam lacks:
-
-        conv = planner.normalize(conv, headers)          # before rendering: detect the harness, normalise
-        turn = planner(conv, rendered, headers)          # a TurnPlan (checkpoint_positions, session_key, record)
-        record = planner.finish(turn, output_ids, usage) # after generation: remember the turn, metrics record
-
-    The harness found by normalize() travels in conv.extras["harness"]; session hints the front-ends parsed
-    travel in conv.extras["session_hint"].
-    """
-
-    def __init__(self, policy: Optional[CachePolicy] = None, registry=None):
-        super().__init__(registry)
-        self.policy = policy or CachePolicy()
+        return self.harness.normalize(conv, headers, request)
 
     def __call__(self, conv: Conversation, rendered: RenderedLike, headers: Mapping[str, str],
                  request: Optional[Mapping] = None) -> TurnPlan:
-        return self.policy.plan_turn(request or {}, headers, conv, rendered, self.adapter(conv, headers, request))
+        adapter = self.harness.adapter(conv, headers, request)
+        return self.policy.plan_turn(request or {}, headers, conv, rendered, adapter)
 
-    def finish(self, turn: TurnPlan, generated_ids: Sequence[int], usage=None) -> TurnRecord:
-        return self.policy.finish_turn(turn, generated_ids, usage)
+    def finish(self, plan: TurnPlan, output_ids: Sequence[int], usage=None) -> TurnRecord:
+        return self.policy.finish_turn(plan, output_ids, usage)
+
+    def stats(self) -> dict:
+        return self.policy.stats()

@@ -11,7 +11,8 @@ import uuid
 
 from aiohttp import web
 
-from proxy.context import CTX, ServerContext
+from proxy.apis.responses.store import RESPONSES, ResponseStore
+from proxy.context import CTX
 from proxy.errors import ApiError, read_json_object
 from proxy.generation import Finished, Generation, Keepalive, prepare, run_to_finish
 from proxy.replay.record import note_response
@@ -27,11 +28,12 @@ async def responses(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     body = await read_json_object(request)
     req = ResponsesRequest.model_validate(body)
-    previous = _previous(ctx, req)
+    store = request.app[RESPONSES]
+    previous = _previous(store, req)
     prep = prepare(ctx, to_conversation(req, previous), gen_params(req), request.headers, body)
     head = _head(req)
     out = OutputItems(custom_tool_names(req), "reasoning.encrypted_content" in (req.include or ()))
-    remember = functools.partial(_remember, ctx, req, head["id"], previous, out)
+    remember = functools.partial(_remember, store, req, head["id"], previous, out)
     async with Generation(ctx, prep) as gen:
         if req.stream:
             return await _stream(request, head, out, remember, gen)
@@ -47,10 +49,10 @@ async def _complete(request: web.Request, head: dict, out: OutputItems, remember
     return web.json_response(body)
 
 
-def _previous(ctx: ServerContext, req: ResponsesRequest):
+def _previous(store: ResponseStore, req: ResponsesRequest):
     if not req.previous_response_id:
         return ()
-    messages = ctx.responses.get(req.previous_response_id)
+    messages = store.get(req.previous_response_id)
     if messages is None:
         raise ApiError(400, f"previous_response_id: no stored response {req.previous_response_id!r} "
                             "(responses are kept in memory, a bounded number, and never with store:false)",
@@ -58,9 +60,9 @@ def _previous(ctx: ServerContext, req: ResponsesRequest):
     return messages
 
 
-def _remember(ctx: ServerContext, req: ResponsesRequest, response_id: str, previous, out: OutputItems) -> None:
+def _remember(store: ResponseStore, req: ResponsesRequest, response_id: str, previous, out: OutputItems) -> None:
     if req.store:
-        ctx.responses.put(response_id, tuple(previous) + input_messages(req) + (out.message(),))
+        store.put(response_id, tuple(previous) + input_messages(req) + (out.message(),))
 
 
 def _head(req: ResponsesRequest) -> dict:

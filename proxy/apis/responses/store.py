@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from aiohttp import web
+
 from proxy.conversation import Message
 
 
@@ -31,3 +33,6 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+RESPONSES = web.AppKey("killick_responses", ResponseStore)  # one store per app (create_app)

@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-POLICY = ("proxy.policy.diff", "proxy.policy.sessions", "proxy.policy.anchors", "harness_adapters.normalize", "proxy.policy.turns", "proxy.policy.cache_policy",
-          "harness_adapters")
+POLICY = ("proxy.policy.planner", "proxy.policy.cache_policy", "proxy.policy.diff", "proxy.policy.sessions",
+          "proxy.policy.anchors", "proxy.policy.turns", "harness_adapters.normalize", "harness_adapters")
 
 
 def test_policy_imports_no_torch_and_no_aiohttp():

@@ -188,14 +188,17 @@ async def test_replay_command_against_a_url(aiohttp_server, model_dir, tmp_path,
 
 def test_serve_flags(tmp_path):
     from proxy.cli import build_parser
-    from proxy.policy.cache_policy import HarnessNormalizer, PolicyPlanner
     from proxy.cli.serve import load_script, make_planner
+    from proxy.policy.cache_policy import PolicyPlanner
+    from proxy.policy.planner import HarnessNormalizer, NoAnchors
 
     args = build_parser(only="serve").parse_args(
         ["serve", "--record", str(tmp_path), "--script", str(FIXTURES / "script.json"), "--script-var", "workdir=/w",
          "--cache-policy", "prefix", "--allow-forced-responses"])
     assert args.record == str(tmp_path) and args.allow_forced_responses
     assert load_script(args.script, args.script_var).vars["workdir"] == "/w"
-    assert type(make_planner("prefix")) is HarnessNormalizer and isinstance(make_planner("anchors"), PolicyPlanner)
+    prefix = make_planner("prefix")  # the harness normalisation without anchors
+    assert type(prefix) is NoAnchors and type(prefix.harness) is HarnessNormalizer
+    assert isinstance(make_planner("anchors"), PolicyPlanner)
     with pytest.raises(ValueError, match="K=V"):
         load_script(args.script, ["novalue"])
