@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal, Mapping, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Mapping, Union
 
 from engine.api import GenerateRequest, SamplingParams, TokenEvent, Usage
 from proxy.context import ServerContext
@@ -20,6 +20,9 @@ from proxy.errors import ApiError
 from proxy.policy.planner import Plan
 from proxy.prompt.output_parser import OutputEvent, OutputParser, ToolCall, generation_opens_think
 from proxy.replay import record, scripted
+
+if TYPE_CHECKING:
+    from engine.serving import TokenStream
 
 log = logging.getLogger("killick.proxy")
 
@@ -151,15 +154,13 @@ class Generation:
                                    parse_tools=prep.params.parse_tools, stop_sequences=prep.params.stop_sequences,
                                    max_tool_calls=prep.params.max_tool_calls)
         self.decoder = ctx.tokenizer.incremental_decoder()
-        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.blocks: list = []  # the output so far, merged as a non-streaming answer would hold it
-        self.done = False
+        self.stream: TokenStream | None = None
         self._iter: AsyncIterator[GenItem] | None = None
 
     async def __aenter__(self) -> "Generation":
-        loop = asyncio.get_running_loop()
         try:
-            self.ctx.core.submit(self.req, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
+            self.stream = self.ctx.core.stream(self.req)
         except OverflowError as exc:
             raise ApiError(429, f"server busy: {exc}; retry shortly", code="rate_limit_exceeded") from None
         except ValueError as exc:  # the engine says this request can never run
@@ -171,16 +172,11 @@ class Generation:
         self.ctx.in_flight -= 1
         if self._iter is not None:
             await self._iter.aclose()
-        if not self.done:
-            self._abort()
+        await self.stream.aclose()  # aborts the engine request unless its final event arrived
 
     def __aiter__(self) -> AsyncIterator[GenItem]:
         self._iter = self._items()
         return self._iter
-
-    def _abort(self) -> None:
-        self.req.abort.abort()
-        self.ctx.core.abort(self.req.request_id)
 
     async def _items(self) -> AsyncIterator[GenItem]:
         loop, parser, stop_ids = asyncio.get_running_loop(), self.parser, self.req.stop_ids
@@ -194,7 +190,7 @@ class Generation:
                 yield KEEPALIVE
                 continue
             try:
-                ev = await asyncio.wait_for(self.events.get(), wait)
+                ev = await asyncio.wait_for(anext(self.stream), wait)
             except asyncio.TimeoutError:
                 continue
             ids = [t for t in ev.token_ids if t not in stop_ids]
@@ -210,7 +206,6 @@ class Generation:
                 collect(self.blocks, item)
                 yield item
             last_sent = loop.time() if out else last_sent
-        self.done = True
         finished = _finished(final, parser, reasoning, self.req, len(output_ids))
         self.ctx.metrics.observe_usage(finished.usage)
         self._finish_turn(output_ids, finished)
@@ -227,12 +222,13 @@ class Generation:
 
     async def _stop_early(self) -> TokenEvent:
         """The parser needs no more output: abort the engine request and wait (briefly) for its final usage."""
-        self._abort()
+        self.stream.abort()
 
         async def final() -> TokenEvent:
-            while not (ev := await self.events.get()).final:
-                pass
-            return ev
+            async for ev in self.stream:
+                if ev.final:
+                    return ev
+            raise RuntimeError("the engine stream ended without a final event")
 
         try:
             return await asyncio.wait_for(final(), 5.0)
