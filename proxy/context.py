@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -11,6 +11,7 @@ from proxy.policy.planner import NoAnchors, Planner
 
 if TYPE_CHECKING:
     from engine.serving import EngineCore
+    from proxy.generation import ReplySource
     from proxy.prompt.render import ChatRenderer
     from proxy.prompt.tokenizer import Tokenizer
 
@@ -25,9 +26,7 @@ class ServerContext:
     keepalive_s: float = 5.0
     default_max_tokens: int = 8192
     planner: Planner = field(default_factory=NoAnchors)
-    test_hooks: bool = False  # honour x-killick-forced-output (scripted output for end-to-end tests)
-    force_responses: bool = False  # honour x-killick-force-response (killick replay; serve --allow-forced)
-    script: Any = None  # proxy.replay.scripted.Script: every answer comes from the script (serve --script)
+    replies: ReplySource | None = None  # answers that replace sampling (scripts, replay, tests)
     metrics: Metrics = field(default_factory=Metrics)
     in_flight: int = 0  # requests submitted by this proxy and not yet finished
 

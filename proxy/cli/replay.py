@@ -126,13 +126,14 @@ def build_mode_app(model_dir: Path, weights, mode: str, opts):
     from proxy.app import create_app
     from proxy.prompt.render import ChatRenderer
     from proxy.cli.serve import make_planner
+    from proxy.replay.sources import ForcedResponses
 
     if mode not in MODES:
         raise ValueError(f"--mode must be one of {', '.join(MODES)} or all, got {mode!r}")
     core = build_core(model_dir, replace(opts, prefix_cache=mode != "off"), model=weights)
     tok = load_tokenizer(model_dir)
     return create_app(core, tok, ChatRenderer(tok), model_name=model_dir.name, keepalive_s=30.0,
-                      planner=make_planner(mode), force_responses=True)
+                      planner=make_planner(mode), replies=ForcedResponses())
 
 
 async def replay_in_process(entries, model_dir: Path, weights, mode: str, opts, unforced_max_tokens: int = 32,

@@ -65,6 +65,15 @@ def load_script(path: str | None, pairs: list[str]):
     return Script.load(path, **dict(p.split("=", 1) for p in pairs))
 
 
+def reply_source(args: argparse.Namespace):
+    """--allow-forced-responses (a replayed answer first) and --script; None: the model samples."""
+    from proxy.replay.sources import FirstReply, ForcedResponses, Scripted
+
+    script = load_script(args.script, args.script_var)
+    sources = ([ForcedResponses()] if args.allow_forced_responses else []) + ([Scripted(script)] if script else [])
+    return FirstReply(*sources) if sources else None
+
+
 def build_app(args: argparse.Namespace) -> web.Application:
     """Load tokenizer, model and engine (torch imported here only) and wrap them in the app."""
     from engine.build import build_core, options_from_args
@@ -73,6 +82,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     from harness_adapters import load_registry
     from proxy.app import create_app
     from proxy.prompt.render import ChatRenderer
+    from proxy.replay.record import Recorder
 
     opts = options_from_args(args)
     model_dir = resolve_model(args.model)
@@ -81,8 +91,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     planner = make_planner(args.cache_policy, load_registry(args.harness_rules))
     return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=args.model_name or model_dir.name,
                       api_key=args.api_key, keepalive_s=args.keepalive, planner=planner,
-                      script=load_script(args.script, args.script_var), record_dir=args.record,
-                      force_responses=args.allow_forced_responses)
+                      replies=reply_source(args), observer=Recorder(args.record) if args.record is not None else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,6 +114,3 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
     finally:
         await runner.cleanup()
 
-
-# the names the brief used
-add_serve_arguments, run_serve = add_arguments, run

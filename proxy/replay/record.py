@@ -8,52 +8,28 @@ metrics: prompt / reused / prefilled tokens, TTFT and decode tok/s from the engi
 session, turn kind, edit point and edit class. The file is DIR/<session key, sanitised>.jsonl; requests the
 policy gives no session to go to DIR/no-session.jsonl. `killick replay` reads these lines back.
 
-The generation pipeline reports into a per-request slot held in a context variable, so handlers stay as
-they are: Generation notes its plan, blocks and Finished; each front-end notes its assembled response.
+The Recorder is the app's TurnObserver (create_app(observer=Recorder(DIR))): the app calls turn_done() once
+per API request with the request's Turn (proxy/generation.py: plan, Finished, the answer's body) or None
+when it was refused before planning.
 """
 from __future__ import annotations
 
-import contextvars
 import json
 import logging
 import re
 import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 from aiohttp import web
+
+from proxy.generation import Turn
+from proxy.replay.scripted import FORCE_RESPONSE_HEADER
+from proxy.replay.sources import OUTPUT_HEADER
 
 log = logging.getLogger("killick.record")
 REDACTED = "<redacted>"
 SECRET_HEADERS = {"authorization", "x-api-key", "api-key", "cookie", "proxy-authorization"}
-NOT_RECORDED = {"x-killick-force-response", "x-killick-forced-output"}
-RECORDED_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
-
-
-@dataclass
-class Slot:
-    """What one request's pipeline reports while it runs."""
-
-    turn: Any = None  # the planner's plan (TurnPlan with .record, or the default Plan)
-    finished: Any = None  # proxy.generation.Finished
-    response: Callable[[], dict] | None = None  # builds the assembled response on demand
-    extra: dict = field(default_factory=dict)
-
-
-_CURRENT: contextvars.ContextVar[Slot | None] = contextvars.ContextVar("killick_record_slot", default=None)
-
-
-def current() -> Slot | None:
-    return _CURRENT.get()
-
-
-def note_response(build: Callable[[], dict]) -> None:
-    """Front-ends call this with a builder of their final body; it runs only when recording."""
-    slot = _CURRENT.get()
-    if slot is not None:
-        slot.response = build
+NOT_RECORDED = {FORCE_RESPONSE_HEADER, OUTPUT_HEADER}  # the replies the request asked for
 
 
 def redact(headers) -> dict:
@@ -72,22 +48,17 @@ def session_file_name(key: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._")[:96] + ".jsonl"
 
 
-def metrics(slot: Slot) -> dict:
+def metrics(turn: Turn | None) -> dict:
+    """The engine's figures for the turn, then the plan's (proxy/policy/planner.Plan.fields)."""
     out: dict = {}
-    fin = slot.finished
+    fin = turn.finished if turn is not None else None
     if fin is not None:
         u = fin.usage
         out.update(prompt_tokens=u.prompt_tokens, reused_tokens=u.reused_tokens,
                    prefilled_tokens=u.prefilled_tokens, output_tokens=u.output_tokens, cache_tier=u.cache_tier,
                    ttft_s=round(u.ttft_s, 6), prefill_s=round(u.prefill_s, 6),
                    decode_tok_s=round(u.decode_tok_s, 3), finish=fin.finish)
-    record = getattr(slot.turn, "record", None)
-    if record is not None:
-        out.update(session=record.session_key, harness=record.harness, turn_index=record.turn_index,
-                   kind=record.request_kind, edit_point=record.edit_point, edit_class=record.edit_class,
-                   anchor_used=record.anchor_used, expected_reprefill=record.expected_reprefill)
-    else:
-        out["session"] = getattr(slot.turn, "session_key", None)
+    out.update(turn.plan.fields() if turn is not None else {"session": None})
     return out
 
 
@@ -106,69 +77,25 @@ class Recorder:
             fh.write(text)
         return path
 
-
-SLOT = web.RequestKey("killick_record_slot", Slot)  # the slot again, for on_response_prepare
-PLAN_HEADERS = {"x-killick-session": "session", "x-killick-turn-kind": "kind",
-                "x-killick-edit-point": "edit_point", "x-killick-edit-class": "edit_class",
-                "x-killick-resume-at": "anchor_used"}
-
-
-def slot_middleware(recorder: Recorder | None):
-    """Opens the per-request slot the pipeline reports into; writes the line when recording."""
-
-    @web.middleware
-    async def slot(request: web.Request, handler):
-        if request.method != "POST" or request.path not in RECORDED_PATHS:
-            return await handler(request)
-        slot, ts = Slot(), time.time()
-        request[SLOT] = slot
-        token = _CURRENT.set(slot)
-        status = 500
+    async def turn_done(self, request: web.Request, turn: Turn | None, status: int, started: float) -> None:
         try:
-            response = await handler(request)
-            status = response.status
-            return response
-        except web.HTTPException as exc:
-            status = exc.status
-            raise
-        finally:
-            _CURRENT.reset(token)
-            if recorder is not None:
-                await _write(recorder, request, slot, ts, status)
-
-    return slot
+            self.write(await request_line(request, turn, status, started))
+        except Exception:  # noqa: BLE001 - a recording must never fail the request
+            log.exception("could not record %s %s", request.method, request.path)
 
 
-async def plan_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare: the plan is made before any byte, so even a stream carries its edit point
-    (x-killick-edit-point / -edit-class / -resume-at / -session / -turn-kind) for clients such as replay."""
-    slot = request.get(SLOT)
-    if slot is None or slot.turn is None:
-        return
-    found = metrics(slot)
-    for name, key in PLAN_HEADERS.items():
-        if found.get(key) is not None:
-            response.headers[name] = str(found[key])
-
-
-async def _write(recorder: Recorder, request: web.Request, slot: Slot, ts: float, status: int) -> None:
-    try:
-        recorder.write(await _line(request, slot, ts, status))
-    except Exception:  # noqa: BLE001 - a recording must never fail the request
-        log.exception("could not record %s %s", request.method, request.path)
-
-
-async def _line(request: web.Request, slot: Slot, ts: float, status: int) -> dict:
+async def request_line(request: web.Request, turn: Turn | None, status: int, started: float) -> dict:
     raw = await request.read()
     try:
         body = json.loads(raw)
     except ValueError:
         body = raw.decode("utf-8", "replace")
     response = None
-    if slot.response is not None:
+    if turn is not None and turn.response is not None:
         try:
-            response = slot.response()
+            response = turn.response()
         except Exception as exc:  # noqa: BLE001 - a recording must never fail the request
             response = {"killick_record_error": str(exc)}
-    return {"ts": round(ts, 6), "method": request.method, "path": request.path_qs, "headers": redact(request.headers),
-            "body": body, "status": status, "response": response, "metrics": metrics(slot)}
+    return {"ts": round(started, 6), "method": request.method, "path": request.path_qs,
+            "headers": redact(request.headers), "body": body, "status": status, "response": response,
+            "metrics": metrics(turn)}

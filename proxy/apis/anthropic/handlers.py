@@ -17,7 +17,6 @@ from proxy.errors import read_json_object
 from proxy.generation import (
     Finished, Generation, Keepalive, collect, normalize, prepare, render, run_to_finish,
 )
-from proxy.replay.record import note_response
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall
 from proxy.apis.anthropic.schema import CountTokensRequest, MessagesRequest, gen_params, to_conversation
 from proxy.sse import SSEWriter
@@ -30,7 +29,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     body = await read_json_object(request)
     req = MessagesRequest.model_validate(body)
-    prep = prepare(ctx, to_conversation(req), gen_params(req), request.headers, body)
+    prep = prepare(ctx, request, to_conversation(req), gen_params(req), body)
     msg = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": req.model}
     async with Generation(ctx, prep) as gen:
         if req.stream:
@@ -42,7 +41,7 @@ async def _complete(request: web.Request, msg: dict, gen: Generation) -> web.Res
     blocks: list = []
     fin = await run_to_finish(request, gen, lambda item: collect(blocks, item))
     body = message_json(msg, blocks, fin)
-    note_response(lambda: body)
+    gen.turn.response = lambda: body
     return web.json_response(body)
 
 
@@ -141,7 +140,7 @@ async def _stream(request: web.Request, msg: dict, prompt_tokens: int, gen: Gene
         if isinstance(item, Keepalive):
             await sse.event({"type": "ping"}, "ping")
         elif isinstance(item, Finished):
-            note_response(lambda fin=item: message_json(msg, gen.blocks, fin))
+            gen.turn.response = lambda fin=item: message_json(msg, gen.blocks, fin)
             await _finish_stream(sse, blocks, item)
         else:
             await blocks.item(item)

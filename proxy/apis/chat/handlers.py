@@ -14,7 +14,6 @@ from aiohttp import web
 from proxy.context import CTX
 from proxy.errors import read_json_object
 from proxy.generation import Finished, Generation, Keepalive, collect, prepare, run_to_finish
-from proxy.replay.record import note_response
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall
 from proxy.apis.chat.schema import ChatRequest, check_supported, gen_params, to_conversation
 from proxy.sse import SSEWriter
@@ -28,7 +27,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     req = ChatRequest.model_validate(body)
     check_supported(req)
-    prep = prepare(ctx, to_conversation(req), gen_params(req), request.headers, body)
+    prep = prepare(ctx, request, to_conversation(req), gen_params(req), body)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model,
             "system_fingerprint": "killick"}
     async with Generation(ctx, prep) as gen:
@@ -42,7 +41,7 @@ async def _complete(request: web.Request, head: dict, gen: Generation) -> web.Re
     blocks: list = []
     fin = await run_to_finish(request, gen, lambda item: collect(blocks, item))
     body = _completion(head, blocks, fin)
-    note_response(lambda: body)
+    gen.turn.response = lambda: body
     return web.json_response(body)
 
 
@@ -93,7 +92,7 @@ async def _stream(request: web.Request, head: dict, include_usage: bool, gen: Ge
         if isinstance(item, Keepalive):
             await sse.comment("keep-alive")
         elif isinstance(item, Finished):
-            note_response(lambda fin=item: _completion(head, gen.blocks, fin))
+            gen.turn.response = lambda fin=item: _completion(head, gen.blocks, fin)
             await _finish_stream(sse, head, include_usage, item)
         else:
             await sse.event(_chunk(head, _delta(item)))

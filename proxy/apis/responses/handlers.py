@@ -15,7 +15,6 @@ from proxy.apis.responses.store import RESPONSES, ResponseStore
 from proxy.context import CTX
 from proxy.errors import ApiError, read_json_object
 from proxy.generation import Finished, Generation, Keepalive, prepare, run_to_finish
-from proxy.replay.record import note_response
 from proxy.apis.responses.output import OutputItems
 from proxy.apis.responses.schema import ResponsesRequest, custom_tool_names, gen_params, input_messages, to_conversation
 from proxy.sse import SSEWriter
@@ -30,7 +29,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     req = ResponsesRequest.model_validate(body)
     store = request.app[RESPONSES]
     previous = _previous(store, req)
-    prep = prepare(ctx, to_conversation(req, previous), gen_params(req), request.headers, body)
+    prep = prepare(ctx, request, to_conversation(req, previous), gen_params(req), body)
     head = _head(req)
     out = OutputItems(custom_tool_names(req), "reasoning.encrypted_content" in (req.include or ()))
     remember = functools.partial(_remember, store, req, head["id"], previous, out)
@@ -45,7 +44,7 @@ async def _complete(request: web.Request, head: dict, out: OutputItems, remember
     out.close()
     remember()
     body = _final(head, out, fin)
-    note_response(lambda: body)
+    gen.turn.response = lambda: body
     return web.json_response(body)
 
 
@@ -123,7 +122,7 @@ async def _stream(request: web.Request, head: dict, out: OutputItems, remember, 
             emitted = out.close()
             remember()
             final = _final(head, out, item)
-            note_response(lambda final=final: final)
+            gen.turn.response = lambda final=final: final
             emitted.append((TERMINAL_EVENTS[final["status"]], {"response": final}))
         else:
             emitted = out.feed(item)

@@ -52,12 +52,14 @@ async def test_mini_swe_agent_scripted_session(aiohttp_server, model_dir, tmp_pa
     from proxy.app import create_app
     from proxy.policy.cache_policy import PolicyPlanner
     from proxy.prompt.render import ChatRenderer
+    from proxy.replay.record import Recorder
+    from proxy.replay.sources import Scripted
 
     sandbox = _sandbox(tmp_path / "sandbox")
     tok = load_tokenizer(model_dir)
     core = build_core(model_dir, EngineOptions(context_length=8192, cache_device_mb=64, cache_host_mb=64))
     app = create_app(core, tok, ChatRenderer(tok), model_name="tiny", planner=PolicyPlanner(),
-                     script=Script.load(SCRIPT, workdir=str(sandbox)), record_dir=tmp_path / "rec")
+                     replies=Scripted(Script.load(SCRIPT, workdir=str(sandbox))), observer=Recorder(tmp_path / "rec"))
     server = await aiohttp_server(app, host="127.0.0.1")
     home = tmp_path / "home"
     home.mkdir()

@@ -17,7 +17,9 @@ from real_stack import synth_model_dir
 
 from proxy.replay import log as replay_log
 from proxy.replay.client import replay
+from proxy.replay.record import Recorder
 from proxy.replay.scripted import Script
+from proxy.replay.sources import ForcedResponses, Scripted
 
 FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "sessions"
 TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n} tool", "parameters": {
@@ -61,7 +63,7 @@ async def _agent(base: str, turns: int) -> None:
 
 async def test_record_then_replay_round_trip(aiohttp_server, model_dir, tmp_path):
     script = Script.load(FIXTURES / "script.json", workdir="/w")
-    recorder = await aiohttp_server(_app(model_dir, script=script, record_dir=tmp_path / "rec"))
+    recorder = await aiohttp_server(_app(model_dir, replies=Scripted(script), observer=Recorder(tmp_path / "rec")))
     await _agent(str(recorder.make_url("")).rstrip("/"), turns=3)
     files = list((tmp_path / "rec").glob("*.jsonl"))
     lines = [json.loads(x) for f in files for x in f.read_text().splitlines()]
@@ -72,7 +74,7 @@ async def test_record_then_replay_round_trip(aiohttp_server, model_dir, tmp_path
 
     entries = replay_log.load(files)
     assert [e.reply() is not None for e in entries] == [True] * 3
-    fresh = await aiohttp_server(_app(model_dir, force_responses=True))
+    fresh = await aiohttp_server(_app(model_dir, replies=ForcedResponses()))
     results = await replay(str(fresh.make_url("")).rstrip("/"), entries)
     assert [r.status for r in results] == [200] * 3
     assert [r.prompt_tokens for r in results] == [x["metrics"]["prompt_tokens"] for x in lines]
@@ -86,7 +88,7 @@ async def test_forced_responses_need_the_flag(aiohttp_server, model_dir):
     entry = dataclasses.replace(entry, body={**entry.body, "max_tokens": 4})
     plain = await aiohttp_server(_app(model_dir))  # not started by replay: the header is ignored
     result = (await replay(str(plain.make_url("")).rstrip("/"), [entry]))[0]
-    forced = await aiohttp_server(_app(model_dir, force_responses=True))  # honoured: the whole recorded answer
+    forced = await aiohttp_server(_app(model_dir, replies=ForcedResponses()))  # honoured: the whole recorded answer
     honoured = (await replay(str(forced.make_url("")).rstrip("/"), [entry]))[0]
     assert result.status == 200 and result.output_tokens <= 4
     assert honoured.output_tokens == entry.metrics["output_tokens"] > 4
@@ -172,7 +174,7 @@ async def test_replay_command_against_a_url(aiohttp_server, model_dir, tmp_path,
 
     from proxy.cli import main
 
-    server = await aiohttp_server(_app(model_dir, force_responses=True))
+    server = await aiohttp_server(_app(model_dir, replies=ForcedResponses()))
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     argv = ["replay", str(FIXTURES / "mini-swe-agent.jsonl.gz"), "--url", str(server.make_url("")), "--limit", "2",
             "--stream", "--json", str(out), "--plot", str(png)]
