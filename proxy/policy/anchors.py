@@ -249,6 +249,6 @@ def _offer(pool: dict[int, Candidate], c: Candidate) -> None:
         pool[c.pos] = c
 
 
-def best_anchor(anchors: Sequence[int], edit_point: int) -> int:
+def resume_position(checkpoint_positions: Sequence[int], edit_point: int) -> int:
     """Deepest checkpoint at or before the edit point: where prefill resumes (0: from scratch)."""
-    return max((a for a in anchors if a <= edit_point), default=0)
+    return max((p for p in checkpoint_positions if p <= edit_point), default=0)

@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from harness_adapters import Registry
 from proxy.conversation import Conversation
-from proxy.policy.anchors import IMPLICIT_PER_TURN, SHARED_PREFIX, AnchorBudget, AnchorPlan, best_anchor, plan_anchors
+from proxy.policy.anchors import (IMPLICIT_PER_TURN, SHARED_PREFIX, AnchorBudget, AnchorPlan, plan_anchors,
+                                  resume_position)
 from proxy.policy.diff import Edit, PreviousTurn, diff_turn
 from proxy.policy.planner import HarnessNormalizer, Plan
 from proxy.policy.sessions import SessionStore
 from proxy.policy.turns import RenderedLike, TurnRecord, summarize
 
+
+if TYPE_CHECKING:
+    from engine.api import Usage
 
 SIDE_BUDGET = AnchorBudget(max_count=IMPLICIT_PER_TURN + 1)
 
@@ -63,10 +67,10 @@ class CachePolicy:
             last = len(rendered.ids) - 1  # the engine prefills at least one token to get the first logits
             if state is not None and state.prev is not None:
                 edit = diff_turn(state.prev, rendered, conv, adapter.rules)
-                resume = best_anchor(state.anchors, min(edit.edit_point, last))
-                existing, turn_index = state.anchors, state.turns
+                resume = resume_position(state.checkpoint_positions, min(edit.edit_point, last))
+                existing, turn_index = state.checkpoint_positions, state.turns
             else:  # a new conversation still shares the harness's fixed prefix with the others
-                shared, resume = self.store.shared_anchor(rendered.ids, max_position=last)
+                shared, resume = self.store.shared_checkpoint(rendered.ids, max_position=last)
                 edit, existing, turn_index = Edit(shared, "first"), (), 0
             if kind == "main":
                 anchors = plan_anchors(rendered, adapter.rules, start=resume, existing=existing,
@@ -90,14 +94,14 @@ class CachePolicy:
         return {"sessions": len([s for s in states if s.kind == "main"]),
                 "side_sessions": len([s for s in states if s.kind != "main"]), **summarize(records)}
 
-    def finish_turn(self, turn: TurnPlan, generated_ids: Sequence[int], usage=None) -> TurnRecord:
-        """Remember the turn; the engine kept the planned positions plus the prompt and generation ends."""
-        record = turn.record.with_usage(usage) if usage is not None else turn.record
+    def finish_turn(self, turn: TurnPlan, generated_ids: Sequence[int], usage: Usage) -> TurnRecord:
+        """Remember the turn, and where the session now has checkpoints: the earlier ones the plan keeps and
+        the ones the engine reports it kept for this request (Usage.checkpoints_kept)."""
+        record = turn.record.with_usage(usage)
         prev = PreviousTurn(turn.prompt_ids, tuple(generated_ids), turn.segments, turn.conversation)
-        n = len(turn.prompt_ids)
-        anchors = turn.anchors.keep + turn.anchors.checkpoint_positions + (n, n + len(generated_ids))
+        positions = turn.anchors.keep + tuple(usage.checkpoints_kept)
         with self._lock:
-            self.store.finish_turn(turn.session_key, prev, anchors, record, turn.kind, turn.harness)
+            self.store.finish_turn(turn.session_key, prev, positions, record, turn.kind, turn.harness)
         return record
 
 
@@ -119,7 +123,7 @@ class PolicyPlanner:
         adapter = self.harness.adapter(conv, headers, request)
         return self.policy.plan_turn(request or {}, headers, conv, rendered, adapter)
 
-    def finish(self, plan: TurnPlan, output_ids: Sequence[int], usage=None) -> TurnRecord:
+    def finish(self, plan: TurnPlan, output_ids: Sequence[int], usage: Usage) -> TurnRecord:
         return self.policy.finish_turn(plan, output_ids, usage)
 
     def stats(self) -> dict:

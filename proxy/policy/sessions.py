@@ -76,7 +76,7 @@ class SessionState:
     kind: str  # "main", "title", "compaction"
     harness: str = "generic"
     prev: Optional[PreviousTurn] = None
-    anchors: tuple[int, ...] = ()  # checkpoint positions known to exist along prev.ids
+    checkpoint_positions: tuple[int, ...] = ()  # where the engine holds checkpoints along prev.ids
     turns: int = 0
     first_message_end: int = 0  # end of prev's first non-system message: the prefix-match threshold
     records: list = field(default_factory=list)  # recent TurnRecords (bounded by the store)
@@ -149,7 +149,7 @@ class SessionStore:
                 return key
         return None
 
-    def shared_anchor(self, ids: Sequence[int], max_position: Optional[int] = None) -> tuple[int, int]:
+    def shared_checkpoint(self, ids: Sequence[int], max_position: Optional[int] = None) -> tuple[int, int]:
         """(common prefix, deepest checkpoint within it and <= max_position) over every session, side ones
         included: what a new conversation can reuse from the others (e.g. a harness's system + tools)."""
         limit = len(ids) if max_position is None else max_position
@@ -157,8 +157,8 @@ class SessionStore:
         for state in list(self._main.values()) + list(self._side.values()):
             if state.prev is not None:
                 n = common_prefix_len(state.prev.ids, ids)
-                anchor = max((a for a in state.anchors if a <= min(n, limit)), default=0)
-                best = max(best, (anchor, n))
+                deepest = max((p for p in state.checkpoint_positions if p <= min(n, limit)), default=0)
+                best = max(best, (deepest, n))
         return best[1], best[0]
 
     def get(self, key: str) -> Optional[SessionState]:
@@ -181,12 +181,12 @@ class SessionStore:
                 lru.popitem(last=False)
         return state
 
-    def finish_turn(self, key: str, prev: PreviousTurn, anchors: Sequence[int], record: Any = None,
+    def finish_turn(self, key: str, prev: PreviousTurn, checkpoint_positions: Sequence[int], record: Any = None,
                     kind: str = "main", harness: str = "generic") -> SessionState:
         """Remember this turn (prompt, generated ids, segments) and the checkpoints it leaves behind."""
         state = self.get_or_create(key, kind, harness)
         state.prev, state.turns, state.harness = prev, state.turns + 1, harness
-        state.anchors = tuple(sorted(set(a for a in anchors if 0 < a <= len(prev.ids))))
+        state.checkpoint_positions = tuple(sorted(set(p for p in checkpoint_positions if 0 < p <= len(prev.ids))))
         state.first_message_end = _first_message_end(prev)
         if record is not None:
             state.records = (state.records + [record])[-self.max_records:]

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from harness_adapters import default_registry
+from tests.proxy.fake_render import engine_usage
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sessions"
 EXPECTED = {"claude": "claude_code", "opencode": "opencode", "codex": "codex", "mini-swe-agent": "swe_agent",
@@ -61,6 +62,7 @@ def test_claude_code_default_arguments_do_not_break_the_append():
         rendered = renderer.render(conv)
         turn = planner(conv, rendered, e.headers, e.body)
         classes.append(turn.record.edit_class)
-        planner.finish(turn, forced_ids(renderer, tok, conv, rendered.text, e.reply()))
+        ids = forced_ids(renderer, tok, conv, rendered.text, e.reply())
+        planner.finish(turn, ids, engine_usage(turn, ids))
     assert e.metrics["edit_class"] == "reply_rerendered"  # what the recording server (before the fix) saw
     assert classes == ["first"] + ["append"] * 5

@@ -3,9 +3,9 @@ import pytest
 
 from harness_adapters import (Compaction, ElideObservationsExceptLastN, ElideToolOutputsBeyondN,
                               ReplaceTrailingMessage, StripThinkingExceptLatestN)
-from proxy.policy.anchors import (IMMINENT_CUT, IMPLICIT_PER_TURN, PREDICTED_CUT, AnchorBudget, best_anchor, candidates,
-                           past_opening_token, plan_anchors, predicted_cuts)
 from proxy.conversation import Conversation, ToolSpec
+from proxy.policy.anchors import (IMMINENT_CUT, IMPLICIT_PER_TURN, PREDICTED_CUT, AnchorBudget, candidates,
+                                  past_opening_token, plan_anchors, predicted_cuts, resume_position)
 from tests.proxy.fake_render import assistant, render, system, tool, user
 
 TOOLS = (ToolSpec("bash", "run", "{}"),)
@@ -122,10 +122,10 @@ def test_existing_anchors_kept_or_released_under_budget():
     assert max(plan.release) < min(plan.keep + plan.checkpoint_positions)
 
 
-def test_best_anchor_and_budget_validation():
-    assert best_anchor((10, 50, 90), 60) == 50
-    assert best_anchor((10, 50), 5) == 0
-    assert best_anchor((10, 50), 50) == 50
+def test_resume_position_and_budget_validation():
+    assert resume_position((10, 50, 90), 60) == 50
+    assert resume_position((10, 50), 5) == 0
+    assert resume_position((10, 50), 50) == 50
     with pytest.raises(ValueError, match="max_count"):
         AnchorBudget(max_count=1)
     assert PREDICTED_CUT > 2
@@ -143,7 +143,7 @@ def test_long_session_never_holds_more_anchors_than_its_budget():
         reply = assistant(f"s{k}", thinking=f"t{k}", calls=CALL)
         turn, rec = play(policy, OpenCodeAdapter(), Conversation(msgs, TOOLS), reply, headers={"x-session-id": "long"})
         state = policy.store.get("long")
-        assert len(state.anchors) <= budget.cap
+        assert len(state.checkpoint_positions) <= budget.cap
         if k:
             assert (rec.edit_class, rec.anchor_used) == ("append", rec.edit_point)
         msgs += (reply, tool(f"out {k}"))

@@ -11,7 +11,7 @@ from harness_adapters import detect_adapter  # noqa: E402
 from proxy.policy.cache_policy import CachePolicy  # noqa: E402
 from proxy.conversation import Conversation, Message, TextPart, ToolSpec  # noqa: E402
 from harness_adapters.normalize import normalize  # noqa: E402
-from tests.proxy.fake_render import assistant, system, tool, user  # noqa: E402
+from tests.proxy.fake_render import assistant, engine_usage, system, tool, user  # noqa: E402
 
 TOOLS = (ToolSpec("bash", "run a shell command", json.dumps({"type": "object", "properties": {
     "cmd": {"type": "string"}}})),)
@@ -37,7 +37,8 @@ def play(policy, renderer, conv, reply, request=None, headers=None):
     conv = normalize(conv, adapter)
     rendered = renderer.render(conv)
     turn = policy.plan_turn(request, headers, conv, rendered, adapter)
-    return turn, policy.finish_turn(turn, generated(renderer, conv, reply))
+    ids = generated(renderer, conv, reply)
+    return turn, policy.finish_turn(turn, ids, engine_usage(turn, ids))
 
 
 def call(k):

@@ -4,11 +4,10 @@ import json
 import pytest
 
 from harness_adapters.generic import GenericAdapter
+from proxy.conversation import Conversation, Message, TextPart, ToolSpec
 from proxy.policy.cache_policy import CachePolicy
-from proxy.conversation import Conversation
 from proxy.policy.sessions import SessionStore, claude_code_session, session_hint
-from proxy.conversation import Message, TextPart, ToolSpec
-from tests.proxy.fake_render import assistant, play, render, reply_ids, system, user
+from tests.proxy.fake_render import assistant, engine_usage, play, render, reply_ids, system, user
 
 UUID = "0f8c5d1e-9a3b-4c2d-8e7f-112233445566"
 
@@ -86,8 +85,8 @@ def test_records_and_anchors_remembered_per_session():
     state = policy.store.get("x")
     n = len(render(conv).ids)
     assert state.records == [rec] and state.turns == 1
-    assert n in state.anchors and max(state.anchors) == len(state.prev.ids)
-    assert set(turn.checkpoint_positions) <= set(state.anchors)
+    assert n in state.checkpoint_positions and max(state.checkpoint_positions) == len(state.prev.ids)
+    assert set(turn.checkpoint_positions) <= set(state.checkpoint_positions)
 
 
 def test_user_id_as_an_object():
@@ -138,7 +137,8 @@ def test_policy_planner_fits_the_proxy_seam_with_hints_from_extras():
         turn = planner(conv, rendered, {})
         assert (turn.session_key, turn.session_source) == (UUID, "metadata.user_id")
         assert all(0 < p < len(rendered.ids) for p in turn.checkpoint_positions)
-        record = planner.finish(turn, reply_ids(assistant(f"r{k}")))
+        ids = reply_ids(assistant(f"r{k}"))
+        record = planner.finish(turn, ids, engine_usage(turn, ids))
         assert record.edit_class == ("first" if k == 0 else "append")
         msgs += (assistant(f"r{k}"), user(f"q{k}"))
     plain = planner.normalize(replace(Conversation((user("x"),)), extras={"session_hint": "end-user-7"}), {})
