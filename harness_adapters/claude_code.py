@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from harness_adapters.base import MODEL_LINE, BaseAdapter, Compaction, VolatileText
+from harness_adapters.base import BaseAdapter
 from proxy.conversation import Conversation, Message, TextPart, ToolCallPart, canonical_json
 from harness_adapters.normalize import BILLING_LINE, is_billing_line
+from harness_adapters.rules import MODEL_LINE, Compaction, VolatileText
 
 
 class ClaudeCodeAdapter(BaseAdapter):

@@ -99,32 +99,65 @@ def predicted_cuts(rendered: RenderedLike, rules: Sequence, conv: Optional[Conve
     cuts: dict[int, tuple] = {}
     spans = message_spans(rendered.segments)
     for rule in rules:
-        kind = getattr(rule, "kind", "")
-        blocks: list[int] = []
-        if kind == "replace_trailing_message" and spans:
-            last = max(spans)
-            if conv is None or last >= len(conv.messages) or rule.marker in conv.messages[last].text:
-                blocks = [past_opening_token(rendered, spans[last][0])]
-        elif kind == "strip_thinking_except_latest_n":
-            blocks = _live_blocks(rendered, "think", conv, lambda m: _reasoning(m) != "")
-        elif kind == "elide_tool_outputs_beyond_n":  # the output is replaced after "<tool_response>\n"
-            blocks = _live_blocks(rendered, "tool_response", conv, lambda m: rule.placeholder not in _results(m),
-                                  inside=True)
-        elif kind == "elide_observations_except_last_n":
-            blocks = [body_start(rendered, p) for p in _observation_starts(spans, rendered, conv, rule.placeholder)]
-        elif kind == "compaction" and prefix_end(rendered.segments):  # the summary replaces the first message's text
-            first = first_conversation_message(rendered.segments, conv)
-            blocks = [prefix_end(rendered.segments)] + ([body_start(rendered, spans[first][0])] if first in spans
-                                                        else [])
-        elif kind == "volatile_text":  # rewritten in place some later turn, nobody knows which
-            blocks = volatile_positions(rendered, rule.pattern)
-        n = getattr(rule, "n", 0 if kind == "volatile_text" else 1)
+        find = RULE_CUTS.get(rule.kind)
+        blocks, n = find(rule, rendered, conv, spans) if find is not None else ([], 0)
         imminent = sorted(set(blocks))[-n] if 0 < n <= len(set(blocks)) else None
         for pos in blocks:
             priority = IMMINENT_CUT if pos == imminent else PREDICTED_CUT
             if pos and cuts.get(pos, ("", -1))[1] < priority:
-                cuts[pos] = (kind, priority)
+                cuts[pos] = (rule.kind, priority)
     return cuts
+
+
+# What each rule kind cuts, as (block starts, n): the blocks a later turn will cut, and which of them (the
+# n-th latest; 0: none in particular) the very next turn cuts. `spans` is message_spans(rendered.segments).
+def _trailing_message_cuts(rule, rendered: RenderedLike, conv: Optional[Conversation], spans: dict):
+    if not spans:
+        return [], 1
+    last = max(spans)
+    if conv is None or last >= len(conv.messages) or rule.marker in conv.messages[last].text:
+        return [past_opening_token(rendered, spans[last][0])], 1
+    return [], 1
+
+
+def _thinking_cuts(rule, rendered: RenderedLike, conv: Optional[Conversation], spans: dict):
+    return _live_blocks(rendered, "think", conv, lambda m: _reasoning(m) != ""), rule.n
+
+
+def _tool_output_cuts(rule, rendered: RenderedLike, conv: Optional[Conversation], spans: dict):
+    """The output is replaced after "<tool_response>\n"."""
+    def alive(msg: Message) -> bool:
+        return rule.placeholder not in _results(msg)
+
+    return _live_blocks(rendered, "tool_response", conv, alive, inside=True), rule.n
+
+
+def _observation_cuts(rule, rendered: RenderedLike, conv: Optional[Conversation], spans: dict):
+    return [body_start(rendered, p) for p in _observation_starts(spans, rendered, conv, rule.placeholder)], rule.n
+
+
+def _compaction_cuts(rule, rendered: RenderedLike, conv: Optional[Conversation], spans: dict):
+    """The summary replaces the first conversation message's text, after the system + tools prefix."""
+    end = prefix_end(rendered.segments)
+    if not end:
+        return [], 1
+    first = first_conversation_message(rendered.segments, conv)
+    return [end] + ([body_start(rendered, spans[first][0])] if first in spans else []), 1
+
+
+def _volatile_cuts(rule, rendered: RenderedLike, conv: Optional[Conversation], spans: dict):
+    """Rewritten in place some later turn, nobody knows which."""
+    return volatile_positions(rendered, rule.pattern), 0
+
+
+RULE_CUTS = {
+    "replace_trailing_message": _trailing_message_cuts,
+    "strip_thinking_except_latest_n": _thinking_cuts,
+    "elide_tool_outputs_beyond_n": _tool_output_cuts,
+    "elide_observations_except_last_n": _observation_cuts,
+    "compaction": _compaction_cuts,
+    "volatile_text": _volatile_cuts,
+}
 
 
 def opening_token(rendered: RenderedLike) -> Optional[int]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from engine.common_prefix import common_prefix_len
+from harness_adapters.rules import Compaction, ElideObservationsExceptLastN, rules_of
 from proxy.conversation import Conversation
 from proxy.policy.turns import EditClass, RenderedLike, first_conversation_message, message_spans, segments_at
 
@@ -117,7 +118,7 @@ def _first_message_start(segments: Sequence) -> int:
 
 def _is_observation(prev: PreviousTurn, msg: Optional[int], rules: Sequence) -> bool:
     """A user/tool message under a harness that elides observations (SWE-agent history processors)."""
-    if msg is None or not any(getattr(r, "kind", "") == "elide_observations_except_last_n" for r in rules):
+    if msg is None or not rules_of(rules, ElideObservationsExceptLastN):
         return False
     conv = prev.conversation
     if conv is None or msg >= len(conv.messages):
@@ -130,7 +131,7 @@ def _has_compaction_marker(conv: Optional[Conversation], msg: Optional[int], rul
 
     Messages before the edited one are unchanged, so a summary further up is an old compaction.
     """
-    markers = [m for r in rules if getattr(r, "kind", "") == "compaction" for m in r.history_markers]
+    markers = [m for r in rules_of(rules, Compaction) for m in r.history_markers]
     if conv is None or not markers:
         return False
     tail = conv.messages[msg or 0:]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from engine.common_prefix import common_prefix_len
-from harness_adapters.base import header
+from harness_adapters import header
 from proxy.policy.diff import PreviousTurn
 from proxy.policy.turns import first_conversation_message, message_spans
 
