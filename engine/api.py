@@ -1,4 +1,4 @@
-"""The proxy<->engine contract (DESIGN.md). Torch-free: the proxy imports this and nothing heavier.
+"""The proxy<->engine contract (docs/CONTRACTS.md). Torch-free: the proxy imports this and nothing heavier.
 
 What crosses: a GenerateRequest in, a stream of TokenEvents out. The engine never sees JSON and the proxy
 never touches tensors.

@@ -1,6 +1,6 @@
 """Claude Code (2.x): Anthropic Messages, `claude-cli/…` User-Agent, billing line as first system block.
 
-Traffic facts (DESIGN.md): cache_control moves every turn (dropped by parsing), thinking blocks are re-sent,
+Traffic facts (fixtures/sessions/claude.jsonl.gz): cache_control moves every turn (dropped by parsing), thinking blocks are re-sent,
 `metadata.user_id` carries the session id, `/compact` sends a summary request then starts a new history
 whose first user message carries the summary, and a tool-less title side request. The system prompt's
 environment block names the model, and that line changes within a session (see MODEL_LINE).

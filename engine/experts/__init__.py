@@ -1,4 +1,4 @@
-"""Routed experts: where they live and where they run (DESIGN.md, "expert memory hierarchy").
+"""Routed experts: where they live and where they run (the expert memory hierarchy).
 
     source.py          ExpertWeights: the experts as the loader found them (model branch)
     fused.py           all experts resident on the model's device: the reference backend

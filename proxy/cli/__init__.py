@@ -41,7 +41,7 @@ def _load(module: str):
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name and module.startswith(exc.name):  # the subcommand itself is not built yet
+        if exc.name and module.startswith(exc.name):  # the subcommand is left out of this installation
             return None
         raise
 

@@ -64,5 +64,5 @@ def test_claude_code_default_arguments_do_not_break_the_append():
         classes.append(turn.record.edit_class)
         ids = forced_ids(renderer, tok, conv, rendered.text, e.reply())
         planner.finish(turn, ids, engine_usage(turn, ids))
-    assert e.metrics["edit_class"] == "reply_rerendered"  # what the recording server (before the fix) saw
+    assert e.metrics["edit_class"] == "reply_rerendered"  # the recording server kept the default arguments
     assert classes == ["first"] + ["append"] * 5

@@ -1,4 +1,4 @@
-"""Acceptance of the context-aware cache (issue 6) through the real HTTP proxy on the tiny hybrid checkpoint.
+"""Acceptance of the context-aware cache through the real HTTP proxy on the tiny hybrid checkpoint.
 
 For a 10-turn session of each edit kind (cache_sessions.py), with the policy planner as `killick serve`
 builds it, every turn after the first must re-prefill no more than the tokens after its edit point (+ one

@@ -1,6 +1,6 @@
 """Record -> replay round trip, and replay of every bundled real-harness recording on the tiny checkpoint.
 
-Acceptance (issue 7): for turns >= 2, median TTFT with anchors <= 0.3 x median TTFT with the cache off, and
+Acceptance: for turns >= 2, median TTFT with anchors <= 0.3 x median TTFT with the cache off, and
 the anchors run prefills exactly the tokens after the edit point. Every request of every recording is
 replayed; prefill of the real harness prefixes (8-27k tokens) with the cache off dominates the time.
 """
