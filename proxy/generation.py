@@ -273,6 +273,16 @@ async def run_to_finish(request, gen: "Generation", feed) -> Finished:
     raise RuntimeError("generation ended without a Finished event")
 
 
+async def answer_whole(request, gen: "Generation", build: Callable[[list, Finished], dict]) -> web.Response:
+    """A non-streaming answer: the output merged into blocks, then the API's body `build(blocks, finished)`,
+    which the turn keeps for its observer."""
+    blocks: list = []
+    fin = await run_to_finish(request, gen, lambda item: collect(blocks, item))
+    body = build(blocks, fin)
+    gen.turn.response = lambda: body
+    return web.json_response(body)
+
+
 def client_gone(request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()

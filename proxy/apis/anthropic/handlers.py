@@ -6,19 +6,18 @@ stop_reason and the final usage, message_stop. Pings are also the keep-alive whi
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import uuid
 
 from aiohttp import web
 
+from proxy.apis.anthropic.schema import CountTokensRequest, MessagesRequest, gen_params, to_conversation
 from proxy.context import CTX
 from proxy.errors import read_json_object
-from proxy.generation import (
-    Finished, Generation, Keepalive, collect, normalize, prepare, render, run_to_finish,
-)
+from proxy.generation import Finished, Generation, Keepalive, answer_whole, normalize, prepare, render
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall
-from proxy.apis.anthropic.schema import CountTokensRequest, MessagesRequest, gen_params, to_conversation
 from proxy.sse import SSEWriter
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens",
@@ -34,15 +33,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     async with Generation(ctx, prep) as gen:
         if req.stream:
             return await _stream(request, msg, len(prep.request.prompt_ids), gen)
-        return await _complete(request, msg, gen)
-
-
-async def _complete(request: web.Request, msg: dict, gen: Generation) -> web.Response:
-    blocks: list = []
-    fin = await run_to_finish(request, gen, lambda item: collect(blocks, item))
-    body = message_json(msg, blocks, fin)
-    gen.turn.response = lambda: body
-    return web.json_response(body)
+        return await answer_whole(request, gen, functools.partial(message_json, msg))
 
 
 async def count_tokens(request: web.Request) -> web.Response:

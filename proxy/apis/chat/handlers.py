@@ -6,16 +6,17 @@ Keep-alive while queued or prefilling: SSE comment lines.
 """
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 
 from aiohttp import web
 
+from proxy.apis.chat.schema import ChatRequest, check_supported, gen_params, to_conversation
 from proxy.context import CTX
 from proxy.errors import read_json_object
-from proxy.generation import Finished, Generation, Keepalive, collect, prepare, run_to_finish
+from proxy.generation import Finished, Generation, Keepalive, answer_whole, prepare
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall
-from proxy.apis.chat.schema import ChatRequest, check_supported, gen_params, to_conversation
 from proxy.sse import SSEWriter
 
 FINISH_REASONS = {"stop": "stop", "tool_calls": "tool_calls", "length": "length", "stop_sequence": "stop",
@@ -34,15 +35,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _stream(request, head, include_usage, gen)
-        return await _complete(request, head, gen)
-
-
-async def _complete(request: web.Request, head: dict, gen: Generation) -> web.Response:
-    blocks: list = []
-    fin = await run_to_finish(request, gen, lambda item: collect(blocks, item))
-    body = _completion(head, blocks, fin)
-    gen.turn.response = lambda: body
-    return web.json_response(body)
+        return await answer_whole(request, gen, functools.partial(_completion, head))
 
 
 def usage_json(fin: Finished) -> dict:

@@ -11,12 +11,12 @@ import uuid
 
 from aiohttp import web
 
+from proxy.apis.responses.output import OutputItems
+from proxy.apis.responses.schema import ResponsesRequest, custom_tool_names, gen_params, input_messages, to_conversation
 from proxy.apis.responses.store import RESPONSES, ResponseStore
 from proxy.context import CTX
 from proxy.errors import ApiError, read_json_object
 from proxy.generation import Finished, Generation, Keepalive, prepare, run_to_finish
-from proxy.apis.responses.output import OutputItems
-from proxy.apis.responses.schema import ResponsesRequest, custom_tool_names, gen_params, input_messages, to_conversation
 from proxy.sse import SSEWriter
 
 TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
