@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from engine.bench.args import add_bw_arguments
-from engine.experts.cpu_runner import layer_table, native_runner, run_on_cpu
 from engine.experts.block_layout import ExpertLayout
+from engine.experts.cpu_runner import layer_table, native_runner, run_on_cpu
 from engine.experts.profile import machine_key, save_profile
 from engine.experts.synthetic import get_shape
 

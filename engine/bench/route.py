@@ -1,6 +1,6 @@
 """Cost of one MoE layer's decode bookkeeping: the Triton routing kernel (CUDA) against the host path the
-backends use today (device->host routing copy, grouping, SlotTable lookup / victims / assign).
-Part of `killick bench decode` (decode.py) on CUDA: it says how much of a decode step is bookkeeping rather than bytes."""
+backends use today (device->host routing copy, grouping, SlotTable lookup / victims / assign). Part of
+`killick bench decode` (decode.py) on CUDA: it says how much of a decode step is bookkeeping rather than bytes."""
 from __future__ import annotations
 
 import time

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from engine.config import load_config
-from engine.experts.host_pool import FillFn, HostPool
 from engine.experts.block_layout import ExpertLayout
-from engine.weight_names import fused_expert_shapes, per_expert_shapes
+from engine.experts.host_pool import FillFn, HostPool
 from engine.loader import CheckpointReader
+from engine.weight_names import fused_expert_shapes, per_expert_shapes
 
 
 def checkpoint_fill(model_dir, dtype: torch.dtype, stack: ExitStack) -> FillFn:

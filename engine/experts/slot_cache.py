@@ -11,8 +11,8 @@ import time
 import numpy as np
 import torch
 
-from engine.experts.host_pool import HostPool
 from engine.experts.block_layout import split_block
+from engine.experts.host_pool import HostPool
 from engine.experts.lru import SlotTable
 
 

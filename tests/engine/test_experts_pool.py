@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine.experts.host_pool import HostPool
 from engine.experts.block_layout import ExpertLayout, split_block
+from engine.experts.host_pool import HostPool
 from engine.experts.offload import OffloadBackend
 from engine.experts.synthetic import get_shape, synthetic_pool
 

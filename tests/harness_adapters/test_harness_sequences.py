@@ -4,9 +4,9 @@ and that side requests leave the main conversation alone."""
 import json
 
 from harness_adapters import detect_adapter
+from proxy.conversation import Conversation, Message, TextPart, ToolSpec
 from proxy.policy.anchors import past_opening_token
 from proxy.policy.cache_policy import CachePolicy
-from proxy.conversation import Conversation, Message, TextPart, ToolSpec
 from tests.proxy.fake_render import assistant, play, render, reply_ids, system, tool, user
 
 TOOLS = tuple(ToolSpec(n, f"{n} tool", json.dumps({"type": "object", "properties": {"x": {"type": "string"}}}))

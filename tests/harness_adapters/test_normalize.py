@@ -2,8 +2,8 @@
 from dataclasses import replace
 
 from harness_adapters.claude_code import ClaudeCodeAdapter
-from proxy.conversation import Conversation, Message, TextPart, ThinkingPart, ToolCallPart, ToolSpec
 from harness_adapters.normalize import is_billing_line, normalize, strip_volatile
+from proxy.conversation import Conversation, Message, TextPart, ThinkingPart, ToolCallPart, ToolSpec
 from tests.proxy.fake_render import render, user
 
 BILL_A = "x-anthropic-billing-header: cc_version=2.1.3.a1f; cc_entrypoint=cli;"

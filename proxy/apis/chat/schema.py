@@ -13,12 +13,12 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.api import SamplingParams
+from proxy.apis.anthropic.schema import IMAGE_PLACEHOLDER
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
 )
 from proxy.errors import ApiError
 from proxy.generation import GenParams
-from proxy.apis.anthropic.schema import IMAGE_PLACEHOLDER
 
 log = logging.getLogger("killick.proxy")
 

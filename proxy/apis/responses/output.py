@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import uuid
 
+from proxy.apis.responses.schema import encrypt_reasoning
 from proxy.conversation import Message, Part, TextPart, ThinkingPart, ToolCallPart, canonical_json
 from proxy.prompt.output_parser import ThinkingDelta, ToolCall
-from proxy.apis.responses.schema import encrypt_reasoning
 
 Emitted = list[tuple[str, dict]]
 

@@ -15,12 +15,12 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engine.api import SamplingParams
+from proxy.apis.anthropic.schema import IMAGE_PLACEHOLDER
+from proxy.apis.chat.schema import canonical_arguments
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
 )
 from proxy.generation import GenParams
-from proxy.apis.anthropic.schema import IMAGE_PLACEHOLDER
-from proxy.apis.chat.schema import canonical_arguments
 
 log = logging.getLogger("killick.proxy")
 ENCRYPTED_PREFIX = "killick:v1:"  # our reasoning round-trips through encrypted_content (store:false agents)

@@ -1,7 +1,7 @@
 """Edit point and edit class of a turn against the previous one, on renders shaped like the real template."""
+from harness_adapters import Compaction, ElideObservationsExceptLastN
 from proxy.conversation import Conversation, ToolSpec
 from proxy.policy.diff import PreviousTurn, diff_turn
-from harness_adapters import Compaction, ElideObservationsExceptLastN
 from tests.proxy.fake_render import assistant, render, reply_ids, system, tool, user
 
 TOOLS = (ToolSpec("bash", "run a command", '{"type": "object"}'),)

@@ -2,10 +2,10 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.policy.anchors import IMPLICIT_PER_TURN, AnchorBudget, plan_anchors
-from proxy.conversation import Conversation, Message, TextPart, ThinkingPart, ToolCallPart, ToolResultPart
-from proxy.policy.diff import PreviousTurn, diff_turn
 from harness_adapters.normalize import normalize
+from proxy.conversation import Conversation, Message, TextPart, ThinkingPart, ToolCallPart, ToolResultPart
+from proxy.policy.anchors import IMPLICIT_PER_TURN, AnchorBudget, plan_anchors
+from proxy.policy.diff import PreviousTurn, diff_turn
 from tests.proxy.fake_render import render, reply_ids
 
 text = st.text(alphabet="ab {}\":\n", max_size=12)

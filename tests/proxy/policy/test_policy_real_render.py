@@ -8,9 +8,9 @@ render_mod = pytest.importorskip("proxy.prompt.render")
 tokenizer_mod = pytest.importorskip("proxy.prompt.tokenizer")
 
 from harness_adapters import detect_adapter  # noqa: E402
-from proxy.policy.cache_policy import CachePolicy  # noqa: E402
-from proxy.conversation import Conversation, Message, TextPart, ToolSpec  # noqa: E402
 from harness_adapters.normalize import normalize  # noqa: E402
+from proxy.conversation import Conversation, Message, TextPart, ToolSpec  # noqa: E402
+from proxy.policy.cache_policy import CachePolicy  # noqa: E402
 from tests.proxy.fake_render import assistant, engine_usage, system, tool, user  # noqa: E402
 
 TOOLS = (ToolSpec("bash", "run a shell command", json.dumps({"type": "object", "properties": {

@@ -3,10 +3,10 @@ import shutil
 
 import pytest
 
-from proxy.prompt.tokenizer import SHIPPED_DIR, load_tokenizer
 from proxy.conversation import (Conversation, Message, TextPart, ThinkingPart, ToolCallPart, ToolResultPart,
                                 ToolSpec, canonical_json)
 from proxy.prompt.render import ChatRenderer, template_messages, template_tools
+from proxy.prompt.tokenizer import SHIPPED_DIR, load_tokenizer
 
 TOK = load_tokenizer(None)
 BASH = ToolSpec("bash", "Run a shell command", canonical_json(
