@@ -19,7 +19,9 @@ from proxy.conversation import Conversation, Message, ThinkingPart, ToolResultPa
 from proxy.policy.turns import RenderedLike, first_conversation_message, message_spans, prefix_end
 
 IMMINENT_CUT, PREDICTED_CUT, SHARED_PREFIX, TURN_BOUNDARY, FINE = 4, 3, 2, 1, 0
-IMPLICIT_PER_TURN = 2  # the engine always keeps the end of the prompt and the end of generation
+# Checkpoints the engine takes for every request unasked (the prompt end and the generation end, see
+# GenerateRequest.checkpoint_positions): a budget leaves room for them.
+IMPLICIT_PER_TURN = 2
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,8 @@ class AnchorBudget:
 @dataclass(frozen=True)
 class AnchorPlan:
     checkpoint_positions: tuple[int, ...]  # new positions for GenerateRequest (start < p < len(prompt))
-    keep: tuple[int, ...]  # earlier anchors still worth holding
-    release: tuple[int, ...]  # earlier anchors dropped by the budget (unpin / let the engine evict)
+    keep: tuple[int, ...]  # the session's earlier checkpoint positions still worth holding
+    release: tuple[int, ...]  # earlier checkpoint positions dropped by the budget (the engine may evict them)
     reasons: dict  # position -> candidate kind, for the chosen ones
 
 
@@ -252,7 +254,8 @@ def plan_anchors(rendered: RenderedLike, rules: Sequence = (), start: int = 0, e
     """Choose checkpoint positions for one request.
 
     start: where prefill resumes (positions at or before it are already cached, not takeable now).
-    existing: the session's earlier anchors that lie within the reused prefix (<= start).
+    existing: the session's earlier checkpoint positions; those within the reused prefix (<= start) compete
+        for the budget with the new ones.
     """
     n = len(rendered.ids)
     pool: dict[int, Candidate] = {}
