@@ -1,4 +1,4 @@
-"""The proxy<->engine contract (DESIGN.md). Torch-free: the proxy imports this and nothing heavier.
+"""The proxy<->engine contract (docs/CONTRACTS.md). Torch-free: the proxy imports this and nothing heavier.
 
 What crosses: a GenerateRequest in, a stream of TokenEvents out. The engine never sees JSON and the proxy
 never touches tensors.
@@ -94,6 +94,9 @@ class Usage:
     ttft_s: float = 0.0  # submit -> first output token
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # Positions where the prefix cache kept a checkpoint for this request (ascending): the requested
+    # checkpoint_positions it prefilled past, the prompt end and the generation end.
+    checkpoints_kept: tuple[int, ...] = ()
 
     @property
     def decode_tok_s(self) -> float:

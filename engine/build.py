@@ -130,8 +130,8 @@ def _expert_args(model_dir: Path, opts: EngineOptions) -> dict:
     from engine.config import load_config
     from engine.experts.registry import experts_factory, resolve
 
-    from engine.experts.bench_bw import load_profile
-    from engine.experts.layout import ExpertLayout
+    from engine.experts.profile import load_profile
+    from engine.experts.block_layout import ExpertLayout
 
     cfg = load_config(model_dir)
     dtype = getattr(torch, opts.dtype)

@@ -6,7 +6,8 @@
 ExpertWeights source (fused [E, 2I, H] / [E, H, I] per MoE layer, whatever the layout on disk), on
 `expert_device` (default: `device`; "cpu" for backends that keep the pool in host RAM). Tensors the
 text model does not use (`model.visual.*`, `mtp.*`) are never read. Every problem a user can cause raises
-ValueError naming the file or key and what to do about it.
+ValueError naming the file or key and what to do about it. `CheckpointReader` (name -> tensor across the
+safetensors files) is also what fills a host expert pool straight from disk (experts/safetensors_fill.py).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from safetensors import safe_open
 
 from engine.config import FULL, ModelConfig, load_config
 from engine.experts.source import ExpertWeights
-from engine.layout import fused_expert_shapes, layer_prefix, non_expert_shapes, per_expert_shapes
+from engine.weight_names import fused_expert_shapes, layer_prefix, non_expert_shapes, per_expert_shapes
 
 INDEX = "model.safetensors.index.json"
 
@@ -30,7 +31,7 @@ def load_checkpoint(path, device="cpu", dtype=torch.float32, expert_device=None)
         raise ValueError(f"model directory {model_dir} does not exist; pass the folder of a Hugging Face checkpoint")
     cfg = load_config(model_dir)
     with ExitStack() as stack:
-        reader = _Reader(model_dir, stack, torch.device(device), dtype)
+        reader = CheckpointReader(model_dir, stack, torch.device(device), dtype)
         tensors = {name: reader.get(name, shape) for name, shape in non_expert_shapes(cfg).items()}
         if cfg.arch == "qwen3_next":
             _ungroup_qwen3_next(cfg, tensors)
@@ -62,7 +63,7 @@ def _ungroup_qwen3_next(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> N
         tensors[p + "in_proj_a.weight"] = a.reshape(-1, H).contiguous()
 
 
-def _load_experts(cfg: ModelConfig, reader: "_Reader", device: torch.device) -> ExpertWeights:
+def _load_experts(cfg: ModelConfig, reader: CheckpointReader, device: torch.device) -> ExpertWeights:
     gate_up, down = {}, {}
     for layer in cfg.moe_layers:
         (gu_name, gu_shape), (d_name, d_shape) = fused_expert_shapes(cfg, layer).items()
@@ -80,7 +81,7 @@ def _load_experts(cfg: ModelConfig, reader: "_Reader", device: torch.device) -> 
     return ExpertWeights(gate_up, down)
 
 
-class _Reader:
+class CheckpointReader:
     """Name -> tensor across the checkpoint's safetensors files, with user-facing errors."""
 
     def __init__(self, model_dir: Path, stack: ExitStack, device: torch.device, dtype: torch.dtype):

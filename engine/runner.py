@@ -17,8 +17,8 @@ from engine.scheduler import Sequence, Work
 SMALL_STEP = 128  # tokens: below this a CPU step runs single-threaded (see ModelRunner.__init__)
 
 
-class PrefixStore(Protocol):
-    """The prefix cache as the runner sees it (engine/cache/store.py implements it)."""
+class StateCache(Protocol):
+    """The prefix cache as the runner sees it (engine/cache/store.PrefixStore implements it)."""
 
     def acquire(self, tokens: list[int]) -> tuple[object, object | None]: ...  # (match, restored state)
 
@@ -26,11 +26,13 @@ class PrefixStore(Protocol):
 
     def insert(self, tokens: list[int], state, session_key: str | None = None) -> None: ...
 
+    def set_budgets(self, device: int | None = None, host: int | None = None) -> None: ...
+
     def stats(self) -> dict: ...
 
 
 class ModelRunner:
-    def __init__(self, model, context_length: int | None = None, cache: PrefixStore | None = None) -> None:
+    def __init__(self, model, context_length: int | None = None, cache: StateCache | None = None) -> None:
         self.model = model
         self.cache = cache
         self.vocab_size = model.config.vocab_size
@@ -76,9 +78,11 @@ class ModelRunner:
             if self.cache is not None:
                 for position in state.checkpoint_positions:
                     self.cache.insert(seq.tokens[:position], state.at(position))
+                    seq.checkpoints_kept.append(position)
                 state.drop_checkpoints()
                 if w.checkpoint_here:
                     self.cache.insert(seq.tokens[: w.end], state)
+                    seq.checkpoints_kept.append(w.end)
         return self._sample(work, logits)
 
     def _sample(self, work: list[Work], logits: list[torch.Tensor]) -> list[int | None]:
@@ -128,6 +132,7 @@ class ModelRunner:
             last = tokens[-1:]
             self.model.forward([(last, state)], logits="last")
         self.cache.insert(tokens[: state.length], state, seq.req.session_key)
+        seq.checkpoints_kept.append(state.length)
 
     def reconfigure(self, moe_slots: int | None = None, kv_tokens: int | None = None,
                     prefix_device_bytes: int | None = None, prefix_host_bytes: int | None = None) -> dict:
@@ -147,7 +152,7 @@ class ModelRunner:
         if moe_slots is not None:
             experts.resize(moe_slots)  # checks the size before it frees anything
         if prefix_device_bytes is not None or prefix_host_bytes is not None:
-            self.cache.cache.set_budgets(device=prefix_device_bytes, host=prefix_host_bytes)
+            self.cache.set_budgets(device=prefix_device_bytes, host=prefix_host_bytes)
         if kv_tokens is not None:
             self.context_length = kv_tokens
         return self.stats()

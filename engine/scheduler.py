@@ -36,6 +36,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     checkpoint_positions: list[int] = field(default_factory=list)  # sorted prompt positions to snapshot
+    checkpoints_kept: list[int] = field(default_factory=list)  # where the prefix cache took one (-> Usage)
     t_submit: float = field(default_factory=time.monotonic)
     t_admit: float = 0.0
     t_first_token: float = 0.0

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator, Callable, Protocol
+from typing import Callable, Protocol
 
 from engine.api import FinishReason, GenerateRequest, TokenEvent, Usage
 from engine.scheduler import Scheduler, Sequence, Work
@@ -102,23 +102,10 @@ class EngineCore:
             raise box[0]
         return box[0]
 
-    async def stream(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        """Submit and yield events on the running loop; leaving the loop early aborts the request."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self.submit(req, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
-        finished = False
-        try:
-            while True:
-                ev = await queue.get()
-                finished = ev.final
-                yield ev
-                if finished:
-                    return
-        finally:
-            if not finished:
-                req.abort.abort()
-                self.abort(req.request_id)
+    def stream(self, req: GenerateRequest) -> "TokenStream":
+        """Submit now (submit's ValueError / OverflowError are raised here) and read the events on the
+        running loop: `async for ev in core.stream(req)`. Closing the stream early aborts the request."""
+        return TokenStream(self, req)
 
     def stats(self) -> dict:
         with self._lock:
@@ -207,7 +194,8 @@ class EngineCore:
             prompt_tokens=seq.num_prompt, output_tokens=seq.num_output, reused_tokens=seq.reused,
             prefilled_tokens=max(0, min(seq.num_computed, seq.num_prompt) - seq.reused),
             cache_tier=seq.cache_tier, queue_s=t_admit - seq.t_submit, ttft_s=t_first - seq.t_submit,
-            prefill_s=(seq.t_prefill_done or now) - t_admit, decode_s=now - t_first if seq.t_first_token else 0.0)
+            prefill_s=(seq.t_prefill_done or now) - t_admit, decode_s=now - t_first if seq.t_first_token else 0.0,
+            checkpoints_kept=tuple(sorted(set(seq.checkpoints_kept))))
 
     def _emit(self, seq: Sequence, ev: TokenEvent) -> None:
         sink = self._sinks.get(seq.request_id)
@@ -217,6 +205,40 @@ class EngineCore:
             sink(ev)
         except Exception:  # a dead consumer (closed loop) must not stop the engine
             log.exception("event sink failed for %s", seq.request_id)
+
+
+class TokenStream:
+    """One submitted request's events, moved from the engine thread onto the caller's event loop.
+
+    Iterating ends after the final event. `abort()` asks the engine to stop the request (once; its final
+    event still arrives); `aclose()` aborts unless the final event was read. Waiting for the next event may be
+    cancelled (asyncio.wait_for) without losing one.
+    """
+
+    def __init__(self, core: "EngineCore", req: GenerateRequest) -> None:
+        loop = asyncio.get_running_loop()
+        self.req, self._core = req, core
+        self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.finished = self._aborted = False
+        core.submit(req, lambda ev: loop.call_soon_threadsafe(self._events.put_nowait, ev))
+
+    def __aiter__(self) -> "TokenStream":
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        ev = await self._events.get()
+        self.finished = ev.final
+        return ev
+
+    def abort(self) -> None:
+        if not (self.finished or self._aborted):
+            self._aborted = True
+            self._core.abort(self.req.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
 
 
 def _try(fn: Callable[[], object]) -> object:

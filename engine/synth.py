@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.config import FULL, LINEAR, config_from_dict
-from engine.layout import FUSED, LAYOUTS, fused_expert_shapes, non_expert_shapes, per_expert_shapes
+from engine.weight_names import FUSED, LAYOUTS, fused_expert_shapes, non_expert_shapes, per_expert_shapes
 
 ARCHS = ("qwen3_5_moe", "qwen3_moe", "qwen3_next")
 SIZES = ("tiny", "demo", "qwen3.6-35b-a3b")

@@ -1,18 +1,20 @@
 """Claude Code (2.x): Anthropic Messages, `claude-cli/…` User-Agent, billing line as first system block.
 
-Traffic facts (DESIGN.md): cache_control moves every turn (dropped by parsing), thinking blocks are re-sent,
-`metadata.user_id` carries the session id, `/compact` sends a summary request then starts a new history
-whose first user message carries the summary, and a tool-less title side request. The system prompt's
-environment block names the model, and that line changes within a session (see MODEL_LINE).
+Traffic facts (recorded in fixtures/sessions/claude.jsonl.gz): cache_control moves every turn (dropped by
+parsing), thinking blocks are re-sent, `metadata.user_id` carries the session id, `/compact` sends a summary
+request then starts a new history whose first user message carries the summary, and a tool-less title side
+request. The system prompt's environment block names the model, and that line changes within a session
+(see MODEL_LINE).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 
-from harness_adapters.base import MODEL_LINE, BaseAdapter, Compaction, VolatileText
+from harness_adapters.base import BaseAdapter
+from harness_adapters.normalize import BILLING_LINE, is_billing_line
+from harness_adapters.rules import MODEL_LINE, Compaction, VolatileText
 from proxy.conversation import Conversation, Message, TextPart, ToolCallPart, canonical_json
-from proxy.normalize import BILLING_LINE, is_billing_line
 
 
 class ClaudeCodeAdapter(BaseAdapter):

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from harness_adapters.base import BaseAdapter, ReplaceTrailingMessage, VolatileText
+from harness_adapters.base import BaseAdapter
+from harness_adapters.rules import ReplaceTrailingMessage, VolatileText
 from proxy.conversation import Conversation
 
 INTERNAL_CONTEXT_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"

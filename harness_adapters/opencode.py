@@ -6,7 +6,8 @@ summariser request; the title request is a parallel tool-less one with a title-g
 """
 from __future__ import annotations
 
-from harness_adapters.base import MODEL_LINE, BaseAdapter, Compaction, ElideToolOutputsBeyondN, VolatileText
+from harness_adapters.base import BaseAdapter
+from harness_adapters.rules import MODEL_LINE, Compaction, ElideToolOutputsBeyondN, VolatileText
 
 PRUNE_PLACEHOLDER = "[Old tool result content cleared]"
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from harness_adapters.base import BaseAdapter, ElideObservationsExceptLastN, header
+from harness_adapters.base import BaseAdapter, header
+from harness_adapters.rules import ElideObservationsExceptLastN
 from proxy.conversation import Conversation
 
 OLD_OBSERVATION = "Old environment output:"

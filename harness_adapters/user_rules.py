@@ -21,7 +21,8 @@ from typing import Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from harness_adapters.base import BaseAdapter, Rule
+from harness_adapters.base import BaseAdapter
+from harness_adapters.rules import Rule
 
 
 DETECTION = ("user_agent_contains", "headers_present", "system_contains")

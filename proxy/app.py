@@ -1,39 +1,56 @@
 """The aiohttp application: one factory, typed app state, middlewares for errors / auth / metrics.
 
-    create_app(core, tokenizer, renderer, model_name=..., context_length=..., api_key=...)
+    create_app(core, tokenizer, renderer, model_name=..., context_length=..., api_key=...,
+               planner=None, replies=None, observer=None)
 
 Every handler reads parse -> normalise -> render -> plan -> submit -> stream (see proxy/generation.py).
-The engine core is started and stopped through cleanup_ctx, so the app owns its lifetime.
+The engine core is started and stopped through cleanup_ctx, so the app owns its lifetime. Scripts, replay
+and test answers plug in as one reply source (`replies`, proxy/replay/sources.py); a recorder observes each
+finished API request through one hook (`observer`, proxy/replay/record.py).
 """
 from __future__ import annotations
 
 import hmac
 import logging
 import time
+from typing import Protocol
 
 from aiohttp import web
 
-from proxy import api_anthropic, api_chat, api_responses
-from proxy.control import add_control_routes
-from proxy.context import CTX, NoPlanner, Planner, ServerContext, planner_stats
+from proxy.apis.anthropic import handlers as anthropic
+from proxy.apis.chat import handlers as chat
+from proxy.apis.control import add_control_routes
+from proxy.apis.responses import handlers as responses
+from proxy.apis.responses.store import RESPONSES, ResponseStore
+from proxy.context import CTX, ServerContext
 from proxy.errors import ApiError, error_middleware, is_anthropic_path
-from proxy.record import Recorder, plan_headers, slot_middleware
+from proxy.generation import TURN, ReplySource, Turn
+from proxy.policy.planner import NoAnchors, Planner
 
 log = logging.getLogger("killick.proxy")
 MAX_BODY = 64 * 2**20  # agent requests with long histories reach megabytes
 _API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_tokens",
            "/v1/chat/completions": "chat", "/v1/responses": "responses"}
+GENERATING_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
+PLAN_HEADERS = {"x-killick-session": "session", "x-killick-turn-kind": "kind",
+                "x-killick-edit-point": "edit_point", "x-killick-edit-class": "edit_class",
+                "x-killick-resume-at": "anchor_used"}
+
+
+class TurnObserver(Protocol):
+    """Told once about every POST to a generating API, when it is over: its Turn (None when it was refused
+    before planning), the HTTP status and the time it arrived (the recorder)."""
+
+    async def turn_done(self, request: web.Request, turn: Turn | None, status: int, started: float) -> None: ...
 
 
 def create_app(core, tokenizer, renderer, *, model_name: str = "killick", context_length: int | None = None,
                api_key: str | None = None, keepalive_s: float = 5.0, default_max_tokens: int = 8192,
-               planner: Planner | None = None, test_hooks: bool = False, force_responses: bool = False,
-               script=None, record_dir=None) -> web.Application:
+               planner: Planner | None = None, replies: ReplySource | None = None,
+               observer: TurnObserver | None = None) -> web.Application:
     """The queue limit is the engine's (EngineCore(max_running, max_waiting)): a full queue answers 429.
 
     context_length defaults to the engine runner's, i.e. the real KV budget of one sequence.
-    force_responses honours replay's x-killick-force-response; script (proxy.scripted.Script) answers every
-    request from a script; record_dir appends one JSON line per API request there (proxy/record.py).
     """
     context_length = context_length or getattr(getattr(core, "runner", None), "context_length", None)
     if not context_length or context_length < 2:
@@ -42,12 +59,13 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
         raise ValueError(f"keepalive_s must be > 0, got {keepalive_s}")
     ctx = ServerContext(core=core, tokenizer=tokenizer, renderer=renderer, model_name=model_name,
                         context_length=context_length, keepalive_s=keepalive_s,
-                        default_max_tokens=default_max_tokens, planner=planner or NoPlanner(),
-                        test_hooks=test_hooks, force_responses=force_responses, script=script)
-    recorder = Recorder(record_dir) if record_dir is not None else None
-    middlewares = [slot_middleware(recorder), metrics_middleware, error_middleware, auth_middleware(api_key)]
+                        default_max_tokens=default_max_tokens, planner=planner or NoAnchors(), replies=replies)
+    middlewares = [metrics_middleware, error_middleware, auth_middleware(api_key)]
+    if observer is not None:
+        middlewares.insert(0, observe_middleware(observer))  # outermost: it sees the status answered
     app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
     app[CTX] = ctx
+    app[RESPONSES] = ResponseStore()
     app.cleanup_ctx.append(_engine_lifetime)
     app.on_response_prepare.append(plan_headers)
     add_routes(app)
@@ -60,10 +78,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model_id:.+}", model_info)
-    app.router.add_post("/v1/messages", api_anthropic.messages)
-    app.router.add_post("/v1/messages/count_tokens", api_anthropic.count_tokens)
-    app.router.add_post("/v1/chat/completions", api_chat.chat_completions)
-    app.router.add_post("/v1/responses", api_responses.responses)
+    app.router.add_post("/v1/messages", anthropic.messages)
+    app.router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
+    app.router.add_post("/v1/chat/completions", chat.chat_completions)
+    app.router.add_post("/v1/responses", responses.responses)
     add_control_routes(app)
 
 
@@ -92,6 +110,37 @@ def auth_middleware(api_key: str | None):
     return check_key
 
 
+def observe_middleware(observer: TurnObserver):
+    @web.middleware
+    async def observe(request: web.Request, handler):
+        if request.method != "POST" or request.path not in GENERATING_PATHS:
+            return await handler(request)
+        started, status = time.time(), 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            await observer.turn_done(request, request.get(TURN), status, started)
+
+    return observe
+
+
+async def plan_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: the plan is made before any byte, so even a stream carries its edit point
+    (x-killick-edit-point / -edit-class / -resume-at / -session / -turn-kind) for clients such as replay."""
+    turn = request.get(TURN)
+    if turn is None:
+        return
+    fields = turn.plan.fields()
+    for name, key in PLAN_HEADERS.items():
+        if fields.get(key) is not None:
+            response.headers[name] = str(fields[key])
+
+
 @web.middleware
 async def metrics_middleware(request: web.Request, handler):
     api = _API_OF.get(request.path)
@@ -118,7 +167,7 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     stats = {**ctx.core.stats(), "proxy_in_flight": ctx.in_flight}
-    text = ctx.metrics.render(stats, planner_stats(ctx.planner))
+    text = ctx.metrics.render(stats, ctx.planner.stats())
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
 

@@ -11,18 +11,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal, Mapping, Union
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal, Mapping, Protocol, Union
+
+from aiohttp import web
 
 from engine.api import GenerateRequest, SamplingParams, TokenEvent, Usage
-from proxy.context import Plan, ServerContext
+from proxy.context import ServerContext
 from proxy.conversation import Conversation
 from proxy.errors import ApiError
-from proxy.output_parser import OutputEvent, OutputParser, ToolCall, generation_opens_think
-from proxy import record, scripted
+from proxy.policy.planner import Plan
+from proxy.prompt.output_parser import OutputEvent, OutputParser, ToolCall, generation_opens_think
+
+if TYPE_CHECKING:
+    from engine.serving import TokenStream
 
 log = logging.getLogger("killick.proxy")
 
-FORCED_OUTPUT_HEADER = "x-killick-forced-output"
 Finish = Literal["stop", "length", "tool_calls", "stop_sequence", "abort", "error"]
 
 
@@ -54,18 +58,41 @@ class Finished:
 GenItem = Union[OutputEvent, Keepalive, Finished]
 
 
+class ReplySource(Protocol):
+    """An answer that replaces sampling (create_app(replies=...); proxy/replay/sources.py): the token ids the
+    engine must emit for this request, or None to let the model sample. Forced ids still run every decode
+    step on the model, so timings and cache behaviour stay real."""
+
+    def reply_ids(self, ctx: ServerContext, conv: Conversation, prompt_text: str, headers: Mapping[str, str],
+                  plan: Plan) -> list[int] | None: ...
+
+
+@dataclass
+class Turn:
+    """What one API request did, filled in as it goes: read by the x-killick-* response headers and by a
+    TurnObserver (create_app(observer=...), the recorder) once the request is over."""
+
+    plan: Plan
+    finished: Finished | None = None  # set by Generation
+    response: Callable[[], dict] | None = None  # set by the front-end: builds the body it answered with
+
+
+TURN = web.RequestKey("killick_turn", Turn)
+
+
 @dataclass
 class Prepared:
     conv: Conversation
     params: GenParams
     prompt_text: str
     request: GenerateRequest
-    turn: Any = None  # the planner's plan, handed back to planner.finish()
+    turn: Turn  # turn.plan goes back to planner.finish()
 
 
-def prepare(ctx: ServerContext, conv: Conversation, params: GenParams, headers: Mapping[str, str],
+def prepare(ctx: ServerContext, request: web.Request, conv: Conversation, params: GenParams,
             body: Mapping) -> Prepared:
     """normalise -> render -> check the context -> plan -> GenerateRequest."""
+    headers = request.headers
     conv = normalize(ctx, conv, headers, body)
     rendered = render(ctx, conv)
     n = len(rendered.ids)
@@ -73,20 +100,16 @@ def prepare(ctx: ServerContext, conv: Conversation, params: GenParams, headers: 
         raise ApiError(400, f"prompt is too long: {n} tokens > {ctx.context_length - 1} maximum",
                        param="messages", code="context_length_exceeded")
     max_new = min(params.max_tokens or ctx.default_max_tokens, ctx.context_length - n)
-    turn = _plan(ctx, conv, rendered, headers, body)
-    forced = _forced_output(ctx, headers)
-    if forced is None:
-        forced = _forced_reply(ctx, conv, rendered.text, headers, turn)
+    plan = _plan(ctx, conv, rendered, headers, body)
+    forced = ctx.replies.reply_ids(ctx, conv, rendered.text, headers, plan) if ctx.replies is not None else None
     if forced is not None:
         max_new = max(max_new, min(len(forced), ctx.context_length - n))  # a replay is not cut short
-    request = GenerateRequest(
+    gen_request = GenerateRequest(
         prompt_ids=list(rendered.ids), max_new_tokens=max_new, sampling=params.sampling,
-        stop_ids=frozenset(ctx.tokenizer.eos_ids), checkpoint_positions=tuple(turn.checkpoint_positions),
-        session_key=turn.session_key, forced_output_ids=forced)
-    slot = record.current()
-    if slot is not None:
-        slot.turn = turn
-    return Prepared(conv, params, rendered.text, request, turn)
+        stop_ids=frozenset(ctx.tokenizer.eos_ids), checkpoint_positions=tuple(plan.checkpoint_positions),
+        session_key=plan.session_key, forced_output_ids=forced)
+    turn = request[TURN] = Turn(plan)
+    return Prepared(conv, params, rendered.text, gen_request, turn)
 
 
 def normalize(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping) -> Conversation:
@@ -97,7 +120,7 @@ def normalize(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str]
         return conv
 
 
-def _plan(ctx: ServerContext, conv: Conversation, rendered, headers: Mapping[str, str], body: Mapping):
+def _plan(ctx: ServerContext, conv: Conversation, rendered, headers: Mapping[str, str], body: Mapping) -> Plan:
     try:
         return ctx.planner(conv, rendered, headers, body)
     except Exception:  # noqa: BLE001 - without a plan the engine still serves (its own checkpoints only)
@@ -112,32 +135,6 @@ def render(ctx: ServerContext, conv: Conversation):
         raise ApiError(400, f"cannot render this conversation: {exc}", param="messages") from None
 
 
-def _forced_output(ctx: ServerContext, headers: Mapping[str, str]) -> list[int] | None:
-    """Test hook (create_app(test_hooks=True) only): the engine emits this text's tokens instead of sampling."""
-    text = headers.get(FORCED_OUTPUT_HEADER)
-    if not ctx.test_hooks or text is None:
-        return None
-    text = text.replace("\\n", "\n")  # headers are one line: tests write newlines as \n
-    return list(ctx.tokenizer.encode(text))
-
-
-def _forced_reply(ctx: ServerContext, conv: Conversation, prompt_text: str, headers: Mapping[str, str],
-                  turn) -> list[int] | None:
-    """Replay (x-killick-force-response, honoured only with create_app(force_responses=True)) or the script."""
-    value = headers.get(scripted.FORCE_RESPONSE_HEADER)
-    if value is not None and ctx.force_responses:
-        try:
-            reply = scripted.decode_header(value)
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-    elif ctx.script is not None:
-        kind = getattr(turn, "kind", None)
-        reply = ctx.script.reply(conv, None if kind == "main" else kind)
-    else:
-        return None
-    return scripted.forced_ids(ctx.renderer, ctx.tokenizer, conv, prompt_text, reply)
-
-
 class Generation:
     """A submitted request. `async with Generation(ctx, prep) as gen: async for item in gen: ...`
 
@@ -150,16 +147,15 @@ class Generation:
         self.parser = OutputParser(thinking_open=generation_opens_think(prep.prompt_text),
                                    parse_tools=prep.params.parse_tools, stop_sequences=prep.params.stop_sequences,
                                    max_tool_calls=prep.params.max_tool_calls)
+        self.turn = prep.turn
         self.decoder = ctx.tokenizer.incremental_decoder()
-        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.blocks: list = []  # the output so far, merged as a non-streaming answer would hold it
-        self.done = False
+        self.stream: TokenStream | None = None
         self._iter: AsyncIterator[GenItem] | None = None
 
     async def __aenter__(self) -> "Generation":
-        loop = asyncio.get_running_loop()
         try:
-            self.ctx.core.submit(self.req, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
+            self.stream = self.ctx.core.stream(self.req)
         except OverflowError as exc:
             raise ApiError(429, f"server busy: {exc}; retry shortly", code="rate_limit_exceeded") from None
         except ValueError as exc:  # the engine says this request can never run
@@ -171,16 +167,11 @@ class Generation:
         self.ctx.in_flight -= 1
         if self._iter is not None:
             await self._iter.aclose()
-        if not self.done:
-            self._abort()
+        await self.stream.aclose()  # aborts the engine request unless its final event arrived
 
     def __aiter__(self) -> AsyncIterator[GenItem]:
         self._iter = self._items()
         return self._iter
-
-    def _abort(self) -> None:
-        self.req.abort.abort()
-        self.ctx.core.abort(self.req.request_id)
 
     async def _items(self) -> AsyncIterator[GenItem]:
         loop, parser, stop_ids = asyncio.get_running_loop(), self.parser, self.req.stop_ids
@@ -194,7 +185,7 @@ class Generation:
                 yield KEEPALIVE
                 continue
             try:
-                ev = await asyncio.wait_for(self.events.get(), wait)
+                ev = await asyncio.wait_for(anext(self.stream), wait)
             except asyncio.TimeoutError:
                 continue
             ids = [t for t in ev.token_ids if t not in stop_ids]
@@ -210,29 +201,27 @@ class Generation:
                 collect(self.blocks, item)
                 yield item
             last_sent = loop.time() if out else last_sent
-        self.done = True
         finished = _finished(final, parser, reasoning, self.req, len(output_ids))
         self.ctx.metrics.observe_usage(finished.usage)
         self._finish_turn(output_ids, finished)
-        slot = record.current()
-        if slot is not None:
-            slot.finished = finished
+        self.turn.finished = finished
         yield finished
 
     def _finish_turn(self, output_ids: list[int], finished: Finished) -> None:
         try:
-            self.ctx.planner.finish(self.prep.turn, output_ids, finished.usage)
+            self.ctx.planner.finish(self.turn.plan, output_ids, finished.usage)
         except Exception:  # noqa: BLE001 - bookkeeping must never cost the agent its answer
             log.exception("cache policy failed to record %s", self.req.request_id)
 
     async def _stop_early(self) -> TokenEvent:
         """The parser needs no more output: abort the engine request and wait (briefly) for its final usage."""
-        self._abort()
+        self.stream.abort()
 
         async def final() -> TokenEvent:
-            while not (ev := await self.events.get()).final:
-                pass
-            return ev
+            async for ev in self.stream:
+                if ev.final:
+                    return ev
+            raise RuntimeError("the engine stream ended without a final event")
 
         try:
             return await asyncio.wait_for(final(), 5.0)
@@ -282,6 +271,16 @@ async def run_to_finish(request, gen: "Generation", feed) -> Finished:
         else:
             feed(item)
     raise RuntimeError("generation ended without a Finished event")
+
+
+async def answer_whole(request, gen: "Generation", build: Callable[[list, Finished], dict]) -> web.Response:
+    """A non-streaming answer: the output merged into blocks, then the API's body `build(blocks, finished)`,
+    which the turn keeps for its observer."""
+    blocks: list = []
+    fin = await run_to_finish(request, gen, lambda item: collect(blocks, item))
+    body = build(blocks, fin)
+    gen.turn.response = lambda: body
+    return web.json_response(body)
 
 
 def client_gone(request) -> bool:

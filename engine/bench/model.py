@@ -1,8 +1,8 @@
 """`killick bench model`: the whole engine as serving runs it (EngineCore -> scheduler -> runner -> model),
 on a checkpoint directory or a synthetic model of a real model's widths drawn on the device.
 
-    python -m engine.bench.model --synthetic qwen3.6-35b-a3b --layers 8 --json out.json
-    python -m engine.bench.model --model DIR --device cuda --dtype bfloat16
+    killick bench model --synthetic qwen3.6-35b-a3b --layers 8 --json out.json
+    killick bench model --model DIR --device cuda --dtype bfloat16      (or python -m engine.bench.model)
 
 Rows: decode at each batch size (concurrent requests through the real scheduler, greedy, steady state),
 prefill of one long prompt, and the time to first token of a short extend after that prompt is cached.
@@ -19,24 +19,6 @@ import threading
 import time
 
 import torch
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="checkpoint directory (default: a synthetic model, see --synthetic)")
-    src.add_argument("--synthetic", default="qwen3.6-35b-a3b", help="synthetic size (default qwen3.6-35b-a3b)")
-    p.add_argument("--layers", type=int, help="decoder layers of the synthetic model (default: all)")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--batches", default="1,4,8", help="decode batch sizes (default 1,4,8)")
-    p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size (default 64)")
-    p.add_argument("--warmup", type=int, default=8, help="decode steps before timing (default 8)")
-    p.add_argument("--prompt", type=int, default=64, help="prompt tokens of each decode request (default 64)")
-    p.add_argument("--prefill", type=int, default=8192, help="tokens of the long prompt (default 8192; 0: skip)")
-    p.add_argument("--extend", type=int, default=256, help="tokens appended after the cached prompt (default 256)")
-    p.add_argument("--max-step-tokens", type=int, help="prefill chunk (default: the serve default for the device)")
-    p.add_argument("--eager", action="store_true", help="the eager reference path instead of the fast one")
-    p.add_argument("--json", help="write the results here")
 
 
 def hbm_rate(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -225,16 +207,21 @@ def _commit() -> str:
         return "unknown"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="killick bench model", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
+def run_args(args) -> int:
     res = run(args)
     print_table(res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
     return 0
+
+
+def main(argv=None) -> int:
+    from engine.bench.args import add_model_arguments
+
+    p = argparse.ArgumentParser(prog="killick bench model", description=__doc__.split("\n\n")[0])
+    add_model_arguments(p)
+    return run_args(p.parse_args(argv))
 
 
 if __name__ == "__main__":

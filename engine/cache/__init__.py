@@ -1,4 +1,4 @@
-"""Prefix cache (issue 6, engine side): a radix tree over token ids whose nodes hold opaque KV payloads and
+"""Prefix cache, engine side: a radix tree over token ids whose nodes hold opaque KV payloads and
 recurrent-state checkpoints, kept in two memory tiers (device, host) under byte budgets.
 
 Torch-free on purpose: payloads are objects the model runner supplies (see docs/CONTRACTS.md, "engine prefix

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from engine.common_prefix import common_prefix_len
+
 Tier = Literal["device", "host"]
 MatchTier = Literal["none", "device", "host"]
 
@@ -120,7 +122,7 @@ class RadixTree:
             child = node.children.get(ids[pos])
             if child is None:
                 break
-            n = _common(child.key, ids, pos, limit)
+            n = _matched(child.key, ids, pos, limit)
             on_host = on_host or child.tier == "host"
             tier: MatchTier = "host" if on_host else "device"
             if n < len(child.key):
@@ -151,7 +153,7 @@ class RadixTree:
             if child is None:
                 child = self._add_child(node, ids, pos, stop, kv)
             else:
-                n = _common(child.key, ids, pos, stop)
+                n = _matched(child.key, ids, pos, stop)
                 if n < len(child.key):
                     child = self.split(child, n)
             node, pos = child, child.end
@@ -186,7 +188,7 @@ class RadixTree:
             child = node.children.get(ids[pos])
             if child is None:
                 return None
-            n = _common(child.key, ids, pos, length)
+            n = _matched(child.key, ids, pos, length)
             if n < len(child.key):
                 if pos + n < length:
                     return None
@@ -247,15 +249,9 @@ class RadixTree:
             getattr(self.listener, event)(*args)
 
 
-def _common(key: tuple[int, ...], ids: Sequence[int], pos: int, stop: int) -> int:
-    """Length of the common prefix of key and ids[pos:stop]."""
-    m = min(len(key), stop - pos)
-    if key[:m] == tuple(ids[pos : pos + m]):
-        return m
-    n = 0
-    while n < m and key[n] == ids[pos + n]:
-        n += 1
-    return n
+def _matched(key: tuple[int, ...], ids: Sequence[int], pos: int, stop: int) -> int:
+    """How many tokens of an edge's key agree with ids[pos:stop]."""
+    return common_prefix_len(key, tuple(ids[pos:min(stop, pos + len(key))]))
 
 
 def _check_insert(ids: Sequence[int], upto: int, checkpoints: Mapping[int, Any]) -> None:

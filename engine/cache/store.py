@@ -86,6 +86,10 @@ class PrefixStore:
         if session_key is not None and node is not None and node.alive:  # too big for both tiers: gone already
             self._pin(session_key, node)
 
+    def set_budgets(self, device: int | None = None, host: int | None = None) -> None:
+        """New byte budgets for the two tiers (None: unchanged), evicting down to them (PrefixCache.set_budgets)."""
+        self.cache.set_budgets(device=device, host=host)
+
     def stats(self) -> dict:
         return {f"cache_{k}": v for k, v in self.cache.stats().items()}
 

@@ -1,14 +1,15 @@
-"""Routed experts: where they live and where they run (DESIGN.md, "expert memory hierarchy").
+"""Routed experts: where they live and where they run (the expert memory hierarchy).
 
     source.py          ExpertWeights: the experts as the loader found them (model branch)
     fused.py           all experts resident on the model's device: the reference backend
     registry.py        --moe-backend fused|offload|cpu|hybrid|auto -> experts_factory (torch-free)
-    host_pool.py       every expert in host RAM, one block per (layer, expert) (layout.py), pinned after fill
+    host_pool.py       every expert in host RAM, one block per (layer, expert) (block_layout.py); pinned
     safetensors_fill.py  fill that pool straight from the checkpoint files
     lru.py, policy.py, stats.py   slot bookkeeping, q* and the B_P/B_H estimate, counters (torch-free)
     slot_cache.py      the device slot pool shared by all MoE layers, copy stream, resize
     offload.py, cpu.py, hybrid.py   the slot backends (they differ only in how many misses they fill)
     prefill_stream.py  long extends stream whole layers through two layer buffers
     compute.py, cpu_runner.py   the shared expert math; CPU execution (native kernels when built)
-    bench_bw.py, bench_decode.py, synthetic.py, gpu_session.sh   measurements (`killick bench bw|decode`)
+    profile.py         this machine's measured B_P / B_H (written by `killick bench bw`, engine/bench/)
+    synthetic.py       synthetic model shapes and pools for tests and benchmarks
 """

@@ -36,7 +36,7 @@ PREFETCH_HINTS = {"t0": 3, "t1": 2, "t2": 1, "nta": 0}  # -> __builtin_prefetch 
 
 @functools.lru_cache(maxsize=1)
 def default_walk() -> tuple[int, int, int]:
-    """(row_block, prefetch_bytes, claim_rows) that measured best on this CPU vendor (docs/PERF.md, issue 3):
+    """(row_block, prefetch_bytes, claim_rows) that measured best on this CPU vendor (docs/PERF.md):
     AMD Zen wants several long sequential streams per core (the four-stream walk: both halves of a claim's
     gate and up rows, four experts' down rows; 512 B prefetch, 64-row claims); four short rows side by side
     are its worst walk (kernel/read 0.57). The GPU box's Xeon streams four rows side by side best (the two-

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.experts.block_layout import ExpertLayout, split_block
 from engine.experts.compute import expert_mlp
-from engine.experts.layout import ExpertLayout, split_block
 
 
 Result = tuple[torch.Tensor, torch.Tensor]  # (positions [N], outputs [N, H])

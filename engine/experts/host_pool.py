@@ -1,6 +1,6 @@
 """Every routed expert of every MoE layer in host RAM, in its final layout: the source of truth.
 
-L = MoE layers, E = experts per layer. Layer row i is one contiguous tensor [E, numel] (layout.py);
+L = MoE layers, E = experts per layer. Layer row i is one contiguous tensor [E, numel] (block_layout.py);
 block (layer, e) is row e of it. Layers are filled one after another (optionally in a background thread)
 and each is pinned right after it is filled: pinning empty memory would fault and zero it for nothing.
 If pinning fails the pool stays pageable (slower copies) and says so once.
@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from engine.experts.layout import ExpertLayout, split_block
+from engine.experts.block_layout import ExpertLayout, split_block
 
 FillFn = Callable[[int, torch.Tensor], None]  # (layer id, layer buffer [E, numel]) -> fills it in place
 

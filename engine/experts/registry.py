@@ -84,8 +84,8 @@ def _machine_profile(source) -> dict | None:
     """This machine's `bench bw` profile for the source's expert format, if one was measured."""
     import torch
 
-    from engine.experts.bench_bw import load_profile
-    from engine.experts.layout import ExpertLayout
+    from engine.experts.profile import load_profile
+    from engine.experts.block_layout import ExpertLayout
 
     layout = ExpertLayout(source.hidden_size, source.intermediate_size, source.dtype.itemsize)
     return load_profile(layout, source.dtype, torch.get_num_threads())

@@ -14,16 +14,16 @@ from pathlib import Path
 import torch
 
 from engine.config import load_config
+from engine.experts.block_layout import ExpertLayout
 from engine.experts.host_pool import FillFn, HostPool
-from engine.experts.layout import ExpertLayout
-from engine.layout import fused_expert_shapes, per_expert_shapes
-from engine.loader import _Reader
+from engine.loader import CheckpointReader
+from engine.weight_names import fused_expert_shapes, per_expert_shapes
 
 
 def checkpoint_fill(model_dir, dtype: torch.dtype, stack: ExitStack) -> FillFn:
     """A FillFn reading layer `layer`'s experts from `model_dir` (handles live as long as `stack`)."""
     cfg = load_config(Path(model_dir))
-    reader = _Reader(Path(model_dir), stack, torch.device("cpu"), dtype)
+    reader = CheckpointReader(Path(model_dir), stack, torch.device("cpu"), dtype)
 
     def fill(layer: int, buf: torch.Tensor) -> None:  # buf [E, numel]
         (gu_name, gu_shape), (d_name, d_shape) = fused_expert_shapes(cfg, layer).items()

@@ -1,6 +1,6 @@
 """One pool of device slots shared by all MoE layers; a slot holds one (layer, expert) block.
 
-S = slots, numel = elements per expert block (layout.py). The bookkeeping is `lru.SlotTable`; this file
+S = slots, numel = elements per expert block (block_layout.py). The bookkeeping is `lru.SlotTable`; this file
 owns the device buffer [S, numel] and the copy stream. On CPU the "device" buffer is a separate CPU tensor
 and a fill is a plain copy, so every piece of bookkeeping runs in CI exactly as on a GPU.
 """
@@ -11,8 +11,8 @@ import time
 import numpy as np
 import torch
 
+from engine.experts.block_layout import split_block
 from engine.experts.host_pool import HostPool
-from engine.experts.layout import split_block
 from engine.experts.lru import SlotTable
 
 

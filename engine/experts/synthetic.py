@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.experts.block_layout import ExpertLayout
 from engine.experts.host_pool import HostPool
-from engine.experts.layout import ExpertLayout
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _SCALE = 0.02  # weight std: keeps activations finite through SwiGLU

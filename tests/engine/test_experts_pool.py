@@ -1,13 +1,9 @@
-"""Host pool loading (background, progress, errors), runtime resize of the slot cache, bench bw profiles,
-synthetic pools and the benchmark script's smoke run."""
-import json
-
+"""Host pool loading (background, progress, errors), runtime resize of the slot cache, synthetic pools."""
 import pytest
 import torch
 
-from engine.experts import bench_bw, bench_decode
+from engine.experts.block_layout import ExpertLayout, split_block
 from engine.experts.host_pool import HostPool
-from engine.experts.layout import ExpertLayout, split_block
 from engine.experts.offload import OffloadBackend
 from engine.experts.synthetic import get_shape, synthetic_pool
 
@@ -65,20 +61,6 @@ def test_resize_keeps_residents_and_rejects_impossible_sizes():
     b.close()
 
 
-def test_bench_bw_profile_is_keyed_on_machine_and_format(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert bench_bw.main(["--small", "--threads", "1", "--experts", "4", "--stream-mib", "8"]) == 0
-    layout = get_shape("qwen3.6-35b-a3b", scale_down=True).layout
-    prof = bench_bw.load_profile(layout, torch.float32, 1)
-    assert prof and prof["bh"] > 0 and prof["bp"] is None and prof["stream_read"] > 0
-    assert bench_bw.load_profile(layout, torch.float32, 2) is None  # other thread count
-    assert bench_bw.load_profile(layout, torch.bfloat16, 1) is None  # other format
-    path = bench_bw.profile_path(prof["key"])
-    other = dict(prof, key=dict(prof["key"], gpu="NVIDIA H200"))  # copied from another machine
-    path.write_text(json.dumps(other))
-    assert bench_bw.load_profile(layout, torch.float32, 1) is None
-
-
 def test_synthetic_pool_is_seeded_and_shaped():
     shape = get_shape("qwen3.6-35b-a3b", scale_down=True)
     a, b = synthetic_pool(shape, seed=3), synthetic_pool(shape, seed=3)
@@ -88,20 +70,6 @@ def test_synthetic_pool_is_seeded_and_shaped():
     full = get_shape("qwen3.6-35b-a3b")
     assert (full.layers, full.experts, full.top_k, full.hidden, full.inter) == (40, 256, 8, 2048, 512)
     assert round(full.pool_bytes / 1e9, 1) == 64.4
-
-
-def test_bench_decode_smoke(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    assert bench_decode.main(["--small", "--threads", "1", "--steps", "2", "--warmup", "1",
-                              "--prefill-tokens", "64", "--slots", "60%", "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    rows = {r["config"]: r for r in res["rows"]}
-    assert set(rows) >= {"decode offload t1", "decode cpu t1", "decode hybrid t1", "decode fused (all resident)"}
-    assert rows["decode fused (all resident)"]["hit_rate"] == 1.0
-    assert rows["decode cpu t1"]["fills_per_tok"] == 0 and rows["decode offload t1"]["cpu_per_tok"] == 0
-    assert rows["prefill 64 stream"]["streamed"] and not rows["prefill 64 on-demand"]["streamed"]
-    assert res["routing_us_per_layer"]["host"] > 0 and not res["failed"]
-    assert "tok/s" in capsys.readouterr().out
 
 
 def test_pin_failure_falls_back_to_pageable_with_one_warning(monkeypatch):
@@ -119,13 +87,3 @@ def test_pin_failure_falls_back_to_pageable_with_one_warning(monkeypatch):
         pool = HostPool([0, 1, 2], 3, LAYOUT, torch.float32).load(counting_fill)
     assert len(record) == 1 and len(calls) == 1 and not pool.pinned
     assert pool.block(2, 1)[0] == 2000 + LAYOUT.numel
-
-
-def test_killick_bench_bw_command(tmp_path, monkeypatch, capsys):
-    from proxy.cli import main
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert main(["bench", "bw", "--small", "--threads", "1", "--experts", "2", "--stream-mib", "4"]) == 0
-    assert json.loads(capsys.readouterr().out)["key"]["gpu"] in ("cpu-only", torch.cuda.get_device_name()
-                                                                if torch.cuda.is_available() else "")
-    assert main(["bench", "decode", "--small", "--routing", "nope"]) == 2  # a user error: one line, exit 2

@@ -82,6 +82,23 @@ def test_prefix_reuse_gives_the_cold_output_and_reports_reused_tokens(engine):
     assert out3 == engine.generate(edited, max_new_tokens=6)
 
 
+def test_usage_reports_where_the_cache_kept_checkpoints(engine):
+    """Usage.checkpoints_kept: the asked positions the request prefilled past, its prompt end, its generation
+    end; a position inside the reused prefix is not taken again, and without a prefix cache nothing is kept."""
+    p = prompts(engine.config.vocab_size, 3, seed=1)[2][:60]
+    cache = PrefixStore(engine.model, device_budget=64 << 20, host_budget=64 << 20)
+    with EngineCore(ModelRunner(engine.model, cache=cache), max_step_tokens=16) as core:
+        (out,), (first,) = run_all(core, [GenerateRequest(p, 6, checkpoint_positions=(20, 40))])
+        follow = p + out + [1, 2, 3]
+        _, (second,) = run_all(core, [GenerateRequest(follow, 2, checkpoint_positions=(30,))])
+    assert first.usage.checkpoints_kept == (20, 40, len(p), len(p) + 6)
+    assert second.usage.reused_tokens == len(p) + 6
+    assert second.usage.checkpoints_kept == (len(follow), len(follow) + 2)
+    with EngineCore(ModelRunner(engine.model)) as core:
+        _, (plain,) = run_all(core, [GenerateRequest(p, 2, checkpoint_positions=(20,))])
+    assert plain.usage.checkpoints_kept == ()
+
+
 def test_sampled_output_is_reproducible_with_a_seed(engine):
     p = prompts(engine.config.vocab_size, 1)[0]
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=11)

@@ -7,8 +7,9 @@ from typing import get_args
 import pytest
 
 from harness_adapters import Registry, default_registry, detect_adapter, load_registry, load_user_rules
-from harness_adapters.base import ElideToolOutputsBeyondN, Rule, VolatileText, request_system_text
+from harness_adapters.base import request_system_text
 from harness_adapters.opencode import OpenCodeAdapter
+from harness_adapters.rules import ElideToolOutputsBeyondN, Rule, VolatileText
 from proxy.conversation import Conversation, ToolSpec
 from tests.proxy.fake_render import system, user
 

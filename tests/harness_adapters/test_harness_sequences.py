@@ -1,12 +1,12 @@
-"""Multi-turn request sequences shaped like each harness's traffic (DESIGN.md), through the whole policy:
+"""Multi-turn request sequences shaped like each harness's traffic (fixtures/harness_requests/), through the whole policy:
 detect -> normalise -> render -> session -> diff -> anchors. Asserts edit classes, where prefill resumes,
 and that side requests leave the main conversation alone."""
 import json
 
 from harness_adapters import detect_adapter
-from proxy.anchors import past_opening_token
-from proxy.cache_policy import CachePolicy
 from proxy.conversation import Conversation, Message, TextPart, ToolSpec
+from proxy.policy.anchors import past_opening_token
+from proxy.policy.cache_policy import CachePolicy
 from tests.proxy.fake_render import assistant, play, render, reply_ids, system, tool, user
 
 TOOLS = tuple(ToolSpec(n, f"{n} tool", json.dumps({"type": "object", "properties": {"x": {"type": "string"}}}))
@@ -222,7 +222,7 @@ def test_expected_reprefill_never_exceeds_tokens_after_resume_point():
 
 def test_claude_code_keeps_its_system_prompt_when_the_billing_line_shares_its_text():
     """The Anthropic front-end joins system blocks into one text: only the billing line may go, not the prompt."""
-    from proxy.normalize import normalize
+    from harness_adapters.normalize import normalize
 
     bill = "x-anthropic-billing-header: cc_version=2.1.3.a1f; cc_entrypoint=cli;"
     conv = Conversation((Message("system", (TextPart(bill + "\n\nYou are Claude Code.\n<env>x</env>"),)),

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from harness_adapters import default_registry
+from tests.proxy.fake_render import engine_usage
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sessions"
 EXPECTED = {"claude": "claude_code", "opencode": "opencode", "codex": "codex", "mini-swe-agent": "swe_agent",
@@ -44,12 +45,12 @@ def test_codex_is_known_by_originator_alone():
 def test_claude_code_default_arguments_do_not_break_the_append():
     """Recorded: Claude Code re-sends the model's Edit call with `"replace_all": false` added. With the
     defaults dropped, the next prompt extends the previous prompt + generated reply exactly."""
-    from engine.tokenizer import load_tokenizer
-    from proxy.cache_policy import PolicyPlanner
-    from proxy.render import ChatRenderer
-    from proxy.replay_log import load
-    from proxy.schema_anthropic import MessagesRequest, to_conversation
-    from proxy.scripted import forced_ids
+    from proxy.prompt.tokenizer import load_tokenizer
+    from proxy.policy.cache_policy import PolicyPlanner
+    from proxy.prompt.render import ChatRenderer
+    from proxy.replay.log import load
+    from proxy.apis.anthropic.schema import MessagesRequest, to_conversation
+    from proxy.replay.scripted import forced_ids
 
     tok = load_tokenizer(None)
     renderer, planner = ChatRenderer(tok), PolicyPlanner()
@@ -61,6 +62,7 @@ def test_claude_code_default_arguments_do_not_break_the_append():
         rendered = renderer.render(conv)
         turn = planner(conv, rendered, e.headers, e.body)
         classes.append(turn.record.edit_class)
-        planner.finish(turn, forced_ids(renderer, tok, conv, rendered.text, e.reply()))
-    assert e.metrics["edit_class"] == "reply_rerendered"  # what the recording server (before the fix) saw
+        ids = forced_ids(renderer, tok, conv, rendered.text, e.reply())
+        planner.finish(turn, ids, engine_usage(turn, ids))
+    assert e.metrics["edit_class"] == "reply_rerendered"  # the recording server kept the default arguments
     assert classes == ["first"] + ["append"] * 5

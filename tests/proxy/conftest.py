@@ -1,6 +1,7 @@
 import pytest
 
 from proxy.app import create_app
+from proxy.replay.sources import OutputHeader
 from proxy_fakes import CharTokenizer, ChatMLRenderer, SlowCore
 
 FORCED = "x-killick-forced-output"
@@ -14,7 +15,7 @@ def fake_stack():
         tok = CharTokenizer()
         core = SlowCore(tok, prefill_s=prefill_s, step_s=step_s)
         app = create_app(core, tok, ChatMLRenderer(tok), model_name="tiny", context_length=context_length,
-                         api_key=api_key, keepalive_s=keepalive_s, planner=planner, test_hooks=True)
+                         api_key=api_key, keepalive_s=keepalive_s, planner=planner, replies=OutputHeader())
         return app, core
 
     return make

@@ -1,14 +1,16 @@
-"""A small stand-in for proxy/render.py for policy tests: one token per character, exact segments.
+"""A small stand-in for proxy/prompt/render.py for policy tests: one token per character, exact segments.
 
 Same layout as the shipped ChatML template (system turn with tools, <think> in every assistant turn, tool
 results sharing a user turn), so edit points fall where the real renderer puts them, and no tokenizer is
-needed. `reply_ids` gives what the model would have generated for an assistant message.
+needed. `reply_ids` gives what the model would have generated for an assistant message, `engine_usage` what
+the engine reports once it has.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
+from engine.api import Usage
 from proxy.conversation import Conversation, Message, TextPart, ThinkingPart, ToolCallPart, ToolResultPart
 
 
@@ -115,12 +117,22 @@ def tool(content: str, call_id: str = "") -> Message:
     return Message("tool", (ToolResultPart(content, call_id),))
 
 
+def engine_usage(turn, generated_ids) -> Usage:
+    """What an engine with room for everything reports after serving `turn`: prefill from where the plan
+    resumes, and a checkpoint kept at every asked position, the prompt end and the generation end."""
+    n, out = len(turn.prompt_ids), len(generated_ids)
+    kept = tuple(sorted(set(turn.checkpoint_positions) | {n, n + out}))
+    return Usage(prompt_tokens=n, output_tokens=out, reused_tokens=turn.resume_at,
+                 prefilled_tokens=n - turn.resume_at, checkpoints_kept=kept)
+
+
 def play(policy, adapter, conv: Conversation, reply: Message, request: dict | None = None,
          headers: dict | None = None):
     """One request through the cache policy with the fake renderer; returns (TurnPlan, TurnRecord)."""
-    from proxy.normalize import normalize
+    from harness_adapters.normalize import normalize
 
     conv = normalize(conv, adapter)
     rendered = render(conv)
     turn = policy.plan_turn(request or {}, headers or {}, conv, rendered, adapter)
-    return turn, policy.finish_turn(turn, reply_ids(reply))
+    generated = reply_ids(reply)
+    return turn, policy.finish_turn(turn, generated, engine_usage(turn, generated))

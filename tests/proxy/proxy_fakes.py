@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass
 
 from engine.api import GenerateRequest, TokenEvent, Usage
+from engine.serving import TokenStream
 from proxy.conversation import ThinkingPart, ToolCallPart
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<|endoftext|>"]
@@ -94,17 +95,23 @@ class SlowCore:
         self._tasks.add(asyncio.get_running_loop().create_task(self._deliver(req, on_event)))
 
     async def _deliver(self, req: GenerateRequest, on_event) -> None:
-        async for ev in self.stream(req):
+        async for ev in self._events(req):
             on_event(ev)
         self.finished += 1
+
+    def stream(self, req: GenerateRequest) -> TokenStream:
+        return TokenStream(self, req)
 
     def stats(self) -> dict:
         return {"active": self.active, "queued": 0, "cache": {"hits": 1}}
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+        for req in self.requests:
+            if req.request_id == request_id:
+                req.abort.abort()
 
-    async def stream(self, req: GenerateRequest):
+    async def _events(self, req: GenerateRequest):
         self.requests.append(req)
         self.active += 1
         try:

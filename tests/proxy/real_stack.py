@@ -8,7 +8,7 @@ import pytest
 def synth_model_dir(tmp_path_factory):
     synth = pytest.importorskip("engine.synth")
     from engine.demo import SHIPPED_TOKENIZER
-    from engine.tokenizer import load_tokenizer
+    from proxy.prompt.tokenizer import load_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-model")
     vocab = load_tokenizer(None).vocab_size
@@ -18,9 +18,10 @@ def synth_model_dir(tmp_path_factory):
 def real_app(model_dir, *, context_length=4096, keepalive_s=5.0, max_running=2, max_waiting=8, api_key=None,
              planner=None, **engine_options):
     from engine.build import EngineOptions, build_core
-    from engine.tokenizer import load_tokenizer
+    from proxy.prompt.tokenizer import load_tokenizer
     from proxy.app import create_app
-    from proxy.render import ChatRenderer
+    from proxy.prompt.render import ChatRenderer
+    from proxy.replay.sources import OutputHeader
 
     tok = load_tokenizer(model_dir)
     engine_options = {"cache_device_mb": 64, "cache_host_mb": 64, **engine_options}
@@ -28,5 +29,5 @@ def real_app(model_dir, *, context_length=4096, keepalive_s=5.0, max_running=2, 
                          **engine_options)
     core = build_core(model_dir, opts)
     app = create_app(core, tok, ChatRenderer(tok), model_name="tiny", api_key=api_key, keepalive_s=keepalive_s,
-                     planner=planner, test_hooks=True)
+                     planner=planner, replies=OutputHeader())
     return app, core, tok

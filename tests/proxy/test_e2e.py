@@ -203,8 +203,8 @@ async def test_errors_and_models_with_the_real_engine(serve, sdk):
 
 async def test_cache_policy_planner_end_to_end(aiohttp_server, model_dir, sdk):
     """Claude Code shape, two turns, billing line changing: the policy normalises it away and plans anchors,
-    so the second turn reuses the first prompt. Runs once proxy/cache_policy.py is on the branch."""
-    cache_policy = pytest.importorskip("proxy.cache_policy")
+    so the second turn reuses the first prompt. Runs once proxy/policy/cache_policy.py is on the branch."""
+    cache_policy = pytest.importorskip("proxy.policy.cache_policy")
     from real_stack import real_app
 
     planner = cache_policy.PolicyPlanner()

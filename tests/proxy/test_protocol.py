@@ -202,7 +202,7 @@ async def test_keepalive_continues_while_a_long_tool_call_is_buffered(aiohttp_cl
 
 
 class RecordingPlanner:
-    """Checks the seam's calls and order; the real policy is proxy/cache_policy.PolicyPlanner."""
+    """Checks the seam's calls and order; the real policy is proxy/policy/cache_policy.PolicyPlanner."""
 
     def __init__(self):
         self.calls = []
@@ -213,7 +213,7 @@ class RecordingPlanner:
 
     def __call__(self, conv, rendered, headers, request=None):
         self.calls.append(("plan", len(rendered.ids)))
-        from proxy.context import Plan
+        from proxy.policy.planner import Plan
         return Plan((3, len(rendered.ids) - 1), headers.get("x-session-id"))
 
     def finish(self, turn, output_ids, usage=None):

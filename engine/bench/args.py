@@ -1,0 +1,65 @@
+"""Command-line options of the expert benchmarks, torch-free so `killick --help` stays light.
+
+`killick bench bw` / `killick bench decode` (proxy/cli/bench.py) and the modules' own `main(argv)`
+share these definitions."""
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_SHAPE = "qwen3.6-35b-a3b"
+
+
+def add_bw_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--synthetic", default=DEFAULT_SHAPE, help="expert format (shape and dtype) to measure")
+    ap.add_argument("--small", action="store_true", help="scaled-down shape: a seconds-long smoke run")
+    ap.add_argument("--threads", default=None, help="comma-separated CPU thread counts (default 1..cores)")
+    ap.add_argument("--experts", type=int, default=64, help="expert blocks per B_H timing (8 a call)")
+    ap.add_argument("--stream-mib", type=int, default=1024, help="buffer size of the STREAM read")
+    ap.add_argument("--json", default=None, help="also write the profile here")
+
+
+def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--synthetic", default=DEFAULT_SHAPE, help="model shape of the synthetic expert pool")
+    ap.add_argument("--small", action="store_true", help="scaled-down shape for a CPU smoke test")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--slots", default="37%", help="slot count or percentage of all experts")
+    ap.add_argument("--threads", default="6",
+                    help="CPU threads for the CPU expert path; a list (6,16) repeats the cpu/hybrid runs")
+    ap.add_argument("--backends", default="offload,cpu,hybrid")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--warm-prefill", type=int, default=1024,
+                    help="prompt tokens prefilled before each decode run (0: start from an empty cache)")
+    ap.add_argument("--routing", default="uniform", help="uniform and/or zipf, comma-separated")
+    ap.add_argument("--freeze", action="store_true", help="keep q* at the measured profile")
+    ap.add_argument("--json", default=None)
+
+
+def split_decode_lists(args: argparse.Namespace) -> argparse.Namespace:
+    """Comma lists -> lists; ValueError on a bad routing name."""
+    args.backends = args.backends.split(",")
+    args.threads = [int(t) for t in args.threads.split(",")]
+    args.routing = args.routing.split(",")
+    if not set(args.routing) <= {"uniform", "zipf"}:
+        raise ValueError(f"--routing takes uniform and/or zipf, got {','.join(args.routing)}")
+    return args
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """`killick bench model`: the whole engine on a checkpoint or a synthetic model of real widths."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint directory (default: a synthetic model, see --synthetic)")
+    src.add_argument("--synthetic", default="qwen3.6-35b-a3b", help="synthetic size (default qwen3.6-35b-a3b)")
+    p.add_argument("--layers", type=int, help="decoder layers of the synthetic model (default: all)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--batches", default="1,4,8", help="decode batch sizes (default 1,4,8)")
+    p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size (default 64)")
+    p.add_argument("--warmup", type=int, default=8, help="decode steps before timing (default 8)")
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens of each decode request (default 64)")
+    p.add_argument("--prefill", type=int, default=8192, help="tokens of the long prompt (default 8192; 0: skip)")
+    p.add_argument("--extend", type=int, default=256, help="tokens appended after the cached prompt (default 256)")
+    p.add_argument("--max-step-tokens", type=int, help="prefill chunk (default: the serve default for the device)")
+    p.add_argument("--eager", action="store_true", help="the eager reference path instead of the fast one")
+    p.add_argument("--json", help="write the results here")

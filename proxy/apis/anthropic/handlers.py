@@ -1,0 +1,149 @@
+"""POST /v1/messages (streaming and not) and /v1/messages/count_tokens, in Anthropic's exact shapes.
+
+Streaming grammar: message_start, ping, then per content block content_block_start / *_delta /
+content_block_stop (thinking_delta + signature_delta, text_delta, input_json_delta), message_delta with
+stop_reason and the final usage, message_stop. Pings are also the keep-alive while queued or prefilling.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import uuid
+
+from aiohttp import web
+
+from proxy.apis.anthropic.schema import CountTokensRequest, MessagesRequest, gen_params, to_conversation
+from proxy.context import CTX
+from proxy.errors import read_json_object
+from proxy.generation import Finished, Generation, Keepalive, answer_whole, normalize, prepare, render
+from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall
+from proxy.sse import SSEWriter
+
+STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens",
+                "stop_sequence": "stop_sequence", "abort": "end_turn", "error": "end_turn"}
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    ctx = request.app[CTX]
+    body = await read_json_object(request)
+    req = MessagesRequest.model_validate(body)
+    prep = prepare(ctx, request, to_conversation(req), gen_params(req), body)
+    msg = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": req.model}
+    async with Generation(ctx, prep) as gen:
+        if req.stream:
+            return await _stream(request, msg, len(prep.request.prompt_ids), gen)
+        return await answer_whole(request, gen, functools.partial(message_json, msg))
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    body = await read_json_object(request)
+    conv = normalize(ctx, to_conversation(CountTokensRequest.model_validate(body)), request.headers, body)
+    return web.json_response({"input_tokens": len(render(ctx, conv).ids)})
+
+
+def message_json(msg: dict, blocks: list, fin: Finished) -> dict:
+    return {**msg, "content": [_block_json(b) for b in blocks], **_stop_fields(fin), "usage": usage_json(fin)}
+
+
+def usage_json(fin: Finished) -> dict:
+    u = fin.usage
+    return {"input_tokens": u.prompt_tokens - u.reused_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": u.reused_tokens, "output_tokens": u.output_tokens}
+
+
+def _stop_fields(fin: Finished) -> dict:
+    return {"stop_reason": STOP_REASONS[fin.finish], "stop_sequence": fin.stop_sequence}
+
+
+def _signature(thinking: str) -> str:
+    """Not a secret: agents re-send thinking blocks with a signature, so each gets a stable one."""
+    return "killick-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
+
+
+def _block_json(block) -> dict:
+    if isinstance(block, ThinkingDelta):
+        return {"type": "thinking", "thinking": block.text, "signature": _signature(block.text)}
+    if isinstance(block, TextDelta):
+        return {"type": "text", "text": block.text}
+    return {"type": "tool_use", "id": _tool_id(), "name": block.name, "input": _json_object(block.arguments)}
+
+
+def _tool_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def _json_object(text: str) -> dict:
+    return json.loads(text)  # the parser only emits tool calls whose arguments are a JSON object
+
+
+class _BlockStream:
+    """Opens and closes content blocks as the kind of output changes."""
+
+    def __init__(self, sse: SSEWriter):
+        self.sse, self.index, self.kind, self.thinking = sse, -1, None, ""
+
+    async def open(self, kind: str, block: dict) -> None:
+        await self.close()
+        self.index, self.kind = self.index + 1, kind
+        await self.sse.event({"type": "content_block_start", "index": self.index, "content_block": block},
+                             "content_block_start")
+
+    async def delta(self, delta: dict) -> None:
+        await self.sse.event({"type": "content_block_delta", "index": self.index, "delta": delta},
+                             "content_block_delta")
+
+    async def close(self) -> None:
+        if self.kind is None:
+            return
+        if self.kind == "thinking":
+            await self.delta({"type": "signature_delta", "signature": _signature(self.thinking)})
+            self.thinking = ""
+        await self.sse.event({"type": "content_block_stop", "index": self.index}, "content_block_stop")
+        self.kind = None
+
+    async def item(self, item) -> None:
+        if isinstance(item, ThinkingDelta):
+            if self.kind != "thinking":
+                await self.open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            self.thinking += item.text
+            await self.delta({"type": "thinking_delta", "thinking": item.text})
+        elif isinstance(item, TextDelta):
+            if self.kind != "text":
+                await self.open("text", {"type": "text", "text": ""})
+            await self.delta({"type": "text_delta", "text": item.text})
+        elif isinstance(item, ToolCall):
+            await self.open("tool_use", {"type": "tool_use", "id": _tool_id(), "name": item.name, "input": {}})
+            await self.delta({"type": "input_json_delta", "partial_json": item.arguments})
+            await self.close()
+
+
+async def _stream(request: web.Request, msg: dict, prompt_tokens: int, gen: Generation) -> web.StreamResponse:
+    sse = SSEWriter(request)
+    start_usage = {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0,
+                   "cache_read_input_tokens": 0, "output_tokens": 0}
+    await sse.event({"type": "message_start", "message": {
+        **msg, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}}, "message_start")
+    await sse.event({"type": "ping"}, "ping")
+    blocks = _BlockStream(sse)
+    async for item in gen:
+        if isinstance(item, Keepalive):
+            await sse.event({"type": "ping"}, "ping")
+        elif isinstance(item, Finished):
+            gen.turn.response = lambda fin=item: message_json(msg, gen.blocks, fin)
+            await _finish_stream(sse, blocks, item)
+        else:
+            await blocks.item(item)
+    return await sse.finish()
+
+
+async def _finish_stream(sse: SSEWriter, blocks: _BlockStream, fin: Finished) -> None:
+    await blocks.close()
+    if fin.finish == "error":
+        await sse.event({"type": "error", "error": {"type": "api_error", "message": fin.error or "engine error"}},
+                        "error")
+        return
+    await sse.event({"type": "message_delta", "delta": _stop_fields(fin), "usage": usage_json(fin)},
+                    "message_delta")
+    await sse.event({"type": "message_stop"}, "message_stop")

@@ -1,0 +1,167 @@
+"""OpenAI Chat Completions requests: pydantic at the edge, then into a Conversation.
+
+Accepts what real agents send: `developer` role (as system), `reasoning_content` (or `reasoning`) on
+assistant messages, `max_completion_tokens`, content as string or parts, `chat_template_kwargs`
+(enable_thinking) and `reasoning_effort: "none"` to switch thinking off. Images become a text placeholder.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.api import SamplingParams
+from proxy.apis.anthropic.schema import IMAGE_PLACEHOLDER
+from proxy.conversation import (
+    Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
+)
+from proxy.errors import ApiError
+from proxy.generation import GenParams
+
+log = logging.getLogger("killick.proxy")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextContent(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ImageContent(_Model):
+    type: Literal["image_url", "input_audio", "file"]
+
+
+Content = Union[str, list[Annotated[Union[TextContent, ImageContent], Field(discriminator="type")]], None]
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str = ""
+
+
+class ToolCallIn(_Model):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    tool_call_id: Optional[str] = None
+
+
+class FunctionDef(_Model):
+    name: str = Field(min_length=1)
+    description: str = ""
+    parameters: Optional[dict] = None
+
+
+class ToolDef(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: dict
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class ChatRequest(_Model):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=-1)
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    n: Optional[int] = Field(default=None, ge=1)
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    logprobs: Optional[bool] = None
+    reasoning_effort: Optional[str] = None
+    chat_template_kwargs: Optional[dict] = None
+    user: Optional[str] = None
+
+
+def check_supported(req: ChatRequest) -> None:
+    if req.n is not None and req.n > 1:
+        raise ApiError(400, "n: only n=1 is supported (one completion per request)", param="n")
+    if req.logprobs:
+        raise ApiError(400, "logprobs: log probabilities are not supported", param="logprobs")
+
+
+def to_conversation(req: ChatRequest) -> Conversation:
+    messages = tuple(_convert_message(m) for m in req.messages)
+    tools = tuple(ToolSpec(t.function.name, t.function.description,
+                           canonical_json(t.function.parameters or {"type": "object", "properties": {}}))
+                  for t in req.tools or ())
+    kwargs = req.chat_template_kwargs or {}
+    thinking_on = kwargs.get("enable_thinking", True) is not False and req.reasoning_effort not in ("none",)
+    extras = {"session_hint": req.user} if req.user else {}
+    return Conversation(messages, tools, enable_thinking=thinking_on, extras=extras)
+
+
+def gen_params(req: ChatRequest) -> GenParams:
+    sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p,
+                              top_k=max(req.top_k or 0, 0), seed=req.seed)
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    parse_tools = bool(req.tools) and req.tool_choice != "none"
+    one_call = 1 if req.parallel_tool_calls is False else None
+    return GenParams(req.max_completion_tokens or req.max_tokens, sampling, stop, parse_tools, one_call)
+
+
+def content_text(content: Content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if isinstance(part, TextContent):
+            texts.append(part.text)
+        else:
+            log.warning("a %s content part was replaced by a text placeholder: the model reads text only", part.type)
+            texts.append(IMAGE_PLACEHOLDER)
+    return "\n".join(texts)
+
+
+def _convert_message(msg: ChatMessage) -> Message:
+    text = content_text(msg.content)
+    if msg.role == "tool":
+        return Message("tool", (ToolResultPart(text, msg.tool_call_id or ""),))
+    if msg.role != "assistant":
+        return Message("system" if msg.role == "developer" else msg.role, (TextPart(text),))
+    parts: list[Part] = []
+    reasoning = msg.reasoning_content or msg.reasoning
+    if reasoning:
+        parts.append(ThinkingPart(reasoning))
+    if text:
+        parts.append(TextPart(text))
+    parts += [ToolCallPart(c.function.name, canonical_arguments(c.function.arguments), c.id)
+              for c in msg.tool_calls or ()]
+    return Message("assistant", tuple(parts))
+
+
+def canonical_arguments(arguments: str) -> str:
+    """Tool-call arguments as canonical JSON when they parse; as sent otherwise (the model wrote them)."""
+    try:
+        return canonical_json(json.loads(arguments)) if arguments.strip() else "{}"
+    except (json.JSONDecodeError, RecursionError):
+        return arguments

@@ -1,0 +1,131 @@
+"""POST /v1/responses, streaming (response.created ... response.completed) and not.
+
+`previous_response_id` is served from the bounded in-memory ResponseStore; `store: false` responses are
+never kept. Usage carries `input_tokens_details.cached_tokens` and `output_tokens_details.reasoning_tokens`.
+"""
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+
+from aiohttp import web
+
+from proxy.apis.responses.output import OutputItems
+from proxy.apis.responses.schema import ResponsesRequest, custom_tool_names, gen_params, input_messages, to_conversation
+from proxy.apis.responses.store import RESPONSES, ResponseStore
+from proxy.context import CTX
+from proxy.errors import ApiError, read_json_object
+from proxy.generation import Finished, Generation, Keepalive, prepare, run_to_finish
+from proxy.sse import SSEWriter
+
+TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
+                   "failed": "response.failed"}
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    ctx = request.app[CTX]
+    body = await read_json_object(request)
+    req = ResponsesRequest.model_validate(body)
+    store = request.app[RESPONSES]
+    previous = _previous(store, req)
+    prep = prepare(ctx, request, to_conversation(req, previous), gen_params(req), body)
+    head = _head(req)
+    out = OutputItems(custom_tool_names(req), "reasoning.encrypted_content" in (req.include or ()))
+    remember = functools.partial(_remember, store, req, head["id"], previous, out)
+    async with Generation(ctx, prep) as gen:
+        if req.stream:
+            return await _stream(request, head, out, remember, gen)
+        return await _complete(request, head, out, remember, gen)
+
+
+async def _complete(request: web.Request, head: dict, out: OutputItems, remember, gen: Generation) -> web.Response:
+    fin = await run_to_finish(request, gen, out.feed)
+    out.close()
+    remember()
+    body = _final(head, out, fin)
+    gen.turn.response = lambda: body
+    return web.json_response(body)
+
+
+def _previous(store: ResponseStore, req: ResponsesRequest):
+    if not req.previous_response_id:
+        return ()
+    messages = store.get(req.previous_response_id)
+    if messages is None:
+        raise ApiError(400, f"previous_response_id: no stored response {req.previous_response_id!r} "
+                            "(responses are kept in memory, a bounded number, and never with store:false)",
+                       param="previous_response_id", code="previous_response_not_found")
+    return messages
+
+
+def _remember(store: ResponseStore, req: ResponsesRequest, response_id: str, previous, out: OutputItems) -> None:
+    if req.store:
+        store.put(response_id, tuple(previous) + input_messages(req) + (out.message(),))
+
+
+def _head(req: ResponsesRequest) -> dict:
+    """The response object's fields that do not change while it is generated."""
+    return {
+        "id": f"resp_{uuid.uuid4().hex[:24]}", "object": "response", "created_at": int(time.time()),
+        "model": req.model, "instructions": req.instructions, "previous_response_id": req.previous_response_id,
+        "max_output_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+        "parallel_tool_calls": req.parallel_tool_calls is not False, "tool_choice": req.tool_choice or "auto",
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()], "store": req.store,
+        "reasoning": (req.reasoning.model_dump() if req.reasoning else {"effort": None, "summary": None}),
+        "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.metadata or {},
+        "error": None, "incomplete_details": None,
+    }
+
+
+def usage_json(fin: Finished) -> dict:
+    u = fin.usage
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.reused_tokens},
+            "output_tokens": u.output_tokens, "output_tokens_details": {"reasoning_tokens": fin.reasoning_tokens},
+            "total_tokens": u.prompt_tokens + u.output_tokens}
+
+
+def _status(fin: Finished) -> str:
+    return {"length": "incomplete", "error": "failed"}.get(fin.finish, "completed")
+
+
+def _final(head: dict, out: OutputItems, fin: Finished) -> dict:
+    status = _status(fin)
+    body = {**head, "status": status, "output": out.items, "usage": usage_json(fin)}
+    if status == "incomplete":
+        body["incomplete_details"] = {"reason": "max_output_tokens"}
+    if status == "failed":
+        body["error"] = {"code": "server_error", "message": fin.error or "engine error"}
+    return body
+
+
+class _Events:
+    def __init__(self, sse: SSEWriter):
+        self.sse, self.seq = sse, 0
+
+    async def send(self, kind: str, payload: dict) -> None:
+        await self.sse.event({"type": kind, "sequence_number": self.seq, **payload}, kind)
+        self.seq += 1
+
+
+async def _stream(request: web.Request, head: dict, out: OutputItems, remember, gen: Generation) -> web.StreamResponse:
+    sse = SSEWriter(request)
+    events = _Events(sse)
+    pending = {**head, "status": "in_progress", "output": [], "usage": None}
+    await events.send("response.created", {"response": pending})
+    await events.send("response.in_progress", {"response": pending})
+    async for item in gen:
+        if isinstance(item, Keepalive):
+            await sse.comment("keep-alive")
+            continue
+        if isinstance(item, Finished):
+            emitted = out.close()
+            remember()
+            final = _final(head, out, item)
+            gen.turn.response = lambda final=final: final
+            emitted.append((TERMINAL_EVENTS[final["status"]], {"response": final}))
+        else:
+            emitted = out.feed(item)
+        for kind, payload in emitted:
+            await events.send(kind, payload)
+    return await sse.finish()

@@ -1,0 +1,105 @@
+"""Responses output items, built from output events one at a time.
+
+The same builder serves both modes: streaming sends the (event type, payload) pairs it returns, the
+non-streaming answer ignores them and takes the finished items. Each item goes added -> deltas -> done:
+reasoning (reasoning_text), message (output_text), function_call (arguments), custom_tool_call (input).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+
+from proxy.apis.responses.schema import encrypt_reasoning
+from proxy.conversation import Message, Part, TextPart, ThinkingPart, ToolCallPart, canonical_json
+from proxy.prompt.output_parser import ThinkingDelta, ToolCall
+
+Emitted = list[tuple[str, dict]]
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+class OutputItems:
+    def __init__(self, custom_tools: frozenset[str], include_encrypted: bool):
+        self.custom_tools = custom_tools
+        self.include_encrypted = include_encrypted
+        self.items: list[dict] = []  # finished output items
+        self.parts: list[Part] = []  # the same output as conversation parts (for previous_response_id)
+        self._open: dict | None = None  # the item being streamed
+        self._text = ""
+
+    def feed(self, ev) -> Emitted:
+        if isinstance(ev, ToolCall):
+            return self.close() + self._tool_call(ev)
+        kind = "reasoning" if isinstance(ev, ThinkingDelta) else "message"
+        out = [] if self._open is not None and self._open["type"] == kind else self.close() + self._start(kind)
+        self._text += ev.text
+        where = self._where()
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return out + [(name, {**where, "content_index": 0, "delta": ev.text, **extra})]
+
+    def close(self) -> Emitted:
+        item, text = self._open, self._text
+        if item is None:
+            return []
+        self._open, self._text = None, ""
+        where = {"item_id": item["id"], "output_index": len(self.items)}
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            done = {**item, "content": [part]}
+            if self.include_encrypted:
+                done["encrypted_content"] = encrypt_reasoning(text)
+            self.parts.append(ThinkingPart(text))
+            text_done = ("response.reasoning_text.done", {**where, "content_index": 0, "text": text})
+        else:
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            done = {**item, "status": "completed", "content": [part]}
+            self.parts.append(TextPart(text))
+            text_done = ("response.output_text.done", {**where, "content_index": 0, "text": text, "logprobs": []})
+        return self._finish(done, [text_done, ("response.content_part.done", {**where, "content_index": 0,
+                                                                                "part": part})])
+
+    def message(self) -> Message:
+        return Message("assistant", tuple(self.parts))
+
+    def _where(self) -> dict:
+        return {"item_id": self._open["id"], "output_index": len(self.items)}
+
+    def _start(self, kind: str) -> Emitted:
+        if kind == "reasoning":
+            self._open = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            self._open = {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
+                          "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        where = self._where()
+        return [("response.output_item.added", {"output_index": where["output_index"], "item": self._open}),
+                ("response.content_part.added", {**where, "content_index": 0, "part": part})]
+
+    def _tool_call(self, call: ToolCall) -> Emitted:
+        index, call_id = len(self.items), _id("call")
+        if call.name in self.custom_tools:
+            args = json.loads(call.arguments)
+            text = args["input"] if isinstance(args.get("input"), str) else call.arguments
+            item = {"id": _id("ctc"), "type": "custom_tool_call", "call_id": call_id, "name": call.name}
+            stem, key, stored = "response.custom_tool_call_input", "input", canonical_json({"input": text})
+        else:
+            text = call.arguments
+            item = {"id": _id("fc"), "type": "function_call", "call_id": call_id, "name": call.name,
+                    "status": "in_progress"}
+            stem, key, stored = "response.function_call_arguments", "arguments", canonical_json(json.loads(text))
+        where = {"item_id": item["id"], "output_index": index}
+        self.parts.append(ToolCallPart(call.name, stored, call_id))
+        added = ("response.output_item.added", {"output_index": index, "item": {**item, key: ""}})
+        delta = (f"{stem}.delta", {**where, "delta": text})
+        done_args = (f"{stem}.done", {**where, key: text, **({"name": call.name} if key == "arguments" else {})})
+        done_item = {**item, key: text, **({"status": "completed"} if key == "arguments" else {})}
+        return [added, delta] + self._finish(done_item, [done_args])
+
+    def _finish(self, item: dict, before: Emitted) -> Emitted:
+        index = len(self.items)
+        self.items.append(item)
+        return before + [("response.output_item.done", {"output_index": index, "item": item})]

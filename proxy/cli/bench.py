@@ -1,0 +1,29 @@
+"""`killick bench bw` (B_P, B_H, STREAM; writes this machine's profile), `killick bench decode` (the expert
+hierarchy on a synthetic model shape) and `killick bench model` (the whole engine, beside its HBM bound).
+Torch is imported only when a benchmark runs."""
+from __future__ import annotations
+
+import argparse
+
+from engine.bench.args import add_bw_arguments, add_decode_arguments, add_model_arguments
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
+    add_bw_arguments(sub.add_parser("bw", help="PCIe, CPU expert kernel and host read bandwidth -> profile"))
+    add_decode_arguments(sub.add_parser("decode", help="decode/prefill tok/s per expert backend, synthetic shape"))
+    add_model_arguments(sub.add_parser("model", help="the whole engine: decode b1/4/8, 8k prefill, extend TTFT"))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench_command == "bw":
+        from engine.bench import bw
+
+        return bw.run_args(args)
+    if args.bench_command == "model":
+        from engine.bench import model
+
+        return model.run_args(args)
+    from engine.bench import decode
+
+    return decode.run_args(args)

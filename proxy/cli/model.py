@@ -1,0 +1,32 @@
+"""`killick model synth`: write a small seeded random checkpoint in a real Hugging Face layout."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    s = sub.add_parser("synth", help="write a seeded random checkpoint (qwen3_5_moe or qwen3_moe)")
+    s.add_argument("out", help="output directory")
+    s.add_argument("--arch", default="qwen3_5_moe", choices=["qwen3_5_moe", "qwen3_moe"])
+    s.add_argument("--layout", default="fused", choices=["fused", "per_expert"],
+                   help="experts stored fused ([E,2I,H] / [E,H,I], as released) or one tensor per expert")
+    s.add_argument("--size", default="tiny", choices=["tiny", "demo"])
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--no-tokenizer", action="store_true", help="do not copy the shipped tokenizer")
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.demo import SHIPPED_TOKENIZER
+    from engine.synth import synth_checkpoint
+
+    tok = None if args.no_tokenizer else SHIPPED_TOKENIZER
+    vocab = None
+    if tok is not None:
+        from proxy.prompt.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(None).vocab_size
+    out = synth_checkpoint(args.out, arch=args.arch, layout=args.layout, size=args.size, seed=args.seed,
+                           vocab_size=vocab, tokenizer=tok)
+    print(f"wrote {args.arch} ({args.layout}, {args.size}, seed {args.seed}) to {out}")
+    return 0

@@ -1,0 +1,116 @@
+"""`killick serve`: the agent APIs on loopback, with the engine in the same process.
+
+    killick serve [--model DIR] [--host 127.0.0.1] [--port 8421] [--api-key KEY] [--max-running 4]
+                  [--cache-policy anchors|prefix] [--record DIR] [--script FILE [--script-var K=V]]
+                  [--allow-forced-responses]
+
+Without --model the embedded demo checkpoint is used. One startup line names the URL.
+--record appends every API request with its response and cache metrics to DIR (proxy/replay/record.py);
+--script answers from a script by forced decoding (proxy/replay/scripted.py); --allow-forced-responses honours
+replay's x-killick-force-response header (off by default: a client must not choose the model's output).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from aiohttp import web
+
+log = logging.getLogger("killick.proxy")
+MAX_HEADER = 1 << 20  # x-killick-force-response carries a whole recorded reply
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.build import add_engine_arguments  # torch-free
+
+    parser.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: demo model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8421)
+    parser.add_argument("--api-key", metavar="KEY", help="require this key (Bearer or x-api-key) on every route "
+                                                         "but /health")
+    parser.add_argument("--model-name", default=None, help="name in /v1/models (default: the model directory)")
+    parser.add_argument("--harness-rules", metavar="FILE", help="extra harness normalisation rules (JSON/TOML)")
+    parser.add_argument("--keepalive", type=float, default=5.0, metavar="S",
+                        help="seconds of silence before a keep-alive while queued or prefilling (default 5)")
+    parser.add_argument("--cache-policy", choices=["anchors", "prefix"], default="anchors",
+                        help="anchors: the harness-aware planner; prefix: only prompt-end/generation-end "
+                             "checkpoints (use --no-prefix-cache for no cache at all)")
+    parser.add_argument("--record", metavar="DIR", help="append one JSON line per request to DIR/<session>.jsonl")
+    parser.add_argument("--script", metavar="FILE", help="answer from this script (JSON/YAML) by forced decoding")
+    parser.add_argument("--script-var", action="append", default=[], metavar="K=V",
+                        help="a {K} template value for the script's tool arguments (repeatable)")
+    parser.add_argument("--allow-forced-responses", action="store_true",
+                        help="honour x-killick-force-response (what killick replay sends)")
+    add_engine_arguments(parser)
+
+
+def make_planner(cache_policy: str, registry=None):
+    """anchors: the cache policy (sessions, diff, anchors); prefix and off: the harness normalisation only
+    (the engine's own checkpoints), so every mode renders the same prompt."""
+    from proxy.policy.cache_policy import PolicyPlanner
+    from proxy.policy.planner import HarnessNormalizer, NoAnchors
+
+    return PolicyPlanner(registry=registry) if cache_policy == "anchors" else NoAnchors(HarnessNormalizer(registry))
+
+
+def load_script(path: str | None, pairs: list[str]):
+    if path is None:
+        return None
+    from proxy.replay.scripted import Script
+
+    bad = [p for p in pairs if "=" not in p]
+    if bad:
+        raise ValueError(f"--script-var takes K=V, got {bad[0]!r}")
+    return Script.load(path, **dict(p.split("=", 1) for p in pairs))
+
+
+def reply_source(args: argparse.Namespace):
+    """--allow-forced-responses (a replayed answer first) and --script; None: the model samples."""
+    from proxy.replay.sources import FirstReply, ForcedResponses, Scripted
+
+    script = load_script(args.script, args.script_var)
+    sources = ([ForcedResponses()] if args.allow_forced_responses else []) + ([Scripted(script)] if script else [])
+    return FirstReply(*sources) if sources else None
+
+
+def build_app(args: argparse.Namespace) -> web.Application:
+    """Load tokenizer, model and engine (torch imported here only) and wrap them in the app."""
+    from engine.build import build_core, options_from_args
+    from engine.demo import resolve_model
+    from proxy.prompt.tokenizer import load_tokenizer
+    from harness_adapters import load_registry
+    from proxy.app import create_app
+    from proxy.prompt.render import ChatRenderer
+    from proxy.replay.record import Recorder
+
+    opts = options_from_args(args)
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    core = build_core(model_dir, opts)
+    planner = make_planner(args.cache_policy, load_registry(args.harness_rules))
+    return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=args.model_name or model_dir.name,
+                      api_key=args.api_key, keepalive_s=args.keepalive, planner=planner,
+                      replies=reply_source(args), observer=Recorder(args.record) if args.record is not None else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: the API is reachable from other machines", args.host)
+    app = build_app(args)
+    asyncio.run(_serve(app, args.host, args.port))
+    return 0
+
+
+async def _serve(app: web.Application, host: str, port: int) -> None:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=MAX_HEADER)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        print(f"killick: serving on http://{host}:{port}  (Anthropic /v1/messages, OpenAI /v1/chat/completions "
+              "and /v1/responses)", flush=True)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+

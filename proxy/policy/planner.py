@@ -1,0 +1,104 @@
+"""The planner seam: what the proxy asks the cache policy about each request, and the planners that answer.
+
+Per request, around rendering and generation (proxy/generation.py):
+
+    conv = planner.normalize(conv, headers, request)      # before rendering: the harness's normalisation
+    plan = planner(conv, rendered, headers, request)      # -> Plan: checkpoint positions, session key
+    planner.finish(plan, output_ids, usage)               # after generation, with the engine's Usage
+    planner.stats()                                       # /metrics (killick_policy_*), /v1/killick/stats
+
+`request` is the raw JSON body. Two planners fill the seam: `NoAnchors` here plans nothing (the engine
+keeps only its own checkpoints, at the prompt end and the generation end), and the cache policy's
+`PolicyPlanner` (proxy/policy/cache_policy.py: sessions, diff, anchors). Both normalise through a
+`HarnessNormalizer`, so every cache mode renders the same prompt. Torch-free and aiohttp-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
+
+from harness_adapters import Adapter, Registry, default_registry
+from harness_adapters.normalize import normalize
+from proxy.conversation import Conversation
+from proxy.policy.turns import RenderedLike, TurnRecord
+
+if TYPE_CHECKING:
+    from engine.api import Usage
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Cache advice for one request: the positions where the engine should keep a checkpoint, the session that
+    pins what it caches, and (from the cache policy) the record of what the policy expects of this turn."""
+
+    checkpoint_positions: tuple[int, ...] = ()
+    session_key: Optional[str] = None
+    record: Optional[TurnRecord] = None
+
+    @property
+    def side_kind(self) -> Optional[str]:
+        """'title', 'side' or 'compaction' for a harness's side requests; None for the main conversation."""
+        kind = self.record.request_kind if self.record is not None else None
+        return None if kind == "main" else kind
+
+    def fields(self) -> dict:
+        """The plan as recordings and the x-killick-* response headers name it."""
+        r = self.record
+        if r is None:
+            return {"session": self.session_key}
+        return {"session": r.session_key, "harness": r.harness, "turn_index": r.turn_index,
+                "kind": r.request_kind, "edit_point": r.edit_point, "edit_class": r.edit_class,
+                "anchor_used": r.anchor_used, "expected_reprefill": r.expected_reprefill}
+
+
+class Planner(Protocol):
+    def normalize(self, conv: Conversation, headers: Mapping[str, str],
+                  request: Optional[Mapping] = None) -> Conversation: ...
+
+    def __call__(self, conv: Conversation, rendered: RenderedLike, headers: Mapping[str, str],
+                 request: Optional[Mapping] = None) -> Plan: ...
+
+    def finish(self, plan: Plan, output_ids: Sequence[int], usage: Usage) -> Optional[TurnRecord]: ...
+
+    def stats(self) -> dict: ...
+
+
+class HarnessNormalizer:
+    """Detects the harness (or takes the one a previous call noted in conv.extras["harness"]) and applies
+    its normalisation (harness_adapters/normalize.py)."""
+
+    def __init__(self, registry: Optional[Registry] = None):
+        self.registry = registry or default_registry
+
+    def adapter(self, conv: Conversation, headers: Mapping[str, str], request: Optional[Mapping] = None) -> Adapter:
+        name = conv.extras.get("harness")
+        return self.registry.get(name) if name else self.registry.detect(request or {}, headers, conv)
+
+    def normalize(self, conv: Conversation, headers: Mapping[str, str],
+                  request: Optional[Mapping] = None) -> Conversation:
+        adapter = self.adapter(conv, headers, request)
+        out = normalize(conv, adapter)
+        return replace(out, extras={**out.extras, "harness": adapter.name})
+
+
+class NoAnchors:
+    """Plans no checkpoints and remembers no sessions. Without a HarnessNormalizer the conversation is
+    rendered as parsed (the default of create_app); with one (cache modes off and prefix) it is normalised
+    like the cache policy's, so greedy output does not depend on the cache mode."""
+
+    def __init__(self, harness: Optional[HarnessNormalizer] = None):
+        self.harness = harness
+
+    def normalize(self, conv: Conversation, headers: Mapping[str, str],
+                  request: Optional[Mapping] = None) -> Conversation:
+        return conv if self.harness is None else self.harness.normalize(conv, headers, request)
+
+    def __call__(self, conv: Conversation, rendered: RenderedLike, headers: Mapping[str, str],
+                 request: Optional[Mapping] = None) -> Plan:
+        return Plan()
+
+    def finish(self, plan: Plan, output_ids: Sequence[int], usage: Usage) -> None:
+        return None
+
+    def stats(self) -> dict:
+        return {}

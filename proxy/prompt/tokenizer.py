@@ -1,0 +1,207 @@
+"""Tokenizer loading, encode/decode and streaming decode. Torch-free: the proxy imports it.
+
+`load_tokenizer(model_dir)` uses the model directory's own `tokenizer.json` and chat template when present
+(`chat_template.jinja`, else `chat_template` in `tokenizer_config.json`), and killick's shipped ones
+(fixtures/tokenizer/, see train_tokenizer.py there) otherwise. Special tokens written in text are parsed as
+the special tokens they name: the chat template relies on it.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from engine.demo import SHIPPED_TOKENIZER
+
+SHIPPED_DIR = SHIPPED_TOKENIZER
+TEMPLATE_FILE = "chat_template.jinja"
+# Qwen's end-of-turn and end-of-text: generation stops at either.
+EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+CHUNK_CACHE_SIZE = 4096  # text pieces between special tokens whose encodings are remembered
+
+
+class Tokenizer:
+    """A `tokenizers` tokenizer plus the chat template and special tokens that go with it."""
+
+    def __init__(self, hf: _HFTokenizer, chat_template: str, *, path: Path, template_path: Path,
+                 bos_token: str | None = None, eos_token: str | None = None) -> None:
+        self._tok = hf
+        self.chat_template = chat_template
+        self.path = path  # the tokenizer.json in use
+        self.template_path = template_path  # where chat_template came from
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self.special_ids = {t.content: i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+        eos = [s for s in EOS_TOKENS if hf.token_to_id(s) is not None]
+        if eos_token and eos_token not in eos and hf.token_to_id(eos_token) is not None:
+            eos.append(eos_token)
+        self.eos_ids: tuple[int, ...] = tuple(hf.token_to_id(s) for s in eos)
+        self._added_re = _added_token_splitter(hf)
+        self._chunks: OrderedDict[str, tuple[list[int], list[tuple[int, int]]]] = OrderedDict()
+        self._chunks_lock = threading.Lock()  # the proxy and the engine thread may both encode
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_with_offsets(text)[0]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and, per token, the (start, end) character span of `text` it came from.
+
+        tokenizers cuts text at added tokens before anything else and encodes the pieces independently, so
+        encoding piece by piece gives exactly its ids; remembering pieces makes re-rendering a long
+        conversation every turn cost only its new text.
+        """
+        if self._added_re is None:
+            enc = self._tok.encode(text, add_special_tokens=False)
+            return enc.ids, enc.offsets
+        ids, offsets, pos = [], [], 0
+        for piece in self._added_re.split(text):
+            if not piece:
+                continue
+            piece_ids, piece_offsets = self._encode_piece(piece)
+            ids += piece_ids
+            offsets += [(pos + a, pos + b) for a, b in piece_offsets]
+            pos += len(piece)
+        return ids, offsets
+
+    def _encode_piece(self, piece: str) -> tuple[list[int], list[tuple[int, int]]]:
+        with self._chunks_lock:
+            hit = self._chunks.get(piece)
+            if hit is not None:
+                self._chunks.move_to_end(piece)
+                return hit
+        enc = self._tok.encode(piece, add_special_tokens=False)
+        hit = (enc.ids, enc.offsets)
+        with self._chunks_lock:
+            self._chunks[piece] = hit
+            if len(self._chunks) > CHUNK_CACHE_SIZE:
+                self._chunks.popitem(last=False)
+        return hit
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_id(self, token: str) -> int:
+        i = self._tok.token_to_id(token)
+        if i is None:
+            raise ValueError(f"token {token!r} is not in the vocabulary of {self.path}")
+        return i
+
+    def incremental_decoder(self, skip_special: bool = False) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special)
+
+
+class IncrementalDecoder:
+    """Turns a stream of ids into text deltas; never emits half of a multi-byte character.
+
+    A token can end inside a UTF-8 sequence (byte-level BPE), which decodes to U+FFFD. Trailing U+FFFD are
+    held back until the ids that complete the character arrive; flush() emits whatever is left at the end.
+    Each push decodes only from `_prefix` (the last complete token, kept as context for decoders that treat
+    a leading token specially), so streaming costs O(new tokens) per push.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special
+        self._ids: list[int] = []
+        self._prefix = 0  # decode context starts here
+        self._emitted = 0  # characters of decode(ids[_prefix:]) already returned
+
+    def push(self, ids) -> str:
+        self._ids.extend(ids)
+        text = self._tok.decode(self._ids[self._prefix:], self._skip)
+        stable = text.rstrip("\ufffd")
+        delta = stable[self._emitted:]
+        self._emitted = max(self._emitted, len(stable))
+        if stable == text:  # nothing pending: restart the context at the last token
+            self._restart()
+        return delta
+
+    def flush(self) -> str:
+        """The held-back tail (incomplete characters come out as U+FFFD)."""
+        text = self._tok.decode(self._ids[self._prefix:], self._skip)[self._emitted:]
+        self._prefix, self._emitted = len(self._ids), 0
+        return text
+
+    def _restart(self) -> None:
+        last = self._tok.decode(self._ids[-1:], self._skip)
+        if "\ufffd" in last:  # a lone fragment of a character is no context
+            self._prefix, self._emitted = len(self._ids), 0
+        else:
+            self._prefix, self._emitted = len(self._ids) - 1, len(last)
+
+
+def _added_token_splitter(hf: _HFTokenizer) -> re.Pattern | None:
+    """A regex splitting text at added tokens the way tokenizers does, or None where piecewise encoding
+    might differ: added tokens that strip spaces, match whole words only, or are matched after a normalizer
+    (tokens with normalized=False are cut from the raw text first, so a normalizer alone is fine)."""
+    added = list(hf.get_added_tokens_decoder().values())
+    if not added or any(t.lstrip or t.rstrip or t.single_word for t in added):
+        return None
+    if hf.normalizer is not None and any(t.normalized for t in added):
+        return None
+    contents = sorted({t.content for t in added}, key=len, reverse=True)  # leftmost-longest, as tokenizers
+    return re.compile("(" + "|".join(map(re.escape, contents)) + ")")
+
+
+def load_tokenizer(model_dir: str | Path | None = None) -> Tokenizer:
+    """The model directory's tokenizer and chat template where it has them, the shipped ones otherwise."""
+    root = _model_root(model_dir)
+    tok_path = root / "tokenizer.json" if root and (root / "tokenizer.json").is_file() \
+        else SHIPPED_DIR / "tokenizer.json"
+    config = _read_config(root / "tokenizer_config.json") if root else {}
+    template, template_path = _find_template(root, config)
+    return Tokenizer(_read_tokenizer(tok_path), template, path=tok_path, template_path=template_path,
+                     bos_token=_token_str(config.get("bos_token")),
+                     eos_token=_token_str(config.get("eos_token")))
+
+
+def _model_root(model_dir: str | Path | None) -> Path | None:
+    if model_dir is None:
+        return None
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise ValueError(f"model directory {root} does not exist: pass an existing checkpoint directory")
+    return root
+
+
+def _read_tokenizer(path: Path) -> _HFTokenizer:
+    try:
+        return _HFTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise ValueError(f"{path} is not a valid tokenizer.json ({e}); re-download or regenerate it") from None
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object; fix or remove it")
+    return config
+
+
+def _find_template(root: Path | None, config: dict) -> tuple[str, Path]:
+    if root and (root / TEMPLATE_FILE).is_file():
+        return (root / TEMPLATE_FILE).read_text(encoding="utf-8"), root / TEMPLATE_FILE
+    template = config.get("chat_template")
+    if isinstance(template, list):  # HF's named-template form: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str) and template:
+        return template, root / "tokenizer_config.json"
+    return (SHIPPED_DIR / TEMPLATE_FILE).read_text(encoding="utf-8"), SHIPPED_DIR / TEMPLATE_FILE
+
+
+def _token_str(value) -> str | None:
+    """tokenizer_config.json spells special tokens as strings or as {"content": ...} objects."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None

@@ -1,0 +1,152 @@
+"""Reading recordings back for `killick replay`. Torch-free.
+
+A recording is JSON lines (plain or .gz), one request each: `method`, `path`, `headers`, `body` are required;
+`ts`, `response` and `metrics` (what `killick serve --record` adds) are optional and any other field is
+ignored. Several files (or a directory of them) are merged in `ts` order, so sessions stay interleaved as
+they were recorded.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from proxy.replay.scripted import Reply
+
+API_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
+# Not forwarded: transport headers (the client sets its own), credentials (redacted anyway), our own hooks.
+DROP_HEADERS = {"host", "content-length", "content-type", "connection", "transfer-encoding", "accept-encoding",
+                "authorization", "x-api-key", "cookie", "x-killick-force-response", "x-killick-forced-output"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    index: int  # position in the merged recording
+    session: str
+    ts: float | None
+    method: str
+    path: str
+    headers: dict
+    body: dict
+    response: Any = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    def reply(self) -> Reply | None:
+        """The recorded answer, to force on replay (None: none recorded, the model generates)."""
+        return reply_from_response(self.path, self.response)
+
+
+def _open(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
+
+
+def _files(paths: Iterable[str | Path]) -> list[Path]:
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(f for f in p.iterdir() if f.name.endswith((".jsonl", ".jsonl.gz")))
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"{p}: no such recording (give .jsonl / .jsonl.gz files or a directory)")
+    if not out:
+        raise ValueError("no recordings found: give .jsonl / .jsonl.gz files or a directory holding them")
+    return out
+
+
+def load(paths: Iterable[str | Path]) -> list[Entry]:
+    """All API requests of the given recordings, merged in recorded order."""
+    raw: list[tuple[float, int, int, dict, str]] = []
+    for file_no, path in enumerate(_files(paths)):
+        with _open(path) as fh:
+            for line_no, line in enumerate(fh):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{line_no + 1}: not JSON ({exc})") from None
+                if not isinstance(obj, dict) or not {"method", "path", "body"} <= obj.keys():
+                    raise ValueError(f"{path}:{line_no + 1}: a line needs method, path, headers and body")
+                stem = path.name.split(".jsonl")[0]
+                raw.append((float(obj.get("ts") or 0.0), file_no, line_no, obj, stem))
+    raw.sort(key=lambda r: (r[0], r[1], r[2]))
+    entries = []
+    for obj, stem in ((r[3], r[4]) for r in raw):
+        if obj["method"].upper() != "POST" or obj["path"].split("?")[0] not in API_PATHS:
+            continue
+        metrics = obj.get("metrics") if isinstance(obj.get("metrics"), dict) else {}
+        entries.append(Entry(len(entries), str(metrics.get("session") or stem), obj.get("ts"), "POST",
+                             obj["path"], dict(obj.get("headers") or {}), dict(obj["body"]), obj.get("response"),
+                             metrics))
+    return entries
+
+
+def request_headers(entry: Entry) -> dict:
+    return {k: str(v) for k, v in entry.headers.items() if k.lower() not in DROP_HEADERS}
+
+
+def request_body(entry: Entry, unforced_max_tokens: int, stream: bool = False) -> dict:
+    """The recorded body; chat streams ask for usage; unforced requests are capped (random weights ramble).
+    stream=True sends a non-streaming request as a stream (same prompt, same answer) to time its first delta."""
+    body = dict(entry.body)
+    api = entry.path.split("?")[0]
+    if stream:
+        body["stream"] = True
+    if api == "/v1/chat/completions" and body.get("stream"):
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    if entry.reply() is None:
+        key = {"/v1/messages": "max_tokens", "/v1/responses": "max_output_tokens"}.get(api)
+        key = key or ("max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
+        body[key] = min(int(body.get(key) or unforced_max_tokens), unforced_max_tokens)
+    return body
+
+
+def reply_from_response(path: str, response: Any) -> Reply | None:
+    """The assistant message of a recorded response, in any of the three APIs' final shapes."""
+    if not isinstance(response, dict):
+        return None
+    api = path.split("?")[0]
+    if api == "/v1/messages" and isinstance(response.get("content"), list):
+        return _from_anthropic(response["content"])
+    if api == "/v1/chat/completions" and response.get("choices"):
+        return _from_chat(response["choices"][0].get("message") or {})
+    if api == "/v1/responses" and isinstance(response.get("output"), list):
+        return _from_responses(response["output"])
+    return None
+
+
+def _from_anthropic(blocks: list) -> Reply:
+    thinking = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
+    text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
+    calls = [{"name": b["name"], "arguments": b.get("input") or {}} for b in blocks if b.get("type") == "tool_use"]
+    return Reply.from_json({"thinking": thinking, "text": text, "tool_calls": calls})
+
+
+def _from_chat(message: dict) -> Reply:
+    calls = [{"name": c["function"]["name"], "arguments": c["function"].get("arguments") or "{}"}
+             for c in message.get("tool_calls") or ()]
+    return Reply.from_json({"thinking": message.get("reasoning_content") or "", "text": message.get("content") or "",
+                            "tool_calls": calls})
+
+
+def _from_responses(items: list) -> Reply:
+    thinking, text, calls = [], [], []
+    for item in items:
+        kind = item.get("type")
+        if kind == "reasoning":
+            parts = (item.get("content") or []) + (item.get("summary") or [])
+            thinking += [p.get("text", "") for p in parts[:1]]
+        elif kind == "message":
+            text += [c.get("text", "") for c in item.get("content") or () if "text" in c]
+        elif kind == "function_call":
+            calls.append({"name": item["name"], "arguments": item.get("arguments") or "{}"})
+        elif kind == "custom_tool_call":
+            calls.append({"name": item["name"], "arguments": {"input": item.get("input", "")}})
+    return Reply.from_json({"thinking": "".join(thinking), "text": "".join(text), "tool_calls": calls})

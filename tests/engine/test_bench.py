@@ -1,0 +1,71 @@
+"""The benchmarks: bench bw writes the profile model loading reads (keyed on machine and format), bench
+decode's smoke run, and both through `killick bench`."""
+import json
+
+import torch
+
+from engine.bench import bw as bench_bw
+from engine.bench import decode as bench_decode
+from engine.experts.profile import load_profile, profile_path
+from engine.experts.synthetic import get_shape
+
+
+def test_bench_bw_profile_is_keyed_on_machine_and_format(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert bench_bw.main(["--small", "--threads", "1", "--experts", "4", "--stream-mib", "8"]) == 0
+    layout = get_shape("qwen3.6-35b-a3b", scale_down=True).layout
+    prof = load_profile(layout, torch.float32, 1)
+    assert prof and prof["bh"] > 0 and prof["bp"] is None and prof["stream_read"] > 0
+    assert load_profile(layout, torch.float32, 2) is None  # other thread count
+    assert load_profile(layout, torch.bfloat16, 1) is None  # other format
+    path = profile_path(prof["key"])
+    other = dict(prof, key=dict(prof["key"], gpu="NVIDIA H200"))  # copied from another machine
+    path.write_text(json.dumps(other))
+    assert load_profile(layout, torch.float32, 1) is None
+
+
+def test_bench_decode_smoke(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench_decode.main(["--small", "--threads", "1", "--steps", "2", "--warmup", "1",
+                              "--prefill-tokens", "64", "--slots", "60%", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["config"]: r for r in res["rows"]}
+    assert set(rows) >= {"decode offload t1", "decode cpu t1", "decode hybrid t1", "decode fused (all resident)"}
+    assert rows["decode fused (all resident)"]["hit_rate"] == 1.0
+    assert rows["decode cpu t1"]["fills_per_tok"] == 0 and rows["decode offload t1"]["cpu_per_tok"] == 0
+    assert rows["prefill 64 stream"]["streamed"] and not rows["prefill 64 on-demand"]["streamed"]
+    assert res["routing_us_per_layer"]["host"] > 0 and not res["failed"]
+    assert "tok/s" in capsys.readouterr().out
+
+
+def test_killick_bench_bw_command(tmp_path, monkeypatch, capsys):
+    from proxy.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["bench", "bw", "--small", "--threads", "1", "--experts", "2", "--stream-mib", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["key"]["gpu"] in ("cpu-only", torch.cuda.get_device_name()
+                                                                if torch.cuda.is_available() else "")
+    assert main(["bench", "decode", "--small", "--routing", "nope"]) == 2  # a user error: one line, exit 2
+
+
+def test_the_runtime_imports_no_benchmark():
+    """Benchmarks live in engine/bench/; nothing else under engine/ may import them."""
+    import ast
+    from pathlib import Path
+
+    import engine
+
+    root = Path(engine.__file__).parent
+    found = []
+    for path in root.rglob("*.py"):
+        if path.relative_to(root).parts[0] == "bench":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            found += [(str(path), n) for n in names if n == "engine.bench" or n.startswith("engine.bench.")]
+    assert found == []

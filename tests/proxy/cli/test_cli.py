@@ -1,0 +1,85 @@
+"""The `killick` command line: user errors are one line and exit 2; generate and model synth work."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.synth import synth_checkpoint
+
+
+def killick(*args, env_cache=None, timeout=120):
+    env = None
+    if env_cache is not None:
+        import os
+
+        env = dict(os.environ, KILLICK_CACHE=str(env_cache), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=Path(__file__).resolve().parents[3])
+
+
+def assert_user_error(result, *needles):
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synth_checkpoint(tmp_path_factory.mktemp("cli") / "tiny", seed=3)
+
+
+def test_missing_model_dir(tmp_path):
+    assert_user_error(killick("generate", "--model", str(tmp_path / "nope"), "--prompt", "x"), "nope", "--model")
+
+
+def test_unsupported_architecture(tmp_path, tiny):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((tiny / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    cfg.pop("architectures", None)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert_user_error(killick("generate", "--model", str(bad), "--prompt", "x", "--raw"), "config.json")
+
+
+def test_corrupt_safetensors(tmp_path, tiny):
+    import shutil
+
+    bad = shutil.copytree(tiny, tmp_path / "corrupt")
+    shard = sorted(bad.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert_user_error(killick("generate", "--model", str(bad), "--prompt", "x", "--raw"), shard.name)
+
+
+def test_shape_mismatch_names_the_key(tmp_path, tiny):
+    import shutil
+
+    bad = shutil.copytree(tiny, tmp_path / "shape")
+    cfg = json.loads((bad / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    text["hidden_size"] = text["hidden_size"] * 2
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert_user_error(killick("generate", "--model", str(bad), "--prompt", "x", "--raw"), "weight")
+
+
+def test_bad_flag_value_is_one_line():
+    assert_user_error(killick("generate", "--prompt", "x", "--max-tokens", "0"), "--max-tokens")
+
+
+def test_synth_then_generate_prints_a_completion(tmp_path):
+    out = killick("model", "synth", str(tmp_path / "m"), "--size", "tiny", "--seed", "1")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "m" / "tokenizer.json").is_file() and (tmp_path / "m" / "config.json").is_file()
+    gen = killick("generate", "--model", str(tmp_path / "m"), "--prompt", "hello", "--max-tokens", "5")
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.strip() != ""
+
+
+def test_generate_uses_the_demo_model_by_default(tmp_path):
+    gen = killick("generate", "--prompt", "def f():", "--max-tokens", "4", env_cache=tmp_path)
+    assert gen.returncode == 0, gen.stderr
+    assert (tmp_path / "demo-qwen3_5_moe-v1" / "config.json").is_file()

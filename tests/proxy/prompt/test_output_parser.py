@@ -1,0 +1,95 @@
+import json
+
+import pytest
+
+from proxy.prompt.output_parser import (
+    OutputParser, TextDelta, ThinkingDelta, ToolCall, generation_opens_think, parse_tool_call,
+)
+
+
+def run(text, pieces=None, **kw):
+    """Feed text in the given piece sizes (default: one char at a time) and merge adjacent deltas."""
+    parser = OutputParser(**{"thinking_open": False, **kw})
+    events = []
+    step = pieces or 1
+    for i in range(0, len(text), step):
+        events += parser.feed(text[i:i + step])
+    events += parser.finish()
+    merged = []
+    for ev in events:
+        if merged and type(ev) is type(merged[-1]) and not isinstance(ev, ToolCall):
+            merged[-1] = type(ev)(merged[-1].text + ev.text)
+        else:
+            merged.append(ev)
+    return merged, parser
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_thinking_text_and_tool_call_in_any_chunking(step):
+    out = ('<think>\nLet me look.\n</think>\n\nI will list files.\n<tool_call>\n'
+           '{"name": "bash", "arguments": {"cmd": "ls -la"}}\n</tool_call>\n<tool_call>\n'
+           '{"name": "read", "arguments": {"path": "a.py"}}\n</tool_call>')
+    events, parser = run(out, step)
+    assert events == [
+        ThinkingDelta("Let me look."),
+        TextDelta("I will list files."),
+        ToolCall(0, "bash", json.dumps({"cmd": "ls -la"})),
+        ToolCall(1, "read", json.dumps({"path": "a.py"})),
+    ]
+    assert parser.tool_calls == 2
+
+
+def test_generation_prompt_already_opened_think():
+    assert generation_opens_think("<|im_start|>assistant\n<think>\n")
+    assert not generation_opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    events, _ = run("reasoning here\n</think>\n\nanswer", thinking_open=True)
+    assert events == [ThinkingDelta("reasoning here"), TextDelta("answer")]
+
+
+def test_malformed_tool_json_degrades_to_text():
+    events, parser = run('ok <tool_call>\n{"name": "bash", "arguments": {oops}\n</tool_call>')
+    assert events == [TextDelta('ok <tool_call>\n{"name": "bash", "arguments": {oops}\n</tool_call>')]
+    assert parser.tool_calls == 0
+
+
+def test_unterminated_tool_call_becomes_text_at_finish():
+    events, _ = run('<tool_call>\n{"name": "bash"')
+    assert events == [TextDelta('<tool_call>\n{"name": "bash"')]
+
+
+def test_stop_sequence_ends_output_even_across_pieces():
+    events, parser = run("hello STOP world", 2, stop_sequences=("STOP",))
+    assert events == [TextDelta("hello")]
+    assert parser.stopped == "STOP"
+    assert parser.feed("more") == []
+
+
+def test_partial_tag_that_never_completes_is_text():
+    events, _ = run("a < b and <thin")
+    assert events == [TextDelta("a < b and <thin")]
+
+
+def test_tools_not_parsed_when_disabled():
+    text = '<tool_call>\n{"name": "x", "arguments": {}}\n</tool_call>'
+    events, _ = run(text, parse_tools=False)
+    assert events == [TextDelta(text)]
+
+
+def test_parse_tool_call_variants():
+    assert parse_tool_call('{"name": "f", "arguments": "{\\"a\\": 1}"}') == ("f", '{"a": 1}')
+    assert parse_tool_call('{"name": "f", "arguments": [1]}') is None
+    assert parse_tool_call('{"arguments": {}}') is None
+    xml = "<function=bash>\n<parameter=cmd>\nls -la\n</parameter>\n<parameter=n>\n3\n</parameter>\n</function>"
+    assert parse_tool_call(xml) == ("bash", json.dumps({"cmd": "ls -la", "n": 3}))
+
+
+def test_unicode_and_whitespace_inside_text_survive():
+    events, _ = run("  héllo\n\n  wörld  \n")
+    assert events == [TextDelta("héllo\n\n  wörld")]
+
+
+def test_one_tool_call_when_parallel_calls_are_off():
+    two = ('<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>')
+    events, parser = run(two, 5, max_tool_calls=1)
+    assert events == [ToolCall(0, "a", "{}")] and parser.ended and parser.stopped is None
