@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def build_core(model_dir: Path, opts: EngineOptions = EngineOptions(), model=Non
         model = load_model(model_dir, device=opts.device, dtype=opts.dtype, **_expert_args(model_dir, opts))
     context = opts.context_length or DEFAULT_CONTEXT
     if opts.fast_path and model.device.type == "cuda" and model.fast is None:
-        _enable_fast(model, opts.max_running, context)
+        _enable_fast(model, opts.max_running, context, step_tokens(opts, model.device))
     cache = None
     if opts.prefix_cache:
         dev = opts.cache_device_mb << 20 if opts.cache_device_mb else default_device_budget(model.device)
@@ -106,7 +107,7 @@ def step_tokens(opts: EngineOptions, device) -> int:
     return max(opts.max_running, 2048 if device.type == "cuda" else 512)
 
 
-def _enable_fast(model, max_running: int, context: int) -> None:
+def _enable_fast(model, max_running: int, context: int, chunk: int) -> None:
     """The fast path with a slot for each running request (+1 for a turn being cached while the next
     starts); where it cannot serve the model the engine says why and stays eager."""
     import logging
@@ -121,6 +122,10 @@ def _enable_fast(model, max_running: int, context: int) -> None:
     model.enable_fast(slots=max_running + 1, capacity=context + 1)
     log.info("fast engine path: %d state slots of %d tokens (%.1f GiB), decode as CUDA graphs",
              max_running + 1, context + 1, model.fast.pool.nbytes / 2**30)
+    started = time.monotonic()
+    model.warm_up(chunk)
+    log.info("fast engine path warmed up in %.1f s (kernels compiled, decode graphs captured)",
+             time.monotonic() - started)
 
 
 def _expert_args(model_dir: Path, opts: EngineOptions) -> dict:

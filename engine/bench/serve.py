@@ -5,9 +5,12 @@
 
 Sends OpenAI chat-completion requests with `stream: true` (one warm-up, then --runs timed ones, each with a
 fresh prompt so nothing is reused from the prefix cache), and reports per run: prompt tokens (the
-server's usage), TTFT, prefill tok/s (prompt tokens / TTFT), output tokens and decode tok/s between the
-first and the last streamed chunk. Compare with `bench model`'s rows: the same engine without HTTP.
-Talks to loopback only.
+server's usage); TTFT as the client sees it (the first chunk carrying text); the engine's own TTFT and
+decode rate for that request (the change of `killick_ttft_seconds_sum` and
+`killick_decode_tokens_per_second_sum` in /metrics); and prefill tok/s. The client-side decode rate is
+not reported: the output parser holds back text that may open a tool call or a thinking block, so chunk
+arrival times undercount the decode span. Compare with `bench model`'s rows: the same engine without
+HTTP. Talks to loopback only.
 """
 from __future__ import annotations
 
@@ -50,11 +53,31 @@ async def one(session, url: str, text: str, max_tokens: int) -> dict:
                 chunks.append(time.perf_counter())
     if usage is None or not chunks:
         raise RuntimeError("the stream carried no usage or no content")
-    n_out = usage["completion_tokens"]
     ttft = chunks[0] - t0
-    decode = (n_out - 1) / (chunks[-1] - chunks[0]) if n_out > 1 and chunks[-1] > chunks[0] else float("nan")
     return {"prompt_tokens": usage["prompt_tokens"], "ttft_s": ttft, "prefill_tok_s": usage["prompt_tokens"] / ttft,
-            "output_tokens": n_out, "decode_tok_s": decode}
+            "output_tokens": usage["completion_tokens"]}
+
+
+async def engine_sums(session, url: str) -> dict[str, float]:
+    """The engine's running sums of per-request TTFT and decode rate, from /metrics."""
+    async with session.get(url.rstrip("/") + "/metrics") as r:
+        text = await r.text()
+    sums = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("killick_ttft_seconds_sum", "killick_decode_tokens_per_second_sum"):
+            sums[name] = float(value)
+    return sums
+
+
+async def measured(session, url: str, text: str, max_tokens: int) -> dict:
+    before = await engine_sums(session, url)
+    run = await one(session, url, text, max_tokens)
+    after = await engine_sums(session, url)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    run["engine_ttft_s"] = delta.get("killick_ttft_seconds_sum", float("nan"))
+    run["engine_decode_tok_s"] = delta.get("killick_decode_tokens_per_second_sum", float("nan"))
+    return run
 
 
 async def run(args) -> dict:
@@ -63,7 +86,7 @@ async def run(args) -> dict:
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await one(session, args.url, prompt_text(args.prompt_words, 0), args.max_tokens)  # warm-up
-        runs = [await one(session, args.url, prompt_text(args.prompt_words, i + 1), args.max_tokens)
+        runs = [await measured(session, args.url, prompt_text(args.prompt_words, i + 1), args.max_tokens)
                 for i in range(args.runs)]
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     return {"what": "killick serve over HTTP (OpenAI chat, streamed)", "url": args.url, "runs": runs, "median": med}
@@ -83,7 +106,8 @@ def main(argv=None) -> int:
     res = asyncio.run(run(args))
     m = res["median"]
     print(f"serve (median of {args.runs}): {m['prompt_tokens']:.0f} prompt tokens, TTFT {m['ttft_s'] * 1e3:.1f} ms "
-          f"({m['prefill_tok_s']:.0f} tok/s), {m['output_tokens']:.0f} output tokens at {m['decode_tok_s']:.1f} tok/s")
+          f"at the client ({m['prefill_tok_s']:.0f} tok/s), {m['engine_ttft_s'] * 1e3:.1f} ms in the engine; "
+          f"{m['output_tokens']:.0f} output tokens at {m['engine_decode_tok_s']:.1f} tok/s (engine)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -125,6 +125,30 @@ class Model:
         x = rms_norm(x, self.final_norm, self.config.rms_norm_eps, self.config.zero_centered_norm)
         return list(F.linear(x, self.lm_head).float().split(lengths))
 
+    @torch.inference_mode()
+    def warm_up(self, chunk: int) -> None:
+        """Run the fast path once through what serving hits — prefill chunks of full and odd lengths with
+        checkpoints inside, then a decode step at every batch bucket — so Triton compiles its kernel
+        variants and each decode graph is captured before the first request instead of during it."""
+        if self.fast is None:
+            return
+        g = torch.Generator().manual_seed(0)
+        for n, inside in ((chunk, ()), (chunk // 2 + 7, (chunk // 4 + 3,)), (13, (5,))):
+            state = self.fast.pool.new_state()
+            if state is None:
+                return
+            state.checkpoint_positions = inside
+            self.forward([(torch.randint(0, self.config.vocab_size, (n,), generator=g).tolist(), state)])
+            state.drop_checkpoints()
+            state.release()
+        for size in self.decode_steps.sizes:
+            states = [self.fast.pool.new_state() for _ in range(size)]
+            live = [s for s in states if s is not None]
+            if len(live) == size:
+                self.forward([([7], s) for s in live])
+            for s in live:
+                s.release()
+
     def _forward_fast(self, items: list, logits: str) -> list[torch.Tensor]:
         sizes = [len(t) if isinstance(t, list) else torch.as_tensor(t).numel() for t, _ in items]
         if all(n == 1 for n in sizes) and len(items) <= self.decode_steps.max_batch:

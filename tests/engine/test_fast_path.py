@@ -110,3 +110,14 @@ def test_slot_goes_back_when_the_state_is_dropped(pair):
     assert fast.fast.pool.free == free - 1
     del state
     assert fast.fast.pool.free == free
+
+
+def test_warm_up_leaves_the_pool_as_it_found_it(pair):
+    eager, fast = pair
+    if fast.config.arch != "qwen3_5_moe":
+        pytest.skip("one architecture is enough (slow under the interpreter)")
+    free = fast.fast.pool.free
+    fast.warm_up(chunk=8)
+    assert fast.fast.pool.free == free
+    ids = prompt(9, 6)  # and the slots it used serve fresh sequences exactly
+    assert rel(fast.forward([(ids, fast.new_state())])[0], eager.forward([(ids, eager.new_state())])[0]) < TOL
