@@ -30,30 +30,30 @@ class SlotKV(KVCache):
                          f"start the engine with a larger --context-length")
 
 
+class _CopiedIn:
+    """An attribute backed by a fixed tensor view: assigning a tensor copies it into the view."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.field = "_" + name
+
+    def __get__(self, obj, owner=None) -> torch.Tensor:
+        return getattr(obj, self.field)
+
+    def __set__(self, obj, value: torch.Tensor) -> None:
+        view = getattr(obj, self.field)
+        if value.data_ptr() != view.data_ptr():
+            view.copy_(value)
+
+
 class SlotLinear(LinearState):
     """conv [C, K-1] and recurrent [Hv, dk, dv] views of one slot; assigning a tensor copies it in."""
+
+    conv = _CopiedIn()
+    recurrent = _CopiedIn()
 
     def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
         self._conv, self._recurrent = conv, recurrent
         self.checkpoints: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @property
-    def conv(self) -> torch.Tensor:
-        return self._conv
-
-    @conv.setter
-    def conv(self, value: torch.Tensor) -> None:
-        if value.data_ptr() != self._conv.data_ptr():
-            self._conv.copy_(value)
-
-    @property
-    def recurrent(self) -> torch.Tensor:
-        return self._recurrent
-
-    @recurrent.setter
-    def recurrent(self, value: torch.Tensor) -> None:
-        if value.data_ptr() != self._recurrent.data_ptr():
-            self._recurrent.copy_(value)
 
 
 class SlotState(SequenceState):
