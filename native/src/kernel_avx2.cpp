@@ -39,7 +39,7 @@ struct Avx2 {
 // the even elements (shifted up: bf16 -> fp32 is a 16-bit shift) and the odd ones (masked in place), each pair
 // of halves into its own fp32 accumulator. Half the loads per weight line of widening 8 weights at a time
 // against fp32 activations: on Zen 3 the load count, not the arithmetic, held a core below its read rate
-// (one contiguous stream, 1 core: 0.78 -> 0.86 of the read kernel; docs/PERF.md, issue 3).
+// (one contiguous stream, 1 core: 0.78 -> 0.86 of the read kernel; docs/PERF.md, "native CPU expert kernels").
 struct Pair {
   __m256 even, odd;
 };
