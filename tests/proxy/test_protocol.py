@@ -54,6 +54,35 @@ async def test_client_disconnect_aborts_the_engine_request(aiohttp_server, fake_
     assert core.active == 0 and len(core.aborted) == 1
 
 
+async def test_abandoned_request_is_499_in_log_recording_and_metrics(aiohttp_server, fake_stack, sdk, tmp_path,
+                                                                     caplog):
+    import logging
+
+    from proxy.replay.record import Recorder
+
+    base, core = await _server(aiohttp_server, fake_stack, prefill_s=30.0, keepalive_s=0.1, access_log=True,
+                               observer=Recorder(tmp_path))
+    client = sdk.openai(base, api_key="x", max_retries=0, timeout=0.5)
+    with caplog.at_level(logging.INFO, logger="killick.access"):
+        with pytest.raises(openai.APITimeoutError):
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        for _ in range(50):
+            if list(tmp_path.glob("*.jsonl")):
+                break
+            await asyncio.sleep(0.05)
+        (line,) = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+        assert line["status"] == 499                              # the client left: not a server error
+        assert "POST /v1/chat/completions 499" in caplog.text
+        core.prefill_s = 0.0
+        ok = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                  extra_headers={FORCED: "hello"}, timeout=30)
+    (logged,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("POST /v1/chat/completions 200")]
+    u = ok.usage
+    cached = u.prompt_tokens_details.cached_tokens
+    assert f"prompt={u.prompt_tokens} cached={cached} prefilled={u.prompt_tokens - cached} out=" in logged
+    assert "ttft=" in logged and logged.endswith("ms")
+
+
 async def test_full_queue_answers_429_in_each_shape(aiohttp_client, fake_stack):
     app, core = fake_stack(prefill_s=2.0, keepalive_s=0.1)
     client = await aiohttp_client(app)

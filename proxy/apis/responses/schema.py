@@ -133,9 +133,13 @@ def tool_specs(req: ResponsesRequest) -> tuple[ToolSpec, ...]:
         if t.type in ("function", "custom") and t.name:
             schema = t.parameters if t.type == "function" else CUSTOM_TOOL_SCHEMA
             specs.append(ToolSpec(t.name, t.description or "", canonical_json(schema or {"type": "object"})))
-        else:
-            log.warning("tool type %r is not served by killick: ignored", t.type)
+        elif t.type not in _WARNED:  # agents send the same tools every request: say it once per server
+            _WARNED.add(t.type)
+            log.warning("tool type %r is not served by killick: ignored (said once)", t.type)
     return tuple(specs)
+
+
+_WARNED: set[str] = set()
 
 
 def input_messages(req: ResponsesRequest) -> tuple[Message, ...]:
