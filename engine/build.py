@@ -129,7 +129,7 @@ def context_length(model_dir: Path, opts: EngineOptions) -> int:
     from engine.config import load_config
 
     if opts.context_length:
-        log.info("context length %d tokens: as --context-length asks", opts.context_length)
+        log.debug("context length %d tokens: as --context-length asks", opts.context_length)
         return opts.context_length
     cfg = load_config(model_dir)
     per_token, per_sequence = state_bytes(cfg, getattr(torch, opts.dtype).itemsize)
