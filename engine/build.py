@@ -55,7 +55,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context-length", type=int,
                    help="tokens per request, prompt + output (default: what the model's config declares, "
                         f"max_position_embeddings, or {DEFAULT_CONTEXT} when it says nothing; lowered so the "
-                        f"state of --max-running + 1 sequences fits in {STATE_SHARE:.0%} of free memory)")
+                        f"state of --max-running + 1 sequences fits in {STATE_SHARE * 100:.0f}%% of free memory)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="re-prefill every prompt from scratch (for comparisons)")
     g.add_argument("--cache-device-mb", type=int, help="prefix cache budget on the device (MiB)")

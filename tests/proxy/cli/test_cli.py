@@ -86,3 +86,13 @@ def test_generate_uses_the_demo_model_by_default(tmp_path):
 
     config = json.loads((tmp_path / DEMO_NAME / "config.json").read_text())
     assert config["text_config"]["max_position_embeddings"] == 262144   # the window serve offers by default
+
+
+@pytest.mark.parametrize("command", ["serve", "launch", "ctl", "demo", "replay", "generate", "model", "bench"])
+def test_every_subcommand_has_help(command, capsys):
+    """argparse formats help lazily: a stray % in one option's text only fails when --help runs."""
+    from proxy.cli import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        build_parser(only=command).parse_args([command, "--help"])
+    assert done.value.code == 0 and "usage:" in capsys.readouterr().out
