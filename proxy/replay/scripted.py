@@ -106,7 +106,7 @@ class Script:
         if index >= len(self.turns) or self._after_own_summary(conv):  # the steps are over: never loop
             return Reply(text=self.final)
         turn = self.turns[index]
-        call = self._tool_call(turn.get("tool") or (), conv)
+        call = self._tool_call(turn.get("tool") or [], conv)
         text = str(turn.get("text") or ("" if call else self.final))
         return Reply(str(turn.get("thinking") or ""), text, (call,) if call else ())
 

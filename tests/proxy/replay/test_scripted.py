@@ -79,6 +79,11 @@ def test_bad_scripts_are_refused():
             Script({"turns": turns})
 
 
+def test_a_turn_without_a_tool_answers_its_text():
+    script = Script({"turns": [{"text": "Let me think about it."}], "final": "Still thinking."})
+    assert script.reply(_conv(USER)) == Reply(text="Let me think about it.")
+
+
 def test_a_script_file_error_names_the_file(tmp_path):
     bad = tmp_path / "script.json"
     bad.write_text("turns: [{text: hi}]")
