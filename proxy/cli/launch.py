@@ -80,6 +80,7 @@ def ask_server(server: str, key: str | None, model: str | None = None, timeout: 
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             data = json.load(resp)
     except urllib.error.HTTPError as exc:
+        exc.close()
         if exc.code == 401:
             hint = "the key it was given is not the server's" if key else "it was started with --api-key"
             raise ValueError(f"the server at {server} answered 401 Unauthorized: {hint}; pass the server's key "

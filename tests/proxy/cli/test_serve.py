@@ -58,6 +58,7 @@ def test_serve_process_starts_answers_and_stops(tmp_path_factory):
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers),
                                        timeout=10)
+            err.value.close()  # it holds the connection open
             assert err.value.code == status
         metrics = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"x-api-key": "k"})
         with urllib.request.urlopen(metrics, timeout=10) as r:
