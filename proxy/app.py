@@ -29,7 +29,7 @@ from proxy.generation import TURN, ReplySource, Turn
 from proxy.policy.planner import NoAnchors, Planner
 
 log = logging.getLogger("killick.proxy")
-access_log = logging.getLogger("killick.access")
+access_logger = logging.getLogger("killick.access")
 CLIENT_CLOSED = 499  # nginx's status for a request the client abandoned before its answer was complete
 MAX_BODY = 64 * 2**20  # agent requests with long histories reach megabytes
 _API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_tokens",
@@ -171,7 +171,7 @@ def access_middleware(log_lines: bool):
         finally:
             request.app[CTX].metrics.request_done(_route_label(request), status)
             if log_lines:
-                access_log.info("%s", access_line(request, status, time.monotonic() - started))
+                access_logger.info("%s", access_line(request, status, time.monotonic() - started))
 
     return access
 
