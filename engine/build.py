@@ -5,13 +5,16 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.serving import EngineCore
 
-DEFAULT_CONTEXT = 32768
+log = logging.getLogger("killick.engine")
+DEFAULT_CONTEXT = 32768  # a model whose config declares no window
+STATE_SHARE = 0.25  # of the device's free memory (CPU: MemAvailable) that the sequences' state may take
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more answer 429")
     g.add_argument("--max-step-tokens", type=int,
                    help="tokens per engine step, i.e. the prefill chunk (default 512 on CPU, 2048 on CUDA)")
-    g.add_argument("--context-length", type=int, help=f"tokens per request (default {DEFAULT_CONTEXT})")
+    g.add_argument("--context-length", type=int,
+                   help="tokens per request, prompt + output (default: what the model's config declares, "
+                        f"max_position_embeddings, or {DEFAULT_CONTEXT} when it says nothing; lowered so the "
+                        f"state of --max-running + 1 sequences fits in {STATE_SHARE * 100:.0f}%% of free memory)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="re-prefill every prompt from scratch (for comparisons)")
     g.add_argument("--cache-device-mb", type=int, help="prefix cache budget on the device (MiB)")
@@ -85,9 +91,9 @@ def build_core(model_dir: Path, opts: EngineOptions = EngineOptions(), model=Non
     from engine.models import load_model
     from engine.runner import ModelRunner
 
+    context = context_length(model_dir, opts, model.config if model is not None else None)
     if model is None:
-        model = load_model(model_dir, device=opts.device, dtype=opts.dtype, **_expert_args(model_dir, opts))
-    context = opts.context_length or DEFAULT_CONTEXT
+        model = load_model(model_dir, device=opts.device, dtype=opts.dtype, **_expert_args(model_dir, opts, context))
     if opts.fast_path and model.device.type == "cuda" and model.fast is None:
         _enable_fast(model, opts.max_running, context, step_tokens(opts, model.device))
     cache = None
@@ -100,6 +106,58 @@ def build_core(model_dir: Path, opts: EngineOptions = EngineOptions(), model=Non
                       max_waiting=opts.max_queue)
 
 
+def context_window(declared: int, per_token: int, per_sequence: int, sequences: int,
+                   budget: int) -> tuple[int, str]:
+    """Tokens per request: what the model declares (0: DEFAULT_CONTEXT), lowered (to a multiple of 1024) until
+    `sequences` sequences of that length fit in `budget` bytes; and why, as a sentence for the log.
+    per_token: KV bytes per token of one sequence; per_sequence: its fixed (recurrent) state."""
+    wanted = declared or DEFAULT_CONTEXT
+    source = f"the model's max_position_embeddings ({declared})" if declared else \
+        f"the default {DEFAULT_CONTEXT} (the model's config declares no max_position_embeddings)"
+    room = max(0, budget // max(1, sequences) - per_sequence) // max(1, per_token)
+    gib = budget / 2**30
+    if room >= wanted:
+        return wanted, f"{source}; the state of {sequences} sequences fits in {gib:.1f} GiB"
+    fitted = max(1024, room // 1024 * 1024)
+    return fitted, (f"lowered from {source}: the state of {sequences} sequences of {wanted} tokens "
+                    f"({per_token} bytes a token) would not fit in {gib:.1f} GiB; --context-length sets it")
+
+
+def context_length(model_dir: Path, opts: EngineOptions, cfg=None) -> int:
+    """--context-length, else context_window() for this model (its config, or `cfg` when the model is
+    already built), device and dtype; logged with its reason."""
+    import torch
+
+    from engine.config import load_config
+
+    if opts.context_length:
+        log.debug("context length %d tokens: as --context-length asks", opts.context_length)
+        return opts.context_length
+    cfg = cfg or load_config(model_dir)
+    per_token, per_sequence = state_bytes(cfg, getattr(torch, opts.dtype).itemsize)
+    device = torch.device(opts.device)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        from engine.cache.tiers import default_host_budget
+
+        free = default_host_budget(1.0)
+    tokens, why = context_window(cfg.max_positions, per_token, per_sequence, opts.max_running + 1,
+                                 int(free * STATE_SHARE))
+    log.info("context length %d tokens: %s", tokens, why)
+    return tokens
+
+
+def state_bytes(cfg, itemsize: int) -> tuple[int, int]:
+    """(KV bytes per token, fixed recurrent-state bytes) of one sequence of this model (engine/models/slots.py)."""
+    attention = sum(1 for t in cfg.layer_types if t == "full_attention")
+    linear = cfg.num_layers - attention
+    per_token = attention * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    per_sequence = linear * (cfg.conv_dim * max(0, cfg.conv_kernel - 1) * itemsize  # conv: model dtype
+                             + cfg.linear_num_v_heads * cfg.linear_k_head_dim * cfg.linear_v_head_dim * 4)  # fp32
+    return per_token, per_sequence
+
+
 def step_tokens(opts: EngineOptions, device) -> int:
     """Tokens per engine step: a GPU runs long prefill chunks at the same cost per token as short ones."""
     if opts.max_step_tokens is not None:
@@ -110,11 +168,8 @@ def step_tokens(opts: EngineOptions, device) -> int:
 def _enable_fast(model, max_running: int, context: int, chunk: int) -> None:
     """The fast path with a slot for each running request (+1 for a turn being cached while the next
     starts); where it cannot serve the model the engine says why and stays eager."""
-    import logging
-
     from engine.models.fast_support import fast_unsupported
 
-    log = logging.getLogger("killick.engine")
     reason = fast_unsupported(model)
     if reason is not None:
         log.warning("eager engine path: %s", reason)
@@ -128,8 +183,9 @@ def _enable_fast(model, max_running: int, context: int, chunk: int) -> None:
              time.monotonic() - started)
 
 
-def _expert_args(model_dir: Path, opts: EngineOptions) -> dict:
-    """load_model keywords for the chosen expert backend ('auto' settled here, before any weight loads)."""
+def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
+    """load_model keywords for the chosen expert backend ('auto' settled here, before any weight loads).
+    On CUDA the fast path's state slots (max_running + 1 of `context` tokens) are kept out of the slot cache."""
     import torch
 
     from engine.config import load_config
@@ -151,11 +207,13 @@ def _expert_args(model_dir: Path, opts: EngineOptions) -> dict:
     if name == "fused":
         return {}
     progress = _pool_progress if pool_bytes > 1 << 30 else None  # a 64 GB pool takes a minute or more
-    return {"experts": experts_factory(name, device=opts.device, slots=opts.moe_slots, progress=progress),
+    per_token, per_sequence = state_bytes(cfg, dtype.itemsize)
+    slots = opts.max_running + 1
+    reserve = slots * ((context + 1) * per_token + per_sequence) if opts.fast_path and device.type == "cuda" else 0
+    return {"experts": experts_factory(name, device=opts.device, slots=opts.moe_slots, progress=progress,
+                                       reserve_bytes=reserve),
             "expert_device": "cpu"}
 
 
 def _pool_progress(p) -> None:
-    import logging
-
-    logging.getLogger("killick.engine").info("loading %s", p.line())
+    log.info("loading %s", p.line())

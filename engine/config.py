@@ -49,6 +49,7 @@ class ModelConfig:
     dense_layers: tuple[int, ...]  # layers with a dense MLP instead of MoE (Qwen3-MoE mlp_only_layers)
     intermediate_size: int  # dense MLP width (dense_layers only)
     eos_token_ids: tuple[int, ...] = ()
+    max_positions: int = 0  # max_position_embeddings: the longest sequence the model declares (0: not said)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -189,6 +190,7 @@ def _qwen3_5_moe(text: dict, top: dict, source: str, prefix: str = "model.langua
         dense_layers=(),
         intermediate_size=0,
         eos_token_ids=_eos(text, top),
+        max_positions=int(text.get("max_position_embeddings") or 0),
     )
 
 
@@ -237,4 +239,5 @@ def _qwen3_moe(raw: dict, source: str) -> ModelConfig:
         dense_layers=dense,
         intermediate_size=int(raw.get("intermediate_size", 0)),
         eos_token_ids=_eos(raw, raw),
+        max_positions=int(raw.get("max_position_embeddings") or 0),
     )

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEMO_NAME = "demo-qwen3_5_moe-v1"
+DEMO_NAME = "demo-qwen3_5_moe-v2"  # a new name whenever the generated checkpoint changes
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "tokenizer"
 
 

@@ -95,7 +95,7 @@ def _qwen3_5_moe_config(d: dict) -> dict:
     n, interval = d["num_hidden_layers"], d["full_attention_interval"]
     text = {k: v for k, v in d.items() if k != "full_attention_interval"}
     text.update(
-        model_type="qwen3_5_moe_text", hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=4096,
+        model_type="qwen3_5_moe_text", hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=262144,
         attention_bias=False, linear_conv_kernel_dim=4, full_attention_interval=interval,
         layer_types=[FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)],
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
@@ -119,7 +119,7 @@ def _qwen3_moe_config(d: dict) -> dict:
     raw.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3,
                num_experts=d["num_experts"], rope_theta=1000000.0, norm_topk_prob=True, decoder_sparse_step=1,
                mlp_only_layers=[1], intermediate_size=3 * d["hidden_size"], hidden_act="silu", rms_norm_eps=1e-6,
-               max_position_embeddings=4096, use_sliding_window=False, attention_bias=False,
+               max_position_embeddings=40960, use_sliding_window=False, attention_bias=False,
                tie_word_embeddings=False, eos_token_id=d["vocab_size"] - 1)
     return raw
 
@@ -127,7 +127,7 @@ def _qwen3_moe_config(d: dict) -> dict:
 def _qwen3_next_config(d: dict) -> dict:
     raw = dict(d)  # full_attention_interval instead of layer_types, top-level rope keys: the other spellings
     raw.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_act="silu", rms_norm_eps=1e-6,
-               max_position_embeddings=4096, attention_bias=False, linear_conv_kernel_dim=4, rope_theta=10000000.0,
+               max_position_embeddings=262144, attention_bias=False, linear_conv_kernel_dim=4, rope_theta=10000000.0,
                partial_rotary_factor=0.25, norm_topk_prob=True, decoder_sparse_step=1,
                mlp_only_layers=[d["num_hidden_layers"] - 2], intermediate_size=3 * d["hidden_size"],
                tie_word_embeddings=False, eos_token_id=d["vocab_size"] - 1)

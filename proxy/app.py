@@ -1,7 +1,7 @@
 """The aiohttp application: one factory, typed app state, middlewares for errors / auth / metrics.
 
     create_app(core, tokenizer, renderer, model_name=..., context_length=..., api_key=...,
-               planner=None, replies=None, observer=None)
+               planner=None, replies=None, observer=None, access_log=False)
 
 Every handler reads parse -> normalise -> render -> plan -> submit -> stream (see proxy/generation.py).
 The engine core is started and stopped through cleanup_ctx, so the app owns its lifetime. Scripts, replay
@@ -10,6 +10,7 @@ finished API request through one hook (`observer`, proxy/replay/record.py).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -28,6 +29,8 @@ from proxy.generation import TURN, ReplySource, Turn
 from proxy.policy.planner import NoAnchors, Planner
 
 log = logging.getLogger("killick.proxy")
+access_logger = logging.getLogger("killick.access")
+CLIENT_CLOSED = 499  # nginx's status for a request the client abandoned before its answer was complete
 MAX_BODY = 64 * 2**20  # agent requests with long histories reach megabytes
 _API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_tokens",
            "/v1/chat/completions": "chat", "/v1/responses": "responses"}
@@ -47,10 +50,11 @@ class TurnObserver(Protocol):
 def create_app(core, tokenizer, renderer, *, model_name: str = "killick", context_length: int | None = None,
                api_key: str | None = None, keepalive_s: float = 5.0, default_max_tokens: int = 8192,
                planner: Planner | None = None, replies: ReplySource | None = None,
-               observer: TurnObserver | None = None) -> web.Application:
+               observer: TurnObserver | None = None, access_log: bool = False) -> web.Application:
     """The queue limit is the engine's (EngineCore(max_running, max_waiting)): a full queue answers 429.
 
     context_length defaults to the engine runner's, i.e. the real KV budget of one sequence.
+    access_log: one INFO line per request on the `killick.access` logger (what `killick serve` turns on).
     """
     context_length = context_length or getattr(getattr(core, "runner", None), "context_length", None)
     if not context_length or context_length < 2:
@@ -60,7 +64,7 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
     ctx = ServerContext(core=core, tokenizer=tokenizer, renderer=renderer, model_name=model_name,
                         context_length=context_length, keepalive_s=keepalive_s,
                         default_max_tokens=default_max_tokens, planner=planner or NoAnchors(), replies=replies)
-    middlewares = [metrics_middleware, error_middleware, auth_middleware(api_key)]
+    middlewares = [access_middleware(access_log), error_middleware, auth_middleware(api_key)]
     if observer is not None:
         middlewares.insert(0, observe_middleware(observer))  # outermost: it sees the status answered
     app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
@@ -120,8 +124,8 @@ def observe_middleware(observer: TurnObserver):
             response = await handler(request)
             status = response.status
             return response
-        except web.HTTPException as exc:
-            status = exc.status
+        except BaseException as exc:
+            status = status_of(exc)
             raise
         finally:
             await observer.turn_done(request, request.get(TURN), status, started)
@@ -141,18 +145,52 @@ async def plan_headers(request: web.Request, response: web.StreamResponse) -> No
             response.headers[name] = str(fields[key])
 
 
-@web.middleware
-async def metrics_middleware(request: web.Request, handler):
-    api = _API_OF.get(request.path)
-    if api is None:
-        return await handler(request)
-    try:
-        response = await handler(request)
-    except BaseException:
-        request.app[CTX].metrics.request_done(api, 499)  # client closed the request
-        raise
-    request.app[CTX].metrics.request_done(api, response.status)
-    return response
+def status_of(exc: BaseException) -> int:
+    """The status a request that raised `exc` past the error middleware ended with."""
+    if isinstance(exc, web.HTTPException):
+        return exc.status
+    if isinstance(exc, (asyncio.CancelledError, ConnectionResetError)):
+        return CLIENT_CLOSED
+    return 500
+
+
+def access_middleware(log_lines: bool):
+    """Counts every request in /metrics (by API, else by route, else `unmatched`) and, with `log_lines`, logs
+    one line per request: method, path, status, the engine's prompt / cached / prefilled tokens, TTFT, time."""
+
+    @web.middleware
+    async def access(request: web.Request, handler):
+        started, status = time.monotonic(), 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except BaseException as exc:
+            status = status_of(exc)
+            raise
+        finally:
+            request.app[CTX].metrics.request_done(_route_label(request), status)
+            if log_lines:
+                access_logger.info("%s", access_line(request, status, time.monotonic() - started))
+
+    return access
+
+
+def _route_label(request: web.Request) -> str:
+    if request.path in _API_OF:
+        return _API_OF[request.path]
+    route = request.match_info.route
+    return route.resource.canonical if route.resource is not None else "unmatched"
+
+
+def access_line(request: web.Request, status: int, seconds: float) -> str:
+    line = f"{request.method} {request.path_qs} {status}"
+    turn = request.get(TURN)
+    if turn is not None and turn.finished is not None:
+        u = turn.finished.usage
+        line += (f" prompt={u.prompt_tokens} cached={u.reused_tokens} prefilled={u.prefilled_tokens}"
+                 f" out={u.output_tokens} ttft={u.ttft_s * 1000:.0f}ms")
+    return f"{line} {seconds * 1000:.0f}ms"
 
 
 async def root(request: web.Request) -> web.Response:

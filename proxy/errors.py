@@ -49,6 +49,17 @@ class ApiError(Exception):
         self.code = code
 
 
+ASK_FOR_TOOL = "let the model choose (tool_choice auto) and ask for the tool in the prompt"
+ASK_FOR_JSON = "ask for JSON in the prompt and parse the text"
+
+
+def not_enforceable(param: str, what: str, instead: str) -> ApiError:
+    """A 400 for a request that asks for output the engine cannot guarantee: killick has no constrained
+    decoding, and answering as if it had would hand the agent output that breaks the promise."""
+    return ApiError(400, f"{param}: {what} is not supported (killick has no constrained decoding); {instead}",
+                    param=param, code="unsupported_parameter")
+
+
 def anthropic_body(err: ApiError) -> dict:
     kind = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": err.message}}

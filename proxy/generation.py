@@ -20,7 +20,8 @@ from proxy.context import ServerContext
 from proxy.conversation import Conversation
 from proxy.errors import ApiError
 from proxy.policy.planner import Plan
-from proxy.prompt.output_parser import OutputEvent, OutputParser, ToolCall, generation_opens_think
+from proxy.prompt.output_parser import (OutputEvent, OutputParser, ToolCall, ToolCallDelta, ToolCallStart,
+                                       generation_opens_think)
 
 if TYPE_CHECKING:
     from engine.serving import TokenStream
@@ -250,7 +251,10 @@ def check_failed(fin: Finished) -> Finished:
 
 
 def collect(blocks: list, item: OutputEvent) -> None:
-    """Accumulate output events into blocks for a non-streaming answer: adjacent deltas of a kind merge."""
+    """Accumulate output events into blocks for a non-streaming answer: adjacent deltas of a kind merge; a
+    tool call is its final ToolCall (the pieces it streamed as are left out)."""
+    if isinstance(item, (ToolCallStart, ToolCallDelta)):
+        return
     if isinstance(item, ToolCall):
         blocks.append(item)
     elif blocks and type(blocks[-1]) is type(item):

@@ -55,19 +55,40 @@ def _call(args, method: str, path: str, body: dict | None = None) -> dict:
                          f"or pass --server URL") from None
 
 
+ENGINE_KEYS = ("active", "queued", "requests", "finished", "aborted", "errors", "prompt_tokens", "reused_tokens",
+               "prefilled_tokens", "output_tokens", "context_length")
+TURN_COLUMNS = ("session", "turn", "kind", "prompt", "edit_point", "edit_class", "resume_at", "cached", "prefilled",
+                "ttft_ms")
+
+
 def _render_stats(data: dict) -> str:
-    engine, lines = data.get("engine", {}), []
-    for key in ("active", "queued", "requests", "finished", "aborted", "errors", "prompt_tokens",
-                "reused_tokens", "prefilled_tokens", "output_tokens", "context_length"):
-        if key in engine:
-            lines.append(f"{key:<28}{engine[key]}")
-    for key, value in sorted(engine.items()):
-        if key.startswith("cache_"):
-            lines.append(f"{key:<28}{value}")
+    """Totals as `name  value` lines, then the last turns of each session as a table."""
+    engine = data.get("engine", {})
+    pairs = [(k, engine[k]) for k in ENGINE_KEYS if k in engine]
+    pairs += sorted((k, v) for k, v in engine.items() if k.startswith("cache_"))
     experts = engine.get("experts", {})
     if isinstance(experts, dict) and "total" in experts:
-        lines.append(f"{'experts backend':<28}{experts.get('backend')} ({experts.get('slots')} slots)")
-        lines += [f"  experts {k:<19}{v}" for k, v in experts["total"].items()]
-    for key, value in (data.get("policy") or {}).items():
-        lines.append(f"policy {key:<21}{json.dumps(value) if isinstance(value, (dict, list)) else value}")
+        slots = experts.get("slots")
+        pairs.append(("experts backend", f"{experts.get('backend')}" + (f" ({slots} slots)" if slots else "")))
+        pairs += [(f"  experts {k}", v) for k, v in experts["total"].items()]
+    policy = dict(data.get("policy") or {})
+    turns = policy.pop("recent_turns", [])
+    pairs += [(f"policy {k}", _flat(v)) for k, v in policy.items()]
+    width = max((len(k) for k, _ in pairs), default=0) + 2
+    lines = [f"{k:<{width}}{v}" for k, v in pairs]
+    if turns:
+        lines += ["", "last turns of each session", _table(turns)]
     return "\n".join(lines)
+
+
+def _flat(value) -> str:
+    if isinstance(value, dict):
+        return " ".join(f"{k}={v}" for k, v in value.items()) or "-"
+    return str(value)
+
+
+def _table(turns: list[dict]) -> str:
+    rows = [TURN_COLUMNS] + [tuple("-" if t.get(c) is None else str(t.get(c)) for c in TURN_COLUMNS) for t in turns]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(TURN_COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)

@@ -1,18 +1,21 @@
 """What `killick launch` knows about each agent harness, as data (no I/O here).
 
-A profile turns (server URL, served model name, the user's environment) into a `LaunchPlan`: the command line,
-the variables to set and to remove, and the config files to write (merged into what the user already has).
+A profile turns what the server says about itself (`Served`: URL, model, context window, key) and the user's
+environment into a `LaunchPlan`: the command line, the variables to set and to remove, and the config files to
+write (merged into what the user already has).
 Values here were checked against real runs of each harness on loopback; see fixtures/harness_requests/.
 """
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
 DUMMY_KEY = "sk-killick-local"  # every harness insists on some key; ours never leaves the machine
+KEY_ENV = "KILLICK_API_KEY"  # the server's --api-key travels to the agent in this variable, never in a file
+DEFAULT_WINDOW = 32768  # what a server that does not say its context_length is assumed to take
 
 # Provider credentials and endpoints a harness could fall back to; removed from the child's environment.
 SCRUB_PREFIXES = ("ANTHROPIC_", "OPENAI_", "AZURE_OPENAI_", "OPENROUTER_", "LITELLM_")
@@ -23,6 +26,21 @@ SCRUB_NAMES = ("CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX", "CLAUDE_CODE
 
 # Telemetry, crash reports and self-update off for everything we start.
 QUIET_ENV = {"DO_NOT_TRACK": "1", "DISABLE_TELEMETRY": "1"}
+
+
+@dataclass(frozen=True)
+class Served:
+    """The server as the agent must see it: where, which model, how many tokens a request may hold, which key."""
+
+    url: str
+    model: str
+    context: int = DEFAULT_WINDOW  # /v1/models context_length: prompt + output of one request
+    api_key: str = DUMMY_KEY
+
+    @property
+    def max_output(self) -> int:
+        """What an agent may ask for as output: 16k, but never more than a quarter of the window."""
+        return max(1, min(16384, self.context // 4))
 
 
 @dataclass(frozen=True)
@@ -45,9 +63,9 @@ class Profile:
     name: str
     binary: str
     install: str                              # the exact command printed when `binary` is missing
-    env: Callable[[str, str], dict[str, str]]  # (server, model) -> variables to set
-    argv: Callable[[str, str], list[str]]      # (server, model) -> arguments before the user's
-    files: Callable[[str, str, Mapping[str, str]], list[ConfigFile]] = lambda server, model, env: []
+    env: Callable[[Served], dict[str, str]]    # variables to set
+    argv: Callable[[Served], list[str]]        # arguments before the user's
+    files: Callable[[Served, Mapping[str, str]], list[ConfigFile]] = lambda served, env: []
 
 
 def scrubbed(env: Mapping[str, str], keep: Mapping[str, str]) -> list[str]:
@@ -59,11 +77,14 @@ def scrubbed(env: Mapping[str, str], keep: Mapping[str, str]) -> list[str]:
 
 # --- Claude Code: all by environment -------------------------------------------------------------------
 
-def _claude_env(server: str, model: str) -> dict[str, str]:
+def _claude_env(served: Served) -> dict[str, str]:
+    model = served.model
     return {
-        "ANTHROPIC_BASE_URL": server,                  # it appends /v1/messages itself
-        "ANTHROPIC_AUTH_TOKEN": DUMMY_KEY,             # a bearer token: no "use this API key?" prompt
+        "ANTHROPIC_BASE_URL": served.url,              # it appends /v1/messages itself
+        "ANTHROPIC_AUTH_TOKEN": served.api_key,        # a bearer token: no "use this API key?" prompt
         "ANTHROPIC_MODEL": model,
+        # its window for a model whose name does not start with "claude-" (else 200k): /context and compaction
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(served.context),
         "ANTHROPIC_SMALL_FAST_MODEL": model,           # titles and quick checks go to the same model
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
         "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
@@ -84,8 +105,8 @@ def opencode_config_path(env: Mapping[str, str]) -> Path:
     return Path(base) / "opencode" / "opencode.json"
 
 
-def _opencode_files(server: str, model: str, env: Mapping[str, str]) -> list[ConfigFile]:
-    path = opencode_config_path(env)
+def _opencode_files(served: Served, env: Mapping[str, str]) -> list[ConfigFile]:
+    path, model = opencode_config_path(env), served.model
     config = _read_json(path)
     providers = config.setdefault("provider", {})
     if not isinstance(providers, dict):
@@ -93,12 +114,32 @@ def _opencode_files(server: str, model: str, env: Mapping[str, str]) -> list[Con
     providers["killick"] = {
         "npm": "@ai-sdk/openai-compatible",
         "name": "killick (local)",
-        "options": {"baseURL": f"{server}/v1", "apiKey": DUMMY_KEY},
+        "options": {"baseURL": f"{served.url}/v1", "apiKey": "{env:%s}" % KEY_ENV},  # opencode reads the variable
         "models": {model: {"name": model, "tool_call": True, "reasoning": True,
-                           "limit": {"context": 131072, "output": 16384}}},
+                           "limit": {"context": served.context, "output": served.max_output}}},
     }
     config.setdefault("$schema", "https://opencode.ai/config.json")
-    return [ConfigFile(path, json.dumps(config, indent=2) + "\n", path.exists())]
+    return [config_file(path, config, ("provider", "killick"), ("$schema",))]
+
+
+def config_file(path: Path, config: dict, *ours: tuple[str, ...]) -> ConfigFile:
+    """The merged file; `existed` (so a backup is kept) only when it holds something of the user's, i.e. more
+    than the keys at the paths `ours` that killick itself writes."""
+    if not path.exists():
+        return ConfigFile(path, json.dumps(config, indent=2) + "\n", False)
+    rest = _read_json(path)
+    for keys in ours:
+        parent = rest
+        for key in keys[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        if isinstance(parent, dict):
+            parent.pop(keys[-1], None)
+    return ConfigFile(path, json.dumps(config, indent=2) + "\n", _has_content(rest))
+
+
+def _has_content(value) -> bool:
+    """A JSON value with anything but empty objects in it."""
+    return any(_has_content(v) for v in value.values()) if isinstance(value, dict) else True
 
 
 def _read_json(path: Path) -> dict:
@@ -121,14 +162,16 @@ def _toml_str(s: str) -> str:
     return json.dumps(s)  # a JSON string is a valid TOML basic string
 
 
-def _codex_argv(server: str, model: str) -> list[str]:
+def _codex_argv(served: Served) -> list[str]:
     overrides = {
-        "model": _toml_str(model),
+        "model": _toml_str(served.model),
         "model_provider": '"killick"',
         "model_providers.killick.name": '"killick"',
-        "model_providers.killick.base_url": _toml_str(f"{server}/v1"),
-        "model_providers.killick.env_key": '"KILLICK_API_KEY"',
+        "model_providers.killick.base_url": _toml_str(f"{served.url}/v1"),
+        "model_providers.killick.env_key": _toml_str(KEY_ENV),
         "model_providers.killick.wire_api": '"responses"',
+        "model_context_window": str(served.context),
+        "sandbox_mode": '"workspace-write"',  # its default (read-only) lets the shell tool write nothing
         "check_for_update_on_startup": "false",
         "analytics.enabled": "false",
         "otel.exporter": '"none"',
@@ -142,11 +185,13 @@ def _codex_argv(server: str, model: str) -> list[str]:
 
 # --- mini-swe-agent: litellm model name + api_base on the command line ----------------------------------
 
-def _mini_argv(server: str, model: str) -> list[str]:
-    return ["mini", "-m", f"openai/{model}", "-c", "mini.yaml",
-            "-c", f"model.model_kwargs.api_base={server}/v1",
-            "-c", f"model.model_kwargs.api_key={DUMMY_KEY}",
-            "-c", "agent.cost_limit=0"]
+MINI_STEP_LIMIT = 50  # cost_limit=0 means no limit: a model that never submits would loop forever
+
+
+def _mini_argv(served: Served) -> list[str]:
+    return ["mini", "-m", f"openai/{served.model}", "-c", "mini.yaml",
+            "-c", f"model.model_kwargs.api_base={served.url}/v1",
+            "-c", "agent.cost_limit=0", "-c", f"agent.step_limit={MINI_STEP_LIMIT}"]
 
 
 # --- OpenClaw: a `killick` provider merged into ~/.openclaw/openclaw.json -------------------------------
@@ -159,17 +204,17 @@ def openclaw_config_path(env: Mapping[str, str]) -> Path:
     return Path(state) / "openclaw.json"
 
 
-def _openclaw_files(server: str, model: str, env: Mapping[str, str]) -> list[ConfigFile]:
-    path = openclaw_config_path(env)
+def _openclaw_files(served: Served, env: Mapping[str, str]) -> list[ConfigFile]:
+    path, model = openclaw_config_path(env), served.model
     config = _read_json(path)
     models = config.setdefault("models", {"mode": "merge"})  # merge: keep OpenClaw's built-in providers
     providers = models.setdefault("providers", {}) if isinstance(models, dict) else None
     if not isinstance(providers, dict):
         raise ValueError(f"{path}: 'models.providers' is not an object; fix the file or remove that key")
     providers["killick"] = {
-        "baseUrl": f"{server}/v1", "apiKey": DUMMY_KEY, "api": "openai-completions",
+        "baseUrl": f"{served.url}/v1", "apiKey": served.api_key, "api": "openai-completions",
         "models": [{"id": model, "name": model, "reasoning": True, "input": ["text"],
-                    "contextWindow": 131072, "maxTokens": 16384,
+                    "contextWindow": served.context, "maxTokens": served.max_output,
                     "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}],
     }
     agents = config.setdefault("agents", {})
@@ -180,46 +225,48 @@ def _openclaw_files(server: str, model: str, env: Mapping[str, str]) -> list[Con
     allowed = defaults.setdefault("models", {})  # the per-agent model allowlist onboarding also fills
     if isinstance(allowed, dict):
         allowed.setdefault(f"killick/{model}", {})
-    return [ConfigFile(path, json.dumps(config, indent=2) + "\n", path.exists())]
+    return [config_file(path, config, ("models", "providers", "killick"), ("models", "mode"),
+                        ("agents", "defaults", "model"), ("agents", "defaults", "models", f"killick/{model}"))]
 
 
 PROFILES: dict[str, Profile] = {
     "claude": Profile(
         "claude", "claude", "npm install -g @anthropic-ai/claude-code",
-        env=_claude_env, argv=lambda server, model: ["claude"]),
+        env=_claude_env, argv=lambda served: ["claude"]),
     "opencode": Profile(
         "opencode", "opencode", "npm install -g opencode-ai   # and: apt-get install ripgrep",
-        env=lambda server, model: {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
-                                   "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1"},
-        argv=lambda server, model: ["opencode", "--model", f"killick/{model}"],
+        env=lambda served: {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+                            "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+                            KEY_ENV: served.api_key},
+        argv=lambda served: ["opencode", "--model", f"killick/{served.model}"],
         files=_opencode_files),
     "codex": Profile(
         "codex", "codex", "npm install -g @openai/codex",
-        env=lambda server, model: {"KILLICK_API_KEY": DUMMY_KEY}, argv=_codex_argv),
+        env=lambda served: {KEY_ENV: served.api_key}, argv=_codex_argv),
     "openclaw": Profile(
         "openclaw", "openclaw",
         "npm install -g openclaw   # needs Node >= 24.16 (older Node installs an empty placeholder); or in a "
         "folder: npm install node@24 openclaw && export PATH=$PWD/node_modules/.bin:$PATH",
-        env=lambda server, model: {"OPENCLAW_NO_AUTO_UPDATE": "1"}, argv=lambda server, model: ["openclaw"],
+        env=lambda served: {"OPENCLAW_NO_AUTO_UPDATE": "1"}, argv=lambda served: ["openclaw"],
         files=_openclaw_files),
     "mini-swe-agent": Profile(
         "mini-swe-agent", "mini", "python3 -m pip install mini-swe-agent   # best in its own venv",
-        env=lambda server, model: {"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
-                                   "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        env=lambda served: {"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
+                            "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENAI_API_KEY": served.api_key},
         argv=_mini_argv),
 }
 
 _MODEL_NAME = re.compile(r"^[\w.:/@+-]+$")
 
 
-def plan(agent: str, server: str, model: str, env: Mapping[str, str], extra: list[str]) -> LaunchPlan:
-    """The full launch for `agent` against `server` serving `model`, given the user's environment."""
+def plan(agent: str, served: Served, env: Mapping[str, str], extra: list[str]) -> LaunchPlan:
+    """The full launch for `agent` against the `served` model, given the user's environment."""
     if agent not in PROFILES:
         raise ValueError(f"unknown agent {agent!r}; choose one of {', '.join(PROFILES)}")
-    if not _MODEL_NAME.match(model):
-        raise ValueError(f"the server's model id {model!r} has characters killick will not put in a config")
+    if not _MODEL_NAME.match(served.model):
+        raise ValueError(f"the server's model id {served.model!r} has characters killick will not put in a config")
     profile = PROFILES[agent]
-    server = server.rstrip("/")
-    set_env = {**QUIET_ENV, **profile.env(server, model)}
-    return LaunchPlan(argv=profile.argv(server, model) + list(extra), set_env=set_env,
-                      unset_env=scrubbed(env, set_env), files=profile.files(server, model, env))
+    served = replace(served, url=served.url.rstrip("/"))
+    set_env = {**QUIET_ENV, **profile.env(served)}
+    return LaunchPlan(argv=profile.argv(served) + list(extra), set_env=set_env,
+                      unset_env=scrubbed(env, set_env), files=profile.files(served, env))

@@ -2,9 +2,10 @@
 
     killick serve [--model DIR] [--host 127.0.0.1] [--port 8421] [--api-key KEY] [--max-running 4]
                   [--cache-policy anchors|prefix] [--record DIR] [--script FILE [--script-var K=V]]
-                  [--allow-forced-responses]
+                  [--allow-forced-responses] [--quiet]
 
-Without --model the embedded demo checkpoint is used. One startup line names the URL.
+Without --model the embedded demo checkpoint is used. One startup line names the URL; then one access-log
+line per request (method, path, status, prompt / cached / prefilled tokens, TTFT, time) unless --quiet.
 --record appends every API request with its response and cache metrics to DIR (proxy/replay/record.py);
 --script answers from a script by forced decoding (proxy/replay/scripted.py); --allow-forced-responses honours
 replay's x-killick-force-response header (off by default: a client must not choose the model's output).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 
 from aiohttp import web
 
@@ -42,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a {K} template value for the script's tool arguments (repeatable)")
     parser.add_argument("--allow-forced-responses", action="store_true",
                         help="honour x-killick-force-response (what killick replay sends)")
+    parser.add_argument("--quiet", action="store_true", help="no access log (one line per request otherwise)")
     add_engine_arguments(parser)
 
 
@@ -91,12 +94,23 @@ def build_app(args: argparse.Namespace) -> web.Application:
     planner = make_planner(args.cache_policy, load_registry(args.harness_rules))
     return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=args.model_name or model_dir.name,
                       api_key=args.api_key, keepalive_s=args.keepalive, planner=planner,
-                      replies=reply_source(args), observer=Recorder(args.record) if args.record is not None else None)
+                      replies=reply_source(args), observer=Recorder(args.record) if args.record is not None else None,
+                      access_log=not args.quiet)
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail before the model loads (seconds to minutes) when the address is taken."""
+    try:
+        socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; another server (killick "
+                         f"serve?) may hold it - stop it or pass --port N") from None
 
 
 def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the API is reachable from other machines", args.host)
+    check_port(args.host, args.port)
     app = build_app(args)
     asyncio.run(_serve(app, args.host, args.port))
     return 0

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from engine.api import Usage
 
 SIDE_BUDGET = AnchorBudget(max_count=IMPLICIT_PER_TURN + 1)
+RECENT_TURNS = 8  # per session, in stats()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,13 +87,15 @@ class CachePolicy:
                         anchors=anchors, prompt_ids=tuple(rendered.ids), segments=tuple(rendered.segments),
                         conversation=conv)
 
-    def stats(self) -> dict:
-        """Sessions held and totals over the turns they remember (see turns.summarize)."""
+    def stats(self, recent: int = RECENT_TURNS) -> dict:
+        """Sessions held, totals over the turns they remember (see turns.summarize), and `recent_turns`: the
+        last `recent` turns of each session (most recently used session last), one row each."""
         with self._lock:
             states = [self.store.get_quiet(k) for kind in ("main", "side") for k in self.store.sessions(kind)]
         records = [r for s in states for r in s.records]
         return {"sessions": len([s for s in states if s.kind == "main"]),
-                "side_sessions": len([s for s in states if s.kind != "main"]), **summarize(records)}
+                "side_sessions": len([s for s in states if s.kind != "main"]), **summarize(records),
+                "recent_turns": [r.row() for s in states for r in s.records[-recent:]]}
 
     def finish_turn(self, turn: TurnPlan, generated_ids: Sequence[int], usage: Usage) -> TurnRecord:
         """Remember the turn, and where the session now has checkpoints: the earlier ones the plan keeps and

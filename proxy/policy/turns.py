@@ -95,6 +95,15 @@ class TurnRecord:
         return replace(self, reused_tokens=usage.reused_tokens, prefilled_tokens=usage.prefilled_tokens,
                        cache_tier=usage.cache_tier, ttft_s=usage.ttft_s)
 
+    def row(self) -> dict:
+        """The turn as `killick ctl stats` shows it (a list entry, so /metrics does not export it)."""
+        return {"session": self.session_key, "turn": self.turn_index + 1, "kind": self.request_kind,
+                "harness": self.harness, "prompt": self.prompt_tokens, "edit_point": self.edit_point,
+                "edit_class": self.edit_class, "resume_at": self.anchor_used,
+                "expected_prefill": self.expected_reprefill, "cached": self.reused_tokens,
+                "prefilled": self.prefilled_tokens,
+                "ttft_ms": None if self.ttft_s is None else round(self.ttft_s * 1000)}
+
     @property
     def wasted_tokens(self) -> Optional[int]:
         """Tokens prefilled beyond what the edit point required (None until usage arrives)."""

@@ -6,8 +6,11 @@ opened it), then the answer, then zero or more tool calls, each
 `<tool_call>\n<function=NAME>\n<parameter=P>\nV\n</parameter>\n</function>\n</tool_call>` is accepted too).
 
 Text arrives in arbitrary pieces, so a suffix that could still become a tag or a stop sequence is held back
-until the next piece decides it. A tool call is buffered until its closing tag and then parsed whole:
-malformed JSON degrades to plain text, never an error. Whitespace at the edges of each segment (after
+until the next piece decides it. A JSON tool call streams: once its head `{"name": "N", "arguments": {` is
+read, ToolCallStart(index, name) goes out, then ToolCallDelta pieces of the arguments object as they are
+written, then ToolCall(streamed=True) whose arguments are exactly the deltas joined. Any other tool call is
+buffered until its closing tag and parsed whole (ToolCall, streamed=False): malformed JSON degrades to plain
+text, never an error; once a call has started streaming it ends as a call, its arguments as written. Whitespace at the edges of each segment (after
 `<think>`, around `</think>`, between tool calls) is dropped, as the providers do.
 """
 from __future__ import annotations
@@ -35,10 +38,57 @@ class ThinkingDelta:
 class ToolCall:
     index: int  # 0-based among this response's tool calls
     name: str
-    arguments: str  # JSON object text
+    arguments: str  # JSON object text (for a streamed call: as the model wrote it, the deltas joined)
+    streamed: bool = False  # ToolCallStart and ToolCallDelta events came before this one
 
 
-OutputEvent = Union[TextDelta, ThinkingDelta, ToolCall]
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    index: int
+    text: str  # the next piece of the arguments object's text
+
+
+OutputEvent = Union[TextDelta, ThinkingDelta, ToolCall, ToolCallStart, ToolCallDelta]
+
+# the head of a JSON tool call up to its arguments object: from here the arguments can stream
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+class ArgumentsScan:
+    """How far the arguments object of a streaming call has been sent, and whether it has closed: a brace
+    count that skips strings (it finds the object's end; it does not validate JSON)."""
+
+    def __init__(self, name: str, start: int):
+        self.name, self.start, self.sent = name, start, 0  # start: offset of "{" in the call's text
+        self.depth, self.in_string, self.escaped, self.closed = 0, False, False, False
+
+    def advance(self, text: str) -> str:
+        """The new part of the arguments in `text` (the call's text so far), up to the object's end."""
+        begin = end = self.start + self.sent
+        for ch in text[begin:]:
+            if self.closed:
+                break
+            end += 1
+            if self.escaped:
+                self.escaped = False
+            elif self.in_string:
+                self.escaped = ch == "\\"
+                self.in_string = ch != '"'
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                self.closed = self.depth == 0
+        self.sent = end - self.start
+        return text[begin:end]
 
 
 def generation_opens_think(prompt_text: str) -> bool:
@@ -58,6 +108,7 @@ class OutputParser:
         self.tool_calls = 0
         self._buf = ""  # undecided text (may be the start of a marker)
         self._tool_buf = ""
+        self._call: ArgumentsScan | None = None  # the tool call whose arguments are streaming
         self._pending_ws = ""  # trailing whitespace held until more visible text follows
         self._segment_started = False
         self._before_tool = ("", False)
@@ -80,7 +131,12 @@ class OutputParser:
         out: list[OutputEvent] = []
         if not self.ended:
             rest, self._buf = self._buf, ""
-            if self.mode == "tool":
+            if self.mode == "tool" and self._call is not None:  # started: it ends as a call
+                self._emit(out, rest)
+                self.mode = "text"
+                self._close_tool(out)
+                rest = ""
+            elif self.mode == "tool":
                 self.mode = "text"
                 self._pending_ws, self._segment_started = self._before_tool
                 rest = TOOL_OPEN + self._tool_buf + rest
@@ -130,6 +186,12 @@ class OutputParser:
             self._close_tool(out)
 
     def _close_tool(self, out: list[OutputEvent]) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            arguments = self._tool_buf[call.start:call.start + call.sent]
+            out.append(ToolCall(self.tool_calls, call.name, arguments, streamed=True))
+            self.tool_calls += 1
+            return
         parsed = parse_tool_call(self._tool_buf)
         if parsed is None:  # malformed: show the model's text as it was
             self._pending_ws, self._segment_started = self._before_tool
@@ -143,6 +205,7 @@ class OutputParser:
             return
         if self.mode == "tool":
             self._tool_buf += text
+            self._stream_arguments(out)
             return
         if not self._segment_started:
             text = text.lstrip()
@@ -155,6 +218,24 @@ class OutputParser:
         self._pending_ws = text[len(body):]
         self._segment_started = True
         out.append(ThinkingDelta(piece) if self.mode == "think" else TextDelta(piece))
+
+
+    def _stream_arguments(self, out: list[OutputEvent]) -> None:
+        if self._call is None:
+            head = _CALL_HEAD.match(self._tool_buf)
+            if head is None:
+                return
+            try:
+                name = json.loads(head.group(1))
+            except (json.JSONDecodeError, RecursionError):
+                return
+            if not name:
+                return
+            self._call = ArgumentsScan(name, head.end())
+            out.append(ToolCallStart(self.tool_calls, name))
+        piece = self._call.advance(self._tool_buf)
+        if piece:
+            out.append(ToolCallDelta(self.tool_calls, piece))
 
 
 def _partial_marker_suffix(buf: str, markers: tuple[str, ...]) -> int:

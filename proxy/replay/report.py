@@ -94,6 +94,9 @@ def plot(path: str | Path, by_mode: dict[str, list[Result]], title: str = "TTFT 
         import matplotlib
     except ModuleNotFoundError:
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    import logging
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache INFO line is not ours to print
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -77,6 +77,8 @@ class Script:
         turns = data.get("turns")
         if not isinstance(turns, list) or not turns or len(turns) > MAX_TURNS:
             raise ValueError(f"a script needs 'turns': a list of 1..{MAX_TURNS} turn objects")
+        for i, turn in enumerate(turns):
+            check_turn(turn, f"turns[{i}]")
         self.turns = turns
         self.vars = {str(k): str(v) for k, v in (data.get("vars") or {}).items()}
         self.title = str(data.get("title") or "Scripted session")
@@ -86,17 +88,13 @@ class Script:
 
     @classmethod
     def load(cls, path: str | Path, **vars: str) -> "Script":
-        text = Path(path).read_text()
-        if str(path).endswith((".yaml", ".yml")):
-            import yaml  # optional: JSON scripts need nothing
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
+        data = _parse(Path(path))
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a script is an object with 'turns'")
-        data = {**data, "vars": {**(data.get("vars") or {}), **vars}}
-        return cls(data)
+        try:
+            return cls({**data, "vars": {**(data.get("vars") or {}), **vars}})
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
     def reply(self, conv: Conversation, side_kind: str | None = None) -> Reply:
         """The scripted answer to this request."""
@@ -108,7 +106,7 @@ class Script:
         if index >= len(self.turns) or self._after_own_summary(conv):  # the steps are over: never loop
             return Reply(text=self.final)
         turn = self.turns[index]
-        call = self._tool_call(turn.get("tool") or (), conv)
+        call = self._tool_call(turn.get("tool") or [], conv)
         text = str(turn.get("text") or ("" if call else self.final))
         return Reply(str(turn.get("thinking") or ""), text, (call,) if call else ())
 
@@ -131,6 +129,43 @@ class Script:
                 if match is not None:
                     return match, canonical_json(_fill(option.get("arguments") or {}, self.vars))
         return None
+
+
+def _parse(path: Path):
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml  # optional: JSON scripts need nothing
+
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path} is not valid YAML ({exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); a script is JSON, or YAML named *.yaml") from None
+
+
+TURN_KEYS = {"thinking", "text", "tool"}
+
+
+def check_turn(turn, where: str) -> None:
+    """ValueError naming the field when a turn is not {"thinking"?: str, "text"?: str, "tool"?: option(s)},
+    an option being {"name": str | [str], "arguments"?: object, "sole"?: bool}."""
+    if not isinstance(turn, dict) or set(turn) - TURN_KEYS:
+        raise ValueError(f"{where} must be an object with some of {sorted(TURN_KEYS)}, got {turn!r}")
+    for key in ("thinking", "text"):
+        if not isinstance(turn.get(key, ""), str):
+            raise ValueError(f"{where}.{key} must be a string")
+    options = turn.get("tool") or []
+    for j, option in enumerate(options if isinstance(options, list) else [options]):
+        at = f"{where}.tool[{j}]" if isinstance(options, list) else f"{where}.tool"
+        names = option.get("name") if isinstance(option, dict) else None
+        names = [names] if isinstance(names, str) else names
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"{at} must be an object whose 'name' is a tool name or a list of them, got {option!r}")
+        if not isinstance(option.get("arguments", {}), dict) or not isinstance(option.get("sole", False), bool):
+            raise ValueError(f"{at}: 'arguments' must be an object and 'sole' true or false")
 
 
 def _fill(value, vars: Mapping[str, str]):

@@ -23,3 +23,27 @@ def test_bad_options_are_value_errors():
         EngineOptions(max_running=0)
     with pytest.raises(ValueError, match="--cache-host-mb"):
         EngineOptions(cache_host_mb=0)
+
+
+def test_context_window_follows_the_config_within_memory():
+    from engine.build import DEFAULT_CONTEXT, context_window
+
+    # Qwen3.6-35B-A3B on an H200 quarter: 5 sequences x 262144 tokens x 20 KiB + 63 MB each fit in 35 GB
+    tokens, why = context_window(262144, 20 << 10, 63 << 20, 5, 35 << 30)
+    assert tokens == 262144 and "max_position_embeddings (262144)" in why
+    # a 24 GB card's quarter: lowered to what fits, a multiple of 1024, and the log says so
+    tokens, why = context_window(262144, 20 << 10, 63 << 20, 5, 6 << 30)
+    assert tokens == 59392 and 5 * (tokens * (20 << 10) + (63 << 20)) <= 6 << 30
+    assert why.startswith("lowered from") and "--context-length" in why
+    assert context_window(0, 1024, 0, 5, 1 << 40)[0] == DEFAULT_CONTEXT       # nothing declared
+
+
+def test_serve_context_defaults_to_the_declared_window(checkpoints, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="killick.engine"):
+        core = build_core(checkpoints["qwen3_5_moe", "fused"], EngineOptions(prefix_cache=False))
+    assert core.runner.context_length == 262144                    # synth writes the real family's value
+    assert "context length 262144 tokens: the model's max_position_embeddings" in caplog.text
+    core = build_core(checkpoints["qwen3_5_moe", "fused"], EngineOptions(prefix_cache=False, context_length=4096))
+    assert core.runner.context_length == 4096

@@ -10,6 +10,7 @@ from engine.kernels.route_ref import route_ref
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not (torch.cuda.is_available() or INTERPRET):
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+pytest.importorskip("triton")  # as tests/kernels: a CPU set-up without triton skips, it does not fail
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.gpu
 

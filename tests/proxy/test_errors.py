@@ -51,6 +51,47 @@ async def test_invalid_fields_are_named(aiohttp_client, fake_stack, path, body, 
         assert data["error"]["param"].startswith(field)
 
 
+TOOLS = {"anthropic": [{"name": "ls", "input_schema": {"type": "object"}}],
+         "chat": [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}],
+         "responses": [{"type": "function", "name": "ls", "parameters": {"type": "object"}}]}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/messages", {"tools": TOOLS["anthropic"], "tool_choice": {"type": "any"}}, "tool_choice"),
+    ("/v1/messages", {"tools": TOOLS["anthropic"], "tool_choice": {"type": "tool", "name": "ls"}}, "tool_choice"),
+    ("/v1/messages", {"output_format": {"type": "json_schema", "schema": SCHEMA}}, "output_format"),
+    ("/v1/messages", {"output_config": {"effort": "high", "format": {"type": "json_schema", "schema": SCHEMA}}},
+     "output_config.format"),
+    ("/v1/chat/completions", {"tools": TOOLS["chat"], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": TOOLS["chat"], "tool_choice": {"type": "function", "function": {"name": "ls"}}},
+     "tool_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+     "response_format"),
+    ("/v1/responses", {"tools": TOOLS["responses"], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/responses", {"tools": TOOLS["responses"], "tool_choice": {"type": "function", "name": "ls"}}, "tool_choice"),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}}, "text.format"),
+])
+async def test_output_we_cannot_enforce_is_refused_in_shape(aiohttp_client, fake_stack, path, extra, param):
+    base = {"/v1/messages": {"model": "m", "max_tokens": 5, "messages": MSG},
+            "/v1/chat/completions": {"model": "m", "messages": MSG},
+            "/v1/responses": {"model": "m", "input": "hi"}}[path]
+    client = await aiohttp_client(fake_stack()[0])
+    resp = await client.post(path, json={**base, **extra})
+    assert resp.status == 400
+    body = await resp.json()
+    error = anthropic_error(body) if path == "/v1/messages" else openai_error(body)
+    assert error["message"].startswith(f"{param}: ") and "no constrained decoding" in error["message"]
+    if path != "/v1/messages":
+        assert (error["param"], error["code"]) == (param, "unsupported_parameter")
+    for allowed in ({"tool_choice": {"type": "auto"}} if path == "/v1/messages" else {"tool_choice": "auto"},
+                    {"output_config": {"effort": "high"}} if path == "/v1/messages" else
+                    {"response_format": {"type": "text"}} if path == "/v1/chat/completions" else
+                    {"text": {"format": {"type": "text"}}}):
+        assert (await client.post(path, json={**base, **allowed})).status == 200
+
+
 async def test_prompt_too_long_in_both_shapes(aiohttp_server, fake_stack, sdk):
     server = await aiohttp_server(fake_stack(context_length=64)[0])
     base = str(server.make_url("")).rstrip("/")

@@ -54,6 +54,35 @@ async def test_client_disconnect_aborts_the_engine_request(aiohttp_server, fake_
     assert core.active == 0 and len(core.aborted) == 1
 
 
+async def test_abandoned_request_is_499_in_log_recording_and_metrics(aiohttp_server, fake_stack, sdk, tmp_path,
+                                                                     caplog):
+    import logging
+
+    from proxy.replay.record import Recorder
+
+    base, core = await _server(aiohttp_server, fake_stack, prefill_s=30.0, keepalive_s=0.1, access_log=True,
+                               observer=Recorder(tmp_path))
+    client = sdk.openai(base, api_key="x", max_retries=0, timeout=0.5)
+    with caplog.at_level(logging.INFO, logger="killick.access"):
+        with pytest.raises(openai.APITimeoutError):
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        for _ in range(50):
+            if list(tmp_path.glob("*.jsonl")):
+                break
+            await asyncio.sleep(0.05)
+        (line,) = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+        assert line["status"] == 499                              # the client left: not a server error
+        assert "POST /v1/chat/completions 499" in caplog.text
+        core.prefill_s = 0.0
+        ok = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                  extra_headers={FORCED: "hello"}, timeout=30)
+    (logged,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("POST /v1/chat/completions 200")]
+    u = ok.usage
+    cached = u.prompt_tokens_details.cached_tokens
+    assert f"prompt={u.prompt_tokens} cached={cached} prefilled={u.prompt_tokens - cached} out=" in logged
+    assert "ttft=" in logged and logged.endswith("ms")
+
+
 async def test_full_queue_answers_429_in_each_shape(aiohttp_client, fake_stack):
     app, core = fake_stack(prefill_s=2.0, keepalive_s=0.1)
     client = await aiohttp_client(app)
@@ -160,7 +189,8 @@ async def test_tool_call_streams_in_every_api(aiohttp_server, fake_stack, sdk):
         model="m", stream=True, messages=[{"role": "user", "content": "hi"}], reasoning_effort="none",
         tools=[{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}])]
     calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
-    assert json.loads(calls[0].function.arguments) == {"cmd": "ls"}
+    assert calls[0].id and calls[0].function.name == "bash" and len(calls) > 2   # id + name, then pieces
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"cmd": "ls"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     async with o.responses.stream(model="m", input="hi", reasoning={"effort": "none"},
                                   tools=[{"type": "function", "name": "bash", "parameters": {"type": "object"}}]) as s:
@@ -188,17 +218,35 @@ async def test_responses_custom_tool_round_trip(aiohttp_client, fake_stack):
     assert '"input": "*** Begin Patch"' in prompt and "Done!" in prompt
 
 
-async def test_keepalive_continues_while_a_long_tool_call_is_buffered(aiohttp_client, fake_stack):
-    app, core = fake_stack(step_s=0.01, keepalive_s=0.2)
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions", "/v1/responses"])
+async def test_tool_call_arguments_stream_while_they_are_written(aiohttp_client, fake_stack, path):
+    app, core = fake_stack(step_s=0.01, keepalive_s=5.0)
     client = await aiohttp_client(app)
-    call = '<tool_call>\\n{"name": "write", "arguments": {"text": "' + "x" * 100 + '"}}\\n</tool_call>'
-    resp = await client.post("/v1/messages", headers={FORCED: call}, json={
-        "model": "m", "max_tokens": 500, "stream": True, "thinking": {"type": "disabled"},
-        "tools": [{"name": "write", "input_schema": {"type": "object"}}],
-        "messages": [{"role": "user", "content": "hi"}]})
-    events = [line[7:] for line in (await resp.text()).splitlines() if line.startswith("event: ")]
-    assert events.count("ping") >= 3, events  # ~1.3 s of decoding with nothing visible to send
-    assert "content_block_start" in events
+    text = "x" * 100
+    call = '<tool_call>\\n{"name": "write", "arguments": {"text": "' + text + '"}}\\n</tool_call>'
+    body = {"/v1/messages": {"max_tokens": 500, "thinking": {"type": "disabled"},
+                             "tools": [{"name": "write", "input_schema": {"type": "object"}}],
+                             "messages": [{"role": "user", "content": "hi"}]},
+            "/v1/chat/completions": {"reasoning_effort": "none", "messages": [{"role": "user", "content": "hi"}],
+                                     "tools": [{"type": "function", "function": {"name": "write"}}]},
+            "/v1/responses": {"reasoning": {"effort": "none"}, "input": "hi",
+                              "tools": [{"type": "function", "name": "write"}]}}[path]
+    resp = await client.post(path, headers={FORCED: call}, json={"model": "m", "stream": True, **body})
+    pieces, arrived = [], []
+    async for raw in resp.content:  # one decoded character per 10 ms: pieces arrive spread over ~1 s
+        line = raw.decode().strip()
+        if not line.startswith("data: {"):
+            continue
+        data = json.loads(line[6:])
+        piece = (data.get("delta", {}).get("partial_json") if data.get("type") == "content_block_delta" else
+                 data.get("delta") if data.get("type") == "response.function_call_arguments.delta" else
+                 next((tc["function"].get("arguments") for c in data.get("choices", ())
+                       for tc in c["delta"].get("tool_calls", ())), None))
+        if piece:
+            pieces.append(piece)
+            arrived.append(asyncio.get_running_loop().time())
+    assert json.loads("".join(pieces)) == {"text": text}
+    assert len(pieces) > 50 and arrived[-1] - arrived[0] > 0.5   # incremental, not one delta at the end
 
 
 class RecordingPlanner:

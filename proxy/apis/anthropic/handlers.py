@@ -13,11 +13,12 @@ import uuid
 
 from aiohttp import web
 
-from proxy.apis.anthropic.schema import CountTokensRequest, MessagesRequest, gen_params, to_conversation
+from proxy.apis.anthropic.schema import (CountTokensRequest, MessagesRequest, check_supported, gen_params,
+                                         to_conversation)
 from proxy.context import CTX
 from proxy.errors import read_json_object
 from proxy.generation import Finished, Generation, Keepalive, answer_whole, normalize, prepare, render
-from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall
+from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 from proxy.sse import SSEWriter
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens",
@@ -28,6 +29,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     body = await read_json_object(request)
     req = MessagesRequest.model_validate(body)
+    check_supported(req)
     prep = prepare(ctx, request, to_conversation(req), gen_params(req), body)
     msg = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": req.model}
     async with Generation(ctx, prep) as gen:
@@ -75,7 +77,12 @@ def _tool_id() -> str:
 
 
 def _json_object(text: str) -> dict:
-    return json.loads(text)  # the parser only emits tool calls whose arguments are a JSON object
+    """A call's arguments as `input`; a streamed call whose arguments turned out malformed gets {}."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 class _BlockStream:
@@ -113,9 +120,14 @@ class _BlockStream:
             if self.kind != "text":
                 await self.open("text", {"type": "text", "text": ""})
             await self.delta({"type": "text_delta", "text": item.text})
-        elif isinstance(item, ToolCall):
+        elif isinstance(item, ToolCallStart):
             await self.open("tool_use", {"type": "tool_use", "id": _tool_id(), "name": item.name, "input": {}})
-            await self.delta({"type": "input_json_delta", "partial_json": item.arguments})
+        elif isinstance(item, ToolCallDelta):
+            await self.delta({"type": "input_json_delta", "partial_json": item.text})
+        elif isinstance(item, ToolCall):
+            if not item.streamed:
+                await self.open("tool_use", {"type": "tool_use", "id": _tool_id(), "name": item.name, "input": {}})
+                await self.delta({"type": "input_json_delta", "partial_json": item.arguments})
             await self.close()
 
 

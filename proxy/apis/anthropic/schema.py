@@ -15,6 +15,7 @@ from engine.api import SamplingParams
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
 )
+from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, not_enforceable
 from proxy.generation import GenParams
 
 log = logging.getLogger("killick.proxy")
@@ -113,6 +114,18 @@ class MessagesRequest(CountTokensRequest):
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0)
     metadata: Optional[dict] = None
+    output_format: Optional[dict] = None
+    output_config: Optional[dict] = None  # Claude Code sends {"effort": ...}: accepted, nothing to do
+
+
+def check_supported(req: MessagesRequest) -> None:
+    if req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
+        raise not_enforceable("tool_choice", f"tool_choice {req.tool_choice.type!r} (forcing a tool call)",
+                              ASK_FOR_TOOL)
+    fmt = req.output_format or (req.output_config or {}).get("format")
+    if fmt:
+        where = "output_format" if req.output_format else "output_config.format"
+        raise not_enforceable(where, "structured output (JSON schema)", ASK_FOR_JSON)
 
 
 def to_conversation(req: CountTokensRequest) -> Conversation:

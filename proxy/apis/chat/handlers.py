@@ -1,6 +1,7 @@
 """POST /v1/chat/completions, streaming (chat.completion.chunk + `data: [DONE]`) and not.
 
-Reasoning goes out as `reasoning_content`, tool calls as `tool_calls` (id, name, then arguments), usage
+Reasoning goes out as `reasoning_content`, tool calls as `tool_calls` (id and name, then the arguments in
+pieces as the model writes them), usage
 with `prompt_tokens_details.cached_tokens` - in the final chunk when `stream_options.include_usage`.
 Keep-alive while queued or prefilling: SSE comment lines.
 """
@@ -16,7 +17,7 @@ from proxy.apis.chat.schema import ChatRequest, check_supported, gen_params, to_
 from proxy.context import CTX
 from proxy.errors import read_json_object
 from proxy.generation import Finished, Generation, Keepalive, answer_whole, prepare
-from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall
+from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 from proxy.sse import SSEWriter
 
 FINISH_REASONS = {"stop": "stop", "tool_calls": "tool_calls", "length": "length", "stop_sequence": "stop",
@@ -46,9 +47,10 @@ def usage_json(fin: Finished) -> dict:
             "completion_tokens_details": {"reasoning_tokens": fin.reasoning_tokens}}
 
 
-def _tool_call_json(call: ToolCall) -> dict:
+def _tool_call_json(call: ToolCall | ToolCallStart) -> dict:
+    arguments = call.arguments if isinstance(call, ToolCall) else ""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
+            "function": {"name": call.name, "arguments": arguments}}
 
 
 def _completion(head: dict, blocks: list, fin: Finished) -> dict:
@@ -69,13 +71,17 @@ def _chunk(head: dict, delta: dict, finish: str | None = None) -> dict:
     return {**head, "object": "chat.completion.chunk", "choices": [choice]}
 
 
-def _delta(item) -> dict:
+def _delta(item) -> dict | None:
+    """The chunk's delta for an output event; None for the end of a call whose pieces went out already."""
     if isinstance(item, ThinkingDelta):
         return {"reasoning_content": item.text}
     if isinstance(item, TextDelta):
         return {"content": item.text}
-    call = _tool_call_json(item)
-    return {"tool_calls": [{"index": item.index, **call}]}
+    if isinstance(item, ToolCallDelta):
+        return {"tool_calls": [{"index": item.index, "function": {"arguments": item.text}}]}
+    if isinstance(item, ToolCall) and item.streamed:
+        return None
+    return {"tool_calls": [{"index": item.index, **_tool_call_json(item)}]}
 
 
 async def _stream(request: web.Request, head: dict, include_usage: bool, gen: Generation) -> web.StreamResponse:
@@ -87,8 +93,8 @@ async def _stream(request: web.Request, head: dict, include_usage: bool, gen: Ge
         elif isinstance(item, Finished):
             gen.turn.response = lambda fin=item: _completion(head, gen.blocks, fin)
             await _finish_stream(sse, head, include_usage, item)
-        else:
-            await sse.event(_chunk(head, _delta(item)))
+        elif (delta := _delta(item)) is not None:
+            await sse.event(_chunk(head, delta))
     return await sse.finish()
 
 

@@ -17,7 +17,7 @@ from proxy.apis.anthropic.schema import IMAGE_PLACEHOLDER
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
 )
-from proxy.errors import ApiError
+from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, ApiError, not_enforceable
 from proxy.generation import GenParams
 
 log = logging.getLogger("killick.proxy")
@@ -99,6 +99,7 @@ class ChatRequest(_Model):
     reasoning_effort: Optional[str] = None
     chat_template_kwargs: Optional[dict] = None
     user: Optional[str] = None
+    response_format: Optional[dict] = None
 
 
 def check_supported(req: ChatRequest) -> None:
@@ -106,6 +107,10 @@ def check_supported(req: ChatRequest) -> None:
         raise ApiError(400, "n: only n=1 is supported (one completion per request)", param="n")
     if req.logprobs:
         raise ApiError(400, "logprobs: log probabilities are not supported", param="logprobs")
+    if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice):
+        raise not_enforceable("tool_choice", "forcing a tool call", ASK_FOR_TOOL)
+    if (req.response_format or {}).get("type", "text") != "text":
+        raise not_enforceable("response_format", f"{req.response_format.get('type')!r} (JSON output)", ASK_FOR_JSON)
 
 
 def to_conversation(req: ChatRequest) -> Conversation:

@@ -12,7 +12,8 @@ import uuid
 from aiohttp import web
 
 from proxy.apis.responses.output import OutputItems
-from proxy.apis.responses.schema import ResponsesRequest, custom_tool_names, gen_params, input_messages, to_conversation
+from proxy.apis.responses.schema import (ResponsesRequest, check_supported, custom_tool_names, gen_params,
+                                         input_messages, to_conversation)
 from proxy.apis.responses.store import RESPONSES, ResponseStore
 from proxy.context import CTX
 from proxy.errors import ApiError, read_json_object
@@ -27,6 +28,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     body = await read_json_object(request)
     req = ResponsesRequest.model_validate(body)
+    check_supported(req)
     store = request.app[RESPONSES]
     previous = _previous(store, req)
     prep = prepare(ctx, request, to_conversation(req, previous), gen_params(req), body)

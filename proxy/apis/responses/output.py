@@ -2,7 +2,8 @@
 
 The same builder serves both modes: streaming sends the (event type, payload) pairs it returns, the
 non-streaming answer ignores them and takes the finished items. Each item goes added -> deltas -> done:
-reasoning (reasoning_text), message (output_text), function_call (arguments), custom_tool_call (input).
+reasoning (reasoning_text), message (output_text), function_call (arguments, in pieces as the model writes
+them), custom_tool_call (input, whole: it is a string inside the model's JSON).
 """
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import json
 import uuid
 
 from proxy.apis.responses.schema import encrypt_reasoning
+from proxy.apis.chat.schema import canonical_arguments
 from proxy.conversation import Message, Part, TextPart, ThinkingPart, ToolCallPart, canonical_json
-from proxy.prompt.output_parser import ThinkingDelta, ToolCall
+from proxy.prompt.output_parser import ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 
 Emitted = list[tuple[str, dict]]
 
@@ -28,9 +30,18 @@ class OutputItems:
         self.parts: list[Part] = []  # the same output as conversation parts (for previous_response_id)
         self._open: dict | None = None  # the item being streamed
         self._text = ""
+        self._call: dict | None = None  # the function_call whose arguments are streaming
 
     def feed(self, ev) -> Emitted:
+        if isinstance(ev, ToolCallStart):
+            return [] if ev.name in self.custom_tools else self.close() + self._start_call(ev.name)
+        if isinstance(ev, ToolCallDelta):
+            if self._call is None:  # a custom tool's input goes out whole, at its end
+                return []
+            return [("response.function_call_arguments.delta", {**self._call_where(), "delta": ev.text})]
         if isinstance(ev, ToolCall):
+            if self._call is not None:
+                return self._end_call(ev)
             return self.close() + self._tool_call(ev)
         kind = "reasoning" if isinstance(ev, ThinkingDelta) else "message"
         out = [] if self._open is not None and self._open["type"] == kind else self.close() + self._start(kind)
@@ -80,24 +91,39 @@ class OutputItems:
                 ("response.content_part.added", {**where, "content_index": 0, "part": part})]
 
     def _tool_call(self, call: ToolCall) -> Emitted:
-        index, call_id = len(self.items), _id("call")
-        if call.name in self.custom_tools:
+        if call.name not in self.custom_tools:
+            return self._start_call(call.name) + \
+                [("response.function_call_arguments.delta", {**self._call_where(), "delta": call.arguments})] + \
+                self._end_call(call)
+        call_id = _id("call")
+        try:
             args = json.loads(call.arguments)
-            text = args["input"] if isinstance(args.get("input"), str) else call.arguments
-            item = {"id": _id("ctc"), "type": "custom_tool_call", "call_id": call_id, "name": call.name}
-            stem, key, stored = "response.custom_tool_call_input", "input", canonical_json({"input": text})
-        else:
-            text = call.arguments
-            item = {"id": _id("fc"), "type": "function_call", "call_id": call_id, "name": call.name,
-                    "status": "in_progress"}
-            stem, key, stored = "response.function_call_arguments", "arguments", canonical_json(json.loads(text))
-        where = {"item_id": item["id"], "output_index": index}
-        self.parts.append(ToolCallPart(call.name, stored, call_id))
-        added = ("response.output_item.added", {"output_index": index, "item": {**item, key: ""}})
-        delta = (f"{stem}.delta", {**where, "delta": text})
-        done_args = (f"{stem}.done", {**where, key: text, **({"name": call.name} if key == "arguments" else {})})
-        done_item = {**item, key: text, **({"status": "completed"} if key == "arguments" else {})}
-        return [added, delta] + self._finish(done_item, [done_args])
+        except (json.JSONDecodeError, RecursionError):  # a streamed call may end malformed
+            args = {}
+        text = args["input"] if isinstance(args, dict) and isinstance(args.get("input"), str) else call.arguments
+        item = {"id": _id("ctc"), "type": "custom_tool_call", "call_id": call_id, "name": call.name}
+        where = {"item_id": item["id"], "output_index": len(self.items)}
+        self.parts.append(ToolCallPart(call.name, canonical_json({"input": text}), call_id))
+        added = ("response.output_item.added", {"output_index": len(self.items), "item": {**item, "input": ""}})
+        delta = ("response.custom_tool_call_input.delta", {**where, "delta": text})
+        done = ("response.custom_tool_call_input.done", {**where, "input": text})
+        return [added, delta] + self._finish({**item, "input": text}, [done])
+
+    def _start_call(self, name: str) -> Emitted:
+        self._call = {"id": _id("fc"), "type": "function_call", "call_id": _id("call"), "name": name,
+                      "status": "in_progress"}
+        return [("response.output_item.added", {"output_index": len(self.items), "item": {**self._call,
+                                                                                           "arguments": ""}})]
+
+    def _call_where(self) -> dict:
+        return {"item_id": self._call["id"], "output_index": len(self.items)}
+
+    def _end_call(self, call: ToolCall) -> Emitted:
+        item, where, self._call = self._call, self._call_where(), None
+        self.parts.append(ToolCallPart(call.name, canonical_arguments(call.arguments), item["call_id"]))
+        done_args = ("response.function_call_arguments.done", {**where, "arguments": call.arguments,
+                                                               "name": call.name})
+        return self._finish({**item, "arguments": call.arguments, "status": "completed"}, [done_args])
 
     def _finish(self, item: dict, before: Emitted) -> Emitted:
         index = len(self.items)

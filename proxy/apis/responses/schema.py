@@ -20,6 +20,7 @@ from proxy.apis.chat.schema import canonical_arguments
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
 )
+from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, not_enforceable
 from proxy.generation import GenParams
 
 log = logging.getLogger("killick.proxy")
@@ -121,6 +122,16 @@ class ResponsesRequest(_Model):
     include: Optional[list[str]] = None
     prompt_cache_key: Optional[str] = None
     metadata: Optional[dict] = None
+    text: Optional[dict] = None
+
+
+def check_supported(req: ResponsesRequest) -> None:
+    choice = req.tool_choice
+    if choice == "required" or (isinstance(choice, dict) and choice.get("type") not in ("auto", "none")):
+        raise not_enforceable("tool_choice", "forcing a tool call", ASK_FOR_TOOL)
+    fmt = (req.text or {}).get("format") or {}
+    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+        raise not_enforceable("text.format", f"{fmt.get('type')!r} (JSON output)", ASK_FOR_JSON)
 
 
 def custom_tool_names(req: ResponsesRequest) -> frozenset[str]:
@@ -133,9 +144,13 @@ def tool_specs(req: ResponsesRequest) -> tuple[ToolSpec, ...]:
         if t.type in ("function", "custom") and t.name:
             schema = t.parameters if t.type == "function" else CUSTOM_TOOL_SCHEMA
             specs.append(ToolSpec(t.name, t.description or "", canonical_json(schema or {"type": "object"})))
-        else:
-            log.warning("tool type %r is not served by killick: ignored", t.type)
+        elif t.type not in _WARNED:  # agents send the same tools every request: say it once per server
+            _WARNED.add(t.type)
+            log.warning("tool type %r is not served by killick: ignored (said once)", t.type)
     return tuple(specs)
+
+
+_WARNED: set[str] = set()
 
 
 def input_messages(req: ResponsesRequest) -> tuple[Message, ...]:

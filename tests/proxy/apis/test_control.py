@@ -45,3 +45,28 @@ async def test_fused_engine_explains_there_is_no_expert_cache(aiohttp_client, mo
     client = await aiohttp_client(app)
     r = await client.post("/v1/killick/cache", json={"moe_slots": 2})
     assert r.status == 400 and "fused" in (await r.json())["error"]["message"]
+
+
+async def test_ctl_stats_shows_the_last_turns_of_each_session(aiohttp_client, model_dir):
+    from proxy.cli.ctl import _render_stats
+    from proxy.policy.cache_policy import PolicyPlanner
+
+    app, core, _ = real_app(model_dir, planner=PolicyPlanner())
+    client = await aiohttp_client(app)
+    messages = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "hi"}]
+    for k in range(2):
+        r = await client.post("/v1/chat/completions", headers={"x-session-id": "s1"},
+                              json={"model": "x", "max_tokens": 3, "temperature": 0, "messages": messages})
+        answer = (await r.json())["choices"][0]["message"]
+        messages += [{"role": "assistant", "content": answer["content"] or "",
+                      "reasoning_content": answer.get("reasoning_content") or ""},
+                     {"role": "user", "content": f"and {k}?"}]
+    stats = await (await client.get("/v1/killick/stats")).json()
+    first, second = stats["policy"]["recent_turns"]
+    assert (first["turn"], first["edit_class"], second["turn"]) == (1, "first", 2)
+    assert second["cached"] > 0 and second["prefilled"] == second["prompt"] - second["cached"]
+    text = _render_stats(stats)
+    assert "last turns of each session" in text and "None" not in text
+    assert f"policy expected_reprefill_tokens  {stats['policy']['expected_reprefill_tokens']}" in text
+    row = next(line for line in text.splitlines() if line.split()[:2] == [second["session"], "2"])
+    assert row.split()[-3:-1] == [str(second["cached"]), str(second["prefilled"])]

@@ -82,4 +82,17 @@ def test_synth_then_generate_prints_a_completion(tmp_path):
 def test_generate_uses_the_demo_model_by_default(tmp_path):
     gen = killick("generate", "--prompt", "def f():", "--max-tokens", "4", env_cache=tmp_path)
     assert gen.returncode == 0, gen.stderr
-    assert (tmp_path / "demo-qwen3_5_moe-v1" / "config.json").is_file()
+    from engine.demo import DEMO_NAME
+
+    config = json.loads((tmp_path / DEMO_NAME / "config.json").read_text())
+    assert config["text_config"]["max_position_embeddings"] == 262144   # the window serve offers by default
+
+
+@pytest.mark.parametrize("command", ["serve", "launch", "ctl", "demo", "replay", "generate", "model", "bench"])
+def test_every_subcommand_has_help(command, capsys):
+    """argparse formats help lazily: a stray % in one option's text only fails when --help runs."""
+    from proxy.cli import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        build_parser(only=command).parse_args([command, "--help"])
+    assert done.value.code == 0 and "usage:" in capsys.readouterr().out

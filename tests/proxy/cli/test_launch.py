@@ -14,7 +14,7 @@ from aiohttp import web
 
 from proxy.cli import main
 from proxy.cli.launch import child_environment
-from proxy.cli.launch_profiles import PROFILES, plan
+from proxy.cli.launch_profiles import PROFILES, Served, plan
 
 ROOT = Path(__file__).resolve().parents[3]
 SECRETS = {"ANTHROPIC_API_KEY": "sk-ant-REAL", "OPENAI_API_KEY": "sk-REAL", "OPENAI_BASE_URL": "https://paid",
@@ -45,29 +45,30 @@ def test_dry_run_prints_plan_writes_nothing(agent, home, capsys):
     command = out.split("# command\n")[1].strip()
     assert command.startswith(PROFILES[agent].binary) and command.endswith("--extra arg")
     assert "qwen-moe" in out and "127.0.0.1:8421" in out
-    for f in plan(agent, "http://127.0.0.1:8421", "qwen-moe", dict(os.environ), []).files:
+    for f in plan(agent, Served("http://127.0.0.1:8421", "qwen-moe"), dict(os.environ), []).files:
         assert f.path.is_relative_to(home) and f"# file {f.path}" in out
 
 
 @pytest.mark.parametrize("agent", list(PROFILES))
 def test_child_environment_has_no_provider_keys(agent, home):
-    launch = plan(agent, "http://127.0.0.1:9", "m", dict(os.environ), [])
+    launch = plan(agent, Served("http://127.0.0.1:9", "m"), dict(os.environ), [])
     child = child_environment(dict(os.environ), launch)
     for name in SECRETS:
         assert child.get(name) != SECRETS[name]
-    assert "ANTHROPIC_API_KEY" not in child and "OPENAI_API_KEY" not in child
+    assert "ANTHROPIC_API_KEY" not in child
+    assert child.get("OPENAI_API_KEY", "sk-killick-local") == "sk-killick-local"  # mini-swe-agent's key: ours
     assert child["PATH"] == os.environ["PATH"]
 
 
 def test_claude_and_codex_point_at_server():
-    env = plan("claude", "http://127.0.0.1:9/", "m", {}, []).set_env
+    env = plan("claude", Served("http://127.0.0.1:9/", "m"), {}, []).set_env
     assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9" and env["ANTHROPIC_MODEL"] == "m"
     assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1" and env["DISABLE_AUTOUPDATER"] == "1"
-    argv = plan("codex", "http://127.0.0.1:9", "m", {}, ["exec", "hi"]).argv
+    argv = plan("codex", Served("http://127.0.0.1:9", "m"), {}, ["exec", "hi"]).argv
     assert 'model_providers.killick.base_url="http://127.0.0.1:9/v1"' in argv
     assert 'model_providers.killick.wire_api="responses"' in argv and argv[-2:] == ["exec", "hi"]
     assert "analytics.enabled=false" in argv and "features.plugins=false" in argv
-    mini = plan("mini-swe-agent", "http://127.0.0.1:9", "m", {}, []).argv
+    mini = plan("mini-swe-agent", Served("http://127.0.0.1:9", "m"), {}, []).argv
     assert mini[:3] == ["mini", "-m", "openai/m"] and "model.model_kwargs.api_base=http://127.0.0.1:9/v1" in mini
 
 
@@ -76,7 +77,7 @@ def test_merge_keeps_user_keys(home):
     cfg.parent.mkdir(parents=True)
     user = {"theme": "tokyonight", "model": "mine/x", "provider": {"mine": {"options": {"baseURL": "http://x"}}}}
     cfg.write_text(json.dumps(user))
-    (f,) = plan("opencode", "http://127.0.0.1:9", "m", {"HOME": str(home)}, []).files
+    (f,) = plan("opencode", Served("http://127.0.0.1:9", "m"), {"HOME": str(home)}, []).files
     merged = json.loads(f.content)
     assert f.existed and merged["theme"] == "tokyonight" and merged["model"] == "mine/x"
     assert merged["provider"]["mine"] == user["provider"]["mine"]
@@ -84,7 +85,7 @@ def test_merge_keeps_user_keys(home):
     claw = home / ".openclaw" / "openclaw.json"
     claw.parent.mkdir()
     claw.write_text(json.dumps({"gateway": {"port": 1}, "models": {"providers": {"other": {"baseUrl": "y"}}}}))
-    (g,) = plan("openclaw", "http://127.0.0.1:9", "m", {"HOME": str(home)}, []).files
+    (g,) = plan("openclaw", Served("http://127.0.0.1:9", "m"), {"HOME": str(home)}, []).files
     merged = json.loads(g.content)
     assert merged["gateway"] == {"port": 1} and "other" in merged["models"]["providers"]
     assert merged["models"]["providers"]["killick"]["baseUrl"] == "http://127.0.0.1:9/v1"
@@ -99,12 +100,35 @@ def test_commented_config_is_refused_not_clobbered(home, capsys):
     assert cfg.read_text() == '{ // my settings\n "theme": "x" }'
 
 
-def test_server_down_says_how_to_start_it(home, capsys):
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    assert main(["launch", "claude", "--server", f"http://127.0.0.1:{port}", "--dry-run"]) == 2
+        return s.getsockname()[1]
+
+
+def _fake_agent(tmp_path, agent: str, monkeypatch=None) -> Path:
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    script = bindir / PROFILES[agent].binary
+    script.write_text(FAKE_AGENT)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    if monkeypatch is not None:
+        monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    return bindir
+
+
+def test_server_down_says_how_to_start_it(home, tmp_path, monkeypatch, capsys):
+    _fake_agent(tmp_path, "claude", monkeypatch)
+    assert main(["launch", "claude", "--server", f"http://127.0.0.1:{_free_port()}"]) == 2
     assert "start it with `killick serve`" in capsys.readouterr().err
+
+
+def test_dry_run_needs_no_server(home, capsys):
+    assert main(["launch", "opencode", "--server", f"http://127.0.0.1:{_free_port()}", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "no killick server answers" in out and "placeholders" in out
+    assert '"context": 32768' in out and "killick/MODEL" in out
+    assert list(home.iterdir()) == []
 
 
 def test_not_installed_prints_install_command(home, tmp_path, monkeypatch, capsys):
@@ -123,32 +147,43 @@ exit 7
 """
 
 
+SERVER_KEY = "sk-server-secret"
+
+
 @pytest.fixture
 async def models_server(aiohttp_server):
+    """A /v1/models like killick's: one model with its context window; the key "sk-server-secret" or none."""
     async def models(request):
-        return web.json_response({"object": "list", "data": [{"id": "served-moe", "object": "model"}]})
+        if request.headers.get("Authorization", "Bearer " + SERVER_KEY) != "Bearer " + SERVER_KEY:
+            return web.json_response({"error": {"message": "invalid API key"}}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": "served-moe", "object": "model",
+                                                               "context_length": 262144}]})
     app = web.Application()
     app.router.add_get("/v1/models", models)
     server = await aiohttp_server(app, host="127.0.0.1")
     return f"http://127.0.0.1:{server.port}"
 
 
+async def _launch(agent: str, server: str, tmp_path, *flags: str, env: dict | None = None):
+    """Run `killick launch` as a process with a fake agent; (exit code, the agent's env, its args, stderr)."""
+    bindir, dump = _fake_agent(tmp_path, agent), tmp_path / "dump"
+    dump.mkdir(exist_ok=True)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "DUMP_DIR": str(dump),
+           "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.cli", "launch", agent, "--server", server, *flags, "--", "-p", "hello world",
+        env=env, cwd=ROOT, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    if not (dump / "env").exists():
+        return proc.returncode, {}, [], err.decode()
+    child = dict(line.split("=", 1) for line in (dump / "env").read_text().splitlines() if "=" in line)
+    return proc.returncode, child, (dump / "args").read_text().splitlines(), err.decode()
+
+
 @pytest.mark.parametrize("agent", ["claude", "opencode", "codex"])
 async def test_real_launch_runs_agent_with_scrubbed_env(agent, models_server, home, tmp_path):
-    bindir, dump = tmp_path / "bin", tmp_path / "dump"
-    bindir.mkdir()
-    dump.mkdir()
-    script = bindir / PROFILES[agent].binary
-    script.write_text(FAKE_AGENT)
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "DUMP_DIR": str(dump),
-           "PYTHONPATH": str(ROOT)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy.cli", "launch", agent, "--server", models_server, "--", "-p", "hello world",
-        env=env, cwd=ROOT)
-    assert await asyncio.wait_for(proc.wait(), 60) == 7        # the agent's exit code comes back
-    child = dict(line.split("=", 1) for line in (dump / "env").read_text().splitlines() if "=" in line)
-    args = (dump / "args").read_text().splitlines()
+    code, child, args, _ = await _launch(agent, models_server, tmp_path)
+    assert code == 7                                            # the agent's exit code comes back
     assert "ANTHROPIC_API_KEY" not in child and "OPENAI_API_KEY" not in child and "GEMINI_API_KEY" not in child
     assert child["DO_NOT_TRACK"] == "1" and args[-2:] == ["-p", "hello world"]
     if agent == "claude":
@@ -160,3 +195,67 @@ async def test_real_launch_runs_agent_with_scrubbed_env(agent, models_server, ho
         cfg = json.loads((home / ".config" / "opencode" / "opencode.json").read_text())
         assert cfg["provider"]["killick"]["options"]["baseURL"] == f"{models_server}/v1"
         assert args[:2] == ["--model", "killick/served-moe"] and child["OPENCODE_DISABLE_AUTOUPDATE"] == "1"
+
+
+@pytest.mark.parametrize("agent", ["claude", "opencode", "codex", "mini-swe-agent"])
+async def test_server_key_reaches_agent_by_flag_or_variable(agent, models_server, home, tmp_path):
+    code, _, _, err = await _launch(agent, models_server, tmp_path)  # the fixture accepts no key or its own
+    assert code == 7
+    code, _, _, err = await _launch(agent, models_server, tmp_path, "--api-key", "wrong")
+    assert code == 2 and "401 Unauthorized" in err and "--api-key KEY or $KILLICK_API_KEY" in err
+    for flags, env in ((("--api-key", SERVER_KEY), {}), ((), {"KILLICK_API_KEY": SERVER_KEY})):
+        code, child, args, err = await _launch(agent, models_server, tmp_path, *flags, env=env)
+        assert code == 7, err
+        given = {"claude": "ANTHROPIC_AUTH_TOKEN", "mini-swe-agent": "OPENAI_API_KEY"}.get(agent, "KILLICK_API_KEY")
+        assert child[given] == SERVER_KEY and SERVER_KEY not in " ".join(args)  # never on the command line
+    if agent == "opencode":  # the config names the variable, never the key
+        text = (home / ".config" / "opencode" / "opencode.json").read_text()
+        assert SERVER_KEY not in text and '"apiKey": "{env:KILLICK_API_KEY}"' in text
+
+
+async def test_dry_run_shows_variable_not_key(models_server, home, tmp_path, capsys):
+    assert main(["launch", "openclaw", "--server", models_server, "--api-key", SERVER_KEY, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert SERVER_KEY not in out and '"apiKey": "$KILLICK_API_KEY"' in out
+
+
+@pytest.mark.parametrize("agent", list(PROFILES))
+async def test_each_agent_is_told_the_servers_window(agent, models_server, home, tmp_path):
+    code, child, args, err = await _launch(agent, models_server, tmp_path)
+    assert code == 7, err
+    if agent == "claude":
+        assert child["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "262144"
+    elif agent == "codex":
+        assert "model_context_window=262144" in args
+    elif agent == "opencode":
+        cfg = json.loads((home / ".config" / "opencode" / "opencode.json").read_text())
+        assert cfg["provider"]["killick"]["models"]["served-moe"]["limit"] == {"context": 262144, "output": 16384}
+    elif agent == "openclaw":
+        cfg = json.loads((home / ".openclaw" / "openclaw.json").read_text())
+        (model,) = cfg["models"]["providers"]["killick"]["models"]
+        assert model["contextWindow"] == 262144 and model["maxTokens"] == 16384
+    else:  # mini-swe-agent has no window setting; litellm sends what it is given
+        assert "agent.step_limit=50" in args
+
+
+def test_small_window_caps_output_and_codex_writes(home):
+    served = Served("http://127.0.0.1:9", "m", context=8192)
+    (f,) = plan("opencode", served, {"HOME": str(home)}, []).files
+    assert json.loads(f.content)["provider"]["killick"]["models"]["m"]["limit"] == {"context": 8192, "output": 2048}
+    argv = plan("codex", served, {}, []).argv
+    assert 'sandbox_mode="workspace-write"' in argv          # read-only (its default) can write no file
+    later = plan("codex", served, {}, ["-c", 'sandbox_mode="read-only"']).argv
+    assert later[-1] == 'sandbox_mode="read-only"'           # the user's own -c comes last and wins
+
+
+@pytest.mark.parametrize("agent", ["opencode", "openclaw"])
+async def test_no_backup_of_a_file_killick_created(agent, models_server, home, tmp_path):
+    for _ in range(2):
+        code, *_ = await _launch(agent, models_server, tmp_path)
+        assert code == 7
+    folder = home / (".config/opencode" if agent == "opencode" else ".openclaw")
+    assert not list(folder.glob("*.killick-bak"))
+    path = next(folder.glob("*.json"))
+    path.write_text(json.dumps({**json.loads(path.read_text()), "theme": "mine"}))  # now the user's too
+    code, *_ = await _launch(agent, models_server, tmp_path)
+    assert code == 7 and len(list(folder.glob("*.killick-bak"))) == 1

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -33,9 +34,10 @@ def test_serve_process_starts_answers_and_stops(tmp_path_factory):
                             env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         deadline = time.monotonic() + 120
-        line = ""
+        line, head = "", ""
         while time.monotonic() < deadline and "serving on" not in line:
             line = proc.stdout.readline()
+            head += line
             if not line and proc.poll() is not None:
                 pytest.fail(f"killick serve exited with {proc.returncode}")
         assert f"http://127.0.0.1:{port}" in line
@@ -52,7 +54,25 @@ def test_serve_process_starts_answers_and_stops(tmp_path_factory):
         assert json.loads(out.stdout)["context_length"] == 2048
         bad = subprocess.run([*ctl, "cache", "--moe", "100000"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "slots" in bad.stderr and "Traceback" not in bad.stderr
+        for path, headers, status in (("/nope", {"x-api-key": "k"}, 404), ("/v1/models", {}, 401)):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers),
+                                       timeout=10)
+            err.value.close()  # it holds the connection open
+            assert err.value.code == status
+        metrics = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"x-api-key": "k"})
+        with urllib.request.urlopen(metrics, timeout=10) as r:
+            text = r.read().decode()
+        assert 'killick_requests_total{api="unmatched",status="404"} 1' in text       # every path counts
+        assert 'killick_requests_total{api="/v1/models",status="401"} 1' in text
+        taken = subprocess.run(cmd, capture_output=True, text=True, timeout=60,  # the same port again
+                               env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert taken.returncode == 2 and "Traceback" not in taken.stderr
+        assert f"cannot listen on 127.0.0.1:{port}" in taken.stderr and "context length" not in taken.stderr
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        log = head + proc.stdout.read()
         proc.stdout.close()
+    assert "context length 262144 tokens: the model's max_position_embeddings" in log   # why, in the log
+    assert "killick.access: GET /health 200" in log and "GET /nope 404" in log and "GET /v1/models 401" in log

@@ -3,20 +3,28 @@ import json
 import pytest
 
 from proxy.prompt.output_parser import (
-    OutputParser, TextDelta, ThinkingDelta, ToolCall, generation_opens_think, parse_tool_call,
+    OutputParser, TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart, generation_opens_think,
+    parse_tool_call,
 )
 
 
-def run(text, pieces=None, **kw):
-    """Feed text in the given piece sizes (default: one char at a time) and merge adjacent deltas."""
+def feed(text, pieces=None, **kw):
+    """Every event of feeding text in the given piece sizes (default: one char at a time), and the parser."""
     parser = OutputParser(**{"thinking_open": False, **kw})
     events = []
     step = pieces or 1
     for i in range(0, len(text), step):
         events += parser.feed(text[i:i + step])
-    events += parser.finish()
+    return events + parser.finish(), parser
+
+
+def run(text, pieces=None, **kw):
+    """The whole events (a tool call as its final ToolCall, streamed or not), adjacent text deltas merged."""
+    events, parser = feed(text, pieces, **kw)
     merged = []
     for ev in events:
+        if isinstance(ev, (ToolCallStart, ToolCallDelta)):
+            continue
         if merged and type(ev) is type(merged[-1]) and not isinstance(ev, ToolCall):
             merged[-1] = type(ev)(merged[-1].text + ev.text)
         else:
@@ -33,10 +41,24 @@ def test_thinking_text_and_tool_call_in_any_chunking(step):
     assert events == [
         ThinkingDelta("Let me look."),
         TextDelta("I will list files."),
-        ToolCall(0, "bash", json.dumps({"cmd": "ls -la"})),
-        ToolCall(1, "read", json.dumps({"path": "a.py"})),
+        ToolCall(0, "bash", json.dumps({"cmd": "ls -la"}), streamed=True),
+        ToolCall(1, "read", json.dumps({"path": "a.py"}), streamed=True),
     ]
     assert parser.tool_calls == 2
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_tool_call_arguments_stream_as_written(step):
+    args = '{"cmd": "echo \\"}{\\" [x]", "n": [1, {"a": "}"}], "s": "é"}'
+    text = f'go <tool_call>\n{{"name": "bash", "arguments": {args}}}\n</tool_call>'
+    events, _ = feed(text, step)
+    calls = [e for e in events if isinstance(e, (ToolCallStart, ToolCallDelta, ToolCall))]
+    assert calls[0] == ToolCallStart(0, "bash") and calls[-1] == ToolCall(0, "bash", args, streamed=True)
+    deltas = [e.text for e in calls[1:-1]]
+    assert all(isinstance(e, ToolCallDelta) and e.index == 0 for e in calls[1:-1])
+    assert "".join(deltas) == args and json.loads(args)["n"][1] == {"a": "}"}  # braces in strings are text
+    if step == 1:
+        assert len(deltas) == len(args)                    # one piece per character fed, none held back
 
 
 def test_generation_prompt_already_opened_think():
@@ -47,9 +69,16 @@ def test_generation_prompt_already_opened_think():
 
 
 def test_malformed_tool_json_degrades_to_text():
-    events, parser = run('ok <tool_call>\n{"name": "bash", "arguments": {oops}\n</tool_call>')
-    assert events == [TextDelta('ok <tool_call>\n{"name": "bash", "arguments": {oops}\n</tool_call>')]
+    events, parser = run('ok <tool_call>\n{"name": "bash", "arguments": [oops]\n</tool_call>')
+    assert events == [TextDelta('ok <tool_call>\n{"name": "bash", "arguments": [oops]\n</tool_call>')]
     assert parser.tool_calls == 0
+
+
+def test_a_call_that_started_streaming_ends_as_a_call():
+    events, parser = run('<tool_call>\n{"name": "bash", "arguments": {oops}\n</tool_call>')
+    assert events == [ToolCall(0, "bash", "{oops}", streamed=True)] and parser.tool_calls == 1
+    events, _ = run('<tool_call>\n{"name": "bash", "arguments": {"cmd": "l')   # cut off by max_tokens
+    assert events == [ToolCall(0, "bash", '{"cmd": "l', streamed=True)]
 
 
 def test_unterminated_tool_call_becomes_text_at_finish():
@@ -92,4 +121,4 @@ def test_one_tool_call_when_parallel_calls_are_off():
     two = ('<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
            '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>')
     events, parser = run(two, 5, max_tool_calls=1)
-    assert events == [ToolCall(0, "a", "{}")] and parser.ended and parser.stopped is None
+    assert events == [ToolCall(0, "a", "{}", streamed=True)] and parser.ended and parser.stopped is None

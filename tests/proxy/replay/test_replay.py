@@ -204,3 +204,37 @@ def test_serve_flags(tmp_path):
     assert isinstance(make_planner("anchors"), PolicyPlanner)
     with pytest.raises(ValueError, match="K=V"):
         load_script(args.script, ["novalue"])
+
+
+def test_replay_warms_the_engine_up_before_timing_any_mode(model_dir, monkeypatch):
+    """The first mode's first TTFT must not carry the engine's one-time start-up costs."""
+    import proxy.cli.replay as replay_cli
+
+    calls = []
+    real_warm_up = replay_cli.warm_up
+
+    def warm_up(model_dir, weights, opts):
+        real_warm_up(model_dir, weights, opts)
+        calls.append(("warm_up", weights.experts.stats()["total"]))
+
+    async def replay_in_process(entries, model_dir, weights, mode, *rest):
+        calls.append(("mode", mode))
+        return []
+
+    monkeypatch.setattr(replay_cli, "warm_up", warm_up)
+    monkeypatch.setattr(replay_cli, "replay_in_process", replay_in_process)
+    replay_cli.run_modes([], str(model_dir), ["off", "anchors"])
+    assert [c[0] for c in calls] == ["warm_up", "mode", "mode"]
+    assert calls[0][1]["hits"] + calls[0][1]["misses"] > 0    # the warm-up ran the model's experts
+
+
+def test_plot_prints_no_matplotlib_log_lines(tmp_path, caplog):
+    pytest.importorskip("matplotlib")
+    import logging
+
+    from proxy.replay import report
+
+    with caplog.at_level(logging.INFO):
+        report.plot(tmp_path / "t.png", {"off": []})
+        logging.getLogger("matplotlib.font_manager").info("generated new fontManager")  # a cold font cache
+    assert (tmp_path / "t.png").is_file() and not [r for r in caplog.records if r.name.startswith("matplotlib")]

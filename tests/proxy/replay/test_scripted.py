@@ -72,6 +72,26 @@ def test_exact_name_beats_case_blind_and_sole_needs_a_single_tool():
 def test_bad_scripts_are_refused():
     with pytest.raises(ValueError, match="turns"):
         Script({"turns": []})
+    for turns, field in (([{"tool": 5}], r"turns\[0\]\.tool must"), ([{"text": "a"}, {"txt": "b"}], r"turns\[1\] must"),
+                         ([{"tool": [{"name": "ls", "arguments": "ls"}]}], r"turns\[0\]\.tool\[0\]: 'arguments'"),
+                         ([{"thinking": ["x"]}], r"turns\[0\]\.thinking must be a string")):
+        with pytest.raises(ValueError, match=field):
+            Script({"turns": turns})
+
+
+def test_a_turn_without_a_tool_answers_its_text():
+    script = Script({"turns": [{"text": "Let me think about it."}], "final": "Still thinking."})
+    assert script.reply(_conv(USER)) == Reply(text="Let me think about it.")
+
+
+def test_a_script_file_error_names_the_file(tmp_path):
+    bad = tmp_path / "script.json"
+    bad.write_text("turns: [{text: hi}]")
+    with pytest.raises(ValueError, match=f"{bad} is not valid JSON"):
+        Script.load(bad)
+    bad.write_text('{"turns": [{"tool": 5}]}')
+    with pytest.raises(ValueError, match=rf"{bad}: turns\[0\]\.tool must"):
+        Script.load(bad)
 
 
 def test_header_round_trip():
