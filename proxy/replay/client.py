@@ -16,6 +16,7 @@ import aiohttp
 
 from proxy.replay.log import Entry, request_body, request_headers
 from proxy.replay.scripted import FORCE_RESPONSE_HEADER, encode_header
+from proxy.sse import read_lines
 
 DELTA_EVENTS = {"content_block_delta"}  # Anthropic; Responses: any *.delta event
 
@@ -84,7 +85,7 @@ async def send(session: aiohttp.ClientSession, base_url: str, entry: Entry, turn
 
 async def _read_stream(resp: aiohttp.ClientResponse, api: str, clock: _Clock) -> dict:
     usage: dict = {}
-    async for line in _lines(resp):
+    async for line in read_lines(resp):
         if not line.startswith("data:") or line == "data: [DONE]":
             continue
         try:
@@ -95,18 +96,6 @@ async def _read_stream(resp: aiohttp.ClientResponse, api: str, clock: _Clock) ->
             clock.delta()
         usage = _stream_usage(api, event) or usage
     return usage
-
-
-async def _lines(resp: aiohttp.ClientResponse):
-    """SSE lines of any length (a final Responses event carries the whole response)."""
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            yield line.decode("utf-8", "replace").strip()
-    if buf:
-        yield buf.decode("utf-8", "replace").strip()
 
 
 def _is_delta(api: str, event: dict) -> bool:
