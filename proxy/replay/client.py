@@ -8,6 +8,7 @@ headers when it sends them.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -152,13 +153,24 @@ def _result(entry: Entry, turn: int, resp, forced: bool, clock: _Clock, usage: d
 
 
 async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int = 32,
-                 timeout_s: float = 1800.0, stream: bool = False) -> list[Result]:
-    """Send every entry in order, one at a time; turns are numbered per recorded session."""
-    turns: dict[str, int] = {}
-    results = []
-    async with aiohttp.ClientSession() as session:
-        for entry in entries:
-            turns[entry.session] = turns.get(entry.session, 0) + 1
-            results.append(await send(session, base_url, entry, turns[entry.session], unforced_max_tokens,
-                                      timeout_s, stream))
-    return results
+                 timeout_s: float = 1800.0, stream: bool = False, concurrent: bool = False) -> list[Result]:
+    """Send every entry in order, one at a time; turns are numbered per recorded session. concurrent: each
+    recording is one client sending its requests in order, all recordings at once (results in entry order)."""
+    turns: dict[tuple[str, str], int] = {}
+    numbered = []
+    for entry in entries:
+        key = (entry.source, entry.session)  # two recordings may both hold an "anon-1"
+        turns[key] = turns.get(key, 0) + 1
+        numbered.append((entry, turns[key]))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def run(batch):
+            return [await send(session, base_url, e, turn, unforced_max_tokens, timeout_s, stream)
+                    for e, turn in batch]
+
+        if not concurrent:
+            return await run(numbered)
+        clients = {}
+        for entry, turn in numbered:
+            clients.setdefault(entry.source, []).append((entry, turn))
+        done = await asyncio.gather(*(run(batch) for batch in clients.values()))
+    return sorted((r for results in done for r in results), key=lambda r: r.index)
