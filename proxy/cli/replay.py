@@ -1,7 +1,7 @@
 """`killick replay`: send recorded agent requests again and measure TTFT, cache hits and prefill per turn.
 
     killick replay FILE.jsonl [MORE ...|DIR] [--url URL | --model DIR] [--mode off|prefix|anchors|all]
-                   [--json OUT] [--plot OUT.png] [--limit N]
+                   [--json OUT] [--plot OUT.png] [--limit N] [--concurrent]
 
 Requests go out in recorded order (sessions interleaved as recorded), one at a time. A request with a
 recorded response carries it in `x-killick-force-response`, so the engine decodes exactly that answer
@@ -10,7 +10,8 @@ generated. The header is honoured only by servers started by replay itself or by
 `killick serve --allow-forced-responses`; a request without a recorded response is generated, capped at
 --unforced-max-tokens.
 
-With --url the server is used as it runs (one column, "url"). Without it, each --mode gets a fresh in-process
+With --url the server is used as it runs (one column, "url"); --concurrent sends each recording as its own
+client, all at once. Without it, each --mode gets a fresh in-process
 engine on --model (default: the demo model): off = no prefix cache; prefix = prefix cache with only the
 engine's prompt-end / generation-end checkpoints; anchors = the full cache policy. --mode all runs all three.
 """
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", action="store_true",
                         help="send non-streaming requests as streams (same prompt and answer) so TTFT is the "
                              "first delta, not the total time")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="with --url: each recording is one client, all at once (requests in order within it)")
     parser.add_argument("--quiet", action="store_true", help="only the summary and the TTFT table")
     add_engine_arguments(parser)
 
@@ -55,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the recordings hold no API requests (POST /v1/messages, /v1/chat/completions, "
                          "/v1/responses)")
     if args.url:
-        by_mode = {"url": asyncio.run(_client(args.url, entries, args.unforced_max_tokens, args.stream))}
+        by_mode = {"url": asyncio.run(_client(args.url, entries, args.unforced_max_tokens, args.stream,
+                                              args.concurrent))}
     else:
         from engine.build import options_from_args
 
@@ -83,10 +87,10 @@ def report(by_mode: dict, quiet: bool = False) -> None:
     print(replay_report.summary_text(by_mode))
 
 
-async def _client(url: str, entries, unforced_max_tokens: int, stream: bool):
+async def _client(url: str, entries, unforced_max_tokens: int, stream: bool, concurrent: bool = False):
     from proxy.replay.client import replay
 
-    return await replay(url, entries, unforced_max_tokens, stream=stream)
+    return await replay(url, entries, unforced_max_tokens, stream=stream, concurrent=concurrent)
 
 
 def context_needed(entries, margin: int = 4096) -> int:

@@ -13,14 +13,15 @@ all recordings at once, streaming) with the recorded answers forced. Prints one 
 failures, prompt and cached tokens, cached fraction (and its ratio to single), median TTFT of first and later
 turns.
 
-`Replicas` (start N `killick serve` processes on free loopback ports, stop or kill them) is what the upstream
-tests use too.
+`Servers` (N `killick serve` processes on free loopback ports: replicas, or a proxy with --upstream; stop, kill
+or restart one) is what the upstream tests use too.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -39,17 +40,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Replicas:
-    """N `killick serve` processes on loopback (--allow-forced-responses), started together. Output goes to log
-    files (a full pipe would stall a server); `with Replicas(3) as reps: reps.urls ...`."""
+class Servers:
+    """N `killick serve ARGS` processes on loopback (--allow-forced-responses), started together. Output goes to
+    log files (a full pipe would stall a server); `with Servers(3) as reps: reps.urls ...`."""
 
     def __init__(self, n: int, args: tuple[str, ...] = (), start_timeout_s: float = 180.0):
         self.n, self.args, self.start_timeout_s = n, tuple(args), start_timeout_s
-        self.logs = Path(tempfile.mkdtemp(prefix="killick-replicas-"))
+        self.logs = Path(tempfile.mkdtemp(prefix="killick-serve-"))
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
 
-    def __enter__(self) -> "Replicas":
+    def __enter__(self) -> "Servers":
         try:
             for i in range(self.n):
                 self.start(i)
@@ -68,7 +69,7 @@ class Replicas:
         port = int(self.urls[i].rsplit(":", 1)[1]) if i < len(self.urls) else free_port()
         cmd = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port), "--allow-forced-responses",
                *self.args]
-        log = open(self.logs / f"replica-{i}.log", "w")
+        log = open(self.logs / f"serve-{i}.log", "w")
         env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         log.close()
@@ -80,10 +81,10 @@ class Replicas:
 
     def wait_ready(self, i: int) -> None:
         deadline = time.monotonic() + self.start_timeout_s
-        log = self.logs / f"replica-{i}.log"
+        log = self.logs / f"serve-{i}.log"
         while "serving on" not in log.read_text(errors="replace"):
             if self.procs[i].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"replica {i} did not start:\n{log.read_text(errors='replace')[-2000:]}")
+                raise RuntimeError(f"killick serve #{i} did not start:\n{log.read_text(errors='replace')[-2000:]}")
             time.sleep(0.2)
 
     def kill(self, i: int) -> None:
@@ -101,6 +102,7 @@ class Replicas:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=30)
+        shutil.rmtree(self.logs, ignore_errors=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,7 +151,7 @@ def run_mode(mode: str, entries, replicas: int, model: str | None):
     n = 1 if mode == "single" else replicas
     extra = ("--context-length", str(context_needed(entries)), "--keepalive", "5")
     extra += ("--model", model) if model else ()
-    with Replicas(n, extra) as reps:
+    with Servers(n, extra) as reps:
         return asyncio.run(_through_proxy(reps.urls, "round-robin" if mode == "round-robin" else "session", entries))
 
 

@@ -2,14 +2,14 @@
 own engine and prefix cache) shared by the upstream tests, and the proxy in front of them in-process."""
 import pytest
 
-from proxy.upstream.bench import Replicas
+from proxy.upstream.bench import Servers
 from real_stack import synth_model_dir
 
 
 @pytest.fixture(scope="package")
 def replicas(tmp_path_factory):
     model = synth_model_dir(tmp_path_factory)
-    with Replicas(3, ("--model", str(model), "--keepalive", "1", "--cache-host-mb", "256")) as reps:
+    with Servers(3, ("--model", str(model), "--keepalive", "1", "--cache-host-mb", "256")) as reps:
         yield reps
 
 
