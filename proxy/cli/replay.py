@@ -142,18 +142,31 @@ def build_mode_app(model_dir: Path, weights, mode: str, opts):
 
 async def replay_in_process(entries, model_dir: Path, weights, mode: str, opts, unforced_max_tokens: int = 32,
                             stream: bool = False):
+    return await replay_app(build_mode_app(model_dir, weights, mode, opts), entries, unforced_max_tokens, stream)
+
+
+async def replay_app(app, entries, unforced_max_tokens: int = 32, stream: bool = False, concurrent: bool = False):
+    """Serve `app` on a free loopback port for as long as the entries take to replay against it."""
     from aiohttp import web
 
     from proxy.replay.client import replay
     from proxy.cli.serve import MAX_HEADER
 
-    app = build_mode_app(model_dir, weights, mode, opts)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=MAX_HEADER)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        return await replay(f"http://127.0.0.1:{port}", entries, unforced_max_tokens, stream=stream)
+        return await replay(f"http://127.0.0.1:{port}", entries, unforced_max_tokens, stream=stream,
+                            concurrent=concurrent)
     finally:
         await runner.cleanup()
+
+
+def pick_modes(text: str, known) -> list[str]:
+    """A comma list of modes, each one of `known`."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in known for m in modes):
+        raise ValueError(f"--modes takes a comma-separated list of {', '.join(known)}; got {text!r}")
+    return modes

@@ -120,10 +120,9 @@ def run_args(args: argparse.Namespace) -> int:
     from proxy.replay import log as replay_log
     from proxy.replay.report import write_json
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise ValueError(f"--modes takes a comma list of {', '.join(MODES)}, got {args.modes!r}")
+    from proxy.cli.replay import pick_modes
+
+    modes = pick_modes(args.modes, MODES)
     if args.replicas < 1:
         raise ValueError("--replicas must be at least 1")
     entries = replay_log.load(args.recordings or [FIXTURES])
@@ -156,13 +155,11 @@ def run_mode(mode: str, entries, replicas: int, model: str | None):
 
 
 async def _through_proxy(urls: list[str], routing: str, entries):
-    from aiohttp import web
-
-    from proxy.cli.serve import MAX_HEADER
+    from proxy.cli.replay import replay_app
+    from proxy.context import CTX
     from proxy.policy.cache_policy import PolicyPlanner
     from proxy.prompt.render import ChatRenderer
     from proxy.prompt.tokenizer import load_tokenizer
-    from proxy.replay.client import replay
     from proxy.replay.scripted import FORCE_RESPONSE_HEADER
     from proxy.upstream.app import create_upstream_app
     from proxy.upstream.config import UpstreamConfig
@@ -171,18 +168,8 @@ async def _through_proxy(urls: list[str], routing: str, entries):
     config = UpstreamConfig(tuple(urls), routing=routing, forward_headers=(FORCE_RESPONSE_HEADER,))
     app = create_upstream_app(config, tok, ChatRenderer(tok), model_name="bench", context_length=1 << 20,
                               keepalive_s=5.0, planner=PolicyPlanner())
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=MAX_HEADER)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        results = await replay(f"http://127.0.0.1:{port}", entries, stream=True, concurrent=True)
-        from proxy.context import CTX
-
-        return results, app[CTX].core.stats()
-    finally:
-        await runner.cleanup()
+    results = await replay_app(app, entries, stream=True, concurrent=True)
+    return results, app[CTX].core.stats()
 
 
 def summarize(by_mode: dict, pools: dict) -> dict:

@@ -51,7 +51,7 @@ class UpstreamPool:
         self.http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
                                           sock_read=self.config.read_timeout_s),
-            connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
+            connector=aiohttp.TCPConnector(limit=0))
         checks = asyncio.create_task(self._health_loop())
         try:
             yield

@@ -21,9 +21,9 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from proxy.conversation import Conversation, Message, TextPart, ThinkingPart, ToolCallPart, ToolResultPart
+from proxy.conversation import Conversation, Message, ThinkingPart, ToolCallPart, ToolResultPart
 from proxy.generation import GenParams
-from proxy.prompt.output_parser import OutputEvent, OutputParser, TextDelta, ThinkingDelta, ToolCall
+from proxy.prompt.output_parser import OutputEvent, OutputParser, ThinkingDelta, ToolCall
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls",
           "content_filter": "stop"}

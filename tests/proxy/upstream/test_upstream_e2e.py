@@ -11,13 +11,8 @@ import pytest
 from proxy.conversation import canonical_json
 from proxy.replay.scripted import FORCE_RESPONSE_HEADER, Reply, encode_header
 from proxy.upstream.bench import free_port
+from real_stack import TOOLS_A, TOOLS_C, TOOLS_R
 
-TOOLS_A = [{"name": "bash", "description": "Run a shell command",
-            "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}]
-TOOLS_C = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",
-                                             "parameters": TOOLS_A[0]["input_schema"]}}]
-TOOLS_R = [{"type": "function", "name": "bash", "description": "Run a shell command",
-            "parameters": TOOLS_A[0]["input_schema"]}]
 THINK_AND_CALL = Reply("Need to list files.", "Listing.", (("bash", canonical_json({"cmd": "ls"})),))
 
 
@@ -35,8 +30,8 @@ def _session(pool, key):
     return next(s for s in pool.stats()["recent_sessions"] if s["session"] == key)
 
 
-async def test_anthropic_tool_turns_through_one_replica(proxy, sdk):
-    base, pool = await proxy()
+async def test_anthropic_tool_turns_through_one_replica(upstream_proxy, sdk):
+    base, pool = await upstream_proxy()
     client = sdk.anthropic(base, default_headers=forced(THINK_AND_CALL, "t-anthropic"))
     messages = [{"role": "user", "content": "What files are here?"}]
     async with client.messages.stream(model="claude-opus-4-8", max_tokens=200, messages=messages, tools=TOOLS_A,
@@ -64,8 +59,8 @@ async def test_anthropic_tool_turns_through_one_replica(proxy, sdk):
     assert (s["turns"], s["moves"], s["cached_tokens"]) == (2, 0, second.usage.cache_read_input_tokens)
 
 
-async def test_chat_completions_stream_tools_and_cached_usage(proxy, sdk):
-    base, pool = await proxy()
+async def test_chat_completions_stream_tools_and_cached_usage(upstream_proxy, sdk):
+    base, pool = await upstream_proxy()
     client = sdk.openai(base, default_headers=forced(THINK_AND_CALL, "t-chat"))
     messages = [{"role": "user", "content": "What files are here?"}]
     chunks = [c async for c in await client.chat.completions.create(
@@ -89,8 +84,8 @@ async def test_chat_completions_stream_tools_and_cached_usage(proxy, sdk):
     assert _session(pool, "t-chat")["turns"] == 2
 
 
-async def test_responses_stream_and_previous_response(proxy, sdk):
-    base, _ = await proxy()
+async def test_responses_stream_and_previous_response(upstream_proxy, sdk):
+    base, _ = await upstream_proxy()
     client = sdk.openai(base, default_headers=forced(THINK_AND_CALL, "t-resp"))
     async with client.responses.stream(model="gpt-5", input="What files are here?", tools=TOOLS_R,
                                        instructions="Be brief.") as stream:
@@ -108,11 +103,11 @@ async def test_responses_stream_and_previous_response(proxy, sdk):
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
 
 
-async def test_errors_keep_each_api_shape(proxy, sdk):
+async def test_errors_keep_each_api_shape(upstream_proxy, sdk):
     import anthropic
     import openai
 
-    base, _ = await proxy()
+    base, _ = await upstream_proxy()
     bad = {FORCE_RESPONSE_HEADER: "!!not-base64!!"}  # the replica refuses it: a 400 of the upstream's
     async with aiohttp.ClientSession() as s:
         async with s.post(base + "/v1/messages", headers=bad, json={
@@ -125,7 +120,7 @@ async def test_errors_keep_each_api_shape(proxy, sdk):
             body = await r.json()
         assert r.status == 400 and body["error"]["type"] == "invalid_request_error"
 
-    dead, _ = await proxy(urls=[f"http://127.0.0.1:{free_port()}"])
+    dead, _ = await upstream_proxy(urls=[f"http://127.0.0.1:{free_port()}"])
     with pytest.raises(anthropic.APIStatusError) as a_err:
         await sdk.anthropic(dead, max_retries=0).messages.create(
             model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}], stream=True)
@@ -136,8 +131,8 @@ async def test_errors_keep_each_api_shape(proxy, sdk):
     assert o_err.value.status_code == 503 and "Cannot connect" in o_err.value.body["message"]
 
 
-async def test_keepalives_while_the_upstream_prefills(proxy):
-    base, _ = await proxy(keepalive_s=0.01)
+async def test_keepalives_while_the_upstream_prefills(upstream_proxy):
+    base, _ = await upstream_proxy(keepalive_s=0.01)
     long = " ".join(f"word{i}" for i in range(2500))
     body = {"model": "m", "stream": True, "max_tokens": 2, "messages": [{"role": "user", "content": long}]}
     async with aiohttp.ClientSession() as s:

@@ -28,8 +28,8 @@ async def _turn(s: aiohttp.ClientSession, base: str, key: str, history: list) ->
     return "ok"
 
 
-async def test_killing_one_of_three_replicas_mid_run(proxy, replicas):
-    base, pool = await proxy(health_interval_s=0.2)
+async def test_killing_one_of_three_replicas_mid_run(upstream_proxy, replicas):
+    base, pool = await upstream_proxy(health_interval_s=0.2)
     progress = {f"f{i}": 0 for i in range(SESSIONS)}
     warm = asyncio.Event()
 
