@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 from contextlib import suppress
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal, Mapping, Protocol, Union
 
 from aiohttp import web

@@ -1,14 +1,14 @@
 """`killick replay`: send recorded agent requests again and measure TTFT, cache hits and prefill per turn.
 
     killick replay FILE.jsonl [MORE ...|DIR] [--url URL | --model DIR] [--mode off|prefix|anchors|all]
-                   [--json OUT] [--plot OUT.png] [--limit N] [--concurrent]
+                   [--json OUT] [--plot OUT.png] [--limit N] [--concurrent] [--unforced]
 
 Requests go out in recorded order (sessions interleaved as recorded), one at a time. A request with a
 recorded response carries it in `x-killick-force-response`, so the engine decodes exactly that answer
 (forced decoding: every step still runs on the model) and the next recorded prompt extends what the server
 generated. The header is honoured only by servers started by replay itself or by
-`killick serve --allow-forced-responses`; a request without a recorded response is generated, capped at
---unforced-max-tokens.
+`killick serve --allow-forced-responses`; a request without a recorded response (or every request, with
+--unforced) is generated, capped at --unforced-max-tokens.
 
 With --url the server is used as it runs (one column, "url"); --concurrent sends each recording as its own
 client, all at once. Without it, each --mode gets a fresh in-process
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", action="store_true",
                         help="send non-streaming requests as streams (same prompt and answer) so TTFT is the "
                              "first delta, not the total time")
+    parser.add_argument("--unforced", action="store_true",
+                        help="send no recorded answers: the server generates every one (capped at "
+                             "--unforced-max-tokens), for servers that cannot force them (llama.cpp, vLLM)")
     parser.add_argument("--concurrent", action="store_true",
                         help="with --url: each recording is one client, all at once (requests in order within it)")
     parser.add_argument("--quiet", action="store_true", help="only the summary and the TTFT table")
@@ -54,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
     entries = replay_log.load(args.recordings)
     if args.limit is not None:
         entries = entries[:max(0, args.limit)]
+    if args.unforced:
+        entries = [dataclasses.replace(e, response=None) for e in entries]
     if not entries:
         raise ValueError("the recordings hold no API requests (POST /v1/messages, /v1/chat/completions, "
                          "/v1/responses)")
