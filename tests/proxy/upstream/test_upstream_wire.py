@@ -107,3 +107,21 @@ def test_settings_from_flags_and_file(tmp_path):
         UpstreamConfig.load(f)
     with pytest.raises(ValueError, match="at least one replica"):
         UpstreamConfig(())
+
+
+def test_serve_flags_build_an_upstream_app(tmp_path):
+    from proxy.cli import build_parser
+    from proxy.cli.serve import build_app
+    from proxy.context import CTX
+    from proxy.upstream.bench import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    (tmp_path / "up.json").write_text(json.dumps({"upstreams": [dead], "models": {"*": "qwen"}}))
+    parse = build_parser(only="serve").parse_args
+    app = build_app(parse(["serve", "--upstream-config", str(tmp_path / "up.json"), "--routing", "round-robin",
+                           "--context-length", "4096", "--allow-forced-responses"]))
+    pool = app[CTX].core
+    assert pool.config.urls == (dead,) and pool.config.routing == "round-robin" and app[CTX].context_length == 4096
+    assert pool.config.upstream_model("claude-x") == "qwen" and pool.config.forward_headers
+    with pytest.raises(ValueError, match="--script"):
+        build_app(parse(["serve", "--upstream", dead, "--script", "s.json"]))
