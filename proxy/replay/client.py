@@ -114,7 +114,8 @@ def _stream_usage(api: str, event: dict) -> dict:
             return _usage(api, {"usage": event.get("usage") or {}})
         return {}
     if api == "/v1/responses":
-        return _usage(api, event["response"]) if event.get("type") == "response.completed" else {}
+        done = event.get("type") in ("response.completed", "response.incomplete")  # incomplete: max tokens hit
+        return _usage(api, event["response"]) if done else {}
     return _usage(api, event) if event.get("usage") else {}
 
 
