@@ -4,7 +4,8 @@
                planner=None, replies=None, observer=None, access_log=False)
 
 Every handler reads parse -> normalise -> render -> plan -> submit -> stream (see proxy/generation.py).
-The engine core is started and stopped through cleanup_ctx, so the app owns its lifetime. Scripts, replay
+The engine core is started and stopped through cleanup_ctx, so the app owns its lifetime; in upstream mode the
+core is an UpstreamPool (proxy/upstream/app.py: create_upstream_app), which answers with output events itself. Scripts, replay
 and test answers plug in as one reply source (`replies`, proxy/replay/sources.py); a recorder observes each
 finished API request through one hook (`observer`, proxy/replay/record.py).
 """

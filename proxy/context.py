@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class ServerContext:
-    core: EngineCore  # stream / abort / stats / call; tests use stand-ins with the same methods
+    core: EngineCore  # stream / abort / stats / call (tests use stand-ins), or an AnswerSource: proxy/upstream
     tokenizer: Tokenizer
     renderer: ChatRenderer
     model_name: str

@@ -5,12 +5,16 @@
 
 Front-ends only translate Conversation in and OutputEvents out; this module owns admission (429),
 keep-alive timing, stop sequences and aborting the engine request when the client goes away.
+The backend is the app's `core`: the in-process EngineCore streams token ids, which Generation decodes and
+parses; a backend with `answer(ctx, prep)` (an AnswerSource: proxy/upstream's pool of OpenAI-compatible
+servers) yields the output events and the Finished itself. Either way the front-ends see the same items.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from contextlib import suppress
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal, Mapping, Protocol, Union
 
 from aiohttp import web
@@ -54,6 +58,7 @@ class Finished:
     reasoning_tokens: int = 0
     stop_sequence: str | None = None
     error: str | None = None
+    output_ids: tuple[int, ...] = ()  # what the model wrote, as token ids (the cache policy's diff reads them)
 
 
 GenItem = Union[OutputEvent, Keepalive, Finished]
@@ -66,6 +71,14 @@ class ReplySource(Protocol):
 
     def reply_ids(self, ctx: ServerContext, conv: Conversation, prompt_text: str, headers: Mapping[str, str],
                   plan: Plan) -> list[int] | None: ...
+
+
+class AnswerSource(Protocol):
+    """A backend that answers a prepared request with output events itself, ending with one Finished
+    (proxy/upstream: OpenAI-compatible servers parse the model's output). Refusals before any byte are ApiErrors
+    raised by answer(); leaving early closes the iterator."""
+
+    async def answer(self, ctx: ServerContext, prep: "Prepared") -> AsyncIterator[OutputEvent | Finished]: ...
 
 
 @dataclass
@@ -88,6 +101,8 @@ class Prepared:
     prompt_text: str
     request: GenerateRequest
     turn: Turn  # turn.plan goes back to planner.finish()
+    model: str = ""  # the model the agent asked for (an upstream maps it to one of its own)
+    headers: Mapping[str, str] = field(default_factory=dict)  # the agent's request headers
 
 
 def prepare(ctx: ServerContext, request: web.Request, conv: Conversation, params: GenParams,
@@ -110,7 +125,7 @@ def prepare(ctx: ServerContext, request: web.Request, conv: Conversation, params
         stop_ids=frozenset(ctx.tokenizer.eos_ids), checkpoint_positions=tuple(plan.checkpoint_positions),
         session_key=plan.session_key, forced_output_ids=forced)
     turn = request[TURN] = Turn(plan)
-    return Prepared(conv, params, rendered.text, gen_request, turn)
+    return Prepared(conv, params, rendered.text, gen_request, turn, str(body.get("model") or ""), headers)
 
 
 def normalize(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping) -> Conversation:
@@ -152,15 +167,21 @@ class Generation:
         self.decoder = ctx.tokenizer.incremental_decoder()
         self.blocks: list = []  # the output so far, merged as a non-streaming answer would hold it
         self.stream: TokenStream | None = None
+        self.source: AsyncIterator[OutputEvent | Finished] | None = None
         self._iter: AsyncIterator[GenItem] | None = None
 
     async def __aenter__(self) -> "Generation":
-        try:
-            self.stream = self.ctx.core.stream(self.req)
-        except OverflowError as exc:
-            raise ApiError(429, f"server busy: {exc}; retry shortly", code="rate_limit_exceeded") from None
-        except ValueError as exc:  # the engine says this request can never run
-            raise ApiError(400, str(exc)) from None
+        answer = getattr(self.ctx.core, "answer", None)
+        if answer is not None:  # an AnswerSource
+            self.source = await answer(self.ctx, self.prep)
+        else:
+            try:
+                self.stream = self.ctx.core.stream(self.req)
+            except OverflowError as exc:
+                raise ApiError(429, f"server busy: {exc}; retry shortly", code="rate_limit_exceeded") from None
+            except ValueError as exc:  # the engine says this request can never run
+                raise ApiError(400, str(exc)) from None
+            self.source = self._engine_items()
         self.ctx.in_flight += 1
         return self
 
@@ -168,27 +189,51 @@ class Generation:
         self.ctx.in_flight -= 1
         if self._iter is not None:
             await self._iter.aclose()
-        await self.stream.aclose()  # aborts the engine request unless its final event arrived
+        await self.source.aclose()
+        if self.stream is not None:
+            await self.stream.aclose()  # aborts the engine request unless its final event came
 
     def __aiter__(self) -> AsyncIterator[GenItem]:
         self._iter = self._items()
         return self._iter
 
     async def _items(self) -> AsyncIterator[GenItem]:
-        loop, parser, stop_ids = asyncio.get_running_loop(), self.parser, self.req.stop_ids
-        last_sent, reasoning, output_ids = loop.time(), 0, []
+        """The source's items as they come, a KEEPALIVE whenever nothing was sent for keepalive_s (queued,
+        prefilling, or decoding a buffered tool call), then the Finished once the turn is booked."""
+        loop, next_item = asyncio.get_running_loop(), None
+        last_sent = loop.time()
+        try:
+            while True:
+                next_item = next_item or asyncio.ensure_future(anext(self.source))
+                done, _ = await asyncio.wait((next_item,), timeout=max(0.0, last_sent + self.ctx.keepalive_s
+                                                                             - loop.time()))
+                if not done:
+                    last_sent = loop.time()
+                    yield KEEPALIVE
+                    continue
+                item, next_item = next_item.result(), None
+                if isinstance(item, Finished):
+                    break
+                collect(self.blocks, item)
+                yield item
+                last_sent = loop.time()
+        finally:
+            if next_item is not None:  # left early: stop the pending read before the source is closed
+                next_item.cancel()
+                with suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await next_item
+        self.ctx.metrics.observe_usage(item.usage)
+        self._finish_turn(item)
+        self.turn.finished = item
+        yield item
+
+    async def _engine_items(self) -> AsyncIterator[OutputEvent | Finished]:
+        """The engine's token events, detokenized and parsed into output events, then the Finished."""
+        parser, stop_ids = self.parser, self.req.stop_ids
+        reasoning, output_ids = 0, []
         final: TokenEvent | None = None
         while final is None:
-            # silent for keepalive_s (queued, prefilling, or decoding a buffered tool call): say so
-            wait = last_sent + self.ctx.keepalive_s - loop.time()
-            if wait <= 0:
-                last_sent = loop.time()
-                yield KEEPALIVE
-                continue
-            try:
-                ev = await asyncio.wait_for(anext(self.stream), wait)
-            except asyncio.TimeoutError:
-                continue
+            ev = await anext(self.stream)
             ids = [t for t in ev.token_ids if t not in stop_ids]
             output_ids += ev.token_ids
             reasoning += len(ids) if parser.mode == "think" else 0
@@ -199,18 +244,12 @@ class Generation:
             elif parser.ended:
                 final = await self._stop_early()
             for item in out:
-                collect(self.blocks, item)
                 yield item
-            last_sent = loop.time() if out else last_sent
-        finished = _finished(final, parser, reasoning, self.req, len(output_ids))
-        self.ctx.metrics.observe_usage(finished.usage)
-        self._finish_turn(output_ids, finished)
-        self.turn.finished = finished
-        yield finished
+        yield _finished(final, parser, reasoning, self.req, output_ids)
 
-    def _finish_turn(self, output_ids: list[int], finished: Finished) -> None:
+    def _finish_turn(self, finished: Finished) -> None:
         try:
-            self.ctx.planner.finish(self.turn.plan, output_ids, finished.usage)
+            self.ctx.planner.finish(self.turn.plan, finished.output_ids, finished.usage)
         except Exception:  # noqa: BLE001 - bookkeeping must never cost the agent its answer
             log.exception("cache policy failed to record %s", self.req.request_id)
 
@@ -231,15 +270,15 @@ class Generation:
 
 
 def _finished(ev: TokenEvent, parser: OutputParser, reasoning: int, req: GenerateRequest,
-              output_seen: int) -> Finished:
-    usage = ev.usage or Usage(prompt_tokens=len(req.prompt_ids), output_tokens=output_seen, reused_tokens=0,
+              output_ids: list[int]) -> Finished:
+    usage = ev.usage or Usage(prompt_tokens=len(req.prompt_ids), output_tokens=len(output_ids), reused_tokens=0,
                               prefilled_tokens=len(req.prompt_ids))
     if parser.stopped is not None:
-        return Finished("stop_sequence", usage, reasoning, stop_sequence=parser.stopped)
+        return Finished("stop_sequence", usage, reasoning, stop_sequence=parser.stopped, output_ids=tuple(output_ids))
     finish: Finish = ev.finish_reason or "error"
     if parser.ended or (finish == "stop" and parser.tool_calls):
         finish = "tool_calls"
-    return Finished(finish, usage, reasoning, error=ev.error)
+    return Finished(finish, usage, reasoning, error=ev.error, output_ids=tuple(output_ids))
 
 
 

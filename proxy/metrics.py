@@ -2,7 +2,8 @@
 
 Counters and histograms are kept here; engine figures (active, queued, cache hits, bytes...) come from
 `core.stats()` at scrape time and are exported as gauges `killick_engine_<key>`; the cache policy's
-(sessions, turns per edit class) as `killick_policy_<key>`.
+(sessions, turns per edit class) as `killick_policy_<key>`. A list of records in the core's stats (upstream
+mode's replicas and sessions) becomes labelled gauges: `killick_engine_<list>_<field>{<text fields>}`.
 """
 from __future__ import annotations
 
@@ -74,7 +75,33 @@ class Metrics:
         for prefix, stats in (("killick_engine_", engine_stats), ("killick_policy_", policy_stats or {})):
             for key, value in sorted(_flatten(stats).items()):
                 out += [f"# TYPE {prefix}{key} gauge", f"{prefix}{key} {value:g}"]
+        out += _record_lines("killick_engine_", engine_stats)
         return "\n".join(out) + "\n"
+
+
+def _record_lines(prefix: str, stats: dict) -> list[str]:
+    """Each list of dicts in stats: one gauge per numeric field, labelled by the record's text fields."""
+    out = []
+    for key, records in sorted(stats.items()):
+        if not (isinstance(records, list) and records and all(isinstance(r, dict) for r in records)):
+            continue
+        fields = sorted({k for r in records for k, v in r.items() if _is_number(v)})
+        for name in fields:
+            metric = re.sub(r"[^a-zA-Z0-9_]", "_", f"{prefix}{key}_{name}")
+            out.append(f"# TYPE {metric} gauge")
+            for r in records:
+                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(r.items()) if isinstance(v, str))
+                if _is_number(r.get(name)):
+                    out.append(f"{metric}{{{labels}}} {float(r[name]):g}")
+    return out
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value))
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _flatten(stats: dict, prefix: str = "") -> dict[str, float]:
@@ -84,6 +111,6 @@ def _flatten(stats: dict, prefix: str = "") -> dict[str, float]:
         name = re.sub(r"[^a-zA-Z0-9_]", "_", f"{prefix}{key}")
         if isinstance(value, dict):
             flat.update(_flatten(value, name + "_"))
-        elif isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value)):
+        elif _is_number(value):
             flat[name] = float(value)
     return flat

@@ -1,7 +1,8 @@
-"""Server-sent events: one writer for all three APIs.
+"""Server-sent events: one writer for all three APIs, and the line reader their clients use.
 
 Anthropic names its events (`event: message_start`); OpenAI chat sends bare `data:` lines ending with
 `data: [DONE]`; Responses names them too. Keep-alives are Anthropic `ping` events or SSE comment lines.
+`read_lines(resp)` splits an aiohttp client response into lines (replay's client, upstream mode).
 """
 from __future__ import annotations
 
@@ -53,3 +54,16 @@ class SSEWriter:
     async def _write(self, text: str) -> None:
         await self.start()
         await self.response.write(text.encode("utf-8"))
+
+
+async def read_lines(resp):
+    """The lines of an aiohttp client response, of any length (a final Responses event carries the whole
+    response), stripped."""
+    buf = b""
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8", "replace").strip()
+    if buf:
+        yield buf.decode("utf-8", "replace").strip()

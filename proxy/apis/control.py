@@ -43,7 +43,9 @@ async def cache(request: web.Request) -> web.Response:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ApiError(400, f"{key} must be a positive integer", param=key)
         kwargs[_FIELDS[key]] = value << 20 if key.endswith("_mb") else value
-    runner = ctx.core.runner
+    runner = getattr(ctx.core, "runner", None)
+    if runner is None:
+        raise ApiError(400, "this server runs no engine (upstream mode): the caches live in the upstream servers")
     loop = asyncio.get_running_loop()
     try:
         result = await loop.run_in_executor(None, ctx.core.call, lambda: runner.reconfigure(**kwargs))

@@ -1,5 +1,6 @@
 """`killick bench bw` (B_P, B_H, STREAM; writes this machine's profile), `killick bench decode` (the expert
-hierarchy on a synthetic model shape) and `killick bench model` (the whole engine, beside its HBM bound).
+hierarchy on a synthetic model shape), `killick bench model` (the whole engine, beside its HBM bound) and
+`killick bench upstream` (recordings through the proxy in front of replicas: session affinity vs round-robin).
 Torch is imported only when a benchmark runs."""
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_bw_arguments(sub.add_parser("bw", help="PCIe, CPU expert kernel and host read bandwidth -> profile"))
     add_decode_arguments(sub.add_parser("decode", help="decode/prefill tok/s per expert backend, synthetic shape"))
     add_model_arguments(sub.add_parser("model", help="the whole engine: decode b1/4/8, 8k prefill, extend TTFT"))
+    from proxy.upstream import bench as upstream
+
+    upstream.add_arguments(sub.add_parser("upstream", help="recordings as concurrent sessions through replicas: "
+                                                           "cached fraction and TTFT, affinity vs round-robin"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,6 +25,10 @@ def run(args: argparse.Namespace) -> int:
         from engine.bench import bw
 
         return bw.run_args(args)
+    if args.bench_command == "upstream":
+        from proxy.upstream import bench as upstream
+
+        return upstream.run_args(args)
     if args.bench_command == "model":
         from engine.bench import model
 

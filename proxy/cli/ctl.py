@@ -78,7 +78,7 @@ def _render_stats(data: dict) -> str:
     lines = [f"{k:<{width}}{v}" for k, v in pairs]
     if turns:
         lines += ["", "last turns of each session", _table(turns)]
-    return "\n".join(lines)
+    return "\n".join(lines + _upstream_lines(engine))
 
 
 def _flat(value) -> str:
@@ -92,3 +92,26 @@ def _table(turns: list[dict]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(TURN_COLUMNS))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                      for r in rows)
+
+
+REPLICA_COLUMNS = ("url", "healthy", "in_flight", "requests", "failures", "sessions", "prompt_tokens",
+                   "cached_tokens")
+SESSION_COLUMNS = ("session", "replica", "turns", "moves", "prompt_tokens", "cached_tokens", "last_prompt_tokens",
+                   "last_cached_tokens")
+
+
+def _upstream_lines(engine: dict) -> list[str]:
+    """Upstream mode: the replicas, and how much of each session's prompts its replica reused."""
+    if not isinstance(engine.get("replicas"), list):
+        return []
+    lines = ["", f"upstream replicas (routing {engine.get('routing')})", _columns(engine["replicas"], REPLICA_COLUMNS)]
+    lines += [f"  {url}: {why}" for url, why in (engine.get("last_errors") or {}).items()]
+    if engine.get("recent_sessions"):
+        lines += ["", "sessions (most recent first)", _columns(engine["recent_sessions"], SESSION_COLUMNS)]
+    return lines
+
+
+def _columns(records: list[dict], columns: tuple[str, ...]) -> str:
+    rows = [columns] + [tuple(str(r.get(c, "-")) for c in columns) for r in records]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)

@@ -28,12 +28,9 @@ def run(args: argparse.Namespace) -> int:
     from engine.build import EngineOptions
     from proxy.replay import log as replay_log
     from proxy.replay import report as replay_report
-    from proxy.cli.replay import MODES, report, run_modes
+    from proxy.cli.replay import MODES, pick_modes, report, run_modes
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise ValueError(f"--modes takes a comma-separated list of {', '.join(MODES)}; got {args.modes!r}")
+    modes = pick_modes(args.modes, MODES)
     entries = replay_log.load([args.recording])
     print(f"killick demo: replaying {len(entries)} requests of {Path(args.recording).name} on "
           f"{args.model or 'the demo model'}, modes {', '.join(modes)} (CPU; a few minutes)", flush=True)

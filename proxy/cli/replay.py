@@ -1,16 +1,17 @@
 """`killick replay`: send recorded agent requests again and measure TTFT, cache hits and prefill per turn.
 
     killick replay FILE.jsonl [MORE ...|DIR] [--url URL | --model DIR] [--mode off|prefix|anchors|all]
-                   [--json OUT] [--plot OUT.png] [--limit N]
+                   [--json OUT] [--plot OUT.png] [--limit N] [--concurrent] [--unforced]
 
 Requests go out in recorded order (sessions interleaved as recorded), one at a time. A request with a
 recorded response carries it in `x-killick-force-response`, so the engine decodes exactly that answer
 (forced decoding: every step still runs on the model) and the next recorded prompt extends what the server
 generated. The header is honoured only by servers started by replay itself or by
-`killick serve --allow-forced-responses`; a request without a recorded response is generated, capped at
---unforced-max-tokens.
+`killick serve --allow-forced-responses`; a request without a recorded response (or every request, with
+--unforced) is generated, capped at --unforced-max-tokens.
 
-With --url the server is used as it runs (one column, "url"). Without it, each --mode gets a fresh in-process
+With --url the server is used as it runs (one column, "url"); --concurrent sends each recording as its own
+client, all at once. Without it, each --mode gets a fresh in-process
 engine on --model (default: the demo model): off = no prefix cache; prefix = prefix cache with only the
 engine's prompt-end / generation-end checkpoints; anchors = the full cache policy. --mode all runs all three.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -40,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", action="store_true",
                         help="send non-streaming requests as streams (same prompt and answer) so TTFT is the "
                              "first delta, not the total time")
+    parser.add_argument("--unforced", action="store_true",
+                        help="send no recorded answers: the server generates every one (capped at "
+                             "--unforced-max-tokens), for servers that cannot force them (llama.cpp, vLLM)")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="with --url: each recording is one client, all at once (requests in order within it)")
     parser.add_argument("--quiet", action="store_true", help="only the summary and the TTFT table")
     add_engine_arguments(parser)
 
@@ -51,11 +58,14 @@ def run(args: argparse.Namespace) -> int:
     entries = replay_log.load(args.recordings)
     if args.limit is not None:
         entries = entries[:max(0, args.limit)]
+    if args.unforced:
+        entries = [dataclasses.replace(e, response=None) for e in entries]
     if not entries:
         raise ValueError("the recordings hold no API requests (POST /v1/messages, /v1/chat/completions, "
                          "/v1/responses)")
     if args.url:
-        by_mode = {"url": asyncio.run(_client(args.url, entries, args.unforced_max_tokens, args.stream))}
+        by_mode = {"url": asyncio.run(_client(args.url, entries, args.unforced_max_tokens, args.stream,
+                                              args.concurrent))}
     else:
         from engine.build import options_from_args
 
@@ -83,10 +93,10 @@ def report(by_mode: dict, quiet: bool = False) -> None:
     print(replay_report.summary_text(by_mode))
 
 
-async def _client(url: str, entries, unforced_max_tokens: int, stream: bool):
+async def _client(url: str, entries, unforced_max_tokens: int, stream: bool, concurrent: bool = False):
     from proxy.replay.client import replay
 
-    return await replay(url, entries, unforced_max_tokens, stream=stream)
+    return await replay(url, entries, unforced_max_tokens, stream=stream, concurrent=concurrent)
 
 
 def context_needed(entries, margin: int = 4096) -> int:
@@ -161,18 +171,31 @@ def build_mode_app(model_dir: Path, weights, mode: str, opts):
 
 async def replay_in_process(entries, model_dir: Path, weights, mode: str, opts, unforced_max_tokens: int = 32,
                             stream: bool = False):
+    return await replay_app(build_mode_app(model_dir, weights, mode, opts), entries, unforced_max_tokens, stream)
+
+
+async def replay_app(app, entries, unforced_max_tokens: int = 32, stream: bool = False, concurrent: bool = False):
+    """Serve `app` on a free loopback port for as long as the entries take to replay against it."""
     from aiohttp import web
 
     from proxy.replay.client import replay
     from proxy.cli.serve import MAX_HEADER
 
-    app = build_mode_app(model_dir, weights, mode, opts)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=MAX_HEADER)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        return await replay(f"http://127.0.0.1:{port}", entries, unforced_max_tokens, stream=stream)
+        return await replay(f"http://127.0.0.1:{port}", entries, unforced_max_tokens, stream=stream,
+                            concurrent=concurrent)
     finally:
         await runner.cleanup()
+
+
+def pick_modes(text: str, known) -> list[str]:
+    """A comma list of modes, each one of `known`."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in known for m in modes):
+        raise ValueError(f"--modes takes a comma-separated list of {', '.join(known)}; got {text!r}")
+    return modes

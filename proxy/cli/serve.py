@@ -3,9 +3,12 @@
     killick serve [--model DIR] [--host 127.0.0.1] [--port 8421] [--api-key KEY] [--max-running 4]
                   [--cache-policy anchors|prefix] [--record DIR] [--script FILE [--script-var K=V]]
                   [--allow-forced-responses] [--quiet]
+    killick serve --upstream URL [--upstream URL ...] [--upstream-model PATTERN=NAME] [--routing session]
 
 Without --model the embedded demo checkpoint is used. One startup line names the URL; then one access-log
 line per request (method, path, status, prompt / cached / prefilled tokens, TTFT, time) unless --quiet.
+With --upstream (or --upstream-config FILE) no engine is loaded: OpenAI-compatible servers answer, each session
+sticks to one of them (proxy/upstream/, docs/UPSTREAM.md); --model then only names the tokenizer and template.
 --record appends every API request with its response and cache metrics to DIR (proxy/replay/record.py);
 --script answers from a script by forced decoding (proxy/replay/scripted.py); --allow-forced-responses honours
 replay's x-killick-force-response header (off by default: a client must not choose the model's output).
@@ -25,6 +28,7 @@ MAX_HEADER = 1 << 20  # x-killick-force-response carries a whole recorded reply
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.build import add_engine_arguments  # torch-free
+    from proxy.upstream.config import add_upstream_arguments
 
     parser.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: demo model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -46,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="honour x-killick-force-response (what killick replay sends)")
     parser.add_argument("--quiet", action="store_true", help="no access log (one line per request otherwise)")
     add_engine_arguments(parser)
+    add_upstream_arguments(parser)
 
 
 def make_planner(cache_policy: str, registry=None):
@@ -79,6 +84,10 @@ def reply_source(args: argparse.Namespace):
 
 def build_app(args: argparse.Namespace) -> web.Application:
     """Load tokenizer, model and engine (torch imported here only) and wrap them in the app."""
+    if args.upstream or args.upstream_config:
+        from proxy.upstream.app import build_upstream_app
+
+        return build_upstream_app(args)
     from engine.build import build_core, options_from_args
     from engine.demo import resolve_model
     from proxy.prompt.tokenizer import load_tokenizer

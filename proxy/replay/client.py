@@ -8,6 +8,7 @@ headers when it sends them.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -16,6 +17,7 @@ import aiohttp
 
 from proxy.replay.log import Entry, request_body, request_headers
 from proxy.replay.scripted import FORCE_RESPONSE_HEADER, encode_header
+from proxy.sse import read_lines
 
 DELTA_EVENTS = {"content_block_delta"}  # Anthropic; Responses: any *.delta event
 
@@ -84,7 +86,7 @@ async def send(session: aiohttp.ClientSession, base_url: str, entry: Entry, turn
 
 async def _read_stream(resp: aiohttp.ClientResponse, api: str, clock: _Clock) -> dict:
     usage: dict = {}
-    async for line in _lines(resp):
+    async for line in read_lines(resp):
         if not line.startswith("data:") or line == "data: [DONE]":
             continue
         try:
@@ -95,18 +97,6 @@ async def _read_stream(resp: aiohttp.ClientResponse, api: str, clock: _Clock) ->
             clock.delta()
         usage = _stream_usage(api, event) or usage
     return usage
-
-
-async def _lines(resp: aiohttp.ClientResponse):
-    """SSE lines of any length (a final Responses event carries the whole response)."""
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            yield line.decode("utf-8", "replace").strip()
-    if buf:
-        yield buf.decode("utf-8", "replace").strip()
 
 
 def _is_delta(api: str, event: dict) -> bool:
@@ -124,7 +114,8 @@ def _stream_usage(api: str, event: dict) -> dict:
             return _usage(api, {"usage": event.get("usage") or {}})
         return {}
     if api == "/v1/responses":
-        return _usage(api, event["response"]) if event.get("type") == "response.completed" else {}
+        done = event.get("type") in ("response.completed", "response.incomplete")  # incomplete: max tokens hit
+        return _usage(api, event["response"]) if done else {}
     return _usage(api, event) if event.get("usage") else {}
 
 
@@ -163,13 +154,24 @@ def _result(entry: Entry, turn: int, resp, forced: bool, clock: _Clock, usage: d
 
 
 async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int = 32,
-                 timeout_s: float = 1800.0, stream: bool = False) -> list[Result]:
-    """Send every entry in order, one at a time; turns are numbered per recorded session."""
-    turns: dict[str, int] = {}
-    results = []
-    async with aiohttp.ClientSession() as session:
-        for entry in entries:
-            turns[entry.session] = turns.get(entry.session, 0) + 1
-            results.append(await send(session, base_url, entry, turns[entry.session], unforced_max_tokens,
-                                      timeout_s, stream))
-    return results
+                 timeout_s: float = 1800.0, stream: bool = False, concurrent: bool = False) -> list[Result]:
+    """Send every entry in order, one at a time; turns are numbered per recorded session. concurrent: each
+    recording is one client sending its requests in order, all recordings at once (results in entry order)."""
+    turns: dict[tuple[str, str], int] = {}
+    numbered = []
+    for entry in entries:
+        key = (entry.source, entry.session)  # two recordings may both hold an "anon-1"
+        turns[key] = turns.get(key, 0) + 1
+        numbered.append((entry, turns[key]))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def run(batch):
+            return [await send(session, base_url, e, turn, unforced_max_tokens, timeout_s, stream)
+                    for e, turn in batch]
+
+        if not concurrent:
+            return await run(numbered)
+        clients = {}
+        for entry, turn in numbered:
+            clients.setdefault(entry.source, []).append((entry, turn))
+        done = await asyncio.gather(*(run(batch) for batch in clients.values()))
+    return sorted((r for results in done for r in results), key=lambda r: r.index)

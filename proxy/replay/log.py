@@ -32,6 +32,7 @@ class Entry:
     body: dict
     response: Any = None
     metrics: dict = field(default_factory=dict)
+    source: str = ""  # the recording it came from (file name without .jsonl): one agent, one request at a time
 
     @property
     def stream(self) -> bool:
@@ -84,7 +85,7 @@ def load(paths: Iterable[str | Path]) -> list[Entry]:
         metrics = obj.get("metrics") if isinstance(obj.get("metrics"), dict) else {}
         entries.append(Entry(len(entries), str(metrics.get("session") or stem), obj.get("ts"), "POST",
                              obj["path"], dict(obj.get("headers") or {}), dict(obj["body"]), obj.get("response"),
-                             metrics))
+                             metrics, stem))
     return entries
 
 

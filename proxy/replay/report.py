@@ -17,7 +17,7 @@ def _row(r: Result) -> tuple:
             "" if r.edit_point is None else r.edit_point, r.edit_class or "")
 
 
-def _table(rows: list[tuple], header: tuple) -> str:
+def text_table(rows: list[tuple], header: tuple) -> str:
     cells = [tuple(map(str, header))] + [tuple(map(str, row)) for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
@@ -27,7 +27,7 @@ def session_tables(mode: str, results: list[Result]) -> str:
     out = []
     for session in dict.fromkeys(r.session for r in results):
         rows = [_row(r) for r in results if r.session == session]
-        out.append(f"[{mode}] session {session} ({len(rows)} requests)\n" + _table(rows, COLUMNS))
+        out.append(f"[{mode}] session {session} ({len(rows)} requests)\n" + text_table(rows, COLUMNS))
     if any(r.ttft_kind == "total" for r in results):
         out.append("* non-streaming request: TTFT is the total request time")
     return "\n\n".join(out)
@@ -59,13 +59,13 @@ def _median(values: list[float]) -> float | None:
 
 def summary_text(by_mode: dict[str, list[Result]]) -> str:
     s = summary(by_mode)
-    rows = [(m, v["requests"], v["failed"], _ms(v["median_ttft_s_turn1"]), _ms(v["median_ttft_s_later"]),
+    rows = [(m, v["requests"], v["failed"], ms(v["median_ttft_s_turn1"]), ms(v["median_ttft_s_later"]),
              v["prompt_tokens"], v["cached_tokens"], v["prefilled_tokens"]) for m, v in s.items()]
     head = ("mode", "requests", "failed", "ttft_turn1_ms", "ttft_later_ms", "prompt", "cached", "prefilled")
-    return "summary (median TTFT; later = turns >= 2 of each session)\n" + _table(rows, head)
+    return "summary (median TTFT; later = turns >= 2 of each session)\n" + text_table(rows, head)
 
 
-def _ms(seconds: float | None) -> str:
+def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
@@ -76,9 +76,9 @@ def ttft_table(by_mode: dict[str, list[Result]]) -> str:
     rows = []
     for i, r in enumerate(first):
         row = [r.index + 1, r.session[:18], r.turn, r.prompt_tokens]
-        row += [_ms(by_mode[m][i].ttft_s) if i < len(by_mode[m]) else "-" for m in modes]
+        row += [ms(by_mode[m][i].ttft_s) if i < len(by_mode[m]) else "-" for m in modes]
         rows.append(tuple(row))
-    return "TTFT per turn (ms)\n" + _table(rows, ("req", "session", "turn", "prompt", *modes))
+    return "TTFT per turn (ms)\n" + text_table(rows, ("req", "session", "turn", "prompt", *modes))
 
 
 def write_json(path: str | Path, by_mode: dict[str, list[Result]], meta: dict) -> None:

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+# One bash tool in each API's shape.
+TOOLS_A = [{"name": "bash", "description": "Run a shell command",
+            "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}]
+TOOLS_C = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",
+                                             "parameters": TOOLS_A[0]["input_schema"]}}]
+TOOLS_R = [{"type": "function", "name": "bash", "description": "Run a shell command",
+            "parameters": TOOLS_A[0]["input_schema"]}]
+
 
 def synth_model_dir(tmp_path_factory):
     synth = pytest.importorskip("engine.synth")

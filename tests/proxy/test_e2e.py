@@ -10,14 +10,8 @@ import aiohttp
 import pytest
 
 from conftest import FORCED
-from real_stack import real_app, synth_model_dir
+from real_stack import TOOLS_A, TOOLS_C, TOOLS_R, real_app, synth_model_dir
 
-TOOLS_A = [{"name": "bash", "description": "Run a shell command",
-            "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}]
-TOOLS_C = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",
-                                             "parameters": TOOLS_A[0]["input_schema"]}}]
-TOOLS_R = [{"type": "function", "name": "bash", "description": "Run a shell command",
-            "parameters": TOOLS_A[0]["input_schema"]}]
 THINK_AND_CALL = ('Need to list files.\\n</think>\\n\\nListing.\\n<tool_call>\\n'
                   '{"name": "bash", "arguments": {"cmd": "ls"}}\\n</tool_call>')
 

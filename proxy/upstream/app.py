@@ -1,0 +1,90 @@
+"""The proxy in front of OpenAI-compatible servers: the same app (create_app), its core an UpstreamPool.
+
+    app = create_upstream_app(config, tokenizer, renderer, model_name=..., context_length=..., planner=...)
+    app = build_upstream_app(args)        # `killick serve --upstream URL ...` (proxy/cli/serve.py)
+
+Nothing of the engine is loaded (no torch): the tokenizer and chat template still render each request, because
+the cache policy (sessions, the edit point of each turn) reads the rendered prompt. `--model DIR` names where
+they come from (default: the shipped ones; give the upstream model's own for exact token counts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from typing import Optional
+
+from aiohttp import web
+
+from proxy.app import TurnObserver, create_app
+from proxy.policy.planner import Planner
+from proxy.upstream.config import UpstreamConfig, config_from_args
+from proxy.upstream.pool import UpstreamPool
+
+log = logging.getLogger("killick.upstream")
+DEFAULT_CONTEXT = 32768  # when neither --context-length nor any upstream says
+
+
+def create_upstream_app(config: UpstreamConfig, tokenizer, renderer, *, model_name: str, context_length: int,
+                        api_key: Optional[str] = None, keepalive_s: float = 5.0, planner: Optional[Planner] = None,
+                        observer: Optional[TurnObserver] = None) -> web.Application:
+    pool = UpstreamPool(config)
+    app = create_app(pool, tokenizer, renderer, model_name=model_name, context_length=context_length,
+                     api_key=api_key, keepalive_s=keepalive_s, planner=planner, observer=observer)
+    app.cleanup_ctx.append(pool.lifetime)
+    return app
+
+
+def build_upstream_app(args: argparse.Namespace) -> web.Application:
+    from harness_adapters import load_registry
+    from proxy.cli.serve import make_planner
+    from proxy.prompt.render import ChatRenderer
+    from proxy.prompt.tokenizer import load_tokenizer
+    from proxy.replay.record import Recorder
+
+    if args.script:
+        raise ValueError("--script answers by forced decoding on the local engine; it does not go with --upstream")
+    config = config_from_args(args)
+    model, context = discover(config)
+    config = replace(config, default_model=model) if model else config
+    context_length = args.context_length or context or DEFAULT_CONTEXT
+    if not (args.context_length or context):
+        log.warning("no upstream told its context length; assuming %d tokens (set --context-length)", DEFAULT_CONTEXT)
+    tokenizer = load_tokenizer(args.model)
+    log.info("upstream mode: %d replica(s), routing %s, model %s, context %d", len(config.urls), config.routing,
+             model or "as the agent names it", context_length)
+    return create_upstream_app(config, tokenizer, ChatRenderer(tokenizer),
+                               model_name=args.model_name or model or "killick-upstream",
+                               context_length=context_length, api_key=args.api_key, keepalive_s=args.keepalive,
+                               planner=make_planner(args.cache_policy, load_registry(args.harness_rules)),
+                               observer=Recorder(args.record) if args.record is not None else None)
+
+
+def discover(config: UpstreamConfig, timeout_s: float = 3.0) -> tuple[Optional[str], Optional[int]]:
+    """(model id, context length) from the first replica that answers GET /v1/models (killick: context_length,
+    vLLM: max_model_len) or, for llama.cpp, GET /props (n_ctx). Replicas not up yet are no error."""
+    for url in config.urls:
+        models = _get_json(url + "/v1/models", config, timeout_s)
+        if not models:
+            continue
+        entry = (models.get("data") or [{}])[0]
+        context = entry.get("context_length") or entry.get("max_model_len")
+        if not context:
+            props = _get_json(url + "/props", config, timeout_s) or {}
+            context = (props.get("default_generation_settings") or {}).get("n_ctx")
+        return entry.get("id"), int(context) if context else None
+    log.warning("no upstream answered GET /v1/models at start; they are tried again for every request")
+    return None, None
+
+
+def _get_json(url: str, config: UpstreamConfig, timeout_s: float) -> Optional[dict]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {config.api_key}"} if config.api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            body = json.loads(resp.read())
+            return body if isinstance(body, dict) else None
+    except (urllib.error.URLError, OSError, ValueError):
+        return None

@@ -1,0 +1,320 @@
+"""The backend of `killick serve --upstream`: OpenAI-compatible servers answer, the pool routes each request to
+one, checks their health and fails over. It is the app's `core` (create_app), an AnswerSource
+(proxy/generation.py):
+
+    pool = UpstreamPool(config)
+    app.cleanup_ctx.append(pool.lifetime)         # HTTP client + health checks, opened and closed with the app
+    items = await pool.answer(ctx, prep)          # connect (ApiError before any byte), then OutputEvents, Finished
+    pool.stats()                                  # /metrics, /health, killick ctl stats
+
+One request: route (proxy/upstream/routing.py) -> POST /v1/chat/completions (stream, usage) to the first choice
+-> SSE chunks -> OutputEvents (proxy/upstream/wire.py) -> Finished with the upstream's usage. Until the first
+output event is out, a failed replica (refused, cut, 5xx, 429) costs nothing but time: the request goes to the
+next one and the replica is marked down until a health check passes. After that, the answer ends with an error
+in the API's shape (front-ends: an error event, or a 500 for a non-streaming request), never silently.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+import aiohttp
+
+from engine.api import Usage
+from proxy.errors import ApiError
+from proxy.generation import Finished, Prepared
+from proxy.prompt.output_parser import OutputEvent, TextDelta, ThinkingDelta, ToolCall
+from proxy.replay.scripted import Reply, forced_ids
+from proxy.sse import read_lines
+from proxy.upstream.config import UpstreamConfig
+from proxy.upstream.routing import Replica, Router
+from proxy.upstream.wire import ChunkReader, chat_body
+
+log = logging.getLogger("killick.upstream")
+SESSION_HEADER = "x-session-id"  # the proxy's session key, so a killick upstream keeps the same session
+_NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+class UpstreamPool:
+    def __init__(self, config: UpstreamConfig):
+        self.config = config
+        self.router = Router(list(config.urls), config.routing)
+        self.http: Optional[aiohttp.ClientSession] = None
+
+    async def lifetime(self, app):
+        """app.cleanup_ctx: the HTTP client and the health checks live as long as the app."""
+        self.http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
+                                          sock_read=self.config.read_timeout_s),
+            connector=aiohttp.TCPConnector(limit=0))
+        checks = asyncio.create_task(self._health_loop())
+        try:
+            yield
+        finally:
+            checks.cancel()
+            with suppress(asyncio.CancelledError):
+                await checks
+            await self.http.close()
+
+    def stats(self) -> dict:
+        return self.router.stats()
+
+    async def answer(self, ctx, prep: Prepared) -> AsyncIterator[OutputEvent | Finished]:
+        call = _Call(self, ctx, prep)
+        await call.connect()
+        return call
+
+    # -- health -----------------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(r) for r in self.router.replicas))
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def check(self, replica: Replica) -> bool:
+        """GET /health (killick, llama.cpp, vLLM and SGLang all serve it): 200 is up."""
+        why = None
+        try:
+            async with self.http.get(replica.url + "/health", headers=self._auth(),
+                                     timeout=aiohttp.ClientTimeout(total=min(5.0, self.config.health_interval_s))
+                                     ) as resp:
+                ok = resp.status == 200
+                why = None if ok else f"health check: HTTP {resp.status}"
+        except _NET_ERRORS as exc:
+            ok, why = False, f"health check: {describe(exc)}"
+        if ok != replica.healthy:
+            (log.info if ok else log.warning)("upstream %s is %s%s", replica.url, "up" if ok else "down",
+                                              f" ({why})" if why else "")
+        self.router.set_health(replica, ok, why)
+        return ok
+
+    def _auth(self) -> dict:
+        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+
+
+class _Call:
+    """One request's trip: the replicas it may try, the one answering now, what came back. Iterated for its
+    items; aclose() releases the replica and the connection even when the items were never read."""
+
+    def __init__(self, pool: UpstreamPool, ctx, prep: Prepared):
+        self.pool, self.router, self.ctx, self.prep = pool, pool.router, ctx, prep
+        self.key = prep.turn.plan.session_key
+        self.body = chat_body(prep.conv, prep.params, prep.request.max_new_tokens,
+                              pool.config.upstream_model(prep.model))
+        self.headers = {**pool._auth(), **({SESSION_HEADER: self.key} if self.key else {}),
+                        **{h: prep.headers[h] for h in pool.config.forward_headers if h in prep.headers}}
+        self.todo = self.router.order(self.key)
+        self.tried: list[str] = []
+        self.busy = False  # some replica answered 429
+        self.replica: Optional[Replica] = None
+        self.resp: Optional[aiohttp.ClientResponse] = None
+        self.t0 = time.perf_counter()
+        self.first: Optional[float] = None
+        self.last: Optional[float] = None
+        self._items = self.items()
+
+    def __aiter__(self) -> "_Call":
+        return self
+
+    async def __anext__(self) -> OutputEvent | Finished:
+        return await anext(self._items)
+
+    async def aclose(self) -> None:
+        await self._items.aclose()
+        self._close()
+
+    async def connect(self) -> None:
+        """POST to the next replica in order until one answers 200; an ApiError if none does."""
+        while self.todo:
+            replica = self.todo.pop(0)
+            self.router.started(replica)
+            try:
+                resp = await self.pool.http.post(replica.url + "/v1/chat/completions", json=self.body,
+                                                 headers=self.headers)
+            except _NET_ERRORS as exc:
+                self._failed(replica, describe(exc), down=True)
+                continue
+            if resp.status == 200:
+                self.replica, self.resp = replica, resp
+                self.router.answered(self.key, replica)
+                return
+            message = _error_message(await resp.text())
+            resp.release()
+            if resp.status < 500 and resp.status != 429:  # the request itself is at fault: no other replica helps
+                self.router.finished(self.key, replica, 0, 0, ok=False)
+                raise ApiError(resp.status, f"upstream {replica.url}: {message}")
+            self.busy = self.busy or resp.status == 429
+            self._failed(replica, f"HTTP {resp.status}: {message}", down=resp.status in (502, 503, 504))
+        status, what = (429, "busy") if self.busy else (503, "unreachable or failing")
+        raise ApiError(status, f"no upstream replica answered ({what}): {'; '.join(self.tried)}",
+                       code="rate_limit_exceeded" if self.busy else None)
+
+    def _failed(self, replica: Replica, why: str, down: bool) -> None:
+        self.tried.append(f"{replica.url}: {why}")
+        self.router.finished(self.key, replica, 0, 0, ok=False)
+        self.router.failed(replica, why, down=down)
+        log.warning("upstream %s failed (%s)%s", replica.url, why, "; trying the next" if self.todo else "")
+
+    async def items(self) -> AsyncIterator[OutputEvent | Finished]:
+        reply = _ReplyParts()
+        try:
+            while True:
+                reader, failure = ChunkReader(self.prep.params), None
+                async for item in self._chunks(reader):
+                    if isinstance(item, _Failure):  # always the last item
+                        failure = item.why
+                    else:
+                        reply.add(item, self)
+                        yield item
+                if failure is None or reply.started:
+                    break
+                self.router.retries += 1  # nothing went to the agent yet: the next replica answers instead
+                self._failed(self.replica, failure, down=True)
+                self.replica, self.resp = None, self._close_response()
+                try:
+                    await self.connect()
+                except ApiError as err:
+                    yield self._error(err.message, reader)
+                    return
+            for item in reader.close():
+                reply.add(item, self)
+                yield item
+            yield self._finished(reader, failure, reply)
+        finally:
+            self._close()
+
+    async def _chunks(self, reader: ChunkReader) -> AsyncIterator[OutputEvent | "_Failure"]:
+        """Output events as the SSE chunks arrive; a _Failure last when the stream broke before its end."""
+        done = False
+        try:
+            async for line in read_lines(self.resp):
+                if not line.startswith("data:"):
+                    continue  # keep-alive comments, event names
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError:
+                    continue
+                for item in reader.feed(chunk) if isinstance(chunk, dict) else ():
+                    yield item
+                if reader.ended or reader.error:
+                    return
+        except _NET_ERRORS as exc:
+            yield _Failure(describe(exc))
+            return
+        if not done and reader.finish is None:
+            yield _Failure("the stream ended before its last chunk")
+
+    def _finished(self, reader: ChunkReader, failure: Optional[str], reply: "_ReplyParts") -> Finished:
+        if failure is not None:  # output was already out: this answer cannot be completed elsewhere
+            self.router.failed(self.replica, failure, down=True)
+            return self._error(f"upstream {self.replica.url} failed mid-answer ({failure}); the answer is incomplete",
+                               reader, reply)
+        if reader.error is not None:
+            return self._error(f"upstream {self.replica.url}: {reader.error}", reader, reply)
+        usage = self._usage(reader, reply)
+        self.router.finished(self.key, self.replica, usage.prompt_tokens, usage.reused_tokens)
+        self.replica = None
+        parser = reader.parser
+        finish = reader.finish or "stop"
+        if parser.stopped is not None:
+            finish = "stop_sequence"
+        elif reply.calls and (finish == "stop" or reader.ended):
+            finish = "tool_calls"
+        reasoning = reader.usage.reasoning_tokens if reader.usage and reader.usage.reasoning_tokens is not None \
+            else reader.reasoning_chunks
+        return Finished(finish, usage, reasoning, stop_sequence=parser.stopped, output_ids=self._output_ids(reply))
+
+    def _error(self, message: str, reader: ChunkReader, reply: Optional["_ReplyParts"] = None) -> Finished:
+        if self.replica is not None:
+            self.router.finished(self.key, self.replica, 0, 0, ok=False)
+            self.replica = None
+        return Finished("error", self._usage(reader, reply or _ReplyParts()), error=message)
+
+    def _usage(self, reader: ChunkReader, reply: "_ReplyParts") -> Usage:
+        """The upstream's figures (its tokenizer, its cache); the proxy's own count where it sends none."""
+        u = reader.usage
+        prompt = u.prompt_tokens if u else len(self.prep.request.prompt_ids)
+        cached = min(u.cached_tokens, prompt) if u else 0
+        first = self.first if self.first is not None else time.perf_counter()
+        return Usage(prompt_tokens=prompt, output_tokens=u.output_tokens if u else reply.events,
+                     reused_tokens=cached, prefilled_tokens=prompt - cached, ttft_s=first - self.t0,
+                     prefill_s=first - self.t0, decode_s=(self.last or first) - first)
+
+    def _output_ids(self, reply: "_ReplyParts") -> tuple[int, ...]:
+        """The answer as the chat template writes it, in the proxy's tokens: the cache policy's diff of the next
+        turn compares against it (the upstream's own ids are not in its OpenAI answer)."""
+        try:
+            return tuple(forced_ids(self.ctx.renderer, self.ctx.tokenizer, self.prep.conv, self.prep.prompt_text,
+                                    reply.reply()))
+        except Exception:  # noqa: BLE001 - bookkeeping must never cost the agent its answer
+            log.exception("could not render the upstream's answer for the cache policy")
+            return ()
+
+    def _close(self) -> None:
+        self.resp = self._close_response()
+        if self.replica is not None:  # left early (the client went away)
+            self.router.finished(self.key, self.replica, 0, 0, ok=False)
+            self.replica = None
+
+
+    def _close_response(self) -> None:
+        if self.resp is not None:
+            self.resp.close()  # an unfinished answer: closing the connection stops the upstream's generation
+        return None
+
+
+@dataclass(frozen=True)
+class _Failure:
+    why: str
+
+
+class _ReplyParts:
+    """The answer so far, kept to book it with the cache policy; `started` once anything went to the agent."""
+
+    def __init__(self):
+        self.thinking, self.text, self.calls, self.events = [], [], [], 0
+
+    @property
+    def started(self) -> bool:
+        return self.events > 0
+
+    def add(self, item: OutputEvent, call: _Call) -> None:
+        now = time.perf_counter()
+        call.first = call.first if call.first is not None else now
+        call.last = now
+        self.events += 1
+        if isinstance(item, ThinkingDelta):
+            self.thinking.append(item.text)
+        elif isinstance(item, TextDelta):
+            self.text.append(item.text)
+        elif isinstance(item, ToolCall):
+            self.calls.append((item.name, item.arguments))
+
+    def reply(self) -> Reply:
+        return Reply(thinking="".join(self.thinking), text="".join(self.text), tool_calls=tuple(self.calls))
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _error_message(text: str) -> str:
+    """The message inside an OpenAI- or Anthropic-shaped error body, else the body's start."""
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip()[:300] or "(empty body)"
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])
+    return text.strip()[:300]

@@ -1,0 +1,176 @@
+"""What goes to an OpenAI-compatible upstream and what comes back. Torch-free and aiohttp-free.
+
+    body = chat_body(conv, params, max_tokens, model)       # the normalised Conversation as /v1/chat/completions
+    reader = ChunkReader(params)
+    items = reader.feed(chunk)     # one decoded `data:` JSON object -> OutputEvents (thinking, text, tool calls)
+    items = reader.close()         # the stream ended: a tool call still being assembled, held-back text
+    reader.finish, reader.usage    # the upstream's finish_reason and usage (cached tokens included)
+
+The body is built from the Conversation the normaliser produced, not from the agent's request: ids, cache
+markers, billing lines and key order are already gone, so the upstream sees the same prefix every turn and
+its prompt cache can hold. Messages follow the shape the chat template reads (proxy/prompt/render.py): tool
+results become `tool` messages, thinking goes back as `reasoning_content`.
+
+Content passes through the same OutputParser as the engine's text (stop sequences, a `<tool_call>` the upstream
+left unparsed, whitespace at segment edges); `reasoning_content` (or `reasoning`) and structured `tool_calls`
+come already parsed.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+from proxy.conversation import Conversation, Message, ThinkingPart, ToolCallPart, ToolResultPart
+from proxy.generation import GenParams
+from proxy.prompt.output_parser import OutputEvent, OutputParser, ThinkingDelta, ToolCall
+
+FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls",
+          "content_filter": "stop"}
+
+
+def chat_body(conv: Conversation, params: GenParams, max_tokens: int, model: str) -> dict:
+    """A streaming chat completions request with usage in the last chunk."""
+    body: dict = {"model": model, "messages": [m for msg in conv.messages for m in _messages(msg)],
+                  "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens}
+    s = params.sampling
+    body["temperature"] = s.temperature
+    if s.top_p < 1.0:
+        body["top_p"] = s.top_p
+    if s.top_k > 0:
+        body["top_k"] = s.top_k  # not OpenAI's, but vLLM, SGLang, llama.cpp and killick read it
+    if s.seed is not None:
+        body["seed"] = s.seed
+    if conv.tools:
+        body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                           "parameters": t.parameters}} for t in conv.tools]
+        if not params.parse_tools:
+            body["tool_choice"] = "none"
+        if params.max_tool_calls == 1:
+            body["parallel_tool_calls"] = False
+    if not conv.enable_thinking:
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+    return body
+
+
+def _messages(m: Message) -> list[dict]:
+    """One Conversation message as chat messages: a message holding tool results becomes one `tool` message
+    per result (then its text as a user message), as the chat template reads it."""
+    results = [p for p in m.parts if isinstance(p, ToolResultPart)]
+    if m.role == "tool" or results:
+        out = [{"role": "tool", "tool_call_id": r.call_id, "content": r.content} for r in results]
+        if m.role == "user" and m.text:
+            out.append({"role": "user", "content": m.text})
+        return out or [{"role": "tool", "tool_call_id": "", "content": m.text}]
+    if m.role != "assistant":
+        return [{"role": m.role, "content": m.text}]
+    out = {"role": "assistant", "content": m.text}
+    thinking = "\n\n".join(p.text for p in m.parts if isinstance(p, ThinkingPart))
+    if thinking:
+        out["reasoning_content"] = thinking
+    calls = [p for p in m.parts if isinstance(p, ToolCallPart)]
+    if calls:
+        out["tool_calls"] = [{"id": c.call_id or f"call_{i}", "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+    return [out]
+
+
+@dataclass(frozen=True)
+class UpstreamUsage:
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    reasoning_tokens: Optional[int] = None
+
+
+def parse_usage(usage: dict) -> Optional[UpstreamUsage]:
+    """OpenAI's usage object; cached tokens from prompt_tokens_details (vLLM, SGLang, llama.cpp, killick)."""
+    if not isinstance(usage, dict) or "prompt_tokens" not in usage:
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    out_details = usage.get("completion_tokens_details") or {}
+    return UpstreamUsage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+                         int(details.get("cached_tokens") or 0), out_details.get("reasoning_tokens"))
+
+
+class ChunkReader:
+    """chat.completion.chunk objects -> OutputEvents. Tool calls arrive in pieces (id and name first, then
+    argument fragments, each under its index); one goes out whole when the next begins or the stream ends."""
+
+    def __init__(self, params: GenParams):
+        self.parser = OutputParser(thinking_open=False, parse_tools=params.parse_tools,
+                                   stop_sequences=params.stop_sequences, max_tool_calls=params.max_tool_calls)
+        self.max_tool_calls = params.max_tool_calls
+        self.calls = 0  # tool calls emitted (structured and parsed from text)
+        self.reasoning_chunks = 0
+        self.finish: Optional[str] = None
+        self.usage: Optional[UpstreamUsage] = None
+        self.error: Optional[str] = None  # an error object the upstream sent inside the stream
+        self._call: Optional[dict] = None  # the structured tool call being assembled
+
+    @property
+    def ended(self) -> bool:
+        """A stop sequence matched or the allowed tool calls are out: the rest of the output is not needed."""
+        return self.parser.ended or (self.max_tool_calls is not None and self.calls >= self.max_tool_calls)
+
+    def feed(self, chunk: dict) -> list[OutputEvent]:
+        if isinstance(chunk.get("error"), (dict, str)):
+            err = chunk["error"]
+            self.error = err.get("message", json.dumps(err)) if isinstance(err, dict) else err
+            return []
+        self.usage = parse_usage(chunk.get("usage")) or self.usage
+        out: list[OutputEvent] = []
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            thinking = delta.get("reasoning_content") or delta.get("reasoning")
+            if thinking and not self.ended:
+                self.reasoning_chunks += 1
+                out.append(ThinkingDelta(thinking))
+            if delta.get("content"):
+                out += self._text(delta["content"])
+            for piece in delta.get("tool_calls") or ():
+                out += self._tool_piece(piece)
+            if choice.get("finish_reason"):
+                self.finish = FINISH.get(choice["finish_reason"], "stop")
+        return out
+
+    def close(self) -> list[OutputEvent]:
+        out = self._flush_call()
+        return out + self._count(self.parser.finish())
+
+    def _text(self, text: str) -> list[OutputEvent]:
+        return self._count(self.parser.feed(text)) if not self.ended else []
+
+    def _count(self, items: list[OutputEvent]) -> list[OutputEvent]:
+        out = []
+        for item in items:
+            if isinstance(item, ToolCall):
+                item = ToolCall(self.calls, item.name, item.arguments)
+                self.calls += 1
+            out.append(item)
+        return out
+
+    def _tool_piece(self, piece: dict) -> list[OutputEvent]:
+        fn = piece.get("function") or {}
+        out = []
+        if self._call is None or (piece.get("index") is not None and piece.get("index") != self._call["index"]):
+            out = self._flush_call()
+            self._call = {"index": piece.get("index"), "name": "", "arguments": ""}
+        self._call["name"] += fn.get("name") or ""
+        self._call["arguments"] += fn.get("arguments") or ""
+        return out
+
+    def _flush_call(self) -> list[OutputEvent]:
+        call, self._call = self._call, None
+        if call is None or self.ended:
+            return []
+        args = call["arguments"].strip() or "{}"
+        try:
+            parsed = json.loads(args)
+        except (json.JSONDecodeError, RecursionError):
+            parsed = None
+        if not call["name"] or not isinstance(parsed, dict):  # malformed: show it as text, as the parser does
+            return self._text(f"<tool_call>\n{json.dumps({'name': call['name'], 'arguments': args})}\n</tool_call>")
+        out = [ToolCall(self.calls, call["name"], json.dumps(parsed, ensure_ascii=False))]
+        self.calls += 1
+        return out
