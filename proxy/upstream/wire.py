@@ -18,12 +18,13 @@ come already parsed.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from proxy.conversation import Conversation, Message, ThinkingPart, ToolCallPart, ToolResultPart
 from proxy.generation import GenParams
-from proxy.prompt.output_parser import OutputEvent, OutputParser, ThinkingDelta, ToolCall
+from proxy.prompt.output_parser import (OutputEvent, OutputParser, ThinkingDelta, ToolCall, ToolCallDelta,
+                                        ToolCallStart)
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls",
           "content_filter": "stop"}
@@ -143,9 +144,11 @@ class ChunkReader:
 
     def _count(self, items: list[OutputEvent]) -> list[OutputEvent]:
         out = []
-        for item in items:
-            if isinstance(item, ToolCall):
-                item = ToolCall(self.calls, item.name, item.arguments)
+        for item in items:  # the parser numbers calls per text stream; a response numbers them all
+            if isinstance(item, (ToolCallStart, ToolCallDelta)):
+                item = replace(item, index=self.calls)
+            elif isinstance(item, ToolCall):
+                item = replace(item, index=self.calls)
                 self.calls += 1
             out.append(item)
         return out

@@ -8,7 +8,7 @@ from proxy.apis.anthropic.schema import MessagesRequest
 from proxy.apis.anthropic.schema import to_conversation as anthropic_conversation
 from proxy.apis.chat.schema import ChatRequest, to_conversation
 from proxy.generation import GenParams
-from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall
+from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 from proxy.prompt.render import ChatRenderer
 from proxy.prompt.tokenizer import load_tokenizer
 from proxy.upstream.config import UpstreamConfig, base_url, parse_model_map
@@ -79,7 +79,9 @@ def test_stop_sequences_unparsed_tool_calls_and_bad_arguments():
     assert items == [TextDelta("one")] and reader.ended and reader.parser.stopped == "END"
     raw = ChunkReader(GenParams(None))  # an upstream that left the model's tool-call text as content
     items = raw.feed(_chunk({"content": '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>'}))
-    assert items + raw.close() == [ToolCall(0, "bash", '{"cmd": "ls"}')]
+    # parsed from text, the call streams as the engine's does: start, argument deltas, the whole call
+    assert items + raw.close() == [ToolCallStart(0, "bash"), ToolCallDelta(0, '{"cmd": "ls"}'),
+                                   ToolCall(0, "bash", '{"cmd": "ls"}', streamed=True)]
     bad = ChunkReader(GenParams(None))
     bad.feed(_chunk({"tool_calls": [{"index": 0, "function": {"name": "bash", "arguments": "[1,"}}]}))
     assert [type(i) for i in bad.close()] == [TextDelta]  # malformed: shown as text, as the engine's parser does
