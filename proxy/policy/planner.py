@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
 from harness_adapters import Adapter, Registry, default_registry
+from harness_adapters.layout import LAYOUTS, stable_first
 from harness_adapters.normalize import normalize
 from proxy.conversation import Conversation
 from proxy.policy.turns import RenderedLike, TurnRecord
@@ -65,10 +66,15 @@ class Planner(Protocol):
 
 class HarnessNormalizer:
     """Detects the harness (or takes the one a previous call noted in conv.extras["harness"]) and applies
-    its normalisation (harness_adapters/normalize.py)."""
+    its normalisation (harness_adapters/normalize.py), then its prompt layout: "stable" moves the system
+    lines its volatile_text rules match after the tool definitions (harness_adapters/layout.py), "template"
+    keeps the chat template's own order."""
 
-    def __init__(self, registry: Optional[Registry] = None):
+    def __init__(self, registry: Optional[Registry] = None, layout: str = "stable"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"prompt layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         self.registry = registry or default_registry
+        self.layout = layout
 
     def adapter(self, conv: Conversation, headers: Mapping[str, str], request: Optional[Mapping] = None) -> Adapter:
         name = conv.extras.get("harness")
@@ -78,6 +84,8 @@ class HarnessNormalizer:
                   request: Optional[Mapping] = None) -> Conversation:
         adapter = self.adapter(conv, headers, request)
         out = normalize(conv, adapter)
+        if self.layout == "stable":
+            out = stable_first(out, adapter.rules)
         return replace(out, extras={**out.extras, "harness": adapter.name})
 
 

@@ -88,6 +88,23 @@ def load(paths: Iterable[str | Path]) -> list[Entry]:
     return entries
 
 
+def conversation(entry: Entry):
+    """The Conversation the API front-end parses this request into, before normalisation (a recording carries
+    whole histories: no previous_response_id to look up)."""
+    api = entry.path.split("?")[0]
+    if api == "/v1/messages":
+        from proxy.apis.anthropic.schema import MessagesRequest, to_conversation
+
+        return to_conversation(MessagesRequest.model_validate(entry.body))
+    if api == "/v1/chat/completions":
+        from proxy.apis.chat.schema import ChatRequest, to_conversation
+
+        return to_conversation(ChatRequest.model_validate(entry.body))
+    from proxy.apis.responses.schema import ResponsesRequest, to_conversation
+
+    return to_conversation(ResponsesRequest.model_validate(entry.body), ())
+
+
 def request_headers(entry: Entry) -> dict:
     return {k: str(v) for k, v in entry.headers.items() if k.lower() not in DROP_HEADERS}
 
