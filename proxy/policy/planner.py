@@ -21,7 +21,7 @@ from harness_adapters import Adapter, Registry, default_registry
 from harness_adapters.layout import LAYOUTS, stable_first
 from harness_adapters.normalize import normalize
 from proxy.conversation import Conversation
-from proxy.policy.turns import RenderedLike, TurnRecord
+from proxy.policy.turns import RenderedLike, TurnRecord, from_other_sessions
 
 if TYPE_CHECKING:
     from engine.api import Usage
@@ -41,6 +41,11 @@ class Plan:
         """'title', 'side' or 'compaction' for a harness's side requests; None for the main conversation."""
         kind = self.record.request_kind if self.record is not None else None
         return None if kind == "main" else kind
+
+    def shared_tokens(self, usage: Usage) -> Optional[int]:
+        """Of the tokens the engine reused for this request, those from another session (None: no policy)."""
+        r = self.record
+        return None if r is None else from_other_sessions(usage.reused_tokens, r.edit_point, r.edit_class)
 
     def fields(self) -> dict:
         """The plan as recordings and the x-killick-* response headers name it."""

@@ -4,7 +4,8 @@ TTFT is send -> the first content, thinking or tool delta of a stream; a non-str
 delta, so its TTFT is the total time (ttft_kind "total"). Tokens come from the API's usage fields:
 prompt, cached (the prefix-cache hit) and prefilled = prompt - cached (what the engine ran through the model).
 The edit point, class and resume point come from the server's x-killick-edit-point / -edit-class / -resume-at
-headers when it sends them.
+headers when it sends them; with them, the cached tokens that came from another session (shared: all of a
+session's first request's, those past the edit point on a later one; proxy/policy/turns.from_other_sessions).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import aiohttp
 
+from proxy.policy.turns import from_other_sessions
 from proxy.replay.log import Entry, request_body, request_headers
 from proxy.replay.scripted import FORCE_RESPONSE_HEADER, encode_header
 
@@ -42,6 +44,7 @@ class Result:
     resume_at: int | None = None  # the planner's checkpoint at or before the edit point
     kind: str | None = None
     error: str | None = None
+    shared_tokens: int | None = None  # of the cached tokens, those from another session (needs the headers)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -151,15 +154,17 @@ def _result(entry: Entry, turn: int, resp, forced: bool, clock: _Clock, usage: d
     out = int(usage.get("output", 0))
     span = (clock.last or first) - first
     edit, resume = resp.headers.get("x-killick-edit-point"), resp.headers.get("x-killick-resume-at")
+    edit_class, cached = resp.headers.get("x-killick-edit-class"), int(usage.get("cached", 0))
+    shared = from_other_sessions(cached, int(edit), edit_class) if edit is not None and edit_class else None
     return Result(
         entry.index, entry.session, turn, entry.path.split("?")[0], resp.status, stream, forced,
         ttft_s=first - clock.start, ttft_kind="first delta" if stream else "total", total_s=end - clock.start,
-        prompt_tokens=int(usage.get("prompt", 0)), cached_tokens=int(usage.get("cached", 0)),
-        prefilled_tokens=int(usage.get("prompt", 0)) - int(usage.get("cached", 0)), output_tokens=out,
+        prompt_tokens=int(usage.get("prompt", 0)), cached_tokens=cached,
+        prefilled_tokens=int(usage.get("prompt", 0)) - cached, output_tokens=out,
         decode_tok_s=(out - 1) / span if stream and span > 0 and out > 1 else 0.0,
-        edit_point=int(edit) if edit is not None else None, edit_class=resp.headers.get("x-killick-edit-class"),
+        edit_point=int(edit) if edit is not None else None, edit_class=edit_class,
         resume_at=int(resume) if resume is not None else None,
-        kind=resp.headers.get("x-killick-turn-kind"), error=error)
+        kind=resp.headers.get("x-killick-turn-kind"), error=error, shared_tokens=shared)
 
 
 async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int = 32,
