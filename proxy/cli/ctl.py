@@ -58,7 +58,8 @@ def _call(args, method: str, path: str, body: dict | None = None) -> dict:
 def _render_stats(data: dict) -> str:
     engine, lines = data.get("engine", {}), []
     for key in ("active", "queued", "requests", "finished", "aborted", "errors", "prompt_tokens",
-                "reused_tokens", "prefilled_tokens", "output_tokens", "context_length"):
+                "reused_tokens", "prefilled_tokens", "output_tokens", "shared_prefill_waits",
+                "shared_prefill_tokens", "context_length"):
         if key in engine:
             lines.append(f"{key:<28}{engine[key]}")
     for key, value in sorted(engine.items()):

@@ -1,9 +1,11 @@
 """`killick replay`: send recorded agent requests again and measure TTFT, cache hits and prefill per turn.
 
     killick replay FILE.jsonl [MORE ...|DIR] [--url URL | --model DIR] [--mode off|prefix|anchors|all]
-                   [--json OUT] [--plot OUT.png] [--limit N]
+                   [--json OUT] [--plot OUT.png] [--limit N] [--turns N] [--concurrent]
+                   [--prompt-layout stable|template]
 
-Requests go out in recorded order (sessions interleaved as recorded), one at a time. A request with a
+Requests go out in recorded order (sessions interleaved as recorded), one at a time; with --concurrent each
+session's requests go out in order and all sessions run side by side from the same moment. A request with a
 recorded response carries it in `x-killick-force-response`, so the engine decodes exactly that answer
 (forced decoding: every step still runs on the model) and the next recorded prompt extends what the server
 generated. The header is honoured only by servers started by replay itself or by
@@ -35,11 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT", help="write every measurement and the summary here")
     parser.add_argument("--plot", metavar="OUT.png", help="draw TTFT per turn for each mode (needs matplotlib)")
     parser.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
+    parser.add_argument("--turns", type=int, metavar="N", help="replay only the first N requests of each session")
     parser.add_argument("--unforced-max-tokens", type=int, default=32, metavar="N",
                         help="max tokens for requests without a recorded response (default 32)")
     parser.add_argument("--stream", action="store_true",
                         help="send non-streaming requests as streams (same prompt and answer) so TTFT is the "
                              "first delta, not the total time")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="run the recorded sessions side by side, all starting at once (each one's requests "
+                             "in order), like agents started together; default: every request in recorded order")
+    parser.add_argument("--prompt-layout", choices=["stable", "template"], default="stable",
+                        help="the in-process server's prompt layout (killick serve --prompt-layout)")
     parser.add_argument("--quiet", action="store_true", help="only the summary and the TTFT table")
     add_engine_arguments(parser)
 
@@ -49,19 +57,22 @@ def run(args: argparse.Namespace) -> int:
     from proxy.replay import report as replay_report
 
     entries = replay_log.load(args.recordings)
+    if args.turns is not None:
+        entries = replay_log.first_turns(entries, args.turns)
     if args.limit is not None:
         entries = entries[:max(0, args.limit)]
     if not entries:
         raise ValueError("the recordings hold no API requests (POST /v1/messages, /v1/chat/completions, "
                          "/v1/responses)")
     if args.url:
-        by_mode = {"url": asyncio.run(_client(args.url, entries, args.unforced_max_tokens, args.stream))}
+        by_mode = {"url": asyncio.run(_client(args.url, entries, args.unforced_max_tokens, args.stream,
+                                              args.concurrent))}
     else:
         from engine.build import options_from_args
 
         modes = list(MODES) if args.mode == "all" else [args.mode]
         by_mode = run_modes(entries, args.model, modes, options_from_args(args), args.unforced_max_tokens,
-                            args.stream)
+                            args.stream, args.concurrent, args.prompt_layout)
     report(by_mode, quiet=args.quiet)
     meta = {"recordings": [str(p) for p in args.recordings], "url": args.url, "model": args.model,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -83,10 +94,10 @@ def report(by_mode: dict, quiet: bool = False) -> None:
     print(replay_report.summary_text(by_mode))
 
 
-async def _client(url: str, entries, unforced_max_tokens: int, stream: bool):
+async def _client(url: str, entries, unforced_max_tokens: int, stream: bool, concurrent: bool):
     from proxy.replay.client import replay
 
-    return await replay(url, entries, unforced_max_tokens, stream=stream)
+    return await replay(url, entries, unforced_max_tokens, stream=stream, concurrent=concurrent)
 
 
 def context_needed(entries, margin: int = 4096) -> int:
@@ -98,7 +109,7 @@ def context_needed(entries, margin: int = 4096) -> int:
 
 
 def run_modes(entries, model: str | None, modes: list[str], opts=None, unforced_max_tokens: int = 32,
-              stream: bool = False) -> dict:
+              stream: bool = False, concurrent: bool = False, layout: str = "stable") -> dict:
     """Each mode on a fresh engine (fresh cache, fresh policy); the weights are loaded once."""
     from dataclasses import replace
 
@@ -114,11 +125,11 @@ def run_modes(entries, model: str | None, modes: list[str], opts=None, unforced_
     out = {}
     for mode in modes:
         out[mode] = asyncio.run(replay_in_process(entries, model_dir, weights, mode, opts, unforced_max_tokens,
-                                                  stream))
+                                                  stream, concurrent, layout))
     return out
 
 
-def build_mode_app(model_dir: Path, weights, mode: str, opts):
+def build_mode_app(model_dir: Path, weights, mode: str, opts, layout: str = "stable"):
     from dataclasses import replace
 
     from engine.build import build_core
@@ -133,23 +144,24 @@ def build_mode_app(model_dir: Path, weights, mode: str, opts):
     core = build_core(model_dir, replace(opts, prefix_cache=mode != "off"), model=weights)
     tok = load_tokenizer(model_dir)
     return create_app(core, tok, ChatRenderer(tok), model_name=model_dir.name, keepalive_s=30.0,
-                      planner=make_planner(mode), replies=ForcedResponses())
+                      planner=make_planner(mode, layout=layout), replies=ForcedResponses())
 
 
 async def replay_in_process(entries, model_dir: Path, weights, mode: str, opts, unforced_max_tokens: int = 32,
-                            stream: bool = False):
+                            stream: bool = False, concurrent: bool = False, layout: str = "stable"):
     from aiohttp import web
 
     from proxy.replay.client import replay
     from proxy.cli.serve import MAX_HEADER
 
-    app = build_mode_app(model_dir, weights, mode, opts)
+    app = build_mode_app(model_dir, weights, mode, opts, layout)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=MAX_HEADER)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        return await replay(f"http://127.0.0.1:{port}", entries, unforced_max_tokens, stream=stream)
+        return await replay(f"http://127.0.0.1:{port}", entries, unforced_max_tokens, stream=stream,
+                            concurrent=concurrent)
     finally:
         await runner.cleanup()

@@ -9,6 +9,7 @@ session's first request's, those past the edit point on a later one; proxy/polic
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -167,14 +168,48 @@ def _result(entry: Entry, turn: int, resp, forced: bool, clock: _Clock, usage: d
         kind=resp.headers.get("x-killick-turn-kind"), error=error, shared_tokens=shared)
 
 
+class Replayed(list):
+    """The Results of one replay in request order, with `wall_s` (the first send to the last answer) and
+    `engine`: the server's engine counters after it (GET /v1/killick/stats; {} where not served)."""
+
+    wall_s: float = 0.0
+    engine: dict = {}
+
+
 async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int = 32,
-                 timeout_s: float = 1800.0, stream: bool = False) -> list[Result]:
-    """Send every entry in order, one at a time; turns are numbered per recorded session."""
+                 timeout_s: float = 1800.0, stream: bool = False, concurrent: bool = False) -> Replayed:
+    """Send every entry in order, one at a time (concurrent: each session's in order, all sessions side by
+    side from the same moment, like agents started together); turns are numbered per recorded session."""
     turns: dict[str, int] = {}
-    results = []
+    numbered = []
+    for entry in entries:
+        turns[entry.session] = turns.get(entry.session, 0) + 1
+        numbered.append((entry, turns[entry.session]))
+    results: dict[int, Result] = {}
     async with aiohttp.ClientSession() as session:
-        for entry in entries:
-            turns[entry.session] = turns.get(entry.session, 0) + 1
-            results.append(await send(session, base_url, entry, turns[entry.session], unforced_max_tokens,
-                                      timeout_s, stream))
-    return results
+        async def run(queue: list) -> None:
+            for entry, turn in queue:
+                results[entry.index] = await send(session, base_url, entry, turn, unforced_max_tokens, timeout_s,
+                                                  stream)
+
+        start = time.perf_counter()
+        if concurrent:
+            sessions = [[(e, t) for e, t in numbered if e.session == s] for s in dict.fromkeys(turns)]
+            await asyncio.gather(*(run(queue) for queue in sessions))
+        else:
+            await run(numbered)
+        out = Replayed(results[e.index] for e, _ in numbered)
+        out.wall_s = time.perf_counter() - start
+        out.engine = await engine_stats(session, base_url)
+    return out
+
+
+async def engine_stats(session: aiohttp.ClientSession, base_url: str) -> dict:
+    """The engine's scalar counters from /v1/killick/stats ({} when the server does not answer it)."""
+    try:
+        async with session.get(base_url.rstrip("/") + "/v1/killick/stats") as resp:
+            data = await resp.json() if resp.status == 200 else {}
+    except (aiohttp.ClientError, ValueError):
+        return {}
+    engine = data.get("engine") if isinstance(data, dict) else None
+    return {k: v for k, v in (engine or {}).items() if isinstance(v, (int, float, str))}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -86,6 +86,17 @@ def load(paths: Iterable[str | Path]) -> list[Entry]:
                              obj["path"], dict(obj.get("headers") or {}), dict(obj["body"]), obj.get("response"),
                              metrics))
     return entries
+
+
+def first_turns(entries: list[Entry], n: int) -> list[Entry]:
+    """The first n requests of each session, in the recorded order (indexes renumbered)."""
+    seen: dict[str, int] = {}
+    kept = []
+    for e in entries:
+        seen[e.session] = seen.get(e.session, 0) + 1
+        if seen[e.session] <= n:
+            kept.append(replace(e, index=len(kept)))
+    return kept
 
 
 def conversation(entry: Entry):

@@ -39,12 +39,18 @@ def later_turns(results: list[Result]) -> list[Result]:
     return [r for r in results if r.turn >= 2 and r.status == 200]
 
 
+ENGINE_COUNTERS = ("prefilled_tokens", "reused_tokens", "shared_prefill_waits", "shared_prefill_tokens")
+
+
 def summary(by_mode: dict[str, list[Result]]) -> dict:
     out = {}
     for mode, results in by_mode.items():
         later = later_turns(results)
+        engine = getattr(results, "engine", {})
         out[mode] = {
             "requests": len(results), "failed": sum(r.status != 200 for r in results),
+            "wall_s": round(getattr(results, "wall_s", 0.0), 3),
+            "engine": {k: engine[k] for k in ENGINE_COUNTERS if k in engine},
             "median_ttft_s_turn1": _median([r.ttft_s for r in results if r.turn == 1 and r.status == 200]),
             "median_ttft_s_later": _median([r.ttft_s for r in later]),
             "prompt_tokens": sum(r.prompt_tokens for r in results),
@@ -62,9 +68,16 @@ def _median(values: list[float]) -> float | None:
 def summary_text(by_mode: dict[str, list[Result]]) -> str:
     s = summary(by_mode)
     rows = [(m, v["requests"], v["failed"], _ms(v["median_ttft_s_turn1"]), _ms(v["median_ttft_s_later"]),
-             v["prompt_tokens"], v["cached_tokens"], v["shared_tokens"], v["prefilled_tokens"]) for m, v in s.items()]
-    head = ("mode", "requests", "failed", "ttft_turn1_ms", "ttft_later_ms", "prompt", "cached", "shared", "prefilled")
-    return "summary (median TTFT; later = turns >= 2 of each session)\n" + _table(rows, head)
+             _ms(v["wall_s"]), v["prompt_tokens"], v["cached_tokens"], v["shared_tokens"], v["prefilled_tokens"])
+            for m, v in s.items()]
+    head = ("mode", "requests", "failed", "ttft_turn1_ms", "ttft_later_ms", "wall_ms", "prompt", "cached", "shared",
+            "prefilled")
+    text = "summary (median TTFT; later = turns >= 2 of each session; wall = first send to last answer)\n"
+    text += _table(rows, head)
+    engines = [(m, *(v["engine"].get(k, "-") for k in ENGINE_COUNTERS)) for m, v in s.items() if v["engine"]]
+    if engines:
+        text += "\n\nengine counters after the replay\n" + _table(engines, ("mode", *ENGINE_COUNTERS))
+    return text
 
 
 def _ms(seconds: float | None) -> str:

@@ -8,7 +8,9 @@ from harness_adapters.layout import stable_first, volatile_spans
 from proxy.conversation import Conversation, Message, TextPart
 from tests.proxy.fake_render import user
 
-ENV = ("You are an agent.\n\n# Environment\nYou have been invoked in the following environment: \n"
+MEMORY = ("# Memory\n\nYou have a persistent file-based memory at `/home/u/.claude/projects/-home-u-a/memory/`. "
+          "Each memory is one file, with frontmatter:\n\n```markdown\nname: <slug>\n```")
+ENV = ("You are an agent.\n\n" + MEMORY + "\n\n# Environment\nYou have been invoked in the following environment: \n"
        " - Primary working directory: /home/u/a\n - Is a git repository: true\n"
        " - You are powered by the model named Opus 4.8. The exact model ID is claude-opus-4-8.\n\n"
        "# Tone\nBe brief.\n\ngitStatus: This is the git status.\n\nCurrent branch: main\n\nStatus:\n(clean)")
@@ -21,14 +23,15 @@ def conv(system: str) -> Conversation:
 def test_claude_code_environment_and_git_status_move_whole():
     out = stable_first(conv(ENV), ClaudeCodeAdapter.rules)
     assert out.messages[0].text == "You are an agent.\n\n# Tone\nBe brief."
-    assert out.volatile == ENV[ENV.index("# Environment"):ENV.index("\n\n# Tone")] + "\n" + \
+    assert out.volatile == MEMORY + "\n" + ENV[ENV.index("# Environment"):ENV.index("\n\n# Tone")] + "\n" + \
         ENV[ENV.index("gitStatus"):]
     assert out.messages[1:] == conv(ENV).messages[1:]
     assert sorted((out.messages[0].text + out.volatile).replace("\n", "")) == sorted(ENV.replace("\n", ""))
 
 
 def test_two_directories_differ_only_in_the_volatile_text():
-    a, b = (stable_first(conv(ENV.replace("/home/u/a", d)), ClaudeCodeAdapter.rules) for d in ("/home/u/a", "/srv/b"))
+    a, b = (stable_first(conv(ENV.replace("/home/u/a", d).replace("-home-u-a", d.replace("/", "-"))),
+                         ClaudeCodeAdapter.rules) for d in ("/home/u/a", "/srv/b"))
     assert a.messages == b.messages and a.volatile != b.volatile
 
 

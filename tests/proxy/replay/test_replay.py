@@ -86,6 +86,12 @@ async def test_record_then_replay_round_trip(aiohttp_server, model_dir, tmp_path
     assert [r.edit_class for r in results] == ["first", "append", "append", "first"]
     assert all(r.cached_tokens > 0 for r in results[1:])
     assert [r.shared_tokens for r in results] == [0, 0, 0, results[3].cached_tokens]
+    assert results.engine["requests"] == 4 and results.wall_s > 0
+    # side by side: both sessions start at once, each in its own order; results come back in recorded order
+    again = await aiohttp_server(_app(model_dir, replies=ForcedResponses()))
+    together = await replay(str(again.make_url("")).rstrip("/"), entries, concurrent=True)
+    assert [(r.index, r.session, r.turn) for r in together] == [(r.index, r.session, r.turn) for r in results]
+    assert [r.output_tokens for r in together] == [r.output_tokens for r in results]
 
 
 async def test_forced_responses_need_the_flag(aiohttp_server, model_dir):
