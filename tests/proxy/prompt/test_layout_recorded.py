@@ -70,3 +70,26 @@ def test_stable_layout_only_reorders_the_system_turn():
                 (tools,) = rendered.of_kind("tools")
                 assert tools.end <= volatile[0].start and volatile[0].end <= rendered.of_kind("system")[0].end
     assert moved >= 40  # Claude Code, OpenCode and OpenClaw requests carry volatile lines
+
+
+@pytest.mark.parametrize("name", ["claude", "opencode", "codex"])
+def test_sessions_in_other_directories_share_most_of_their_first_prompt(name):
+    """fixtures/sharing/: the first prompt of sessions b, c, d (other working directories) against a's. Stable
+    first, they part after >= 85% of the prompt; in the template's order Claude Code's part after 3%."""
+    from engine.common_prefix import common_prefix_len
+    from proxy.policy.planner import HarnessNormalizer
+    from proxy.prompt.render import ChatRenderer
+    from proxy.prompt.tokenizer import load_tokenizer
+    from proxy.replay.log import conversation, first_turns, load
+
+    renderer = ChatRenderer(load_tokenizer(None))
+    entries = [e for e in first_turns(load([FIXTURES.parent / "sharing" / f"{name}.jsonl.gz"]), 1)
+               if e.metrics.get("kind") == "main" and "~" not in e.session][:4]
+    shares = {}
+    for layout in ("stable", "template"):
+        ids = [renderer.render(HarnessNormalizer(layout=layout).normalize(conversation(e), e.headers, e.body)).ids
+               for e in entries]
+        shares[layout] = [common_prefix_len(ids[0], other) / len(other) for other in ids[1:]]
+    assert len(shares["stable"]) == 3 and min(shares["stable"]) >= 0.85, shares
+    if name == "claude":
+        assert max(shares["template"]) < 0.05, shares
