@@ -28,10 +28,10 @@ class ClaudeCodeAdapter(BaseAdapter):
             history_markers=("This session is being continued from a previous conversation",),
         ),
         MODEL_LINE,  # recorded 2.1.197: "Opus 4.8 (1M context)" in the main turns, "Opus 4.8" after /compact
-        # sections that differ between conversations move after the tools as a whole: the memory section names
-        # a folder per working directory; the environment section the working directory, git repo or not,
-        # platform, the model line and its knowledge cutoff
-        VolatileText(pattern=r"# Memory\n\nYou have a persistent file-based memory at `(\S)(?s:.*?)(?=\n\n# |\Z)"),
+        # the memory section's first line names a folder per working directory (the rest of the section, ~500
+        # tokens of instructions, stays shared); the environment section (working directory, git repo or not,
+        # platform, the model line and its knowledge cutoff) moves after the tools as a whole
+        VolatileText(pattern=r"You have a persistent file-based memory at `(\S)"),
         VolatileText(pattern=r"# Environment\n[^\n]*\n - Primary working directory: (\S)[^\n]*(?:\n - [^\n]*)*"),
         VolatileText(pattern=r"\ngitStatus: ", moves="to_end"),  # a snapshot taken when the conversation starts
     )
