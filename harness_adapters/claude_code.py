@@ -34,6 +34,9 @@ class ClaudeCodeAdapter(BaseAdapter):
         VolatileText(pattern=r"You have a persistent file-based memory at `(\S)"),
         VolatileText(pattern=r"# Environment\n[^\n]*\n - Primary working directory: (\S)[^\n]*(?:\n - [^\n]*)*"),
         VolatileText(pattern=r"\ngitStatus: ", moves="to_end"),  # a snapshot taken when the conversation starts
+        # the Bash tool's description names the model too ("Co-Authored-By: Claude Opus 4.8 (1M context)"): it
+        # stays in the tool definitions, but a model switch cuts there (recorded 2.1.197, after /compact)
+        VolatileText(pattern=r"Co-Authored-By: Claude (\S)[^<\n]*?( \(| <)", moves="none"),
     )
 
     def normalize(self, conv: Conversation) -> Conversation:
