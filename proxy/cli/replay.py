@@ -28,6 +28,7 @@ MODES = ("off", "prefix", "anchors")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.build import add_engine_arguments  # torch-free
+    from harness_adapters.layout import LAYOUTS
 
     parser.add_argument("recordings", nargs="+", metavar="FILE", help="JSON lines (.jsonl, .jsonl.gz) or dirs")
     where = parser.add_mutually_exclusive_group()
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrent", action="store_true",
                         help="run the recorded sessions side by side, all starting at once (each one's requests "
                              "in order), like agents started together; default: every request in recorded order")
-    parser.add_argument("--prompt-layout", choices=["stable", "template"], default="stable",
+    parser.add_argument("--prompt-layout", choices=LAYOUTS, default="stable",
                         help="the in-process server's prompt layout (killick serve --prompt-layout)")
     parser.add_argument("--quiet", action="store_true", help="only the summary and the TTFT table")
     add_engine_arguments(parser)

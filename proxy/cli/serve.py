@@ -24,6 +24,7 @@ MAX_HEADER = 1 << 20  # x-killick-force-response carries a whole recorded reply
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.build import add_engine_arguments  # torch-free
+    from harness_adapters.layout import LAYOUTS
 
     parser.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: demo model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-policy", choices=["anchors", "prefix"], default="anchors",
                         help="anchors: the harness-aware planner; prefix: only prompt-end/generation-end "
                              "checkpoints (use --no-prefix-cache for no cache at all)")
-    parser.add_argument("--prompt-layout", choices=["stable", "template"], default="stable",
+    parser.add_argument("--prompt-layout", choices=LAYOUTS, default="stable",
                         help="stable: the system lines a harness declares volatile (working directory, date, "
                              "model line) go after the tool definitions, so conversations share the prefix; "
                              "template: the chat template's own order (default stable)")
