@@ -62,6 +62,13 @@ class ModelRunner:
         self._states[seq.request_id] = state if state is not None else self.model.new_state()
         self._samplers[seq.request_id] = Sampler(seq.req.sampling, self.model.device)
 
+    def readmit(self, seq: Sequence) -> None:
+        """Admit again a sequence that computed nothing yet: the prefill it waited for cached a longer prefix."""
+        self._drop_state(seq)
+        seq.num_computed = seq.reused = 0
+        seq.cache_tier = "none"
+        self.admit(seq)
+
     @torch.inference_mode()
     def step(self, work: list[Work]) -> list[int | None]:
         # token ids stay host-side lists: the model moves them (a decode step reads them as ints)
@@ -108,18 +115,22 @@ class ModelRunner:
         return out
 
     def release(self, seq: Sequence) -> None:
-        state = self._states.pop(seq.request_id, None)
-        self._samplers.pop(seq.request_id, None)
-        match = self._matches.pop(seq.request_id, None)
+        state = self._states.get(seq.request_id)
         try:
             if (self.cache is not None and state is not None and seq.finish_reason in ("stop", "length")
                     and state.length >= seq.num_prompt):
                 self._cache_turn(seq, state)
         finally:  # whatever happened above, the path this request locked at admission is unlocked
-            if match is not None:
-                self.cache.release(match)
-            if state is not None and hasattr(state, "release"):
-                state.release()  # a slot state's slot goes back to the pool now, not at garbage collection
+            self._drop_state(seq)
+
+    def _drop_state(self, seq: Sequence) -> None:
+        state = self._states.pop(seq.request_id, None)
+        self._samplers.pop(seq.request_id, None)
+        match = self._matches.pop(seq.request_id, None)
+        if match is not None:
+            self.cache.release(match)
+        if state is not None and hasattr(state, "release"):
+            state.release()  # a slot state's slot goes back to the pool now, not at garbage collection
 
     @torch.inference_mode()
     def _cache_turn(self, seq: Sequence, state) -> None:

@@ -5,6 +5,11 @@ budget goes to prompt chunks (chunked prefill), oldest first. Checkpoint positio
 chunk carries the positions it covers (Work.checkpoint_positions) and the model snapshots its recurrent state there inside
 the one pass (the DeltaNet layers run their recurrence piecewise; projections, attention and experts do not
 split, so a checkpoint costs no extra pass over the weights).
+
+One prefill for a prefix in flight: a sequence admitted while another is still prefilling a long prefix
+they share (subagents started together, several agents at once) waits instead of computing it again
+(`follow`): the leader takes a checkpoint where the two part, and once it has passed there the follower is
+handed back (`ready_followers`) to take that prefix from the cache and prefill only the rest.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.api import FinishReason, GenerateRequest
+from engine.common_prefix import common_prefix_len
 
 
 class Status(Enum):
@@ -37,6 +43,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     checkpoint_positions: list[int] = field(default_factory=list)  # sorted prompt positions to snapshot
     checkpoints_kept: list[int] = field(default_factory=list)  # where the prefix cache took one (-> Usage)
+    leader: Sequence | None = None  # the sequence whose prefill of a shared prefix this one waits for
+    shared_at: int = 0  # where the two part: the leader checkpoints there, this one resumes there
     t_submit: float = field(default_factory=time.monotonic)
     t_admit: float = 0.0
     t_first_token: float = 0.0
@@ -54,6 +62,10 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.num_computed < self.num_prompt
+
+    @property
+    def waiting_for_prefix(self) -> bool:
+        return self.leader is not None
 
 
 @dataclass(frozen=True)
@@ -81,14 +93,21 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, max_running: int = 4, max_step_tokens: int = 512, max_waiting: int = 64) -> None:
+    """share_min: the fewest tokens a sequence must gain from another one's prefill in flight to wait for
+    it (0: never wait; the engine turns it on only with a prefix cache, which hands the prefix over)."""
+
+    def __init__(self, max_running: int = 4, max_step_tokens: int = 512, max_waiting: int = 64,
+                 share_min: int = 0) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1, got {max_running}")
         if max_step_tokens < max_running:
             raise ValueError("max_step_tokens must be at least max_running (one decode token each)")
+        if share_min < 0:
+            raise ValueError(f"share_min must be >= 0 tokens, got {share_min}")
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
         self.max_waiting = max_waiting
+        self.share_min = share_min
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -117,6 +136,37 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def follow(self, seq: Sequence) -> bool:
+        """After admission (seq.num_computed = what the cache gave): wait for the sequence admitted before it
+        that is still prefilling the longest prefix they share, if that spares at least share_min tokens.
+        The leader gets a checkpoint where they part. True if seq now waits."""
+        seq.leader = None
+        if not self.share_min or not seq.prefilling or seq not in self.running:
+            return False
+        best, best_at = None, 0
+        prompt = seq.tokens[: seq.num_prompt - 1]  # at least one token of its own to prefill
+        for other in self.running[: self.running.index(seq)]:  # in admission order: no one waits for itself
+            if other.waiting_for_prefix or not other.prefilling:
+                continue
+            at = common_prefix_len(other.tokens[: other.num_prompt], prompt)
+            if at > max(best_at, other.num_computed):
+                best, best_at = other, at
+        if best is None or best_at - seq.num_computed < self.share_min:
+            return False
+        seq.leader, seq.shared_at = best, best_at
+        if best_at not in best.checkpoint_positions:
+            bisect.insort(best.checkpoint_positions, best_at)
+        return True
+
+    def ready_followers(self) -> list[Sequence]:
+        """Waiting sequences whose leader has prefilled past where they part (or is gone): they take the
+        prefix from the cache now (runner re-admission) and may follow again."""
+        ready = [s for s in self.running if s.leader is not None and
+                 (s.leader.status is not Status.RUNNING or s.leader.num_computed >= s.shared_at)]
+        for s in ready:
+            s.leader = None
+        return ready
+
     def find(self, request_id: str) -> Sequence | None:
         for seq in (*self.running, *self.waiting):
             if seq.request_id == request_id:
@@ -129,7 +179,7 @@ class Scheduler:
         work = [Work(s, s.num_computed, len(s.tokens)) for s in decodes]
         budget = self.max_step_tokens - len(work)
         for seq in self.running:
-            if not seq.prefilling or budget <= 0:
+            if not seq.prefilling or seq.waiting_for_prefix or budget <= 0:
                 continue
             end = min(seq.num_prompt, seq.num_computed + budget)
             work.append(Work(seq, seq.num_computed, end))

@@ -23,10 +23,13 @@ class Runner(Protocol):
     """What the core needs from the model side (engine/runner.py is the torch implementation)."""
 
     context_length: int
+    cache: object | None  # the prefix cache (None: none; requests sharing a prefix in flight then never wait)
 
     def validate(self, req: GenerateRequest) -> None: ...  # ValueError if the request can never run
 
     def admit(self, seq: Sequence) -> None: ...  # restore the cached prefix: sets num_computed, reused
+
+    def readmit(self, seq: Sequence) -> None: ...  # nothing computed yet: restore the (longer) cached prefix
 
     def step(self, work: list[Work]) -> list[int | None]: ...  # one forward; a token per sampling item
 
@@ -36,10 +39,15 @@ class Runner(Protocol):
 
 
 class EngineCore:
+    """share_prefill_min: a request admitted while another one prefills a prefix they share waits for that
+    prefill when it spares at least this many tokens (Scheduler.follow), then takes the prefix from the
+    cache; only with a prefix cache. Counted in totals: shared_prefill_waits, shared_prefill_tokens."""
+
     def __init__(self, runner: Runner, max_running: int = 4, max_step_tokens: int = 512,
-                 max_waiting: int = 64) -> None:
+                 max_waiting: int = 64, share_prefill_min: int = 256) -> None:
         self.runner = runner
-        self.scheduler = Scheduler(max_running, max_step_tokens, max_waiting)
+        share = share_prefill_min if getattr(runner, "cache", None) is not None else 0
+        self.scheduler = Scheduler(max_running, max_step_tokens, max_waiting, share)
         self._sinks: dict[str, EventSink] = {}
         self._inbox: deque[Sequence] = deque()
         self._calls: deque[tuple[Callable[[], object], threading.Event, list]] = deque()
@@ -48,7 +56,8 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.totals = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "prompt_tokens": 0,
-                       "reused_tokens": 0, "prefilled_tokens": 0, "output_tokens": 0}
+                       "reused_tokens": 0, "prefilled_tokens": 0, "output_tokens": 0,
+                       "shared_prefill_waits": 0, "shared_prefill_tokens": 0}
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "EngineCore":
@@ -142,11 +151,11 @@ class EngineCore:
 
     def _step(self) -> None:
         for seq in self.scheduler.admit():
-            try:
-                self.runner.admit(seq)
-            except Exception as exc:  # a broken cache entry must not take the engine down
-                log.exception("admit failed")
-                self._finish(seq, "error", error=f"engine error while restoring the prefix: {exc}")
+            self._admit(seq, self.runner.admit)
+        for seq in self.scheduler.ready_followers():  # the prefill they waited for put their prefix in the cache
+            before = seq.num_computed
+            if self._admit(seq, self.runner.readmit):
+                self.totals["shared_prefill_tokens"] += max(0, seq.num_computed - before)
         work = self.scheduler.schedule()
         if not work:
             return
@@ -159,6 +168,18 @@ class EngineCore:
             return
         for item, token in zip(work, tokens):
             self._publish(item, token)
+
+    def _admit(self, seq: Sequence, restore: Callable[[Sequence], None]) -> bool:
+        """Restore seq's cached prefix, then let it wait for a prefill in flight it shares. False: it failed."""
+        try:
+            restore(seq)
+        except Exception as exc:  # a broken cache entry must not take the engine down
+            log.exception("admit failed")
+            self._finish(seq, "error", error=f"engine error while restoring the prefix: {exc}")
+            return False
+        if self.scheduler.follow(seq):
+            self.totals["shared_prefill_waits"] += 1
+        return True
 
     def _publish(self, item: Work, token: int | None) -> None:
         seq = item.seq

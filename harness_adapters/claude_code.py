@@ -28,7 +28,15 @@ class ClaudeCodeAdapter(BaseAdapter):
             history_markers=("This session is being continued from a previous conversation",),
         ),
         MODEL_LINE,  # recorded 2.1.197: "Opus 4.8 (1M context)" in the main turns, "Opus 4.8" after /compact
-        VolatileText(pattern=r"\ngitStatus: "),  # a snapshot taken when the conversation starts
+        # the memory section's first line names a folder per working directory (the rest of the section, ~500
+        # tokens of instructions, stays shared); the environment section (working directory, git repo or not,
+        # platform, the model line and its knowledge cutoff) moves after the tools as a whole
+        VolatileText(pattern=r"You have a persistent file-based memory at `(\S)"),
+        VolatileText(pattern=r"# Environment\n[^\n]*\n - Primary working directory: (\S)[^\n]*(?:\n - [^\n]*)*"),
+        VolatileText(pattern=r"\ngitStatus: ", moves="to_end"),  # a snapshot taken when the conversation starts
+        # the Bash tool's description names the model too ("Co-Authored-By: Claude Opus 4.8 (1M context)"): it
+        # stays in the tool definitions, but a model switch cuts there (recorded 2.1.197, after /compact)
+        VolatileText(pattern=r"Co-Authored-By: Claude (\S)[^<\n]*?( \(| <)", moves="none"),
     )
 
     def normalize(self, conv: Conversation) -> Conversation:

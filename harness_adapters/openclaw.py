@@ -18,7 +18,9 @@ class OpenClawAdapter(BaseAdapter):
     user_agent_contains = ("openclaw",)
     system_contains = ("OpenClaw",)
     rules = (ReplaceTrailingMessage(marker=INTERNAL_CONTEXT_MARKER),
-             VolatileText(pattern=r"\nCurrent date: (\S)"))  # the system prompt's "Temporal Context"
+             VolatileText(pattern=r"\nCurrent date: (\S)"),  # the system prompt's "Temporal Context"
+             # OpenClaw marks the rest of its system prompt dynamic (date, runtime, model identity)
+             VolatileText(pattern=r"<!-- openclaw:attempt:DYNAMIC -->", moves="to_end"))
 
     def detect(self, request: Mapping[str, Any], headers: Mapping[str, str],
                conv: Optional[Conversation] = None) -> bool:

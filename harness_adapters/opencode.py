@@ -23,4 +23,6 @@ class OpenCodeAdapter(BaseAdapter):
         Compaction(request_markers=("You are a helpful AI assistant tasked with summarizing conversations",)),
         MODEL_LINE,  # /models switches model mid-session
         VolatileText(pattern=r"Today's date: (\S)"),  # in the system prompt's <env> block
+        # the <env> block (working directory, git repo or not, platform, date) moves after the tools as a whole
+        VolatileText(pattern=r"[^\n]*\n<env>\n  Working directory: (\S)(?s:.*?)</env>"),
     )

@@ -60,13 +60,19 @@ class Compaction(_Rule):
 
 
 class VolatileText(_Rule):
-    """Text a later turn rewrites in place, e.g. the environment lines of a system prompt (the model name
-    Claude Code writes changes with /model, the 1M-context switch and compaction). Every match of
-    `pattern` (a Python regex) in the rendered prompt is a future cut at the start of each of its groups,
-    or of the match when it has none: the checkpoint goes on the last token boundary at or before it."""
+    """Text a later turn or another conversation rewrites, e.g. the environment lines of a system prompt (the
+    model name Claude Code writes changes with /model, the 1M-context switch and compaction; the working
+    directory and git status differ between conversations). Every match of `pattern` (a Python regex) in
+    the rendered prompt is a future cut at the start of each of its groups, or of the match when it has
+    none: the checkpoint goes on the last token boundary at or before it.
+
+    `moves` says what the stable-first layout (harness_adapters/layout.py) takes out of the system text and
+    writes after the tool definitions: the lines the match touches ("line"), everything from its first line
+    to the end of the system text ("to_end"), or nothing ("none")."""
 
     kind: Literal["volatile_text"] = "volatile_text"
     pattern: str = Field(min_length=1)
+    moves: Literal["line", "to_end", "none"] = "line"
 
     @field_validator("pattern")
     @classmethod

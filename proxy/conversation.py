@@ -70,6 +70,10 @@ class Conversation:
     # Whether the generation prompt opens a <think> block (thinking enabled) or closes it empty.
     enable_thinking: bool = True
     extras: dict = field(default_factory=dict, compare=False, hash=False)  # adapter notes, never rendered
+    # System text that differs between conversations of one harness (working directory, date, git status,
+    # model line), taken out of the first system message by the stable-first layout: the renderer writes it
+    # at the end of the system turn, after the tool definitions, so everything before it is shared.
+    volatile: str = ""
 
 
 def canonical_json(value) -> str:

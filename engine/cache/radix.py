@@ -54,7 +54,7 @@ KVSource = Callable[[int, int], Any]
 
 
 class Node:
-    __slots__ = ("key", "start", "parent", "children", "kv", "ckpt", "tier", "locks", "pinned_by", "alive")
+    __slots__ = ("key", "start", "parent", "children", "kv", "ckpt", "tier", "locks", "pinned_by", "alive", "stamp")
 
     def __init__(self, key: tuple[int, ...], start: int, parent: Node | None, kv: Any = None) -> None:
         self.key = key
@@ -65,8 +65,9 @@ class Node:
         self.ckpt: Any = None
         self.tier: Tier = kv.tier if kv is not None else "device"
         self.locks = 0  # live requests whose path runs through this node
-        self.pinned_by: set[str] = set()  # session keys pinning this node
+        self.pinned_by: set[str] = set()  # session keys pinning this node: its users
         self.alive = True
+        self.stamp = 0  # when the memory policy last listed or used it (its LRU age)
 
     @property
     def end(self) -> int:

@@ -1,11 +1,26 @@
-"""Slow reference for the prefix cache's matching: a flat set of cached prefixes, O(n^2) memory.
+"""Slow references for the prefix cache: matching as a flat set of cached prefixes (O(n^2) memory), and the
+eviction choice as a scan of the whole tree.
 
 With unlimited budgets the radix tree must resume every sequence exactly where this reference does; with
-budgets it may only resume earlier (it forgets, it never invents). Tests compare the two.
+budgets it may only resume earlier (it forgets, it never invents). Tests compare the two; PrefixCache.check
+compares its O(1) eviction choice with `reference_victim`.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
+
+
+def reference_victim(tree: Any, tier: str) -> Any:
+    """The node the memory policy (tiers.py) must evict next from `tier`: of the unlocked nodes there, the
+    one with the fewest users (sessions pinning it; on the device one user counts as none: private, or
+    shared by two or more; on the host: unpinned, one session, shared), then the oldest (lowest stamp)."""
+    def rank(node) -> int:
+        users = len(node.pinned_by)
+        return int(users >= 2) if tier == "device" else min(users, 2)
+
+    nodes = [n for n in tree.nodes() if n.tier == tier and n.locks == 0]
+    return min(nodes, key=lambda n: (rank(n), n.stamp), default=None)
 
 
 class ReferencePrefixCache:

@@ -4,16 +4,23 @@ Units: a node (radix.py) is the unit of placement and eviction; its KV and its c
 the same tier. Per tier the bytes of its nodes never exceed that tier's budget after any public call.
 
 LRU order: every use touches a whole path, deepest node first and the root's child last, so an ancestor is
-never older than its descendants and eviction naturally eats leaves first. Three ordered sets hold the
-evictable nodes, oldest first: device, host (unpinned), host (pinned). Eviction pops the oldest entry, so
-one eviction is O(1) amortised plus the payload copy; nothing scans the tree.
+never older than its descendants and eviction naturally eats leaves first.
 
-- Device over budget: the oldest unlocked device node is demoted to host (`to_host()`); if the host tier
-  cannot take it, it is dropped instead.
+Users: the sessions pinning a node (`pinned_by`) are its users; a node with two or more is shared (a
+harness's system prompt and tools, the history subagents start from). A node's users include every user of
+its descendants, so an ancestor is never less shared than what hangs below it. Eviction takes nodes with
+fewer users first and the oldest among those: five ordered sets hold the evictable nodes, oldest first,
+device (private, shared) and host (unpinned, one user, shared). Eviction pops the oldest entry of the first
+non-empty set (plus the payload copy); nothing scans the tree (engine/cache/reference.py has the slow scan it
+must agree with; `check` compares them). A node keeps its age when it changes set (a pin, an unpin, a lock).
+
+- Device over budget: the oldest unlocked private device node is demoted to host (`to_host()`), a shared
+  one only when no private one is left; if the host tier cannot take it, it is dropped instead.
 - Host over budget: the oldest unpinned host node is dropped; only when none is left are pinned nodes
-  dropped, oldest first (counted in `pinned_drops`). Choice: a pin is advice from the proxy while the agent
-  runs its tools; the budget is a promise about RAM, so the budget wins. The session's pin stays in place for
-  the nodes that survive.
+  dropped, those of one session before shared ones, oldest first (counted in `pinned_drops`). Choice: a pin
+  is advice from the proxy while the agent runs its tools; the budget is a promise about RAM, so the budget
+  wins. The session's pin stays in place for the nodes that survive. A prefix many sessions share outlives
+  the most recent session's own tail: the next conversation of the harness starts from it.
 - Dropping a node drops its whole subtree: a child's KV is useless without its ancestors' KV.
 - Locked nodes (on the path of a live request: `acquire` .. `release`) are neither moved nor dropped; a
   locked node's ancestors are locked too, so dropping an unlocked node never takes a locked one with it.
@@ -26,11 +33,13 @@ one eviction is O(1) amortised plus the payload copy; nothing scans the tree.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+import bisect
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from engine.cache.radix import KVSource, Match, Node, RadixTree, Tier
+from engine.cache.reference import reference_victim
 
 TIERS: tuple[Tier, Tier] = ("device", "host")
 
@@ -49,25 +58,44 @@ def default_host_budget(fraction: float = 0.5, meminfo: str = "/proc/meminfo") -
     raise ValueError(f"cannot read MemAvailable from {meminfo}: pass host_budget (bytes) explicitly")
 
 
-class _Lru:
-    """Ordered set of nodes, oldest first, with their byte total."""
+SHARED_USERS = 2  # sessions pinning a node from which it counts as shared
+# The ordered sets of evictable nodes per tier, in eviction order (see _home).
+EVICTION_ORDER: dict[Tier, tuple[str, ...]] = {"device": ("device", "device_shared"),
+                                               "host": ("host", "pinned", "pinned_shared")}
 
-    def __init__(self) -> None:
-        self.entries: OrderedDict[Node, int] = OrderedDict()
+
+class _Lru:
+    """Ordered set of nodes by age (`stamp`, lowest first), with their byte total. A use stamps the node from
+    the clock all sets share (`touch`: O(1), it becomes the newest); a node moved from another set keeps its
+    age (`put`: a bisect, O(n) memmove at worst, only on pins, unpins and unlocks)."""
+
+    def __init__(self, clock: Iterator[int]) -> None:
+        self.stamps: list[int] = []  # ascending
+        self.nodes: dict[int, Node] = {}  # stamp -> node
+        self.sizes: dict[Node, int] = {}
         self.nbytes = 0
+        self.clock = clock
 
     def put(self, node: Node) -> None:  # keeps the position of a node already present
-        self.nbytes += node.nbytes - self.entries.get(node, 0)
-        self.entries[node] = node.nbytes
+        if node not in self.sizes:
+            bisect.insort(self.stamps, node.stamp)
+            self.nodes[node.stamp] = node
+        self.nbytes += node.nbytes - self.sizes.get(node, 0)
+        self.sizes[node] = node.nbytes
 
     def discard(self, node: Node) -> None:
-        self.nbytes -= self.entries.pop(node, 0)
+        if node in self.sizes:
+            self.nbytes -= self.sizes.pop(node)
+            del self.stamps[bisect.bisect_left(self.stamps, node.stamp)]
+            del self.nodes[node.stamp]
 
     def touch(self, node: Node) -> None:
-        self.entries.move_to_end(node)
+        self.discard(node)
+        node.stamp = next(self.clock)
+        self.put(node)
 
     def oldest(self) -> Node | None:
-        return next(iter(self.entries), None)
+        return self.nodes[self.stamps[0]] if self.stamps else None
 
 
 class PrefixCache:
@@ -79,13 +107,14 @@ class PrefixCache:
         self.tree = RadixTree(require_checkpoint, listener=self)
         self.bytes = {"device": 0, "host": 0}
         self.nodes = {"device": 0, "host": 0}
-        self._lru = {"device": _Lru(), "host": _Lru(), "pinned": _Lru()}
+        clock = itertools.count(1)
+        self._lru = {name: _Lru(clock) for names in EVICTION_ORDER.values() for name in names}
         self._where: dict[Node, _Lru] = {}
         self._sessions: dict[str, set[Node]] = {}
         self._grown: list[Node] = []  # locked nodes that gained a checkpoint during the current insert
         self.counters = {"hits_device": 0, "hits_host": 0, "misses": 0, "reused_tokens": 0, "demotions": 0,
-                         "promotions": 0, "dropped_nodes": 0, "pinned_drops": 0, "cut_matches": 0,
-                         "shed_checkpoints": 0}
+                         "promotions": 0, "dropped_nodes": 0, "pinned_drops": 0, "shared_evictions": 0,
+                         "cut_matches": 0, "shed_checkpoints": 0}
 
     # -- lookups ---------------------------------------------------------------------------------------
 
@@ -163,7 +192,7 @@ class PrefixCache:
 
     def set_budgets(self, device: int | None = None, host: int | None = None) -> None:
         """Change the budgets (e.g. under memory pressure) and evict down to them."""
-        locked = self.bytes["device"] - self._lru["device"].nbytes
+        locked = self.bytes["device"] - self._evictable_bytes("device")
         if device is not None and device < locked:
             raise ValueError(f"live requests hold {locked} bytes of the device tier: release them before "
                              f"lowering its budget to {device}")
@@ -176,8 +205,11 @@ class PrefixCache:
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {f"{t}_{k}": v for t in TIERS for k, v in
                                (("bytes", self.bytes[t]), ("budget", self.budget[t]), ("nodes", self.nodes[t]))}
-        out["checkpoints"] = sum(1 for n in self.tree.nodes() if n.ckpt is not None)
+        nodes = list(self.tree.nodes())
+        out["checkpoints"] = sum(1 for n in nodes if n.ckpt is not None)
         out["pinned_sessions"] = len(self._sessions)
+        out["shared_nodes"] = sum(1 for n in nodes if len(n.pinned_by) >= SHARED_USERS)
+        out["shared_tokens"] = sum(len(n.key) for n in nodes if len(n.pinned_by) >= SHARED_USERS)
         out.update(self.counters)
         return out
 
@@ -211,9 +243,17 @@ class PrefixCache:
     def _home(self, node: Node) -> _Lru | None:
         if node.locks:
             return None
+        shared = len(node.pinned_by) >= SHARED_USERS
         if node.tier == "device":
-            return self._lru["device"]
-        return self._lru["pinned" if node.pinned_by else "host"]
+            return self._lru["device_shared" if shared else "device"]
+        return self._lru["pinned_shared" if shared else "pinned" if node.pinned_by else "host"]
+
+    def victim(self, tier: Tier) -> Node | None:
+        """The node eviction takes next from `tier`: fewest users, then oldest (None: only locked nodes)."""
+        return next((n for name in EVICTION_ORDER[tier] for n in (self._lru[name].oldest(),) if n), None)
+
+    def _evictable_bytes(self, tier: Tier) -> int:
+        return sum(self._lru[name].nbytes for name in EVICTION_ORDER[tier])
 
     def _relist(self, node: Node, touch: bool = False) -> None:
         """Put node in the ordered set its state calls for; keeps its age unless it moves or touch is set."""
@@ -258,15 +298,14 @@ class PrefixCache:
     def _fit(self, tier: Tier, need: int) -> bool:
         """Evict from `tier` until `need` more bytes fit; False if nothing evictable is left."""
         while self.bytes[tier] + need > self.budget[tier]:
+            victim = self.victim(tier)
+            if victim is None:
+                return False
+            if len(victim.pinned_by) >= SHARED_USERS:
+                self.counters["shared_evictions"] += 1
             if tier == "device":
-                victim = self._lru["device"].oldest()
-                if victim is None:
-                    return False
                 self._demote(victim)
             else:
-                victim = self._lru["host"].oldest() or self._lru["pinned"].oldest()
-                if victim is None:
-                    return False
                 self._drop(victim)
         return True
 
@@ -306,8 +345,9 @@ class PrefixCache:
         for node in m.node_path:
             if node.tier == "device":
                 continue
-            size, dev = node.nbytes, self._lru["device"]
-            if self.bytes["device"] - dev.nbytes + size > self.budget["device"] or not self._fit("device", size):
+            size = node.nbytes
+            locked = self.bytes["device"] - self._evictable_bytes("device")
+            if locked + size > self.budget["device"] or not self._fit("device", size):
                 return self._cut(m, node, promoted)
             self._move(node, "device")
             self.counters["promotions"] += 1
@@ -348,6 +388,8 @@ class PrefixCache:
             _require((self.bytes[tier], self.nodes[tier]) == tuple(seen[tier]), f"{tier}: byte/node count drift")
             _require(self.bytes[tier] <= self.budget[tier], f"{tier}: {self.bytes[tier]} > {self.budget[tier]}")
         _require(all(n.alive for n in self._where), "a dropped node is still listed for eviction")
+        for tier in TIERS:
+            _require(self.victim(tier) is reference_victim(self.tree, tier), f"{tier}: eviction order drifted")
 
 
 def _check_budget(nbytes: int) -> int:

@@ -56,7 +56,7 @@ def _call(args, method: str, path: str, body: dict | None = None) -> dict:
 
 
 ENGINE_KEYS = ("active", "queued", "requests", "finished", "aborted", "errors", "prompt_tokens", "reused_tokens",
-               "prefilled_tokens", "output_tokens", "context_length")
+               "prefilled_tokens", "output_tokens", "shared_prefill_waits", "shared_prefill_tokens", "context_length")
 TURN_COLUMNS = ("session", "turn", "kind", "prompt", "edit_point", "edit_class", "resume_at", "cached", "prefilled",
                 "ttft_ms")
 

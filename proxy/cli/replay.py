@@ -1,17 +1,18 @@
 """`killick replay`: send recorded agent requests again and measure TTFT, cache hits and prefill per turn.
 
     killick replay FILE.jsonl [MORE ...|DIR] [--url URL | --model DIR] [--mode off|prefix|anchors|all]
-                   [--json OUT] [--plot OUT.png] [--limit N] [--concurrent] [--unforced]
+                   [--json OUT] [--plot OUT.png] [--limit N] [--turns N] [--concurrent] [--unforced]
+                   [--prompt-layout stable|template]
 
-Requests go out in recorded order (sessions interleaved as recorded), one at a time. A request with a
+Requests go out in recorded order (sessions interleaved as recorded), one at a time; with --concurrent each
+session's requests go out in order and all sessions run side by side from the same moment. A request with a
 recorded response carries it in `x-killick-force-response`, so the engine decodes exactly that answer
 (forced decoding: every step still runs on the model) and the next recorded prompt extends what the server
 generated. The header is honoured only by servers started by replay itself or by
 `killick serve --allow-forced-responses`; a request without a recorded response (or every request, with
 --unforced) is generated, capped at --unforced-max-tokens.
 
-With --url the server is used as it runs (one column, "url"); --concurrent sends each recording as its own
-client, all at once. Without it, each --mode gets a fresh in-process
+With --url the server is used as it runs (one column, "url"). Without it, each --mode gets a fresh in-process
 engine on --model (default: the demo model): off = no prefix cache; prefix = prefix cache with only the
 engine's prompt-end / generation-end checkpoints; anchors = the full cache policy. --mode all runs all three.
 """
@@ -28,6 +29,7 @@ MODES = ("off", "prefix", "anchors")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.build import add_engine_arguments  # torch-free
+    from harness_adapters.layout import LAYOUTS
 
     parser.add_argument("recordings", nargs="+", metavar="FILE", help="JSON lines (.jsonl, .jsonl.gz) or dirs")
     where = parser.add_mutually_exclusive_group()
@@ -37,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT", help="write every measurement and the summary here")
     parser.add_argument("--plot", metavar="OUT.png", help="draw TTFT per turn for each mode (needs matplotlib)")
     parser.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
+    parser.add_argument("--turns", type=int, metavar="N", help="replay only the first N requests of each session")
     parser.add_argument("--unforced-max-tokens", type=int, default=32, metavar="N",
                         help="max tokens for requests without a recorded response (default 32)")
     parser.add_argument("--stream", action="store_true",
@@ -46,7 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send no recorded answers: the server generates every one (capped at "
                              "--unforced-max-tokens), for servers that cannot force them (llama.cpp, vLLM)")
     parser.add_argument("--concurrent", action="store_true",
-                        help="with --url: each recording is one client, all at once (requests in order within it)")
+                        help="run the recorded sessions side by side, all starting at once (each one's requests "
+                             "in order), like agents started together; default: every request in recorded order")
+    parser.add_argument("--prompt-layout", choices=LAYOUTS, default="stable",
+                        help="the in-process server's prompt layout (killick serve --prompt-layout)")
     parser.add_argument("--quiet", action="store_true", help="only the summary and the TTFT table")
     add_engine_arguments(parser)
 
@@ -56,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from proxy.replay import report as replay_report
 
     entries = replay_log.load(args.recordings)
+    if args.turns is not None:
+        entries = replay_log.first_turns(entries, args.turns)
     if args.limit is not None:
         entries = entries[:max(0, args.limit)]
     if args.unforced:
@@ -71,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
         modes = list(MODES) if args.mode == "all" else [args.mode]
         by_mode = run_modes(entries, args.model, modes, options_from_args(args), args.unforced_max_tokens,
-                            args.stream)
+                            args.stream, args.concurrent, args.prompt_layout)
     report(by_mode, quiet=args.quiet)
     meta = {"recordings": [str(p) for p in args.recordings], "url": args.url, "model": args.model,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -108,7 +116,7 @@ def context_needed(entries, margin: int = 4096) -> int:
 
 
 def run_modes(entries, model: str | None, modes: list[str], opts=None, unforced_max_tokens: int = 32,
-              stream: bool = False) -> dict:
+              stream: bool = False, concurrent: bool = False, layout: str = "stable") -> dict:
     """Each mode on a fresh engine (fresh cache, fresh policy); the weights are loaded once."""
     from dataclasses import replace
 
@@ -125,7 +133,7 @@ def run_modes(entries, model: str | None, modes: list[str], opts=None, unforced_
     out = {}
     for mode in modes:
         out[mode] = asyncio.run(replay_in_process(entries, model_dir, weights, mode, opts, unforced_max_tokens,
-                                                  stream))
+                                                  stream, concurrent, layout))
     return out
 
 
@@ -151,7 +159,7 @@ def warm_up(model_dir: Path, weights, opts) -> None:
             raise RuntimeError("the warm-up request did not finish in 10 minutes")
 
 
-def build_mode_app(model_dir: Path, weights, mode: str, opts):
+def build_mode_app(model_dir: Path, weights, mode: str, opts, layout: str = "stable"):
     from dataclasses import replace
 
     from engine.build import build_core
@@ -166,12 +174,13 @@ def build_mode_app(model_dir: Path, weights, mode: str, opts):
     core = build_core(model_dir, replace(opts, prefix_cache=mode != "off"), model=weights)
     tok = load_tokenizer(model_dir)
     return create_app(core, tok, ChatRenderer(tok), model_name=model_dir.name, keepalive_s=30.0,
-                      planner=make_planner(mode), replies=ForcedResponses())
+                      planner=make_planner(mode, layout=layout), replies=ForcedResponses())
 
 
 async def replay_in_process(entries, model_dir: Path, weights, mode: str, opts, unforced_max_tokens: int = 32,
-                            stream: bool = False):
-    return await replay_app(build_mode_app(model_dir, weights, mode, opts), entries, unforced_max_tokens, stream)
+                            stream: bool = False, concurrent: bool = False, layout: str = "stable"):
+    return await replay_app(build_mode_app(model_dir, weights, mode, opts, layout), entries, unforced_max_tokens,
+                            stream, concurrent)
 
 
 async def replay_app(app, entries, unforced_max_tokens: int = 32, stream: bool = False, concurrent: bool = False):

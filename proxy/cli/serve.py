@@ -1,8 +1,8 @@
 """`killick serve`: the agent APIs on loopback, with the engine in the same process.
 
     killick serve [--model DIR] [--host 127.0.0.1] [--port 8421] [--api-key KEY] [--max-running 4]
-                  [--cache-policy anchors|prefix] [--record DIR] [--script FILE [--script-var K=V]]
-                  [--allow-forced-responses] [--quiet]
+                  [--cache-policy anchors|prefix] [--prompt-layout stable|template] [--record DIR]
+                  [--script FILE [--script-var K=V]] [--allow-forced-responses] [--quiet]
     killick serve --upstream URL [--upstream URL ...] [--upstream-model PATTERN=NAME] [--routing session]
 
 Without --model the embedded demo checkpoint is used. One startup line names the URL; then one access-log
@@ -28,6 +28,7 @@ MAX_HEADER = 1 << 20  # x-killick-force-response carries a whole recorded reply
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.build import add_engine_arguments  # torch-free
+    from harness_adapters.layout import LAYOUTS
     from proxy.upstream.config import add_upstream_arguments
 
     parser.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: demo model)")
@@ -42,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-policy", choices=["anchors", "prefix"], default="anchors",
                         help="anchors: the harness-aware planner; prefix: only prompt-end/generation-end "
                              "checkpoints (use --no-prefix-cache for no cache at all)")
+    parser.add_argument("--prompt-layout", choices=LAYOUTS, default="stable",
+                        help="stable: the system lines a harness declares volatile (working directory, date, "
+                             "model line) go after the tool definitions, so conversations share the prefix; "
+                             "template: the chat template's own order (default stable)")
     parser.add_argument("--record", metavar="DIR", help="append one JSON line per request to DIR/<session>.jsonl")
     parser.add_argument("--script", metavar="FILE", help="answer from this script (JSON/YAML) by forced decoding")
     parser.add_argument("--script-var", action="append", default=[], metavar="K=V",
@@ -53,13 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_upstream_arguments(parser)
 
 
-def make_planner(cache_policy: str, registry=None):
+def make_planner(cache_policy: str, registry=None, layout: str = "stable"):
     """anchors: the cache policy (sessions, diff, anchors); prefix and off: the harness normalisation only
-    (the engine's own checkpoints), so every mode renders the same prompt."""
+    (the engine's own checkpoints), so every mode renders the same prompt (in the given prompt layout)."""
     from proxy.policy.cache_policy import PolicyPlanner
     from proxy.policy.planner import HarnessNormalizer, NoAnchors
 
-    return PolicyPlanner(registry=registry) if cache_policy == "anchors" else NoAnchors(HarnessNormalizer(registry))
+    harness = HarnessNormalizer(registry, layout)
+    return PolicyPlanner(harness=harness) if cache_policy == "anchors" else NoAnchors(harness)
 
 
 def load_script(path: str | None, pairs: list[str]):
@@ -100,7 +106,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     core = build_core(model_dir, opts)
-    planner = make_planner(args.cache_policy, load_registry(args.harness_rules))
+    planner = make_planner(args.cache_policy, load_registry(args.harness_rules), args.prompt_layout)
     return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=args.model_name or model_dir.name,
                       api_key=args.api_key, keepalive_s=args.keepalive, planner=planner,
                       replies=reply_source(args), observer=Recorder(args.record) if args.record is not None else None,

@@ -27,7 +27,8 @@ IMPLICIT_PER_TURN = 2
 @dataclass(frozen=True)
 class Candidate:
     pos: int
-    kind: str  # prefix_end, message_start, before_last_token, think_start/end, tool_call_end, tool_response_start/end
+    kind: str  # prefix_end, message_start, before_last_token, think_start/end, tool_call_end, tool_response_start/end,
+    #            tools_end, system_end, volatile_start/end, a rule kind
     priority: int = FINE
     message_index: Optional[int] = None
 
@@ -79,6 +80,10 @@ def candidates(rendered: RenderedLike) -> list[Candidate]:
     # tools connected mid-session (MCP servers) are added at the end of the list, system text at its end
     out += [Candidate(b.end, f"{t.kind}_end", SHARED_PREFIX) for t in rendered.segments
             if t.kind in ("tools", "system") for b in _bodies(rendered, t)]
+    # the stable-first layout's volatile lines: every conversation of the harness shares what comes before
+    # them; system text added later lands at their end
+    out += [Candidate(pos, kind, SHARED_PREFIX) for v in rendered.segments if v.kind == "volatile"
+            for pos, kind in ((v.start, "volatile_start"), (v.end, "volatile_end"))]
     edges = {"think": ("think_start", "think_end"), "tool_response": ("tool_response_start", "tool_response_end"),
              "tool_call": (None, "tool_call_end")}
     for s in rendered.segments:

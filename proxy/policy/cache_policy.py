@@ -113,8 +113,11 @@ class PolicyPlanner:
     found by normalize() travels in conv.extras["harness"]; session hints the front-ends parsed travel in
     conv.extras["session_hint"]."""
 
-    def __init__(self, policy: Optional[CachePolicy] = None, registry: Optional[Registry] = None):
-        self.harness = HarnessNormalizer(registry)
+    def __init__(self, policy: Optional[CachePolicy] = None, registry: Optional[Registry] = None,
+                 harness: Optional[HarnessNormalizer] = None):
+        if harness is not None and registry is not None:
+            raise ValueError("give PolicyPlanner a registry or a HarnessNormalizer (which has one), not both")
+        self.harness = harness or HarnessNormalizer(registry)
         self.policy = policy or CachePolicy()
 
     def normalize(self, conv: Conversation, headers: Mapping[str, str],

@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
 from harness_adapters import Adapter, Registry, default_registry
+from harness_adapters.layout import LAYOUTS, stable_first
 from harness_adapters.normalize import normalize
 from proxy.conversation import Conversation
-from proxy.policy.turns import RenderedLike, TurnRecord
+from proxy.policy.turns import RenderedLike, TurnRecord, from_other_sessions
 
 if TYPE_CHECKING:
     from engine.api import Usage
@@ -40,6 +41,11 @@ class Plan:
         """'title', 'side' or 'compaction' for a harness's side requests; None for the main conversation."""
         kind = self.record.request_kind if self.record is not None else None
         return None if kind == "main" else kind
+
+    def shared_tokens(self, usage: Usage) -> Optional[int]:
+        """Of the tokens the engine reused for this request, those from another session (None: no policy)."""
+        r = self.record
+        return None if r is None else from_other_sessions(usage.reused_tokens, r.edit_point, r.edit_class)
 
     def fields(self) -> dict:
         """The plan as recordings and the x-killick-* response headers name it."""
@@ -65,10 +71,15 @@ class Planner(Protocol):
 
 class HarnessNormalizer:
     """Detects the harness (or takes the one a previous call noted in conv.extras["harness"]) and applies
-    its normalisation (harness_adapters/normalize.py)."""
+    its normalisation (harness_adapters/normalize.py), then its prompt layout: "stable" moves the system
+    lines its volatile_text rules match after the tool definitions (harness_adapters/layout.py), "template"
+    keeps the chat template's own order."""
 
-    def __init__(self, registry: Optional[Registry] = None):
+    def __init__(self, registry: Optional[Registry] = None, layout: str = "stable"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"prompt layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         self.registry = registry or default_registry
+        self.layout = layout
 
     def adapter(self, conv: Conversation, headers: Mapping[str, str], request: Optional[Mapping] = None) -> Adapter:
         name = conv.extras.get("harness")
@@ -78,6 +89,8 @@ class HarnessNormalizer:
                   request: Optional[Mapping] = None) -> Conversation:
         adapter = self.adapter(conv, headers, request)
         out = normalize(conv, adapter)
+        if self.layout == "stable":
+            out = stable_first(out, adapter.rules)
         return replace(out, extras={**out.extras, "harness": adapter.name})
 
 

@@ -71,6 +71,13 @@ def prefix_end(segments: Sequence[SegmentLike]) -> int:
     return max((s.end for s in segments if s.kind in ("system", "tools")), default=0)
 
 
+def from_other_sessions(reused: int, edit_point: int, edit_class: str) -> int:
+    """Of a request's reused (cached) tokens, those its own session had not sent before, so another session
+    put them in the cache (another conversation of the harness, a subagent, the main conversation for a side
+    request): all of them on a session's first request, those past its edit point on a later one."""
+    return max(0, reused - (0 if edit_class == "first" else edit_point))
+
+
 @dataclass(frozen=True)
 class TurnRecord:
     """One request of one session, as the metrics see it. Plain data: the proxy exports it."""
@@ -89,11 +96,13 @@ class TurnRecord:
     prefilled_tokens: Optional[int] = None
     cache_tier: str = "none"
     ttft_s: Optional[float] = None
+    shared_tokens: Optional[int] = None  # of the reused tokens, those from another session (from_other_sessions)
 
     def with_usage(self, usage) -> "TurnRecord":
         """Fill in what the engine reports (an engine.api.Usage or anything with the same fields)."""
         return replace(self, reused_tokens=usage.reused_tokens, prefilled_tokens=usage.prefilled_tokens,
-                       cache_tier=usage.cache_tier, ttft_s=usage.ttft_s)
+                       cache_tier=usage.cache_tier, ttft_s=usage.ttft_s,
+                       shared_tokens=from_other_sessions(usage.reused_tokens, self.edit_point, self.edit_class))
 
     def row(self) -> dict:
         """The turn as `killick ctl stats` shows it (a list entry, so /metrics does not export it)."""
@@ -114,9 +123,9 @@ class TurnRecord:
 
 def summarize(records) -> dict:
     """Totals over TurnRecords for /metrics: turns per edit class and request kind, tokens expected to be
-    re-prefilled, and (where the engine reported) reused and prefilled tokens."""
+    re-prefilled, and (where the engine reported) reused, prefilled and from-other-session tokens."""
     out: dict = {"turns": 0, "by_edit_class": {}, "by_request_kind": {}, "prompt_tokens": 0,
-                 "expected_reprefill_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0}
+                 "expected_reprefill_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0, "shared_tokens": 0}
     for r in records:
         out["turns"] += 1
         out["by_edit_class"][r.edit_class] = out["by_edit_class"].get(r.edit_class, 0) + 1
@@ -125,4 +134,5 @@ def summarize(records) -> dict:
         out["expected_reprefill_tokens"] += r.expected_reprefill
         out["reused_tokens"] += r.reused_tokens or 0
         out["prefilled_tokens"] += r.prefilled_tokens or 0
+        out["shared_tokens"] += r.shared_tokens or 0
     return out

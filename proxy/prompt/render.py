@@ -12,6 +12,8 @@ tokenizer's offset mapping:
                     before the tools), each of those blocks and <tools>
                     (after the open tag's newline, up to the close tag)
   generation_prompt what add_generation_prompt appended       message_index None
+  volatile          Conversation.volatile (the stable-first layout's moved system lines), written at the end
+                    of the system turn after the tools               message_index 0
 Message starts come from the turn structure (one <|im_start|> per turn, consecutive tool results in one turn);
 when a template does not fit that shape, each message prefix is rendered and compared instead (quadratic,
 but exact for any template).
@@ -30,7 +32,7 @@ from proxy.prompt.chat_template import compile_template, render_template
 from proxy.prompt.tokenizer import Tokenizer
 
 SegmentKind = Literal["system", "tools", "message", "think", "tool_call", "tool_response", "body",
-                      "generation_prompt"]
+                      "generation_prompt", "volatile"]
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 INNER_BLOCKS = {"assistant": (("<think>", "</think>", "think"), ("<tool_call>", "</tool_call>", "tool_call")),
                 "tool": (("<tool_response>", "</tool_response>", "tool_response"),)}
@@ -71,26 +73,38 @@ class ChatRenderer:
     def render(self, conv: Conversation, add_generation_prompt: bool = True) -> Rendered:
         msgs, owners = template_messages(conv)
         tools = template_tools(conv)
-        body = self._render(msgs, tools, conv.enable_thinking, False)
-        text = self._render(msgs, tools, conv.enable_thinking, True) if add_generation_prompt else body
+        volatile = conv.volatile
+        if volatile and not (msgs and msgs[0]["role"] == "system"):
+            raise ValueError("Conversation.volatile needs a first system message to belong to")
+        body = self._render(msgs, tools, conv.enable_thinking, False, volatile)
+        if volatile and _system_turn_end(body) is None:  # a template without a ChatML system turn
+            msgs, volatile = _volatile_in_system_text(msgs, volatile), ""
+            body = self._render(msgs, tools, conv.enable_thinking, False)
+        text = self._render(msgs, tools, conv.enable_thinking, True, volatile) if add_generation_prompt else body
         if not text.startswith(body):  # a template that changes earlier text when asked to generate
             body = body[:common_prefix_len(body, text)]
         starts = _structural_starts(body, msgs)
         if starts is None:
-            starts = self._prefix_starts(body, msgs, tools, conv.enable_thinking)
+            starts = self._prefix_starts(body, msgs, tools, conv.enable_thinking, volatile)
         spans = _char_segments(body, msgs, owners, starts)
+        if volatile:
+            end = _system_turn_end(body)
+            spans.append(("volatile", end - len(volatile), end, owners[0]))
         if len(text) > len(body):
             spans.append(("generation_prompt", len(body), len(text), None))
         ids, offsets = self.tokenizer.encode_with_offsets(text)
         return Rendered(ids, text, _to_token_segments(spans, offsets), tuple(o[0] for o in offsets))
 
-    def _render(self, msgs: list[dict], tools: list[dict], thinking: bool, generation: bool) -> str:
+    def _render(self, msgs: list[dict], tools: list[dict], thinking: bool, generation: bool,
+                volatile: str = "") -> str:
         tok = self.tokenizer
-        return render_template(self._template, self._origin, messages=msgs, tools=tools or None,
+        text = render_template(self._template, self._origin, messages=msgs, tools=tools or None,
                                add_generation_prompt=generation, enable_thinking=thinking,
                                bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
+        return _with_volatile(text, volatile) if volatile else text
 
-    def _prefix_starts(self, body: str, msgs: list[dict], tools: list[dict], thinking: bool) -> list[int]:
+    def _prefix_starts(self, body: str, msgs: list[dict], tools: list[dict], thinking: bool,
+                       volatile: str = "") -> list[int]:
         """Start of message i = where rendering messages[:i] stops agreeing with the full render."""
         starts, prev = [], 0
         for i in range(len(msgs)):
@@ -98,12 +112,36 @@ class ChatRenderer:
                 starts.append(0)
                 continue
             try:
-                prefix = self._render(msgs[:i], tools, thinking, False)
+                prefix = self._render(msgs[:i], tools, thinking, False, volatile)
             except (ValueError, LookupError, AttributeError, TypeError):  # e.g. templates reading messages[0]
                 prefix = ""
             prev = max(prev, common_prefix_len(prefix, body))
             starts.append(prev)
         return starts
+
+
+def _system_turn_end(text: str) -> int | None:
+    """Where the system turn's text ends (at its <|im_end|>), or None when the text opens with no system turn."""
+    if not text.startswith(IM_START + "system"):
+        return None
+    end = text.find(IM_END)
+    return end if end >= 0 else None
+
+
+def _with_volatile(text: str, volatile: str) -> str:
+    """The volatile system lines at the end of the system turn: after the tool definitions, on their own lines."""
+    end = _system_turn_end(text)
+    if end is None:
+        return text
+    head = text[:end]
+    newlines = len(head) - len(head.rstrip("\n"))
+    return head + "\n" * max(0, 2 - newlines) + volatile + text[end:]
+
+
+def _volatile_in_system_text(msgs: list[dict], volatile: str) -> list[dict]:
+    """The fallback: the volatile lines end the system message's own text (before the template's tools)."""
+    content = msgs[0]["content"] or ""
+    return [{**msgs[0], "content": content + ("\n\n" if content else "") + volatile}] + msgs[1:]
 
 
 def template_messages(conv: Conversation) -> tuple[list[dict], list[int]]:

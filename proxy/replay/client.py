@@ -4,7 +4,8 @@ TTFT is send -> the first content, thinking or tool delta of a stream; a non-str
 delta, so its TTFT is the total time (ttft_kind "total"). Tokens come from the API's usage fields:
 prompt, cached (the prefix-cache hit) and prefilled = prompt - cached (what the engine ran through the model).
 The edit point, class and resume point come from the server's x-killick-edit-point / -edit-class / -resume-at
-headers when it sends them.
+headers when it sends them; with them, the cached tokens that came from another session (shared: all of a
+session's first request's, those past the edit point on a later one; proxy/policy/turns.from_other_sessions).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import aiohttp
 
+from proxy.policy.turns import from_other_sessions
 from proxy.replay.log import Entry, request_body, request_headers
 from proxy.replay.scripted import FORCE_RESPONSE_HEADER, encode_header
 from proxy.sse import read_lines
@@ -44,6 +46,7 @@ class Result:
     resume_at: int | None = None  # the planner's checkpoint at or before the edit point
     kind: str | None = None
     error: str | None = None
+    shared_tokens: int | None = None  # of the cached tokens, those from another session (needs the headers)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -142,36 +145,63 @@ def _result(entry: Entry, turn: int, resp, forced: bool, clock: _Clock, usage: d
     out = int(usage.get("output", 0))
     span = (clock.last or first) - first
     edit, resume = resp.headers.get("x-killick-edit-point"), resp.headers.get("x-killick-resume-at")
+    edit_class, cached = resp.headers.get("x-killick-edit-class"), int(usage.get("cached", 0))
+    shared = from_other_sessions(cached, int(edit), edit_class) if edit is not None and edit_class else None
     return Result(
         entry.index, entry.session, turn, entry.path.split("?")[0], resp.status, stream, forced,
         ttft_s=first - clock.start, ttft_kind="first delta" if stream else "total", total_s=end - clock.start,
-        prompt_tokens=int(usage.get("prompt", 0)), cached_tokens=int(usage.get("cached", 0)),
-        prefilled_tokens=int(usage.get("prompt", 0)) - int(usage.get("cached", 0)), output_tokens=out,
+        prompt_tokens=int(usage.get("prompt", 0)), cached_tokens=cached,
+        prefilled_tokens=int(usage.get("prompt", 0)) - cached, output_tokens=out,
         decode_tok_s=(out - 1) / span if stream and span > 0 and out > 1 else 0.0,
-        edit_point=int(edit) if edit is not None else None, edit_class=resp.headers.get("x-killick-edit-class"),
+        edit_point=int(edit) if edit is not None else None, edit_class=edit_class,
         resume_at=int(resume) if resume is not None else None,
-        kind=resp.headers.get("x-killick-turn-kind"), error=error)
+        kind=resp.headers.get("x-killick-turn-kind"), error=error, shared_tokens=shared)
+
+
+class Replayed(list):
+    """The Results of one replay in request order, with `wall_s` (the first send to the last answer) and
+    `engine`: the server's engine counters after it (GET /v1/killick/stats; {} where not served)."""
+
+    wall_s: float = 0.0
+    engine: dict = {}
 
 
 async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int = 32,
-                 timeout_s: float = 1800.0, stream: bool = False, concurrent: bool = False) -> list[Result]:
-    """Send every entry in order, one at a time; turns are numbered per recorded session. concurrent: each
-    recording is one client sending its requests in order, all recordings at once (results in entry order)."""
+                 timeout_s: float = 1800.0, stream: bool = False, concurrent: bool = False) -> Replayed:
+    """Send every entry in order, one at a time (concurrent: each recorded session's requests in order, all
+    sessions side by side from the same moment, like agents started together); turns are numbered per
+    recorded session. A session is (recording file, session key): two recordings may both hold an "anon-1"."""
     turns: dict[tuple[str, str], int] = {}
     numbered = []
     for entry in entries:
-        key = (entry.source, entry.session)  # two recordings may both hold an "anon-1"
+        key = (entry.source, entry.session)
         turns[key] = turns.get(key, 0) + 1
         numbered.append((entry, turns[key]))
+    results: dict[int, Result] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def run(batch):
-            return [await send(session, base_url, e, turn, unforced_max_tokens, timeout_s, stream)
-                    for e, turn in batch]
+        async def run(queue: list) -> None:
+            for entry, turn in queue:
+                results[entry.index] = await send(session, base_url, entry, turn, unforced_max_tokens, timeout_s,
+                                                  stream)
 
-        if not concurrent:
-            return await run(numbered)
-        clients = {}
-        for entry, turn in numbered:
-            clients.setdefault(entry.source, []).append((entry, turn))
-        done = await asyncio.gather(*(run(batch) for batch in clients.values()))
-    return sorted((r for results in done for r in results), key=lambda r: r.index)
+        start = time.perf_counter()
+        if concurrent:
+            sessions = [[(e, t) for e, t in numbered if (e.source, e.session) == k] for k in turns]
+            await asyncio.gather(*(run(queue) for queue in sessions))
+        else:
+            await run(numbered)
+        out = Replayed(results[e.index] for e, _ in numbered)
+        out.wall_s = time.perf_counter() - start
+        out.engine = await engine_stats(session, base_url)
+    return out
+
+
+async def engine_stats(session: aiohttp.ClientSession, base_url: str) -> dict:
+    """The engine's scalar counters from /v1/killick/stats ({} when the server does not answer it)."""
+    try:
+        async with session.get(base_url.rstrip("/") + "/v1/killick/stats") as resp:
+            data = await resp.json() if resp.status == 200 else {}
+    except (aiohttp.ClientError, ValueError):
+        return {}
+    engine = data.get("engine") if isinstance(data, dict) else None
+    return {k: v for k, v in (engine or {}).items() if isinstance(v, (int, float, str))}

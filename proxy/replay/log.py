@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -87,6 +87,34 @@ def load(paths: Iterable[str | Path]) -> list[Entry]:
                              obj["path"], dict(obj.get("headers") or {}), dict(obj["body"]), obj.get("response"),
                              metrics, stem))
     return entries
+
+
+def first_turns(entries: list[Entry], n: int) -> list[Entry]:
+    """The first n requests of each session, in the recorded order (indexes renumbered)."""
+    seen: dict[str, int] = {}
+    kept = []
+    for e in entries:
+        seen[e.session] = seen.get(e.session, 0) + 1
+        if seen[e.session] <= n:
+            kept.append(replace(e, index=len(kept)))
+    return kept
+
+
+def conversation(entry: Entry):
+    """The Conversation the API front-end parses this request into, before normalisation (a recording carries
+    whole histories: no previous_response_id to look up)."""
+    api = entry.path.split("?")[0]
+    if api == "/v1/messages":
+        from proxy.apis.anthropic.schema import MessagesRequest, to_conversation
+
+        return to_conversation(MessagesRequest.model_validate(entry.body))
+    if api == "/v1/chat/completions":
+        from proxy.apis.chat.schema import ChatRequest, to_conversation
+
+        return to_conversation(ChatRequest.model_validate(entry.body))
+    from proxy.apis.responses.schema import ResponsesRequest, to_conversation
+
+    return to_conversation(ResponsesRequest.model_validate(entry.body), ())
 
 
 def request_headers(entry: Entry) -> dict:

@@ -4,8 +4,9 @@
 
 headers: as received, credentials redacted; response: the final assembled response in the API's shape (for a
 stream, the body a non-streaming call would have returned; tool-call ids differ from the streamed ones);
-metrics: prompt / reused / prefilled tokens, TTFT and decode tok/s from the engine, and the cache policy's
-session, turn kind, edit point and edit class. The file is DIR/<session key, sanitised>.jsonl; requests the
+metrics: prompt / reused / prefilled tokens, TTFT and decode tok/s from the engine, the reused tokens that
+came from another session (shared_tokens, None without the cache policy), and the cache policy's session,
+turn kind, edit point and edit class. The file is DIR/<session key, sanitised>.jsonl; requests the
 policy gives no session to go to DIR/no-session.jsonl. `killick replay` reads these lines back.
 
 The Recorder is the app's TurnObserver (create_app(observer=Recorder(DIR))): the app calls turn_done() once
@@ -55,6 +56,7 @@ def metrics(turn: Turn | None) -> dict:
     if fin is not None:
         u = fin.usage
         out.update(prompt_tokens=u.prompt_tokens, reused_tokens=u.reused_tokens,
+                   shared_tokens=turn.plan.shared_tokens(u),
                    prefilled_tokens=u.prefilled_tokens, output_tokens=u.output_tokens, cache_tier=u.cache_tier,
                    ttft_s=round(u.ttft_s, 6), prefill_s=round(u.prefill_s, 6),
                    decode_tok_s=round(u.decode_tok_s, 3), finish=fin.finish)

@@ -7,14 +7,15 @@ from pathlib import Path
 
 from proxy.replay.client import Result
 
-COLUMNS = ("turn", "api", "ttft_ms", "prompt", "cached", "prefilled", "out", "dec_tok_s", "edit", "class")
+COLUMNS = ("turn", "api", "ttft_ms", "prompt", "cached", "shared", "prefilled", "out", "dec_tok_s", "edit", "class")
 
 
 def _row(r: Result) -> tuple:
     ttft = f"{r.ttft_s * 1000:.0f}" + ("*" if r.ttft_kind == "total" else "")
     return (r.turn, r.path.rsplit("/", 1)[-1], ttft if r.status == 200 else f"HTTP {r.status}", r.prompt_tokens,
-            r.cached_tokens, r.prefilled_tokens, r.output_tokens, f"{r.decode_tok_s:.1f}",
-            "" if r.edit_point is None else r.edit_point, r.edit_class or "")
+            r.cached_tokens, "-" if r.shared_tokens is None else r.shared_tokens, r.prefilled_tokens,
+            r.output_tokens, f"{r.decode_tok_s:.1f}", "" if r.edit_point is None else r.edit_point,
+            r.edit_class or "")
 
 
 def text_table(rows: list[tuple], header: tuple) -> str:
@@ -38,16 +39,23 @@ def later_turns(results: list[Result]) -> list[Result]:
     return [r for r in results if r.turn >= 2 and r.status == 200]
 
 
+ENGINE_COUNTERS = ("prefilled_tokens", "reused_tokens", "shared_prefill_waits", "shared_prefill_tokens")
+
+
 def summary(by_mode: dict[str, list[Result]]) -> dict:
     out = {}
     for mode, results in by_mode.items():
         later = later_turns(results)
+        engine = getattr(results, "engine", {})
         out[mode] = {
             "requests": len(results), "failed": sum(r.status != 200 for r in results),
+            "wall_s": round(getattr(results, "wall_s", 0.0), 3),
+            "engine": {k: engine[k] for k in ENGINE_COUNTERS if k in engine},
             "median_ttft_s_turn1": _median([r.ttft_s for r in results if r.turn == 1 and r.status == 200]),
             "median_ttft_s_later": _median([r.ttft_s for r in later]),
             "prompt_tokens": sum(r.prompt_tokens for r in results),
             "cached_tokens": sum(r.cached_tokens for r in results),
+            "shared_tokens": sum(r.shared_tokens or 0 for r in results),
             "prefilled_tokens": sum(r.prefilled_tokens for r in results),
         }
     return out
@@ -60,9 +68,16 @@ def _median(values: list[float]) -> float | None:
 def summary_text(by_mode: dict[str, list[Result]]) -> str:
     s = summary(by_mode)
     rows = [(m, v["requests"], v["failed"], ms(v["median_ttft_s_turn1"]), ms(v["median_ttft_s_later"]),
-             v["prompt_tokens"], v["cached_tokens"], v["prefilled_tokens"]) for m, v in s.items()]
-    head = ("mode", "requests", "failed", "ttft_turn1_ms", "ttft_later_ms", "prompt", "cached", "prefilled")
-    return "summary (median TTFT; later = turns >= 2 of each session)\n" + text_table(rows, head)
+             ms(v["wall_s"]), v["prompt_tokens"], v["cached_tokens"], v["shared_tokens"], v["prefilled_tokens"])
+            for m, v in s.items()]
+    head = ("mode", "requests", "failed", "ttft_turn1_ms", "ttft_later_ms", "wall_ms", "prompt", "cached", "shared",
+            "prefilled")
+    text = "summary (median TTFT; later = turns >= 2 of each session; wall = first send to last answer)\n"
+    text += text_table(rows, head)
+    engines = [(m, *(v["engine"].get(k, "-") for k in ENGINE_COUNTERS)) for m, v in s.items() if v["engine"]]
+    if engines:
+        text += "\n\nengine counters after the replay\n" + text_table(engines, ("mode", *ENGINE_COUNTERS))
+    return text
 
 
 def ms(seconds: float | None) -> str:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -201,8 +201,7 @@ def forced_ids(renderer, tokenizer, conv: Conversation, prompt_text: str, reply:
     parts = ([ThinkingPart(reply.thinking)] if reply.thinking else []) + \
             ([TextPart(reply.text)] if reply.text else []) + \
             [ToolCallPart(n, a, f"call_{i}") for i, (n, a) in enumerate(reply.tool_calls)]
-    full = Conversation(conv.messages + (Message("assistant", tuple(parts) or (TextPart(""),)),), conv.tools,
-                        conv.enable_thinking, conv.extras)
+    full = replace(conv, messages=conv.messages + (Message("assistant", tuple(parts) or (TextPart(""),)),))
     text = renderer.render(full, add_generation_prompt=False).text
     if text.startswith(prompt_text) and "<|im_end|>" in text[len(prompt_text):]:
         tail = text[len(prompt_text):]

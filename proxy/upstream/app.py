@@ -59,7 +59,7 @@ def build_upstream_app(args: argparse.Namespace) -> web.Application:
     return create_upstream_app(config, tokenizer, ChatRenderer(tokenizer),
                                model_name=args.model_name or model or "killick-upstream",
                                context_length=context_length, api_key=args.api_key, keepalive_s=args.keepalive,
-                               planner=make_planner(args.cache_policy, load_registry(args.harness_rules)),
+                               planner=make_planner(args.cache_policy, load_registry(args.harness_rules), args.prompt_layout),
                                observer=Recorder(args.record) if args.record is not None else None)
 
 

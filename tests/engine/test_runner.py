@@ -12,7 +12,8 @@ from engine.runner import ModelRunner
 from engine.serving import EngineCore
 
 
-def run_all(core, reqs, timeout=60):
+def run_all(core, reqs, timeout=60, then=None):
+    """Submit every request (then call `then`, e.g. core.start for requests that arrive together) and wait."""
     results = {r.request_id: [] for r in reqs}
     finals, done = {}, threading.Event()
 
@@ -27,6 +28,8 @@ def run_all(core, reqs, timeout=60):
 
     for r in reqs:
         core.submit(r, sink_for(r.request_id))
+    if then is not None:
+        then()
     assert done.wait(timeout), "engine did not finish in time"
     return [results[r.request_id] for r in reqs], [finals[r.request_id] for r in reqs]
 
@@ -80,6 +83,32 @@ def test_prefix_reuse_gives_the_cold_output_and_reports_reused_tokens(engine):
     assert f3.usage.reused_tokens == (20 if hybrid else 30) and f3.usage.cache_tier == "device"
     assert out2 == engine.generate(turn2, max_new_tokens=6)
     assert out3 == engine.generate(edited, max_new_tokens=6)
+
+
+@pytest.mark.parametrize("share", [256, 0])
+def test_requests_sharing_a_prefix_in_flight_prefill_it_once(engine, share):
+    """Four requests with a 300-token prefix in common arrive together: the first prefills it, the others wait
+    for its checkpoint where they part and prefill only their own 20 tokens; outputs as without a cache."""
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(0, engine.config.vocab_size, (300,), generator=g).tolist()
+    ps = [shared + [k + 1] + torch.randint(0, engine.config.vocab_size, (19,), generator=g).tolist()
+          for k in range(4)]
+    cache = PrefixStore(engine.model, device_budget=256 << 20, host_budget=256 << 20)
+    core = EngineCore(ModelRunner(engine.model, cache=cache), max_running=4, max_step_tokens=64,
+                      share_prefill_min=share)
+    try:
+        got, finals = run_all(core, [GenerateRequest(p, 4) for p in ps], then=core.start)
+        stats = core.stats()
+    finally:
+        core.stop()
+    assert got == [engine.generate(p, max_new_tokens=4) for p in ps]
+    if share:
+        assert [f.usage.reused_tokens for f in finals] == [0, 300, 300, 300]
+        assert (stats["shared_prefill_waits"], stats["shared_prefill_tokens"]) == (3, 900)
+        assert stats["prefilled_tokens"] == 300 + 4 * 20
+    else:  # without waiting each prefills the whole prompt side by side
+        assert [f.usage.reused_tokens for f in finals] == [0] * 4 and stats["shared_prefill_waits"] == 0
+        assert stats["prefilled_tokens"] == 4 * 320
 
 
 def test_usage_reports_where_the_cache_kept_checkpoints(engine):

@@ -82,6 +82,60 @@ def test_prefill_only_request_finishes_with_length_when_prompt_is_computed():
     assert s.advance(s.schedule()[0], None) == "length"
 
 
+def prompt(shared, tail, n=1000):
+    return Sequence.from_request(GenerateRequest(list(range(1, shared + 1)) + [n + k for k in range(tail)], 4))
+
+
+def test_a_sequence_sharing_a_prefix_in_flight_waits_for_its_prefill():
+    s = Scheduler(max_running=4, max_step_tokens=64, share_min=32)
+    lead, small, other, close = prompt(300, 20), prompt(20, 20, 2000), prompt(0, 50, 3000), prompt(300, 20, 4000)
+    for q in (lead, small, other, close):
+        s.add(q)
+    s.admit()
+    assert [s.follow(q) for q in (lead, small, other, close)] == [False, False, False, True]
+    assert (close.leader, close.shared_at) == (lead, 300) and 300 in lead.checkpoint_positions
+    three = prompt(300, 40, 5000)  # followers never lead: the next one waits for the same prefill
+    s.running.append(three)
+    assert s.follow(three) and three.leader is lead
+    spans = []
+    while lead.prefilling:
+        work = s.schedule()
+        assert close not in [w.seq for w in work] and three not in [w.seq for w in work]
+        spans += [(w.start, w.end, w.checkpoint_positions, w.checkpoint_here) for w in work if w.seq is lead]
+        for w in work:
+            s.advance(w, 7 if w.samples else None)
+        ready = s.ready_followers()
+        assert ready == ([] if lead.num_computed < 300 else [close, three])
+        if ready:
+            break
+    assert (256, 320, (300,), True) in spans  # the leader snapshots where they part, inside its chunk
+    assert close.leader is None and three.leader is None
+
+
+def test_a_follower_is_let_go_when_its_leader_goes_and_small_gains_do_not_wait():
+    s = Scheduler(max_running=4, max_step_tokens=64, share_min=100)
+    lead, follower = prompt(300, 20), prompt(300, 5, 2000)
+    for q in (lead, follower):
+        s.add(q)
+    s.admit()
+    s.follow(lead)
+    assert s.follow(follower)
+    s.remove(lead, "abort")
+    assert s.ready_followers() == [follower] and not s.follow(follower)
+    s = Scheduler(max_running=4, max_step_tokens=64, share_min=100)
+    ahead, late = prompt(300, 20, 3000), prompt(300, 20, 4000)
+    ahead.num_computed = 300  # already past where they part, with no checkpoint there
+    s.running += [ahead, late]
+    assert not s.follow(late)
+    ahead.num_computed, late.num_computed = 100, 250  # late has 250 from the cache: 50 to gain < share_min
+    assert not s.follow(late)
+    late.num_computed = 150
+    assert s.follow(late)
+    off = Scheduler(share_min=0)
+    off.running += [ahead, late]
+    assert not off.follow(late)
+
+
 def test_bad_configuration_is_a_value_error():
     with pytest.raises(ValueError, match="max_running"):
         Scheduler(max_running=0)

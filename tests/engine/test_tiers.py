@@ -159,6 +159,36 @@ def test_pinned_nodes_move_to_host_and_are_dropped_last():
     cache.check()
 
 
+def test_a_prefix_many_sessions_share_outlives_the_newest_sessions_tail():
+    """Sessions a and b share P; c, the most recent, has a private history as big as P. Least recently used
+    would drop P (older than c) to fit the host budget; counting users drops the single-user nodes first."""
+    cache, ledger = PrefixCache(0, 30), Ledger()  # no device room: everything lives on the host
+    P = [1] * 8
+    for session, tail in (("a", [20, 21]), ("b", [30, 31])):
+        cache.pin(session, [put(cache, ledger, P + tail, ckpts=[8, 10])])
+    cache.pin("c", [put(cache, ledger, [50] * 10)])
+    assert cache.stats()["shared_nodes"] == 1 and cache.stats()["shared_tokens"] == 8
+    cache.set_budgets(host=12)  # a's tail, b's tail, then c's history go; P (9 bytes) stays
+    assert [tier_of(cache, x) for x in (P, P + [20, 21], P + [30, 31], [50] * 10)] == ["host", "gone", "gone", "gone"]
+    assert cache.stats()["pinned_drops"] == 3 and cache.stats()["shared_evictions"] == 0
+    cache.set_budgets(host=8)  # the budget still wins over a shared pin
+    assert tier_of(cache, P) == "gone" and cache.stats()["shared_evictions"] == 1
+    cache.check()
+
+
+def test_shared_nodes_stay_on_the_device_while_private_ones_are_demoted():
+    cache, ledger = PrefixCache(20, 100), Ledger()
+    P = [1] * 8
+    for session, tail in (("a", [20]), ("b", [30])):
+        cache.pin(session, [put(cache, ledger, P + tail, ckpts=[8, 9])])
+    put(cache, ledger, [50] * 9)  # 10 bytes, the newest: the private tails go to the host, not P
+    assert [tier_of(cache, x) for x in (P, P + [20], P + [30], [50] * 9)] == ["device", "host", "host", "device"]
+    cache.unpin("a")  # one user left: P is private again and, the oldest, goes next
+    put(cache, ledger, [60] * 4)
+    assert [tier_of(cache, x) for x in (P, [50] * 9, [60] * 4)] == ["host", "device", "device"]
+    cache.check()
+
+
 def test_unpin_makes_nodes_droppable_again_and_pin_covers_ancestors():
     cache, ledger = PrefixCache(100, 100), Ledger()
     put(cache, ledger, [1, 2, 3], ckpts=[1, 3])
@@ -240,7 +270,7 @@ def step(cache, ref, ledger, held, op):
         except ValueError:
             assert any(m.node is not None for m in held)
     elif kind == "budget":
-        locked = cache.bytes["device"] - cache._lru["device"].nbytes
+        locked = cache.bytes["device"] - cache._evictable_bytes("device")
         cache.set_budgets(device=max(n, locked), host=n // 2 + 5)
 
 

@@ -268,3 +268,21 @@ def test_template_that_rewrites_history_still_segments_exactly():
         "<|im_start|>user\na<|im_end|>\n", "<|im_start|>assistant\nx<|im_end|>\n", "<|im_start|>user\nb<|im_end|>\n",
         "<|im_start|>assistant\n<think>\nr2\n</think>\n\ny<|im_end|>\n"]
     assert [(piece(r, s), s.message_index) for s in r.of_kind("think")] == [("<think>\nr2\n</think>", 3)]
+
+
+def test_volatile_system_lines_end_the_system_turn_after_the_tools(renderer):
+    from dataclasses import replace
+
+    conv = replace(agent_conv(), volatile="Working directory: /work\nToday: Monday")
+    r = renderer.render(conv)
+    head, tail = EXPECTED.split("</tool_call><|im_end|>\n", 1)
+    assert r.text == head + "</tool_call>\n\nWorking directory: /work\nToday: Monday<|im_end|>\n" + tail
+    (volatile,) = r.of_kind("volatile")
+    assert piece(r, volatile) == "Working directory: /work\nToday: Monday" and volatile.message_index == 0
+    assert r.of_kind("tools")[0].end < volatile.start and volatile.end < r.of_kind("system")[0].end
+    before = renderer.render(agent_conv())
+    assert [piece(r, s) for s in r.of_kind("message")][1:] == [piece(before, s) for s in before.of_kind("message")][1:]
+    plain = ChatRenderer(TOK, template=PLAIN).render(conv)  # no ChatML system turn: the system text ends with them
+    assert plain.text.startswith("[system] You are a coding agent.\n\nWorking directory: /work\nToday: Monday\n")
+    with pytest.raises(ValueError, match="first system message"):
+        renderer.render(replace(conv, messages=conv.messages[1:]))

@@ -44,7 +44,7 @@ def _app(model_dir, **kw):
     return create_app(core, tok, ChatRenderer(tok), model_name="tiny", planner=PolicyPlanner(), **kw)
 
 
-async def _agent(base: str, turns: int) -> None:
+async def _agent(base: str, turns: int, session: str = "ses_1") -> None:
     """A minimal harness: streamed chat completions, runs each tool call (answering 'ok'), appends, repeats."""
     messages = [{"role": "system", "content": "You are a coding agent."},
                 {"role": "user", "content": "Fix the bug in calc.py"}]
@@ -52,7 +52,7 @@ async def _agent(base: str, turns: int) -> None:
         for _ in range(turns):
             body = {"model": "m", "stream": False, "messages": messages, "tools": TOOLS}
             async with s.post(base + "/v1/chat/completions", json=body,
-                              headers={"Authorization": "Bearer secret-key", "x-session-id": "ses_1"}) as r:
+                              headers={"Authorization": "Bearer secret-key", "x-session-id": session}) as r:
                 assert r.status == 200, await r.text()
                 message = (await r.json())["choices"][0]["message"]
             messages.append({k: v for k, v in message.items() if k in ("role", "content", "tool_calls",
@@ -65,22 +65,33 @@ async def test_record_then_replay_round_trip(aiohttp_server, model_dir, tmp_path
     script = Script.load(FIXTURES / "script.json", workdir="/w")
     recorder = await aiohttp_server(_app(model_dir, replies=Scripted(script), observer=Recorder(tmp_path / "rec")))
     await _agent(str(recorder.make_url("")).rstrip("/"), turns=3)
-    files = list((tmp_path / "rec").glob("*.jsonl"))
-    lines = [json.loads(x) for f in files for x in f.read_text().splitlines()]
-    assert len(lines) == 3 and all(x["status"] == 200 for x in lines)
+    await _agent(str(recorder.make_url("")).rstrip("/"), turns=1, session="ses_2")  # same system prompt, tools
+    files = sorted((tmp_path / "rec").glob("*.jsonl"))
+    lines = sorted((json.loads(x) for f in files for x in f.read_text().splitlines()), key=lambda x: x["ts"])
+    assert len(lines) == 4 and all(x["status"] == 200 for x in lines)
     assert lines[0]["headers"]["Authorization"] == "<redacted>"
-    assert [x["metrics"]["edit_class"] for x in lines] == ["first", "append", "append"]
+    assert [x["metrics"]["edit_class"] for x in lines] == ["first", "append", "append", "first"]
     assert lines[1]["response"]["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "read"
+    # the tokens the second session took from the first one's cache
+    assert [x["metrics"]["shared_tokens"] for x in lines[:3]] == [0, 0, 0]
+    assert lines[3]["metrics"]["shared_tokens"] == lines[3]["metrics"]["reused_tokens"] > 0
 
     entries = replay_log.load(files)
-    assert [e.reply() is not None for e in entries] == [True] * 3
+    assert [e.reply() is not None for e in entries] == [True] * 4
     fresh = await aiohttp_server(_app(model_dir, replies=ForcedResponses()))
     results = await replay(str(fresh.make_url("")).rstrip("/"), entries)
-    assert [r.status for r in results] == [200] * 3
+    assert [r.status for r in results] == [200] * 4
     assert [r.prompt_tokens for r in results] == [x["metrics"]["prompt_tokens"] for x in lines]
     assert [r.output_tokens for r in results] == [x["metrics"]["output_tokens"] for x in lines]
-    assert [r.edit_class for r in results] == ["first", "append", "append"]
+    assert [r.edit_class for r in results] == ["first", "append", "append", "first"]
     assert all(r.cached_tokens > 0 for r in results[1:])
+    assert [r.shared_tokens for r in results] == [0, 0, 0, results[3].cached_tokens]
+    assert results.engine["requests"] == 4 and results.wall_s > 0
+    # side by side: both sessions start at once, each in its own order; results come back in recorded order
+    again = await aiohttp_server(_app(model_dir, replies=ForcedResponses()))
+    together = await replay(str(again.make_url("")).rstrip("/"), entries, concurrent=True)
+    assert [(r.index, r.session, r.turn) for r in together] == [(r.index, r.session, r.turn) for r in results]
+    assert [r.output_tokens for r in together] == [r.output_tokens for r in results]
 
 
 async def test_forced_responses_need_the_flag(aiohttp_server, model_dir):
@@ -158,9 +169,9 @@ def test_fixture_replay_anchors_beat_cache_off(name, demo_size_dir):
 
 
 def test_fixtures_fit_the_size_budget():
-    total = sum(p.stat().st_size for p in FIXTURES.iterdir())
-    assert total <= 5 * 2**20
-    for path in FIXTURES.glob("*.jsonl.gz"):
+    files = [p for folder in (FIXTURES, FIXTURES.parent / "sharing") for p in folder.iterdir() if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 5 * 2**20
+    for path in [p for p in files if p.name.endswith(".jsonl.gz")]:
         with gzip.open(path, "rt") as fh:
             first = json.loads(fh.readline())
         assert {"ts", "method", "path", "headers", "body", "response", "metrics"} <= first.keys()

@@ -1,0 +1,95 @@
+"""The prompt of every request of the bundled recordings (fixtures/sessions/), rendered as `killick serve`
+renders it: with `--prompt-layout template` byte for byte what it was before the stable-first layout existed
+(digests in data/recorded_render_digests.json, written by running this module at commit 9ae45fa)."""
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "sessions"
+DIGESTS = Path(__file__).resolve().parent / "data" / "recorded_render_digests.json"
+
+
+def _sha(data: str) -> str:
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def render_digests(layout: str | None = None) -> dict:
+    """recording -> "sha of the prompt text, sha of its token ids" per request."""
+    from proxy.policy.planner import HarnessNormalizer
+    from proxy.prompt.render import ChatRenderer
+    from proxy.prompt.tokenizer import load_tokenizer
+    from proxy.replay.log import conversation, load
+
+    renderer = ChatRenderer(load_tokenizer(None))
+    harness = HarnessNormalizer() if layout is None else HarnessNormalizer(layout=layout)
+    out = {}
+    for path in sorted(FIXTURES.glob("*.jsonl.gz")):
+        rows = []
+        for entry in load([path]):
+            conv = harness.normalize(conversation(entry), entry.headers, entry.body)
+            rendered = renderer.render(conv)
+            rows.append(f"{_sha(rendered.text)} {_sha(json.dumps(rendered.ids))}")
+        out[path.name.split(".jsonl")[0]] = rows
+    return out
+
+
+if __name__ == "__main__":
+    DIGESTS.write_text(json.dumps(render_digests(*sys.argv[1:2]), indent=1) + "\n")
+
+
+def test_template_layout_renders_every_recorded_prompt_as_before():
+    assert render_digests("template") == json.loads(DIGESTS.read_text())
+
+
+def test_stable_layout_only_reorders_the_system_turn():
+    """Same characters in the system turn, the volatile lines after the tools, everything after it as before."""
+    from collections import Counter
+
+    from proxy.policy.planner import HarnessNormalizer
+    from proxy.prompt.render import ChatRenderer
+    from proxy.prompt.tokenizer import load_tokenizer
+    from proxy.replay.log import conversation, load
+
+    renderer = ChatRenderer(load_tokenizer(None))
+    moved = 0
+    for path in sorted(FIXTURES.glob("*.jsonl.gz")):
+        for entry in load([path]):
+            texts = []
+            for layout in ("template", "stable"):
+                conv = HarnessNormalizer(layout=layout).normalize(conversation(entry), entry.headers, entry.body)
+                rendered = renderer.render(conv)
+                texts.append(rendered.text)
+            (old, new), (a, b) = texts, (t.find("<|im_end|>") for t in texts)
+            assert new[b:] == old[a:] and Counter(new[:b].replace("\n", "")) == Counter(old[:a].replace("\n", ""))
+            volatile = rendered.of_kind("volatile")
+            if volatile:
+                moved += 1
+                (tools,) = rendered.of_kind("tools")
+                assert tools.end <= volatile[0].start and volatile[0].end <= rendered.of_kind("system")[0].end
+    assert moved >= 40  # Claude Code, OpenCode and OpenClaw requests carry volatile lines
+
+
+@pytest.mark.parametrize("name", ["claude", "opencode", "codex"])
+def test_sessions_in_other_directories_share_most_of_their_first_prompt(name):
+    """fixtures/sharing/: the first prompt of sessions b, c, d (other working directories) against a's. Stable
+    first, they part after >= 85% of the prompt; in the template's order Claude Code's part after 3%."""
+    from engine.common_prefix import common_prefix_len
+    from proxy.policy.planner import HarnessNormalizer
+    from proxy.prompt.render import ChatRenderer
+    from proxy.prompt.tokenizer import load_tokenizer
+    from proxy.replay.log import conversation, first_turns, load
+
+    renderer = ChatRenderer(load_tokenizer(None))
+    entries = [e for e in first_turns(load([FIXTURES.parent / "sharing" / f"{name}.jsonl.gz"]), 1)
+               if e.metrics.get("kind") == "main" and "~" not in e.session][:4]
+    shares = {}
+    for layout in ("stable", "template"):
+        ids = [renderer.render(HarnessNormalizer(layout=layout).normalize(conversation(e), e.headers, e.body)).ids
+               for e in entries]
+        shares[layout] = [common_prefix_len(ids[0], other) / len(other) for other in ids[1:]]
+    assert len(shares["stable"]) == 3 and min(shares["stable"]) >= 0.85, shares
+    if name == "claude":
+        assert max(shares["template"]) < 0.05, shares
