@@ -22,13 +22,13 @@ from proxy.apis.chat import handlers as chat
 from proxy.apis.control import add_control_routes
 from proxy.apis.responses import handlers as responses
 from proxy.apis.responses.store import RESPONSES, ResponseStore
+from proxy.body import MAX_BODY
 from proxy.context import CTX, ServerContext
 from proxy.errors import ApiError, error_middleware, is_anthropic_path
 from proxy.generation import TURN, ReplySource, Turn
 from proxy.policy.planner import NoAnchors, Planner
 
 log = logging.getLogger("killick.proxy")
-MAX_BODY = 64 * 2**20  # agent requests with long histories reach megabytes
 _API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_tokens",
            "/v1/chat/completions": "chat", "/v1/responses": "responses"}
 GENERATING_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")

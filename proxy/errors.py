@@ -6,7 +6,6 @@ The flavour is chosen by route (/v1/messages* is Anthropic, everything else Open
 """
 from __future__ import annotations
 
-import json
 import logging
 
 import pydantic
@@ -21,7 +20,9 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",
@@ -29,9 +30,12 @@ _ANTHROPIC_TYPES = {
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -39,14 +43,17 @@ _OPENAI_TYPES = {
 
 
 class ApiError(Exception):
-    """A request the server refuses; `param` names the offending field (dotted path) where there is one."""
+    """A request the server refuses; `param` names the offending field (dotted path) where there is one;
+    `headers` go out with the answer (Retry-After on a 429)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
 
 def anthropic_body(err: ApiError) -> dict:
@@ -68,7 +75,7 @@ def error_body(path: str, err: ApiError) -> dict:
 
 
 def error_response(path: str, err: ApiError) -> web.Response:
-    return web.json_response(error_body(path, err), status=err.status)
+    return web.json_response(error_body(path, err), status=err.status, headers=err.headers)
 
 
 def from_validation(exc: pydantic.ValidationError) -> ApiError:
@@ -87,18 +94,6 @@ _TYPE_LABELS = {"str", "int", "float", "bool", "dict", "list", "none", "function
 def _is_union_label(part) -> bool:
     """pydantic puts union member names ('str', 'list[...]', 'TextBlock') into error locations; drop them."""
     return isinstance(part, str) and (part in _TYPE_LABELS or "[" in part or part[:1].isupper())
-
-
-async def read_json_object(request: web.Request) -> dict:
-    """The request body as a JSON object, or a 400 that says what is wrong with it."""
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 @web.middleware

@@ -144,7 +144,7 @@ def _arguments(text: str):
     """Parsed JSON (templates iterate over or tojson it); text that is not JSON stays text."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return text
 
 

@@ -14,8 +14,8 @@ import uuid
 from aiohttp import web
 
 from proxy.apis.anthropic.schema import CountTokensRequest, MessagesRequest, gen_params, to_conversation
+from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.errors import read_json_object
 from proxy.generation import Finished, Generation, Keepalive, answer_whole, normalize, prepare, render
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall
 from proxy.sse import SSEWriter

@@ -13,8 +13,8 @@ import uuid
 from aiohttp import web
 
 from proxy.apis.chat.schema import ChatRequest, check_supported, gen_params, to_conversation
+from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.errors import read_json_object
 from proxy.generation import Finished, Generation, Keepalive, answer_whole, prepare
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall
 from proxy.sse import SSEWriter

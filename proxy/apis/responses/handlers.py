@@ -14,8 +14,9 @@ from aiohttp import web
 from proxy.apis.responses.output import OutputItems
 from proxy.apis.responses.schema import ResponsesRequest, custom_tool_names, gen_params, input_messages, to_conversation
 from proxy.apis.responses.store import RESPONSES, ResponseStore
+from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.errors import ApiError, read_json_object
+from proxy.errors import ApiError
 from proxy.generation import Finished, Generation, Keepalive, prepare, run_to_finish
 from proxy.sse import SSEWriter
 
