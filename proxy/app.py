@@ -1,12 +1,12 @@
 """The aiohttp application: one factory, typed app state, middlewares for errors / auth / metrics.
 
     create_app(core, tokenizer, renderer, model_name=..., context_length=..., api_key=...,
-               planner=None, replies=None, observer=None)
+               planner=None, replies=None, observer=None, sites=Sites())
 
 Every handler reads parse -> normalise -> render -> plan -> submit -> stream (see proxy/generation.py).
 The engine core is started and stopped through cleanup_ctx, so the app owns its lifetime. Scripts, replay
 and test answers plug in as one reply source (`replies`, proxy/replay/sources.py); a recorder observes each
-finished API request through one hook (`observer`, proxy/replay/record.py).
+finished API request through one hook (`observer`, proxy/replay/record.py). Which web pages may reach the server at all: proxy/sites.py.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from proxy.context import CTX, ServerContext
 from proxy.errors import ApiError, error_middleware, is_anthropic_path
 from proxy.generation import TURN, ReplySource, Turn
 from proxy.policy.planner import NoAnchors, Planner
+from proxy.sites import Sites, sites_middleware
 
 log = logging.getLogger("killick.proxy")
 _API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_tokens",
@@ -47,8 +48,9 @@ class TurnObserver(Protocol):
 def create_app(core, tokenizer, renderer, *, model_name: str = "killick", context_length: int | None = None,
                api_key: str | None = None, keepalive_s: float = 5.0, default_max_tokens: int = 8192,
                planner: Planner | None = None, replies: ReplySource | None = None,
-               observer: TurnObserver | None = None) -> web.Application:
+               observer: TurnObserver | None = None, sites: Sites = Sites()) -> web.Application:
     """The queue limit is the engine's (EngineCore(max_running, max_waiting)): a full queue answers 429.
+    `sites`: the Origin / Host checks (proxy/sites.py); the default is a loopback bind's.
 
     context_length defaults to the engine runner's, i.e. the real KV budget of one sequence.
     """
@@ -60,7 +62,7 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
     ctx = ServerContext(core=core, tokenizer=tokenizer, renderer=renderer, model_name=model_name,
                         context_length=context_length, keepalive_s=keepalive_s,
                         default_max_tokens=default_max_tokens, planner=planner or NoAnchors(), replies=replies)
-    middlewares = [metrics_middleware, error_middleware, auth_middleware(api_key)]
+    middlewares = [metrics_middleware, error_middleware, sites_middleware(sites), auth_middleware(api_key)]
     if observer is not None:
         middlewares.insert(0, observe_middleware(observer))  # outermost: it sees the status answered
     app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)

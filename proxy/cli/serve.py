@@ -2,9 +2,10 @@
 
     killick serve [--model DIR] [--host 127.0.0.1] [--port 8421] [--api-key KEY] [--max-running 4]
                   [--cache-policy anchors|prefix] [--record DIR] [--script FILE [--script-var K=V]]
-                  [--allow-forced-responses]
+                  [--allow-forced-responses] [--allow-origin ORIGIN] [--allow-host NAME]
 
-Without --model the embedded demo checkpoint is used. One startup line names the URL.
+Without --model the embedded demo checkpoint is used. One startup line names the URL. Web pages may not reach the server
+unless --allow-origin names them (proxy/sites.py).
 --record appends every API request with its response and cache metrics to DIR (proxy/replay/record.py);
 --script answers from a script by forced decoding (proxy/replay/scripted.py); --allow-forced-responses honours
 replay's x-killick-force-response header (off by default: a client must not choose the model's output).
@@ -29,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8421)
     parser.add_argument("--api-key", metavar="KEY", help="require this key (Bearer or x-api-key) on every route "
                                                          "but /health")
+    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="let web pages from ORIGIN (e.g. https://app.example) call the server; '*' any "
+                             "(repeatable; default: loopback pages only)")
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="accept Host: NAME on a loopback bind (repeatable; default: localhost, 127.0.0.1, "
+                             "[::1] only, which stops DNS rebinding)")
     parser.add_argument("--model-name", default=None, help="name in /v1/models (default: the model directory)")
     parser.add_argument("--harness-rules", metavar="FILE", help="extra harness normalisation rules (JSON/TOML)")
     parser.add_argument("--keepalive", type=float, default=5.0, metavar="S",
@@ -83,6 +90,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     from proxy.app import create_app
     from proxy.prompt.render import ChatRenderer
     from proxy.replay.record import Recorder
+    from proxy.sites import Sites
 
     opts = options_from_args(args)
     model_dir = resolve_model(args.model)
@@ -91,11 +99,14 @@ def build_app(args: argparse.Namespace) -> web.Application:
     planner = make_planner(args.cache_policy, load_registry(args.harness_rules))
     return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=args.model_name or model_dir.name,
                       api_key=args.api_key, keepalive_s=args.keepalive, planner=planner,
-                      replies=reply_source(args), observer=Recorder(args.record) if args.record is not None else None)
+                      replies=reply_source(args), observer=Recorder(args.record) if args.record is not None else None,
+                      sites=Sites.for_bind(args.host, args.allow_origin, args.allow_host))
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    from proxy.sites import is_loopback
+
+    if not is_loopback(args.host):
         log.warning("binding %s: the API is reachable from other machines", args.host)
     app = build_app(args)
     asyncio.run(_serve(app, args.host, args.port))
