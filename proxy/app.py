@@ -6,12 +6,14 @@
 Every handler reads parse -> normalise -> render -> plan -> submit -> stream (see proxy/generation.py).
 The engine core is started and stopped through cleanup_ctx, so the app owns its lifetime. Scripts, replay
 and test answers plug in as one reply source (`replies`, proxy/replay/sources.py); a recorder observes each
-finished API request through one hook (`observer`, proxy/replay/record.py). Which web pages may reach the server at all: proxy/sites.py.
+finished API request through one hook (`observer`, proxy/replay/record.py); it hears only of requests that
+passed authentication. Which web pages may reach the server at all: proxy/sites.py.
 """
 from __future__ import annotations
 
 import hmac
 import logging
+import re
 import time
 from typing import Protocol
 
@@ -30,6 +32,8 @@ from proxy.policy.planner import NoAnchors, Planner
 from proxy.sites import Sites, sites_middleware
 
 log = logging.getLogger("killick.proxy")
+AUTHENTICATED = web.RequestKey("killick_authenticated", bool)
+_BEARER = re.compile(r"bearer\s+", re.IGNORECASE)
 _API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_tokens",
            "/v1/chat/completions": "chat", "/v1/responses": "responses"}
 GENERATING_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
@@ -99,17 +103,22 @@ async def _engine_lifetime(app: web.Application):
 def auth_middleware(api_key: str | None):
     @web.middleware
     async def check_key(request: web.Request, handler):
-        if api_key is None or request.path == "/health":
-            return await handler(request)
-        bearer = request.headers.get("Authorization", "")
-        offered = bearer[7:] if bearer.startswith("Bearer ") else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(offered.encode(), api_key.encode()):
+        if api_key is not None and request.path != "/health" and not key_matches(request.headers, api_key):
             what = "x-api-key" if is_anthropic_path(request.path) else "API key"
             raise ApiError(401, f"invalid {what}: send the server's --api-key as 'Authorization: Bearer KEY' "
                                 "or 'x-api-key: KEY'", code="invalid_api_key")
+        request[AUTHENTICATED] = True
         return await handler(request)
 
     return check_key
+
+
+def key_matches(headers, api_key: str) -> bool:
+    """`Authorization: Bearer KEY` (the scheme in any case) or `x-api-key: KEY`, compared in constant time;
+    header bytes that are not UTF-8 compare as they came."""
+    bearer = _BEARER.match(headers.get("Authorization", ""))
+    offered = headers["Authorization"][bearer.end():] if bearer else headers.get("x-api-key", "")
+    return hmac.compare_digest(offered.encode("utf-8", "surrogateescape"), api_key.encode())
 
 
 def observe_middleware(observer: TurnObserver):
@@ -126,7 +135,8 @@ def observe_middleware(observer: TurnObserver):
             status = exc.status
             raise
         finally:
-            await observer.turn_done(request, request.get(TURN), status, started)
+            if request.get(AUTHENTICATED):
+                await observer.turn_done(request, request.get(TURN), status, started)
 
     return observe
 

@@ -4,7 +4,8 @@
                   [--cache-policy anchors|prefix] [--record DIR] [--script FILE [--script-var K=V]]
                   [--allow-forced-responses] [--allow-origin ORIGIN] [--allow-host NAME]
 
-Without --model the embedded demo checkpoint is used. One startup line names the URL. Web pages may not reach the server
+Without --model the embedded demo checkpoint is used. One startup line names the URL. The key can come from
+KILLICK_API_KEY instead of --api-key (which `ps` shows to every user). Web pages may not reach the server
 unless --allow-origin names them (proxy/sites.py).
 --record appends every API request with its response and cache metrics to DIR (proxy/replay/record.py);
 --script answers from a script by forced decoding (proxy/replay/scripted.py); --allow-forced-responses honours
@@ -15,11 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from aiohttp import web
 
 log = logging.getLogger("killick.proxy")
 MAX_HEADER = 1 << 20  # x-killick-force-response carries a whole recorded reply
+KEY_ENV = "KILLICK_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8421)
     parser.add_argument("--api-key", metavar="KEY", help="require this key (Bearer or x-api-key) on every route "
-                                                         "but /health")
+                                                         f"but /health (default: ${KEY_ENV}, which ps does not show)")
     parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                         help="let web pages from ORIGIN (e.g. https://app.example) call the server; '*' any "
                              "(repeatable; default: loopback pages only)")
@@ -98,9 +101,14 @@ def build_app(args: argparse.Namespace) -> web.Application:
     core = build_core(model_dir, opts)
     planner = make_planner(args.cache_policy, load_registry(args.harness_rules))
     return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=args.model_name or model_dir.name,
-                      api_key=args.api_key, keepalive_s=args.keepalive, planner=planner,
+                      api_key=api_key(args), keepalive_s=args.keepalive, planner=planner,
                       replies=reply_source(args), observer=Recorder(args.record) if args.record is not None else None,
                       sites=Sites.for_bind(args.host, args.allow_origin, args.allow_host))
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $KILLICK_API_KEY; an empty value means no key."""
+    return args.api_key or os.environ.get(KEY_ENV) or None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -92,6 +92,18 @@ async def test_health_is_open_but_everything_else_needs_the_key(aiohttp_client, 
     assert (await client.get("/metrics", headers={"Authorization": "Bearer k"})).status == 200
 
 
+async def test_bearer_scheme_in_any_case_and_key_bytes_that_are_not_utf8(aiohttp_client, fake_stack, monkeypatch):
+    app, _ = fake_stack(api_key="k")
+    client = await aiohttp_client(app)
+    for auth in ("Bearer k", "bearer k", "BEARER  k"):
+        assert (await client.get("/v1/models", headers={"Authorization": auth})).status == 200
+    for bad in ("Bearer kk", "Basic k", "bearerk"):
+        assert (await client.get("/v1/models", headers={"Authorization": bad})).status == 401
+    # a 0xFF byte in the key header: refused, not a 500
+    resp = await client.get("/v1/models", headers={"x-api-key": b"\xffk".decode("latin-1")})
+    assert resp.status == 401
+
+
 async def test_stop_sequence_ends_the_answer(aiohttp_client, fake_stack):
     app, core = fake_stack()
     client = await aiohttp_client(app)
