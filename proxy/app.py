@@ -16,6 +16,7 @@ import logging
 import re
 import time
 from typing import Protocol
+from urllib.parse import quote
 
 from aiohttp import web
 
@@ -34,6 +35,7 @@ from proxy.sites import Sites, sites_middleware
 log = logging.getLogger("killick.proxy")
 AUTHENTICATED = web.RequestKey("killick_authenticated", bool)
 _BEARER = re.compile(r"bearer\s+", re.IGNORECASE)
+_HEADER_UNSAFE = re.compile(r"[^\x20-\x7e]|%")  # what a header value may not carry as is
 _API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_tokens",
            "/v1/chat/completions": "chat", "/v1/responses": "responses"}
 GENERATING_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
@@ -150,7 +152,13 @@ async def plan_headers(request: web.Request, response: web.StreamResponse) -> No
     fields = turn.plan.fields()
     for name, key in PLAN_HEADERS.items():
         if fields.get(key) is not None:
-            response.headers[name] = str(fields[key])
+            response.headers[name] = header_safe(str(fields[key]))
+
+
+def header_safe(value: str) -> str:
+    """Printable ASCII as is, everything else percent-encoded: a session id is the agent's text, and CR, LF
+    or NUL in a header would break the response after the engine has run."""
+    return _HEADER_UNSAFE.sub(lambda m: quote(m.group(), safe="", errors="surrogateescape"), value)
 
 
 @web.middleware

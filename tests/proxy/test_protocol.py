@@ -104,6 +104,25 @@ async def test_bearer_scheme_in_any_case_and_key_bytes_that_are_not_utf8(aiohttp
     assert resp.status == 401
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": "m", "user": "a\r\nX-Evil: 1\x00b", "messages": [{"role": "user",
+                                                                                       "content": "hi"}]}),
+    ("/v1/responses", {"model": "m", "prompt_cache_key": "k\r\n\x00é", "input": "hi"}),
+    ("/v1/messages", {"model": "m", "max_tokens": 3, "metadata": {"user_id": "u\n\r\x00"}, "stream": True,
+                      "messages": [{"role": "user", "content": "hi"}]}),
+])
+async def test_control_characters_in_session_ids_do_not_break_the_answer(aiohttp_client, fake_stack, path, body):
+    from proxy.policy.cache_policy import PolicyPlanner
+
+    app, core = fake_stack(planner=PolicyPlanner())
+    client = await aiohttp_client(app)
+    resp = await client.post(path, json=body)
+    assert resp.status == 200 and await resp.read()
+    session = resp.headers["x-killick-session"]
+    assert session.isprintable() and session.isascii() and "%00" in session  # percent-encoded, not dropped
+    assert "X-Evil" not in resp.headers
+
+
 async def test_stop_sequence_ends_the_answer(aiohttp_client, fake_stack):
     app, core = fake_stack()
     client = await aiohttp_client(app)
