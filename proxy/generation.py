@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("killick.proxy")
 
 Finish = Literal["stop", "length", "tool_calls", "stop_sequence", "abort", "error"]
+RETRY_AFTER_S = 1  # a full queue drains in about a turn
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,8 @@ class Generation:
         try:
             self.stream = self.ctx.core.stream(self.req)
         except OverflowError as exc:
-            raise ApiError(429, f"server busy: {exc}; retry shortly", code="rate_limit_exceeded") from None
+            raise ApiError(429, f"server busy: {exc}; retry shortly", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ValueError as exc:  # the engine says this request can never run
             raise ApiError(400, str(exc)) from None
         self.ctx.in_flight += 1

@@ -61,10 +61,11 @@ async def test_full_queue_answers_429_in_each_shape(aiohttp_client, fake_stack):
     busy = [asyncio.ensure_future(client.post("/v1/messages", json=msg)) for _ in range(4)]
     await asyncio.sleep(0.2)
     resp = await client.post("/v1/messages", json=msg)
-    assert resp.status == 429
+    assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1
     assert (await resp.json())["error"]["type"] == "rate_limit_error"
     resp = await client.post("/v1/chat/completions", json={"model": "m", "messages": msg["messages"]})
     assert resp.status == 429 and (await resp.json())["error"]["code"] == "rate_limit_exceeded"
+    assert int(resp.headers["Retry-After"]) >= 1
     for r in await asyncio.gather(*busy):
         assert r.status == 200
 
