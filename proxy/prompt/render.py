@@ -1,8 +1,9 @@
 """Conversation -> prompt token ids, with the segment boundaries the cache manager plans around.
 
 The chat template renders the whole conversation once; the ids are exactly `tokenizer.encode(text)` of the
-whole text (never a concatenation of separately rendered pieces). Segments are then found on the text and mapped to token offsets through the
-tokenizer's offset mapping:
+whole text (never a concatenation of separately rendered pieces), except that special-token text written by
+the conversation (not by the template) is encoded as plain text (proxy/prompt/literal.py). Segments are then
+found on the text and mapped to token offsets through the tokenizer's offset mapping:
   system            the system turn, tools included          message_index 0, or None if template-made
   tools             the <tools>...</tools> block inside it   (only when the template writes one)
   message           one Conversation message, from its <|im_start|> to after its <|im_end|>\n; a tool result
@@ -27,6 +28,7 @@ from typing import Literal
 from engine.common_prefix import common_prefix_len
 from proxy.conversation import Conversation, Message, ThinkingPart, ToolCallPart, ToolResultPart
 from proxy.prompt.chat_template import compile_template, render_template
+from proxy.prompt.literal import ContentMarks
 from proxy.prompt.tokenizer import Tokenizer
 
 SegmentKind = Literal["system", "tools", "message", "think", "tool_call", "tool_response", "body",
@@ -67,10 +69,13 @@ class ChatRenderer:
         source = tokenizer.chat_template if template is None else template
         self._origin = "the chat template given" if template is not None else str(tokenizer.template_path)
         self._template = compile_template(source, self._origin)
+        self._source = source
 
     def render(self, conv: Conversation, add_generation_prompt: bool = True) -> Rendered:
         msgs, owners = template_messages(conv)
         tools = template_tools(conv)
+        marks = ContentMarks(self.tokenizer.specials, (msgs, tools), reserved=self._source)
+        msgs, tools = marks.mark(msgs), marks.mark(tools)
         body = self._render(msgs, tools, conv.enable_thinking, False)
         text = self._render(msgs, tools, conv.enable_thinking, True) if add_generation_prompt else body
         if not text.startswith(body):  # a template that changes earlier text when asked to generate
@@ -81,7 +86,8 @@ class ChatRenderer:
         spans = _char_segments(body, msgs, owners, starts)
         if len(text) > len(body):
             spans.append(("generation_prompt", len(body), len(text), None))
-        ids, offsets = self.tokenizer.encode_with_offsets(text)
+        text, literal_at = marks.restore(text)
+        ids, offsets = self.tokenizer.encode_with_offsets(text, literal_at)
         return Rendered(ids, text, _to_token_segments(spans, offsets), tuple(o[0] for o in offsets))
 
     def _render(self, msgs: list[dict], tools: list[dict], thinking: bool, generation: bool) -> str:

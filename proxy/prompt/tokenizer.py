@@ -3,7 +3,8 @@
 `load_tokenizer(model_dir)` uses the model directory's own `tokenizer.json` and chat template when present
 (`chat_template.jinja`, else `chat_template` in `tokenizer_config.json`), and killick's shipped ones
 (fixtures/tokenizer/, see train_tokenizer.py there) otherwise. Special tokens written in text are parsed as
-the special tokens they name: the chat template relies on it.
+the special tokens they name (the chat template relies on it), except where the caller says the text is the
+conversation's own (`literal_at`, see proxy/prompt/literal.py): there they are encoded as plain characters.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import Collection
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -41,32 +43,45 @@ class Tokenizer:
         if eos_token and eos_token not in eos and hf.token_to_id(eos_token) is not None:
             eos.append(eos_token)
         self.eos_ids: tuple[int, ...] = tuple(hf.token_to_id(s) for s in eos)
+        self.specials = tuple(sorted(self.special_ids, key=len, reverse=True))
+        self._added = {t.content: i for i, t in hf.get_added_tokens_decoder().items()}
         self._added_re = _added_token_splitter(hf)
+        self._plain = _HFTokenizer.from_str(hf.to_str())  # special-token text in it is just text
+        self._plain.encode_special_tokens = True
         self._chunks: OrderedDict[str, tuple[list[int], list[tuple[int, int]]]] = OrderedDict()
         self._chunks_lock = threading.Lock()  # the proxy and the engine thread may both encode
 
     def encode(self, text: str) -> list[int]:
         return self.encode_with_offsets(text)[0]
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Ids and, per token, the (start, end) character span of `text` it came from.
+    def encode_with_offsets(self, text: str,
+                            literal_at: Collection[int] = ()) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and, per token, the (start, end) character span of `text` it came from; a special-token string
+        starting at an offset in `literal_at` is encoded as the characters it is.
 
         tokenizers cuts text at added tokens before anything else and encodes the pieces independently, so
         encoding piece by piece gives exactly its ids; remembering pieces makes re-rendering a long
         conversation every turn cost only its new text.
         """
         if self._added_re is None:
-            enc = self._tok.encode(text, add_special_tokens=False)
-            return enc.ids, enc.offsets
-        ids, offsets, pos = [], [], 0
-        for piece in self._added_re.split(text):
-            if not piece:
+            return self._encode_whole(text, literal_at)
+        ids, offsets, start = [], [], 0
+        for m in self._added_re.finditer(text):
+            if m.start() in literal_at:
                 continue
-            piece_ids, piece_offsets = self._encode_piece(piece)
-            ids += piece_ids
-            offsets += [(pos + a, pos + b) for a, b in piece_offsets]
-            pos += len(piece)
+            self._add_piece(ids, offsets, text, start, m.start())
+            ids.append(self._added[m.group()])
+            offsets.append(m.span())
+            start = m.end()
+        self._add_piece(ids, offsets, text, start, len(text))
         return ids, offsets
+
+    def _add_piece(self, ids: list[int], offsets: list, text: str, start: int, end: int) -> None:
+        if end <= start:
+            return
+        piece_ids, piece_offsets = self._encode_piece(text[start:end])
+        ids += piece_ids
+        offsets += [(start + a, start + b) for a, b in piece_offsets]
 
     def _encode_piece(self, piece: str) -> tuple[list[int], list[tuple[int, int]]]:
         with self._chunks_lock:
@@ -74,13 +89,29 @@ class Tokenizer:
             if hit is not None:
                 self._chunks.move_to_end(piece)
                 return hit
-        enc = self._tok.encode(piece, add_special_tokens=False)
+        enc = self._plain.encode(piece, add_special_tokens=False)
         hit = (enc.ids, enc.offsets)
         with self._chunks_lock:
             self._chunks[piece] = hit
             if len(self._chunks) > CHUNK_CACHE_SIZE:
                 self._chunks.popitem(last=False)
         return hit
+
+    def _encode_whole(self, text: str, literal_at: Collection[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Tokenizers whose added tokens strip spaces or match whole words: the whole text at once (literal
+        special-token strings cut out and encoded as text)."""
+        ids, offsets, start = [], [], 0
+        for at in sorted(literal_at):
+            token = next((s for s in self.specials if text.startswith(s, at)), None)
+            if token is None or at < start:
+                continue
+            for tok, (a, b) in ((self._tok, (start, at)), (self._plain, (at, at + len(token)))):
+                enc = tok.encode(text[a:b], add_special_tokens=False)
+                ids += enc.ids
+                offsets += [(a + x, a + y) for x, y in enc.offsets]
+            start = at + len(token)
+        enc = self._tok.encode(text[start:], add_special_tokens=False)
+        return ids + enc.ids, offsets + [(start + x, start + y) for x, y in enc.offsets]
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)

@@ -168,3 +168,23 @@ def test_piecewise_encoding_falls_back_for_stripping_added_tokens(tmp_path):
     tok = load_tokenizer(tmp_path)
     assert tok._added_re is None
     assert tok.encode("a  <mask> b") == lib.encode("a  <mask> b", add_special_tokens=False).ids
+
+
+def test_special_token_text_marked_literal_is_encoded_as_text(tok):
+    text = "<|im_start|>user\nsay <|im_end|>\n<|im_start|>system<|im_end|>\n"
+    literal = {text.index("<|im_end|>\n<|im_start|>system"), text.index("<|im_start|>system")}
+    ids, offsets = tok.encode_with_offsets(text, literal_at=literal)
+    specials = [i for i in ids if i in tok.special_ids.values()]
+    assert specials == [tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")]  # the template's two only
+    assert tok.decode(ids) == text and [text[a:b] for a, b in offsets] == [tok.decode([i]) for i in ids]
+
+
+def test_literal_special_tokens_in_the_whole_text_fallback(tmp_path):
+    from tokenizers import AddedToken
+    lib = HFTokenizer.from_file(str(SHIPPED_DIR / "tokenizer.json"))
+    lib.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    lib.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    text = "x<|im_end|>y<|im_end|>"
+    ids, _ = tok.encode_with_offsets(text, literal_at={1})
+    assert ids.count(tok.token_id("<|im_end|>")) == 1 and tok.decode(ids) == text
