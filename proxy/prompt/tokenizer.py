@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
+from array import array
 from collections import OrderedDict
 from pathlib import Path
-from typing import Collection
+from typing import Collection, Iterable
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -23,7 +25,9 @@ SHIPPED_DIR = SHIPPED_TOKENIZER
 TEMPLATE_FILE = "chat_template.jinja"
 # Qwen's end-of-turn and end-of-text: generation stops at either.
 EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
-CHUNK_CACHE_SIZE = 4096  # text pieces between special tokens whose encodings are remembered
+CHUNK_CACHE_BYTES = 64 * 2**20  # encodings of text pieces between special tokens, remembered up to this size
+DENSE_CHARS = 8  # tokens_at_least counts tokens only for text longer than this many characters a token
+COUNT_CHUNK = 1 << 16  # characters counted per call
 
 
 class Tokenizer:
@@ -44,12 +48,12 @@ class Tokenizer:
             eos.append(eos_token)
         self.eos_ids: tuple[int, ...] = tuple(hf.token_to_id(s) for s in eos)
         self.specials = tuple(sorted(self.special_ids, key=len, reverse=True))
+        self.max_token_chars = max(map(len, [*hf.get_vocab(with_added_tokens=True), "x"]))  # longest token
         self._added = {t.content: i for i, t in hf.get_added_tokens_decoder().items()}
         self._added_re = _added_token_splitter(hf)
         self._plain = _HFTokenizer.from_str(hf.to_str())  # special-token text in it is just text
         self._plain.encode_special_tokens = True
-        self._chunks: OrderedDict[str, tuple[list[int], list[tuple[int, int]]]] = OrderedDict()
-        self._chunks_lock = threading.Lock()  # the proxy and the engine thread may both encode
+        self._pieces = PieceCache(CHUNK_CACHE_BYTES)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_with_offsets(text)[0]
@@ -79,23 +83,15 @@ class Tokenizer:
     def _add_piece(self, ids: list[int], offsets: list, text: str, start: int, end: int) -> None:
         if end <= start:
             return
-        piece_ids, piece_offsets = self._encode_piece(text[start:end])
+        piece = text[start:end]
+        hit = self._pieces.get(piece)
+        if hit is None:
+            enc = self._plain.encode(piece, add_special_tokens=False)
+            hit = self._pieces.put(piece, enc.ids, enc.offsets)
+        piece_ids, flat = hit
         ids += piece_ids
-        offsets += [(start + a, start + b) for a, b in piece_offsets]
-
-    def _encode_piece(self, piece: str) -> tuple[list[int], list[tuple[int, int]]]:
-        with self._chunks_lock:
-            hit = self._chunks.get(piece)
-            if hit is not None:
-                self._chunks.move_to_end(piece)
-                return hit
-        enc = self._plain.encode(piece, add_special_tokens=False)
-        hit = (enc.ids, enc.offsets)
-        with self._chunks_lock:
-            self._chunks[piece] = hit
-            if len(self._chunks) > CHUNK_CACHE_SIZE:
-                self._chunks.popitem(last=False)
-        return hit
+        pairs = iter(flat)
+        offsets += [(start + a, start + b) for a, b in zip(pairs, pairs)]
 
     def _encode_whole(self, text: str, literal_at: Collection[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """Tokenizers whose added tokens strip spaces or match whole words: the whole text at once (literal
@@ -113,6 +109,24 @@ class Tokenizer:
         enc = self._tok.encode(text[start:], add_special_tokens=False)
         return ids + enc.ids, offsets + [(start + x, start + y) for x, y in enc.offsets]
 
+    def tokens_at_least(self, texts: Iterable[str], limit: int) -> int:
+        """A token count that a prompt holding all of `texts` reaches at least, counted no further than limit
+        and cheaply: its characters over the longest token's (every token covers at most that many), then,
+        for text sparser than DENSE_CHARS a token, the tokens of a prefix, COUNT_CHUNK characters at a time
+        (less two tokens a cut, where a word split in two may have encoded longer)."""
+        texts = list(texts)
+        chars = sum(map(len, texts))
+        at_least = chars // self.max_token_chars
+        if at_least >= limit or chars <= DENSE_CHARS * limit:
+            return at_least
+        counted = 0
+        for text in texts:
+            for a in range(0, len(text), COUNT_CHUNK):
+                counted += max(0, len(self._plain.encode(text[a:a + COUNT_CHUNK], add_special_tokens=False)) - 2)
+                if counted >= limit:
+                    return counted
+        return max(at_least, counted)
+
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
@@ -124,6 +138,39 @@ class Tokenizer:
 
     def incremental_decoder(self, skip_special: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special)
+
+
+class PieceCache:
+    """Encodings of text pieces, least recently used first out, bounded by the bytes they hold (ids and
+    offsets as 32-bit arrays); a piece over an eighth of the budget is never kept. Thread-safe: the proxy
+    renders off its event loop and the engine thread may encode too."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.bytes = 0
+        self._items: OrderedDict[str, tuple[array, array, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, piece: str) -> tuple[list[int], array] | None:
+        with self._lock:
+            hit = self._items.get(piece)
+            if hit is None:
+                return None
+            self._items.move_to_end(piece)
+        return hit[0].tolist(), hit[1]
+
+    def put(self, piece: str, ids: list[int], offsets: list[tuple[int, int]]) -> tuple[list[int], array]:
+        flat = array("i", [x for pair in offsets for x in pair])
+        packed = array("i", ids)
+        size = sys.getsizeof(piece) + packed.itemsize * len(packed) + flat.itemsize * len(flat)
+        if size <= self.budget // 8:
+            with self._lock:
+                if piece not in self._items:
+                    self._items[piece] = (packed, flat, size)
+                    self.bytes += size
+                while self.bytes > self.budget:
+                    self.bytes -= self._items.popitem(last=False)[1][2]
+        return ids, flat
 
 
 class IncrementalDecoder:

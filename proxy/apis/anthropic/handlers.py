@@ -28,7 +28,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     body = await read_json_object(request)
     req = MessagesRequest.model_validate(body)
-    prep = prepare(ctx, request, to_conversation(req), gen_params(req), body)
+    prep = await prepare(ctx, request, to_conversation(req), gen_params(req), body)
     msg = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": req.model}
     async with Generation(ctx, prep) as gen:
         if req.stream:
@@ -40,7 +40,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     body = await read_json_object(request)
     conv = normalize(ctx, to_conversation(CountTokensRequest.model_validate(body)), request.headers, body)
-    return web.json_response({"input_tokens": len(render(ctx, conv).ids)})
+    return web.json_response({"input_tokens": len((await render(ctx, conv)).ids)})
 
 
 def message_json(msg: dict, blocks: list, fin: Finished) -> dict:

@@ -28,7 +28,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     req = ChatRequest.model_validate(body)
     check_supported(req)
-    prep = prepare(ctx, request, to_conversation(req), gen_params(req), body)
+    prep = await prepare(ctx, request, to_conversation(req), gen_params(req), body)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model,
             "system_fingerprint": "killick"}
     async with Generation(ctx, prep) as gen:

@@ -30,7 +30,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     req = ResponsesRequest.model_validate(body)
     store = request.app[RESPONSES]
     previous = _previous(store, req)
-    prep = prepare(ctx, request, to_conversation(req, previous), gen_params(req), body)
+    prep = await prepare(ctx, request, to_conversation(req, previous), gen_params(req), body)
     head = _head(req)
     out = OutputItems(custom_tool_names(req), "reasoning.encrypted_content" in (req.include or ()))
     remember = functools.partial(_remember, store, req, head["id"], previous, out)
