@@ -170,6 +170,10 @@ async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int =
     async with aiohttp.ClientSession() as session:
         for entry in entries:
             turns[entry.session] = turns.get(entry.session, 0) + 1
-            results.append(await send(session, base_url, entry, turns[entry.session], unforced_max_tokens,
-                                      timeout_s, stream))
+            try:
+                results.append(await send(session, base_url, entry, turns[entry.session], unforced_max_tokens,
+                                          timeout_s, stream))
+            except (aiohttp.ClientConnectionError, aiohttp.InvalidURL) as exc:
+                raise ValueError(f"cannot reach {base_url} ({exc or type(exc).__name__}); is the server "
+                                 "running there?") from None
     return results
