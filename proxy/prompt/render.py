@@ -198,8 +198,10 @@ def _char_segments(body: str, msgs: list[dict], owners: list[int], starts: list[
         for open_tag, close_tag, kind in INNER_BLOCKS.get(msgs[j]["role"], ()):
             for a, b in _tag_spans(body, open_tag, close_tag, s, e):
                 spans += [(kind, a, b, owners[j]), _body(body, a, b, open_tag, close_tag, owners[j])]
-    for i in sorted(set(owners)):
-        mine = [j for j, o in enumerate(owners) if o == i]
+    mine_of: dict[int, list[int]] = {}  # conversation message -> its template messages
+    for j, o in enumerate(owners):
+        mine_of.setdefault(o, []).append(j)
+    for i, mine in sorted(mine_of.items()):
         start, end = starts[mine[0]], ends[mine[-1]]
         header = body.find("\n", start, end) + 1 if body.startswith(IM_START, start) else start
         spans.append(("message", start, end, i))
