@@ -119,3 +119,17 @@ async def test_a_body_that_stops_arriving_is_408(aiohttp_server, fake_stack, mon
     finally:
         writer.close()
         await writer.wait_closed()
+
+
+async def test_a_client_that_hangs_up_mid_body_is_no_server_error(aiohttp_server, fake_stack, caplog):
+    server = await aiohttp_server(fake_stack()[0])
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"mo")
+    await writer.drain()
+    await asyncio.sleep(0.1)
+    writer.close()
+    await writer.wait_closed()
+    for _ in range(50):  # the server notices the hang-up on its own time
+        await asyncio.sleep(0.02)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
