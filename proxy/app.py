@@ -27,7 +27,7 @@ from proxy.apis.responses import handlers as responses
 from proxy.apis.responses.store import RESPONSES, ResponseStore
 from proxy.body import MAX_BODY
 from proxy.context import CTX, ServerContext
-from proxy.errors import ApiError, error_middleware, is_anthropic_path
+from proxy.errors import CLIENT_CLOSED, ApiError, error_middleware, is_anthropic_path
 from proxy.generation import TURN, ReplySource, Turn
 from proxy.policy.planner import NoAnchors, Planner
 from proxy.sites import Sites, sites_middleware
@@ -169,7 +169,7 @@ async def metrics_middleware(request: web.Request, handler):
     try:
         response = await handler(request)
     except BaseException:
-        request.app[CTX].metrics.request_done(api, 499)  # client closed the request
+        request.app[CTX].metrics.request_done(api, CLIENT_CLOSED)  # cancelled: the client hung up
         raise
     request.app[CTX].metrics.request_done(api, response.status)
     return response

@@ -13,6 +13,7 @@ from aiohttp import web
 
 log = logging.getLogger("killick.proxy")
 STREAM_STARTED = web.RequestKey("killick_stream_started", bool)  # set once SSE headers are sent
+CLIENT_CLOSED = 499  # nginx's status for a request the client gave up on
 
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
@@ -112,8 +113,8 @@ async def error_middleware(request: web.Request, handler):
             raise
         message = exc.reason if exc.status != 404 else f"no route for {request.method} {request.path}"
         return error_response(request.path, ApiError(exc.status, message))
-    except ConnectionResetError:
-        raise  # the client went away: nobody to answer
+    except ConnectionResetError:  # the client went away (a write found the connection closing)
+        return web.Response(status=CLIENT_CLOSED, reason="Client Closed Request")  # goes nowhere, logs nothing
     except Exception:  # noqa: BLE001 - the server must keep serving
         if request.get(STREAM_STARTED):
             raise  # headers are out: aiohttp closes the connection, the agent sees a cut stream

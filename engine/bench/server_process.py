@@ -37,6 +37,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.log: deque[str] = deque(maxlen=200)
         self.error_lines = 0
+        self.errors: deque[str] = deque(maxlen=20)  # the last ERROR lines and tracebacks' last lines
         self._drain: threading.Thread | None = None
 
     def __enter__(self) -> "ServerProcess":
@@ -58,7 +59,11 @@ class ServerProcess:
     def _read_output(self) -> None:
         for line in self.proc.stdout:
             self.log.append(line)
-            self.error_lines += " ERROR " in line or line.startswith("Traceback")
+            if " ERROR " in line:
+                self.error_lines += 1
+                self.errors.append(line.rstrip())
+            elif line[:1].isalpha() and not line.startswith(("Traceback", "INFO", "WARNING", "DEBUG")):
+                self.errors.append(line.rstrip())  # an exception's last line follows its ERROR line
 
     def __exit__(self, *exc) -> None:
         if self.proc is None:
