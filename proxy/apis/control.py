@@ -1,6 +1,7 @@
 """Control endpoints behind `killick ctl`: engine + cache + policy stats, and cache resizing at runtime.
 
-    GET  /v1/killick/stats                      -> engine, prefix cache, expert cache and per-turn figures
+    GET  /v1/killick/stats                      -> engine, prefix cache, expert cache, per-turn and tokenizer
+                                                   cache figures
     POST /v1/killick/cache {"moe_slots": N, "kv_tokens": T, "prefix_device_mb": D, "prefix_host_mb": H}
 
 Resizing runs on the engine thread between two steps (EngineCore.call), so no request sees a half-resized
@@ -30,7 +31,8 @@ def add_control_routes(app: web.Application) -> None:
 async def stats(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     return web.json_response({"engine": ctx.core.stats(), "policy": ctx.planner.stats(),
-                              "context_length": ctx.context_length}, dumps=_dumps)
+                              "context_length": ctx.context_length, "tokenizer": ctx.tokenizer.cache_stats()},
+                             dumps=_dumps)
 
 
 async def cache(request: web.Request) -> web.Response:

@@ -127,6 +127,10 @@ class Tokenizer:
                     return counted
         return max(at_least, counted)
 
+    def cache_stats(self) -> dict:
+        return {"piece_cache_bytes": self._pieces.bytes, "piece_cache_budget": self._pieces.budget,
+                "pieces": len(self._pieces)}
+
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
@@ -150,6 +154,9 @@ class PieceCache:
         self.bytes = 0
         self._items: OrderedDict[str, tuple[array, array, int]] = OrderedDict()
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def get(self, piece: str) -> tuple[list[int], array] | None:
         with self._lock:

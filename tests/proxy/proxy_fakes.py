@@ -32,6 +32,9 @@ class CharTokenizer:
                 i += 1
         return ids
 
+    def cache_stats(self) -> dict:
+        return {}
+
     def tokens_at_least(self, texts, limit: int) -> int:
         return len(self.encode("".join(texts)))
 

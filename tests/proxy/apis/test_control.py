@@ -13,6 +13,7 @@ async def test_resize_expert_and_kv_budgets_at_runtime(aiohttp_client, model_dir
     app, core, _ = real_app(model_dir, moe_backend="hybrid", moe_slots="50%")
     client = await aiohttp_client(app)
     before = await (await client.get("/v1/killick/stats")).json()
+    assert before["tokenizer"]["piece_cache_bytes"] <= before["tokenizer"]["piece_cache_budget"]
     cfg = core.runner.model.config
     assert before["engine"]["experts"]["slots"] == len(cfg.moe_layers) * cfg.num_experts // 2
     r = await client.post("/v1/killick/cache", json={"moe_slots": 3, "kv_tokens": 1024, "prefix_host_mb": 8})
