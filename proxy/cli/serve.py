@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import os
 
@@ -23,6 +25,7 @@ from aiohttp import web
 log = logging.getLogger("killick.proxy")
 MAX_HEADER = 1 << 20  # x-killick-force-response carries a whole recorded reply
 KEY_ENV = "KILLICK_API_KEY"
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,9 +119,25 @@ def run(args: argparse.Namespace) -> int:
 
     if not is_loopback(args.host):
         log.warning("binding %s: the API is reachable from other machines", args.host)
+    steady_malloc()
     app = build_app(args)
     asyncio.run(_serve(app, args.host, args.port))
     return 0
+
+
+def steady_malloc() -> bool:
+    """glibc: two malloc arenas and a fixed 128 KiB mmap threshold, as MALLOC_ARENA_MAX=2 and
+    MALLOC_MMAP_THRESHOLD_=131072 would set, so the prompt-sized buffers the render threads and the engine
+    free go back to the system instead of fragmenting an arena per thread (a 20-minute soak: RSS crept
+    +84 MB after every cache was full without, stayed within 30 MB with). Whether it was applied; not where
+    the user set either variable, nor off glibc."""
+    if {"MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_"} & os.environ.keys():
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_ARENA_MAX, 2)) and bool(mallopt(M_MMAP_THRESHOLD, 128 * 1024))
 
 
 async def _serve(app: web.Application, host: str, port: int) -> None:

@@ -35,6 +35,21 @@ def test_api_key_from_the_environment_and_site_flags(monkeypatch):
     assert all(flag in help_text for flag in ("KILLICK_API_KEY", "--allow-origin", "--allow-host"))
 
 
+def test_steady_malloc_leaves_a_users_setting_alone(monkeypatch):
+    import ctypes
+
+    from proxy.cli import serve
+
+    calls = []
+    libc = type("Libc", (), {"mallopt": staticmethod(lambda *a: calls.append(a) or 1)})()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: libc)
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert serve.steady_malloc() and calls == [(serve.M_ARENA_MAX, 2), (serve.M_MMAP_THRESHOLD, 131072)]
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert not serve.steady_malloc() and len(calls) == 2
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
