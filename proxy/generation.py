@@ -290,15 +290,14 @@ def collect(blocks: list, item: OutputEvent) -> None:
 
 
 async def run_to_finish(request, gen: "Generation", feed) -> Finished:
-    """Drive a non-streaming generation: output events go to feed(item); keep-alives only check that the
-    client is still there; the engine's failure becomes a 500 (check_failed)."""
+    """Drive a non-streaming generation: output events go to feed(item); every item (keep-alives too)
+    checks that the client is still there; the engine's failure becomes a 500 (check_failed)."""
     async for item in gen:
         if isinstance(item, Finished):
             return check_failed(item)
-        if isinstance(item, Keepalive):
-            if client_gone(request):
-                raise ConnectionResetError("client went away")
-        else:
+        if client_gone(request):
+            raise ConnectionResetError("client went away")
+        if not isinstance(item, Keepalive):
             feed(item)
     raise RuntimeError("generation ended without a Finished event")
 
