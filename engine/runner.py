@@ -5,11 +5,13 @@ checkpoint at the positions the chunk carries and at its end -> sample (or take 
 """
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
 
 from engine.api import GenerateRequest
+from engine.config import FULL
 from engine.sampling import Sampler, argmax_rows, wait_for_device
 from engine.scheduler import Sequence, Work
 
@@ -154,6 +156,7 @@ class ModelRunner:
                              "expert cache to resize; start it with --moe-backend offload|cpu|hybrid")
         if kv_tokens is not None and kv_tokens < 16:
             raise ValueError(f"the KV budget must be at least 16 tokens, got {kv_tokens}")
+        _check_fits(self.model, kv_tokens, prefix_device_bytes, prefix_host_bytes)
         fast = getattr(self.model, "fast", None)
         if kv_tokens is not None and fast is not None and kv_tokens > fast.pool.capacity:
             raise ValueError(f"the fast path's KV slots hold {fast.pool.capacity} tokens each; restart the "
@@ -176,3 +179,29 @@ class ModelRunner:
         if self.cache is not None:
             out.update(self.cache.stats())
         return out
+
+
+def _check_fits(model, kv_tokens: int | None, device_bytes: int | None, host_bytes: int | None) -> None:
+    """Sizes no bigger than the machine: one request's KV and the prefix budgets within its memory."""
+    cfg, device = model.config, model.device
+    if kv_tokens is not None:
+        per_token = 2 * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize * sum(
+            t == FULL for t in cfg.layer_types)
+        _within(kv_tokens * per_token, memory_bytes(device), f"a KV budget of {kv_tokens} tokens")
+    if device_bytes is not None:
+        _within(device_bytes, memory_bytes(device), "the prefix cache's device budget")
+    if host_bytes is not None:
+        _within(host_bytes, memory_bytes(torch.device("cpu")), "the prefix cache's host budget")
+
+
+def _within(nbytes: int, total: int, what: str) -> None:
+    if nbytes > total:
+        raise ValueError(f"{what} needs {nbytes / 2**30:.1f} GiB, more than the {total / 2**30:.1f} GiB this "
+                         "machine has")
+
+
+def memory_bytes(device: torch.device) -> int:
+    """All the memory of the device (host RAM for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

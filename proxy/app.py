@@ -1,21 +1,24 @@
 """The aiohttp application: one factory, typed app state, middlewares for errors / auth / metrics.
 
     create_app(core, tokenizer, renderer, model_name=..., context_length=..., api_key=...,
-               planner=None, replies=None, observer=None, access_log=False)
+               planner=None, replies=None, observer=None, access_log=False, sites=Sites())
 
 Every handler reads parse -> normalise -> render -> plan -> submit -> stream (see proxy/generation.py).
 The engine core is started and stopped through cleanup_ctx, so the app owns its lifetime; in upstream mode the
 core is an UpstreamPool (proxy/upstream/app.py: create_upstream_app), which answers with output events itself. Scripts, replay
 and test answers plug in as one reply source (`replies`, proxy/replay/sources.py); a recorder observes each
-finished API request through one hook (`observer`, proxy/replay/record.py).
+finished API request through one hook (`observer`, proxy/replay/record.py); it hears only of requests that
+passed authentication. Which web pages may reach the server at all: proxy/sites.py.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
+import re
 import time
 from typing import Protocol
+from urllib.parse import quote
 
 from aiohttp import web
 
@@ -24,15 +27,18 @@ from proxy.apis.chat import handlers as chat
 from proxy.apis.control import add_control_routes
 from proxy.apis.responses import handlers as responses
 from proxy.apis.responses.store import RESPONSES, ResponseStore
+from proxy.body import MAX_BODY
 from proxy.context import CTX, ServerContext
-from proxy.errors import ApiError, error_middleware, is_anthropic_path
+from proxy.errors import CLIENT_CLOSED, ApiError, error_middleware, is_anthropic_path
 from proxy.generation import TURN, ReplySource, Turn
 from proxy.policy.planner import NoAnchors, Planner
+from proxy.sites import Sites, sites_middleware
 
 log = logging.getLogger("killick.proxy")
 access_logger = logging.getLogger("killick.access")
-CLIENT_CLOSED = 499  # nginx's status for a request the client abandoned before its answer was complete
-MAX_BODY = 64 * 2**20  # agent requests with long histories reach megabytes
+AUTHENTICATED = web.RequestKey("killick_authenticated", bool)
+_BEARER = re.compile(r"bearer\s+", re.IGNORECASE)
+_HEADER_UNSAFE = re.compile(r"[^\x20-\x7e]|%")  # what a header value may not carry as is
 _API_OF = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "count_tokens",
            "/v1/chat/completions": "chat", "/v1/responses": "responses"}
 GENERATING_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
@@ -51,8 +57,10 @@ class TurnObserver(Protocol):
 def create_app(core, tokenizer, renderer, *, model_name: str = "killick", context_length: int | None = None,
                api_key: str | None = None, keepalive_s: float = 5.0, default_max_tokens: int = 8192,
                planner: Planner | None = None, replies: ReplySource | None = None,
-               observer: TurnObserver | None = None, access_log: bool = False) -> web.Application:
+               observer: TurnObserver | None = None, access_log: bool = False,
+               sites: Sites = Sites()) -> web.Application:
     """The queue limit is the engine's (EngineCore(max_running, max_waiting)): a full queue answers 429.
+    `sites`: the Origin / Host checks (proxy/sites.py); the default is a loopback bind's.
 
     context_length defaults to the engine runner's, i.e. the real KV budget of one sequence.
     access_log: one INFO line per request on the `killick.access` logger (what `killick serve` turns on).
@@ -65,7 +73,7 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
     ctx = ServerContext(core=core, tokenizer=tokenizer, renderer=renderer, model_name=model_name,
                         context_length=context_length, keepalive_s=keepalive_s,
                         default_max_tokens=default_max_tokens, planner=planner or NoAnchors(), replies=replies)
-    middlewares = [access_middleware(access_log), error_middleware, auth_middleware(api_key)]
+    middlewares = [access_middleware(access_log), error_middleware, sites_middleware(sites), auth_middleware(api_key)]
     if observer is not None:
         middlewares.insert(0, observe_middleware(observer))  # outermost: it sees the status answered
     app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
@@ -102,17 +110,22 @@ async def _engine_lifetime(app: web.Application):
 def auth_middleware(api_key: str | None):
     @web.middleware
     async def check_key(request: web.Request, handler):
-        if api_key is None or request.path == "/health":
-            return await handler(request)
-        bearer = request.headers.get("Authorization", "")
-        offered = bearer[7:] if bearer.startswith("Bearer ") else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(offered.encode(), api_key.encode()):
+        if api_key is not None and request.path != "/health" and not key_matches(request.headers, api_key):
             what = "x-api-key" if is_anthropic_path(request.path) else "API key"
             raise ApiError(401, f"invalid {what}: send the server's --api-key as 'Authorization: Bearer KEY' "
                                 "or 'x-api-key: KEY'", code="invalid_api_key")
+        request[AUTHENTICATED] = True
         return await handler(request)
 
     return check_key
+
+
+def key_matches(headers, api_key: str) -> bool:
+    """`Authorization: Bearer KEY` (the scheme in any case) or `x-api-key: KEY`, compared in constant time;
+    header bytes that are not UTF-8 compare as they came."""
+    bearer = _BEARER.match(headers.get("Authorization", ""))
+    offered = headers["Authorization"][bearer.end():] if bearer else headers.get("x-api-key", "")
+    return hmac.compare_digest(offered.encode("utf-8", "surrogateescape"), api_key.encode())
 
 
 def observe_middleware(observer: TurnObserver):
@@ -129,7 +142,8 @@ def observe_middleware(observer: TurnObserver):
             status = status_of(exc)
             raise
         finally:
-            await observer.turn_done(request, request.get(TURN), status, started)
+            if request.get(AUTHENTICATED):
+                await observer.turn_done(request, request.get(TURN), status, started)
 
     return observe
 
@@ -143,7 +157,13 @@ async def plan_headers(request: web.Request, response: web.StreamResponse) -> No
     fields = turn.plan.fields()
     for name, key in PLAN_HEADERS.items():
         if fields.get(key) is not None:
-            response.headers[name] = str(fields[key])
+            response.headers[name] = header_safe(str(fields[key]))
+
+
+def header_safe(value: str) -> str:
+    """Printable ASCII as is, everything else percent-encoded: a session id is the agent's text, and CR, LF
+    or NUL in a header would break the response after the engine has run."""
+    return _HEADER_UNSAFE.sub(lambda m: quote(m.group(), safe="", errors="surrogateescape"), value)
 
 
 def status_of(exc: BaseException) -> int:

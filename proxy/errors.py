@@ -6,7 +6,6 @@ The flavour is chosen by route (/v1/messages* is Anthropic, everything else Open
 """
 from __future__ import annotations
 
-import json
 import logging
 
 import pydantic
@@ -14,6 +13,7 @@ from aiohttp import web
 
 log = logging.getLogger("killick.proxy")
 STREAM_STARTED = web.RequestKey("killick_stream_started", bool)  # set once SSE headers are sent
+CLIENT_CLOSED = 499  # nginx's status for a request the client gave up on
 
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
@@ -21,7 +21,9 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",
@@ -29,9 +31,12 @@ _ANTHROPIC_TYPES = {
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -39,14 +44,17 @@ _OPENAI_TYPES = {
 
 
 class ApiError(Exception):
-    """A request the server refuses; `param` names the offending field (dotted path) where there is one."""
+    """A request the server refuses; `param` names the offending field (dotted path) where there is one;
+    `headers` go out with the answer (Retry-After on a 429)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
 
 ASK_FOR_TOOL = "let the model choose (tool_choice auto) and ask for the tool in the prompt"
@@ -79,7 +87,7 @@ def error_body(path: str, err: ApiError) -> dict:
 
 
 def error_response(path: str, err: ApiError) -> web.Response:
-    return web.json_response(error_body(path, err), status=err.status)
+    return web.json_response(error_body(path, err), status=err.status, headers=err.headers)
 
 
 def from_validation(exc: pydantic.ValidationError) -> ApiError:
@@ -100,18 +108,6 @@ def _is_union_label(part) -> bool:
     return isinstance(part, str) and (part in _TYPE_LABELS or "[" in part or part[:1].isupper())
 
 
-async def read_json_object(request: web.Request) -> dict:
-    """The request body as a JSON object, or a 400 that says what is wrong with it."""
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     """Turn every failure into the route's error shape; a bug answers 500 and the server keeps serving."""
@@ -128,8 +124,8 @@ async def error_middleware(request: web.Request, handler):
             raise
         message = exc.reason if exc.status != 404 else f"no route for {request.method} {request.path}"
         return error_response(request.path, ApiError(exc.status, message))
-    except ConnectionResetError:
-        raise  # the client went away: nobody to answer
+    except ConnectionResetError:  # the client went away (a write found the connection closing)
+        return web.Response(status=CLIENT_CLOSED, reason="Client Closed Request")  # goes nowhere, logs nothing
     except Exception:  # noqa: BLE001 - the server must keep serving
         if request.get(STREAM_STARTED):
             raise  # headers are out: aiohttp closes the connection, the agent sees a cut stream

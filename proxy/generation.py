@@ -1,6 +1,7 @@
 """One request's trip through the engine, shared by every API front-end.
 
-    prepare():  render -> check the context -> plan -> GenerateRequest   (errors are ApiErrors, before any byte)
+    prepare():  normalise -> render (off the event loop) -> check the context -> plan -> GenerateRequest
+                (errors are ApiErrors, before any byte)
     Generation: submit -> stream -> detokenize -> parse -> OutputEvents, KEEPALIVE ticks, then Finished
 
 Front-ends only translate Conversation in and OutputEvents out; this module owns admission (429),
@@ -15,13 +16,13 @@ import asyncio
 import logging
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal, Mapping, Protocol, Union
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Literal, Mapping, Protocol, Union
 
 from aiohttp import web
 
 from engine.api import GenerateRequest, SamplingParams, TokenEvent, Usage
 from proxy.context import ServerContext
-from proxy.conversation import Conversation
+from proxy.conversation import Conversation, TextPart, ThinkingPart, ToolCallPart, ToolResultPart
 from proxy.errors import ApiError
 from proxy.policy.planner import Plan
 from proxy.prompt.output_parser import (OutputEvent, OutputParser, ToolCall, ToolCallDelta, ToolCallStart,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("killick.proxy")
 
 Finish = Literal["stop", "length", "tool_calls", "stop_sequence", "abort", "error"]
+RETRY_AFTER_S = 1  # a full queue drains in about a turn
 
 
 @dataclass(frozen=True)
@@ -105,16 +107,15 @@ class Prepared:
     headers: Mapping[str, str] = field(default_factory=dict)  # the agent's request headers
 
 
-def prepare(ctx: ServerContext, request: web.Request, conv: Conversation, params: GenParams,
-            body: Mapping) -> Prepared:
+async def prepare(ctx: ServerContext, request: web.Request, conv: Conversation, params: GenParams,
+                  body: Mapping) -> Prepared:
     """normalise -> render -> check the context -> plan -> GenerateRequest."""
     headers = request.headers
     conv = normalize(ctx, conv, headers, body)
-    rendered = render(ctx, conv)
+    rendered = await render(ctx, conv)
     n = len(rendered.ids)
     if n >= ctx.context_length:
-        raise ApiError(400, f"prompt is too long: {n} tokens > {ctx.context_length - 1} maximum",
-                       param="messages", code="context_length_exceeded")
+        raise too_long(ctx, f"{n} tokens")
     max_new = min(params.max_tokens or ctx.default_max_tokens, ctx.context_length - n)
     plan = _plan(ctx, conv, rendered, headers, body)
     forced = ctx.replies.reply_ids(ctx, conv, rendered.text, headers, plan) if ctx.replies is not None else None
@@ -144,11 +145,39 @@ def _plan(ctx: ServerContext, conv: Conversation, rendered, headers: Mapping[str
         return Plan()
 
 
-def render(ctx: ServerContext, conv: Conversation):
+async def render(ctx: ServerContext, conv: Conversation):
+    """Rendering and tokenizing take time in proportion to the prompt: off the event loop, so a huge
+    request never stalls the others; one that cannot fit is refused before all of it is tokenized."""
+    return await asyncio.get_running_loop().run_in_executor(None, _render_if_it_fits, ctx, conv)
+
+
+def _render_if_it_fits(ctx: ServerContext, conv: Conversation):
+    at_least = ctx.tokenizer.tokens_at_least(_texts(conv), ctx.context_length)
+    if at_least >= ctx.context_length:
+        raise too_long(ctx, f"at least {at_least} tokens")
     try:
         return ctx.renderer.render(conv, add_generation_prompt=True)
     except ValueError as exc:  # the template refuses this conversation: the agent's input is at fault
         raise ApiError(400, f"cannot render this conversation: {exc}", param="messages") from None
+
+
+def too_long(ctx: ServerContext, size: str) -> ApiError:
+    return ApiError(400, f"prompt is too long: {size} > {ctx.context_length - 1} maximum", param="messages",
+                    code="context_length_exceeded")
+
+
+def _texts(conv: Conversation) -> Iterator[str]:
+    """Every text of the conversation that the prompt will hold."""
+    for message in conv.messages:
+        for part in message.parts:
+            if isinstance(part, (TextPart, ThinkingPart)):
+                yield part.text
+            elif isinstance(part, ToolCallPart):
+                yield part.arguments
+            elif isinstance(part, ToolResultPart):
+                yield part.content
+    for tool in conv.tools:
+        yield from (tool.name, tool.description, tool.parameters_json)
 
 
 class Generation:
@@ -178,7 +207,8 @@ class Generation:
             try:
                 self.stream = self.ctx.core.stream(self.req)
             except OverflowError as exc:
-                raise ApiError(429, f"server busy: {exc}; retry shortly", code="rate_limit_exceeded") from None
+                raise ApiError(429, f"server busy: {exc}; retry shortly", code="rate_limit_exceeded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
             except ValueError as exc:  # the engine says this request can never run
                 raise ApiError(400, str(exc)) from None
             self.source = self._engine_items()
@@ -303,15 +333,14 @@ def collect(blocks: list, item: OutputEvent) -> None:
 
 
 async def run_to_finish(request, gen: "Generation", feed) -> Finished:
-    """Drive a non-streaming generation: output events go to feed(item); keep-alives only check that the
-    client is still there; the engine's failure becomes a 500 (check_failed)."""
+    """Drive a non-streaming generation: output events go to feed(item); every item (keep-alives too)
+    checks that the client is still there; the engine's failure becomes a 500 (check_failed)."""
     async for item in gen:
         if isinstance(item, Finished):
             return check_failed(item)
-        if isinstance(item, Keepalive):
-            if client_gone(request):
-                raise ConnectionResetError("client went away")
-        else:
+        if client_gone(request):
+            raise ConnectionResetError("client went away")
+        if not isinstance(item, Keepalive):
             feed(item)
     raise RuntimeError("generation ended without a Finished event")
 

@@ -1,8 +1,9 @@
 """Conversation -> prompt token ids, with the segment boundaries the cache manager plans around.
 
 The chat template renders the whole conversation once; the ids are exactly `tokenizer.encode(text)` of the
-whole text (never a concatenation of separately rendered pieces). Segments are then found on the text and mapped to token offsets through the
-tokenizer's offset mapping:
+whole text (never a concatenation of separately rendered pieces), except that special-token text written by
+the conversation (not by the template) is encoded as plain text (proxy/prompt/literal.py). Segments are then
+found on the text and mapped to token offsets through the tokenizer's offset mapping:
   system            the system turn, tools included          message_index 0, or None if template-made
   tools             the <tools>...</tools> block inside it   (only when the template writes one)
   message           one Conversation message, from its <|im_start|> to after its <|im_end|>\n; a tool result
@@ -29,6 +30,7 @@ from typing import Literal
 from engine.common_prefix import common_prefix_len
 from proxy.conversation import Conversation, Message, ThinkingPart, ToolCallPart, ToolResultPart
 from proxy.prompt.chat_template import compile_template, render_template
+from proxy.prompt.literal import ContentMarks
 from proxy.prompt.tokenizer import Tokenizer
 
 SegmentKind = Literal["system", "tools", "message", "think", "tool_call", "tool_response", "body",
@@ -69,11 +71,13 @@ class ChatRenderer:
         source = tokenizer.chat_template if template is None else template
         self._origin = "the chat template given" if template is not None else str(tokenizer.template_path)
         self._template = compile_template(source, self._origin)
+        self._source = source
 
     def render(self, conv: Conversation, add_generation_prompt: bool = True) -> Rendered:
         msgs, owners = template_messages(conv)
         tools = template_tools(conv)
-        volatile = conv.volatile
+        marks = ContentMarks(self.tokenizer.specials, (msgs, tools, conv.volatile), reserved=self._source)
+        msgs, tools, volatile = marks.mark(msgs), marks.mark(tools), marks.mark(conv.volatile)
         if volatile and not (msgs and msgs[0]["role"] == "system"):
             raise ValueError("Conversation.volatile needs a first system message to belong to")
         body = self._render(msgs, tools, conv.enable_thinking, False, volatile)
@@ -92,7 +96,8 @@ class ChatRenderer:
             spans.append(("volatile", end - len(volatile), end, owners[0]))
         if len(text) > len(body):
             spans.append(("generation_prompt", len(body), len(text), None))
-        ids, offsets = self.tokenizer.encode_with_offsets(text)
+        text, literal_at = marks.restore(text)
+        ids, offsets = self.tokenizer.encode_with_offsets(text, literal_at)
         return Rendered(ids, text, _to_token_segments(spans, offsets), tuple(o[0] for o in offsets))
 
     def _render(self, msgs: list[dict], tools: list[dict], thinking: bool, generation: bool,
@@ -182,7 +187,7 @@ def _arguments(text: str):
     """Parsed JSON (templates iterate over or tojson it); text that is not JSON stays text."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return text
 
 
@@ -230,8 +235,10 @@ def _char_segments(body: str, msgs: list[dict], owners: list[int], starts: list[
         for open_tag, close_tag, kind in INNER_BLOCKS.get(msgs[j]["role"], ()):
             for a, b in _tag_spans(body, open_tag, close_tag, s, e):
                 spans += [(kind, a, b, owners[j]), _body(body, a, b, open_tag, close_tag, owners[j])]
-    for i in sorted(set(owners)):
-        mine = [j for j, o in enumerate(owners) if o == i]
+    mine_of: dict[int, list[int]] = {}  # conversation message -> its template messages
+    for j, o in enumerate(owners):
+        mine_of.setdefault(o, []).append(j)
+    for i, mine in sorted(mine_of.items()):
         start, end = starts[mine[0]], ends[mine[-1]]
         header = body.find("\n", start, end) + 1 if body.startswith(IM_START, start) else start
         spans.append(("message", start, end, i))

@@ -3,15 +3,19 @@
 `load_tokenizer(model_dir)` uses the model directory's own `tokenizer.json` and chat template when present
 (`chat_template.jinja`, else `chat_template` in `tokenizer_config.json`), and killick's shipped ones
 (fixtures/tokenizer/, see train_tokenizer.py there) otherwise. Special tokens written in text are parsed as
-the special tokens they name: the chat template relies on it.
+the special tokens they name (the chat template relies on it), except where the caller says the text is the
+conversation's own (`literal_at`, see proxy/prompt/literal.py): there they are encoded as plain characters.
 """
 from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
+from array import array
 from collections import OrderedDict
 from pathlib import Path
+from typing import Collection, Iterable
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -21,7 +25,9 @@ SHIPPED_DIR = SHIPPED_TOKENIZER
 TEMPLATE_FILE = "chat_template.jinja"
 # Qwen's end-of-turn and end-of-text: generation stops at either.
 EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
-CHUNK_CACHE_SIZE = 4096  # text pieces between special tokens whose encodings are remembered
+CHUNK_CACHE_BYTES = 64 * 2**20  # encodings of text pieces between special tokens, remembered up to this size
+DENSE_CHARS = 8  # tokens_at_least counts tokens only for text longer than this many characters a token
+COUNT_CHUNK = 1 << 16  # characters counted per call
 
 
 class Tokenizer:
@@ -41,46 +47,89 @@ class Tokenizer:
         if eos_token and eos_token not in eos and hf.token_to_id(eos_token) is not None:
             eos.append(eos_token)
         self.eos_ids: tuple[int, ...] = tuple(hf.token_to_id(s) for s in eos)
+        self.specials = tuple(sorted(self.special_ids, key=len, reverse=True))
+        self.max_token_chars = max(map(len, [*hf.get_vocab(with_added_tokens=True), "x"]))  # longest token
+        self._added = {t.content: i for i, t in hf.get_added_tokens_decoder().items()}
         self._added_re = _added_token_splitter(hf)
-        self._chunks: OrderedDict[str, tuple[list[int], list[tuple[int, int]]]] = OrderedDict()
-        self._chunks_lock = threading.Lock()  # the proxy and the engine thread may both encode
+        self._plain = _HFTokenizer.from_str(hf.to_str())  # special-token text in it is just text
+        self._plain.encode_special_tokens = True
+        self._pieces = PieceCache(CHUNK_CACHE_BYTES)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_with_offsets(text)[0]
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Ids and, per token, the (start, end) character span of `text` it came from.
+    def encode_with_offsets(self, text: str,
+                            literal_at: Collection[int] = ()) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and, per token, the (start, end) character span of `text` it came from; a special-token string
+        starting at an offset in `literal_at` is encoded as the characters it is.
 
         tokenizers cuts text at added tokens before anything else and encodes the pieces independently, so
         encoding piece by piece gives exactly its ids; remembering pieces makes re-rendering a long
         conversation every turn cost only its new text.
         """
         if self._added_re is None:
-            enc = self._tok.encode(text, add_special_tokens=False)
-            return enc.ids, enc.offsets
-        ids, offsets, pos = [], [], 0
-        for piece in self._added_re.split(text):
-            if not piece:
+            return self._encode_whole(text, literal_at)
+        ids, offsets, start = [], [], 0
+        for m in self._added_re.finditer(text):
+            if m.start() in literal_at:
                 continue
-            piece_ids, piece_offsets = self._encode_piece(piece)
-            ids += piece_ids
-            offsets += [(pos + a, pos + b) for a, b in piece_offsets]
-            pos += len(piece)
+            self._add_piece(ids, offsets, text, start, m.start())
+            ids.append(self._added[m.group()])
+            offsets.append(m.span())
+            start = m.end()
+        self._add_piece(ids, offsets, text, start, len(text))
         return ids, offsets
 
-    def _encode_piece(self, piece: str) -> tuple[list[int], list[tuple[int, int]]]:
-        with self._chunks_lock:
-            hit = self._chunks.get(piece)
-            if hit is not None:
-                self._chunks.move_to_end(piece)
-                return hit
-        enc = self._tok.encode(piece, add_special_tokens=False)
-        hit = (enc.ids, enc.offsets)
-        with self._chunks_lock:
-            self._chunks[piece] = hit
-            if len(self._chunks) > CHUNK_CACHE_SIZE:
-                self._chunks.popitem(last=False)
-        return hit
+    def _add_piece(self, ids: list[int], offsets: list, text: str, start: int, end: int) -> None:
+        if end <= start:
+            return
+        piece = text[start:end]
+        hit = self._pieces.get(piece)
+        if hit is None:
+            enc = self._plain.encode(piece, add_special_tokens=False)
+            hit = self._pieces.put(piece, enc.ids, enc.offsets)
+        piece_ids, flat = hit
+        ids += piece_ids
+        pairs = iter(flat)
+        offsets += [(start + a, start + b) for a, b in zip(pairs, pairs)]
+
+    def _encode_whole(self, text: str, literal_at: Collection[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Tokenizers whose added tokens strip spaces or match whole words: the whole text at once (literal
+        special-token strings cut out and encoded as text)."""
+        ids, offsets, start = [], [], 0
+        for at in sorted(literal_at):
+            token = next((s for s in self.specials if text.startswith(s, at)), None)
+            if token is None or at < start:
+                continue
+            for tok, (a, b) in ((self._tok, (start, at)), (self._plain, (at, at + len(token)))):
+                enc = tok.encode(text[a:b], add_special_tokens=False)
+                ids += enc.ids
+                offsets += [(a + x, a + y) for x, y in enc.offsets]
+            start = at + len(token)
+        enc = self._tok.encode(text[start:], add_special_tokens=False)
+        return ids + enc.ids, offsets + [(start + x, start + y) for x, y in enc.offsets]
+
+    def tokens_at_least(self, texts: Iterable[str], limit: int) -> int:
+        """A token count that a prompt holding all of `texts` reaches at least, counted no further than limit
+        and cheaply: its characters over the longest token's (every token covers at most that many), then,
+        for text sparser than DENSE_CHARS a token, the tokens of a prefix, COUNT_CHUNK characters at a time
+        (less two tokens a cut, where a word split in two may have encoded longer)."""
+        texts = list(texts)
+        chars = sum(map(len, texts))
+        at_least = chars // self.max_token_chars
+        if at_least >= limit or chars <= DENSE_CHARS * limit:
+            return at_least
+        counted = 0
+        for text in texts:
+            for a in range(0, len(text), COUNT_CHUNK):
+                counted += max(0, len(self._plain.encode(text[a:a + COUNT_CHUNK], add_special_tokens=False)) - 2)
+                if counted >= limit:
+                    return counted
+        return max(at_least, counted)
+
+    def cache_stats(self) -> dict:
+        return {"piece_cache_bytes": self._pieces.bytes, "piece_cache_budget": self._pieces.budget,
+                "pieces": len(self._pieces)}
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
@@ -93,6 +142,42 @@ class Tokenizer:
 
     def incremental_decoder(self, skip_special: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special)
+
+
+class PieceCache:
+    """Encodings of text pieces, least recently used first out, bounded by the bytes they hold (ids and
+    offsets as 32-bit arrays); a piece over an eighth of the budget is never kept. Thread-safe: the proxy
+    renders off its event loop and the engine thread may encode too."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.bytes = 0
+        self._items: OrderedDict[str, tuple[array, array, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, piece: str) -> tuple[list[int], array] | None:
+        with self._lock:
+            hit = self._items.get(piece)
+            if hit is None:
+                return None
+            self._items.move_to_end(piece)
+        return hit[0].tolist(), hit[1]
+
+    def put(self, piece: str, ids: list[int], offsets: list[tuple[int, int]]) -> tuple[list[int], array]:
+        flat = array("i", [x for pair in offsets for x in pair])
+        packed = array("i", ids)
+        size = sys.getsizeof(piece) + packed.itemsize * len(packed) + flat.itemsize * len(flat)
+        if size <= self.budget // 8:
+            with self._lock:
+                if piece not in self._items:
+                    self._items[piece] = (packed, flat, size)
+                    self.bytes += size
+                while self.bytes > self.budget:
+                    self.bytes -= self._items.popitem(last=False)[1][2]
+        return ids, flat
 
 
 class IncrementalDecoder:

@@ -185,11 +185,15 @@ async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int =
                                                   stream)
 
         start = time.perf_counter()
-        if concurrent:
-            sessions = [[(e, t) for e, t in numbered if (e.source, e.session) == k] for k in turns]
-            await asyncio.gather(*(run(queue) for queue in sessions))
-        else:
-            await run(numbered)
+        try:
+            if concurrent:
+                sessions = [[(e, t) for e, t in numbered if (e.source, e.session) == k] for k in turns]
+                await asyncio.gather(*(run(queue) for queue in sessions))
+            else:
+                await run(numbered)
+        except (aiohttp.ClientConnectionError, aiohttp.InvalidURL) as exc:
+            raise ValueError(f"cannot reach {base_url} ({exc or type(exc).__name__}); is the server "
+                             "running there?") from None
         out = Replayed(results[e.index] for e, _ in numbered)
         out.wall_s = time.perf_counter() - start
         out.engine = await engine_stats(session, base_url)

@@ -3,18 +3,22 @@
 A recording is JSON lines (plain or .gz), one request each: `method`, `path`, `headers`, `body` are required;
 `ts`, `response` and `metrics` (what `killick serve --record` adds) are optional and any other field is
 ignored. Several files (or a directory of them) are merged in `ts` order, so sessions stay interleaved as
-they were recorded.
+they were recorded. A file that cannot be read or a field of the wrong type is a ValueError naming the file
+and line; a request whose recorded body is not a JSON object (the server refused it) is skipped with a warning.
 """
 from __future__ import annotations
 
 import gzip
 import json
+import logging
+import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
 from proxy.replay.scripted import Reply
 
+log = logging.getLogger("killick.replay")
 API_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
 # Not forwarded: transport headers (the client sets its own), credentials (redacted anyway), our own hooks.
 DROP_HEADERS = {"host", "content-length", "content-type", "connection", "transfer-encoding", "accept-encoding",
@@ -40,7 +44,11 @@ class Entry:
 
     def reply(self) -> Reply | None:
         """The recorded answer, to force on replay (None: none recorded, the model generates)."""
-        return reply_from_response(self.path, self.response)
+        try:
+            return reply_from_response(self.path, self.response)
+        except (AttributeError, TypeError, KeyError) as exc:
+            raise ValueError(f"recorded request {self.index + 1} ({self.path}): its response is not in the "
+                             f"API's shape ({exc!r})") from None
 
 
 def _open(path: Path):
@@ -65,22 +73,15 @@ def load(paths: Iterable[str | Path]) -> list[Entry]:
     """All API requests of the given recordings, merged in recorded order."""
     raw: list[tuple[float, int, int, dict, str]] = []
     for file_no, path in enumerate(_files(paths)):
-        with _open(path) as fh:
-            for line_no, line in enumerate(fh):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{line_no + 1}: not JSON ({exc})") from None
-                if not isinstance(obj, dict) or not {"method", "path", "body"} <= obj.keys():
-                    raise ValueError(f"{path}:{line_no + 1}: a line needs method, path, headers and body")
-                stem = path.name.split(".jsonl")[0]
-                raw.append((float(obj.get("ts") or 0.0), file_no, line_no, obj, stem))
+        stem = path.name.split(".jsonl")[0]
+        raw += [(float(obj.get("ts") or 0.0), file_no, line_no, obj, stem) for line_no, obj in _lines(path)]
     raw.sort(key=lambda r: (r[0], r[1], r[2]))
     entries = []
     for obj, stem in ((r[3], r[4]) for r in raw):
         if obj["method"].upper() != "POST" or obj["path"].split("?")[0] not in API_PATHS:
+            continue
+        if not isinstance(obj["body"], dict):
+            log.warning("skipped a recorded %s whose body is not a JSON object", obj["path"])
             continue
         metrics = obj.get("metrics") if isinstance(obj.get("metrics"), dict) else {}
         entries.append(Entry(len(entries), str(metrics.get("session") or stem), obj.get("ts"), "POST",
@@ -115,6 +116,34 @@ def conversation(entry: Entry):
     from proxy.apis.responses.schema import ResponsesRequest, to_conversation
 
     return to_conversation(ResponsesRequest.model_validate(entry.body), ())
+
+
+_TYPES = {"method": str, "path": str, "headers": dict, "ts": (int, float), "metrics": dict}
+
+
+def _lines(path: Path):
+    """(line number, request object) of one file; what cannot be read is one ValueError naming the file."""
+    try:
+        with _open(path) as fh:
+            for line_no, line in enumerate(fh):
+                if line.strip():
+                    yield line_no, _request(line, f"{path}:{line_no + 1}")
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:  # not gzip, truncated, not UTF-8
+        raise ValueError(f"{path}: cannot read this recording ({exc})") from None
+
+
+def _request(line: str, where: str) -> dict:
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(obj, dict) or not {"method", "path", "body"} <= obj.keys():
+        raise ValueError(f"{where}: a line needs method, path, headers and body")
+    for key, kind in _TYPES.items():
+        if obj.get(key) is not None and (not isinstance(obj[key], kind) or isinstance(obj[key], bool)):
+            raise ValueError(f"{where}: {key} must be a {getattr(kind, '__name__', 'number')}, "
+                             f"got {type(obj[key]).__name__}")
+    return obj
 
 
 def request_headers(entry: Entry) -> dict:

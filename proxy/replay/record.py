@@ -10,19 +10,24 @@ turn kind, edit point and edit class. The file is DIR/<session key, sanitised>.j
 policy gives no session to go to DIR/no-session.jsonl. `killick replay` reads these lines back.
 
 The Recorder is the app's TurnObserver (create_app(observer=Recorder(DIR))): the app calls turn_done() once
-per API request with the request's Turn (proxy/generation.py: plan, Finished, the answer's body) or None
-when it was refused before planning.
+per authenticated API request with the request's Turn (proxy/generation.py: plan, Finished, the answer's body)
+or None when it was refused before planning; body is null where the request's body was not a JSON object.
+Recordings hold whole conversations: files are created readable by their owner only (0600), and so is DIR
+when the recorder creates it (an existing DIR open to others gets a warning).
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import stat
 import threading
 from pathlib import Path
 
 from aiohttp import web
 
+from proxy.body import JSON_BODY
 from proxy.generation import Turn
 from proxy.replay.scripted import FORCE_RESPONSE_HEADER
 from proxy.replay.sources import OUTPUT_HEADER
@@ -69,29 +74,30 @@ class Recorder:
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.dir.is_dir():
+            if self.dir.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                log.warning("recording into %s, which other users can open; its files are kept owner-only",
+                            self.dir)
+        else:
+            self.dir.mkdir(parents=True, mode=0o700)
         self._lock = threading.Lock()
 
     def write(self, line: dict) -> Path:
         path = self.dir / session_file_name(line.get("metrics", {}).get("session"))
         text = json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
-        with self._lock, path.open("a", encoding="utf-8") as fh:
+        with self._lock, open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a",
+                              encoding="utf-8", errors="backslashreplace") as fh:
             fh.write(text)
         return path
 
     async def turn_done(self, request: web.Request, turn: Turn | None, status: int, started: float) -> None:
         try:
-            self.write(await request_line(request, turn, status, started))
+            self.write(request_line(request, turn, status, started))
         except Exception:  # noqa: BLE001 - a recording must never fail the request
             log.exception("could not record %s %s", request.method, request.path)
 
 
-async def request_line(request: web.Request, turn: Turn | None, status: int, started: float) -> dict:
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        body = raw.decode("utf-8", "replace")
+def request_line(request: web.Request, turn: Turn | None, status: int, started: float) -> dict:
     response = None
     if turn is not None and turn.response is not None:
         try:
@@ -99,5 +105,5 @@ async def request_line(request: web.Request, turn: Turn | None, status: int, sta
         except Exception as exc:  # noqa: BLE001 - a recording must never fail the request
             response = {"killick_record_error": str(exc)}
     return {"ts": round(started, 6), "method": request.method, "path": request.path_qs,
-            "headers": redact(request.headers), "body": body, "status": status, "response": response,
-            "metrics": metrics(turn)}
+            "headers": redact(request.headers), "body": request.get(JSON_BODY), "status": status,
+            "response": response, "metrics": metrics(turn)}

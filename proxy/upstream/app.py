@@ -30,17 +30,19 @@ DEFAULT_CONTEXT = 32768  # when neither --context-length nor any upstream says
 
 def create_upstream_app(config: UpstreamConfig, tokenizer, renderer, *, model_name: str, context_length: int,
                         api_key: Optional[str] = None, keepalive_s: float = 5.0, planner: Optional[Planner] = None,
-                        observer: Optional[TurnObserver] = None) -> web.Application:
+                        observer: Optional[TurnObserver] = None, **app_options) -> web.Application:
+    """app_options: create_app's other keywords (access_log, sites)."""
     pool = UpstreamPool(config)
     app = create_app(pool, tokenizer, renderer, model_name=model_name, context_length=context_length,
-                     api_key=api_key, keepalive_s=keepalive_s, planner=planner, observer=observer)
+                     api_key=api_key, keepalive_s=keepalive_s, planner=planner, observer=observer, **app_options)
     app.cleanup_ctx.append(pool.lifetime)
     return app
 
 
 def build_upstream_app(args: argparse.Namespace) -> web.Application:
     from harness_adapters import load_registry
-    from proxy.cli.serve import make_planner
+    from proxy.cli.serve import api_key, make_planner
+    from proxy.sites import Sites
     from proxy.prompt.render import ChatRenderer
     from proxy.prompt.tokenizer import load_tokenizer
     from proxy.replay.record import Recorder
@@ -58,9 +60,12 @@ def build_upstream_app(args: argparse.Namespace) -> web.Application:
              model or "as the agent names it", context_length)
     return create_upstream_app(config, tokenizer, ChatRenderer(tokenizer),
                                model_name=args.model_name or model or "killick-upstream",
-                               context_length=context_length, api_key=args.api_key, keepalive_s=args.keepalive,
-                               planner=make_planner(args.cache_policy, load_registry(args.harness_rules), args.prompt_layout),
-                               observer=Recorder(args.record) if args.record is not None else None)
+                               context_length=context_length, api_key=api_key(args), keepalive_s=args.keepalive,
+                               planner=make_planner(args.cache_policy, load_registry(args.harness_rules),
+                                                    args.prompt_layout),
+                               observer=Recorder(args.record) if args.record is not None else None,
+                               access_log=not args.quiet,
+                               sites=Sites.for_bind(args.host, args.allow_origin, args.allow_host))
 
 
 def discover(config: UpstreamConfig, timeout_s: float = 3.0) -> tuple[Optional[str], Optional[int]]:

@@ -32,6 +32,12 @@ class CharTokenizer:
                 i += 1
         return ids
 
+    def cache_stats(self) -> dict:
+        return {}
+
+    def tokens_at_least(self, texts, limit: int) -> int:
+        return len(self.encode("".join(texts)))
+
     def decode(self, ids) -> str:
         return "".join(SPECIALS[i - 1] if i <= len(SPECIALS) else chr(i - 16) for i in ids)
 

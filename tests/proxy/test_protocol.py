@@ -83,6 +83,33 @@ async def test_abandoned_request_is_499_in_log_recording_and_metrics(aiohttp_ser
     assert "ttft=" in logged and logged.endswith("ms")
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/messages", {"model": "m", "max_tokens": 400, "stream": True,
+                      "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"model": "m", "stream": False, "input": "hi"}),
+])
+@pytest.mark.parametrize("hang_up_after", [0.0, 0.5])
+async def test_a_client_gone_mid_answer_is_no_server_error(aiohttp_server, fake_stack, caplog, path, body,
+                                                           hang_up_after):
+    """Hanging up before the server reads the request, or while the answer streams (a write fails) or is
+    prepared whole (the next output event notices), aborts the engine request without an ERROR in the log."""
+    base, core = await _server(aiohttp_server, fake_stack, prefill_s=0.3, step_s=0.05, keepalive_s=0.05)
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
+    raw = json.dumps(body).encode()
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(raw)}\r\n{FORCED}: {'word ' * 300}\r\n\r\n".encode() + raw)
+    await writer.drain()
+    await asyncio.sleep(hang_up_after)  # 0.5: past the prefill, the answer is coming
+    writer.transport.abort()
+    for _ in range(100):
+        if core.active == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert core.active == 0 and {r.request_id for r in core.requests} == set(core.aborted)  # none ran on
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
 async def test_full_queue_answers_429_in_each_shape(aiohttp_client, fake_stack):
     app, core = fake_stack(prefill_s=2.0, keepalive_s=0.1)
     client = await aiohttp_client(app)
@@ -90,10 +117,11 @@ async def test_full_queue_answers_429_in_each_shape(aiohttp_client, fake_stack):
     busy = [asyncio.ensure_future(client.post("/v1/messages", json=msg)) for _ in range(4)]
     await asyncio.sleep(0.2)
     resp = await client.post("/v1/messages", json=msg)
-    assert resp.status == 429
+    assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1
     assert (await resp.json())["error"]["type"] == "rate_limit_error"
     resp = await client.post("/v1/chat/completions", json={"model": "m", "messages": msg["messages"]})
     assert resp.status == 429 and (await resp.json())["error"]["code"] == "rate_limit_exceeded"
+    assert int(resp.headers["Retry-After"]) >= 1
     for r in await asyncio.gather(*busy):
         assert r.status == 200
 
@@ -119,6 +147,37 @@ async def test_health_is_open_but_everything_else_needs_the_key(aiohttp_client, 
     assert (await client.head("/")).status == 401
     assert (await client.head("/", headers={"x-api-key": "k"})).status == 200
     assert (await client.get("/metrics", headers={"Authorization": "Bearer k"})).status == 200
+
+
+async def test_bearer_scheme_in_any_case_and_key_bytes_that_are_not_utf8(aiohttp_client, fake_stack, monkeypatch):
+    app, _ = fake_stack(api_key="k")
+    client = await aiohttp_client(app)
+    for auth in ("Bearer k", "bearer k", "BEARER  k"):
+        assert (await client.get("/v1/models", headers={"Authorization": auth})).status == 200
+    for bad in ("Bearer kk", "Basic k", "bearerk"):
+        assert (await client.get("/v1/models", headers={"Authorization": bad})).status == 401
+    # a 0xFF byte in the key header: refused, not a 500
+    resp = await client.get("/v1/models", headers={"x-api-key": b"\xffk".decode("latin-1")})
+    assert resp.status == 401
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": "m", "user": "a\r\nX-Evil: 1\x00b", "messages": [{"role": "user",
+                                                                                       "content": "hi"}]}),
+    ("/v1/responses", {"model": "m", "prompt_cache_key": "k\r\n\x00é", "input": "hi"}),
+    ("/v1/messages", {"model": "m", "max_tokens": 3, "metadata": {"user_id": "u\n\r\x00"}, "stream": True,
+                      "messages": [{"role": "user", "content": "hi"}]}),
+])
+async def test_control_characters_in_session_ids_do_not_break_the_answer(aiohttp_client, fake_stack, path, body):
+    from proxy.policy.cache_policy import PolicyPlanner
+
+    app, core = fake_stack(planner=PolicyPlanner())
+    client = await aiohttp_client(app)
+    resp = await client.post(path, json=body)
+    assert resp.status == 200 and await resp.read()
+    session = resp.headers["x-killick-session"]
+    assert session.isprintable() and session.isascii() and "%00" in session  # percent-encoded, not dropped
+    assert "X-Evil" not in resp.headers
 
 
 async def test_stop_sequence_ends_the_answer(aiohttp_client, fake_stack):

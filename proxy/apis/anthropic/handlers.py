@@ -15,8 +15,8 @@ from aiohttp import web
 
 from proxy.apis.anthropic.schema import (CountTokensRequest, MessagesRequest, check_supported, gen_params,
                                          to_conversation)
+from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.errors import read_json_object
 from proxy.generation import Finished, Generation, Keepalive, answer_whole, normalize, prepare, render
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 from proxy.sse import SSEWriter
@@ -30,7 +30,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     req = MessagesRequest.model_validate(body)
     check_supported(req)
-    prep = prepare(ctx, request, to_conversation(req), gen_params(req), body)
+    prep = await prepare(ctx, request, to_conversation(req), gen_params(req), body)
     msg = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": req.model}
     async with Generation(ctx, prep) as gen:
         if req.stream:
@@ -42,7 +42,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     body = await read_json_object(request)
     conv = normalize(ctx, to_conversation(CountTokensRequest.model_validate(body)), request.headers, body)
-    return web.json_response({"input_tokens": len(render(ctx, conv).ids)})
+    return web.json_response({"input_tokens": len((await render(ctx, conv)).ids)})
 
 
 def message_json(msg: dict, blocks: list, fin: Finished) -> dict:

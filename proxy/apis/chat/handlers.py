@@ -14,8 +14,8 @@ import uuid
 from aiohttp import web
 
 from proxy.apis.chat.schema import ChatRequest, check_supported, gen_params, to_conversation
+from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.errors import read_json_object
 from proxy.generation import Finished, Generation, Keepalive, answer_whole, prepare
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 from proxy.sse import SSEWriter
@@ -29,7 +29,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     req = ChatRequest.model_validate(body)
     check_supported(req)
-    prep = prepare(ctx, request, to_conversation(req), gen_params(req), body)
+    prep = await prepare(ctx, request, to_conversation(req), gen_params(req), body)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model,
             "system_fingerprint": "killick"}
     async with Generation(ctx, prep) as gen:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.api import SamplingParams
 from proxy.apis.anthropic.schema import IMAGE_PLACEHOLDER
+from proxy.body import MAX_DEPTH, check_json
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
 )
@@ -89,7 +90,7 @@ class ChatRequest(_Model):
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=-1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=-2**63, lt=2**64)  # what a torch generator takes
     stop: Union[str, list[str], None] = None
     n: Optional[int] = Field(default=None, ge=1)
     tools: Optional[list[ToolDef]] = None
@@ -165,8 +166,13 @@ def _convert_message(msg: ChatMessage) -> Message:
 
 
 def canonical_arguments(arguments: str) -> str:
-    """Tool-call arguments as canonical JSON when they parse; as sent otherwise (the model wrote them)."""
+    """Tool-call arguments as canonical JSON when they parse; as sent otherwise (the model wrote them).
+    JSON nested deeper than a request may be, or holding a lone surrogate, is a 400."""
     try:
-        return canonical_json(json.loads(arguments)) if arguments.strip() else "{}"
-    except (json.JSONDecodeError, RecursionError):
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:  # not JSON, or an integer of thousands of digits
         return arguments
+    except RecursionError:
+        raise ApiError(400, f"tool call arguments: JSON nested deeper than {MAX_DEPTH} levels") from None
+    check_json(value, where="tool call arguments")
+    return canonical_json(value)

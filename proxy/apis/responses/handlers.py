@@ -15,8 +15,9 @@ from proxy.apis.responses.output import OutputItems
 from proxy.apis.responses.schema import (ResponsesRequest, check_supported, custom_tool_names, gen_params,
                                          input_messages, to_conversation)
 from proxy.apis.responses.store import RESPONSES, ResponseStore
+from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.errors import ApiError, read_json_object
+from proxy.errors import ApiError
 from proxy.generation import Finished, Generation, Keepalive, prepare, run_to_finish
 from proxy.sse import SSEWriter
 
@@ -31,7 +32,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     check_supported(req)
     store = request.app[RESPONSES]
     previous = _previous(store, req)
-    prep = prepare(ctx, request, to_conversation(req, previous), gen_params(req), body)
+    prep = await prepare(ctx, request, to_conversation(req, previous), gen_params(req), body)
     head = _head(req)
     out = OutputItems(custom_tool_names(req), "reasoning.encrypted_content" in (req.include or ()))
     remember = functools.partial(_remember, store, req, head["id"], previous, out)

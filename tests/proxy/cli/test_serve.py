@@ -19,6 +19,37 @@ def test_serve_defaults_are_loopback():
     assert (args.host, args.port, args.max_running, args.api_key, args.model) == ("127.0.0.1", 8421, 4, None, None)
 
 
+def test_api_key_from_the_environment_and_site_flags(monkeypatch):
+    from proxy.cli.serve import api_key
+
+    parse = build_parser(only="serve").parse_args
+    monkeypatch.setenv("KILLICK_API_KEY", "from-env")
+    assert api_key(parse(["serve"])) == "from-env"  # not on the command line, where ps shows it
+    assert api_key(parse(["serve", "--api-key", "flag"])) == "flag"
+    monkeypatch.setenv("KILLICK_API_KEY", "")
+    assert api_key(parse(["serve"])) is None
+    args = parse(["serve", "--allow-origin", "https://a.example", "--allow-origin", "https://b.example",
+                  "--allow-host", "box.lan"])
+    assert (args.allow_origin, args.allow_host) == (["https://a.example", "https://b.example"], ["box.lan"])
+    help_text = build_parser(only="serve")._subparsers._group_actions[0].choices["serve"].format_help()
+    assert all(flag in help_text for flag in ("KILLICK_API_KEY", "--allow-origin", "--allow-host"))
+
+
+def test_steady_malloc_leaves_a_users_setting_alone(monkeypatch):
+    import ctypes
+
+    from proxy.cli import serve
+
+    calls = []
+    libc = type("Libc", (), {"mallopt": staticmethod(lambda *a: calls.append(a) or 1)})()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: libc)
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert serve.steady_malloc() and calls == [(serve.M_ARENA_MAX, 2), (serve.M_MMAP_THRESHOLD, 131072)]
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert not serve.steady_malloc() and len(calls) == 2
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -29,9 +60,9 @@ def test_serve_process_starts_answers_and_stops(tmp_path_factory):
     model = synth_model_dir(tmp_path_factory)
     port = _free_port()
     cmd = [sys.executable, "-m", "proxy.cli", "serve", "--model", str(model), "--port", str(port),
-           "--api-key", "k", "--max-running", "2", "--moe-backend", "offload", "--moe-slots", "50%"]
+           "--max-running", "2", "--moe-backend", "offload", "--moe-slots", "50%"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+                            env={**os.environ, "PYTHONPATH": os.getcwd(), "KILLICK_API_KEY": "k"})
     try:
         deadline = time.monotonic() + 120
         line, head = "", ""
@@ -46,6 +77,10 @@ def test_serve_process_starts_answers_and_stops(tmp_path_factory):
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"x-api-key": "k"})
         with urllib.request.urlopen(req, timeout=10) as r:
             assert json.load(r)["data"][0]["context_length"] > 0
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the key came from KILLICK_API_KEY
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+        refused.value.close()
+        assert refused.value.code == 401
         ctl = [sys.executable, "-m", "proxy.cli", "ctl", "--server", f"http://127.0.0.1:{port}", "--api-key", "k"]
         out = subprocess.run([*ctl, "cache", "--moe", "5", "--kv", "2048"], capture_output=True, text=True,
                              timeout=60)

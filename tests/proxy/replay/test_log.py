@@ -1,0 +1,66 @@
+"""`killick replay` on recordings it cannot use: one line naming the file and what is wrong, never a
+traceback; a request the server had refused (body not JSON) is skipped."""
+import gzip
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from proxy.cli import main
+from proxy.replay import log as replay_log
+
+FIXTURE = Path(__file__).parents[3] / "fixtures" / "sessions" / "mini-swe-agent.jsonl.gz"
+LINE = {"method": "POST", "path": "/v1/chat/completions", "headers": {},
+        "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
+
+
+def _jsonl(path, *lines):
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cases(tmp: Path):
+    truncated = tmp / "cut.jsonl.gz"
+    truncated.write_bytes(FIXTURE.read_bytes()[:2000])
+    not_gzip = tmp / "plain.jsonl.gz"
+    not_gzip.write_text(json.dumps(LINE) + "\n")
+    return [
+        ([str(truncated)], "cut.jsonl.gz"),
+        ([str(not_gzip)], "plain.jsonl.gz"),
+        ([str(_jsonl(tmp / "types.jsonl", {**LINE, "headers": "x"}))], "headers must be a dict"),
+        ([str(_jsonl(tmp / "ts.jsonl", {**LINE, "ts": "yesterday"}))], "ts must be a number"),
+        ([str(_jsonl(tmp / "resp.jsonl", {**LINE, "response": {"choices": ["x"]}}))], "not in the API's shape"),
+        ([str(_jsonl(tmp / "ok.jsonl", LINE)), "--url", f"http://127.0.0.1:{_closed_port()}"], "cannot reach"),
+    ]
+
+
+def test_unusable_recordings_are_one_line(tmp_path, capsys):
+    for argv, needle in _cases(tmp_path):
+        code = main(["replay", *argv, "--quiet"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and needle in err and len(err.splitlines()) == 1, (argv, err)
+
+
+def test_requests_whose_body_was_not_json_are_skipped(tmp_path, caplog):
+    path = _jsonl(tmp_path / "mixed.jsonl", {**LINE, "body": None}, {**LINE, "body": "{nope"}, LINE)
+    entries = replay_log.load([path])
+    assert [e.body for e in entries] == [LINE["body"]] and "not a JSON object" in caplog.text
+
+
+def test_gzip_recordings_still_load():
+    assert len(replay_log.load([FIXTURE])) > 1
+    with gzip.open(FIXTURE, "rt") as fh:
+        assert json.loads(fh.readline())["path"].startswith("/v1/")
+
+
+@pytest.mark.parametrize("line", [{**LINE, "method": 5}, {**LINE, "metrics": []}])
+def test_wrong_field_types_name_the_line(tmp_path, line):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: (method|metrics) must be"):
+        replay_log.load([_jsonl(tmp_path / "bad.jsonl", LINE, line)])
