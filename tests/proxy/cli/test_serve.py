@@ -99,7 +99,7 @@ def test_serve_process_starts_answers_and_stops(tmp_path_factory):
         with urllib.request.urlopen(metrics, timeout=10) as r:
             text = r.read().decode()
         assert 'killick_requests_total{api="unmatched",status="404"} 1' in text       # every path counts
-        assert 'killick_requests_total{api="/v1/models",status="401"} 1' in text
+        assert 'killick_requests_total{api="/v1/models",status="401"} 2' in text  # this one and the first
         taken = subprocess.run(cmd, capture_output=True, text=True, timeout=60,  # the same port again
                                env={**os.environ, "PYTHONPATH": os.getcwd()})
         assert taken.returncode == 2 and "Traceback" not in taken.stderr
