@@ -133,17 +133,13 @@ def observe_middleware(observer: TurnObserver):
     async def observe(request: web.Request, handler):
         if request.method != "POST" or request.path not in GENERATING_PATHS:
             return await handler(request)
-        started, status = time.time(), 500
-        try:
-            response = await handler(request)
-            status = response.status
-            return response
-        except BaseException as exc:
-            status = status_of(exc)
-            raise
-        finally:
+        started = time.time()
+
+        async def done(status: int) -> None:
             if request.get(AUTHENTICATED):
                 await observer.turn_done(request, request.get(TURN), status, started)
+
+        return await answered(request, handler, done)
 
     return observe
 
@@ -166,6 +162,20 @@ def header_safe(value: str) -> str:
     return _HEADER_UNSAFE.sub(lambda m: quote(m.group(), safe="", errors="surrogateescape"), value)
 
 
+async def answered(request: web.Request, handler, done) -> web.StreamResponse:
+    """handler(request), then `await done(status)` with the status it ended with, answered or raised."""
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except BaseException as exc:
+        status = status_of(exc)
+        raise
+    finally:
+        await done(status)
+
+
 def status_of(exc: BaseException) -> int:
     """The status a request that raised `exc` past the error middleware ended with."""
     if isinstance(exc, web.HTTPException):
@@ -181,18 +191,14 @@ def access_middleware(log_lines: bool):
 
     @web.middleware
     async def access(request: web.Request, handler):
-        started, status = time.monotonic(), 500
-        try:
-            response = await handler(request)
-            status = response.status
-            return response
-        except BaseException as exc:
-            status = status_of(exc)
-            raise
-        finally:
+        started = time.monotonic()
+
+        async def done(status: int) -> None:
             request.app[CTX].metrics.request_done(_route_label(request), status)
             if log_lines:
                 access_logger.info("%s", access_line(request, status, time.monotonic() - started))
+
+        return await answered(request, handler, done)
 
     return access
 
