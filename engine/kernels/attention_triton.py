@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import pdl_args, pdl_enter
+
 from engine.layers.attention import attend_reference
 from engine.layers.norm import rms_norm
 from engine.layers.rope import apply_rope
@@ -46,7 +48,8 @@ class AttnConsts:
 @triton.jit
 def _qk_rope_store_kernel(proj_ptr, proj_stride, q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, qn_ptr, kn_ptr,
                           freq_ptr, eps, cap, HQ, HKV, QW,
-                          D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+                          D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     i = tl.program_id(1)
     d = tl.arange(0, D)
@@ -99,7 +102,7 @@ def qk_rope_store(proj: torch.Tensor, q: torch.Tensor, k_slab: torch.Tensor, v_s
     _qk_rope_store_kernel[(N, c.heads + kv)](proj, proj.stride(0), q, k_slab, v_slab, slots, positions,
                                              c.q_norm, c.k_norm, c.inv_freq, c.eps, cap, c.heads, kv,
                                              c.q_width, D=D, R=c.rotary_dim, ZERO_CENTERED=c.zero_centered,
-                                             num_warps=2 if D <= 128 else 4)
+                                             num_warps=2 if D <= 128 else 4, **pdl_args(proj))
     return q
 
 
@@ -121,7 +124,8 @@ def qk_rope_store_ref(proj, k_slab, v_slab, slots, positions, c: AttnConsts):
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, o_ptr, lse_ptr, scale, cap, HQ, HKV, SPLITS,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                         PREC: tl.constexpr):
+                         PREC: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
     s = tl.program_id(2)
@@ -162,7 +166,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, o_ptr, lse_ptr
 
 @triton.jit
 def _combine_kernel(o_ptr, lse_ptr, proj_ptr, proj_stride, out_ptr, HQ, SPLITS, QW,
-                    D: tl.constexpr, BS: tl.constexpr, GATED: tl.constexpr):
+                    D: tl.constexpr, BS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, BS)
@@ -202,10 +207,10 @@ def decode_attention(q: torch.Tensor, proj: torch.Tensor, k_slab: torch.Tensor, 
     bn = 64 if D <= 128 else 32
     _decode_split_kernel[(B, c.kv_heads, splits)](q, k_slab, v_slab, slots, positions, o_part, lse, D ** -0.5, cap,
                                                   c.heads, c.kv_heads, splits, G=G, GP=max(16, triton.next_power_of_2(G)),
-                                                  D=D, BN=bn, PREC=_precision(q), num_warps=4)
+                                                  D=D, BN=bn, PREC=_precision(q), num_warps=4, **pdl_args(q))
     out = out if out is not None else torch.empty(B, c.heads * D, dtype=q.dtype, device=q.device)
     _combine_kernel[(B, c.heads)](o_part, lse, proj, proj.stride(0), out, c.heads, splits, c.q_width, D=D,
-                                  BS=triton.next_power_of_2(splits), GATED=c.gated, num_warps=4)
+                                  BS=triton.next_power_of_2(splits), GATED=c.gated, num_warps=4, **pdl_args(o_part))
     return out
 
 

@@ -3,9 +3,10 @@
     conv_step(proj, conv_state, slots, conv_w) -> qkv [B, C]          (silu of the causal conv, state shifted)
     rule_step(qkv, proj, rec_state, slots, consts) -> out [B, Hv*dv]  (delta rule, then gated RMSNorm)
 
-The rule runs a program per (sequence, value head, block of dv columns): the state's columns update
-independently, and small tiles stay in registers; the gated norm over each head's dv follows as a second
-launch.
+The rule runs a program per (sequence, value head), the head's whole [dk, dv] state in registers, and
+applies the gated norm over the head's dv before it stores (one launch); heads wider than FUSED_DV run a
+program per (sequence, value head, block of dv columns) instead, the state's columns updating independently,
+and the gated norm follows as a second launch.
 
 proj [B, P] is the fused input projection of a DeltaNet layer: columns [0, C) the conv input (q | k | v),
 then z [Hv*dv], b [Hv], a [Hv] (engine/models/fused.py lays it out). States: conv [S, C, K-1] in the model
@@ -23,13 +24,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import pdl_args, pdl_enter
+
 from engine.layers.delta_rule import recurrent_gated_delta_rule
 from engine.layers.norm import gated_rms_norm
 
 
 @triton.jit
 def _conv_step_kernel(x_ptr, x_stride, state_ptr, slots_ptr, w_ptr, out_ptr, C,
-                      KW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+                      KW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
@@ -64,7 +68,7 @@ def conv_step(proj: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
     block_c = 256
     _conv_step_kernel[(B, triton.cdiv(C, block_c))](proj, proj.stride(0), conv_state, slots, conv_w.contiguous(),
                                                     out, C, KW=km1 + 1, BLOCK_C=block_c,
-                                                    BLOCK_W=triton.next_power_of_2(max(km1, 2)), num_warps=4)
+                                                    BLOCK_W=triton.next_power_of_2(max(km1, 2)), num_warps=4, **pdl_args(proj))
     return out
 
 
@@ -95,9 +99,12 @@ class RuleConsts:
 
 @triton.jit
 def _rule_step_kernel(qkv_ptr, proj_ptr, proj_stride, b_off, a_off, state_ptr, slots_ptr, nega_ptr, dtb_ptr,
-                      o_ptr, scale, C, HV,
-                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KEYS: tl.constexpr):
-    # one program: one sequence, one value head, BV of its dv columns (the state columns are independent)
+                      o_ptr, scale, C, HV, z_off, normw_ptr, eps,
+                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KEYS: tl.constexpr,
+                      NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    # one program: one sequence, one value head, BV of its dv columns (the state columns are independent);
+    # NORM (BV == DV): the gated norm too, o_ptr then takes the normed output in qkv's dtype
     b = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // REP
@@ -120,12 +127,22 @@ def _rule_step_kernel(qkv_ptr, proj_ptr, proj_stride, b_off, a_off, state_ptr, s
     delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
     S = S + k[:, None] * delta[None, :]
     tl.store(sp, S)
-    tl.store(o_ptr + (b * HV + h) * DV + dv, tl.sum(S * q[:, None], axis=0))
+    o = tl.sum(S * q[:, None], axis=0)
+    if NORM:  # _gated_norm_kernel's arithmetic on this head's row
+        dt = qkv_ptr.dtype.element_ty
+        o = o.to(dt).to(tl.float32)
+        y = (o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps)).to(dt).to(tl.float32)
+        y = y * tl.load(normw_ptr + dv).to(tl.float32)
+        z = tl.load(row + z_off + h * DV + dv).to(tl.float32)
+        tl.store(o_ptr + (b * HV + h) * DV + dv, (y * z / (1.0 + tl.exp(-z))).to(dt))
+    else:
+        tl.store(o_ptr + (b * HV + h) * DV + dv, o)
 
 
 @triton.jit
 def _gated_norm_kernel(o_ptr, proj_ptr, proj_stride, z_off, normw_ptr, out_ptr, eps, HV,
-                       DV: tl.constexpr, BH: tl.constexpr):
+                       DV: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     hs = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = hs < HV
@@ -139,18 +156,26 @@ def _gated_norm_kernel(o_ptr, proj_ptr, proj_stride, z_off, normw_ptr, out_ptr, 
     tl.store(out_ptr + b * HV * DV + at, (y * z / (1.0 + tl.exp(-z))).to(dt), mask=hm[:, None])
 
 
+FUSED_DV = 128  # heads up to this wide run rule and gated norm in one program ([dk, dv] fp32 in registers)
+
+
 def rule_step(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
-              consts: RuleConsts, out: torch.Tensor | None = None) -> torch.Tensor:
+              consts: RuleConsts, out: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
     """qkv [B, C] from conv_step; proj [B, P] the fused projection (z, b, a read from it); rec_state
-    [S, Hv, dk, dv] fp32 updated in place -> [B, Hv*dv] in qkv's dtype (already gated-normed)."""
+    [S, Hv, dk, dv] fp32 updated in place -> [B, Hv*dv] in qkv's dtype (already gated-normed).
+    fused: rule and norm in one launch (default: when dv <= FUSED_DV)."""
     c = consts
     B, C = qkv.shape
     values = c.value_heads * c.value_dim
-    o = rule_step_raw(qkv, proj, rec_state, slots, c)
     out = out if out is not None else torch.empty(B, values, dtype=qkv.dtype, device=qkv.device)
+    if fused if fused is not None else c.value_dim <= FUSED_DV:
+        _rule(qkv, proj, rec_state, slots, c, out, norm=True)
+        return out
+    o = torch.empty(B, values, dtype=torch.float32, device=qkv.device)
+    _rule(qkv, proj, rec_state, slots, c, o, norm=False)
     bh = max(1, min(c.value_heads, 4096 // c.value_dim))
     _gated_norm_kernel[(B, triton.cdiv(c.value_heads, bh))](o, proj, proj.stride(0), C, c.norm_w, out, c.eps,
-                                                            c.value_heads, DV=c.value_dim, BH=bh, num_warps=4)
+                                                            c.value_heads, DV=c.value_dim, BH=bh, num_warps=4, **pdl_args(o))
     return out
 
 
@@ -158,6 +183,12 @@ def rule_step_raw(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor
                   consts: RuleConsts) -> torch.Tensor:
     """The delta rule alone -> o [B, Hv*dv] fp32, before the gated norm."""
     c = consts
+    o = torch.empty(qkv.shape[0], c.value_heads * c.value_dim, dtype=torch.float32, device=qkv.device)
+    _rule(qkv, proj, rec_state, slots, c, o, norm=False)
+    return o
+
+
+def _rule(qkv, proj, rec_state, slots, c: RuleConsts, o, norm: bool) -> None:
     B, C = qkv.shape
     keys, values = c.key_heads * c.key_dim, c.value_heads * c.value_dim
     if C != 2 * keys + values or rec_state.dtype != torch.float32 or not rec_state.is_contiguous():
@@ -167,13 +198,11 @@ def rule_step_raw(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor
     z_off = C
     b_off = z_off + values
     a_off = b_off + c.value_heads
-    o = torch.empty(B, values, dtype=torch.float32, device=qkv.device)
-    bv = min(32, c.value_dim)
+    bv = c.value_dim if norm else min(32, c.value_dim)
     _rule_step_kernel[(B, c.value_heads, c.value_dim // bv)](
         qkv, proj, proj.stride(0), b_off, a_off, rec_state, slots, c.neg_A, c.dt_bias, o, c.key_dim ** -0.5, C,
-        c.value_heads, REP=c.value_heads // c.key_heads, DK=c.key_dim, DV=c.value_dim, BV=bv, KEYS=keys,
-        num_warps=4)
-    return o
+        c.value_heads, z_off, c.norm_w, c.eps, REP=c.value_heads // c.key_heads, DK=c.key_dim, DV=c.value_dim,
+        BV=bv, KEYS=keys, NORM=norm, num_warps=8 if norm else 4, **pdl_args(qkv))
 
 
 def rule_step_ref(qkv, proj, rec_state, slots, consts: RuleConsts):

@@ -22,11 +22,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import pdl_args, pdl_enter
+
 @triton.jit
-def _route_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, stride, E,
-                       K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0)
+def _topk_row(logits_ptr, row, stride, E, valid, K: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
+              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's routing -> (ids, weights) [BLOCK_K]: pairs 0..K-1 routed, pair K the shared expert."""
     cols = tl.arange(0, BLOCK_E)
     live = cols < E
     logit = tl.load(logits_ptr + row * stride + cols, mask=live, other=float("-inf")).to(tl.float32)
@@ -47,8 +48,18 @@ def _route_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, stride, E,
         s = tl.load(logits_ptr + row * stride + E).to(tl.float32)
         ids = tl.where(slots == K, E, ids)
         ws = tl.where(slots == K, 1.0 / (1.0 + tl.exp(-s)), ws)
-    valid = tl.load(valid_ptr + row)  # rows of a padded decode batch route nowhere
-    ids = tl.where(valid != 0, ids, -1)
+    ids = tl.where(valid != 0, ids, -1)  # rows of a padded decode batch route nowhere
+    return ids, ws
+
+
+@triton.jit
+def _route_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, stride, E,
+                       K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    row = tl.program_id(0)
+    ids, ws = _topk_row(logits_ptr, row, stride, E, tl.load(valid_ptr + row), K, SHARED, NORM, BLOCK_E, BLOCK_K)
+    slots = tl.arange(0, BLOCK_K)
     tl.store(ids_ptr + row * KP + slots, ids, mask=slots < KP)
     tl.store(w_ptr + row * KP + slots, ws, mask=slots < KP)
 
@@ -70,7 +81,7 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool, shared: bool,
                                           torch.empty(N, kp, dtype=torch.float32, device=logits.device))
     _route_topk_kernel[(N,)](logits, ids, w, valid, logits.stride(0), E, K=top_k, KP=kp, SHARED=shared,
                              NORM=norm_topk, BLOCK_E=triton.next_power_of_2(E),
-                             BLOCK_K=triton.next_power_of_2(kp), num_warps=4)
+                             BLOCK_K=triton.next_power_of_2(kp), num_warps=4, **pdl_args(logits))
     return ids, w
 
 
@@ -143,9 +154,24 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
 
 @triton.jit
 def _expert_up_kernel(x_ptr, w_ptr, rows_ptr, exp_ptr, act_ptr, H, I, KP,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                      logits_ptr, lstride, E, valid_ptr, pw_ptr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                      ROUTE: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0)
-    e = tl.load(exp_ptr + b)
+    if ROUTE:  # one pair per block (the decode mapping): route its token here, no top-k launch before
+        # (names unused below: Triton wants a name's type the same on both sides of an if)
+        token = b // KP
+        pair_ids, pair_ws = _topk_row(logits_ptr, token, lstride, E, tl.load(valid_ptr + token), K, SHARED, NORM,
+                                      BLOCK_E, BLOCK_K)
+        pick = tl.arange(0, BLOCK_K) == b % KP
+        e = tl.sum(tl.where(pick, pair_ids, 0), axis=0)
+        if tl.program_id(1) == 0:  # the down kernel reads the pair's expert and weight from here
+            tl.store(exp_ptr + b, e)
+            tl.store(pw_ptr + b, tl.sum(tl.where(pick, pair_ws, 0.0), axis=0))
+    else:
+        e = tl.load(exp_ptr + b)
     if e >= 0:
         rm = tl.arange(0, BM)
         rows = tl.load(rows_ptr + b * BM + rm)
@@ -172,7 +198,8 @@ def _expert_up_kernel(x_ptr, w_ptr, rows_ptr, exp_ptr, act_ptr, H, I, KP,
 
 @triton.jit
 def _expert_down_kernel(act_ptr, w_ptr, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     e = tl.load(exp_ptr + b)
     if e >= 0:
@@ -195,45 +222,89 @@ def _expert_down_kernel(act_ptr, w_ptr, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I,
                  mask=valid[:, None] & nmask[None, :])
 
 
-def _tiles(bm: int, n: int, k: int) -> tuple[int, int, int, int]:
+def _tiles(bm: int, n: int, k: int, tokens: int, up: bool) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages): decode blocks (BM 16) stream weights in wide K tiles, prefill blocks use
-    square-ish tiles. Measured on the H200 against Triton's autotuner, whose picks (timed on weights that
-    stayed in L2) ran 7-11% slower in the decode step (docs/PERF.md)."""
+    square-ish tiles. Decode tiles from `python -m engine.bench.tiles` on the H200 (weights read from HBM,
+    docs/PERF.md issue 20): the gate/up kernel of one token's pairs runs best in 64-row tiles 4 deep (20.8
+    against 22.4 us a layer with 3), of eight tokens' in 32-row tiles (92.9 against 97.6); the down kernel's
+    candidates were within the noise of (64, 128, 4, 3). Triton's autotuner, timing on weights that stayed
+    in L2, picked tiles that ran 7-11% slower in the step."""
     if bm <= 16:
+        if up:
+            return min(64 if tokens <= 2 else 32, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(k)), 4, 4
         return min(64, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(k)), 4, 3
     return min(64, triton.next_power_of_2(n)), min(64, triton.next_power_of_2(k)), 4, 3
 
 
 def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                weights: torch.Tensor, blocks: Blocks, out: tuple[torch.Tensor, torch.Tensor] | None = None):
+                weights: torch.Tensor, blocks: Blocks, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                tiles: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None):
     """x [N, H]; gate_up [E, 2I, H]; down [E, H, I]; ids / weights [N, KP] -> y [N, KP, H] (x's dtype).
 
-    Rows of pairs with id -1 (padding) are left unwritten. out = (act [P, I], y [N, KP, H]) reuses buffers."""
+    Rows of pairs with id -1 (padding) are left unwritten. out = (act [P, I], y [N, KP, H]) reuses buffers.
+    tiles = ((BN, BK, warps, stages) of the gate/up kernel, the same of the down kernel) overrides _tiles
+    (engine/bench/tiles.py sweeps them)."""
+    _check(x, gate_up, down, ids, weights)
+    return _launch(x, gate_up, down, blocks, weights, out, tiles, None)
+
+
+def run_experts_routed(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, logits: torch.Tensor,
+                       top_k: int, norm_topk: bool, shared: bool, valid: torch.Tensor,
+                       ids: torch.Tensor, weights: torch.Tensor,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       tiles: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None):
+    """The decode step's MoE in two launches: route_topk's routing done inside the gate/up kernel.
+
+    logits [N, E (+1 shared gate)] and valid [N] int8 as route_topk takes them; ids / weights [N, KP]
+    (int32 / fp32) are written with what route_topk would return (the down kernel reads them); one block
+    per pair (pair_blocks) -> y [N, KP, H] as run_experts."""
+    _check(x, gate_up, down, ids, weights)
+    E = logits.shape[1] - (1 if shared else 0)
+    kp = top_k + (1 if shared else 0)
+    if ids.shape != (x.shape[0], kp) or logits.stride(1) != 1 or not ids.is_contiguous() \
+            or not weights.is_contiguous() or valid.shape != (x.shape[0],):
+        raise ValueError(f"run_experts_routed: ids / weights must be contiguous [N, {kp}], valid [N], "
+                         "logits row-major")
+    route = (logits, logits.stride(0), E, valid, top_k, shared, norm_topk)
+    return _launch(x, gate_up, down, pair_blocks(ids), weights, out, tiles, route)
+
+
+def _check(x, gate_up, down, ids, weights) -> None:
     N, H = x.shape
     E, two_i, Hw = gate_up.shape
-    I = two_i // 2
-    if Hw != H or down.shape != (E, H, I) or ids.shape != weights.shape or ids.shape[0] != N:
+    if Hw != H or down.shape != (E, H, two_i // 2) or ids.shape != weights.shape or ids.shape[0] != N:
         raise ValueError(f"run_experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down "
                          f"{tuple(down.shape)}, ids {tuple(ids.shape)} do not fit together")
     if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("run_experts wants contiguous x, gate_up and down")
     if x.dtype != gate_up.dtype or x.dtype != down.dtype:
         raise ValueError(f"run_experts: x is {x.dtype} but the experts are {gate_up.dtype}")
-    KP = ids.shape[1]
-    P = N * KP
+
+
+def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route):
+    N, H = x.shape
+    I = gate_up.shape[1] // 2
+    KP = weights.shape[1]
     if out is None:
-        act = torch.empty(P, I, dtype=x.dtype, device=x.device)
+        act = torch.empty(N * KP, I, dtype=x.dtype, device=x.device)
         y = torch.empty(N, KP, H, dtype=x.dtype, device=x.device)
     else:
         act, y = out
     nb, bm = blocks.rows.shape
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 exact; 16-bit inputs ignore it
-    bn, bk, warps, stages = _tiles(bm, I, H)
-    _expert_up_kernel[(nb, triton.cdiv(I, bn))](x, gate_up, blocks.rows, blocks.expert, act, H, I, KP, BM=bm,
-                                                BN=bn, BK=bk, PREC=prec, num_warps=warps, num_stages=stages)
-    bn, bk, warps, stages = _tiles(bm, H, I)
+    if route is None:
+        logits, lstride, E, valid, top_k, shared, norm = x, 0, 0, blocks.expert, 1, False, False
+    else:
+        logits, lstride, E, valid, top_k, shared, norm = route
+    bn, bk, warps, stages = tiles[0] if tiles else _tiles(bm, I, H, N, up=True)
+    _expert_up_kernel[(nb, triton.cdiv(I, bn))](
+        x, gate_up, blocks.rows, blocks.expert, act, H, I, KP, logits, lstride, E, valid, weights,
+        BM=bm, BN=bn, BK=bk, PREC=prec, ROUTE=route is not None, K=top_k, SHARED=shared, NORM=norm,
+        BLOCK_E=triton.next_power_of_2(max(E, 2)), BLOCK_K=triton.next_power_of_2(max(KP, 2)),
+        num_warps=warps, num_stages=stages, **pdl_args(x))
+    bn, bk, warps, stages = tiles[1] if tiles else _tiles(bm, H, I, N, up=False)
     _expert_down_kernel[(nb, triton.cdiv(H, bn))](act, down, blocks.rows, blocks.expert, weights, y, H, I, BM=bm,
-                                                  BN=bn, BK=bk, PREC=prec, num_warps=warps, num_stages=stages)
+                                                  BN=bn, BK=bk, PREC=prec, num_warps=warps, num_stages=stages, **pdl_args(act))
     return y
 
 

@@ -6,6 +6,12 @@
 
 Statistics and the sum in fp32, one rounding at the end. Reference: add_rms_norm_ref below, which is the
 eager path's arithmetic (engine/layers/norm.py). N = tokens, H = hidden, R = rows summed into x.
+
+    x_out, h, logits = add_rms_norm_router(x, delta, weight, eps, zero_centered, router_w)
+
+The decode step's seam before a MoE block: the same add + norm, and the router's logits h @ router_w.T
+[N, E] in the same launch (each program normalises its token's row again and takes BE router rows), so
+the router costs no launch of its own. E = router rows.
 """
 from __future__ import annotations
 
@@ -13,13 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import pdl_args, pdl_enter
+
 from engine.layers.norm import rms_norm
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, eps, H,
                          R: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_DELTA: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+                         BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     live = cols < H
@@ -54,7 +63,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     x_out, h = out if out is not None else (torch.empty_like(x) if delta is not None else x, torch.empty_like(x))
     _add_rms_norm_kernel[(N,)](x, delta if delta is not None else x, weight, x_out, h, eps, H, R=R,
                                ZERO_CENTERED=zero_centered, HAS_DELTA=delta is not None,
-                               BLOCK_H=triton.next_power_of_2(H), num_warps=4 if H <= 2048 else 8)
+                               BLOCK_H=triton.next_power_of_2(H), num_warps=4 if H <= 2048 else 8, **pdl_args(x))
     return x_out, h
 
 
@@ -62,3 +71,55 @@ def add_rms_norm_ref(x, delta, weight, eps, zero_centered):
     if delta is not None:
         x = x + delta.view(x.shape[0], -1, x.shape[1]).float().sum(1).to(x.dtype)
     return x, rms_norm(x, weight, eps, zero_centered)
+
+
+@triton.jit
+def _add_norm_router_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, rw_ptr, lg_ptr, eps, H, E,
+                            R: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BE: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_H)
+    live = cols < H
+    x = tl.load(x_ptr + row * H + cols, mask=live, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for r in tl.static_range(R):
+        acc += tl.load(d_ptr + (row * R + r) * H + cols, mask=live, other=0.0).to(tl.float32)
+    x = (x + acc).to(xo_ptr.dtype.element_ty).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    h = (x * inv * w).to(h_ptr.dtype.element_ty)
+    if blk == 0:
+        tl.store(xo_ptr + row * H + cols, x.to(xo_ptr.dtype.element_ty), mask=live)
+        tl.store(h_ptr + row * H + cols, h, mask=live)
+    re = blk * BE + tl.arange(0, BE)
+    rw = tl.load(rw_ptr + re[:, None] * H + cols[None, :], mask=(re < E)[:, None] & live[None, :], other=0.0)
+    logit = tl.sum(rw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+    tl.store(lg_ptr + row * E + re, logit.to(lg_ptr.dtype.element_ty), mask=re < E)
+
+
+def add_rms_norm_router(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                        zero_centered: bool, router_w: torch.Tensor,
+                        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """-> (x_out, h, logits [N, E] in x's dtype): add_rms_norm(x, delta, ...) and h @ router_w.T at once."""
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"add_rms_norm_router wants a contiguous [N, H] x, got {tuple(x.shape)}")
+    N, H = x.shape
+    delta = delta.view(N, -1, H)
+    if not delta.is_contiguous() or delta.dtype != x.dtype:
+        raise ValueError("add_rms_norm_router wants delta contiguous and in x's dtype")
+    if weight.shape != (H,) or router_w.dim() != 2 or router_w.shape[1] != H or not router_w.is_contiguous():
+        raise ValueError(f"add_rms_norm_router: norm weight {tuple(weight.shape)} / router "
+                         f"{tuple(router_w.shape)} do not match hidden size {H}")
+    E = router_w.shape[0]
+    x_out, h, logits = out if out is not None else (
+        torch.empty_like(x), torch.empty_like(x), torch.empty(N, E, dtype=x.dtype, device=x.device))
+    block_h = triton.next_power_of_2(H)
+    be = max(1, min(16, 8192 // block_h))  # a [BE, H] router tile of at most 8k values per program
+    _add_norm_router_kernel[(N, triton.cdiv(E, be))](x, delta, weight, x_out, h, router_w, logits, eps, H, E,
+                                                     R=delta.shape[1], ZERO_CENTERED=zero_centered,
+                                                     BLOCK_H=block_h, BE=be, num_warps=4, **pdl_args(x))
+    return x_out, h, logits

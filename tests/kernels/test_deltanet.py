@@ -14,9 +14,11 @@ def consts(g, dev, hk=2, hv=4, dk=16, dv=16):
 
 
 @pytest.mark.parametrize("dtype", float_dtypes())
-def test_decode_steps_match_reference(dev, dtype):
-    g = torch.Generator().manual_seed(21)
-    c = consts(g, dev)
+@pytest.mark.parametrize("fused, dv", [(True, 16), (False, 16), (False, 64)])
+def test_decode_steps_match_reference(dev, dtype, fused, dv):
+    """Rule and gated norm in one launch (a program per head) or two (programs per block of dv columns)."""
+    g = torch.Generator().manual_seed(21 + dv)
+    c = consts(g, dev, dv=dv)
     C = 2 * c.key_heads * c.key_dim + c.value_heads * c.value_dim
     P = C + c.value_heads * c.value_dim + 2 * c.value_heads + 5  # spare columns: row stride != width
     S, B, KW = 5, 3, 4
@@ -31,7 +33,7 @@ def test_decode_steps_match_reference(dev, dtype):
         qkv_ref = conv_step_ref(proj, conv_b, slots, conv_w)
         assert rel_err(qkv, qkv_ref) < tol(dtype), step
         assert rel_err(conv_a, conv_b) == 0.0
-        out = rule_step(qkv_ref, proj, rec_a, slots, c)
+        out = rule_step(qkv_ref, proj, rec_a, slots, c, fused=fused)
         ref = rule_step_ref(qkv_ref, proj, rec_b, slots, c)
         assert rel_err(out, ref) < 4 * tol(dtype), step
         assert rel_err(rec_a, rec_b) < 1e-5

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine.kernels.moe_triton import (expert_blocks, pair_blocks, route_topk, route_topk_ref, run_experts,
-                                       run_experts_ref)
+                                       run_experts_ref, run_experts_routed)
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 
@@ -66,3 +66,44 @@ def test_run_experts_names_a_dtype_mismatch(dev):
     with pytest.raises(ValueError, match="experts are"):
         run_experts(x, gu, dn, ids, torch.ones(2, 1, device=dev), pair_blocks(ids))
 
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_routed_experts_equal_top_k_then_experts(dev, shared):
+    """The decode MoE that routes inside its gate/up kernel: the same ids and weights as route_topk, the
+    same rows as run_experts on them, padding rows untouched."""
+    dtype = torch.float32
+    g = torch.Generator().manual_seed(21 + shared)
+    N, E, K, H, I = 4, 12, 3, 40, 24
+    kp = K + shared
+    x = (torch.randn(N, H, generator=g) * 0.5).to(dev, dtype)
+    gate_up = (torch.randn(E + shared, 2 * I, H, generator=g) * 0.2).to(dev, dtype)
+    down = (torch.randn(E + shared, H, I, generator=g) * 0.2).to(dev, dtype)
+    logits = torch.randn(N, E + shared, generator=g).to(dev, dtype)
+    valid = torch.tensor([1, 0, 1, 1], dtype=torch.int8, device=dev)
+    ids = torch.full((N, kp), 99, dtype=torch.int32, device=dev)
+    w = torch.full((N, kp), 9.0, device=dev)
+    y = torch.full((N, kp, H), float("nan"), dtype=dtype, device=dev)
+    act = torch.empty(N * kp, I, dtype=dtype, device=dev)
+    run_experts_routed(x, gate_up, down, logits, K, True, shared, valid, ids, w, out=(act, y))
+    ref_ids, ref_w = route_topk(logits, K, True, shared, valid)
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    live = valid.bool().cpu()
+    assert torch.equal(w.cpu()[live], ref_w.cpu()[live])
+    ref = run_experts(x, gate_up, down, ref_ids, ref_w, pair_blocks(ref_ids))
+    assert torch.equal(y.cpu()[live], ref.cpu()[live])
+    assert torch.isnan(y.cpu()[~live]).all()  # padding rows route nowhere and are never written
+
+
+def test_experts_tiles_do_not_change_the_function(dev):
+    g = torch.Generator().manual_seed(31)
+    N, E, KP, H, I = 3, 5, 2, 64, 48
+    x = (torch.randn(N, H, generator=g) * 0.5).to(dev)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(dev)
+    down = (torch.randn(E, H, I, generator=g) * 0.2).to(dev)
+    ids = torch.randint(0, E, (N, KP), generator=g).int().to(dev)
+    w = torch.rand(N, KP, generator=g).to(dev)
+    ref = run_experts_ref(x, gate_up, down, ids, w)
+    for tiles in (((16, 32, 4, 2), (16, 16, 4, 2)), ((32, 64, 4, 3), (64, 32, 4, 3))):
+        y = run_experts(x, gate_up, down, ids, w, pair_blocks(ids), tiles=tiles)
+        assert rel_err(y.cpu(), ref.cpu()) < 3 * tol(torch.float32)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_ref
+from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_ref, add_rms_norm_router
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 
@@ -27,3 +27,25 @@ def test_add_rms_norm_names_a_bad_weight(dev):
     x = torch.randn(2, 8, device=dev)
     with pytest.raises(ValueError, match="does not match hidden size"):
         add_rms_norm(x, None, torch.ones(4, device=dev), 1e-6, True)
+
+
+@pytest.mark.parametrize("dtype", float_dtypes())
+@pytest.mark.parametrize("rows", [1, 3])
+def test_add_rms_norm_router_is_add_norm_then_router(dev, dtype, rows):
+    g = torch.Generator().manual_seed(40 + rows)
+    N, H, E = 3, 96, 37  # neither a multiple of the tiles
+    x = torch.randn(N, H, generator=g).to(dev, dtype)
+    delta = torch.randn(N, rows, H, generator=g).to(dev, dtype)
+    w = (torch.randn(H, generator=g) * 0.3).to(dev, dtype)
+    router = (torch.randn(E, H, generator=g) * 0.2).to(dev, dtype)
+    got_x, got_h, got_logits = add_rms_norm_router(x, delta, w, 1e-6, True, router)
+    want_x, want_h = add_rms_norm(x, delta, w, 1e-6, True)
+    assert torch.equal(got_x, want_x) and torch.equal(got_h, want_h)  # the same arithmetic, bit for bit
+    ref_logits = want_h.double() @ router.double().T
+    assert got_logits.dtype == dtype and rel_err(got_logits, ref_logits) < 2 * tol(dtype)
+
+
+def test_add_rms_norm_router_names_a_bad_router(dev):
+    x = torch.randn(2, 8, device=dev)
+    with pytest.raises(ValueError, match="router"):
+        add_rms_norm_router(x, x, torch.ones(8, device=dev), 1e-6, True, torch.ones(4, 6, device=dev))

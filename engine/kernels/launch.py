@@ -1,0 +1,53 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels, on Hopper and newer GPUs.
+
+A decode step is a chain of ~10 small kernels a layer, each waiting for the one before; between two of them
+the GPU drains one grid and only then starts the next. Launched with PDL, a kernel's programs may be put on
+the SMs while its predecessor's last programs still run, and wait there (`griddepcontrol.wait`) until the
+predecessor has finished and its writes are visible. Each kernel calls `pdl_enter(PDL)` first thing, before
+it reads or writes any memory, so the order of every read and write is the one the stream gives; only the
+launch gap overlaps. Kernels launched without PDL (cuBLAS, torch ops) and graphs captured with it keep
+ordinary stream order around them.
+
+    on = pdl_on(x)                                # for the device x lives on
+    kernel[grid](..., PDL=on, launch_pdl=on)      # in the kernel: pdl_enter(PDL) first
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+_ENABLED = {"on": True}
+_CAPABLE: dict[int, bool] = {}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()  # the predecessor has finished, its writes are visible
+        gdc_launch_dependents()  # the next kernel may now be placed beside this one's programs
+
+
+def pdl_on(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device launch with PDL: a CUDA device of compute capability 9 or newer,
+    compiled kernels (not Triton's interpreter), and not switched off by set_pdl(False)."""
+    if not (_ENABLED["on"] and t.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _CAPABLE[index]
+
+
+def set_pdl(on: bool) -> None:
+    """Switch PDL on or off for kernels launched from now on (benchmarks compare the two)."""
+    _ENABLED["on"] = bool(on)
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """The launch keywords of a kernel that starts with pdl_enter: PDL=..., launch_pdl=... for t's device."""
+    on = pdl_on(t)
+    return {"PDL": on, "launch_pdl": on}

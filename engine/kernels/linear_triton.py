@@ -1,0 +1,68 @@
+"""Skinny matrix products for decode steps: y = x @ w.T with a handful of rows in x, bound by reading w.
+
+    y = skinny_linear(x, w)          # x [M, K], w [N, K] -> y [M, N] in x's dtype, M <= SKINNY_ROWS
+
+One program per BN rows of w reads them once, front to back in BK-wide tiles, against all M rows of x
+(padded to 16, the matrix units' smallest tile); fp32 accumulation, one rounding at the store. No split
+over K: each output is summed in one fixed order, so a graph replay and a direct launch agree to the bit.
+cuBLAS picks split-K plus a separate reduce for the decode step's out / o projections (K 4096 -> N 2048),
+two launches at 1.9 TB/s (docs/PERF.md, issue 20); which projections take this kernel is decided in
+engine/models/fast.py from measured rates. M = rows of x, K = input width, N = output width.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.launch import pdl_args, pdl_enter
+
+SKINNY_ROWS = 16
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
+                   BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    rm = tl.arange(0, 16)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    mmask, nmask = rm < M, rn < N
+    acc = tl.zeros([16, BN], dtype=tl.float32)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        kmask = rk < K
+        xa = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += tl.dot(xa, tl.trans(w), input_precision=PREC)
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def skinny_tiles(n: int) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages) for 16-bit weights, from `python -m engine.bench.tiles` on the H200 (weights
+    read from HBM, docs/PERF.md issue 20): outputs of a few thousand (out / o, 4096 -> 2048) read best in
+    16-row tiles of 512 (8.7 us, cuBLAS 9.0); wide ones (DeltaNet in 12,352, q|k|v 9,216, the lm_head) in
+    32-row tiles of 128 (15.8 / 13.0 / 233.6 us against cuBLAS's 17.0 / 13.0 / 242.6)."""
+    return (16, 512, 4, 3) if n <= 4096 else (32, 128, 4, 4)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                  tiles: tuple[int, int, int, int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (M <= SKINNY_ROWS), w [N, K], both contiguous and of one dtype -> [M, N] in `dtype`
+    (default x's; float32 keeps the fp32 sums unrounded, as logits want)."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"skinny_linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit together")
+    M, K = x.shape
+    N = w.shape[0]
+    if M > SKINNY_ROWS:
+        raise ValueError(f"skinny_linear takes at most {SKINNY_ROWS} rows, got {M}: use F.linear")
+    if not (x.is_contiguous() and w.is_contiguous()) or x.dtype != w.dtype:
+        raise ValueError("skinny_linear wants contiguous x and w of one dtype")
+    y = out if out is not None else torch.empty(M, N, dtype=dtype or x.dtype, device=x.device)
+    bn, bk, warps, stages = tiles or skinny_tiles(N)
+    bk = min(bk, triton.next_power_of_2(K))
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 exact; 16-bit inputs ignore it
+    _skinny_kernel[(triton.cdiv(N, bn),)](x, w, y, M, N, K, BN=bn, BK=bk, PREC=prec, num_warps=warps,
+                                          num_stages=stages, **pdl_args(x))
+    return y
