@@ -51,7 +51,7 @@ def wait_for_device(device: torch.device) -> None:
 
 def argmax_rows(rows: list[torch.Tensor]) -> list[int]:
     """Greedy tokens of several logits rows [V] at once: one argmax, one copy to the host."""
-    ids = torch.stack(rows).argmax(-1)
+    ids = _as_matrix(rows).argmax(-1)
     if ids.device.type != "cuda":
         return ids.tolist()
     n = ids.shape[0]
@@ -61,6 +61,20 @@ def argmax_rows(rows: list[torch.Tensor]) -> list[int]:
     host.copy_(ids, non_blocking=True)
     wait_for_device(ids.device)
     return host.tolist()
+
+
+def _as_matrix(rows: list[torch.Tensor]) -> torch.Tensor:
+    """rows as one [n, V] tensor; without a copy when they are consecutive rows of one (a decode step's
+    logits are), which spares a launch and a pass over n * V floats every step."""
+    first = rows[0]
+    if first.dim() == 1 and first.stride(0) == 1:
+        step = first.shape[0]
+        base = first.untyped_storage().data_ptr()
+        if all(r.dim() == 1 and r.stride(0) == 1 and r.dtype == first.dtype and r.shape[0] == step
+               and r.untyped_storage().data_ptr() == base and r.storage_offset() == first.storage_offset() + i * step
+               for i, r in enumerate(rows)):
+            return first.as_strided((len(rows), step), (step, 1))
+    return torch.stack(rows)
 
 
 _PINNED: dict[str, torch.Tensor] = {}  # the engine thread's reusable pinned buffer

@@ -5,9 +5,12 @@
     fast.decode(ids, slots, positions, valid)      # one token per sequence, static shapes, no host sync:
                                                    # what a CUDA graph captures (engine/models/graphs.py)
 
-A decode step per layer: add+norm, one projection GEMM, the mixer's kernels (qk-norm/RoPE/KV store + split
-attention, or conv step + delta-rule step + gated norm), o/out GEMM, add+norm, router GEMM, top-k, two
-grouped expert kernels; the next add+norm sums the experts' rows into the residual. Prefill chunks run the same
+A decode step per layer: add+norm, one projection (a skinny Triton kernel, as every decode projection), the
+mixer's kernels (qk-norm/RoPE/KV store + split attention, or conv step + delta-rule step + gated norm), the
+o/out projection,
+add+norm with the router's logits in the same launch, then two expert kernels, the first routing each
+pair's token itself (top-k without a launch of its own); the next add+norm sums the experts' rows into
+the residual. Prefill chunks run the same
 projections with the prefill attention kernel, the chunked delta rule (fla's kernels on CUDA) and experts
 grouped per expert. N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
 """
@@ -19,8 +22,9 @@ import torch.nn.functional as F
 from engine.kernels.attention_triton import (decode_attention, decode_splits, prefill_attention, prefill_block,
                                              prefill_tiles, qk_rope_store)
 from engine.kernels.deltanet_triton import conv_step, rule_step
-from engine.kernels.moe_triton import expert_blocks, pair_blocks, route_topk, run_experts
-from engine.kernels.norm_triton import add_rms_norm
+from engine.kernels.linear_triton import SKINNY_ROWS, skinny_linear
+from engine.kernels.moe_triton import expert_blocks, pair_blocks, route_topk, run_experts, run_experts_routed
+from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_router
 from engine.layers.moe import MoE
 from engine.models.fused import FusedAttention, FusedMoE, fuse_attention, fuse_deltanet, fuse_moe
 from engine.models.state import Span
@@ -54,19 +58,36 @@ class FastPath:
         for i, layer in enumerate(model.layers):
             m, state = self.mixers[i], self.pool.layers[i]
             if isinstance(m, FusedAttention):
-                proj = F.linear(h, m.qkv_w)
+                proj = _decode_linear(h, m.qkv_w)
                 q = torch.empty(h.shape[0], m.consts.heads, m.consts.head_dim, dtype=h.dtype, device=h.device)
                 qk_rope_store(proj, q, state[0], state[1], slots, positions, m.consts)
-                mix = F.linear(decode_attention(q, proj, state[0], state[1], slots, positions, m.consts,
-                                                splits=self.splits), m.o_w)
+                mix = _decode_linear(decode_attention(q, proj, state[0], state[1], slots, positions, m.consts,
+                                                 splits=self.splits), m.o_w)
             else:
-                proj = F.linear(h, m.in_w)
+                proj = _decode_linear(h, m.in_w)
                 qkv = conv_step(proj, state[0], slots, m.conv_w)
-                mix = F.linear(rule_step(qkv, proj, state[1], slots, m.consts), m.out_w)
-            post, nxt = self.norms[i]
-            x, h = add_rms_norm(x, mix, post, eps, zc)
-            x, h = add_rms_norm(x, self._mlp(i, h, valid), nxt, eps, zc)
-        return F.linear(h, model.lm_head).float()
+                mix = _decode_linear(rule_step(qkv, proj, state[1], slots, m.consts), m.out_w)
+            x, rows = self._decode_mlp(i, x, mix, valid)
+            x, h = add_rms_norm(x, rows, self.norms[i][1], eps, zc)
+        return _decode_linear(h, model.lm_head, torch.float32)
+
+    def _decode_mlp(self, i: int, x: torch.Tensor, mix: torch.Tensor, valid: torch.Tensor | None):
+        """The post-mixer add+norm and the MLP of one decode step -> (residual, rows to add to it)."""
+        mlp, post = self.mlps[i], self.norms[i][0]
+        zc, eps = self.cfg.zero_centered_norm, self.cfg.rms_norm_eps
+        N = x.shape[0]
+        if isinstance(mlp, FusedMoE) and mlp.shared is None:
+            kp = mlp.top_k + mlp.shared_folded
+            if N * kp < GROUP_PAIRS:
+                x, h, logits = add_rms_norm_router(x, mix, post, eps, zc, mlp.router_w)
+                if valid is None:
+                    valid = torch.ones(N, dtype=torch.int8, device=x.device)
+                ids = torch.empty(N, kp, dtype=torch.int32, device=x.device)
+                w = torch.empty(N, kp, dtype=torch.float32, device=x.device)
+                return x, run_experts_routed(h, mlp.gate_up, mlp.down, logits, mlp.top_k, mlp.norm_topk,
+                                             mlp.shared_folded, valid, ids, w)
+        x, h = add_rms_norm(x, mix, post, eps, zc)
+        return x, self._mlp(i, h, valid)
 
     # -- any batch of slot states ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -143,3 +164,13 @@ class FastPath:
             shared = torch.sigmoid(F.linear(h, mlp.shared_gate_w)) * mlp.shared(h)
             y = torch.cat([y, shared[:, None]], dim=1)
         return y
+
+
+def _decode_linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A decode step's projection: the skinny kernel reads w as fast as cuBLAS or faster for a few rows, in
+    one launch where cuBLAS splits K and reduces in a second, and chains with its neighbours' launches
+    (engine/kernels/launch.py; engine/bench/tiles.py, docs/PERF.md issue 20)."""
+    if x.shape[0] <= SKINNY_ROWS and x.is_contiguous() and x.dtype == w.dtype and w.is_contiguous():
+        return skinny_linear(x, w, dtype=dtype)
+    y = F.linear(x, w)
+    return y if dtype is None else y.to(dtype)

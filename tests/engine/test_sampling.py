@@ -55,3 +55,19 @@ def test_generate_seeded_reproducible_and_top_k_1_is_greedy(engine_for):
     assert eng.generate(ids, max_new_tokens=8, temperature=1.0, top_k=1, seed=5) == greedy
     different = {tuple(eng.generate(ids, max_new_tokens=8, temperature=2.0, seed=s)) for s in range(4)}
     assert len(different) > 1
+
+
+def test_argmax_rows_reads_consecutive_rows_in_place_and_others_by_copy():
+    from engine.sampling import _as_matrix, argmax_rows
+
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 50, generator=g)
+    rows = list(logits.split(1))
+    rows = [r[-1] for r in rows]  # what the runner passes: the last row of each item's [1, V]
+    assert _as_matrix(rows).data_ptr() == logits.data_ptr()  # no copy
+    assert argmax_rows(rows) == logits.argmax(-1).tolist()
+    shuffled = [rows[2], rows[0], rows[3]]  # not consecutive: stacked, same answer
+    assert _as_matrix(shuffled).data_ptr() != logits.data_ptr()
+    assert argmax_rows(shuffled) == [int(r.argmax()) for r in shuffled]
+    other = torch.randn(50, generator=g)
+    assert argmax_rows([rows[0], other]) == [int(rows[0].argmax()), int(other.argmax())]
