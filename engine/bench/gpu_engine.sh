@@ -29,7 +29,7 @@ CKPT=build/peers/ckpt/qwen3.6-35b-a3b-L8
   echo $? > "$OUT/peer.rc" ) &
 PEER=$!
 
-timeout ${TEST_S:-150} $PY -m pytest -q -p no:cacheprovider tests/kernels tests/gpu/test_fast_cuda.py \
+timeout ${TEST_S:-200} $PY -m pytest -q -p no:cacheprovider tests/gpu/test_fast_cuda.py tests/kernels \
     > "$OUT/pytest_gpu.log" 2>&1
 status pytest_gpu $?
 tail -3 "$OUT/pytest_gpu.log" >> "$OUT/summary.txt"
@@ -53,7 +53,7 @@ if [ -f "$CKPT/config.json" ]; then
     cat "$OUT/compare.txt" >> "$OUT/summary.txt"
     $PY -m proxy.cli serve --model "$CKPT" --device cuda --dtype bfloat16 --port 18431 > "$OUT/serve.log" 2>&1 &
     SERVE=$!
-    for _ in $(seq 1 90); do curl -sf http://127.0.0.1:18431/health >/dev/null && break; sleep 1; done
+    for _ in $(seq 1 120); do curl -sf http://127.0.0.1:18431/health >/dev/null && break; sleep 1; done
     timeout 120 $PY -m engine.bench.serve --url http://127.0.0.1:18431 --prompt-words ${SERVE_WORDS:-1850} \
         --max-tokens 256 --runs 3 --json "$OUT/serve.json" >> "$OUT/summary.txt" 2>> "$OUT/serve.log"
     status serve_probe $?

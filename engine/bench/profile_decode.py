@@ -4,7 +4,8 @@
 
 Builds the synthetic Qwen3.6-35B-A3B shape on the device, fills a prompt per sequence, then profiles
 `--steps` decode steps launched directly (the same kernels a graph replays) and prints, per kernel name,
-calls and microseconds per step, next to the step's wall time with and without graph replay.
+calls and microseconds per step, next to the step's wall time replayed as a graph (kernels chained with
+programmatic dependent launch, and without it) and launched directly.
 """
 from __future__ import annotations
 
@@ -33,9 +34,12 @@ def main(argv=None) -> int:
     for st in states:
         model.forward([(torch.randint(0, model.config.vocab_size, (args.context,), generator=g), st)])
     step = lambda: model.forward([(torch.tensor([5]), st) for st in states])  # noqa: E731
+    from engine.kernels.launch import set_pdl
+
     walls = {}
-    for mode in ("graph", "direct"):
-        model.decode_steps.capture = mode == "graph"
+    for mode in ("graph, no PDL", "graph", "direct"):  # last: direct launches, which the profile names
+        set_pdl(mode != "graph, no PDL")
+        model.decode_steps.capture = mode != "direct"
         model.decode_steps._buckets.clear()
         for _ in range(3):
             step()
@@ -58,8 +62,9 @@ def main(argv=None) -> int:
             per[ev.name][1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
     rows = sorted(((n, c / args.steps, t / args.steps) for n, (c, t) in per.items()), key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
-    print(f"decode step, {args.layers} layers, batch {args.batch}: wall {walls['graph']:.0f} us replayed, "
-          f"{walls['direct']:.0f} us launched directly; kernels {total:.0f} us, "
+    print(f"decode step, {args.layers} layers, batch {args.batch}: wall {walls['graph']:.0f} us replayed "
+          f"({walls['graph, no PDL']:.0f} without PDL), {walls['direct']:.0f} us launched directly; kernels "
+          f"{total:.0f} us, "
           f"{sum(r[1] for r in rows):.0f} launches")
     print(f"{'kernel':<72}{'calls':>7}{'us/step':>10}{'share':>8}")
     for name, calls, us in rows[:30]:

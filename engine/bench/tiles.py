@@ -1,0 +1,179 @@
+"""Which tiles stream a decode step's weights fastest: the expert kernels and the skinny projections, on
+weights read from HBM (a part of the engine, not the engine: `bench model` times the whole step).
+
+    python -m engine.bench.tiles [--copies 8] [--batch 1,8] [--json out.json]
+
+Every candidate runs inside a CUDA graph over `--copies` distinct weight sets (different layers' experts,
+different projection matrices), so each replay reads its bytes from HBM, not from the 50 MB L2 that a
+repeated launch on one tensor would hit (Triton's autotuner times that way, and its picks ran slower in
+the real step: docs/PERF.md, issue 20). Rates are bytes of weights read per second; beside them the
+device-to-device copy rate measured in the same process. Shapes are Qwen3.6-35B-A3B's (hidden 2048, 256
+experts top-8 + shared of width 512; out / o 4096 -> 2048; DeltaNet in 2048 -> 12352; attention q|k|v
+2048 -> 9216; router 2048 -> 257; lm_head 2048 -> 248,320).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+
+H, I, E, TOP_K = 2048, 512, 256, 8
+PROJECTIONS = (("out/o", 2048, 4096), ("deltanet in", 12352, 2048), ("attn q|k|v", 9216, 2048),
+               ("router", 257, 2048), ("lm_head", 248320, 2048))
+# (BN, BK, warps, stages)
+UP_TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4),
+            (16, 128, 4, 4), (16, 256, 4, 4), (16, 256, 4, 5), (16, 512, 4, 3), (32, 128, 8, 5), (64, 256, 8, 3)]
+DOWN_TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 2), (32, 512, 4, 1),
+              (16, 128, 4, 4), (16, 256, 4, 2), (16, 512, 4, 1), (64, 256, 4, 2), (128, 128, 4, 3)]
+SKINNY_TILES = [(16, 256, 4, 4), (16, 128, 4, 6), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3),
+                (64, 128, 4, 4), (32, 256, 8, 4)]
+
+
+def graph_us(fn, reps: int = 25) -> float:
+    """Median microseconds of one replay of a graph that calls fn once (after two direct warm-up calls)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _routes(batch: int, copies: int, gen: torch.Generator, device) -> list[torch.Tensor]:
+    """Per copy: ids [batch, K+1] (K distinct routed experts, then the shared one, E)."""
+    out = []
+    for _ in range(copies):
+        ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(batch)])
+        out.append(torch.cat([ids, torch.full((batch, 1), E)], 1).int().to(device))
+    return out
+
+
+def sweep_experts(batches: list[int], copies: int, device) -> list[dict]:
+    from engine.kernels.moe_triton import _tiles, pair_blocks, run_experts
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up = [torch.randn(E + 1, 2 * I, H, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    down = [torch.randn(E + 1, H, I, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    rows = []
+    for batch in batches:
+        x = torch.randn(batch, H, device=device, dtype=torch.bfloat16)
+        ids = _routes(batch, copies, gen, device)
+        w = [torch.rand(batch, TOP_K + 1, device=device) for _ in range(copies)]
+        blocks = [pair_blocks(t) for t in ids]
+        outs = [(torch.empty(t.numel(), I, device=device, dtype=torch.bfloat16),
+                 torch.empty(batch, TOP_K + 1, H, device=device, dtype=torch.bfloat16)) for t in ids]
+        distinct = sum(t.unique().numel() for t in ids) / copies
+        nbytes = distinct * 3 * I * H * 2
+
+        def layer_us(tiles):
+            def run():
+                for c in range(copies):
+                    run_experts(x, gate_up[c], down[c], ids[c], w[c], blocks[c], out=outs[c], tiles=tiles)
+            return graph_us(run) / copies
+
+        base = (_tiles(16, I, H, batch, up=True), _tiles(16, H, I, batch, up=False))
+        best_up, best_us = base[0], layer_us(base)
+        rows.append(dict(kind="experts", batch=batch, up=base[0], down=base[1], us=best_us, what="current"))
+        for up in UP_TILES:
+            us = layer_us((up, base[1]))
+            rows.append(dict(kind="experts", batch=batch, up=up, down=base[1], us=us, what="up sweep"))
+            if us < best_us:
+                best_up, best_us = up, us
+        for dn in DOWN_TILES:
+            us = layer_us((best_up, dn))
+            rows.append(dict(kind="experts", batch=batch, up=best_up, down=dn, us=us, what="down sweep"))
+        for r in rows:
+            if r["kind"] == "experts" and r["batch"] == batch:
+                r["tbs"] = nbytes / r["us"] / 1e6
+                r["distinct_experts"] = distinct
+    return rows
+
+
+def sweep_projections(batches: list[int], device) -> list[dict]:
+    from engine.kernels.linear_triton import skinny_linear
+
+    rows = []
+    for name, n, k in PROJECTIONS:
+        nbytes = n * k * 2
+        copies = max(1, math.ceil(200e6 / nbytes))
+        ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for batch in batches:
+            x = torch.randn(batch, k, device=device, dtype=torch.bfloat16)
+            ys = [torch.empty(batch, n, device=device, dtype=torch.bfloat16) for _ in ws]
+
+            def cublas():
+                for wc, y in zip(ws, ys):
+                    torch.matmul(x, wc.t(), out=y)
+
+            us = graph_us(cublas) / copies
+            rows.append(dict(kind="projection", name=name, n=n, k=k, batch=batch, tiles="cublas", us=us,
+                             tbs=nbytes / us / 1e6))
+            ref = F.linear(x.float(), ws[0].float())
+            for tiles in SKINNY_TILES:
+                y0 = skinny_linear(x, ws[0], tiles=tiles).float()
+                err = float((y0 - ref).norm() / ref.norm())
+
+                def skinny(tiles=tiles):
+                    for wc, y in zip(ws, ys):
+                        skinny_linear(x, wc, out=y, tiles=tiles)
+
+                us = graph_us(skinny) / copies
+                rows.append(dict(kind="projection", name=name, n=n, k=k, batch=batch, tiles=tiles, us=us,
+                                 tbs=nbytes / us / 1e6, rel_err=err))
+        del ws
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.bench.tiles", description=__doc__.split("\n\n")[0])
+    p.add_argument("--copies", type=int, default=8, help="distinct expert weight sets (layers) a replay reads")
+    p.add_argument("--batch", default="1,8", help="decode batch sizes (rows of x)")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench tiles needs a CUDA device")
+    from engine.bench.model import hbm_rate
+
+    device = torch.device("cuda")
+    batches = [int(b) for b in args.batch.split(",")]
+    rate = hbm_rate(device)
+    rows = sweep_projections(batches, device) + sweep_experts(batches, args.copies, device)
+    print(f"HBM copy rate {rate / 1e12:.2f} TB/s (read + write)")
+    print(f"{'kind':<11}{'what':<14}{'batch':>6}  {'tiles (BN, BK, warps, stages)':<44}{'us':>8}{'TB/s':>7}")
+    for r in rows:
+        tiles = f"up {r['up']} down {r['down']}" if r["kind"] == "experts" else str(r["tiles"])
+        what = r.get("what") or r["name"]
+        print(f"{r['kind']:<11}{what:<14}{r['batch']:>6}  {tiles:<44}{r['us']:>8.2f}{r['tbs']:>7.2f}")
+    for batch in batches:
+        for name, *_ in PROJECTIONS:
+            cand = [r for r in rows if r["kind"] == "projection" and r["name"] == name and r["batch"] == batch]
+            best = min(cand, key=lambda r: r["us"])
+            cub = next(r for r in cand if r["tiles"] == "cublas")
+            print(f"best {name:<12} b{batch}: {best['tiles']} {best['us']:.2f} us vs cublas {cub['us']:.2f}")
+        exp = [r for r in rows if r["kind"] == "experts" and r["batch"] == batch]
+        best = min(exp, key=lambda r: r["us"])
+        print(f"best experts b{batch}: up {best['up']} down {best['down']} {best['us']:.2f} us "
+              f"({best['tbs']:.2f} TB/s) vs current {exp[0]['us']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hbm_copy_tbs": rate / 1e12, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
