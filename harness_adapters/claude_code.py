@@ -38,7 +38,10 @@ class ClaudeCodeAdapter(BaseAdapter):
         # platform, the model line and its knowledge cutoff) moves after the tools as a whole
         VolatileText(pattern=r"You have a persistent file-based memory at `(\S)"),
         VolatileText(pattern=r"# Environment\n[^\n]*\n - Primary working directory: (\S)[^\n]*(?:\n - [^\n]*)*"),
-        VolatileText(pattern=r"\ngitStatus: ", moves="to_end"),  # a snapshot taken when the conversation starts
+        # taken when the conversation starts, `--continue` takes a new one in its new process: the snapshot is the
+        # block's own sections (branch, main branch, status, recent commits), whatever may follow it
+        VolatileText(pattern=r"\ngitStatus: [^\n]*(?:\n\n(?:Current branch|Main branch|Status:|Recent commits:)"
+                             r"[^\n]*(?:\n[^\n]+)*)*", moves="to_end", snapshot=True),
         # the Bash tool's description names the model too ("Co-Authored-By: Claude Opus 4.8 (1M context)"): it
         # stays in the tool definitions, but a model switch cuts there (recorded 2.1.197, after /compact)
         VolatileText(pattern=r"Co-Authored-By: Claude (\S)[^<\n]*?( \(| <)", moves="none"),

@@ -70,11 +70,19 @@ class VolatileText(_Rule):
 
     `moves` says what the stable-first layout (harness_adapters/layout.py) takes out of the system text and
     writes after the tool definitions: the lines the match touches ("line"), everything from its first line
-    to the end of the system text ("to_end"), or nothing ("none")."""
+    to the end of the system text ("to_end"), or nothing ("none").
+
+    `snapshot`: the harness takes this text once, when a conversation starts, and says so (Claude Code's
+    gitStatus: "a snapshot in time, and will not update during the conversation"), but takes it again when
+    it resumes the conversation in a new process (`--continue`). With the stable-first layout a resumed
+    conversation keeps the text of its first request (harness_adapters/snapshots.py), as the harness itself
+    would have had it never restarted, so the history after it stays cached. The snapshot is what the
+    pattern matches (not what `moves` takes with it), so the pattern covers the whole snapshot and no more."""
 
     kind: Literal["volatile_text"] = "volatile_text"
     pattern: str = Field(min_length=1)
     moves: Literal["line", "to_end", "none"] = "line"
+    snapshot: bool = False
 
     @field_validator("pattern")
     @classmethod

@@ -102,3 +102,31 @@ def test_sessions_in_other_directories_share_most_of_their_first_prompt(name):
     if name == "claude":
         assert max(shares["template"]) < 0.05, shares
 
+
+def test_a_continue_with_another_model_keeps_the_system_turn():
+    """fixtures/sharing/: session b, then `claude --continue --model killick-other` (another model line and a
+    new git status). Stable first, with the served model named and b's snapshot kept, the continue's system
+    turn is b's to the token and it parts from b's last prompt in the history (where the re-sent replies
+    lost their reasoning), leaving < 2,000 tokens to prefill; in the template's order it parts at the model
+    line, before the tools."""
+    from engine.common_prefix import common_prefix_len
+    from proxy.policy.planner import HarnessNormalizer
+    from proxy.prompt.render import ChatRenderer
+    from proxy.prompt.tokenizer import load_tokenizer
+    from proxy.replay.log import conversation, load
+
+    renderer = ChatRenderer(load_tokenizer(None))
+    sharing = FIXTURES.parent / "sharing"
+    (resumed,) = load([sharing / "claude-continue.jsonl.gz"])
+    session = [e for e in load([sharing / "claude.jsonl.gz"]) if e.session == resumed.session.split("~")[0]]
+    assert len(session) == 8 and resumed.body["model"] != session[0].body["model"]
+    for layout in ("stable", "template"):
+        harness = HarnessNormalizer(layout=layout, served_model=session[0].body["model"])
+        last, cont = [renderer.render(harness.normalize(conversation(e), e.headers, e.body))
+                      for e in session + [resumed]][-2:]
+        shared = common_prefix_len(last.ids, cont.ids)
+        (system,) = cont.of_kind("system")
+        if layout == "stable":
+            assert shared > system.end and len(cont.ids) - shared < 2000, (shared, len(cont.ids))
+        else:
+            assert shared < 2000, shared
