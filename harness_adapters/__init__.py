@@ -10,12 +10,12 @@ from typing import Any, Mapping
 from harness_adapters.base import Adapter, BaseAdapter, header
 from harness_adapters.builtin import builtin_adapters
 from harness_adapters.generic import GenericAdapter
-from harness_adapters.rules import (Compaction, ElideObservationsExceptLastN, ElideToolOutputsBeyondN,
+from harness_adapters.rules import (Compaction, ElideObservationsExceptLastN, ElideToolOutputsBeyondN, ModelName,
                                     ReplaceTrailingMessage, Rule, StripThinkingExceptLatestN, VolatileText, rules_of)
 from harness_adapters.user_rules import UserHarness, UserRules, load_user_rules
 
 __all__ = [
-    "Adapter", "BaseAdapter", "Compaction", "ElideObservationsExceptLastN", "ElideToolOutputsBeyondN",
+    "Adapter", "BaseAdapter", "Compaction", "ElideObservationsExceptLastN", "ElideToolOutputsBeyondN", "ModelName",
     "ReplaceTrailingMessage", "Rule", "StripThinkingExceptLatestN", "VolatileText", "Registry", "UserHarness",
     "UserRules", "header", "rules_of", "load_user_rules", "load_registry", "default_registry", "detect_adapter",
 ]

@@ -4,7 +4,8 @@ Traffic facts (recorded in fixtures/sessions/claude.jsonl.gz): cache_control mov
 parsing), thinking blocks are re-sent, `metadata.user_id` carries the session id, `/compact` sends a summary
 request then starts a new history whose first user message carries the summary, and a tool-less title side
 request. The system prompt's environment block names the model, and that line changes within a session
-(see MODEL_LINE).
+(see MODEL_LINE) and between `--continue` runs with another `--model` (MODEL_NAME: the stable layout names
+the served model instead).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import replace
 
 from harness_adapters.base import BaseAdapter
 from harness_adapters.normalize import BILLING_LINE, is_billing_line
-from harness_adapters.rules import MODEL_LINE, Compaction, VolatileText
+from harness_adapters.rules import MODEL_LINE, MODEL_NAME, Compaction, ModelName, VolatileText
 from proxy.conversation import Conversation, Message, TextPart, ToolCallPart, canonical_json
 
 
@@ -28,12 +29,19 @@ class ClaudeCodeAdapter(BaseAdapter):
             history_markers=("This session is being continued from a previous conversation",),
         ),
         MODEL_LINE,  # recorded 2.1.197: "Opus 4.8 (1M context)" in the main turns, "Opus 4.8" after /compact
+        MODEL_NAME,
+        # the Bash tool's commit trailer names the model too; this is Claude Code's own form for a model it does
+        # not know (recorded 2.1.197 with --model killick-other)
+        ModelName(pattern=r"Co-Authored-By: Claude [^<\n]*<", replacement="Co-Authored-By: Claude <"),
         # the memory section's first line names a folder per working directory (the rest of the section, ~500
         # tokens of instructions, stays shared); the environment section (working directory, git repo or not,
         # platform, the model line and its knowledge cutoff) moves after the tools as a whole
         VolatileText(pattern=r"You have a persistent file-based memory at `(\S)"),
         VolatileText(pattern=r"# Environment\n[^\n]*\n - Primary working directory: (\S)[^\n]*(?:\n - [^\n]*)*"),
-        VolatileText(pattern=r"\ngitStatus: ", moves="to_end"),  # a snapshot taken when the conversation starts
+        # taken when the conversation starts, `--continue` takes a new one in its new process: the snapshot is the
+        # block's own sections (branch, main branch, status, recent commits), whatever may follow it
+        VolatileText(pattern=r"\ngitStatus: [^\n]*(?:\n\n(?:Current branch|Main branch|Status:|Recent commits:)"
+                             r"[^\n]*(?:\n[^\n]+)*)*", moves="to_end", snapshot=True),
         # the Bash tool's description names the model too ("Co-Authored-By: Claude Opus 4.8 (1M context)"): it
         # stays in the tool definitions, but a model switch cuts there (recorded 2.1.197, after /compact)
         VolatileText(pattern=r"Co-Authored-By: Claude (\S)[^<\n]*?( \(| <)", moves="none"),

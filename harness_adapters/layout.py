@@ -7,14 +7,18 @@ the ~10-20k tokens of tools after it are never shared. `stable_first` takes the 
 rules match (VolatileText.moves) out of the first system message into `Conversation.volatile`, which the
 renderer writes at the end of the system turn: static instructions, tools, then the volatile lines, then
 the messages. Nothing is added or dropped; only the order inside the system turn changes.
+
+Before that, `name_served_model` applies the harness's `model_name` rules: the lines that name the model the
+harness was pointed at (an alias the user picks, and may change between two runs of one conversation) name
+the model killick serves instead.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Iterable
+from typing import Iterable, Optional
 
-from harness_adapters.rules import VolatileText, rules_of
+from harness_adapters.rules import ModelName, VolatileText, rules_of
 from proxy.conversation import Conversation, Message, TextPart
 
 LAYOUTS = ("stable", "template")  # template: the chat template's own order, volatile lines where written
@@ -37,6 +41,28 @@ def stable_first(conv: Conversation, rules: Iterable) -> Conversation:
     parts = (TextPart(kept),) + tuple(p for p in first.parts if not isinstance(p, TextPart))
     volatile = conv.volatile + ("\n" if conv.volatile else "") + moved
     return replace(conv, messages=(Message("system", parts),) + conv.messages[1:], volatile=volatile)
+
+
+def name_served_model(conv: Conversation, rules: Iterable, model: Optional[str]) -> Conversation:
+    """conv with its ModelName rules applied to the first system message and the tool descriptions; `model`
+    is the served model's name (None: not known, so rules whose replacement names it do nothing)."""
+    rules = rules_of(rules, ModelName)
+    if not rules:
+        return conv
+
+    def rewrite(text: str) -> str:
+        for rule in rules:
+            text = rule.rewrite(text, model)
+        return text
+
+    msgs = conv.messages
+    if msgs and msgs[0].role == "system":
+        parts = tuple(TextPart(rewrite(p.text)) if isinstance(p, TextPart) else p for p in msgs[0].parts)
+        msgs = (msgs[0] if parts == msgs[0].parts else Message("system", parts),) + msgs[1:]
+    tools = tuple(replace(t, description=rewrite(t.description)) for t in conv.tools)
+    if msgs == conv.messages and tools == conv.tools:
+        return conv
+    return replace(conv, messages=msgs, tools=tools)
 
 
 def volatile_spans(text: str, rule: VolatileText) -> list[tuple[int, int]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from harness_adapters.base import BaseAdapter
-from harness_adapters.rules import ReplaceTrailingMessage, VolatileText
+from harness_adapters.rules import ModelName, ReplaceTrailingMessage, VolatileText
 from proxy.conversation import Conversation
 
 INTERNAL_CONTEXT_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
@@ -20,7 +20,9 @@ class OpenClawAdapter(BaseAdapter):
     rules = (ReplaceTrailingMessage(marker=INTERNAL_CONTEXT_MARKER),
              VolatileText(pattern=r"\nCurrent date: (\S)"),  # the system prompt's "Temporal Context"
              # OpenClaw marks the rest of its system prompt dynamic (date, runtime, model identity)
-             VolatileText(pattern=r"<!-- openclaw:attempt:DYNAMIC -->", moves="to_end"))
+             VolatileText(pattern=r"<!-- openclaw:attempt:DYNAMIC -->", moves="to_end"),
+             # "Current model identity: killick/demo-qwen3_5_moe-v1. If asked what model you are, answer ..."
+             ModelName(pattern=r"(?<=Current model identity: )[^\s]+?(?=\.?\s)", replacement="{model}"))
 
     def detect(self, request: Mapping[str, Any], headers: Mapping[str, str],
                conv: Optional[Conversation] = None) -> bool:

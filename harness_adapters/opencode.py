@@ -7,7 +7,7 @@ summariser request; the title request is a parallel tool-less one with a title-g
 from __future__ import annotations
 
 from harness_adapters.base import BaseAdapter
-from harness_adapters.rules import MODEL_LINE, Compaction, ElideToolOutputsBeyondN, VolatileText
+from harness_adapters.rules import MODEL_LINE, MODEL_NAME, Compaction, ElideToolOutputsBeyondN, VolatileText
 
 PRUNE_PLACEHOLDER = "[Old tool result content cleared]"
 
@@ -22,6 +22,7 @@ class OpenCodeAdapter(BaseAdapter):
         ElideToolOutputsBeyondN(n=4, placeholder=PRUNE_PLACEHOLDER),
         Compaction(request_markers=("You are a helpful AI assistant tasked with summarizing conversations",)),
         MODEL_LINE,  # /models switches model mid-session
+        MODEL_NAME,  # "named demo. The exact model ID is killick/demo" (recorded 1.18.33): "the model demo."
         VolatileText(pattern=r"Today's date: (\S)"),  # in the system prompt's <env> block
         # the <env> block (working directory, git repo or not, platform, date) moves after the tools as a whole
         VolatileText(pattern=r"[^\n]*\n<env>\n  Working directory: (\S)(?s:.*?)</env>"),

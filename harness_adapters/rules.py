@@ -2,7 +2,9 @@
 
 Pydantic models, since users write them in config files (user_rules.py). They say where a harness will cut,
 so the anchor planner keeps a checkpoint just before each cut (proxy/policy/anchors.py, RULE_CUTS: one
-entry per kind) and the diff can name the edit. Code that needs the rules of one kind asks `rules_of`.
+entry per kind) and the diff can name the edit. Two kinds also shape the stable-first layout
+(harness_adapters/layout.py): VolatileText (what moves after the tools) and ModelName (the harness's naming
+of the model, rewritten to the served model's). Code that needs the rules of one kind asks `rules_of`.
 """
 from __future__ import annotations
 
@@ -68,30 +70,71 @@ class VolatileText(_Rule):
 
     `moves` says what the stable-first layout (harness_adapters/layout.py) takes out of the system text and
     writes after the tool definitions: the lines the match touches ("line"), everything from its first line
-    to the end of the system text ("to_end"), or nothing ("none")."""
+    to the end of the system text ("to_end"), or nothing ("none").
+
+    `snapshot`: the harness takes this text once, when a conversation starts, and says so (Claude Code's
+    gitStatus: "a snapshot in time, and will not update during the conversation"), but takes it again when
+    it resumes the conversation in a new process (`--continue`). With the stable-first layout a resumed
+    conversation keeps the text of its first request (harness_adapters/snapshots.py), as the harness itself
+    would have had it never restarted, so the history after it stays cached. The snapshot is what the
+    pattern matches (not what `moves` takes with it), so the pattern covers the whole snapshot and no more."""
 
     kind: Literal["volatile_text"] = "volatile_text"
     pattern: str = Field(min_length=1)
     moves: Literal["line", "to_end", "none"] = "line"
+    snapshot: bool = False
 
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, value: str) -> str:
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"pattern is not a valid regular expression: {exc}") from None
-        return value
+        return _regex(value)
+
+
+class ModelName(_Rule):
+    """Text in which the harness names the model it believes it talks to: the alias the user picked (Claude
+    Code's environment line "You are powered by the model named Opus 4.8. The exact model ID is
+    claude-opus-4-8.", the co-author line of its Bash tool). killick serves one model whatever the alias, so
+    with the stable-first layout every match of `pattern` in the system text and the tool descriptions
+    becomes `replacement`, in which "{model}" stands for the name of the model killick serves: the model is
+    told its own name, and another alias (`--continue --model X`, /model) no longer changes the prompt. A
+    replacement naming {model} applies only where killick knows the model it serves (not with --upstream)."""
+
+    kind: Literal["model_name"] = "model_name"
+    pattern: str = Field(min_length=1)
+    replacement: str
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        return _regex(value)
+
+    def rewrite(self, text: str, model: str | None) -> str:
+        """text with every match replaced, or text itself when the replacement needs a model not known."""
+        if "{model}" in self.replacement and not model:
+            return text
+        out = self.replacement.replace("{model}", model or "")
+        return re.sub(self.pattern, lambda _: out, text)
+
+
+def _regex(value: str) -> str:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"pattern is not a valid regular expression: {exc}") from None
+    return value
 
 
 # The model line Claude Code and OpenCode write into their system prompts; it changes when the user switches
 # model mid-session (the name: group 1) and, for Claude Code, with the 1M-context switch: "Opus 4.8 (1M
 # context). The exact model ID is claude-opus-4-8[1m]." vs "Opus 4.8. The exact ..." (group 2).
 MODEL_LINE = VolatileText(pattern=r"You are powered by the model(?: named)? (\S)[^\n]*?( \(|\. )")
+# The same line in the served model's name, in the form Claude Code writes for a model it does not know.
+MODEL_NAME = ModelName(pattern=r"You are powered by the model[^\n]*",
+                       replacement="You are powered by the model {model}.")
 
 Rule = Annotated[
     Union[StripThinkingExceptLatestN, ElideToolOutputsBeyondN, ElideObservationsExceptLastN,
-          ReplaceTrailingMessage, Compaction, VolatileText],
+          ReplaceTrailingMessage, Compaction, VolatileText, ModelName],
     Field(discriminator="kind"),
 ]
 

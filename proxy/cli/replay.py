@@ -174,7 +174,7 @@ def build_mode_app(model_dir: Path, weights, mode: str, opts, layout: str = "sta
     core = build_core(model_dir, replace(opts, prefix_cache=mode != "off"), model=weights)
     tok = load_tokenizer(model_dir)
     return create_app(core, tok, ChatRenderer(tok), model_name=model_dir.name, keepalive_s=30.0,
-                      planner=make_planner(mode, layout=layout), replies=ForcedResponses())
+                      planner=make_planner(mode, layout=layout, served_model=model_dir.name), replies=ForcedResponses())
 
 
 async def replay_in_process(entries, model_dir: Path, weights, mode: str, opts, unforced_max_tokens: int = 32,

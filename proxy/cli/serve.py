@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                         help="accept Host: NAME on a loopback bind (repeatable; default: localhost, 127.0.0.1, "
                              "[::1] only, which stops DNS rebinding)")
-    parser.add_argument("--model-name", default=None, help="name in /v1/models (default: the model directory)")
+    parser.add_argument("--model-name", default=None, help="name in /v1/models and where a harness's prompt names its model "
+                                                        "(stable layout; default: the model directory)")
     parser.add_argument("--harness-rules", metavar="FILE", help="extra harness normalisation rules (JSON/TOML)")
     parser.add_argument("--keepalive", type=float, default=5.0, metavar="S",
                         help="seconds of silence before a keep-alive while queued or prefilling (default 5)")
@@ -72,13 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_upstream_arguments(parser)
 
 
-def make_planner(cache_policy: str, registry=None, layout: str = "stable"):
+def make_planner(cache_policy: str, registry=None, layout: str = "stable", served_model: str | None = None):
     """anchors: the cache policy (sessions, diff, anchors); prefix and off: the harness normalisation only
-    (the engine's own checkpoints), so every mode renders the same prompt (in the given prompt layout)."""
+    (the engine's own checkpoints), so every mode renders the same prompt (in the given prompt layout).
+    `served_model`: the name the stable layout gives the model where a harness names it (None: an upstream
+    answers, and which model depends on the agent's alias, so those lines stay as sent)."""
     from proxy.policy.cache_policy import PolicyPlanner
     from proxy.policy.planner import HarnessNormalizer, NoAnchors
 
-    harness = HarnessNormalizer(registry, layout)
+    harness = HarnessNormalizer(registry, layout, served_model)
     return PolicyPlanner(harness=harness) if cache_policy == "anchors" else NoAnchors(harness)
 
 
@@ -121,8 +124,9 @@ def build_app(args: argparse.Namespace) -> web.Application:
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     core = build_core(model_dir, opts)
-    planner = make_planner(args.cache_policy, load_registry(args.harness_rules), args.prompt_layout)
-    return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=args.model_name or model_dir.name,
+    model_name = args.model_name or model_dir.name
+    planner = make_planner(args.cache_policy, load_registry(args.harness_rules), args.prompt_layout, model_name)
+    return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=model_name,
                       api_key=api_key(args), keepalive_s=args.keepalive, planner=planner,
                       replies=reply_source(args), observer=Recorder(args.record) if args.record is not None else None,
                       access_log=not args.quiet, sites=Sites.for_bind(args.host, args.allow_origin, args.allow_host))

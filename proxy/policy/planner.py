@@ -18,9 +18,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
 from harness_adapters import Adapter, Registry, default_registry
-from harness_adapters.layout import LAYOUTS, stable_first
+from harness_adapters.layout import LAYOUTS, name_served_model, stable_first
 from harness_adapters.normalize import normalize
+from harness_adapters.snapshots import Snapshots
 from proxy.conversation import Conversation
+from proxy.policy.sessions import session_hint
 from proxy.policy.turns import RenderedLike, TurnRecord, from_other_sessions
 
 if TYPE_CHECKING:
@@ -71,15 +73,20 @@ class Planner(Protocol):
 
 class HarnessNormalizer:
     """Detects the harness (or takes the one a previous call noted in conv.extras["harness"]) and applies
-    its normalisation (harness_adapters/normalize.py), then its prompt layout: "stable" moves the system
-    lines its volatile_text rules match after the tool definitions (harness_adapters/layout.py), "template"
-    keeps the chat template's own order."""
+    its normalisation (harness_adapters/normalize.py), then its prompt layout. "stable": the lines its
+    model_name rules match name `served_model` (the model killick serves; None: not known), a resumed
+    conversation keeps the snapshot lines of its first request (harness_adapters/snapshots.py), and the
+    system lines its volatile_text rules match go after the tool definitions (harness_adapters/layout.py).
+    "template": the request as sent, in the chat template's own order."""
 
-    def __init__(self, registry: Optional[Registry] = None, layout: str = "stable"):
+    def __init__(self, registry: Optional[Registry] = None, layout: str = "stable",
+                 served_model: Optional[str] = None):
         if layout not in LAYOUTS:
             raise ValueError(f"prompt layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         self.registry = registry or default_registry
         self.layout = layout
+        self.served_model = served_model
+        self.snapshots = Snapshots()
 
     def adapter(self, conv: Conversation, headers: Mapping[str, str], request: Optional[Mapping] = None) -> Adapter:
         name = conv.extras.get("harness")
@@ -90,6 +97,9 @@ class HarnessNormalizer:
         adapter = self.adapter(conv, headers, request)
         out = normalize(conv, adapter)
         if self.layout == "stable":
+            out = name_served_model(out, adapter.rules, self.served_model)
+            hint = session_hint(request or {}, headers, conv.extras)
+            out = self.snapshots.keep(out, adapter.rules, hint[1] if hint else None)
             out = stable_first(out, adapter.rules)
         return replace(out, extras={**out.extras, "harness": adapter.name})
 

@@ -45,21 +45,28 @@ def test_template_layout_renders_every_recorded_prompt_as_before():
 
 
 def test_stable_layout_only_reorders_the_system_turn():
-    """Same characters in the system turn, the volatile lines after the tools, everything after it as before."""
+    """Same characters in the system turn once the model is named as served, the volatile lines after the
+    tools, everything after it as before."""
     from collections import Counter
 
+    from harness_adapters.layout import name_served_model
     from proxy.policy.planner import HarnessNormalizer
     from proxy.prompt.render import ChatRenderer
     from proxy.prompt.tokenizer import load_tokenizer
     from proxy.replay.log import conversation, load
 
     renderer = ChatRenderer(load_tokenizer(None))
-    moved = 0
+    moved = renamed = 0
     for path in sorted(FIXTURES.glob("*.jsonl.gz")):
         for entry in load([path]):
             texts = []
             for layout in ("template", "stable"):
-                conv = HarnessNormalizer(layout=layout).normalize(conversation(entry), entry.headers, entry.body)
+                harness = HarnessNormalizer(layout=layout, served_model="served-model")
+                conv = harness.normalize(conversation(entry), entry.headers, entry.body)
+                if layout == "template":
+                    named = name_served_model(conv, harness.adapter(conv, {}).rules, "served-model")
+                    renamed += named != conv
+                    conv = named
                 rendered = renderer.render(conv)
                 texts.append(rendered.text)
             (old, new), (a, b) = texts, (t.find("<|im_end|>") for t in texts)
@@ -70,6 +77,7 @@ def test_stable_layout_only_reorders_the_system_turn():
                 (tools,) = rendered.of_kind("tools")
                 assert tools.end <= volatile[0].start and volatile[0].end <= rendered.of_kind("system")[0].end
     assert moved >= 40  # Claude Code, OpenCode and OpenClaw requests carry volatile lines
+    assert renamed >= 40  # and name their model
 
 
 @pytest.mark.parametrize("name", ["claude", "opencode", "codex"])
@@ -93,3 +101,32 @@ def test_sessions_in_other_directories_share_most_of_their_first_prompt(name):
     assert len(shares["stable"]) == 3 and min(shares["stable"]) >= 0.85, shares
     if name == "claude":
         assert max(shares["template"]) < 0.05, shares
+
+
+def test_a_continue_with_another_model_keeps_the_system_turn():
+    """fixtures/sharing/: session b, then `claude --continue --model killick-other` (another model line and a
+    new git status). Stable first, with the served model named and b's snapshot kept, the continue's system
+    turn is b's to the token and it parts from b's last prompt in the history (where the re-sent replies
+    lost their reasoning), leaving < 2,000 tokens to prefill; in the template's order it parts at the model
+    line, before the tools."""
+    from engine.common_prefix import common_prefix_len
+    from proxy.policy.planner import HarnessNormalizer
+    from proxy.prompt.render import ChatRenderer
+    from proxy.prompt.tokenizer import load_tokenizer
+    from proxy.replay.log import conversation, load
+
+    renderer = ChatRenderer(load_tokenizer(None))
+    sharing = FIXTURES.parent / "sharing"
+    (resumed,) = load([sharing / "claude-continue.jsonl.gz"])
+    session = [e for e in load([sharing / "claude.jsonl.gz"]) if e.session == resumed.session.split("~")[0]]
+    assert len(session) == 8 and resumed.body["model"] != session[0].body["model"]
+    for layout in ("stable", "template"):
+        harness = HarnessNormalizer(layout=layout, served_model=session[0].body["model"])
+        last, cont = [renderer.render(harness.normalize(conversation(e), e.headers, e.body))
+                      for e in session + [resumed]][-2:]
+        shared = common_prefix_len(last.ids, cont.ids)
+        (system,) = cont.of_kind("system")
+        if layout == "stable":
+            assert shared > system.end and len(cont.ids) - shared < 2000, (shared, len(cont.ids))
+        else:
+            assert shared < 2000, shared

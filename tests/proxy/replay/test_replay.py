@@ -121,6 +121,7 @@ def test_replay_accepts_bare_lines_and_unknown_fields(tmp_path):
 
 # --- every bundled recording ---------------------------------------------------------------------------------
 
+VOLATILE_BLOCK = 256  # tokens: Claude Code's git status block (the turn after /compact, a new status line)
 SLOW = {"claude", "openclaw"}  # 16-17 requests of 16-27k tokens: the cache-off run dominates (~1-2 min each)
 
 
@@ -164,8 +165,31 @@ def test_fixture_replay_anchors_beat_cache_off(name, demo_size_dir):
     print(f"{name}: median TTFT anchors {median_anchors * 1e3:.1f} ms, off {median_off * 1e3:.1f} ms")
     assert median_anchors <= 0.3 * median_off, (median_anchors, median_off)
     for r in later:  # every later turn prefills exactly what is new: the tokens after its edit point
-        assert r.resume_at == r.edit_point, (r.turn, r.edit_class, r.resume_at, r.edit_point)
-        assert r.prefilled_tokens == r.prompt_tokens - r.edit_point, (r.turn, r.edit_class, r.prefilled_tokens)
+        assert r.prefilled_tokens == r.prompt_tokens - r.resume_at, (r.turn, r.edit_class, r.prefilled_tokens)
+        if r.edit_class == "system_changed":  # an edit inside a volatile block resumes at the block's start
+            assert 0 <= r.edit_point - r.resume_at < VOLATILE_BLOCK, (r.turn, r.resume_at, r.edit_point)
+        else:
+            assert r.resume_at == r.edit_point, (r.turn, r.edit_class, r.resume_at, r.edit_point)
+
+
+@pytest.mark.slow
+def test_claude_continue_with_another_model_prefills_only_the_history_it_changed(demo_size_dir):
+    """fixtures/sharing/: session b's 8 turns, then `claude --continue --model killick-other` (another model line,
+    a new git status, the re-sent replies without their reasoning). The continue resumes past the system turn
+    and prefills the history from the first stripped reply on: < 2,000 of its ~26.7k tokens."""
+    from engine.build import EngineOptions
+    from proxy.cli.replay import run_modes
+
+    sharing = FIXTURES.parent / "sharing"
+    (resumed,) = replay_log.load([sharing / "claude-continue.jsonl.gz"])
+    session = [e for e in replay_log.load([sharing / "claude.jsonl.gz"]) if e.session == resumed.session.split("~")[0]]
+    opts = EngineOptions(max_step_tokens=2048, cache_device_mb=256, cache_host_mb=256)
+    results = run_modes(session + [resumed], str(demo_size_dir), ["anchors"], opts, stream=True)["anchors"]
+    assert all(r.status == 200 for r in results), [r.error for r in results if r.error]
+    last = results[-1]
+    print(f"continue: prompt {last.prompt_tokens}, resumed at {last.resume_at}, prefilled {last.prefilled_tokens}")
+    assert last.edit_class == "thinking_stripped" and last.prefilled_tokens < 2000, last
+    assert last.prefilled_tokens == last.prompt_tokens - last.edit_point
 
 
 def test_fixtures_fit_the_size_budget():
