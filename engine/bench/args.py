@@ -13,8 +13,12 @@ def add_bw_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--synthetic", default=DEFAULT_SHAPE, help="expert format (shape and dtype) to measure")
     ap.add_argument("--small", action="store_true", help="scaled-down shape: a seconds-long smoke run")
     ap.add_argument("--threads", default=None, help="comma-separated CPU thread counts (default 1..cores)")
-    ap.add_argument("--experts", type=int, default=64, help="expert blocks per B_H timing (8 a call)")
-    ap.add_argument("--stream-mib", type=int, default=1024, help="buffer size of the STREAM read")
+    ap.add_argument("--experts", type=int, default=256,
+                    help="expert blocks in the pool B_H draws 8 a call from (default 256: one layer)")
+    ap.add_argument("--stream-mib", type=int, default=1024,
+                    help="the pool holds at least this many MiB (far above the LLC); STREAM reads the same pool")
+    ap.add_argument("--seconds", type=float, default=0.5, help="length of each B_H and STREAM window")
+    ap.add_argument("--rounds", type=int, default=3, help="alternated B_H / STREAM windows per thread count")
     ap.add_argument("--json", default=None, help="also write the profile here")
 
 
