@@ -1,12 +1,16 @@
 """Seeded random checkpoints in the real Hugging Face layouts (no network, no transformers, seconds).
 
     synth_checkpoint(out_dir, arch="qwen3_5_moe", layout="fused", size="tiny", seed=0, vocab_size=None,
-                     tokenizer=None) -> Path
+                     tokenizer=None, router_zipf=None) -> Path
 
 Writes config.json, two safetensors shards with an index (the text model in the first; the `model.visual.*`
 and `mtp.*` tensors a real Qwen3.5 release carries, which the loader must skip, in the second) and, when
 `tokenizer` names a directory or tokenizer.json, a copy of the tokenizer files. Values are bf16 (so exact in
 any dtype we load them into); norm weights are randomised so a `1 + w` vs `w` mix-up changes the output.
+
+router_zipf=a (> 0) skews routing: each MoE layer's router rows are scaled (engine/experts/zipf.py) so expert
+popularity follows a Zipf law of exponent a over a seeded order of that layer's experts, the same scales
+whichever device draws the values; None or 0 leaves the checkpoint byte for byte as without it.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.config import FULL, LINEAR, config_from_dict
-from engine.weight_names import FUSED, LAYOUTS, fused_expert_shapes, non_expert_shapes, per_expert_shapes
+from engine.weight_names import (FUSED, LAYOUTS, fused_expert_shapes, layer_prefix, non_expert_shapes,
+                                 per_expert_shapes)
 
 ARCHS = ("qwen3_5_moe", "qwen3_moe", "qwen3_next")
 SIZES = ("tiny", "demo", "qwen3.6-35b-a3b")
@@ -60,18 +65,19 @@ def synth_config(arch: str = "qwen3_5_moe", size: str = "tiny", vocab_size: int 
 
 def synth_checkpoint(out_dir, arch: str = "qwen3_5_moe", layout: str = FUSED, size: str = "tiny", seed: int = 0,
                      vocab_size: int | None = None, tokenizer=None, layers: int | None = None,
-                     device: str = "cpu") -> Path:
+                     device: str = "cpu", router_zipf: float | None = None) -> Path:
     """device: where values are drawn (a CUDA generator makes the large sizes fast; other values, same
     distributions)."""
     if layout not in LAYOUTS:
         raise ValueError(f"synth: layout must be one of {LAYOUTS}")
     raw = synth_config(arch, size, vocab_size, layers)
+    _check_zipf(router_zipf, raw)
     tokenizer_files = _tokenizer_files(tokenizer) if tokenizer is not None else []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = config_from_dict(raw)
     gen = torch.Generator(device).manual_seed(seed)
-    text = {k: v.cpu() for k, v in _text_tensors(cfg, layout, gen).items()}
+    text = {k: v.cpu() for k, v in _skew_routers(_text_tensors(cfg, layout, gen), cfg, router_zipf, seed).items()}
     cpu_gen = torch.Generator().manual_seed(seed + 1) if gen.device.type != "cpu" else gen
     extra = _visual_tensors(raw["vision_config"], cpu_gen) | _mtp_tensors(cfg, cpu_gen) if arch == "qwen3_5_moe" else {}
     _write_shards(out, [text, extra] if extra else [text])
@@ -202,6 +208,30 @@ def _mtp_tensors(cfg, gen: torch.Generator) -> dict[str, torch.Tensor]:
     return {n: _value(n, s, gen, True) for n, s in shapes.items()}
 
 
+def _check_zipf(a: float | None, raw: dict) -> None:
+    if a is None or a == 0:
+        return
+    cfg = config_from_dict(raw)
+    if a < 0 or not 0 < cfg.top_k <= cfg.num_experts // 2:
+        raise ValueError(f"synth: --router-zipf takes an exponent > 0 and a model whose top-k is at most half its "
+                         f"experts (got {a}, top-{cfg.top_k} of {cfg.num_experts})")
+
+
+def _skew_routers(tensors: dict[str, torch.Tensor], cfg, a: float | None, seed: int) -> dict[str, torch.Tensor]:
+    """Router rows [E, H] of every MoE layer scaled in place of the dict (fp32 product, rounded to bf16: the same
+    bits on any device) so expert popularity follows a Zipf law of exponent a; a None or 0: unchanged."""
+    if not a:
+        return tensors
+    from engine.experts.zipf import layer_row_scales
+
+    for layer in cfg.moe_layers:
+        name = layer_prefix(cfg, layer) + "mlp.gate.weight"
+        w = tensors[name]
+        scales = torch.as_tensor(layer_row_scales(cfg.num_experts, cfg.top_k, a, seed, layer), dtype=torch.float32)
+        tensors[name] = (w.float() * scales.to(w.device)[:, None]).to(w.dtype)
+    return tensors
+
+
 def _write_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> None:
     weight_map, total = {}, 0
     for i, tensors in enumerate(shards):
@@ -214,17 +244,20 @@ def _write_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> None:
 
 
 def synth_model(size: str = "qwen3.6-35b-a3b", layers: int | None = None, device: str = "cuda",
-                dtype=torch.bfloat16, seed: int = 0, arch: str = "qwen3_5_moe"):
+                dtype=torch.bfloat16, seed: int = 0, arch: str = "qwen3_5_moe", router_zipf: float | None = None):
     """A Model with seeded random weights drawn straight on `device`: a synthetic checkpoint of a real
-    model's widths without writing (or reading) it. -> (Model, raw config dict)."""
+    model's widths without writing (or reading) it (router_zipf: as synth_checkpoint's). -> (Model, raw config
+    dict)."""
     from engine.experts.fused import FusedExperts
     from engine.experts.source import ExpertWeights
     from engine.models.qwen import Model
 
     raw = synth_config(arch, size, None, layers)
+    _check_zipf(router_zipf, raw)
     cfg = config_from_dict(raw)
     gen = torch.Generator(device).manual_seed(seed)
-    tensors = {n: _value(n, s, gen, cfg.zero_centered_norm).to(dtype) for n, s in non_expert_shapes(cfg).items()}
+    tensors = {n: _value(n, s, gen, cfg.zero_centered_norm) for n, s in non_expert_shapes(cfg).items()}
+    tensors = {n: v.to(dtype) for n, v in _skew_routers(tensors, cfg, router_zipf, seed).items()}
     gate_up, down = {}, {}
     for layer in cfg.moe_layers:
         gu, dn = (_value(n, s, gen, False).to(dtype) for n, s in fused_expert_shapes(cfg, layer).items())

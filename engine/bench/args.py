@@ -13,8 +13,12 @@ def add_bw_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--synthetic", default=DEFAULT_SHAPE, help="expert format (shape and dtype) to measure")
     ap.add_argument("--small", action="store_true", help="scaled-down shape: a seconds-long smoke run")
     ap.add_argument("--threads", default=None, help="comma-separated CPU thread counts (default 1..cores)")
-    ap.add_argument("--experts", type=int, default=64, help="expert blocks per B_H timing (8 a call)")
-    ap.add_argument("--stream-mib", type=int, default=1024, help="buffer size of the STREAM read")
+    ap.add_argument("--experts", type=int, default=256,
+                    help="expert blocks in the pool B_H draws 8 a call from (default 256: one layer)")
+    ap.add_argument("--stream-mib", type=int, default=1024,
+                    help="the pool holds at least this many MiB (far above the LLC); STREAM reads the same pool")
+    ap.add_argument("--seconds", type=float, default=0.5, help="length of each B_H and STREAM window")
+    ap.add_argument("--rounds", type=int, default=3, help="alternated B_H / STREAM windows per thread count")
     ap.add_argument("--json", default=None, help="also write the profile here")
 
 
@@ -52,6 +56,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="checkpoint directory (default: a synthetic model, see --synthetic)")
     src.add_argument("--synthetic", default="qwen3.6-35b-a3b", help="synthetic size (default qwen3.6-35b-a3b)")
     p.add_argument("--layers", type=int, help="decoder layers of the synthetic model (default: all)")
+    p.add_argument("--router-zipf", type=float, default=None,
+                   help="synthetic model only: routers skewed so expert popularity follows a Zipf law of this "
+                        "exponent (the weights `llama_cpp.sh --router-zipf` converts; default: off)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--batches", default="1,4,8", help="decode batch sizes (default 1,4,8)")
@@ -62,4 +69,27 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extend", type=int, default=256, help="tokens appended after the cached prompt (default 256)")
     p.add_argument("--max-step-tokens", type=int, help="prefill chunk (default: the serve default for the device)")
     p.add_argument("--eager", action="store_true", help="the eager reference path instead of the fast one")
+    p.add_argument("--json", help="write the results here")
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+
+
+def add_routing_arguments(p: argparse.ArgumentParser) -> None:
+    """`killick bench routing`: LRU hit rate vs llama.cpp's static placement on a skewed synthetic model."""
+    p.add_argument("--synthetic", default="demo", help="synthetic size (engine.synth: tiny, demo, qwen3.6-35b-a3b)")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the size's own)")
+    p.add_argument("--router-zipf", type=_floats, default=[0.0, 1.0],
+                   help="Zipf exponents of the router skew, comma-separated; 0 is today's checkpoint (default 0,1)")
+    p.add_argument("--gpu-fraction", type=_floats, default=[0.25, 0.37, 0.5],
+                   help="GPU expert memory as fractions of all experts (default 0.25,0.37,0.5)")
+    p.add_argument("--tokens", type=int, default=1024, help="random tokens routed (default 1024)")
+    p.add_argument("--warmup", type=int, default=256, help="tokens before hit rates are counted (default 256)")
+    p.add_argument("--device", default="cpu", help="where the model runs (default cpu)")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--seed", type=int, default=0, help="weights seed; the token stream uses seed + 1")
     p.add_argument("--json", help="write the results here")

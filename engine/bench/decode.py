@@ -24,6 +24,7 @@ import torch
 from engine.bench import bw as bench_bw
 from engine.bench import route as bench_route
 from engine.bench.args import add_decode_arguments, split_decode_lists
+from engine.experts import cpu_runner
 from engine.experts.cpu_runner import run_on_cpu
 from engine.experts.policy import BandwidthEstimate, slots_from_spec
 from engine.experts.registry import create_slot_backend
@@ -123,6 +124,7 @@ def configs(args, total: int, slots: int):
 def run_config(pool, shape, args, device, bw, cfg) -> dict:
     label, name, slots, stream, kind, threads, routing = cfg
     torch.set_num_threads(threads)
+    cpu_runner.set_threads(threads)
     bw = (bw[0], bw[1][threads])
     est = BandwidthEstimate(bp=bw[0], bh=bw[1], frozen=args.freeze)
     b = create_slot_backend(name, pool, slots, device, estimate=est, stream_prefill=stream)

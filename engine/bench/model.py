@@ -141,12 +141,15 @@ def build(args):
     from engine.synth import synth_model
 
     dtype = parse_dtype(args.dtype)
+    zipf = args.router_zipf
     if args.model:
+        if zipf:
+            raise ValueError("--router-zipf skews a synthetic model's routers; a checkpoint routes as it was trained")
         model = load_model(args.model, device=args.device, dtype=dtype)
         name = args.model
     else:
-        model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=dtype)
-        name = f"synthetic {args.synthetic}, {model.config.num_layers} layers"
+        model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=dtype, router_zipf=zipf)
+        name = f"synthetic {args.synthetic}, {model.config.num_layers} layers" + (f", router Zipf a={zipf}" if zipf else "")
     batches = [int(b) for b in args.batches.split(",")]
     context = args.prefill + args.extend + 64 if args.prefill else args.prompt + args.warmup + args.steps + 64
     opts = EngineOptions(device=args.device, dtype=args.dtype, max_running=max(batches), context_length=context,

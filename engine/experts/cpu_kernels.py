@@ -303,6 +303,32 @@ class CpuExpertRunner:
             experts, tokens, weights = _as_lists(experts, tokens, weights)
         self._submit_table(table, experts, tokens, weights, io.ptrs, None)
 
+    def run_gather(self, table: ExpertTable, experts: list, rows: list, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out[i] = expert experts[i](x[rows[i]]), overwritten, in one native call: the engine's CPU path
+        (cpu_runner.run_on_cpu). x [T, H] and out [n, H]: CPU, f32 or bf16, unit inner stride; experts, rows:
+        lists of ints. Native only. Few torch calls on purpose: it runs every MoE layer, each time with the
+        caller's code and data evicted by the previous call's streaming (see run_io)."""
+        fx, fo = _FORMATS.get(x.dtype), _FORMATS.get(out.dtype)
+        (T, hidden), sx, so = x.shape, x.stride(), out.stride()
+        if self.backend != "native" or fx is None or fo is None or so[1] != 1:
+            raise ValueError("run_gather needs the native runner, x and out in f32 or bf16, out with unit inner "
+                             "stride")
+        if sx[1] != 1:
+            x = x.contiguous()
+            sx = x.stride()
+        if hidden != table.hidden or not (x.is_cpu and out.is_cpu) or tuple(out.shape) != (len(experts), hidden):
+            raise ValueError(f"run_gather: x [T, {table.hidden}] and out [{len(experts)}, {table.hidden}] on the "
+                             f"CPU, got {tuple(x.shape)} and {tuple(out.shape)}")
+        with self._lock:
+            if self._pending is not None:
+                self._pending.wait()
+                self._pending = None
+            try:
+                self._pool.run_gather(table._native, experts, rows, x.data_ptr(), fx, sx[0], T, out.data_ptr(), fo,
+                                      so[0])
+            except TypeError as exc:  # pybind: ids not ints (out-of-range ids raise ValueError already)
+                raise ValueError(f"bad routed task list: {exc}") from exc
+
     def submit_routed(self, table: ExpertTable, experts, tokens, weights, x: torch.Tensor,
                       y: torch.Tensor) -> CpuFuture:
         """The per-layer fast path: task i is (table expert experts[i], token tokens[i], weight weights[i]).

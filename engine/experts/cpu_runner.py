@@ -5,6 +5,10 @@ run_on_cpu(x, host, jobs, layout, top_k, table=None): host is one layer's blocks
 (engine/experts/cpu_kernels.py, extension built) they run the experts on a table of the layer (layer_table:
 build it once per layer and pass it, so a decode step's call checks nothing per expert); otherwise a torch
 CPU path does. The choice is the single assignment at the bottom of this file.
+
+The native runner's worker count is its own setting (set_threads), not torch's intra-op thread count read on
+every call: the engine's torch threads and the expert workers are separate pools, and asking torch each call
+cost ~10 us with cold caches. Until set, it is torch.get_num_threads() at first use.
 """
 from __future__ import annotations
 
@@ -31,6 +35,21 @@ def _torch_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertL
 
 
 _runners: dict = {}
+_threads: list = [None]  # set_threads' count; None: torch.get_num_threads() at the next call
+
+
+def set_threads(threads: int | None) -> None:
+    """Worker count of the native runner run_on_cpu uses from now on (None: torch's thread count, read once at
+    the next call). Benchmarks sweep it; an engine sets it once."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"CPU expert threads must be >= 1, got {threads}")
+    _threads[0] = threads
+
+
+def expert_threads() -> int:
+    if _threads[0] is None:
+        _threads[0] = torch.get_num_threads()
+    return _threads[0]
 
 
 def layer_table(host: torch.Tensor, layout: ExpertLayout):
@@ -44,22 +63,26 @@ def layer_table(host: torch.Tensor, layout: ExpertLayout):
 
 def _native_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertLayout, top_k: int,
                        table=None) -> Result:
-    """Same contract on the native runner: one x row per routed position, weight 1 (combine weights later).
-    The runner's thread count follows torch.get_num_threads(), so `bench bw` can sweep it."""
+    """Same contract on the native runner, one native call (CpuExpertRunner.run_gather: gather, kernels,
+    conversion). A handful of torch calls on purpose: each costs 20-100 us with caches emptied by the previous
+    call's streaming (dev box: 400-530 us a call of 8 experts outside the kernels before, 170-300 after; docs/
+    PERF.md Issue 17). The runner has expert_threads() workers."""
     if not jobs:
         return torch.empty(0, dtype=torch.long), x.new_empty(0, x.shape[1])
     table = table if table is not None else layer_table(host, layout)
     if table is None:
         return _torch_run_on_cpu(x, host, jobs, layout, top_k)
-    pos = torch.cat([p for p, _ in jobs])  # [N]
-    # index_select, not x[...]: advanced indexing runs an OpenMP region whose threads then spin on the cores
-    # the native workers stream on (dev box: 3.3 -> 7.4 ms a call of 8 experts; docs/PERF.md)
-    rows = torch.index_select(x, 0, pos // top_k)  # [N, H]
-    experts = [e for p, e in jobs for _ in range(len(p))]
-    y = torch.zeros(rows.shape, dtype=torch.float32)  # [N, H], accumulated into
-    n = len(experts)
-    native_runner(torch.get_num_threads()).run_routed(table, experts, list(range(n)), [1.0] * n, rows, y)
-    return pos, y.to(x.dtype)
+    pos = torch.cat([p for p, _ in jobs]) if len(jobs) > 1 else jobs[0][0]  # [N]
+    flat = pos.tolist()
+    experts = [e for _, e in jobs] if len(flat) == len(jobs) else [e for p, e in jobs for _ in range(len(p))]
+    native = x.dtype in _GATHER_DTYPES  # else (fp16) through f32, two more torch calls
+    out = torch.empty(len(flat), layout.hidden, dtype=x.dtype if native else torch.float32)  # [N, H], overwritten
+    native_runner(_threads[0] or expert_threads()).run_gather(table, experts, [q // top_k for q in flat],
+                                                      x if native else x.float(), out)
+    return pos, out if native else out.to(x.dtype)
+
+
+_GATHER_DTYPES = (torch.bfloat16, torch.float32)  # activation dtypes run_gather reads and writes
 
 
 def native_runner(threads: int):

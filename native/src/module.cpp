@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -123,20 +124,42 @@ struct Runner {
     if (tokens.size() != n || weights.size() != n)
       throw std::invalid_argument("experts, tokens and weights must have one entry per task");
     check_tokens(tokens, T);
-    for (int64_t e : experts)
-      if (e < 0 || e >= t.E)
-        throw std::invalid_argument("expert id " + std::to_string(e) + " is outside the table's " +
-                                    std::to_string(t.E) + " experts");
+    check_experts(t, experts);
     py::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(mu_);
-    int64_t es = t.fmt == kBF16 ? 2 : 4;
-    gu_.resize(n);
-    dn_.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      gu_[i] = t.gu + uint64_t(experts[i] * t.gu_estride * es);
-      dn_[i] = t.dn + uint64_t(experts[i] * t.dn_estride * es);
-    }
+    addresses(t, experts);
     start(a, gu_, dn_, tokens, weights, wait);
+  }
+
+  // The engine's call for one MoE layer's CPU experts (engine/experts/cpu_runner.py), in one crossing: task i
+  // runs expert experts[i] of the table on x row rows[i] into output row i, weight 1. x [T, H] and out [n, H]
+  // are f32 or bf16 (x_fmt, out_fmt) with unit inner stride; out is overwritten. The rows are gathered as f32
+  // and the f32 sums kept here, so the caller needs no gather, no zeroed buffer and no conversion, each a
+  // torch op that costs 20-100 us with caches emptied by the previous call's streaming.
+  void run_gather(const Table& t, const std::vector<int64_t>& experts, const std::vector<int64_t>& rows,
+                  uint64_t x, int x_fmt, int64_t x_stride, int T, uint64_t out, int out_fmt, int64_t out_stride) {
+    const size_t n = experts.size();
+    if (rows.size() != n) throw std::invalid_argument("experts and rows must have one entry per task");
+    Format xf = Table::check_format(x_fmt), of = Table::check_format(out_fmt);
+    check_tokens(rows, T);
+    check_experts(t, experts);
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    pool.wait();  // the planner's job and the staging buffers below may still be in use
+    const size_t H = size_t(t.H);
+    xg_.resize(n * H);
+    yg_.assign(n * H, 0.f);
+    for (size_t i = 0; i < n; ++i) to_f32(x, xf, rows[i] * x_stride, H, xg_.data() + i * H);
+    if (iota_.size() < n) {
+      for (size_t i = iota_.size(); i < n; ++i) iota_.push_back(int64_t(i));
+      ones_.assign(iota_.size(), 1.f);
+    }
+    addresses(t, experts);
+    MoeArgs a = args(t.fmt, t.H, t.I, t.ld_gu, t.ld_dn, reinterpret_cast<uint64_t>(xg_.data()), t.H,
+                     reinterpret_cast<uint64_t>(yg_.data()), t.H, int(n));
+    pool.submit(planner_.plan(a, n, gu_.data(), dn_.data(), iota_.data(), ones_.data()));
+    pool.wait();
+    for (size_t i = 0; i < n; ++i) from_f32(yg_.data() + i * H, H, out, of, int64_t(i) * out_stride);
   }
 
   uint64_t read(uint64_t p, size_t nbytes, int streams, size_t chunk_bytes) {
@@ -156,6 +179,51 @@ struct Runner {
                    reinterpret_cast<float*>(y), y_stride, T, prefetch_bytes, prefetch_hint, row_block,
                    claim_rows, guided, least_claim};
   }
+  static void check_experts(const Table& t, const std::vector<int64_t>& experts) {
+    for (int64_t e : experts)
+      if (e < 0 || e >= t.E)
+        throw std::invalid_argument("expert id " + std::to_string(e) + " is outside the table's " +
+                                    std::to_string(t.E) + " experts");
+  }
+  // gu_/dn_ <- the weight addresses of `experts` in t (mu_ held, no job in flight).
+  void addresses(const Table& t, const std::vector<int64_t>& experts) {
+    int64_t es = t.fmt == kBF16 ? 2 : 4;
+    gu_.resize(experts.size());
+    dn_.resize(experts.size());
+    for (size_t i = 0; i < experts.size(); ++i) {
+      gu_[i] = t.gu + uint64_t(experts[i] * t.gu_estride * es);
+      dn_[i] = t.dn + uint64_t(experts[i] * t.dn_estride * es);
+    }
+  }
+  // n values at element offset `at` of p (f32 or bf16) as f32, and back (bf16 rounded to nearest even).
+  static void to_f32(uint64_t p, Format f, int64_t at, size_t n, float* dst) {
+    if (f == kF32) {
+      std::memcpy(dst, reinterpret_cast<const float*>(p) + at, n * 4);
+      return;
+    }
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(p) + at;
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t u = uint32_t(src[i]) << 16;
+      std::memcpy(dst + i, &u, 4);
+    }
+  }
+  static void from_f32(const float* src, size_t n, uint64_t p, Format f, int64_t at) {
+    if (f == kF32) {
+      std::memcpy(reinterpret_cast<float*>(p) + at, src, n * 4);
+      return;
+    }
+    uint16_t* dst = reinterpret_cast<uint16_t*>(p) + at;
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, src + i, 4);
+      if ((u & 0x7fffffffu) > 0x7f800000u) {
+        dst[i] = uint16_t((u >> 16) | 0x40);  // quiet NaN
+        continue;
+      }
+      u += 0x7fffu + ((u >> 16) & 1u);
+      dst[i] = uint16_t(u >> 16);
+    }
+  }
   static void check_tokens(const std::vector<int64_t>& tokens, int T) {
     for (int64_t t : tokens)
       if (t < 0 || t >= T)
@@ -173,7 +241,10 @@ struct Runner {
 
   std::mutex mu_;  // one submitting thread at a time: the planner's job and gu_/dn_ are shared
   MoePlanner planner_;
-  std::vector<uint64_t> gu_, dn_;  // submit_table's addresses, kept across calls
+  std::vector<uint64_t> gu_, dn_;  // submit_table's and run_gather's addresses, kept across calls
+  std::vector<float> xg_, yg_;     // run_gather's rows of x and its sums, [n, H] f32 each, kept across calls
+  std::vector<int64_t> iota_;      // 0, 1, ...: run_gather's output rows
+  std::vector<float> ones_;        // and its weights
 };
 
 }  // namespace
@@ -204,6 +275,9 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def_readwrite("prefetch_hint", &Runner::prefetch_hint)
       .def_readwrite("prefetch_bytes", &Runner::prefetch_bytes)
       .def("submit_moe", &Runner::submit_moe)
+      .def("run_gather", &Runner::run_gather, py::arg("table"), py::arg("experts"), py::arg("rows"), py::arg("x"),
+           py::arg("x_fmt"), py::arg("x_stride"), py::arg("T"), py::arg("out"), py::arg("out_fmt"),
+           py::arg("out_stride"))
       .def("submit_table", &Runner::submit_table, py::arg("table"), py::arg("experts"), py::arg("tokens"),
            py::arg("weights"), py::arg("x"), py::arg("x_stride"), py::arg("y"), py::arg("y_stride"), py::arg("T"),
            py::arg("wait") = false)

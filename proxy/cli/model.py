@@ -13,6 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="experts stored fused ([E,2I,H] / [E,H,I], as released) or one tensor per expert")
     s.add_argument("--size", default="tiny", choices=["tiny", "demo"])
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--router-zipf", type=float, default=None, metavar="A",
+                   help="skew the routers so expert popularity follows a Zipf law of exponent A (default: off)")
     s.add_argument("--no-tokenizer", action="store_true", help="do not copy the shipped tokenizer")
 
 
@@ -27,6 +29,6 @@ def run(args: argparse.Namespace) -> int:
 
         vocab = load_tokenizer(None).vocab_size
     out = synth_checkpoint(args.out, arch=args.arch, layout=args.layout, size=args.size, seed=args.seed,
-                           vocab_size=vocab, tokenizer=tok)
+                           vocab_size=vocab, tokenizer=tok, router_zipf=args.router_zipf)
     print(f"wrote {args.arch} ({args.layout}, {args.size}, seed {args.seed}) to {out}")
     return 0

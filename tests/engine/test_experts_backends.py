@@ -115,6 +115,33 @@ def test_native_cpu_runner_matches_torch(pool):
         torch.testing.assert_close(y_n, y_t, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(cpu_runner.run_on_cpu is cpu_runner._torch_run_on_cpu, reason="native CPU kernels not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,layout", [(1, "contiguous"), (1, "strided"), (9, "contiguous"), (9, "strided")])
+def test_native_engine_path_matches_the_torch_reference_on_fresh_inputs(dtype, T, layout):
+    """run_on_cpu's one native call (gather, kernels, conversion) against the slow torch path: decode steps
+    (one position an expert) and extends (several), x contiguous or not, in the pool's dtype; fresh random
+    values each run. An fp16 x (no native format) goes through f32 and matches too."""
+    seed = int(torch.randint(1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    src = pool_from_source(make_source(seed, dtype))
+    host = src.wait_layer(0)
+    table = cpu_runner.layer_table(host, src.layout)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K]
+    x = torch.randn(T, 2 * H if layout == "strided" else H, generator=g).to(dtype)
+    x = x[:, ::2] if layout == "strided" else x  # [T, H]
+    jobs = [(torch.nonzero(ids.reshape(-1) == e).flatten(), e) for e in torch.randperm(E, generator=g).tolist()]
+    jobs = [j for j in jobs if len(j[0])]
+    pos_t, y_t = cpu_runner._torch_run_on_cpu(x, host, jobs, src.layout, K)
+    pos_n, y_n = cpu_runner.run_on_cpu(x, host, jobs, src.layout, K, table)
+    assert torch.equal(pos_n, pos_t) and y_n.dtype == y_t.dtype == dtype and y_n.shape == y_t.shape, seed
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y_n.float(), y_t.float(), rtol=tol, atol=tol, msg=f"seed {seed}")
+    pos_h, y_h = cpu_runner.run_on_cpu(x.half(), host, jobs, src.layout, K, table)
+    assert torch.equal(pos_h, pos_t) and y_h.dtype == torch.float16
+    torch.testing.assert_close(y_h.float(), y_t.float(), rtol=2e-2, atol=2e-2, msg=f"seed {seed}")
+
+
 @pytest.mark.parametrize("slots,resident", [(2 * E, [0, E, E]), (3 * E, [E, E, E])])
 def test_long_prefill_double_buffers_whole_layers(pool, slots, resident):
     """Layer l+1 streams into the LRU slots while l runs: with 2E slots two buffers alternate, with room

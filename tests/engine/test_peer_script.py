@@ -52,7 +52,7 @@ def _run(*args, cwd=None):
 def test_script_help_lists_every_option_it_parses():
     text = SCRIPT.read_text()
     parsed = set(re.findall(r"^\s*(--[a-z-]+)\)", text, re.M) + re.findall(r";\s+(--[a-z-]+)\)", text))
-    assert len(parsed) == 17
+    assert len(parsed) == 18
     help_text = _run("--help").stdout
     assert {o for o in parsed if o not in help_text} == set()
     assert "bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8" in help_text

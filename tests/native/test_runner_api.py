@@ -294,3 +294,46 @@ def test_one_runner_reuses_its_plan_across_batches_of_every_size():
         else:
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
             assert _rel_err(y.double() - y0.double(), ref) < tol, (hidden, inter, T, n_tasks)
+
+
+@native
+def test_run_gather_equals_run_io_on_gathered_rows_and_converts_like_torch():
+    """The engine path's one call: out[i] = expert[i](x[rows[i]]), overwritten, in f32 or bf16 (rounded as
+    torch rounds), x read in f32 or bf16; bad ids and rows raise; a batch still pending is waited for."""
+    gen = torch.Generator().manual_seed(41)
+    hidden, inter = 48, 20
+    table = ck.ExpertTable.from_blocks((torch.randn(6, 3 * inter * hidden, generator=gen) * 0.1).bfloat16(),
+                                       hidden, inter)
+    x = torch.randn(3, hidden, generator=gen)
+    experts, rows = [5, 0, 5, 2, 3], [0, 2, 1, 2, 0]
+    runner = CpuExpertRunner(threads=2)
+    pending_y = torch.zeros(3, hidden)
+    fut = runner.submit_routed(table, [1, 4], [0, 1], [1.0, 1.0], x, pending_y)
+    out = torch.full((5, hidden), float("nan"))  # overwritten, not added to
+    runner.run_gather(table, experts, rows, x, out)
+    assert fut.done() or runner.caller_joins
+    fut.wait()
+    assert pending_y.abs().sum() > 0
+    want = torch.zeros(5, hidden)
+    runner.run_io(table, experts, list(range(5)), [1.0] * 5, ck.RoutedIO(x[rows].contiguous(), want))
+    assert torch.equal(out, want)
+    out_bf = torch.empty(5, hidden, dtype=torch.bfloat16)
+    runner.run_gather(table, experts, rows, x, out_bf)
+    assert torch.equal(out_bf, want.bfloat16())
+    xb = x.bfloat16()
+    runner.run_gather(table, experts, rows, xb, out)
+    want_b = torch.zeros(5, hidden)
+    runner.run_io(table, experts, list(range(5)), [1.0] * 5, ck.RoutedIO(xb.float()[rows].contiguous(), want_b))
+    assert torch.equal(out, want_b)
+    for bad in ([6], [-1]):
+        with pytest.raises(ValueError, match="outside"):
+            runner.run_gather(table, bad, [0], x, torch.empty(1, hidden))
+    with pytest.raises(ValueError, match="outside"):
+        runner.run_gather(table, [0], [3], x, torch.empty(1, hidden))
+    with pytest.raises(ValueError, match="out \\["):
+        runner.run_gather(table, [0, 1], [0, 0], x, torch.empty(1, hidden))
+    with pytest.raises(ValueError, match="f32 or bf16"):
+        runner.run_gather(table, [0], [0], x.double(), torch.empty(1, hidden))
+    with pytest.raises(ValueError):
+        runner.run_gather(table, ["a"], [0], x, torch.empty(1, hidden))
+    runner.run_gather(table, [1], [1], x[:, :hidden], out[:1])  # still serving after the errors

@@ -27,6 +27,8 @@
 #   --synthetic SIZE  instead of --ckpt: killick's seeded checkpoint of one of engine.synth's SIZES (e.g.
 #                     qwen3.6-35b-a3b), written into WORK/ckpt with the shipped tokenizer
 #   --layers N        its decoder layers [the size's own]; with --gguf, only tells the comparer the depth
+#   --router-zipf A   with --synthetic: routers skewed so expert popularity follows a Zipf law of exponent A
+#                     (engine/experts/zipf.py; the same weights `killick bench model --router-zipf A` draws) [off]
 #   --gguf FILE       instead of either: an already converted GGUF (skips step 3)
 #   --out DIR         where the JSON, the table and the logs go [required]; no large file is written there
 #   --killick FILE    killick's bench JSON to compare with [none]
@@ -55,7 +57,7 @@ set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 
-CKPT="" SYNTH="" LAYERS="" GGUF="" OUT="" KILLICK="" SDIST="" WORK="$REPO/build/peers" MAKING=""
+CKPT="" SYNTH="" LAYERS="" ZIPF="" GGUF="" OUT="" KILLICK="" SDIST="" WORK="$REPO/build/peers" MAKING=""
 PROMPT=8192 GEN=128 NCMOE="0,5,8" REPS=2 BACKEND=auto CUDA_ARCH=90
 THREADS=$(nproc) JOBS=$(nproc)
 PY=${PYTHON:-}
@@ -78,6 +80,7 @@ parse_args() {
             --reps) REPS=$2 ;;          --threads) THREADS=$2 ;;  --jobs) JOBS=$2 ;;
             --backend) BACKEND=$2 ;;    --cuda-arch) CUDA_ARCH=$2 ;;
             --synthetic) SYNTH=$2 ;;    --layers) LAYERS=$2 ;;    --python) PY=$2 ;;
+            --router-zipf) ZIPF=$2 ;;
             *) die "unknown option $1 (see --help)" ;;
         esac
         shift 2
@@ -94,6 +97,8 @@ parse_args() {
         [[ -z ${!n} && $n == LAYERS || ${!n} =~ ^[0-9]+$ ]] || die "--${n,,} takes a whole number, not '${!n}'"
     done
     [[ $NCMOE =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--ncmoe takes whole numbers separated by commas, not '$NCMOE'"
+    [[ -z $ZIPF || ( -n $SYNTH && $ZIPF =~ ^[0-9]+(\.[0-9]+)?$ ) ]] \
+        || die "--router-zipf takes an exponent like 1.0, and only with --synthetic"
     for v in CKPT GGUF OUT KILLICK SDIST WORK; do  # the paths as the caller meant them, before cd "$REPO"
         [[ -z ${!v} ]] || printf -v "$v" '%s' "$(realpath -m "${!v}")"
     done
@@ -221,10 +226,12 @@ gguf_path() {
 
 SYNTH_PY='import sys
 from engine.synth import synth_checkpoint
-out, size, layers, device = sys.argv[1:]
+out, size, layers, device, zipf = sys.argv[1:]
 kw = {"layers": int(layers)} if layers else {}
 if device != "cpu":
     kw["device"] = device
+if zipf:
+    kw["router_zipf"] = float(zipf)
 synth_checkpoint(out, size=size, tokenizer="fixtures/tokenizer", **kw)'
 
 write_synthetic() {
@@ -232,7 +239,7 @@ write_synthetic() {
     rm -rf "$CKPT"
     local device=cpu
     [[ $BACKEND == cpu ]] || device=cuda
-    step synth "$T_SYNTH" "$PY" -c "$SYNTH_PY" "$CKPT" "$SYNTH" "$LAYERS" "$device"
+    step synth "$T_SYNTH" "$PY" -c "$SYNTH_PY" "$CKPT" "$SYNTH" "$LAYERS" "$device" "$ZIPF"
 }
 
 convert() {
@@ -290,7 +297,7 @@ main() {
     find_sdist
     [[ -n $GGUF ]] || find_python
     pick_backend
-    [[ -z $SYNTH ]] || CKPT=$WORK/ckpt/$SYNTH-L${LAYERS:-all}
+    [[ -z $SYNTH ]] || CKPT=$WORK/ckpt/$SYNTH-L${LAYERS:-all}${ZIPF:+-zipf$ZIPF}
     say "llama.cpp from $SDIST, $BACKEND build, checkpoint ${CKPT:-$GGUF}, output $OUT"
     unpack
     if [[ -z $GGUF ]]; then

@@ -1,0 +1,151 @@
+"""`killick bench routing`: the expert hit rate a skewed router buys, killick's LRU slot cache against
+llama.cpp's static `--n-cpu-moe` placement at equal GPU memory, on the routing a synthetic model really makes.
+
+For each --router-zipf exponent a (0: today's checkpoint) it draws the seeded synthetic model (engine.synth,
+the same weights `llama_cpp.sh --router-zipf a` converts), runs a seeded stream of random tokens through it
+(prefill chunks: a causal model routes each token as decoding the stream would) and records every MoE layer's
+top-k. Then, for each GPU expert fraction f, llama.cpp keeps N = L - round(f L) layers' experts on the CPU and
+the LRU gets the same GPU memory, (L - N) * E slots; both are simulated on the trace (engine/experts/
+placement.py: the slot table's own policy at batch 1, every miss filled, counted after --warmup tokens).
+"top" is an oracle: the trace's own most used experts pinned, the best any static per-expert placement could do.
+"fit a" is the Zipf exponent fitted to the measured popularity by intended rank (past the capped head).
+
+    killick bench routing --synthetic demo --router-zipf 0,0.8,1.2 --gpu-fraction 0.25,0.5
+    killick bench routing --synthetic qwen3.6-35b-a3b --layers 8 --device cuda --router-zipf 0,1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from engine.experts import placement, zipf
+
+
+class RoutingRecorder:
+    """An expert backend that notes every layer's top-k ids, then lets the real backend run."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.steps = backend, {}  # layer -> [topk_ids [T, K] per forward]
+
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        self.steps.setdefault(layer, []).append(topk_ids.to("cpu"))
+        return self.backend.forward(layer, x, topk_ids, topk_w)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def trace(self) -> np.ndarray:
+        """[T, L, K] expert ids, MoE layers in order."""
+        return np.stack([torch.cat(self.steps[k]).numpy() for k in sorted(self.steps)], axis=1)
+
+
+def record(model, tokens: int, seed: int, chunk: int = 512) -> np.ndarray:
+    """Routing trace [T, L, K] of a seeded random token stream through `model`."""
+    rec = RoutingRecorder(model.experts)
+    for layer in model.layers:
+        if hasattr(layer.mlp, "backend"):
+            layer.mlp.backend = rec
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
+    state = model.new_state(tokens)
+    with torch.inference_mode():
+        for i in range(0, tokens, chunk):
+            model.forward([(ids[i:i + chunk], state)])
+    return rec.trace()
+
+
+def skew_summary(trace: np.ndarray, num_experts: int, top_k: int, a: float, seed: int) -> dict:
+    """How the measured popularity follows the law asked for: fitted exponent past the capped head (mean over
+    layers) and the mean relative error of each expert's popularity against its rank's target."""
+    pop = placement.popularity(trace, num_experts)  # [L, E]
+    target = zipf.zipf_popularity(num_experts, top_k, a) if a else np.full(num_experts, top_k / num_experts)
+    head = int((target >= zipf.CAP).sum())
+    fits, errs = [], []
+    for layer in range(pop.shape[0]):
+        by_rank = np.empty(num_experts)
+        by_rank[zipf.layer_ranks(num_experts, seed, layer)] = pop[layer]
+        if a:
+            fits.append(placement.zipf_fit(by_rank, first=head))
+        errs.append(float(np.mean(np.abs(by_rank - target) / target)))
+    return {"fit_a": float(np.mean(fits)) if fits else 0.0, "rel_err": float(np.mean(errs)), "capped_head": head,
+            "top1_share": float(np.sort(pop, axis=1)[:, -1].mean())}
+
+
+def rates(trace: np.ndarray, num_experts: int, fractions: list[float], warmup: int) -> list[dict]:
+    L = trace.shape[1]
+    rows = []
+    for f in fractions:
+        n_cpu = placement.equal_memory(L, f)
+        slots = (L - n_cpu) * num_experts
+        row = {"gpu_fraction": (L - n_cpu) / L, "n_cpu_moe": n_cpu, "slots": slots}
+        for name, (hits, routed) in {
+            "static": placement.static_hits(trace, n_cpu, warmup),
+            "lru": placement.lru_hits(trace, num_experts, slots, warmup) if slots else (0, 1),
+            "top": placement.top_experts_hits(trace, num_experts, slots, warmup),
+        }.items():
+            row[name] = hits / routed
+        rows.append(row)
+    return rows
+
+
+def run(args) -> dict:
+    from engine.models import parse_dtype
+    from engine.synth import synth_model
+
+    torch.manual_seed(args.seed)
+    dtype = parse_dtype(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    out = {"what": "expert hit rate: LRU slot cache vs llama.cpp --n-cpu-moe at equal GPU memory",
+           "synthetic": args.synthetic, "layers": args.layers, "tokens": args.tokens, "warmup": args.warmup,
+           "seed": args.seed, "date": time.strftime("%Y-%m-%d"), "runs": []}
+    for a in args.router_zipf:
+        t0 = time.perf_counter()
+        model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=dtype, seed=args.seed,
+                               router_zipf=a)
+        cfg = model.config
+        trace = record(model, args.tokens, args.seed + 1)
+        del model
+        run_ = {"router_zipf": a, "experts": cfg.num_experts, "top_k": cfg.top_k, "moe_layers": trace.shape[1],
+                **skew_summary(trace, cfg.num_experts, cfg.top_k, a, args.seed),
+                "rows": rates(trace, cfg.num_experts, args.gpu_fraction, args.warmup),
+                "seconds": time.perf_counter() - t0}
+        out["runs"].append(run_)
+        print(f"  router zipf {a}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def print_table(res: dict) -> None:
+    print(f"bench routing — {res['what']}; synthetic {res['synthetic']}"
+          f"{'' if res['layers'] is None else ', ' + str(res['layers']) + ' layers'}, {res['tokens']} random tokens "
+          f"(hit rates after {res['warmup']})")
+    print(f"{'zipf a':>7}{'fit a':>7}{'rel err':>8}{'top-1':>7}{'GPU frac':>9}{'-ncmoe':>7}{'slots':>7}"
+          f"{'llama.cpp':>10}{'LRU':>7}{'top':>7}")
+    for run_ in res["runs"]:
+        for r in run_["rows"]:
+            print(f"{run_['router_zipf']:>7.2f}{run_['fit_a']:>7.2f}{run_['rel_err']:>8.2f}{run_['top1_share']:>7.2f}"
+                  f"{r['gpu_fraction']:>9.2f}{r['n_cpu_moe']:>7d}{r['slots']:>7d}{r['static']:>10.3f}{r['lru']:>7.3f}"
+                  f"{r['top']:>7.3f}")
+
+
+def run_args(args) -> int:
+    res = run(args)
+    print_table(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    from engine.bench.args import add_routing_arguments
+
+    p = argparse.ArgumentParser(prog="killick bench routing", description=__doc__.split("\n\n")[0])
+    add_routing_arguments(p)
+    return run_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
