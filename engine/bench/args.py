@@ -93,3 +93,14 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--seed", type=int, default=0, help="weights seed; the token stream uses seed + 1")
     p.add_argument("--json", help="write the results here")
+
+
+def print_and_save(res: dict, print_table, json_path: str | None) -> int:
+    """A benchmark's last step: its table on stdout, its result as JSON where --json asked for it."""
+    print_table(res)
+    if json_path:
+        import json
+
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0

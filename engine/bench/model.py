@@ -13,7 +13,6 @@ rate measured in the same process. Prints a table; --json writes it (engine/benc
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import threading
 import time
@@ -211,12 +210,9 @@ def _commit() -> str:
 
 
 def run_args(args) -> int:
-    res = run(args)
-    print_table(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
+    from engine.bench.args import print_and_save
+
+    return print_and_save(run(args), print_table, args.json)
 
 
 def main(argv=None) -> int:

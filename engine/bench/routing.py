@@ -16,7 +16,6 @@ placement.py: the slot table's own policy at batch 1, every miss filled, counted
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -131,12 +130,9 @@ def print_table(res: dict) -> None:
 
 
 def run_args(args) -> int:
-    res = run(args)
-    print_table(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
+    from engine.bench.args import print_and_save
+
+    return print_and_save(run(args), print_table, args.json)
 
 
 def main(argv=None) -> int:
