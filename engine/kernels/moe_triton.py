@@ -127,29 +127,31 @@ def pair_blocks(ids: torch.Tensor, bm: int = 16) -> Blocks:
 
 
 def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
-    """The pairs of each expert in blocks of bm (pair order within an expert kept), all on the device.
+    """The pairs of each expert in blocks of bm (pair order within an expert kept), all on the device and
+    without a host sync (no boolean masks, no bincount: a prefill chunk's host keeps launching ahead).
 
-    The block count is the bound min(P, ceil(P / bm) + E); blocks past the used ones are idle."""
+    The block count is the bound min(P, ceil(P / bm) + E); blocks past the used ones are idle. Padding pairs
+    (id -1) land in a spill row that is cut off."""
     flat = ids.reshape(-1).long()
     P, dev = flat.numel(), flat.device
     nb = min(P, -(-P // bm) + num_experts)
-    routed = flat >= 0
-    key = torch.where(routed, flat, num_experts)  # unrouted pairs (padding) sort last, into no block
+    key = torch.where(flat >= 0, flat, num_experts)  # unrouted pairs (padding) sort last, into the spill row
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
     blocks_of = (counts + bm - 1) // bm
     first_block = torch.cumsum(blocks_of, 0) - blocks_of
     first_pair = torch.cumsum(counts, 0) - counts
     e_sorted = key[order]
-    keep = e_sorted < num_experts
-    e_sorted, order = e_sorted[keep], order[keep]
-    rank = torch.arange(order.numel(), device=dev) - first_pair[e_sorted]
-    block = first_block[e_sorted] + rank // bm
-    rows = torch.full((nb, bm), -1, dtype=torch.int32, device=dev)
-    rows[block, rank % bm] = order.int()
-    expert = torch.full((nb,), -1, dtype=torch.int32, device=dev)
-    expert[block] = e_sorted.int()
-    return Blocks(rows, expert)
+    routed = e_sorted < num_experts
+    e_at = torch.where(routed, e_sorted, 0)
+    rank = torch.arange(P, device=dev) - first_pair[e_at]
+    block = torch.where(routed, first_block[e_at] + rank // bm, nb)
+    rows = torch.full((nb + 1, bm), -1, dtype=torch.int32, device=dev)
+    rows[block, torch.where(routed, rank % bm, 0)] = order.int()
+    expert = torch.full((nb + 1,), -1, dtype=torch.int32, device=dev)
+    expert[block] = torch.where(routed, e_sorted, -1).int()
+    return Blocks(rows[:nb], expert[:nb])
 
 
 @triton.jit

@@ -21,11 +21,13 @@ def test_route_topk_matches_torch_topk(dev, shared, norm):
     assert torch.allclose(w.cpu()[live], ref_w.cpu()[live], atol=1e-6)
 
 
-def test_expert_blocks_cover_every_pair_once(dev):
-    g = torch.Generator().manual_seed(11)
+@pytest.mark.parametrize("padding", [0.0, 0.08, 0.5])
+def test_expert_blocks_cover_every_pair_once(dev, padding):
+    g = torch.Generator().manual_seed(11 + int(padding * 100))
     E, bm = 9, 4
     ids = torch.randint(0, E, (13, 3), generator=g).int()
-    ids[2, 1] = -1  # a padding pair belongs to no block
+    ids[torch.rand(ids.shape, generator=g) < padding] = -1  # padding pairs belong to no block
+    ids[2, 1] = -1
     b = expert_blocks(ids.to(dev), E, bm)
     rows, expert = b.rows.cpu(), b.expert.cpu()
     seen = rows[rows >= 0].sort().values
