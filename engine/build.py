@@ -52,7 +52,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running", type=int, default=4, help="requests decoded together (default 4)")
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more answer 429")
     g.add_argument("--max-step-tokens", type=int,
-                   help="tokens per engine step, i.e. the prefill chunk (default 512 on CPU, 2048 on CUDA)")
+                   help="tokens per engine step, i.e. the prefill chunk (default 512 on CPU, 2048 on CUDA); a "
+                        "prompt's tail of up to an eighth of it rides with the chunk before")
     g.add_argument("--context-length", type=int,
                    help="tokens per request, prompt + output (default: what the model's config declares, "
                         f"max_position_embeddings, or {DEFAULT_CONTEXT} when it says nothing; lowered so the "

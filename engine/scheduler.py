@@ -1,7 +1,8 @@
 """Which sequences run in the next engine step, and what each step's output means. Torch-free.
 
 One step = every running sequence that has finished its prompt decodes one token, and the remaining token
-budget goes to prompt chunks (chunked prefill), oldest first. Checkpoint positions do not cut chunks: a
+budget goes to prompt chunks (chunked prefill), oldest first; a prompt's short tail (up to an eighth of the
+budget) rides with its last full chunk instead of taking a step of its own. Checkpoint positions do not cut chunks: a
 chunk carries the positions it covers (Work.checkpoint_positions) and the model snapshots its recurrent state there inside
 the one pass (the DeltaNet layers run their recurrence piecewise; projections, attention and experts do not
 split, so a checkpoint costs no extra pass over the weights).
@@ -90,6 +91,12 @@ class Work:
         cps = self.seq.checkpoint_positions
         lo, hi = bisect.bisect_right(cps, self.start), bisect.bisect_left(cps, self.end)
         return tuple(cps[lo:hi])
+
+
+# A prompt whose last piece would be at most max_step_tokens / TAIL_FOLD tokens takes it in the chunk before:
+# a step has a fixed cost a few tokens do not earn back (H200, 8 layers: 8,215 tokens as 4 x 2,048 + 23 spent
+# 11-20 ms on the 23, against ~0.3 ms for 23 more rows in a 2,048-token chunk; docs/PERF.md, issue 20).
+TAIL_FOLD = 8
 
 
 class Scheduler:
@@ -182,6 +189,8 @@ class Scheduler:
             if not seq.prefilling or seq.waiting_for_prefix or budget <= 0:
                 continue
             end = min(seq.num_prompt, seq.num_computed + budget)
+            if 0 < seq.num_prompt - end <= self.max_step_tokens // TAIL_FOLD:
+                end = seq.num_prompt  # a short tail rides along rather than cost a step of its own
             work.append(Work(seq, seq.num_computed, end))
             budget -= end - seq.num_computed
         return work

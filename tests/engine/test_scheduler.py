@@ -146,3 +146,21 @@ def test_bad_configuration_is_a_value_error():
 def test_scheduler_and_api_import_no_torch():
     code = "import engine.scheduler, engine.serving, engine.api, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_short_prompt_tail_rides_with_the_chunk_before_it():
+    def chunks_of(n: int) -> list[int]:
+        s = Scheduler(max_running=4, max_step_tokens=16)
+        seq = Sequence.from_request(GenerateRequest(prompt_ids=list(range(n)), max_new_tokens=1))
+        s.add(seq)
+        s.admit()
+        out = []
+        while seq.prefilling:
+            (item,) = s.schedule()
+            out.append(item.end - item.start)
+            s.advance(item, 5 if item.end == seq.num_prompt else None)
+        return out
+
+    assert chunks_of(34) == [16, 18]  # the 2-token tail (<= 16 // 8) joins the last full chunk
+    assert chunks_of(35) == [16, 16, 3]  # a 3-token tail is a step of its own
+    assert chunks_of(32) == [16, 16]
