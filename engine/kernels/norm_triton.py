@@ -25,6 +25,24 @@ from engine.layers.norm import rms_norm
 
 
 @triton.jit
+def _add_norm_row(x_ptr, d_ptr, w_ptr, xo_ptr, eps, row, H, cols, live,
+                  R: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One token's row -> (x, y) fp32: x plus its R delta rows rounded to the residual's dtype, and
+    rms_norm(x) * weight before its rounding. Both kernels below store from here: one arithmetic."""
+    x = tl.load(x_ptr + row * H + cols, mask=live, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for r in tl.static_range(R):  # unrolled: the R row loads are in flight together
+            acc += tl.load(d_ptr + (row * R + r) * H + cols, mask=live, other=0.0).to(tl.float32)
+        x = (x + acc).to(xo_ptr.dtype.element_ty).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    return x, x * inv * w
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, eps, H,
                          R: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_DELTA: tl.constexpr,
                          BLOCK_H: tl.constexpr, PDL: tl.constexpr):
@@ -32,38 +50,37 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, eps, H,
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     live = cols < H
-    x = tl.load(x_ptr + row * H + cols, mask=live, other=0.0).to(tl.float32)
+    x, y = _add_norm_row(x_ptr, d_ptr, w_ptr, xo_ptr, eps, row, H, cols, live, R, ZERO_CENTERED, HAS_DELTA,
+                         BLOCK_H)
     if HAS_DELTA:
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for r in tl.static_range(R):  # unrolled: the R row loads are in flight together
-            acc += tl.load(d_ptr + (row * R + r) * H + cols, mask=live, other=0.0).to(tl.float32)
-        x = (x + acc).to(xo_ptr.dtype.element_ty).to(tl.float32)
         tl.store(xo_ptr + row * H + cols, x.to(xo_ptr.dtype.element_ty), mask=live)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
-    tl.store(h_ptr + row * H + cols, (x * inv * w).to(h_ptr.dtype.element_ty), mask=live)
+    tl.store(h_ptr + row * H + cols, y.to(h_ptr.dtype.element_ty), mask=live)
+
+
+def _check_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, who: str):
+    """-> delta as [N, R, H] (or None), after checking x, delta and the norm weight fit together."""
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"{who} wants a contiguous [N, H] x, got {tuple(x.shape)}")
+    N, H = x.shape
+    if delta is not None:
+        delta = delta.view(N, -1, H)
+        if not delta.is_contiguous() or delta.dtype != x.dtype:
+            raise ValueError(f"{who} wants delta contiguous and in x's dtype")
+    if weight.shape != (H,):
+        raise ValueError(f"norm weight {tuple(weight.shape)} does not match hidden size {H}")
+    return delta
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  zero_centered: bool, out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """-> (x_out, h); with delta None, x_out is x itself (nothing added). `out` reuses buffers."""
-    if x.dim() != 2 or not x.is_contiguous():
-        raise ValueError(f"add_rms_norm wants a contiguous [N, H] x, got {tuple(x.shape)}")
+    delta = _check_rows(x, delta, weight, "add_rms_norm")
     N, H = x.shape
-    R = 0
-    if delta is not None:
-        delta = delta.view(N, -1, H)
-        if not delta.is_contiguous() or delta.dtype != x.dtype:
-            raise ValueError("add_rms_norm wants delta contiguous and in x's dtype")
-        R = delta.shape[1]
-    if weight.shape != (H,):
-        raise ValueError(f"norm weight {tuple(weight.shape)} does not match hidden size {H}")
     x_out, h = out if out is not None else (torch.empty_like(x) if delta is not None else x, torch.empty_like(x))
-    _add_rms_norm_kernel[(N,)](x, delta if delta is not None else x, weight, x_out, h, eps, H, R=R,
-                               ZERO_CENTERED=zero_centered, HAS_DELTA=delta is not None,
-                               BLOCK_H=triton.next_power_of_2(H), num_warps=4 if H <= 2048 else 8, **pdl_args(x))
+    _add_rms_norm_kernel[(N,)](x, delta if delta is not None else x, weight, x_out, h, eps, H,
+                               R=0 if delta is None else delta.shape[1], ZERO_CENTERED=zero_centered,
+                               HAS_DELTA=delta is not None, BLOCK_H=triton.next_power_of_2(H),
+                               num_warps=4 if H <= 2048 else 8, **pdl_args(x))
     return x_out, h
 
 
@@ -82,16 +99,8 @@ def _add_norm_router_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, rw_ptr, lg_ptr, 
     blk = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
     live = cols < H
-    x = tl.load(x_ptr + row * H + cols, mask=live, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for r in tl.static_range(R):
-        acc += tl.load(d_ptr + (row * R + r) * H + cols, mask=live, other=0.0).to(tl.float32)
-    x = (x + acc).to(xo_ptr.dtype.element_ty).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
-    h = (x * inv * w).to(h_ptr.dtype.element_ty)
+    x, y = _add_norm_row(x_ptr, d_ptr, w_ptr, xo_ptr, eps, row, H, cols, live, R, ZERO_CENTERED, True, BLOCK_H)
+    h = y.to(h_ptr.dtype.element_ty)
     if blk == 0:
         tl.store(xo_ptr + row * H + cols, x.to(xo_ptr.dtype.element_ty), mask=live)
         tl.store(h_ptr + row * H + cols, h, mask=live)
@@ -105,15 +114,10 @@ def add_rms_norm_router(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
                         zero_centered: bool, router_w: torch.Tensor,
                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """-> (x_out, h, logits [N, E] in x's dtype): add_rms_norm(x, delta, ...) and h @ router_w.T at once."""
-    if x.dim() != 2 or not x.is_contiguous():
-        raise ValueError(f"add_rms_norm_router wants a contiguous [N, H] x, got {tuple(x.shape)}")
+    delta = _check_rows(x, delta, weight, "add_rms_norm_router")
     N, H = x.shape
-    delta = delta.view(N, -1, H)
-    if not delta.is_contiguous() or delta.dtype != x.dtype:
-        raise ValueError("add_rms_norm_router wants delta contiguous and in x's dtype")
-    if weight.shape != (H,) or router_w.dim() != 2 or router_w.shape[1] != H or not router_w.is_contiguous():
-        raise ValueError(f"add_rms_norm_router: norm weight {tuple(weight.shape)} / router "
-                         f"{tuple(router_w.shape)} do not match hidden size {H}")
+    if router_w.dim() != 2 or router_w.shape[1] != H or not router_w.is_contiguous():
+        raise ValueError(f"add_rms_norm_router: router {tuple(router_w.shape)} does not match hidden size {H}")
     E = router_w.shape[0]
     x_out, h, logits = out if out is not None else (
         torch.empty_like(x), torch.empty_like(x), torch.empty(N, E, dtype=x.dtype, device=x.device))
