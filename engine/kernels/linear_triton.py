@@ -6,8 +6,8 @@ One program per BN rows of w reads them once, front to back in BK-wide tiles, ag
 (padded to 16, the matrix units' smallest tile); fp32 accumulation, one rounding at the store. No split
 over K: each output is summed in one fixed order, so a graph replay and a direct launch agree to the bit.
 cuBLAS picks split-K plus a separate reduce for the decode step's out / o projections (K 4096 -> N 2048),
-two launches at 1.9 TB/s (docs/PERF.md, issue 20); which projections take this kernel is decided in
-engine/models/fast.py from measured rates. M = rows of x, K = input width, N = output width.
+two launches at 1.9 TB/s (docs/PERF.md, issue 20); engine/models/fast.py sends every decode projection
+here. M = rows of x, K = input width, N = output width.
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ SKINNY_ROWS = 16
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
-                   BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
-    rm = tl.arange(0, 16)
+    rm = tl.arange(0, BM)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     mmask, nmask = rm < M, rn < N
-    acc = tl.zeros([16, BN], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
@@ -63,6 +63,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     bn, bk, warps, stages = tiles or skinny_tiles(N)
     bk = min(bk, triton.next_power_of_2(K))
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 exact; 16-bit inputs ignore it
-    _skinny_kernel[(triton.cdiv(N, bn),)](x, w, y, M, N, K, BN=bn, BK=bk, PREC=prec, num_warps=warps,
+    _skinny_kernel[(triton.cdiv(N, bn),)](x, w, y, M, N, K, BM=SKINNY_ROWS, BN=bn, BK=bk, PREC=prec, num_warps=warps,
                                           num_stages=stages, **pdl_args(x))
     return y

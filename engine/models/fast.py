@@ -6,13 +6,11 @@
                                                    # what a CUDA graph captures (engine/models/graphs.py)
 
 A decode step per layer: add+norm, one projection (a skinny Triton kernel, as every decode projection), the
-mixer's kernels (qk-norm/RoPE/KV store + split attention, or conv step + delta-rule step + gated norm), the
-o/out projection,
-add+norm with the router's logits in the same launch, then two expert kernels, the first routing each
-pair's token itself (top-k without a launch of its own); the next add+norm sums the experts' rows into
-the residual. Prefill chunks run the same
-projections with the prefill attention kernel, the chunked delta rule (fla's kernels on CUDA) and experts
-grouped per expert. N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
+mixer's kernels (qk-norm/RoPE/KV store + split attention, or conv step + delta rule with its gated norm), the
+o/out projection, add+norm with the router's logits in the same launch, then two expert kernels, the first
+routing each pair's token itself (top-k without a launch of its own); the next add+norm sums the experts'
+rows into the residual. Prefill chunks run the same projections with the prefill attention kernel, the
+chunked delta rule (fla's kernels on CUDA) and experts grouped per expert. N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
 """
 from __future__ import annotations
 
