@@ -135,11 +135,21 @@ def test_native_engine_path_matches_the_torch_reference_on_fresh_inputs(dtype, T
     pos_t, y_t = cpu_runner._torch_run_on_cpu(x, host, jobs, src.layout, K)
     pos_n, y_n = cpu_runner.run_on_cpu(x, host, jobs, src.layout, K, table)
     assert torch.equal(pos_n, pos_t) and y_n.dtype == y_t.dtype == dtype and y_n.shape == y_t.shape, seed
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(y_n.float(), y_t.float(), rtol=tol, atol=tol, msg=f"seed {seed}")
+    # Judged against the same inputs in float64, with a tolerance on the output's scale: the torch path
+    # rounds its intermediates to bf16 (up to ~1.2% of max|y| off in a 400-seed sweep), the native one
+    # keeps them in f32 (~0.6%); an elementwise rtol on small outputs flakes, a wrong expert is off by ~100%.
+    _, ref = cpu_runner._torch_run_on_cpu(x.double(), host.double(), jobs, src.layout, K)  # [N, H]
+    scale = ref.abs().max().item()
+
+    def close(y, rel):
+        err = (y.double() - ref).abs().max().item()
+        assert err <= rel * scale, f"seed {seed}: max error {err:.3g} > {rel} x max|y| {scale:.3g}"
+
+    close(y_n, 1e-5 if dtype == torch.float32 else 1.5e-2)
+    close(y_t, 1e-5 if dtype == torch.float32 else 3e-2)
     pos_h, y_h = cpu_runner.run_on_cpu(x.half(), host, jobs, src.layout, K, table)
     assert torch.equal(pos_h, pos_t) and y_h.dtype == torch.float16
-    torch.testing.assert_close(y_h.float(), y_t.float(), rtol=2e-2, atol=2e-2, msg=f"seed {seed}")
+    close(y_h, 4e-3 if dtype == torch.float32 else 1.5e-2)  # x and y rounded to fp16 on the way
 
 
 @pytest.mark.parametrize("slots,resident", [(2 * E, [0, E, E]), (3 * E, [E, E, E])])
