@@ -30,6 +30,8 @@ class EngineOptions:
     cache_host_mb: int | None = None  # None: half of MemAvailable
     moe_backend: str = "auto"  # fused | offload | cpu | hybrid | auto (engine/experts/registry.py)
     moe_slots: str | None = None  # N, N% of all experts, or None: all the device memory left
+    max_prefill_tokens: int | None = None  # None: the context with an expert cache, else max_step_tokens
+    expert_threads: int | None = None  # CPU expert workers (cpu/hybrid); None: see expert_threads()
     fast_path: bool = True  # CUDA: Triton kernels, static state slots, decode steps as CUDA graphs
 
     def __post_init__(self) -> None:
@@ -39,7 +41,11 @@ class EngineOptions:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.max_step_tokens is not None and self.max_step_tokens < self.max_running:
             raise ValueError("--max-step-tokens must be at least --max-running")
-        for name in ("context_length", "cache_device_mb", "cache_host_mb"):
+        if (self.max_prefill_tokens is not None and self.max_step_tokens is not None
+                and self.max_prefill_tokens < self.max_step_tokens):
+            raise ValueError(f"--max-prefill-tokens ({self.max_prefill_tokens}) must be at least "
+                             f"--max-step-tokens ({self.max_step_tokens})")
+        for name in ("context_length", "cache_device_mb", "cache_host_mb", "max_prefill_tokens", "expert_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -54,6 +60,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-step-tokens", type=int,
                    help="tokens per engine step, i.e. the prefill chunk (default 512 on CPU, 2048 on CUDA); a "
                         "prompt's tail of up to an eighth of it rides with the chunk before")
+    g.add_argument("--max-prefill-tokens", type=int,
+                   help="prompt tokens one step may take, each layer running over them in --max-step-tokens "
+                        "pieces before the next layer (layer-major). Default: the whole context with an expert "
+                        "cache (offload/cpu/hybrid: the expert pool then streams once per prompt instead of "
+                        "once per chunk), else --max-step-tokens")
     g.add_argument("--context-length", type=int,
                    help="tokens per request, prompt + output (default: what the model's config declares, "
                         f"max_position_embeddings, or {DEFAULT_CONTEXT} when it says nothing; lowered so the "
@@ -69,6 +80,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="CUDA: run the eager reference path instead of the fast one (kernels, CUDA graphs)")
     g.add_argument("--moe-slots", metavar="N|P%", help="device expert slots for offload/cpu/hybrid: a count or "
                                                       "a percentage of all experts (default: memory left)")
+    g.add_argument("--expert-threads", type=int,
+                   help="CPU threads running experts for cpu/hybrid (default: every core on a CPU engine; on "
+                        "CUDA every core but one, which the engine thread keeps for launching GPU work)")
 
 
 def options_from_args(args: argparse.Namespace) -> EngineOptions:
@@ -103,8 +117,11 @@ def build_core(model_dir: Path, opts: EngineOptions = EngineOptions(), model=Non
         host = opts.cache_host_mb << 20 if opts.cache_host_mb else None
         cache = PrefixStore(model, device_budget=dev, host_budget=host)
     runner = ModelRunner(model, context_length=context, cache=cache)
-    return EngineCore(runner, max_running=opts.max_running, max_step_tokens=step_tokens(opts, model.device),
-                      max_waiting=opts.max_queue)
+    step = step_tokens(opts, model.device)
+    prefill = prefill_tokens(opts, model, step, context)
+    model.piece_tokens = step if prefill > step else None
+    return EngineCore(runner, max_running=opts.max_running, max_step_tokens=step, max_waiting=opts.max_queue,
+                      max_prefill_tokens=prefill)
 
 
 def context_window(declared: int, per_token: int, per_sequence: int, sequences: int,
@@ -166,6 +183,20 @@ def step_tokens(opts: EngineOptions, device) -> int:
     return max(opts.max_running, 2048 if device.type == "cuda" else 512)
 
 
+def prefill_tokens(opts: EngineOptions, model, step: int, context: int) -> int:
+    """Prompt tokens per step: --max-prefill-tokens, else the whole context when an expert cache would stream
+    its pool once per step (a layer-major step moves it once per prompt), else one step's tokens. The fast
+    path runs a step as one piece, so it keeps the step size."""
+    if opts.max_prefill_tokens is not None:
+        if model.fast is not None and opts.max_prefill_tokens > step:
+            raise ValueError("--max-prefill-tokens runs layer-major on the eager path; add --eager, or leave it "
+                             "out on the fast path (every expert resident: nothing streams per step)")
+        return max(step, opts.max_prefill_tokens)
+    if model.fast is None and hasattr(model.experts, "begin_forward"):
+        return max(step, context)
+    return step
+
+
 def _enable_fast(model, max_running: int, context: int, chunk: int) -> None:
     """The fast path with a slot for each running request (+1 for a turn being cached while the next
     starts); where it cannot serve the model the engine says why and stays eager."""
@@ -203,7 +234,8 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     device = torch.device(opts.device)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else pool_bytes
     # `killick bench bw` on this machine says whether CPU execution pays (auto -> hybrid); none: offload
-    profile = load_profile(layout, dtype, torch.get_num_threads())
+    threads = expert_threads(opts, device)
+    profile = load_profile(layout, dtype, threads)
     name = resolve(opts.moe_backend, dense=moe_layers == 0, pool_bytes=pool_bytes, free_bytes=free, profile=profile)
     if name == "fused":
         return {}
@@ -211,9 +243,27 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     per_token, per_sequence = state_bytes(cfg, dtype.itemsize)
     slots = opts.max_running + 1
     reserve = slots * ((context + 1) * per_token + per_sequence) if opts.fast_path and device.type == "cuda" else 0
+    from engine.experts import cpu_runner
+
+    cpu_runner.set_threads(threads)
+    log.info("%s experts: %d CPU expert threads", name, threads)
     return {"experts": experts_factory(name, device=opts.device, slots=opts.moe_slots, progress=progress,
-                                       reserve_bytes=reserve),
+                                       reserve_bytes=reserve, profile=profile or {}),
             "expert_device": "cpu"}
+
+
+def expert_threads(opts: EngineOptions, device) -> int:
+    """--expert-threads, else torch's thread count on a CPU engine (its own thread waits for the experts),
+    and on CUDA the cores this process may use but one (the engine thread launches GPU work meanwhile)."""
+    import os
+
+    import torch
+
+    if opts.expert_threads is not None:
+        return opts.expert_threads
+    if device.type != "cuda":
+        return torch.get_num_threads()
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def _pool_progress(p) -> None:

@@ -34,6 +34,8 @@ class Engine:
 
             if fast or fast_unsupported(model) is None:
                 model.enable_fast(slots=2, capacity=FAST_CONTEXT)
+        if model.fast is None and hasattr(model.experts, "begin_forward"):
+            model.piece_tokens = PREFILL_CHUNK  # an expert cache: a prompt in one layer-major forward
         return cls(model)
 
     @property
@@ -43,16 +45,20 @@ class Engine:
     def score(self, ids) -> torch.Tensor:
         ids = self._ids(ids)
         state = self.model.new_state(len(ids))
-        chunks = ids.split(PREFILL_CHUNK)
-        return torch.cat([self.model.forward([(c, state)], logits="all")[0] for c in chunks])
+        return torch.cat([self.model.forward([(c, state)], logits="all")[0] for c in self._chunks(ids)])
 
     def prefill(self, ids, state=None):
-        """Run the prompt in chunks; -> (logits of the last position [V], state)."""
+        """Run the prompt in chunks (one layer-major forward with an expert cache); -> (logits of the last
+        position [V], state)."""
         ids = self._ids(ids)
         state = state or self.model.new_state(len(ids) + self._reserve)
-        for chunk in ids.split(PREFILL_CHUNK):
+        for chunk in self._chunks(ids):
             logits = self.model.forward([(chunk, state)], logits="last")[0][-1]
         return logits, state
+
+    def _chunks(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Forwards of PREFILL_CHUNK tokens, or all of them at once when the model runs layers in pieces."""
+        return (ids,) if self.model.piece_tokens else ids.split(PREFILL_CHUNK)
 
     def generate(self, ids, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop_ids=()) -> list[int]:

@@ -1,9 +1,10 @@
 """Which sequences run in the next engine step, and what each step's output means. Torch-free.
 
 One step = every running sequence that has finished its prompt decodes one token, and the remaining token
-budget goes to prompt chunks (chunked prefill), oldest first; a prompt's short tail (up to an eighth of the
-budget) rides with its last full chunk instead of taking a step of its own. Checkpoint positions do not cut chunks: a
-chunk carries the positions it covers (Work.checkpoint_positions) and the model snapshots its recurrent state there inside
+budget (max_step_tokens, or max_prefill_tokens for a model that runs a step layer-major) goes to prompt
+chunks (chunked prefill), oldest first; a prompt's short tail (up to an eighth of the budget) rides with its
+last full chunk instead of taking a step of its own. Checkpoint positions do not cut chunks: a chunk carries
+the positions it covers (Work.checkpoint_positions) and the model snapshots its recurrent state there inside
 the one pass (the DeltaNet layers run their recurrence piecewise; projections, attention and experts do not
 split, so a checkpoint costs no extra pass over the weights).
 
@@ -104,15 +105,21 @@ class Scheduler:
     it (0: never wait; the engine turns it on only with a prefix cache, which hands the prefix over)."""
 
     def __init__(self, max_running: int = 4, max_step_tokens: int = 512, max_waiting: int = 64,
-                 share_min: int = 0) -> None:
+                 share_min: int = 0, max_prefill_tokens: int | None = None) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1, got {max_running}")
         if max_step_tokens < max_running:
             raise ValueError("max_step_tokens must be at least max_running (one decode token each)")
         if share_min < 0:
             raise ValueError(f"share_min must be >= 0 tokens, got {share_min}")
+        if max_prefill_tokens is not None and max_prefill_tokens < max_step_tokens:
+            raise ValueError(f"max_prefill_tokens ({max_prefill_tokens}) must be at least max_step_tokens "
+                             f"({max_step_tokens})")
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
+        # tokens one step may take in all (decodes + prompt chunks): more than max_step_tokens when the model
+        # runs a step layer-major in pieces of max_step_tokens (an expert cache streams once per step)
+        self.step_budget = max_prefill_tokens or max_step_tokens
         self.max_waiting = max_waiting
         self.share_min = share_min
         self.waiting: deque[Sequence] = deque()
@@ -184,12 +191,12 @@ class Scheduler:
     def schedule(self) -> list[Work]:
         decodes = [s for s in self.running if not s.prefilling]
         work = [Work(s, s.num_computed, len(s.tokens)) for s in decodes]
-        budget = self.max_step_tokens - len(work)
+        budget = self.step_budget - len(work)
         for seq in self.running:
             if not seq.prefilling or seq.waiting_for_prefix or budget <= 0:
                 continue
             end = min(seq.num_prompt, seq.num_computed + budget)
-            if 0 < seq.num_prompt - end <= self.max_step_tokens // TAIL_FOLD:
+            if 0 < seq.num_prompt - end <= self.step_budget // TAIL_FOLD:
                 end = seq.num_prompt  # a short tail rides along rather than cost a step of its own
             work.append(Work(seq, seq.num_computed, end))
             budget -= end - seq.num_computed

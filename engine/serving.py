@@ -44,10 +44,10 @@ class EngineCore:
     cache; only with a prefix cache. Counted in totals: shared_prefill_waits, shared_prefill_tokens."""
 
     def __init__(self, runner: Runner, max_running: int = 4, max_step_tokens: int = 512,
-                 max_waiting: int = 64, share_prefill_min: int = 256) -> None:
+                 max_waiting: int = 64, share_prefill_min: int = 256, max_prefill_tokens: int | None = None) -> None:
         self.runner = runner
         share = share_prefill_min if getattr(runner, "cache", None) is not None else 0
-        self.scheduler = Scheduler(max_running, max_step_tokens, max_waiting, share)
+        self.scheduler = Scheduler(max_running, max_step_tokens, max_waiting, share, max_prefill_tokens)
         self._sinks: dict[str, EventSink] = {}
         self._inbox: deque[Sequence] = deque()
         self._calls: deque[tuple[Callable[[], object], threading.Event, list]] = deque()

@@ -244,10 +244,12 @@ def _write_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> None:
 
 
 def synth_model(size: str = "qwen3.6-35b-a3b", layers: int | None = None, device: str = "cuda",
-                dtype=torch.bfloat16, seed: int = 0, arch: str = "qwen3_5_moe", router_zipf: float | None = None):
+                dtype=torch.bfloat16, seed: int = 0, arch: str = "qwen3_5_moe", router_zipf: float | None = None,
+                experts=None, expert_device: str | None = None):
     """A Model with seeded random weights drawn straight on `device`: a synthetic checkpoint of a real
-    model's widths without writing (or reading) it (router_zipf: as synth_checkpoint's). -> (Model, raw config
-    dict)."""
+    model's widths without writing (or reading) it (router_zipf: as synth_checkpoint's). experts and
+    expert_device as load_model's: a backend factory over the routed experts (default: all resident) and
+    where their values are kept once drawn ("cpu" for a host-RAM pool). -> (Model, raw config dict)."""
     from engine.experts.fused import FusedExperts
     from engine.experts.source import ExpertWeights
     from engine.models.qwen import Model
@@ -259,7 +261,9 @@ def synth_model(size: str = "qwen3.6-35b-a3b", layers: int | None = None, device
     tensors = {n: _value(n, s, gen, cfg.zero_centered_norm) for n, s in non_expert_shapes(cfg).items()}
     tensors = {n: v.to(dtype) for n, v in _skew_routers(tensors, cfg, router_zipf, seed).items()}
     gate_up, down = {}, {}
+    keep = expert_device or device
     for layer in cfg.moe_layers:
-        gu, dn = (_value(n, s, gen, False).to(dtype) for n, s in fused_expert_shapes(cfg, layer).items())
+        gu, dn = (_value(n, s, gen, False).to(keep, dtype) for n, s in fused_expert_shapes(cfg, layer).items())
         gate_up[layer], down[layer] = gu, dn
-    return Model(cfg, tensors, FusedExperts(ExpertWeights(gate_up, down)), torch.device(device), dtype), raw
+    backend = (experts or FusedExperts)(ExpertWeights(gate_up, down))
+    return Model(cfg, tensors, backend, torch.device(device), dtype), raw

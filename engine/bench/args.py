@@ -69,6 +69,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extend", type=int, default=256, help="tokens appended after the cached prompt (default 256)")
     p.add_argument("--max-step-tokens", type=int, help="prefill chunk (default: the serve default for the device)")
     p.add_argument("--eager", action="store_true", help="the eager reference path instead of the fast one")
+    p.add_argument("--moe-backend", default="fused", choices=["fused", "offload", "cpu", "hybrid"],
+                   help="where routed experts run (default fused: all on the device); the others keep the experts "
+                        "in a host-RAM pool with --moe-slots of them cached on the device, as serve does")
+    p.add_argument("--moe-slots", metavar="N|P%", help="device expert slots for offload/cpu/hybrid (default: "
+                                                      "the memory left)")
+    p.add_argument("--max-prefill-tokens", type=int,
+                   help="prompt tokens per step (default as serve: the whole context with an expert cache)")
     p.add_argument("--json", help="write the results here")
 
 

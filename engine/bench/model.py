@@ -123,37 +123,45 @@ def bench_decode(core, vocab: int, batch: int, args, seed: int) -> float:
     return (t[args.warmup + args.steps - 1] - t[args.warmup - 1]) / args.steps
 
 
-def bench_prefill(core, vocab: int, args, seed: int) -> tuple[float, float, int]:
-    """-> (prefill seconds of the long prompt, TTFT of the extend, tokens the extend reused)."""
+def bench_prefill(core, vocab: int, args, seed: int, cache: "ExpertTraffic") -> tuple:
+    """-> (prefill seconds of the long prompt, TTFT of the extend, tokens the extend reused, the expert
+    counters before the prompt and between the prompt and the extend)."""
     run_requests(core, [random_prompt(args.prefill, vocab, seed)], 1)  # warm-up at the same size
+    before = cache.mark()
     prompt = random_prompt(args.prefill, vocab, seed + 1)
     first = run_requests(core, [prompt], 1)
     prefill_s = first.final[first.order[0]].usage.ttft_s
+    between = cache.mark()
     ext = run_requests(core, [prompt + random_prompt(args.extend, vocab, seed + 2)], 1)
     usage = ext.final[ext.order[0]].usage
-    return prefill_s, usage.ttft_s, usage.reused_tokens
+    return prefill_s, usage.ttft_s, usage.reused_tokens, before, between
 
 
 def build(args):
     from engine.build import EngineOptions, build_core
+    from engine.experts.registry import experts_factory
     from engine.models import load_model, parse_dtype
     from engine.synth import synth_model
 
     dtype = parse_dtype(args.dtype)
     zipf = args.router_zipf
+    cached = args.moe_backend != "fused"
+    where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots),
+                 expert_device="cpu") if cached else {}
     if args.model:
         if zipf:
             raise ValueError("--router-zipf skews a synthetic model's routers; a checkpoint routes as it was trained")
-        model = load_model(args.model, device=args.device, dtype=dtype)
+        model = load_model(args.model, device=args.device, dtype=dtype, **where)
         name = args.model
     else:
-        model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=dtype, router_zipf=zipf)
+        model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=dtype, router_zipf=zipf,
+                               **where)
         name = f"synthetic {args.synthetic}, {model.config.num_layers} layers" + (f", router Zipf a={zipf}" if zipf else "")
     batches = [int(b) for b in args.batches.split(",")]
     context = args.prefill + args.extend + 64 if args.prefill else args.prompt + args.warmup + args.steps + 64
+    given = {k: getattr(args, k) for k in ("max_step_tokens", "max_prefill_tokens") if getattr(args, k)}
     opts = EngineOptions(device=args.device, dtype=args.dtype, max_running=max(batches), context_length=context,
-                         fast_path=not args.eager,
-                         **({"max_step_tokens": args.max_step_tokens} if args.max_step_tokens else {}))
+                         fast_path=not args.eager, **given)
     return build_core(None, opts, model=model).start(), model, name, batches, context
 
 
@@ -161,38 +169,92 @@ def run(args) -> dict:
     core, model, name, batches, context = build(args)
     vocab = model.config.vocab_size
     rate = hbm_rate(model.device) if model.device.type == "cuda" else float("nan")
+    cache = ExpertTraffic(model)
+    placement = cache.placement()
     rows = []
     try:
         for b in batches:
+            mark = cache.mark()
             step = bench_decode(core, vocab, b, args, seed=1000 * b)
             need = step_bytes(model.config, model.dtype.itemsize, b, args.prompt + args.warmup + args.steps // 2)
             bound = b * rate / need["total"]
-            rows.append({"name": f"decode_b{b}", "placement": "resident", "tok_s": b / step, "ms_per_step": step * 1e3,
-                         "bound_tok_s": bound, "of_bound": (b / step) / bound, "step_bytes": need})
+            rows.append({"name": f"decode_b{b}", "placement": placement, "tok_s": b / step, "ms_per_step": step * 1e3,
+                         "bound_tok_s": bound, "of_bound": (b / step) / bound, "step_bytes": need,
+                         **cache.since(mark)})
         if args.prefill:
-            prefill_s, ttft, reused = bench_prefill(core, vocab, args, seed=7)
-            rows.append({"name": f"prefill_{args.prefill}", "placement": "resident", "tok_s": args.prefill / prefill_s,
-                         "seconds": prefill_s})
-            rows.append({"name": f"extend_{args.extend}", "placement": "resident", "ttft_ms": ttft * 1e3,
-                         "reused_tokens": reused, "tok_s": args.extend / ttft})
+            prefill_s, ttft, reused, mark, between = bench_prefill(core, vocab, args, seed=7, cache=cache)
+            rows.append({"name": f"prefill_{args.prefill}", "placement": placement, "tok_s": args.prefill / prefill_s,
+                         "seconds": prefill_s, **cache.since(mark, upto=between), **cache.stream_bound(prefill_s)})
+            rows.append({"name": f"extend_{args.extend}", "placement": placement, "ttft_ms": ttft * 1e3,
+                         "reused_tokens": reused, "tok_s": args.extend / ttft, **cache.since(between)})
     finally:
         core.stop()
     return {"what": "whole engine: EngineCore -> scheduler -> ModelRunner -> Model", "model": name,
             "path": "fast" if model.fast is not None else "eager", "device": _device_name(model.device), "dtype": args.dtype,
-            "hbm_copy_gbs": rate / 1e9, "context": context, "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
-            "rows": rows}
+            "hbm_copy_gbs": rate / 1e9, "context": context, "placement": placement, **cache.header(),
+            "commit": _commit(), "date": time.strftime("%Y-%m-%d"), "rows": rows}
+
+
+class ExpertTraffic:
+    """The expert cache's counters around each row (nothing for all-resident experts), and the prefill's
+    streaming bound: the pool's bytes at B_P measured in this process (pinned host -> device on CUDA,
+    host -> host on CPU, where a fill is a copy)."""
+
+    def __init__(self, model) -> None:
+        self.backend = getattr(model, "experts", None)
+        self.cached = hasattr(self.backend, "begin_forward")
+        self.bp = None
+        if self.cached:
+            from engine.bench.bw import measure_bp, measure_copy
+
+            pool = self.backend.pool
+            self.pool_bytes = pool.expert_bytes * pool.num_experts * len(pool.layers)
+            self.bp = measure_bp(pool.layout, pool.dtype) or measure_copy(pool.layout, pool.dtype)
+
+    def placement(self) -> str:
+        if not self.cached:
+            return "resident"
+        total = self.backend.pool.num_experts * len(self.backend.pool.layers)
+        return f"{self.backend.name} {self.backend.cache.num_slots}/{total} slots"
+
+    def header(self) -> dict:
+        return {"bp_gbs": self.bp / 1e9, "pool_bytes": self.pool_bytes} if self.cached else {}
+
+    def mark(self) -> dict | None:
+        return dict(self.backend.stats()["total"]) if self.cached else None
+
+    def since(self, mark: dict | None, upto: dict | None = None) -> dict:
+        """Expert counters moved from `mark` to `upto` (default: now), and how many pools' worth of bytes."""
+        if mark is None:
+            return {}
+        now = upto or self.mark()
+        moved = {k: now[k] - mark[k] for k in ("hits", "misses", "fills", "cpu_runs", "bytes_moved")}
+        return {"experts": moved, "pool_passes": moved["bytes_moved"] / self.pool_bytes}
+
+    def stream_bound(self, seconds: float) -> dict:
+        """The prefill against streaming the whole pool once at B_P."""
+        if not self.cached:
+            return {}
+        bound = self.pool_bytes / self.bp
+        return {"stream_bound_s": bound, "of_stream_bound": bound / seconds}
 
 
 def print_table(res: dict) -> None:
+    cached = f", experts {res['placement']}, B_P {res['bp_gbs']:.1f} GB/s" if "bp_gbs" in res else ""
     print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path, {res['device']}, "
-          f"HBM copy {res['hbm_copy_gbs']:.0f} GB/s, commit {res['commit']}")
+          f"HBM copy {res['hbm_copy_gbs']:.0f} GB/s{cached}, commit {res['commit']}")
     print(f"{'row':<16}{'tok/s':>12}{'ms/step':>10}{'bound tok/s':>13}{'of bound':>10}  note")
     for r in res["rows"]:
         note = ""
         if r["name"].startswith("prefill"):
             note = f"{r['seconds']:.3f} s"
+            if "stream_bound_s" in r:
+                note += f"; pool once at B_P {r['stream_bound_s']:.3f} s ({r['of_stream_bound']:.2f} of it)"
         if r["name"].startswith("extend"):
             note = f"TTFT {r['ttft_ms']:.1f} ms, {r['reused_tokens']} tokens reused"
+        if "pool_passes" in r:
+            note += f"{'; ' if note else ''}{r['pool_passes']:.2f} pools moved, hit rate " \
+                    f"{r['experts']['hits'] / max(1, r['experts']['hits'] + r['experts']['misses']):.2f}"
         print(f"{r['name']:<16}{r['tok_s']:>12.1f}{r.get('ms_per_step', float('nan')):>10.3f}"
               f"{r.get('bound_tok_s', float('nan')):>13.1f}{r.get('of_bound', float('nan')):>10.2f}  {note}")
 

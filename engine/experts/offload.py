@@ -36,6 +36,7 @@ class OffloadBackend:
         self._cpu_tables: dict = {}  # layer -> cpu_runner.layer_table of its host blocks, built on first use
         # rough device expert throughput for the prefill choice (flop/s); only the order of magnitude matters
         self.device_flops = 2e14 if self.device.type == "cuda" else 5e10
+        self._held = False  # a forward announced by begin_forward(hold=True) runs until end_forward
 
     # --- policy hooks, overridden by cpu / hybrid
     def split(self, m: int) -> int:
@@ -46,15 +47,20 @@ class OffloadBackend:
         return 0.0
 
     # --- the seam
-    def begin_forward(self, num_tokens: int, top_k: int) -> None:
-        """Once per forward, before its layers: picks layer streaming or not. `forward` calls it at the
-        first MoE layer, so models need no hook; calling it earlier (idempotent) is fine."""
+    def begin_forward(self, num_tokens: int, top_k: int, hold: bool = False) -> None:
+        """Once per forward, before its layers: picks layer streaming or not for all its tokens. Without
+        it `forward` begins a forward at the first MoE layer itself (one call per layer); `hold=True`
+        keeps this one until `end_forward`, for a model that runs a layer in several pieces."""
+        self._held = hold
         if self.streamer is not None:
             self.streamer.begin(num_tokens, top_k)
 
+    def end_forward(self) -> None:
+        self._held = False
+
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, K], topk_w [T, K] -> [T, H] (routed experts only)."""
-        if layer == self.pool.layers[0]:  # a new forward: the first MoE layer sees all its tokens
+        if layer == self.pool.layers[0] and not self._held:  # the first MoE layer sees all its tokens
             self.begin_forward(x.shape[0], topk_ids.shape[1])
         self._observe_fill()
         routing = Routing.of(topk_ids)

@@ -48,12 +48,13 @@ class PrefillStreamer:
         self.active = False
         self.reserved: list[int] = []  # slots of the next layer, kept locked while this one runs
         self._prefetched: set[int] = set()
+        self._current: int | None = None  # the layer before_layer last prepared in this forward
         self.streamed_forwards = 0
 
     def begin(self, num_tokens: int, top_k: int) -> None:
         cache, pool = self.b.cache, self.b.pool
         e = pool.num_experts
-        self.active, self.reserved, self._prefetched = False, [], set()
+        self.active, self.reserved, self._prefetched, self._current = False, [], set(), None
         if cache.num_slots < 2 * e or num_tokens <= 1:
             return
         missing = [e - cache.resident_count(layer) for layer in pool.layers]
@@ -64,7 +65,12 @@ class PrefillStreamer:
         self.streamed_forwards += self.active
 
     def before_layer(self, layer: int) -> None:
-        """Make `layer` fully resident (normally already streamed) and start streaming the next one."""
+        """Make `layer` fully resident (normally already streamed) and start streaming the next one; a
+        later piece of the same layer (layer-major forward) finds both done."""
+        if layer == self._current:
+            self.b.cache.ready()
+            return
+        self._current = layer
         layers = self.b.pool.layers
         if layer not in self._prefetched:
             self._prefetch(layer)

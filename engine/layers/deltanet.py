@@ -47,23 +47,25 @@ class GatedDeltaNet:
     def run_sequence(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, span, out: torch.Tensor) -> None:
         """Conv + delta rule over one sequence's rows of qkv [N, C], writing out [N, Hv, dv].
 
-        At each checkpoint position inside the chunk the state is also copied into state.checkpoints, the
-        recurrence running piecewise between them."""
+        At each checkpoint position after the span's first token, up to and including its last one, the state
+        is also copied into state.checkpoints, the recurrence running piecewise between them. (A forward's
+        own end is never among the positions: the runner snapshots there itself; a piece of a layer-major
+        forward may end on one.)"""
         cfg = self.cfg
         off, n, pos, state, positions = span
-        inside = [p - pos for p in positions if pos < p < pos + n]
+        inside = [p - pos for p in positions if pos < p <= pos + n]
         rows = qkv[off : off + n]
         conv_in = state.conv.clone() if inside else state.conv  # a slot state's conv is overwritten in place
         q, k, v = self._conv(rows, state).split([cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
         q = q.reshape(n, cfg.linear_num_k_heads, -1)
         k = k.reshape(n, cfg.linear_num_k_heads, -1)
         v = v.reshape(n, cfg.linear_num_v_heads, -1)
-        bounds = [0, *inside, n]
+        bounds = sorted({0, *inside, n})
         for a, b in zip(bounds, bounds[1:]):
             s = slice(off + a, off + b)
             rule = recurrent_gated_delta_rule if b - a == 1 else self.chunked_rule
             out[s], state.recurrent = rule(q[a:b], k[a:b], v[a:b], g[s], beta[s], state.recurrent)
-            if b < n:
+            if b in inside:
                 state.checkpoints[pos + b] = (self._conv_state_at(conv_in, rows, b), state.recurrent.clone())
 
     def _conv(self, x: torch.Tensor, state) -> torch.Tensor:

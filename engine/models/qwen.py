@@ -7,6 +7,7 @@ N = tokens in the batch, H = hidden, V = vocab.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -57,6 +58,11 @@ class Model:
             self.layers.append(DecoderLayer(cfg, layer, w, rope, experts))
         self.fast = None  # FastPath once enable_fast() ran: slot states, Triton kernels, CUDA graphs
         self.decode_steps = None  # its decode steps in batch buckets (graph-captured on CUDA)
+        # Layer-major forwards: a batch of more rows than this runs each layer over all of them in pieces
+        # of this many before the next layer starts (None: every layer takes the batch whole). With an
+        # expert cache the engine hands a whole prompt to one forward, so its experts stream once per
+        # prompt rather than once per chunk, while activations and attention stay piece-sized.
+        self.piece_tokens: int | None = None
 
     def enable_fast(self, slots: int, capacity: int, graphs: bool | None = None) -> None:
         """Serve slot states through the fast path: `slots` sequences of up to `capacity` tokens each in a
@@ -113,10 +119,15 @@ class Model:
         lengths = [t.numel() for t in ids]
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         x = F.embedding(torch.cat(ids), self.embed)  # [N, H]
-        for index, layer in enumerate(self.layers):
-            spans = [Span(off, n, st.length, st.layers[index], st.checkpoint_positions)
-                     for off, n, (_, st) in zip(offsets, lengths, items)]
-            x = layer(x, spans)
+        pieces = _pieces(x.shape[0], self.piece_tokens)
+        with _one_expert_pass(self.experts, x.shape[0], self.config.top_k):
+            for index, layer in enumerate(self.layers):
+                for a, b in pieces:  # layer-major: every piece of the batch through this layer, then the next
+                    spans = _spans(items, offsets, lengths, index, a, b)
+                    if len(pieces) == 1:
+                        x = layer(x, spans)
+                    else:
+                        x[a:b] = layer(x[a:b], spans)
         for n, (_, state) in zip(lengths, items):
             state.length += n
         if logits == "last":
@@ -159,3 +170,37 @@ class Model:
                 st.advance(1)
             return list(out.split(1))
         return self.fast.forward(items, logits)
+
+
+def _pieces(n: int, piece: int | None) -> list[tuple[int, int]]:
+    """Row ranges [a, b) of a batch of n rows, `piece` rows each (the last one shorter)."""
+    if not piece or n <= piece:
+        return [(0, n)]
+    return [(a, min(a + piece, n)) for a in range(0, n, piece)]
+
+
+def _spans(items: list, offsets: list[int], lengths: list[int], index: int, a: int, b: int) -> list[Span]:
+    """The Span of each sequence with rows in [a, b), as layer `index` sees the piece: offsets relative to a,
+    positions moved on by the sequence's rows in earlier pieces."""
+    spans = []
+    for off, n, (_, st) in zip(offsets, lengths, items):
+        lo, hi = max(off, a), min(off + n, b)
+        if lo < hi:
+            spans.append(Span(lo - a, hi - lo, st.length + lo - off, st.layers[index], st.checkpoint_positions))
+    return spans
+
+
+@contextmanager
+def _one_expert_pass(experts, num_tokens: int, top_k: int):
+    """Tell an expert cache that one forward of num_tokens tokens runs through its layers now, however many
+    pieces each layer takes (it plans layer streaming for the whole batch); backends without a cache
+    (fused) need no notice."""
+    begin = getattr(experts, "begin_forward", None)
+    if begin is None:
+        yield
+        return
+    begin(num_tokens, top_k, hold=True)
+    try:
+        yield
+    finally:
+        experts.end_forward()

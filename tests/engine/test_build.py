@@ -47,3 +47,23 @@ def test_serve_context_defaults_to_the_declared_window(checkpoints, caplog):
     assert "context length 262144 tokens: the model's max_position_embeddings" in caplog.text
     core = build_core(checkpoints["qwen3_5_moe", "fused"], EngineOptions(prefix_cache=False, context_length=4096))
     assert core.runner.context_length == 4096
+
+
+def test_expert_threads_are_the_engines_own_setting(checkpoints):
+    """--expert-threads sets the native CPU expert workers; without it a CPU engine gives them every core."""
+    import torch
+
+    from engine.build import expert_threads
+    from engine.experts import cpu_runner
+
+    path = checkpoints["qwen3_5_moe", "fused"]
+    before = cpu_runner._threads[0]
+    try:
+        core = build_core(path, EngineOptions(moe_backend="hybrid", moe_slots="25%", expert_threads=1))
+        assert cpu_runner.expert_threads() == 1
+        core.runner.model.experts.close()
+        assert expert_threads(EngineOptions(), torch.device("cpu")) == torch.get_num_threads()
+    finally:
+        cpu_runner.set_threads(before)
+    with pytest.raises(ValueError, match="--expert-threads"):
+        EngineOptions(expert_threads=0)
