@@ -180,13 +180,15 @@ def run(args) -> dict:
             bound = b * rate / need["total"]
             rows.append({"name": f"decode_b{b}", "placement": placement, "tok_s": b / step, "ms_per_step": step * 1e3,
                          "bound_tok_s": bound, "of_bound": (b / step) / bound, "step_bytes": need,
-                         **cache.since(mark)})
+                         **cache.since(mark), **cache.row_keys()})
         if args.prefill:
             prefill_s, ttft, reused, mark, between = bench_prefill(core, vocab, args, seed=7, cache=cache)
             rows.append({"name": f"prefill_{args.prefill}", "placement": placement, "tok_s": args.prefill / prefill_s,
-                         "seconds": prefill_s, **cache.since(mark, upto=between), **cache.stream_bound(prefill_s)})
+                         "seconds": prefill_s, **cache.since(mark, upto=between), **cache.stream_bound(prefill_s),
+                         **cache.row_keys()})
             rows.append({"name": f"extend_{args.extend}", "placement": placement, "ttft_ms": ttft * 1e3,
-                         "reused_tokens": reused, "tok_s": args.extend / ttft, **cache.since(between)})
+                         "reused_tokens": reused, "tok_s": args.extend / ttft, **cache.since(between),
+                         **cache.row_keys()})
     finally:
         core.stop()
     return {"what": "whole engine: EngineCore -> scheduler -> ModelRunner -> Model", "model": name,
@@ -212,13 +214,27 @@ class ExpertTraffic:
             self.bp = measure_bp(pool.layout, pool.dtype) or measure_copy(pool.layout, pool.dtype)
 
     def placement(self) -> str:
+        """As engine/bench/peers/compare.py pairs rows: `resident`, else `ncmoeN` for the llama.cpp run that
+        keeps the same share of experts on the GPU ((L-N)/L of them, N rounded), `cpu` for none."""
         if not self.cached:
             return "resident"
-        total = self.backend.pool.num_experts * len(self.backend.pool.layers)
-        return f"{self.backend.name} {self.backend.cache.num_slots}/{total} slots"
+        layers = len(self.backend.pool.layers)
+        n = round(layers * (1 - self.share()))
+        return "cpu" if n >= layers else f"ncmoe{n}"
+
+    def share(self) -> float:
+        pool = self.backend.pool
+        return self.backend.cache.num_slots / (pool.num_experts * len(pool.layers))
 
     def header(self) -> dict:
-        return {"bp_gbs": self.bp / 1e9, "pool_bytes": self.pool_bytes} if self.cached else {}
+        if not self.cached:
+            return {}
+        return {"bp_gbs": self.bp / 1e9, "pool_bytes": self.pool_bytes, "variant": self.backend.name,
+                "experts_on_gpu": f"{self.share():.1%}", "slots": self.backend.cache.num_slots}
+
+    def row_keys(self) -> dict:
+        """Per row: the backend (compare.py's variant) and the share of experts the slots hold."""
+        return {"variant": self.backend.name, "experts_on_gpu": f"{self.share():.1%}"} if self.cached else {}
 
     def mark(self) -> dict | None:
         return dict(self.backend.stats()["total"]) if self.cached else None
@@ -240,7 +256,8 @@ class ExpertTraffic:
 
 
 def print_table(res: dict) -> None:
-    cached = f", experts {res['placement']}, B_P {res['bp_gbs']:.1f} GB/s" if "bp_gbs" in res else ""
+    cached = (f", experts {res['variant']} {res['slots']} slots ({res['experts_on_gpu']}, as llama.cpp "
+              f"{res['placement']}), B_P {res['bp_gbs']:.1f} GB/s") if "bp_gbs" in res else ""
     print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path, {res['device']}, "
           f"HBM copy {res['hbm_copy_gbs']:.0f} GB/s{cached}, commit {res['commit']}")
     print(f"{'row':<16}{'tok/s':>12}{'ms/step':>10}{'bound tok/s':>13}{'of bound':>10}  note")

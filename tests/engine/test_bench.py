@@ -69,3 +69,26 @@ def test_the_runtime_imports_no_benchmark():
                 continue
             found += [(str(path), n) for n in names if n == "engine.bench" or n.startswith("engine.bench.")]
     assert found == []
+
+
+def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
+    """`bench model` on the whole engine with an expert cache: each row says how many pools' worth of experts
+    it moved; layer-major, a prompt of four steps' tokens streams the pool about once, chunk by chunk four
+    times; the placement pairs with llama.cpp's -ncmoe run of the same expert share."""
+    from engine.bench import model as bench_model
+
+    passes = {}
+    for prefill in (None, 64):
+        out = tmp_path / f"m{prefill}.json"
+        argv = ["--synthetic", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1", "--steps", "4",
+                "--warmup", "1", "--prompt", "8", "--prefill", "256", "--extend", "16", "--max-step-tokens", "64",
+                "--moe-backend", "offload", "--moe-slots", "50%", "--json", str(out)]
+        assert bench_model.main(argv + (["--max-prefill-tokens", str(prefill)] if prefill else [])) == 0
+        res = json.loads(out.read_text())
+        assert res["variant"] == "offload" and res["placement"] == "ncmoe2" and res["bp_gbs"] > 0
+        rows = {r["name"]: r for r in res["rows"]}
+        assert set(rows) == {"decode_b1", "prefill_256", "extend_16"}
+        assert all(r["placement"] == "ncmoe2" and "pool_passes" in r for r in rows.values())
+        passes[prefill] = rows["prefill_256"]["pool_passes"]
+    assert passes[None] < 1.5 and passes[64] > 3.5
+    assert "pools moved" in capsys.readouterr().out

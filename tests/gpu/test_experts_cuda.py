@@ -40,3 +40,20 @@ def test_running_estimate_moves_without_freeze(ckpt):
     eng.generate(PROMPT, 10)
     assert est.bp != 1e9 and est.bh != 2e9
     eng.model.experts.close()
+
+
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_cuda_layer_major_prompt_matches_fused(ckpt, backend):
+    """A prompt of several pieces in one layer-major forward: the pool streams once, the output is the
+    fused reference's."""
+    prompt = [(13 * i + 1) % 250 for i in range(1100)]
+    ref = Engine.from_pretrained(ckpt, device="cuda").generate(prompt, 6)
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+    eng = Engine.from_pretrained(ckpt, device="cuda", expert_device="cpu",
+                                 experts=experts_factory(backend, device="cuda", slots=16, estimate=est))
+    assert eng.model.piece_tokens is not None
+    assert eng.generate(prompt, 6) == ref
+    b = eng.model.experts
+    pool_experts = len(b.pool.layers) * b.pool.num_experts
+    assert b.stats()["total"]["fills"] <= 2 * pool_experts  # once for the prompt, the decode's misses after
+    b.close()

