@@ -32,6 +32,7 @@ class EngineOptions:
     moe_slots: str | None = None  # N, N% of all experts, or None: all the device memory left
     max_prefill_tokens: int | None = None  # None: the context with an expert cache, else max_step_tokens
     expert_threads: int | None = None  # CPU expert workers (cpu/hybrid); None: see expert_threads()
+    slot_policy: str = "lfu"  # which expert slot a fill evicts: lfu (popularity, decayed) or lru
     fast_path: bool = True  # CUDA: Triton kernels, static state slots, decode steps as CUDA graphs
 
     def __post_init__(self) -> None:
@@ -80,6 +81,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="CUDA: run the eager reference path instead of the fast one (kernels, CUDA graphs)")
     g.add_argument("--moe-slots", metavar="N|P%", help="device expert slots for offload/cpu/hybrid: a count or "
                                                       "a percentage of all experts (default: memory left)")
+    g.add_argument("--slot-policy", default="lfu", choices=["lfu", "lru"],
+                   help="which cached expert a fill evicts: lfu, the least used lately (uses halve in weight every "
+                        "256 tokens), or lru, the least recently used (default lfu: at batch 1 the layers cycle and "
+                        "LRU evicts popular experts between their uses; docs/PERF.md, bench routing)")
     g.add_argument("--expert-threads", type=int,
                    help="CPU threads running experts for cpu/hybrid (default: every core on a CPU engine; on "
                         "CUDA every core but one, which the engine thread keeps for launching GPU work)")
@@ -248,7 +253,8 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     cpu_runner.set_threads(threads)
     log.info("%s experts: %d CPU expert threads", name, threads)
     return {"experts": experts_factory(name, device=opts.device, slots=opts.moe_slots, progress=progress,
-                                       reserve_bytes=reserve, profile=profile or {}),
+                                       reserve_bytes=reserve, profile=profile or {},
+                                       slot_policy=opts.slot_policy),
             "expert_device": "cpu"}
 
 

@@ -76,6 +76,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                                                       "the memory left)")
     p.add_argument("--max-prefill-tokens", type=int,
                    help="prompt tokens per step (default as serve: the whole context with an expert cache)")
+    p.add_argument("--slot-policy", default="lfu", choices=["lfu", "lru"],
+                   help="which cached expert a fill evicts (default lfu, as serve)")
     p.add_argument("--json", help="write the results here")
 
 
@@ -87,7 +89,7 @@ def _floats(text: str) -> list[float]:
 
 
 def add_routing_arguments(p: argparse.ArgumentParser) -> None:
-    """`killick bench routing`: LRU hit rate vs llama.cpp's static placement on a skewed synthetic model."""
+    """`killick bench routing`: slot-cache hit rates vs llama.cpp's static placement on a skewed synthetic model."""
     p.add_argument("--synthetic", default="demo", help="synthetic size (engine.synth: tiny, demo, qwen3.6-35b-a3b)")
     p.add_argument("--layers", type=int, help="decoder layers (default: the size's own)")
     p.add_argument("--router-zipf", type=_floats, default=[0.0, 1.0],
@@ -99,6 +101,8 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="where the model runs (default cpu)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--seed", type=int, default=0, help="weights seed; the token stream uses seed + 1")
+    p.add_argument("--half-life", type=float, default=256.0,
+                   help="tokens after which the lfu policy weighs a use half (default 256, the engine's)")
     p.add_argument("--json", help="write the results here")
 
 

@@ -146,8 +146,8 @@ def build(args):
     dtype = parse_dtype(args.dtype)
     zipf = args.router_zipf
     cached = args.moe_backend != "fused"
-    where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots),
-                 expert_device="cpu") if cached else {}
+    where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
+                                         slot_policy=args.slot_policy), expert_device="cpu") if cached else {}
     if args.model:
         if zipf:
             raise ValueError("--router-zipf skews a synthetic model's routers; a checkpoint routes as it was trained")
@@ -230,6 +230,7 @@ class ExpertTraffic:
         if not self.cached:
             return {}
         return {"bp_gbs": self.bp / 1e9, "pool_bytes": self.pool_bytes, "variant": self.backend.name,
+                "slot_policy": self.backend.cache.table.policy,
                 "experts_on_gpu": f"{self.share():.1%}", "slots": self.backend.cache.num_slots}
 
     def row_keys(self) -> dict:
@@ -256,8 +257,8 @@ class ExpertTraffic:
 
 
 def print_table(res: dict) -> None:
-    cached = (f", experts {res['variant']} {res['slots']} slots ({res['experts_on_gpu']}, as llama.cpp "
-              f"{res['placement']}), B_P {res['bp_gbs']:.1f} GB/s") if "bp_gbs" in res else ""
+    cached = (f", experts {res['variant']} {res['slots']} {res['slot_policy']} slots ({res['experts_on_gpu']}, "
+              f"as llama.cpp {res['placement']}), B_P {res['bp_gbs']:.1f} GB/s") if "bp_gbs" in res else ""
     print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path, {res['device']}, "
           f"HBM copy {res['hbm_copy_gbs']:.0f} GB/s{cached}, commit {res['commit']}")
     print(f"{'row':<16}{'tok/s':>12}{'ms/step':>10}{'bound tok/s':>13}{'of bound':>10}  note")

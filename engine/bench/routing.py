@@ -1,12 +1,14 @@
-"""`killick bench routing`: the expert hit rate a skewed router buys, killick's LRU slot cache against
-llama.cpp's static `--n-cpu-moe` placement at equal GPU memory, on the routing a synthetic model really makes.
+"""`killick bench routing`: the expert hit rate a skewed router buys, killick's slot cache (lru and lfu eviction)
+against llama.cpp's static `--n-cpu-moe` placement at equal GPU memory, on the routing a synthetic model really
+makes.
 
 For each --router-zipf exponent a (0: today's checkpoint) it draws the seeded synthetic model (engine.synth,
 the same weights `llama_cpp.sh --router-zipf a` converts), runs a seeded stream of random tokens through it
 (prefill chunks: a causal model routes each token as decoding the stream would) and records every MoE layer's
 top-k. Then, for each GPU expert fraction f, llama.cpp keeps N = L - round(f L) layers' experts on the CPU and
-the LRU gets the same GPU memory, (L - N) * E slots; both are simulated on the trace (engine/experts/
-placement.py: the slot table's own policy at batch 1, every miss filled, counted after --warmup tokens).
+the slot cache gets the same GPU memory, (L - N) * E slots; both are simulated on the trace (engine/experts/
+placement.py: the slot table's own policies at batch 1, every miss filled, counted after --warmup tokens; lfu
+forgets with a half-life of --half-life tokens).
 "top" is an oracle: the trace's own most used experts pinned, the best any static per-expert placement could do.
 "fit a" is the Zipf exponent fitted to the measured popularity by intended rank (past the capped head).
 
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from engine.experts import placement, zipf
+from engine.experts.lru import HALF_LIFE
 
 
 class RoutingRecorder:
@@ -74,7 +77,8 @@ def skew_summary(trace: np.ndarray, num_experts: int, top_k: int, a: float, seed
             "top1_share": float(np.sort(pop, axis=1)[:, -1].mean())}
 
 
-def rates(trace: np.ndarray, num_experts: int, fractions: list[float], warmup: int) -> list[dict]:
+def rates(trace: np.ndarray, num_experts: int, fractions: list[float], warmup: int,
+          half_life: float = HALF_LIFE) -> list[dict]:
     L = trace.shape[1]
     rows = []
     for f in fractions:
@@ -83,7 +87,8 @@ def rates(trace: np.ndarray, num_experts: int, fractions: list[float], warmup: i
         row = {"gpu_fraction": (L - n_cpu) / L, "n_cpu_moe": n_cpu, "slots": slots}
         for name, (hits, routed) in {
             "static": placement.static_hits(trace, n_cpu, warmup),
-            "lru": placement.lru_hits(trace, num_experts, slots, warmup) if slots else (0, 1),
+            "lru": placement.slot_hits(trace, num_experts, slots, warmup) if slots else (0, 1),
+            "lfu": placement.slot_hits(trace, num_experts, slots, warmup, "lfu", half_life) if slots else (0, 1),
             "top": placement.top_experts_hits(trace, num_experts, slots, warmup),
         }.items():
             row[name] = hits / routed
@@ -97,8 +102,9 @@ def run(args) -> dict:
 
     torch.manual_seed(args.seed)
     dtype = parse_dtype(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    out = {"what": "expert hit rate: LRU slot cache vs llama.cpp --n-cpu-moe at equal GPU memory",
+    out = {"what": "expert hit rate: the slot cache (lru, lfu) vs llama.cpp --n-cpu-moe at equal GPU memory",
            "synthetic": args.synthetic, "layers": args.layers, "tokens": args.tokens, "warmup": args.warmup,
+           "lfu_half_life": args.half_life,
            "seed": args.seed, "date": time.strftime("%Y-%m-%d"), "runs": []}
     for a in args.router_zipf:
         t0 = time.perf_counter()
@@ -109,7 +115,7 @@ def run(args) -> dict:
         del model
         run_ = {"router_zipf": a, "experts": cfg.num_experts, "top_k": cfg.top_k, "moe_layers": trace.shape[1],
                 **skew_summary(trace, cfg.num_experts, cfg.top_k, a, args.seed),
-                "rows": rates(trace, cfg.num_experts, args.gpu_fraction, args.warmup),
+                "rows": rates(trace, cfg.num_experts, args.gpu_fraction, args.warmup, args.half_life),
                 "seconds": time.perf_counter() - t0}
         out["runs"].append(run_)
         print(f"  router zipf {a}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
@@ -121,12 +127,12 @@ def print_table(res: dict) -> None:
           f"{'' if res['layers'] is None else ', ' + str(res['layers']) + ' layers'}, {res['tokens']} random tokens "
           f"(hit rates after {res['warmup']})")
     print(f"{'zipf a':>7}{'fit a':>7}{'rel err':>8}{'top-1':>7}{'GPU frac':>9}{'-ncmoe':>7}{'slots':>7}"
-          f"{'llama.cpp':>10}{'LRU':>7}{'top':>7}")
+          f"{'llama.cpp':>10}{'LRU':>7}{'LFU':>7}{'top':>7}")
     for run_ in res["runs"]:
         for r in run_["rows"]:
             print(f"{run_['router_zipf']:>7.2f}{run_['fit_a']:>7.2f}{run_['rel_err']:>8.2f}{run_['top1_share']:>7.2f}"
                   f"{r['gpu_fraction']:>9.2f}{r['n_cpu_moe']:>7d}{r['slots']:>7d}{r['static']:>10.3f}{r['lru']:>7.3f}"
-                  f"{r['top']:>7.3f}")
+                  f"{r['lfu']:>7.3f}{r['top']:>7.3f}")
 
 
 def run_args(args) -> int:

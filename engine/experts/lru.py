@@ -2,6 +2,13 @@
 
 Torch-free (numpy only). L = MoE layers (rows of the host pool), E = experts per layer, S = slots.
 A slot is free when it holds nothing; free slots are always chosen before occupied ones.
+
+Two eviction policies over the same table:
+- `lru`: the least recently used unlocked slot goes first.
+- `lfu`: the slot whose expert is least used lately goes first, recency breaking ties. "Lately": every routed
+  (layer, expert) adds to its heat, and heat halves every `half_life` tokens (kept as a growing increment,
+  so a use costs one add). At batch 1 a decode walks the layers in a cycle, so LRU keeps only the experts of
+  the last token or two and a popular expert is evicted between its uses; heat keeps it.
 """
 from __future__ import annotations
 
@@ -11,20 +18,34 @@ EMPTY = -1
 _FREE_STAMP = -1  # older than any real use: free slots are evicted first
 
 
-class SlotTable:
-    """Residency table [L, E] -> slot, owner per slot, LRU stamp per slot, and per-step locks."""
+POLICIES = ("lru", "lfu")
+HALF_LIFE = 256  # tokens: how fast lfu forgets (bench routing sweeps it)
+_RESCALE = 1e200  # heat is divided down before the increment overflows
 
-    def __init__(self, num_layers: int, num_experts: int, num_slots: int) -> None:
+
+class SlotTable:
+    """Residency table [L, E] -> slot, owner per slot, LRU stamp per slot, heat per expert, per-step locks."""
+
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int, policy: str = "lru",
+                 half_life: float = HALF_LIFE) -> None:
         if num_slots < 1:
             raise ValueError(f"the expert cache needs at least 1 slot, got {num_slots}")
-        self.num_layers, self.num_experts = num_layers, num_experts
+        if policy not in POLICIES:
+            raise ValueError(f"the expert cache policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if half_life <= 0:
+            raise ValueError(f"the lfu half-life must be positive, got {half_life} tokens")
+        self.num_layers, self.num_experts, self.policy = num_layers, num_experts, policy
         self.resident = np.full((num_layers, num_experts), EMPTY, dtype=np.int64)  # [L, E] -> slot
+        self.heat = np.zeros((num_layers, num_experts))  # [L, E] uses, each weighted by the increment then
+        self._inc = 1.0
+        self._growth = 2.0 ** (1.0 / (half_life * num_layers))  # a tick is one layer step: L ticks a token
         self.clock = 0
         self._alloc(num_slots)
 
     def _alloc(self, num_slots: int) -> None:
         self.owner = np.full(num_slots, EMPTY, dtype=np.int64)  # [S] -> layer * E + expert
         self.stamp = np.full(num_slots, _FREE_STAMP, dtype=np.int64)  # [S] last use
+        self.slot_heat = np.full(num_slots, -np.inf)  # [S] heat of each slot's expert; -inf: free, goes first
         self.locked = np.zeros(num_slots, dtype=bool)  # [S] in use by the current step
 
     @property
@@ -37,7 +58,20 @@ class SlotTable:
 
     def tick(self) -> int:
         self.clock += 1
+        self._inc *= self._growth
+        if self._inc > _RESCALE:
+            self.heat /= self._inc
+            self.slot_heat /= self._inc
+            self._inc = 1.0
         return self.clock
+
+    def note_use(self, layer: int, experts) -> None:
+        """The experts a layer step routes to, resident or not (their heat for lfu)."""
+        experts = np.asarray(experts, dtype=np.int64)
+        self.heat[layer, experts] += self._inc
+        slots = self.resident[layer, experts]
+        on = slots >= 0
+        self.slot_heat[slots[on]] = self.heat[layer, experts[on]]
 
     def touch(self, slots) -> None:
         self.stamp[np.asarray(slots, dtype=np.int64)] = self.clock
@@ -49,17 +83,23 @@ class SlotTable:
         self.locked[:] = False
 
     def victims(self, k: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
-        """The k least recently used unlocked slots in [lo, hi), oldest first, in one pass.
+        """The k unlocked slots in [lo, hi) the policy evicts first, in that order, in one pass: lru the
+        least recently used; lfu the coldest (free slots first, then by heat, recency breaking ties).
 
         Returns fewer than k when fewer are unlocked. Ties break towards the lower slot id."""
         hi = self.num_slots if hi is None else hi
-        stamps = self.stamp[lo:hi]
         cand = np.flatnonzero(~self.locked[lo:hi])
         k = min(k, len(cand))
         if k <= 0:
             return np.empty(0, dtype=np.int64)
         # stamp * S + slot orders by age then id and makes every key distinct
-        keys = stamps[cand] * (hi - lo + 1) + cand
+        keys = self.stamp[lo:hi][cand] * (hi - lo + 1) + cand
+        if self.policy == "lfu":
+            heat = self.slot_heat[lo:hi][cand]
+            if k < len(cand):  # the k coldest and everything tied with the k-th, in one pass
+                keep = heat <= np.partition(heat, k - 1)[k - 1]
+                cand, keys, heat = cand[keep], keys[keep], heat[keep]
+            return cand[np.lexsort((keys, heat))[:k]] + lo  # heat first, then the lru key
         if k < len(cand):
             part = np.argpartition(keys, k - 1)[:k]
             cand, keys = cand[part], keys[part]
@@ -74,6 +114,7 @@ class SlotTable:
         self.resident[layer, expert] = slot
         self.owner[slot] = layer * self.num_experts + expert
         self.stamp[slot] = self.clock
+        self.slot_heat[slot] = self.heat[layer, expert]
 
     def _evict(self, slot: int) -> None:
         prev = self.owner[slot]
@@ -81,6 +122,7 @@ class SlotTable:
             self.resident[prev // self.num_experts, prev % self.num_experts] = EMPTY
         self.owner[slot] = EMPTY
         self.stamp[slot] = _FREE_STAMP
+        self.slot_heat[slot] = -np.inf
 
     def resident_count(self, layer: int) -> int:
         return int((self.resident[layer] != EMPTY).sum())
@@ -92,29 +134,32 @@ class SlotTable:
         if num_slots < 1:
             raise ValueError(f"the expert cache needs at least 1 slot, got {num_slots}")
         used = np.flatnonzero(self.owner != EMPTY)
-        keep = used[np.argsort(-self.stamp[used], kind="stable")][:num_slots]
+        rank = self.slot_heat[used] if self.policy == "lfu" else self.stamp[used]
+        keep = used[np.argsort(-rank, kind="stable")][:num_slots]  # the ones the policy would evict last
         return [(int(s), i) for i, s in enumerate(sorted(keep.tolist()))]
 
     def apply_resize(self, num_slots: int, moves: list[tuple[int, int]]) -> None:
-        owner, stamp = self.owner.copy(), self.stamp.copy()
+        owner, stamp, heat = self.owner.copy(), self.stamp.copy(), self.slot_heat.copy()
         self.resident[:] = EMPTY
         self._alloc(num_slots)
         for old, new in moves:
-            self.owner[new], self.stamp[new] = owner[old], stamp[old]
+            self.owner[new], self.stamp[new], self.slot_heat[new] = owner[old], stamp[old], heat[old]
             o = owner[old]
             self.resident[o // self.num_experts, o % self.num_experts] = new
 
 
-def victims_reference(stamp, locked, k: int) -> list[int]:
-    """Slow reference for `SlotTable.victims`: k scans, each taking the oldest unlocked slot left."""
+def victims_reference(stamp, locked, k: int, heat=None) -> list[int]:
+    """Slow reference for `SlotTable.victims`: k scans, each taking the unlocked slot left with the lowest
+    (heat, stamp) — stamp alone for lru (heat None)."""
     taken: list[int] = []
     for _ in range(k):
         best = None
         for s in range(len(stamp)):
             if locked[s] or s in taken:
                 continue
-            if best is None or stamp[s] < stamp[best]:
-                best = s
+            key = (stamp[s],) if heat is None else (heat[s], stamp[s])
+            if best is None or key < best_key:
+                best, best_key = s, key
         if best is None:
             break
         taken.append(best)

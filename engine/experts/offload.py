@@ -26,9 +26,10 @@ class OffloadBackend:
     name = "offload"
 
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str = "cpu", *,
-                 estimate: BandwidthEstimate | None = None, stream_prefill: bool = True) -> None:
+                 estimate: BandwidthEstimate | None = None, stream_prefill: bool = True,
+                 slot_policy: str = "lru") -> None:
         self.pool, self.device = pool, torch.device(device)
-        self.cache = SlotCache(pool, num_slots, self.device)
+        self.cache = SlotCache(pool, num_slots, self.device, slot_policy)
         self.stats_ = ExpertStats(pool.layers)
         self.estimate = estimate or BandwidthEstimate()
         self.streamer = PrefillStreamer(self) if stream_prefill else None
@@ -66,6 +67,7 @@ class OffloadBackend:
         routing = Routing.of(topk_ids)
         table = self.cache.table
         table.tick()
+        table.note_use(self.pool.row[layer], routing.experts)
         streaming = self.streamer is not None and self.streamer.active
         if streaming:
             self.streamer.before_layer(layer)  # waits for this layer's copies, starts the next layer's

@@ -1,13 +1,14 @@
-"""How much of a decode's expert traffic the GPU holds: killick's LRU slot cache against llama.cpp's static
+"""How much of a decode's expert traffic the GPU holds: killick's slot cache against llama.cpp's static
 placement at equal GPU memory, simulated on a routing trace. Torch-free (numpy).
 
 trace: int array [T, L, K], the K expert ids each of T tokens routes to in each of L MoE layers, in decode
 order (a prefill over a stream routes exactly as decoding it token by token would). E = experts per layer.
 Hit rate = routed (token, layer, expert) triples served from GPU memory / all of them.
 
-- LRU (`lru_hits`): one pool of `slots` slots shared by all layers, lru.SlotTable's policy exactly as
-  OffloadBackend.forward drives it at batch 1 with every miss filled (offload): per layer step tick, look up,
-  touch and lock the hits, take the least recently used unlocked slots for the misses, unlock.
+- The slot cache (`slot_hits`): one pool of `slots` slots shared by all layers, lru.SlotTable's policy (lru or
+  lfu) exactly as OffloadBackend.forward drives it at batch 1 with every miss filled (offload): per layer step
+  tick, note the routed experts' use, look up, touch and lock the hits, take the policy's victims for the
+  misses, unlock.
 - llama.cpp `--n-cpu-moe N` (`static_hits`): the experts of the first N layers stay in host memory, every other
   layer's experts are on the GPU (common/arg.cpp: tensor overrides for blocks 0..N-1). Its GPU memory is
   (L - N) * E experts, so `equal_memory` gives the LRU that many slots. Skew cannot help it: a layer is all in
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.experts.lru import SlotTable
+from engine.experts.lru import HALF_LIFE, SlotTable
 
 
 def equal_memory(num_layers: int, gpu_fraction: float) -> int:
@@ -39,16 +40,18 @@ def _check(trace: np.ndarray, warmup: int) -> np.ndarray:
     return trace
 
 
-def lru_hits(trace, num_experts: int, slots: int, warmup: int = 0) -> tuple[int, int]:
-    """(hits, routed) of the LRU slot cache over trace[warmup:], the cache warmed by trace[:warmup]."""
+def slot_hits(trace, num_experts: int, slots: int, warmup: int = 0, policy: str = "lru",
+              half_life: float = HALF_LIFE) -> tuple[int, int]:
+    """(hits, routed) of the slot cache over trace[warmup:], the cache warmed by trace[:warmup]."""
     trace = _check(trace, warmup)
     T, L, _ = trace.shape
-    table = SlotTable(L, num_experts, slots)
+    table = SlotTable(L, num_experts, slots, policy, half_life)
     hits = routed = 0
     for t in range(T):
         for layer in range(L):
             experts = np.unique(trace[t, layer])
             table.tick()
+            table.note_use(layer, experts)
             found = table.lookup(layer, experts)
             hit = found >= 0
             table.touch(found[hit])

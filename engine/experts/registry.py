@@ -36,7 +36,8 @@ def create_slot_backend(name: str, pool, num_slots: int, device, **kw):
 
 def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes: int | None = None,
                     reserve_bytes: int = 0, profile: dict | None = None, estimate=None,
-                    stream_prefill: bool = True, progress=None, background: bool = False, checkpoint=None):
+                    stream_prefill: bool = True, progress=None, background: bool = False, checkpoint=None,
+                    slot_policy: str = "lfu"):
     """`load_model(path, experts=experts_factory(...), expert_device="cpu")`: ExpertWeights -> backend.
 
     device: where the slots live (the model's device). slots: `--moe-slots` (N, "N%" or None = all the
@@ -45,7 +46,8 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
     profile: the bench bw profile (default: this machine's, if `killick bench bw` ran; {} = none).
     For `fused` the source must already be on `device` (load with expert_device=None).
     checkpoint: fill the pool straight from this directory's safetensors (load the model with
-    expert_device="meta" so experts are not held twice)."""
+    expert_device="meta" so experts are not held twice). slot_policy: which slot a fill evicts, lru or lfu
+    (engine/experts/lru.py)."""
 
     def build(source):
         import torch
@@ -75,7 +77,8 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
             pool = pool_from_checkpoint(checkpoint, source, progress=progress, background=background)
         else:
             pool = pool_from_source(source, progress=progress, background=background)
-        return create_slot_backend(chosen, pool, n, device, estimate=est, stream_prefill=stream_prefill)
+        return create_slot_backend(chosen, pool, n, device, estimate=est, stream_prefill=stream_prefill,
+                                   slot_policy=slot_policy)
 
     return build
 

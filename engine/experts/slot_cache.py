@@ -17,12 +17,12 @@ from engine.experts.lru import SlotTable
 
 
 class SlotCache:
-    def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str) -> None:
+    def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str, policy: str = "lru") -> None:
         self.pool, self.device = pool, torch.device(device)
         total = pool.num_experts * len(pool.layers)
         if not 1 <= num_slots <= total:
             raise ValueError(f"--moe-slots must be between 1 and {total} (all experts), got {num_slots}")
-        self.table = SlotTable(len(pool.layers), pool.num_experts, num_slots)
+        self.table = SlotTable(len(pool.layers), pool.num_experts, num_slots, policy)
         self.buf = self._alloc(num_slots)  # [S, numel]
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None

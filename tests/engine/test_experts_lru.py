@@ -1,6 +1,10 @@
-"""SlotTable (torch-free): one-pass victim choice equals the k-scan reference; residency invariants."""
+"""SlotTable (torch-free): one-pass victim choice equals the k-scan reference for both policies; residency
+invariants; lfu's heat halves every half-life and keeps popular experts LRU evicts."""
 import subprocess
 import sys
+
+import numpy as np
+import pytest
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +19,60 @@ def test_victims_equal_reference(slots, k):
     t.stamp[:] = [s for s, _ in slots]
     t.locked[:] = [lk for _, lk in slots]
     assert t.victims(k).tolist() == victims_reference(t.stamp.tolist(), t.locked.tolist(), k)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-1, 6), st.integers(0, 3), st.booleans()), min_size=1, max_size=40),
+       st.integers(0, 45))
+def test_lfu_victims_equal_reference(slots, k):
+    """Heat ties (same value, free slots at -inf) break by stamp, then slot id, as the reference's scan."""
+    t = SlotTable(2, 4, len(slots), policy="lfu")
+    t.slot_heat[:] = [-np.inf if h < 0 else float(h) for h, _, _ in slots]
+    t.stamp[:] = [s for _, s, _ in slots]
+    t.locked[:] = [lk for _, _, lk in slots]
+    want = victims_reference(t.stamp.tolist(), t.locked.tolist(), k, heat=t.slot_heat.tolist())
+    assert t.victims(k).tolist() == want
+
+
+def test_lfu_heat_halves_every_half_life_and_survives_rescaling():
+    t = SlotTable(2, 4, 2, policy="lfu", half_life=3)
+    t.tick()
+    t.note_use(0, [1])
+    for _ in range(3 * 2):  # three tokens of two layer steps
+        t.tick()
+    t.note_use(0, [2])
+    assert t.heat[0, 2] == pytest.approx(2 * t.heat[0, 1])  # the older use counts half
+    t._inc = 2e200
+    t.tick()  # rescaled: same order, finite values
+    assert np.isfinite(t.heat).all() and t.heat[0, 2] == pytest.approx(2 * t.heat[0, 1])
+
+
+def test_lfu_keeps_the_popular_expert_lru_evicts():
+    """Layer-cyclic access, one expert of each layer popular: with one slot per layer plus one, LRU evicts the
+    popular experts between their uses; lfu keeps them and churns only the extra slot."""
+    hits = {}
+    for policy in ("lru", "lfu"):
+        t = SlotTable(3, 8, 4, policy=policy)
+        n = 0
+        for step in range(60):
+            for layer in range(3):
+                e = 0 if step % 3 else 1 + step % 7  # expert 0 two tokens in three, else a one-off
+                t.tick()
+                t.note_use(layer, [e])
+                s = t.lookup(layer, [e])[0]
+                if s == EMPTY:
+                    s = int(t.victims(1)[0])
+                    t.assign(s, layer, e)
+                elif step >= 10:
+                    n += 1
+                t.touch([s])
+        hits[policy] = n
+    assert hits["lfu"] > 1.3 * hits["lru"]
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="lru, lfu"):
+        SlotTable(1, 4, 2, policy="fifo")
 
 
 @settings(max_examples=100, deadline=None)
@@ -43,6 +101,15 @@ def test_victims_prefer_free_then_oldest_and_skip_locked():
     t.lock([0])
     assert t.victims(3).tolist() == [2, 3, 1]
     assert t.victims(2, lo=1, hi=3).tolist() == [2, 1]
+
+
+def test_resize_keeps_the_hottest_under_lfu():
+    t = SlotTable(1, 8, 4, policy="lfu")
+    for e in range(4):
+        t.tick(); t.note_use(0, [e] * 1); t.assign(e, 0, e)
+    t.note_use(0, [1]); t.note_use(0, [1]); t.note_use(0, [2])
+    t.apply_resize(2, t.plan_resize(2))
+    assert sorted(np.flatnonzero(t.resident[0] != EMPTY).tolist()) == [1, 2]
 
 
 def test_resize_keeps_most_recent():

@@ -88,12 +88,15 @@ def test_skewed_checkpoint_routes_by_the_law(demo_traces):
     assert off["rel_err"] < 0.3 and off["top1_share"] < on["top1_share"]
 
 
-def test_static_placement_ignores_skew_and_lru_gains_from_it(demo_traces):
+def test_static_placement_ignores_skew_and_the_slot_cache_gains_from_it(demo_traces):
     rows = {a: routing.rates(tr, 16, [0.25], warmup=128)[0] for a, tr in demo_traces.items()}
     for row in rows.values():
         assert row["n_cpu_moe"] == 6 and row["slots"] == 2 * 16 and row["static"] == pytest.approx(0.25)
     assert rows[1.0]["lru"] > rows[0.0]["lru"] + 0.03
     assert rows[1.0]["top"] > rows[0.0]["top"]
+    # lfu keeps the popular experts: past llama.cpp and LRU once routing is skewed, near the oracle
+    assert rows[1.0]["lfu"] > max(rows[1.0]["lru"], rows[1.0]["static"]) + 0.05
+    assert rows[1.0]["lfu"] > 0.85 * rows[1.0]["top"]
 
 
 def test_equal_memory_matches_llama_cpp_layer_counts():
@@ -103,7 +106,8 @@ def test_equal_memory_matches_llama_cpp_layer_counts():
         placement.equal_memory(8, 1.5)
 
 
-def test_lru_simulation_counts_what_the_offload_backend_counts():
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_slot_simulation_counts_what_the_offload_backend_counts(policy):
     """The simulation drives lru.SlotTable as OffloadBackend does: same hits on the same trace."""
     L, E, H, I, K, T = 3, 12, 8, 4, 3, 40
     g = torch.Generator().manual_seed(0)
@@ -112,11 +116,11 @@ def test_lru_simulation_counts_what_the_offload_backend_counts():
     p = torch.tensor(1.0 / np.arange(1, E + 1))
     trace = np.stack([[torch.multinomial(p, K, generator=g).numpy() for _ in range(L)] for _ in range(T)])
     for slots in (K, 7, 20):
-        b = OffloadBackend(pool_from_source(src), slots, "cpu", stream_prefill=False)
+        b = OffloadBackend(pool_from_source(src), slots, "cpu", stream_prefill=False, slot_policy=policy)
         for t in range(T):
             for layer in range(L):
                 b.forward(layer, torch.randn(1, H), torch.as_tensor(trace[t, layer])[None], torch.ones(1, K) / K)
-        hits, routed = placement.lru_hits(trace, E, slots)
+        hits, routed = placement.slot_hits(trace, E, slots, policy=policy)
         assert (hits, routed) == (b.stats()["total"]["hits"], b.stats()["total"]["hits"] + b.stats()["total"]["misses"])
     assert placement.static_hits(trace, 1) == (2 * T * K, L * T * K)
     top, routed = placement.top_experts_hits(trace, E, 5)
