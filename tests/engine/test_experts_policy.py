@@ -1,11 +1,11 @@
-"""q*, the running bandwidth estimate, `auto`, slot sizing and the prefill choice (all torch-free)."""
+"""q*, the balanced split, the bandwidth estimate, `auto`, slot sizing and the prefill choice (torch-free)."""
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.experts.policy import BandwidthEstimate, choose_backend, q_star, slots_from_spec
+from engine.experts.policy import BandwidthEstimate, choose_backend, q_balanced, q_star, slots_from_spec
 from engine.experts.prefill_stream import should_stream
 from engine.experts.registry import resolve
 
@@ -20,6 +20,13 @@ def test_q_star_bounds(m, bp, bh):
 def test_q_star_laptop_and_server():
     assert q_star(8, 12e9, 48e9) == 2  # laptop: a quarter filled
     assert q_star(8, 54e9, 58e9) == 7  # lent box at 6 threads: nearly all filled
+
+
+def test_q_balanced_ends_both_paths_together():
+    assert q_balanced(10, 12e9, 48e9) == 2  # laptop: a fifth filled, the CPU runs four times as many
+    assert q_balanced(8, 54e9, 58e9) == 4  # lent box at 6 threads: about half
+    assert q_balanced(8, 54e9, 0.0) == 8 and q_balanced(8, 0.0, 5e9) == 0 and q_balanced(0, 1e9, 1e9) == 0
+    assert q_balanced(8, float("inf"), 5e9) == 8
 
 
 def test_estimate_follows_measurements_unless_frozen():
