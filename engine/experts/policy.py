@@ -174,15 +174,21 @@ class SplitPolicy:
         return n * self.expert_bytes / rate if rate > 0 else math.inf
 
 
+HYBRID_MIN_BH = 0.5  # B_H / B_P from which `auto` picks hybrid
+
+
 def choose_backend(*, dense: bool, pool_bytes: int, free_bytes: int, profile: dict | None) -> str:
     """`--moe-backend auto`: dense -> fused; experts fit -> fused; else offload, hybrid if the CPU pays.
 
-    The CPU pays when, by this machine's bench profile, q* would send some misses of a full decode step
-    to the CPU (B_H > B_P: the split then shortens miss service by up to B_H / B_P); without a profile
+    Fills and CPU runs proceed at once, so a balanced split serves misses (B_P + B_H) / B_P times faster
+    than filling them all, before contention. The CPU pays, by this machine's bench profile, from
+    B_H >= B_P / 2 (1.5x before contention): both paths read the same host DRAM, a miss run on the CPU
+    leaves the cache as cold for the next step as it found it, and re-measuring the choices not taken
+    costs a few slow layer calls, so a smaller gain is not worth leaving offload for. Without a profile
     we stay on offload, the safe choice."""
     if dense or pool_bytes <= free_bytes:
         return "fused"
-    if profile and profile.get("bp") and profile.get("bh") and q_star(64, profile["bp"], profile["bh"]) < 64:
+    if profile and profile.get("bp") and profile.get("bh") and profile["bh"] >= HYBRID_MIN_BH * profile["bp"]:
         return "hybrid"
     return "offload"
 

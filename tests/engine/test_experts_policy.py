@@ -48,7 +48,10 @@ def test_auto_backend():
     assert choose_backend(dense=False, profile=None, **kw) == "offload"
     assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 58e9}, **kw) == "hybrid"
     assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 5e9}, **kw) == "offload"
-    assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 54e9}, **kw) == "offload"  # q* = m
+    assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 54e9}, **kw) == "hybrid"  # split: 2x
+    assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 27e9}, **kw) == "hybrid"  # 1.5x
+    assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 20e9}, **kw) == "offload"  # 1.37x
+    assert choose_backend(dense=False, profile={"bp": 12e9, "bh": 48e9}, **kw) == "hybrid"  # laptop
     assert choose_backend(dense=False, profile={"bp": None, "bh": 50e9}, **kw) == "offload"  # CPU-only box
     assert resolve("auto", dense=False, profile=None, **kw) == "offload"
     with pytest.raises(ValueError, match="--moe-backend"):
