@@ -100,14 +100,14 @@ class SplitPolicy:
     send every miss one way at the rate that path reached alone. Every rate starts at the estimate's
     B_P or B_H (no contention assumed until measured) and follows the fills and CPU runs the backend
     reports. So that the rates of choices not taken stay current, a call with at least `explore_min` misses
-    takes, instead of the fastest, a choice never taken or left untaken for `explore_every` calls times its
-    predicted slowdown (`_due`; the one used longest ago if several are). A frozen estimate freezes the rates and
-    stops exploring: the split is then a fixed function of m."""
+    takes, instead of the fastest, a choice taken fewer than `explore_first` times or left untaken for
+    `explore_every` calls times its predicted slowdown (`_due`; the one used longest ago if several are).
+    A frozen estimate freezes the rates and stops exploring: the split is then a fixed function of m."""
 
     def __init__(self, estimate: BandwidthEstimate, expert_bytes: int, *, explore_every: int = 64,
-                 explore_min: int = 4) -> None:
+                 explore_min: int = 4, explore_first: int = 3) -> None:
         self.estimate, self.expert_bytes = estimate, expert_bytes
-        self.explore_every, self.explore_min = explore_every, explore_min
+        self.explore_every, self.explore_min, self.explore_first = explore_every, explore_min, explore_first
         # (path, together) -> rate; path "fill" or "cpu", together: the other path ran alongside
         seeds = {"fill": estimate.bp, "cpu": estimate.bh}
         self.rates = {(path, t): Rate(seed, estimate.alpha) for path, seed in seeds.items() for t in (False, True)}
@@ -148,13 +148,14 @@ class SplitPolicy:
         return pick
 
     def _due(self, options: list[Choice], best: Choice) -> list[Choice]:
-        """Choices never taken (measured once early: the profile may be far off), or untaken for
-        explore_every x (their predicted time / the best's) calls. Re-measuring one then costs under
-        1 / explore_every of the calls' time however slow it is, and a choice predicted 8x slower is still
-        re-measured every 8 * explore_every calls, so a path that got faster is found."""
+        """Choices taken fewer than `explore_first` times (the profile may be far off, and a path's first
+        call pays one-time costs), or untaken for explore_every x (their predicted time / the best's) calls.
+        Re-measuring one then costs under 1 / explore_every of the calls' time however slow it is, and a
+        choice predicted 8x slower is still re-measured every 8 * explore_every calls: a path that got
+        faster is found."""
         if best.seconds <= 0:
             return []
-        return [c for c in options if c.arm != best.arm and (self._last_used[c.arm] == 0 or
+        return [c for c in options if c.arm != best.arm and (self.counts[c.arm] < self.explore_first or
                 self._decisions - self._last_used[c.arm] >= self.explore_every * c.seconds / best.seconds)]
 
     def observe(self, path: str, nbytes: int, seconds: float, together: bool) -> None:

@@ -89,8 +89,10 @@ def test_explores_the_arms_not_taken_on_schedule():
     best = machine.seconds(policy.best(16).q, 16)
     for arm, q in (("fill", 16), ("cpu", 0)):
         at = [i for i, (_, c) in enumerate(calls) if c.explored and c.arm == arm]
+        assert at[2] < 6  # each taken explore_first = 3 times at once: the profile may be far off
         wait = 8 * machine.seconds(q, 16) / best
-        assert len(at) >= 200 // (wait + 3) and all(wait < b - a <= wait + 3 for a, b in zip(at, at[1:])), arm
+        gaps = [b - a for a, b in zip(at[2:], at[3:])]
+        assert len(gaps) >= 200 // (wait + 3) - 3 and all(wait < g <= wait + 3 for g in gaps), arm
     assert policy.stats()["explored"] == sum(c.explored for _, c in calls) > 0
     tax = sum(machine.seconds(c.q, m) for m, c in calls) / (len(calls) * best) - 1
     assert 0 < tax < 2 / 8  # each untaken choice costs under 1 / explore_every of the time
