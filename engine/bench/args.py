@@ -36,7 +36,8 @@ def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warm-prefill", type=int, default=1024,
                     help="prompt tokens prefilled before each decode run (0: start from an empty cache)")
     ap.add_argument("--routing", default="uniform", help="uniform and/or zipf, comma-separated")
-    ap.add_argument("--freeze", action="store_true", help="keep q* at the measured profile")
+    ap.add_argument("--freeze", action="store_true",
+                    help="keep the fill/CPU split at the measured profile (no running rates, no exploring)")
     ap.add_argument("--json", default=None)
 
 

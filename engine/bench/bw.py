@@ -1,9 +1,9 @@
 """`killick bench bw`: the bandwidths the expert hierarchy plans with, measured once per machine and format.
 
 B_P: pinned host -> device copies at expert granularity, a batch of experts per timing (CUDA only).
-B_H: the engine's CPU expert path (cpu_runner.run_on_cpu, what the backends call and q* plans with) on one
-token, 8 distinct experts a call like a decode step's MoE layer, drawn in a fresh random order from a pool far
-above the last-level cache, at 1..N threads: bytes of weights read / s.
+B_H: the engine's CPU expert path (cpu_runner.run_on_cpu, what the backends call and their split plans with)
+on one token, 8 distinct experts a call like a decode step's MoE layer, drawn in a fresh random order from a
+pool far above the last-level cache, at 1..N threads: bytes of weights read / s.
 STREAM: the native read pass over the same pool on the same workers, the ceiling both of the above share,
 measured at every thread count in windows alternated with B_H's; B_H / STREAM is printed (best windows, and
 the median of each round's ratio: "paired").

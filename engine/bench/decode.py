@@ -70,19 +70,25 @@ def bound_seconds(delta: dict, expert_bytes: int, bp: float, bh: float) -> float
 
 
 def _diff(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in ("hits", "misses", "fills", "cpu_runs", "bytes_moved")}
+    """Expert counters moved between two stats(); for hybrid also its split choices and explorations."""
+    d = {k: after["total"][k] - before["total"][k] for k in ("hits", "misses", "fills", "cpu_runs", "bytes_moved")}
+    if "split" in after:
+        arms, was = after["split"]["arms"], before["split"]["arms"]
+        d["arms"] = {a: arms[a] - was[a] for a in arms}
+        d["arms"]["explored"] = after["split"]["explored"] - before["split"]["explored"]
+    return d
 
 
 def _timed(b, shape, router, device, x, repeats: int, bw) -> tuple[float, dict, float]:
     """Run the MoE stack `repeats` times on x: (seconds, expert counters moved, bound seconds)."""
     sync(device)
-    before = b.stats()["total"]
+    before = b.stats()
     t0 = time.perf_counter()
     for _ in range(repeats):
         run_forward(b, shape, router, x)
     sync(device)
     secs = time.perf_counter() - t0
-    d = _diff(b.stats()["total"], before)
+    d = _diff(b.stats(), before)
     return secs, d, bound_seconds(d, shape.layout.nbytes, *bw)
 
 
@@ -96,7 +102,7 @@ def bench_decode(b, shape, router, device, steps: int, warmup: int, bw, prompt: 
     secs, d, bound = _timed(b, shape, router, device, x, steps, bw)
     return {"tok_s": steps / secs, "bound_tok_s": steps / bound if bound > 0 else None,
             "hit_rate": d["hits"] / max(1, d["hits"] + d["misses"]), "fills_per_tok": d["fills"] / steps,
-            "cpu_per_tok": d["cpu_runs"] / steps, "gb_moved": d["bytes_moved"] / 1e9}
+            "cpu_per_tok": d["cpu_runs"] / steps, "gb_moved": d["bytes_moved"] / 1e9, "arms": d.get("arms")}
 
 
 def bench_prefill(b, shape, router, device, tokens: int, bw) -> dict:
@@ -152,11 +158,16 @@ def run_config(pool, shape, args, device, bw, cfg) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'config':40} {'tok/s':>10} {'bound tok/s':>12} {'hit rate':>9} {'GB moved':>9}")
+    """One line a configuration; hybrid's: the layer calls of the timed steps that split / filled every miss /
+    ran every miss on the CPU, and how many of them were explorations."""
+    print(f"{'config':40} {'tok/s':>10} {'bound tok/s':>12} {'hit rate':>9} {'GB moved':>9} "
+          f"{'split/fill/cpu (explored)':>26}")
     for r in rows:
         bound = f"{r['bound_tok_s']:.1f}" if r.get("bound_tok_s") else "-"
         hit = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
-        print(f"{r['config']:40} {r['tok_s']:10.1f} {bound:>12} {hit:>9} {r['gb_moved']:9.2f}")
+        a = r.get("arms")
+        arms = f"{a['split']}/{a['fill']}/{a['cpu']} ({a['explored']})" if a else "-"
+        print(f"{r['config']:40} {r['tok_s']:10.1f} {bound:>12} {hit:>9} {r['gb_moved']:9.2f} {arms:>26}")
 
 
 def main(argv: list[str] | None = None) -> int:

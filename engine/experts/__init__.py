@@ -5,7 +5,7 @@
     registry.py        --moe-backend fused|offload|cpu|hybrid|auto -> experts_factory (torch-free)
     host_pool.py       every expert in host RAM, one block per (layer, expert) (block_layout.py); pinned
     safetensors_fill.py  fill that pool straight from the checkpoint files
-    lru.py, policy.py, stats.py   slot bookkeeping, q* and the B_P/B_H estimate, counters (torch-free)
+    lru.py, policy.py, stats.py   slot bookkeeping, the fill/CPU split and B_P/B_H estimates, counters (torch-free)
     slot_cache.py      the device slot pool shared by all MoE layers, copy stream, resize
     offload.py, cpu.py, hybrid.py   the slot backends (they differ only in how many misses they fill)
     prefill_stream.py  long extends stream whole layers through two layer buffers

@@ -1,20 +1,32 @@
-"""`--moe-backend hybrid`: of a step's m misses, q* are filled and run on the device while the other
-m - q* run on the CPU concurrently; the partial sums are added (FreeToken).
+"""`--moe-backend hybrid`: of a layer call's m misses, q are filled and run on the device while the other
+m - q run on the CPU concurrently; the partial sums are added (FreeToken).
 
-q* comes from the running B_P / B_H estimate (policy.BandwidthEstimate), seeded from the bench profile;
-`estimate.frozen = True` keeps the profile's split."""
+q comes from policy.SplitPolicy: the balanced split q = round(m * B_P / (B_P + B_H)) at the rates both paths
+reach together, or every miss one way when a path alone is predicted faster, by the fills and CPU runs this
+backend measures (seeded from the estimate, i.e. the bench profile). `estimate.frozen = True` keeps the rates,
+so the split is a fixed function of m. `stats()["split"]` counts the choices taken and the explorations."""
 from __future__ import annotations
 
 from engine.experts.offload import OffloadBackend
-from engine.experts.policy import q_star
+from engine.experts.policy import SplitPolicy
 
 
 class HybridBackend(OffloadBackend):
     name = "hybrid"
 
+    def __init__(self, pool, num_slots: int, device="cpu", **kw) -> None:
+        super().__init__(pool, num_slots, device, **kw)
+        self.policy = SplitPolicy(self.estimate, pool.expert_bytes)
+
     def split(self, m: int) -> int:
-        return self.estimate.q(m)
+        return self.policy.choose(m).q
 
     def cpu_share(self) -> float:
-        m = 64  # share at a representative miss count
-        return 1.0 - q_star(m, self.estimate.bp, self.estimate.bh) / m
+        return self.policy.cpu_share()
+
+    def observe(self, path: str, nbytes: int, seconds: float, together: bool) -> None:
+        super().observe(path, nbytes, seconds, together)
+        self.policy.observe(path, nbytes, seconds, together)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "split": self.policy.stats()}

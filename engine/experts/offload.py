@@ -35,6 +35,7 @@ class OffloadBackend:
         self.streamer = PrefillStreamer(self) if stream_prefill else None
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu")
         self._cpu_tables: dict = {}  # layer -> cpu_runner.layer_table of its host blocks, built on first use
+        self._fill_run_s = 0.0  # CPU device: seconds the experts of the last fill round took to run
         # rough device expert throughput for the prefill choice (flop/s); only the order of magnitude matters
         self.device_flops = 2e14 if self.device.type == "cuda" else 5e10
         self._held = False  # a forward announced by begin_forward(hold=True) runs until end_forward
@@ -46,6 +47,10 @@ class OffloadBackend:
 
     def cpu_share(self) -> float:
         return 0.0
+
+    def observe(self, path: str, nbytes: int, seconds: float, together: bool) -> None:
+        """The time the fill path ("fill") or the CPU path ("cpu") took for nbytes of experts; together:
+        the other path ran alongside. Only hybrid chooses by it."""
 
     # --- the seam
     def begin_forward(self, num_tokens: int, top_k: int, hold: bool = False) -> None:
@@ -82,32 +87,36 @@ class OffloadBackend:
         table.lock(slots[hits])
         y = x.new_empty(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
         pending = self._start_cpu(layer, x, routing, on_cpu)
-        self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills)
+        self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills, pending is not None)
         if pending is not None:
             pos, vals, seconds = pending.result()
             y[pos.to(self.device)] = vals.to(self.device, y.dtype)
             self.estimate.observe_cpu(len(on_cpu) * self.pool.expert_bytes, seconds)
+            self.observe("cpu", len(on_cpu) * self.pool.expert_bytes, seconds, together=bool(fills))
         self._unlock()
         self._count(layer, len(hits), len(misses), len(fills), len(on_cpu))
         return combine(y, topk_w)
 
-    def _run_device(self, layer, x, y, routing: Routing, hit_slots, hits, fills) -> None:
+    def _run_device(self, layer, x, y, routing: Routing, hit_slots, hits, fills, with_cpu: bool) -> None:
         """Hits from their slots; fills copied (overlapping the hits' compute) then run. When the cache
-        is smaller than one step's experts, fills go in rounds, each reusing the slots of the last."""
+        is smaller than one step's experts, fills go in rounds, each reusing the slots of the last.
+        with_cpu: this call's CPU runs go on alongside the copies (kept with their timing)."""
         want = [routing.experts[i] for i in fills]
-        admitted = self.cache.admit(layer, want)  # issued before the hits run, so copies overlap them
+        admitted = self.cache.admit(layer, want, with_cpu=with_cpu)  # before the hits run: copies overlap them
         for i, s in zip(hits, hit_slots):
             self._run_slot(x, y, routing, i, s)
         done = 0
         while True:
             self.cache.ready()
+            t0 = time.perf_counter()
             for j, s in enumerate(admitted):
                 self._run_slot(x, y, routing, fills[done + j], s)
+            self._fill_run_s = time.perf_counter() - t0 if self.cache.copy_stream is None else 0.0
             done += len(admitted)
             if done == len(fills):
                 return
             self._unlock()
-            admitted = self.cache.admit(layer, want[done:])
+            admitted = self.cache.admit(layer, want[done:], with_cpu=with_cpu)
             if not admitted:
                 raise RuntimeError("no unlocked expert slot left for a fill")
 
@@ -135,9 +144,13 @@ class OffloadBackend:
             self.cache.table.lock(self.streamer.reserved)
 
     def _observe_fill(self) -> None:
-        timing = self.cache.take_fill_timing()
-        if timing is not None:
-            self.estimate.observe_fill(*timing)
+        timing = self.cache.take_fill_timing()  # on CUDA, a fill of an earlier call
+        if timing is None:
+            return
+        self.estimate.observe_fill(timing.nbytes, timing.seconds)
+        # the fill path: copies, and on a CPU "device" also running the filled experts, on the same cores
+        # and in line (on CUDA a decode fill is its copy; the expert kernels queue behind it)
+        self.observe("fill", timing.nbytes, timing.seconds + self._fill_run_s, together=timing.with_cpu)
 
     def _count(self, layer: int, hits: int, misses: int, fills: int, cpu: int) -> None:
         st = self.stats_[layer]

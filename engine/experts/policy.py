@@ -1,14 +1,20 @@
-"""How many missing experts to copy to the device (q*), the running bandwidth estimate, and `auto`.
+"""How many of a layer's missing experts to copy to the device, the bandwidth estimates, and `auto`.
 
 Torch-free. B_P = pinned host->device expert bandwidth, B_H = host-side expert kernel bandwidth (bytes/s).
-FreeToken's rule q* = round(m * B_P / B_H): with B_P >= B_H every miss is filled (offload); on a laptop
-(B_P 12, B_H 48 GB/s) a quarter is. A pure time balance would give m * B_P / (B_P + B_H); the paper's form
-leans towards fills, which also warm the cache for the next step.
+Fills and CPU runs of one MoE layer proceed at once, so the split of m misses that makes both end together
+fills q = round(m * B_P / (B_P + B_H)) (`q_balanced`). Both paths read the same host DRAM, so each is slower
+while the other runs; the hybrid backend's `SplitPolicy` keeps the rates each path reached alone and
+alongside the other, predicts the miss-service time of the balanced split, of filling every miss and of
+running every miss on the CPU, and takes the fastest: the two solo choices guard against a split that
+contention makes slower than either path alone. FreeToken's rule q* = round(m * B_P / B_H) (`q_star`)
+fills every miss once B_P >= B_H; the GPU routing kernel (kernels/route_ref.py) takes its `ratio` form,
+which expresses the balanced split too (ratio = B_P / (B_P + B_H)).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 DEFAULT_BP = 25e9  # bytes/s; replaced by the bench profile or the running estimate
 DEFAULT_BH = 20e9
@@ -48,15 +54,142 @@ class BandwidthEstimate:
         return q_star(m, self.bp, self.bh)
 
 
+def q_balanced(m: int, bp: float, bh: float) -> int:
+    """round(m * B_P / (B_P + B_H)) in [0, m]: the fills and the CPU runs of m misses end together."""
+    return q_star(m, bp, bp + bh)
+
+
+class Choice(NamedTuple):
+    """One layer call's split: fill q of its m misses, the rest on the CPU."""
+
+    arm: str  # "split" (both paths at once), "fill" (every miss), "cpu" (every miss); "none": no misses
+    q: int
+    seconds: float  # predicted miss-service time
+    explored: bool = False  # taken to re-measure it, not because it was predicted fastest
+
+
+@dataclass
+class Rate:
+    """A running bytes/s: the seed until the first sample, then an EMA of weight `alpha` per call, so a
+    sample after k calls without one weighs 1 - (1 - alpha)^k: a rate measured only now and then (a choice
+    being explored) follows the machine within a few samples. Early on the weight is at least 1/samples
+    (a mean of the samples: one measurement outweighs the profile)."""
+
+    value: float
+    alpha: float
+    samples: int = 0
+    last: int = 0  # call number of the last sample
+
+    def add(self, nbytes: int, seconds: float, call: int) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        stale = 1.0 - (1.0 - self.alpha) ** max(1, call - self.last)
+        w = max(stale, 1.0 / (self.samples + 1))
+        self.value = (1 - w) * self.value + w * nbytes / seconds if self.samples else nbytes / seconds
+        self.samples, self.last = self.samples + 1, call
+
+
+ARMS = ("split", "fill", "cpu")
+CPU_SHARE_M = 64  # the miss count cpu_share() reports for (a full decode step of a large MoE layer)
+
+
+class SplitPolicy:
+    """Per MoE layer call, the fill/CPU split of m misses with the shortest predicted miss-service time.
+
+    "split" fills q_balanced(m) at the rates both paths reached while running together; "fill" and "cpu"
+    send every miss one way at the rate that path reached alone. Every rate starts at the estimate's
+    B_P or B_H (no contention assumed until measured) and follows the fills and CPU runs the backend
+    reports. So that the rates of choices not taken stay current, a call with at least `explore_min` misses
+    takes, instead of the fastest, a choice taken fewer than `explore_first` times or left untaken for
+    `explore_every` calls times its predicted slowdown (`_due`; the one used longest ago if several are).
+    A frozen estimate freezes the rates and stops exploring: the split is then a fixed function of m."""
+
+    def __init__(self, estimate: BandwidthEstimate, expert_bytes: int, *, explore_every: int = 64,
+                 explore_min: int = 4, explore_first: int = 3) -> None:
+        self.estimate, self.expert_bytes = estimate, expert_bytes
+        self.explore_every, self.explore_min, self.explore_first = explore_every, explore_min, explore_first
+        # (path, together) -> rate; path "fill" or "cpu", together: the other path ran alongside
+        seeds = {"fill": estimate.bp, "cpu": estimate.bh}
+        self.rates = {(path, t): Rate(seed, estimate.alpha) for path, seed in seeds.items() for t in (False, True)}
+        self.counts = dict.fromkeys(ARMS, 0)
+        self.explored = 0
+        self._last_used = dict.fromkeys(ARMS, 0)  # decision number an arm was last taken at
+        self._decisions = 0
+
+    def options(self, m: int) -> list[Choice]:
+        """The choices for m >= 1 misses with their predicted seconds; "split" only where both paths get work."""
+        fill, cpu = self.rates["fill", False].value, self.rates["cpu", False].value
+        out = [Choice("fill", m, self._seconds(m, fill)), Choice("cpu", 0, self._seconds(m, cpu))]
+        bp, bh = self.rates["fill", True].value, self.rates["cpu", True].value
+        q = q_balanced(m, bp, bh)
+        if 0 < q < m:
+            out.insert(0, Choice("split", q, max(self._seconds(q, bp), self._seconds(m - q, bh))))
+        return out
+
+    def best(self, m: int) -> Choice:
+        """The fastest predicted choice for m misses; no side effects."""
+        if m <= 0:
+            return Choice("none", 0, 0.0)
+        return min(self.options(m), key=lambda c: c.seconds)  # ties: split, then fill
+
+    def choose(self, m: int) -> Choice:
+        """The split for this call's m misses: the fastest predicted, or on schedule one due for re-measuring."""
+        if m <= 0:
+            return Choice("none", 0, 0.0)
+        options = self.options(m)
+        pick = min(options, key=lambda c: c.seconds)
+        due = self._due(options, pick) if m >= self.explore_min and not self.estimate.frozen else []
+        if due:
+            pick = min(due, key=lambda c: self._last_used[c.arm])._replace(explored=True)
+            self.explored += 1
+        self._decisions += 1
+        self._last_used[pick.arm] = self._decisions
+        self.counts[pick.arm] += 1
+        return pick
+
+    def _due(self, options: list[Choice], best: Choice) -> list[Choice]:
+        """Choices taken fewer than `explore_first` times (the profile may be far off, and a path's first
+        call pays one-time costs), or untaken for explore_every x (their predicted time / the best's) calls.
+        Re-measuring one then costs under 1 / explore_every of the calls' time however slow it is, and a
+        choice predicted 8x slower is still re-measured every 8 * explore_every calls: a path that got
+        faster is found."""
+        if best.seconds <= 0:
+            return []
+        return [c for c in options if c.arm != best.arm and (self.counts[c.arm] < self.explore_first or
+                self._decisions - self._last_used[c.arm] >= self.explore_every * c.seconds / best.seconds)]
+
+    def observe(self, path: str, nbytes: int, seconds: float, together: bool) -> None:
+        """A measured fill ("fill") or CPU run ("cpu") of nbytes; together: the other path ran alongside."""
+        if not self.estimate.frozen:
+            self.rates[path, together].add(nbytes, seconds, self._decisions)
+
+    def cpu_share(self, m: int = CPU_SHARE_M) -> float:
+        """Fraction of m misses the current rates would run on the CPU."""
+        return 1.0 - self.best(m).q / m
+
+    def stats(self) -> dict:
+        rates = {f"{path}_{'together' if t else 'alone'}": r.value for (path, t), r in self.rates.items()}
+        return {"arms": dict(self.counts), "explored": self.explored, "rates": rates}
+
+    def _seconds(self, n: int, rate: float) -> float:
+        return n * self.expert_bytes / rate if rate > 0 else math.inf
+
+
+HYBRID_MIN_BH = 0.5  # B_H / B_P from which `auto` picks hybrid
+
+
 def choose_backend(*, dense: bool, pool_bytes: int, free_bytes: int, profile: dict | None) -> str:
     """`--moe-backend auto`: dense -> fused; experts fit -> fused; else offload, hybrid if the CPU pays.
 
-    The CPU pays when, by this machine's bench profile, q* would send some misses of a full decode step
-    to the CPU (B_H > B_P: the split then shortens miss service by up to B_H / B_P); without a profile
+    Fills and CPU runs proceed at once, so a balanced split serves misses (B_P + B_H) / B_P times faster
+    than filling them all, before contention. The CPU pays, by this machine's bench profile, from
+    B_H >= B_P / 2 (1.5x before contention): both paths read the same host DRAM, a miss run on the CPU
+    leaves the cache as cold for the next step as it found it, and re-measuring the choices not taken
+    costs a few slow layer calls, so a smaller gain is not worth leaving offload for. Without a profile
     we stay on offload, the safe choice."""
     if dense or pool_bytes <= free_bytes:
         return "fused"
-    if profile and profile.get("bp") and profile.get("bh") and q_star(64, profile["bp"], profile["bh"]) < 64:
+    if profile and profile.get("bp") and profile.get("bh") and profile["bh"] >= HYBRID_MIN_BH * profile["bp"]:
         return "hybrid"
     return "offload"
 

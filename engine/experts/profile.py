@@ -1,9 +1,10 @@
 """This machine's expert-bandwidth profile: what `killick bench bw` measured, read back when a model loads.
 
-q* (policy.py) and `--moe-backend auto` plan with B_P and B_H; `killick bench bw` (engine/bench/bw.py)
-measures them once per machine and expert format and saves them here: $XDG_CACHE_HOME/killick (or
-~/.cache/killick), one JSON file per (expert format, GPU name, thread count). `load_profile` returns None
-for any other machine or format, so a copied cache directory never misleads the planner.
+The fill/CPU split (policy.py) and `--moe-backend auto` plan with B_P and B_H; `killick bench bw`
+(engine/bench/bw.py) measures them once per machine and expert format and saves them here:
+$XDG_CACHE_HOME/killick (or ~/.cache/killick), one JSON file per (expert format, GPU name, thread count).
+`load_profile` returns None for any other machine or format, so a copied cache directory never misleads the
+planner.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ and a fill is a plain copy, so every piece of bookkeeping runs in CI exactly as 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -14,6 +15,12 @@ import torch
 from engine.experts.block_layout import split_block
 from engine.experts.host_pool import HostPool
 from engine.experts.lru import SlotTable
+
+
+class FillTiming(NamedTuple):
+    nbytes: int
+    seconds: float
+    with_cpu: bool  # CPU expert runs were in flight alongside (both read host DRAM)
 
 
 class SlotCache:
@@ -26,7 +33,9 @@ class SlotCache:
         self.buf = self._alloc(num_slots)  # [S, numel]
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.last_fill: tuple | None = None  # (start event, end event, bytes) or (None, seconds, bytes)
+        # (start event, end event, bytes, with_cpu) or (None, seconds, bytes, with_cpu); with_cpu is kept
+        # with the fill because on CUDA its timing is read a layer call or more after it was issued
+        self.last_fill: tuple | None = None
 
     @property
     def num_slots(self) -> int:
@@ -46,9 +55,11 @@ class SlotCache:
     def lookup(self, layer: int, experts) -> np.ndarray:
         return self.table.lookup(self.pool.row[layer], experts)
 
-    def admit(self, layer: int, experts: list[int], lo: int = 0, hi: int | None = None) -> list[int]:
+    def admit(self, layer: int, experts: list[int], lo: int = 0, hi: int | None = None, *,
+              with_cpu: bool = False) -> list[int]:
         """Copy as many of `experts` (of `layer`) as unlocked slots in [lo, hi) allow; lock and return
-        their slots (a prefix of `experts`). On CUDA the copies run on the copy stream; call `ready()`."""
+        their slots (a prefix of `experts`). On CUDA the copies run on the copy stream; call `ready()`.
+        with_cpu: CPU expert runs go on alongside these copies (reported back by `take_fill_timing`)."""
         victims = self.table.victims(len(experts), lo, hi).tolist()
         if not victims:
             return []
@@ -57,15 +68,15 @@ class SlotCache:
         if self.copy_stream is None:
             for e, s in zip(experts, victims):
                 self.buf[s].copy_(host[e])
-            self.last_fill = (None, time.perf_counter() - t0, len(victims) * self.pool.expert_bytes)
+            self.last_fill = (None, time.perf_counter() - t0, len(victims) * self.pool.expert_bytes, with_cpu)
         else:
-            self._copy_async(host, experts, victims)
+            self._copy_async(host, experts, victims, with_cpu)
         for e, s in zip(experts, victims):
             self.table.assign(s, row, e)
         self.table.lock(victims)
         return victims
 
-    def _copy_async(self, host: torch.Tensor, experts: list[int], slots: list[int]) -> None:
+    def _copy_async(self, host: torch.Tensor, experts: list[int], slots: list[int], with_cpu: bool) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         # a victim may still be read by kernels queued earlier on the compute stream
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -74,25 +85,25 @@ class SlotCache:
             for e, s in zip(experts, slots):
                 self.buf[s].copy_(host[e], non_blocking=True)
             end.record()
-        self.last_fill = (start, end, len(slots) * self.pool.expert_bytes)
+        self.last_fill = (start, end, len(slots) * self.pool.expert_bytes, with_cpu)
 
     def ready(self) -> None:
         """Make the compute stream wait for the fills issued so far (no host sync)."""
         if self.copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
-    def take_fill_timing(self) -> tuple[int, float] | None:
-        """(bytes, seconds) of the last fill once it has finished, without blocking; else None."""
+    def take_fill_timing(self) -> FillTiming | None:
+        """The last fill's timing once it has finished, without blocking; else None."""
         if self.last_fill is None:
             return None
-        start, end, nbytes = self.last_fill
+        start, end, nbytes, with_cpu = self.last_fill
         if start is None:
             self.last_fill = None
-            return nbytes, end
+            return FillTiming(nbytes, end, with_cpu)
         if not end.query():
             return None
         self.last_fill = None
-        return nbytes, start.elapsed_time(end) / 1e3
+        return FillTiming(nbytes, start.elapsed_time(end) / 1e3, with_cpu)
 
     def resident_count(self, layer: int) -> int:
         return self.table.resident_count(self.pool.row[layer])

@@ -33,6 +33,9 @@ def test_bench_decode_smoke(tmp_path, capsys):
     assert set(rows) >= {"decode offload t1", "decode cpu t1", "decode hybrid t1", "decode fused (all resident)"}
     assert rows["decode fused (all resident)"]["hit_rate"] == 1.0
     assert rows["decode cpu t1"]["fills_per_tok"] == 0 and rows["decode offload t1"]["cpu_per_tok"] == 0
+    arms = rows["decode hybrid t1"]["arms"]  # hybrid's split choices in the timed steps
+    assert set(arms) == {"split", "fill", "cpu", "explored"} and rows["decode offload t1"]["arms"] is None
+    assert sum(arms[a] for a in ("split", "fill", "cpu")) <= 2 * res["shape"]["layers"]
     assert rows["prefill 64 stream"]["streamed"] and not rows["prefill 64 on-demand"]["streamed"]
     assert res["routing_us_per_layer"]["host"] > 0 and not res["failed"]
     assert "tok/s" in capsys.readouterr().out

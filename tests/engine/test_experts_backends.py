@@ -60,7 +60,7 @@ def check_table(backend):
 @pytest.mark.parametrize("cls", [OffloadBackend, CpuBackend, HybridBackend])
 @pytest.mark.parametrize("slots", [1, 3, 2 * E, len(L_IDS) * E])
 def test_backend_matches_reference(src, pool, cls, slots):
-    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)  # hybrid fills half the misses
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)  # hybrid fills a third of the misses (q_balanced)
     b = cls(pool, slots, "cpu", estimate=est)
     streamed = False
     for step, T in enumerate([5, 1, 1, 7, 1, 40, 1]):
@@ -79,7 +79,47 @@ def test_backend_matches_reference(src, pool, cls, slots):
         assert tot["cpu_runs"] == tot["misses"]
     if cls is OffloadBackend:
         assert tot["cpu_runs"] == 0 and tot["fills"] >= tot["misses"]
+    if cls is HybridBackend:  # both paths get work
+        assert tot["fills"] > 0 and tot["cpu_runs"] > 0 and b.stats()["split"]["arms"]["split"] > 0
     b.close()
+
+
+def test_hybrid_measurements_reach_the_policy_tagged_as_issued(pool):
+    """A fill's timing is read at a later layer call (on CUDA once its event completed, here every other
+    call): it reaches the split policy marked with whether CPU runs went alongside when it was issued."""
+    b = HybridBackend(pool, 3, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, min_bytes=0))
+    chosen, copies, issued, seen = [], [], [], []  # choices; with_cpu of each admit that copied; observations
+    admit, take, observe = b.cache.admit, b.cache.take_fill_timing, b.policy.observe
+
+    def cycle(m):  # every choice in turn, whatever the measured rates say
+        options = b.policy.options(m) if m else [b.policy.best(m)]
+        chosen.append(options[len(chosen) % len(options)])
+        return chosen[-1]
+
+    def spy_admit(*args, **kw):
+        slots = admit(*args, **kw)
+        if slots:
+            copies.append(kw["with_cpu"])
+            issued.append(kw["with_cpu"] == (chosen[-1].arm == "split"))  # CPU runs alongside: a split
+        return slots
+
+    def spy_observe(path, nbytes, seconds, together):
+        seen.append((path, together, copies[-1] if copies else None, chosen[-1].arm))
+        observe(path, nbytes, seconds, together)
+
+    b.policy.choose, b.cache.admit, b.policy.observe = cycle, spy_admit, spy_observe
+    b.cache.take_fill_timing = lambda: take() if len(chosen) % 2 else None
+    for step in range(20):
+        for layer in L_IDS:
+            b.forward(layer, *routing(4, seed=300 + 10 * step + layer))
+    b.close()
+    assert {arm for _, _, _, arm in seen} >= {"split", "fill", "cpu"} and all(issued)
+    fills = [(together, copy) for path, together, copy, _ in seen if path == "fill"]
+    assert fills and all(together == copy for together, copy in fills)  # the tag of the latest copy
+    assert {together for together, _ in fills} == {True, False}
+    cpu = [(together, arm) for path, together, _, arm in seen if path == "cpu"]
+    assert all(together == (arm == "split") for together, arm in cpu)  # measured in the call that chose
+    assert all(arm != "fill" for _, arm in cpu)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -24,7 +24,7 @@ def test_greedy_identical_for_every_backend_and_slot_count(checkpoints, engine_f
     ref = ref_engine.generate(PROMPT, NEW)
     source = load_checkpoint(checkpoints[arch, "fused"])[2]
     for slots in slot_counts(len(source.layers), source.num_experts):
-        est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)  # hybrid: q* = m / 2
+        est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)  # hybrid: a third filled (q_balanced)
         eng = Engine.from_pretrained(checkpoints[arch, "fused"], experts=experts_factory(
             backend, slots=slots, estimate=est), expert_device="cpu")
         assert eng.generate(PROMPT, NEW) == ref, f"{backend} with {slots} slots"

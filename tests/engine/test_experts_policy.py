@@ -1,11 +1,11 @@
-"""q*, the running bandwidth estimate, `auto`, slot sizing and the prefill choice (all torch-free)."""
+"""q*, the balanced split, the bandwidth estimate, `auto`, slot sizing and the prefill choice (torch-free)."""
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.experts.policy import BandwidthEstimate, choose_backend, q_star, slots_from_spec
+from engine.experts.policy import BandwidthEstimate, choose_backend, q_balanced, q_star, slots_from_spec
 from engine.experts.prefill_stream import should_stream
 from engine.experts.registry import resolve
 
@@ -20,6 +20,13 @@ def test_q_star_bounds(m, bp, bh):
 def test_q_star_laptop_and_server():
     assert q_star(8, 12e9, 48e9) == 2  # laptop: a quarter filled
     assert q_star(8, 54e9, 58e9) == 7  # lent box at 6 threads: nearly all filled
+
+
+def test_q_balanced_ends_both_paths_together():
+    assert q_balanced(10, 12e9, 48e9) == 2  # laptop: a fifth filled, the CPU runs four times as many
+    assert q_balanced(8, 54e9, 58e9) == 4  # lent box at 6 threads: about half
+    assert q_balanced(8, 54e9, 0.0) == 8 and q_balanced(8, 0.0, 5e9) == 0 and q_balanced(0, 1e9, 1e9) == 0
+    assert q_balanced(8, float("inf"), 5e9) == 8
 
 
 def test_estimate_follows_measurements_unless_frozen():
@@ -41,7 +48,10 @@ def test_auto_backend():
     assert choose_backend(dense=False, profile=None, **kw) == "offload"
     assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 58e9}, **kw) == "hybrid"
     assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 5e9}, **kw) == "offload"
-    assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 54e9}, **kw) == "offload"  # q* = m
+    assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 54e9}, **kw) == "hybrid"  # split: 2x
+    assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 27e9}, **kw) == "hybrid"  # 1.5x
+    assert choose_backend(dense=False, profile={"bp": 54e9, "bh": 20e9}, **kw) == "offload"  # 1.37x
+    assert choose_backend(dense=False, profile={"bp": 12e9, "bh": 48e9}, **kw) == "hybrid"  # laptop
     assert choose_backend(dense=False, profile={"bp": None, "bh": 50e9}, **kw) == "offload"  # CPU-only box
     assert resolve("auto", dense=False, profile=None, **kw) == "offload"
     with pytest.raises(ValueError, match="--moe-backend"):

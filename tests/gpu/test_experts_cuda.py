@@ -34,7 +34,7 @@ def test_cuda_backends_match_fused(ckpt, backend):
 
 
 def test_running_estimate_moves_without_freeze(ckpt):
-    est = BandwidthEstimate(bp=1e9, bh=2e9, min_bytes=0)  # q* = m / 2: both paths get work
+    est = BandwidthEstimate(bp=1e9, bh=2e9, min_bytes=0)  # a balanced split: both paths get work
     eng = Engine.from_pretrained(ckpt, device="cuda", expert_device="cpu",
                                  experts=experts_factory("hybrid", device="cuda", slots=4, estimate=est))
     eng.generate(PROMPT, 10)

@@ -1,0 +1,128 @@
+"""SplitPolicy on a simulated machine: hidden true rates, slower while both paths run (torch-free)."""
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from engine.experts.policy import BandwidthEstimate, SplitPolicy, q_balanced
+
+EB = 6 << 20  # bytes of one expert
+
+
+@dataclass
+class Machine:
+    """True fill (bp) and CPU (bh) rates alone; while both paths run each reaches `contention` of its rate."""
+
+    bp: float
+    bh: float
+    contention: float
+
+    def run(self, q: int, m: int) -> tuple[float, float]:
+        """Seconds the fills and the CPU runs of a call that fills q of m misses take."""
+        c = self.contention if 0 < q < m else 1.0
+        return q * EB / (self.bp * c), (m - q) * EB / (self.bh * c)
+
+    def seconds(self, q: int, m: int) -> float:
+        return max(self.run(q, m))
+
+
+def drive(policy: SplitPolicy, machine: Machine, ms) -> list:
+    """Run layer calls with m misses each; fill timings arrive one call late, as on CUDA, tagged at issue."""
+    pending, out = None, []
+    for m in ms:
+        c = policy.choose(m)
+        fill_s, cpu_s = machine.run(c.q, m)
+        together = 0 < c.q < m
+        if pending is not None:
+            policy.observe("fill", *pending)
+            pending = None
+        if c.q:
+            pending = (c.q * EB, fill_s, together)
+        if c.q < m:
+            policy.observe("cpu", (m - c.q) * EB, cpu_s, together)
+        out.append((m, c))
+    return out
+
+
+def make(bp=10e9, bh=10e9, **kw) -> SplitPolicy:
+    return SplitPolicy(BandwidthEstimate(bp=bp, bh=bh), EB, **kw)
+
+
+def test_converges_to_the_balanced_split():
+    machine = Machine(bp=20e9, bh=10e9, contention=0.9)
+    policy = make(bp=25e9, bh=5e9)  # a profile off by 25% and 2x
+    calls = drive(policy, machine, [24] * 400)
+    balanced = q_balanced(24, 18e9, 9e9)  # 16: both paths end together at the contended rates
+    assert balanced == 16
+    assert all(c.q == balanced for _, c in calls[-200:] if not c.explored)
+    assert policy.best(24).q == balanced
+    assert policy.rates["fill", True].value == pytest.approx(18e9)
+    assert policy.rates["cpu", False].value == pytest.approx(10e9)  # measured by exploring "cpu"
+
+
+MACHINES = {
+    "split pays": Machine(bp=20e9, bh=10e9, contention=0.9),
+    "contention: fill alone": Machine(bp=20e9, bh=10e9, contention=0.5),
+    "fast CPU: cpu alone": Machine(bp=5e9, bh=40e9, contention=0.6),
+    "laptop": Machine(bp=12e9, bh=48e9, contention=0.85),
+    "equal paths": Machine(bp=25e9, bh=25e9, contention=0.7),
+}
+
+
+@pytest.mark.parametrize("name", MACHINES)
+def test_never_slower_than_the_better_single_path(name):
+    machine = MACHINES[name]
+    rng = random.Random(0)
+    calls = drive(make(), machine, [rng.randint(0, 40) for _ in range(1500)])
+    for m, c in calls[300:]:
+        if c.explored or m == 0:
+            continue
+        solo = min(machine.seconds(m, m), machine.seconds(0, m))
+        assert machine.seconds(c.q, m) <= solo * (1 + 1e-9), (m, c)
+
+
+def test_explores_the_arms_not_taken_on_schedule():
+    """An untaken choice is re-measured after explore_every calls times its predicted slowdown."""
+    machine = Machine(bp=20e9, bh=10e9, contention=0.95)  # the split pays: fill 1.4x, cpu 2.8x slower
+    policy = make(bp=20e9, bh=10e9, explore_every=8, explore_min=4)
+    calls = drive(policy, machine, [16] * 200)
+    best = machine.seconds(policy.best(16).q, 16)
+    for arm, q in (("fill", 16), ("cpu", 0)):
+        at = [i for i, (_, c) in enumerate(calls) if c.explored and c.arm == arm]
+        assert at[2] < 6  # each taken explore_first = 3 times at once: the profile may be far off
+        wait = 8 * machine.seconds(q, 16) / best
+        gaps = [b - a for a, b in zip(at[2:], at[3:])]
+        assert len(gaps) >= 200 // (wait + 3) - 3 and all(wait < g <= wait + 3 for g in gaps), arm
+    assert policy.stats()["explored"] == sum(c.explored for _, c in calls) > 0
+    tax = sum(machine.seconds(c.q, m) for m, c in calls) / (len(calls) * best) - 1
+    assert 0 < tax < 2 / 8  # each untaken choice costs under 1 / explore_every of the time
+    calls = drive(make(bp=20e9, bh=10e9, explore_every=8, explore_min=4), machine, [16, 2] * 100)
+    assert all(m == 16 for m, c in calls if c.explored)  # fewer than explore_min misses: never explored
+
+
+def test_exploring_finds_a_path_that_got_faster():
+    policy = make(bp=20e9, bh=5e9, explore_every=16)
+    drive(policy, Machine(bp=20e9, bh=5e9, contention=0.5), [32] * 200)
+    assert policy.best(32).arm == "fill"
+    drive(policy, Machine(bp=20e9, bh=60e9, contention=0.5), [32] * 200)  # another job left the CPU
+    assert policy.best(32).arm == "cpu"
+
+
+def test_no_misses_and_one_miss():
+    policy = make(bp=10e9, bh=20e9, explore_every=1)
+    none = policy.choose(0)
+    assert (none.q, none.arm) == (0, "none")
+    one = [policy.choose(1) for _ in range(5)]
+    assert all(c.q == 0 and c.arm == "cpu" and not c.explored for c in one)  # no split of one miss
+    assert policy.stats()["arms"] == {"split": 0, "fill": 0, "cpu": 5} and policy.explored == 0
+    assert 0.0 <= policy.cpu_share() <= 1.0
+
+
+def test_frozen_estimate_gives_a_fixed_split():
+    policy = SplitPolicy(BandwidthEstimate(bp=1e9, bh=2e9, frozen=True), EB, explore_every=2)
+    first = [policy.choose(m).q for m in range(41)]
+    drive(policy, Machine(bp=50e9, bh=1e9, contention=0.3), [24] * 50)
+    assert [policy.choose(m).q for m in range(41)] == first and policy.explored == 0
+    assert first[9] == 3 and first[30] == 10  # a third filled: both paths end together
+    assert first[1] == 0  # one miss: the CPU alone (2 GB/s) beats the fill (1 GB/s)
+    assert policy.cpu_share() == pytest.approx(1 - 21 / 64)
