@@ -38,6 +38,8 @@ def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--routing", default="uniform", help="uniform and/or zipf, comma-separated")
     ap.add_argument("--freeze", action="store_true",
                     help="keep the fill/CPU split at the measured profile (no running rates, no exploring)")
+    ap.add_argument("--slot-policy", default="lfu", choices=["lfu", "lru"],
+                    help="which cached expert a fill evicts (default lfu, as serve)")
     ap.add_argument("--json", default=None)
 
 

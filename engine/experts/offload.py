@@ -80,7 +80,11 @@ class OffloadBackend:
             self.cache.ready()  # hits may sit in slots filled by copies still in flight
         slots = self.cache.lookup(layer, routing.experts)
         hits = [i for i, s in enumerate(slots) if s >= 0]
-        misses = sorted((i for i, s in enumerate(slots) if s < 0), key=lambda i: -routing.counts[i])
+        # fills take the misses with the most tokens, then the hottest (the ones a slot will serve again);
+        # the CPU runs the rest from the host pool
+        heat = table.heat[self.pool.row[layer]]
+        misses = sorted((i for i, s in enumerate(slots) if s < 0),
+                        key=lambda i: (-routing.counts[i], -heat[routing.experts[i]]))
         q = len(misses) if streaming else self.split(len(misses))
         fills, on_cpu = misses[:q], misses[q:]
         table.touch(slots[hits])
