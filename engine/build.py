@@ -190,14 +190,10 @@ def step_tokens(opts: EngineOptions, device) -> int:
 
 def prefill_tokens(opts: EngineOptions, model, step: int, context: int) -> int:
     """Prompt tokens per step: --max-prefill-tokens, else the whole context when an expert cache would stream
-    its pool once per step (a layer-major step moves it once per prompt), else one step's tokens. The fast
-    path runs a step as one piece, so it keeps the step size."""
+    its pool once per step (a layer-major step moves it once per prompt), else one step's tokens."""
     if opts.max_prefill_tokens is not None:
-        if model.fast is not None and opts.max_prefill_tokens > step:
-            raise ValueError("--max-prefill-tokens runs layer-major on the eager path; add --eager, or leave it "
-                             "out on the fast path (every expert resident: nothing streams per step)")
         return max(step, opts.max_prefill_tokens)
-    if model.fast is None and hasattr(model.experts, "begin_forward"):
+    if hasattr(model.experts, "begin_forward"):
         return max(step, context)
     return step
 
@@ -212,8 +208,9 @@ def _enable_fast(model, max_running: int, context: int, chunk: int) -> None:
         log.warning("eager engine path: %s", reason)
         return
     model.enable_fast(slots=max_running + 1, capacity=context + 1)
-    log.info("fast engine path: %d state slots of %d tokens (%.1f GiB), decode as CUDA graphs",
-             max_running + 1, context + 1, model.fast.pool.nbytes / 2**30)
+    log.info("fast engine path: %d state slots of %d tokens (%.1f GiB), decode %s", max_running + 1, context + 1,
+             model.fast.pool.nbytes / 2**30, "as CUDA graphs" if model.decode_steps.capture else
+             "launched directly (the expert cache picks fills and CPU runs on the host each step)")
     started = time.monotonic()
     model.warm_up(chunk)
     log.info("fast engine path warmed up in %.1f s (kernels compiled, decode graphs captured)",

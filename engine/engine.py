@@ -34,7 +34,7 @@ class Engine:
 
             if fast or fast_unsupported(model) is None:
                 model.enable_fast(slots=2, capacity=FAST_CONTEXT)
-        if model.fast is None and hasattr(model.experts, "begin_forward"):
+        if hasattr(model.experts, "begin_forward"):
             model.piece_tokens = PREFILL_CHUNK  # an expert cache: a prompt in one layer-major forward
         return cls(model)
 

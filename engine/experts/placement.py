@@ -8,7 +8,7 @@ Hit rate = routed (token, layer, expert) triples served from GPU memory / all of
 - The slot cache (`slot_hits`): one pool of `slots` slots shared by all layers, lru.SlotTable's policy (lru or
   lfu) exactly as OffloadBackend.forward drives it at batch 1 with every miss filled (offload): per layer step
   tick, note the routed experts' use, look up, touch and lock the hits, take the policy's victims for the
-  misses, unlock.
+  misses (hottest miss first), unlock.
 - llama.cpp `--n-cpu-moe N` (`static_hits`): the experts of the first N layers stay in host memory, every other
   layer's experts are on the GPU (common/arg.cpp: tensor overrides for blocks 0..N-1). Its GPU memory is
   (L - N) * E experts, so `equal_memory` gives the LRU that many slots. Skew cannot help it: a layer is all in
@@ -57,6 +57,7 @@ def slot_hits(trace, num_experts: int, slots: int, warmup: int = 0, policy: str 
             table.touch(found[hit])
             table.lock(found[hit])
             want = experts[~hit]
+            want = want[np.argsort(-table.heat[layer, want], kind="stable")]  # hottest first, as the backend fills
             victims = table.victims(len(want))
             if len(victims) < len(want):
                 raise ValueError(f"{slots} slots cannot hold one layer step's {len(want)} missing experts")

@@ -23,9 +23,11 @@ from engine.kernels.deltanet_triton import conv_step, rule_step
 from engine.kernels.linear_triton import SKINNY_ROWS, skinny_linear
 from engine.kernels.moe_triton import expert_blocks, pair_blocks, route_topk, run_experts, run_experts_routed
 from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_router
+from engine.layers.mlp import swiglu_fused
 from engine.layers.moe import MoE
-from engine.models.fused import FusedAttention, FusedMoE, fuse_attention, fuse_deltanet, fuse_moe
-from engine.models.state import Span
+from engine.models.fused import (CachedMoE, FusedAttention, FusedMoE, fuse_attention, fuse_cached_moe, fuse_deltanet,
+                                 fuse_moe)
+from engine.models.pieces import one_expert_pass, piece_spans, row_pieces
 
 GROUP_PAIRS = 128  # from this many (token, expert) pairs on, experts run grouped per expert, not per pair
 GROUP_BLOCK = 64  # pairs per block when grouped
@@ -36,9 +38,13 @@ class FastPath:
         cfg = model.config
         self.model, self.pool, self.cfg = model, pool, cfg
         self.mixers, self.mlps = [], []
+        # an expert cache keeps the routed experts (host pool + device slots): its layers route here and run
+        # the experts through it; decode steps then stay on the host's schedule (no graph)
+        self.cached_experts = hasattr(model.experts, "begin_forward")
+        fuse_mlp = fuse_cached_moe if self.cached_experts else fuse_moe
         for layer in model.layers:
             self.mixers.append(fuse_attention(layer.mixer, cfg) if layer.is_attention else fuse_deltanet(layer.mixer, cfg))
-            self.mlps.append(fuse_moe(layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp)
+            self.mlps.append(fuse_mlp(layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp)
             if chunked_rule is not None and not layer.is_attention:
                 layer.mixer.chunked_rule = chunked_rule
         norms = [layer.input_norm for layer in model.layers] + [model.final_norm]
@@ -109,30 +115,41 @@ class FastPath:
         return list(out.split(1 if one_each or logits == "last" else lengths))
 
     def _prefill(self, tokens, slots, positions, lengths, states, logits):
+        """Every layer over the batch, in pieces of model.piece_tokens rows (layer-major) when it has more."""
         model, zc, eps = self.model, self.cfg.zero_centered_norm, self.cfg.rms_norm_eps
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
-        tiles = prefill_tiles([(off, n, st.length, st.slot) for off, n, st in zip(offsets, lengths, states)],
-                              prefill_block(self.cfg.head_dim)[0], model.device)
+        pieces = row_pieces(tokens.shape[0], model.piece_tokens)
+        block = prefill_block(self.cfg.head_dim)[0]
+        tiles = [prefill_tiles(_piece_rows(states, offsets, lengths, a, b), block, model.device) for a, b in pieces]
         x = F.embedding(tokens, model.embed)
         x, h = add_rms_norm(x, None, model.layers[0].input_norm, eps, zc)
-        for i, layer in enumerate(model.layers):
-            m = self.mixers[i]
-            if isinstance(m, FusedAttention):
-                k, v = self.pool.layers[i]
-                proj = F.linear(h, m.qkv_w)
-                q = torch.empty(h.shape[0], m.consts.heads, m.consts.head_dim, dtype=h.dtype, device=h.device)
-                qk_rope_store(proj, q, k, v, slots, positions, m.consts)
-                mix = F.linear(prefill_attention(q, proj, k, v, tiles, m.consts), m.o_w)
-            else:
-                spans = [Span(off, n, st.length, st.layers[i], st.checkpoint_positions)
-                         for off, n, st in zip(offsets, lengths, states)]
-                mix = self._deltanet_prefill(layer.mixer, m, h, spans)
-            post, nxt = self.norms[i]
-            x, h = add_rms_norm(x, mix, post, eps, zc)
-            x, h = add_rms_norm(x, self._mlp(i, h, None), nxt, eps, zc)
+        with one_expert_pass(model.experts, tokens.shape[0], self.cfg.top_k):
+            for i in range(len(model.layers)):
+                for (a, b), piece_tiles in zip(pieces, tiles):
+                    spans = piece_spans(states, offsets, lengths, i, a, b)
+                    out = self._prefill_layer(i, x[a:b], h[a:b], slots[a:b], positions[a:b], piece_tiles, spans)
+                    if len(pieces) == 1:
+                        x, h = out
+                    else:
+                        x[a:b], h[a:b] = out
         if logits == "last":
             h = h[[off + n - 1 for off, n in zip(offsets, lengths)]]
         return F.linear(h, model.lm_head).float()
+
+    def _prefill_layer(self, i, x, h, slots, positions, tiles, spans):
+        """Layer i over rows x (residual) / h (its normed input) -> (residual, the next layer's normed input)."""
+        m, zc, eps = self.mixers[i], self.cfg.zero_centered_norm, self.cfg.rms_norm_eps
+        if isinstance(m, FusedAttention):
+            k, v = self.pool.layers[i]
+            proj = F.linear(h, m.qkv_w)
+            q = torch.empty(h.shape[0], m.consts.heads, m.consts.head_dim, dtype=h.dtype, device=h.device)
+            qk_rope_store(proj, q, k, v, slots, positions, m.consts)
+            mix = F.linear(prefill_attention(q, proj, k, v, tiles, m.consts), m.o_w)
+        else:
+            mix = self._deltanet_prefill(self.model.layers[i].mixer, m, h, spans)
+        post, nxt = self.norms[i]
+        x, h = add_rms_norm(x, mix, post, eps, zc)
+        return add_rms_norm(x, self._mlp(i, h, None), nxt, eps, zc)
 
     def _deltanet_prefill(self, net, m, h, spans):
         """The eager layer's per-sequence conv + chunked rule (with checkpoints), on one fused projection."""
@@ -150,6 +167,8 @@ class FastPath:
     def _mlp(self, i: int, h: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """-> rows to add to the residual: [N, KP, H] expert outputs (already weighted), or [N, 1, H]."""
         mlp = self.mlps[i]
+        if isinstance(mlp, CachedMoE):
+            return _cached_experts(mlp, h, valid)
         if not isinstance(mlp, FusedMoE):
             return mlp(h)[:, None]
         ids, w = route_topk(F.linear(h, mlp.router_w), mlp.top_k, mlp.norm_topk, mlp.shared_folded, valid)
@@ -162,6 +181,29 @@ class FastPath:
             shared = torch.sigmoid(F.linear(h, mlp.shared_gate_w)) * mlp.shared(h)
             y = torch.cat([y, shared[:, None]], dim=1)
         return y
+
+
+def _cached_experts(mlp: CachedMoE, h: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """Route on the device, run the routed experts through the expert cache (which groups them on the host),
+    add the gated shared expert -> [N, 1, H]. valid: padding rows must not reach the cache (None: all real)."""
+    shared = mlp.shared_gate_up is not None
+    ids, w = route_topk(F.linear(h, mlp.router_w), mlp.top_k, mlp.norm_topk, shared, valid)
+    K = mlp.top_k
+    y = mlp.backend.forward(mlp.layer, h, ids[:, :K].long(), w[:, :K].to(h.dtype))  # [N, H]
+    if shared:
+        y = y + w[:, K:].to(h.dtype) * swiglu_fused(h, mlp.shared_gate_up, mlp.shared_down)
+    return y[:, None]
+
+
+def _piece_rows(states: list, offsets: list[int], lengths: list[int], a: int, b: int) -> list[tuple]:
+    """(offset in the piece, rows, first position, slot) of each sequence with rows in [a, b): what
+    prefill_tiles reads (pieces.piece_spans gives the same rows with each layer's state)."""
+    rows = []
+    for off, n, st in zip(offsets, lengths, states):
+        lo, hi = max(off, a), min(off + n, b)
+        if lo < hi:
+            rows.append((lo - a, hi - lo, st.length + lo - off, st.slot))
+    return rows
 
 
 def _decode_linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

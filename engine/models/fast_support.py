@@ -1,8 +1,9 @@
 """Whether a loaded model can take the fast path, and building it (imports Triton only when it can).
 
 The fast path needs Triton and a CUDA device (or Triton's CPU interpreter, TRITON_INTERPRET=1, which the
-tests use), every routed expert resident on the device (the `fused` backend: slot backends keep their own
-eager path), and head dims the kernels tile (powers of two).
+tests use) and head dims the kernels tile (powers of two). Routed experts either all resident (`fused`: decode
+steps as CUDA graphs) or in an expert cache (offload / cpu / hybrid: the fast kernels around it, decode steps
+launched directly, as the cache decides fills and CPU runs on the host).
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ def fast_unsupported(model) -> str | None:
     if model.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"the fast path runs on CUDA (this model is on {model.device})"
     experts = getattr(model, "experts", None)
-    if experts is not None and getattr(experts, "name", None) != "fused" and model.config.moe_layers:
-        return f"the {experts.name} expert backend runs its experts on the eager path"
+    cached = hasattr(experts, "begin_forward")  # an expert cache: its layers route on the device, run through it
+    if experts is not None and not cached and getattr(experts, "name", None) != "fused" and model.config.moe_layers:
+        return f"the {experts.name} expert backend has no fast path"
     cfg = model.config
     dims = [cfg.head_dim] + ([cfg.linear_k_head_dim, cfg.linear_v_head_dim] if cfg.linear_num_v_heads else [])
     if not all(_pow2(d) for d in dims):
@@ -47,5 +49,9 @@ def make_fast_path(model, slots: int, capacity: int, graphs: bool | None):
     use_fla = delta_rule_fla.available() and model.dtype != torch.float32
     rule = delta_rule_fla.chunked_gated_delta_rule_fla if use_fla else None
     fast = FastPath(model, StatePool(model, slots, capacity), chunked_rule=rule)
+    if fast.cached_experts:  # the cache picks fills and CPU runs on the host each step: nothing to capture
+        if graphs:
+            raise ValueError("decode steps with an expert cache (offload/cpu/hybrid) cannot be CUDA graphs")
+        return fast, DecodeSteps(fast, slots, capture=False, pad=False)
     capture = model.device.type == "cuda" if graphs is None else graphs
     return fast, DecodeSteps(fast, slots, capture)

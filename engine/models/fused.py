@@ -2,7 +2,8 @@
 
 Per attention layer one q|k|v projection, per DeltaNet layer one conv-input|z|b|a projection, per MoE layer
 one router|shared-gate projection, and the shared expert stacked after the routed ones as expert E (when its
-width equals theirs), so each block starts with one GEMM and runs its experts in one launch pair. The eager
+width equals theirs), so each block starts with one GEMM and runs its experts in one launch pair. With an
+expert cache (CachedMoE) the routed experts stay where the backend keeps them. The eager
 layers' weights are re-pointed at row slices of the fused tensors: same values, one copy in memory.
 """
 from __future__ import annotations
@@ -40,6 +41,21 @@ class FusedMoE:
     shared_folded: bool  # expert E is the shared expert, weighted by sigmoid(router row E)
     shared: object | None  # the shared expert when not folded (its width differs), else None
     shared_gate_w: torch.Tensor | None
+
+
+@dataclass
+class CachedMoE:
+    """An MoE layer whose routed experts live in an expert cache (offload / cpu / hybrid): the router (and the
+    shared expert's gate, last) in one projection, the shared expert's gate|up in one, the routed experts
+    through the backend."""
+
+    router_w: torch.Tensor  # [E (+1 shared gate), H]
+    top_k: int
+    norm_topk: bool
+    backend: object  # OffloadBackend and its kin: forward(layer, x, ids, w) -> [N, H]
+    layer: int
+    shared_gate_up: torch.Tensor | None  # [2Is, H]
+    shared_down: torch.Tensor | None  # [H, Is]
 
 
 def _concat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -84,3 +100,14 @@ def fuse_moe(moe, cfg) -> FusedMoE:
         router, (moe.router_w, moe.shared_gate_w) = _concat([moe.router_w, moe.shared_gate_w])
     return FusedMoE(router, gate_up, down, cfg.top_k, cfg.norm_topk_prob, folded,
                     None if folded else shared, None if folded or shared is None else moe.shared_gate_w)
+
+
+def fuse_cached_moe(moe, cfg) -> CachedMoE:
+    """The layout of an MoE layer whose routed experts stay in the backend's cache (nothing of theirs moves)."""
+    shared = moe.shared
+    router, gate_up = moe.router_w, None
+    if shared is not None:
+        router, (moe.router_w, moe.shared_gate_w) = _concat([moe.router_w, moe.shared_gate_w])
+        gate_up, (shared.gate_w, shared.up_w) = _concat([shared.gate_w, shared.up_w])
+    return CachedMoE(router, cfg.top_k, cfg.norm_topk_prob, moe.backend, moe.layer, gate_up,
+                     None if shared is None else shared.down_w)

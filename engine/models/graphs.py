@@ -64,9 +64,11 @@ class _Bucket:
 
 
 class DecodeSteps:
-    def __init__(self, fast, max_batch: int, capture: bool):
+    """pad=False: a bucket for every batch size, no padding rows (an expert cache must not see them)."""
+
+    def __init__(self, fast, max_batch: int, capture: bool, pad: bool = True):
         self.fast, self.capture = fast, capture
-        self.sizes = buckets_for(max_batch)
+        self.sizes = buckets_for(max_batch) if pad else list(range(1, max_batch + 1))
         self._buckets: dict[int, _Bucket] = {}
         self.replays = 0
 

@@ -7,7 +7,6 @@ N = tokens in the batch, H = hidden, V = vocab.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -20,6 +19,7 @@ from engine.layers.mlp import DenseMLP
 from engine.layers.moe import MoE
 from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
+from engine.models.pieces import one_expert_pass, piece_spans, row_pieces
 from engine.models.slots import SlotState
 from engine.models.state import KVCache, LinearState, SequenceState, Span, StateCheckpoint
 
@@ -119,11 +119,12 @@ class Model:
         lengths = [t.numel() for t in ids]
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         x = F.embedding(torch.cat(ids), self.embed)  # [N, H]
-        pieces = _pieces(x.shape[0], self.piece_tokens)
-        with _one_expert_pass(self.experts, x.shape[0], self.config.top_k):
+        pieces = row_pieces(x.shape[0], self.piece_tokens)
+        states = [st for _, st in items]
+        with one_expert_pass(self.experts, x.shape[0], self.config.top_k):
             for index, layer in enumerate(self.layers):
                 for a, b in pieces:  # layer-major: every piece of the batch through this layer, then the next
-                    spans = _spans(items, offsets, lengths, index, a, b)
+                    spans = piece_spans(states, offsets, lengths, index, a, b)
                     if len(pieces) == 1:
                         x = layer(x, spans)
                     else:
@@ -171,36 +172,3 @@ class Model:
             return list(out.split(1))
         return self.fast.forward(items, logits)
 
-
-def _pieces(n: int, piece: int | None) -> list[tuple[int, int]]:
-    """Row ranges [a, b) of a batch of n rows, `piece` rows each (the last one shorter)."""
-    if not piece or n <= piece:
-        return [(0, n)]
-    return [(a, min(a + piece, n)) for a in range(0, n, piece)]
-
-
-def _spans(items: list, offsets: list[int], lengths: list[int], index: int, a: int, b: int) -> list[Span]:
-    """The Span of each sequence with rows in [a, b), as layer `index` sees the piece: offsets relative to a,
-    positions moved on by the sequence's rows in earlier pieces."""
-    spans = []
-    for off, n, (_, st) in zip(offsets, lengths, items):
-        lo, hi = max(off, a), min(off + n, b)
-        if lo < hi:
-            spans.append(Span(lo - a, hi - lo, st.length + lo - off, st.layers[index], st.checkpoint_positions))
-    return spans
-
-
-@contextmanager
-def _one_expert_pass(experts, num_tokens: int, top_k: int):
-    """Tell an expert cache that one forward of num_tokens tokens runs through its layers now, however many
-    pieces each layer takes (it plans layer streaming for the whole batch); backends without a cache
-    (fused) need no notice."""
-    begin = getattr(experts, "begin_forward", None)
-    if begin is None:
-        yield
-        return
-    begin(num_tokens, top_k, hold=True)
-    try:
-        yield
-    finally:
-        experts.end_forward()

@@ -37,6 +37,7 @@ from proxy.upstream.wire import ChunkReader, chat_body
 
 log = logging.getLogger("killick.upstream")
 SESSION_HEADER = "x-session-id"  # the proxy's session key, so a killick upstream keeps the same session
+HEALTH_TIMEOUT_S = 5.0  # a health answer slower than this marks the replica down
 _NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
@@ -76,12 +77,13 @@ class UpstreamPool:
             await asyncio.sleep(self.config.health_interval_s)
 
     async def check(self, replica: Replica) -> bool:
-        """GET /health (killick, llama.cpp, vLLM and SGLang all serve it): 200 is up."""
+        """GET /health (killick, llama.cpp, vLLM and SGLang all serve it): 200 is up. A replica busy with a long
+        prefill may answer late; it gets HEALTH_TIMEOUT_S whatever the interval (a short interval once marked
+        busy replicas down, and their sessions lost their cached prefix to another replica)."""
         why = None
         try:
             async with self.http.get(replica.url + "/health", headers=self._auth(),
-                                     timeout=aiohttp.ClientTimeout(total=min(5.0, self.config.health_interval_s))
-                                     ) as resp:
+                                     timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as resp:
                 ok = resp.status == 200
                 why = None if ok else f"health check: HTTP {resp.status}"
         except _NET_ERRORS as exc:

@@ -121,3 +121,44 @@ def test_warm_up_leaves_the_pool_as_it_found_it(pair):
     assert fast.fast.pool.free == free
     ids = prompt(9, 6)  # and the slots it used serve fresh sequences exactly
     assert rel(fast.forward([(ids, fast.new_state())])[0], eager.forward([(ids, eager.new_state())])[0]) < TOL
+
+
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_fast_path_with_an_expert_cache_matches_eager(checkpoints, backend):
+    """Routed experts in an expert cache (a quarter of them on the device): the fast kernels around it,
+    decode launched directly (no padding rows reach the cache), prefill layer-major in pieces with a
+    checkpoint on a piece boundary; logits as the eager path's, greedy tokens the same."""
+    from engine.experts.policy import BandwidthEstimate
+    from engine.experts.registry import experts_factory
+
+    ckpt = checkpoints["qwen3_5_moe", "fused"]
+
+    def engine(fast: bool):
+        est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+        eng = Engine.from_pretrained(ckpt, device=DEV, fast=False, expert_device="cpu",
+                                     experts=experts_factory(backend, device=DEV, slots=8, estimate=est))
+        if fast:
+            eng.model.enable_fast(slots=3, capacity=64)
+        eng.model.piece_tokens = 8
+        return eng
+
+    eager, fast = engine(False), engine(True)
+    assert fast.model.fast.cached_experts and not fast.model.decode_steps.capture
+    a, b = prompt(21, 11), prompt(5, 12)
+    se, sf = [eager.model.new_state() for _ in range(2)], [fast.model.new_state() for _ in range(2)]
+    for s in (*se, *sf):
+        s.checkpoint_positions = (8, 13)
+    ref = eager.model.forward([(a, se[0]), (b, se[1])], logits="all")
+    got = fast.model.forward([(a, sf[0]), (b, sf[1])], logits="all")
+    assert all(rel(g, r) < TOL for g, r in zip(got, ref))
+    for pos in (8, 13):
+        for le, lf in zip(se[0].at(pos).layers, sf[0].at(pos).layers):
+            assert all(rel(x, y) < TOL for x, y in zip(lf.snapshot(), le.snapshot()) if y.norm() > 0)
+    for step in range(3):  # batch 2, then 1: buckets without padding
+        items = [(prompt(1, 40 + step), s) for s in (sf if step < 2 else sf[:1])]
+        ref_items = [(t, s) for (t, _), s in zip(items, se)]
+        assert all(rel(g, r) < TOL for g, r in zip(fast.model.forward(items), eager.model.forward(ref_items)))
+    ids = prompt(12, 7)
+    assert fast.generate(ids, max_new_tokens=5) == eager.generate(ids, max_new_tokens=5)
+    for eng in (eager, fast):
+        eng.model.experts.close()

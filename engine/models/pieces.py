@@ -1,0 +1,48 @@
+"""Layer-major forwards: a batch's rows cut into pieces that each layer runs in turn before the next layer.
+
+    for a, b in row_pieces(N, piece):                          # [(0, piece), (piece, 2 * piece), ...]
+        spans = piece_spans(states, offsets, lengths, layer, a, b)  # each sequence's rows in [a, b)
+    with one_expert_pass(experts, N, top_k): ...               # an expert cache plans for all N tokens
+
+An expert cache streams its pool once per forward; a layer-major forward of a whole prompt therefore moves it
+once per prompt, while activations and attention stay piece-sized. N = rows of the batch.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from engine.models.state import Span
+
+
+def row_pieces(n: int, piece: int | None) -> list[tuple[int, int]]:
+    """Row ranges [a, b) of a batch of n rows, `piece` rows each (the last one shorter); one range without."""
+    if not piece or n <= piece:
+        return [(0, n)]
+    return [(a, min(a + piece, n)) for a in range(0, n, piece)]
+
+
+def piece_spans(states: list, offsets: list[int], lengths: list[int], index: int, a: int, b: int) -> list[Span]:
+    """The Span of each sequence with rows in [a, b), as layer `index` sees the piece: offsets relative to a,
+    positions moved on by the sequence's rows in earlier pieces."""
+    spans = []
+    for off, n, st in zip(offsets, lengths, states):
+        lo, hi = max(off, a), min(off + n, b)
+        if lo < hi:
+            spans.append(Span(lo - a, hi - lo, st.length + lo - off, st.layers[index], st.checkpoint_positions))
+    return spans
+
+
+@contextmanager
+def one_expert_pass(experts, num_tokens: int, top_k: int):
+    """Tell an expert cache that one forward of num_tokens tokens runs through its layers now, however many
+    pieces each layer takes (it plans layer streaming for the whole batch); backends without a cache
+    (fused) need no notice."""
+    begin = getattr(experts, "begin_forward", None)
+    if begin is None:
+        yield
+        return
+    begin(num_tokens, top_k, hold=True)
+    try:
+        yield
+    finally:
+        experts.end_forward()
