@@ -4,10 +4,13 @@ and `hybrid`, which differ only in how many of a step's m misses they fill (`spl
 T = tokens, K = experts per token, H = hidden. Per MoE layer and step:
 route (host grouping) -> hits run from their slots; of the m misses, split(m) are filled (copy stream)
 and run on the device, the rest run on the CPU concurrently from the host pool -> outputs land in
-y [T*K, H] by (token, k) position -> `compute.combine` sums over k.
+y [T*K, H] by (token, k) position -> `compute.combine` sums over k. On CUDA the device experts run in
+two launch pairs of the grouped Triton kernels reading the slots in place (hits while the copies land,
+then the fills); elsewhere, and when fills go in rounds, one expert at a time through torch.
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +30,7 @@ class OffloadBackend:
 
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str = "cpu", *,
                  estimate: BandwidthEstimate | None = None, stream_prefill: bool = True,
-                 slot_policy: str = "lru") -> None:
+                 slot_policy: str = "lru", grouped: bool | None = None) -> None:
         self.pool, self.device = pool, torch.device(device)
         self.cache = SlotCache(pool, num_slots, self.device, slot_policy)
         self.stats_ = ExpertStats(pool.layers)
@@ -39,6 +42,10 @@ class OffloadBackend:
         # rough device expert throughput for the prefill choice (flop/s); only the order of magnitude matters
         self.device_flops = 2e14 if self.device.type == "cuda" else 5e10
         self._held = False  # a forward announced by begin_forward(hold=True) runs until end_forward
+        # device experts in one launch pair of the grouped Triton kernels, reading the slots in place (default
+        # on CUDA); else one expert at a time through torch (the reference, and the path on a CPU device)
+        self.grouped = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None \
+            if grouped is None else grouped
 
     # --- policy hooks, overridden by cpu / hybrid
     def split(self, m: int) -> int:
@@ -107,6 +114,11 @@ class OffloadBackend:
         with_cpu: this call's CPU runs go on alongside the copies (kept with their timing)."""
         want = [routing.experts[i] for i in fills]
         admitted = self.cache.admit(layer, want, with_cpu=with_cpu)  # before the hits run: copies overlap them
+        if self.grouped and len(admitted) == len(fills) and x.dtype == self.pool.dtype:
+            self._run_grouped(x, y, routing, hits, hit_slots)  # overlapping the copies
+            self.cache.ready()
+            self._run_grouped(x, y, routing, fills, admitted)
+            return
         for i, s in zip(hits, hit_slots):
             self._run_slot(x, y, routing, i, s)
         done = 0
@@ -123,6 +135,25 @@ class OffloadBackend:
             admitted = self.cache.admit(layer, want[done:], with_cpu=with_cpu)
             if not admitted:
                 raise RuntimeError("no unlocked expert slot left for a fill")
+
+    def _run_grouped(self, x, y, routing: Routing, experts: list[int], slots: list[int]) -> None:
+        """Routing.experts[experts] from their `slots` in one launch pair: their (token, k) rows of y
+        [T*K, H] get the unweighted expert outputs (combine weighs them, as for the other paths)."""
+        if not experts:
+            return
+        from engine.kernels.moe_triton import blocks_for, run_experts
+
+        T, K, lay = x.shape[0], routing.top_k, self.pool.layout
+        pos = torch.cat([routing.positions[i] for i in experts])  # [n] flat t * K + k
+        per = torch.tensor([routing.counts[i] for i in experts])
+        ids = torch.full((T * K,), -1, dtype=torch.int32)
+        ids[pos] = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32), per)
+        ids = ids.view(T, K).to(self.device, non_blocking=True)
+        ones = torch.ones(T, K, dtype=torch.float32, device=self.device)
+        act = torch.empty(T * K, lay.inter, dtype=x.dtype, device=self.device)
+        gate_up, down = self.cache.all_weights()
+        run_experts(x.contiguous(), gate_up, down, ids, ones, blocks_for(ids, self.cache.num_slots),
+                    out=(act, y.view(T, K, -1)))
 
     def _run_slot(self, x, y, routing: Routing, i: int, slot: int) -> None:
         pos = routing.positions[i].to(self.device, non_blocking=True)

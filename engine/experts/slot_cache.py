@@ -52,6 +52,12 @@ class SlotCache:
         """(gate_up [2I, H], down [H, I]) views of one slot."""
         return split_block(self.buf[slot], self.pool.layout)
 
+    def all_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [S, 2I, H], down [S, H, I]) views of every slot: expert i of them is slot i (the grouped
+        expert kernels read them in place, an expert stride of one block)."""
+        gu, lay = self.pool.layout.gate_up_numel, self.pool.layout
+        return (self.buf[:, :gu].view(-1, 2 * lay.inter, lay.hidden), self.buf[:, gu:].view(-1, lay.hidden, lay.inter))
+
     def lookup(self, layer: int, experts) -> np.ndarray:
         return self.table.lookup(self.pool.row[layer], experts)
 

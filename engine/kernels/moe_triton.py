@@ -100,6 +100,15 @@ def route_topk_ref(logits, top_k, norm_topk, shared, valid=None):
     return ids, w
 
 
+GROUP_PAIRS = 128  # from this many (token, expert) pairs on, experts run grouped per expert, not per pair
+GROUP_BLOCK = 64  # pairs per block when grouped
+
+
+def blocks_for(ids: torch.Tensor, num_experts: int) -> "Blocks":
+    """The block mapping a batch of pairs runs best in: one block per pair for a few, grouped per expert."""
+    return pair_blocks(ids) if ids.numel() < GROUP_PAIRS else expert_blocks(ids, num_experts, GROUP_BLOCK)
+
+
 @dataclass(frozen=True)
 class Blocks:
     """rows [NB, BM] int32: pair index per block row (-1: empty); expert [NB] int32 (-1: idle block)."""
@@ -155,7 +164,7 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
 
 
 @triton.jit
-def _expert_up_kernel(x_ptr, w_ptr, rows_ptr, exp_ptr, act_ptr, H, I, KP,
+def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, KP,
                       logits_ptr, lstride, E, valid_ptr, pw_ptr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
                       ROUTE: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
@@ -181,7 +190,7 @@ def _expert_up_kernel(x_ptr, w_ptr, rows_ptr, exp_ptr, act_ptr, H, I, KP,
         tok = tl.where(valid, rows // KP, 0).to(tl.int64)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = rn < I
-        base = w_ptr + e.to(tl.int64) * (2 * I * H)
+        base = w_ptr + e.to(tl.int64) * w_stride
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -199,7 +208,7 @@ def _expert_up_kernel(x_ptr, w_ptr, rows_ptr, exp_ptr, act_ptr, H, I, KP,
 
 
 @triton.jit
-def _expert_down_kernel(act_ptr, w_ptr, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I,
+def _expert_down_kernel(act_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -211,7 +220,7 @@ def _expert_down_kernel(act_ptr, w_ptr, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I,
         r64 = tl.where(valid, rows, 0).to(tl.int64)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = rn < H
-        base = w_ptr + e.to(tl.int64) * (H * I)
+        base = w_ptr + e.to(tl.int64) * w_stride
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, I, BK):
             rk = k0 + tl.arange(0, BK)
@@ -277,10 +286,16 @@ def _check(x, gate_up, down, ids, weights) -> None:
     if Hw != H or down.shape != (E, H, two_i // 2) or ids.shape != weights.shape or ids.shape[0] != N:
         raise ValueError(f"run_experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down "
                          f"{tuple(down.shape)}, ids {tuple(ids.shape)} do not fit together")
-    if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
-        raise ValueError("run_experts wants contiguous x, gate_up and down")
+    if not (x.is_contiguous() and _rows_packed(gate_up) and _rows_packed(down)):
+        raise ValueError("run_experts wants contiguous x and each expert's gate_up / down packed row-major "
+                         "(the expert stride may be larger: an expert cache's slots hold both in one block)")
     if x.dtype != gate_up.dtype or x.dtype != down.dtype:
         raise ValueError(f"run_experts: x is {x.dtype} but the experts are {gate_up.dtype}")
+
+
+def _rows_packed(w: torch.Tensor) -> bool:
+    """[E, R, C] with each expert's [R, C] row-major and contiguous (any stride between experts)."""
+    return w.stride(2) == 1 and w.stride(1) == w.shape[2] and w.stride(0) >= w.shape[1] * w.shape[2]
 
 
 def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route):
@@ -300,12 +315,13 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route):
         logits, lstride, E, valid, top_k, shared, norm = route
     bn, bk, warps, stages = tiles[0] if tiles else _tiles(bm, I, H, N, up=True)
     _expert_up_kernel[(nb, triton.cdiv(I, bn))](
-        x, gate_up, blocks.rows, blocks.expert, act, H, I, KP, logits, lstride, E, valid, weights,
+        x, gate_up, gate_up.stride(0), blocks.rows, blocks.expert, act, H, I, KP, logits, lstride, E, valid, weights,
         BM=bm, BN=bn, BK=bk, PREC=prec, ROUTE=route is not None, K=top_k, SHARED=shared, NORM=norm,
         BLOCK_E=triton.next_power_of_2(max(E, 2)), BLOCK_K=triton.next_power_of_2(max(KP, 2)),
         num_warps=warps, num_stages=stages, **pdl_args(x))
     bn, bk, warps, stages = tiles[1] if tiles else _tiles(bm, H, I, N, up=False)
-    _expert_down_kernel[(nb, triton.cdiv(H, bn))](act, down, blocks.rows, blocks.expert, weights, y, H, I, BM=bm,
+    _expert_down_kernel[(nb, triton.cdiv(H, bn))](act, down, down.stride(0), blocks.rows, blocks.expert, weights, y,
+                                                  H, I, BM=bm,
                                                   BN=bn, BK=bk, PREC=prec, num_warps=warps, num_stages=stages, **pdl_args(act))
     return y
 

@@ -21,7 +21,7 @@ from engine.kernels.attention_triton import (decode_attention, decode_splits, pr
                                              prefill_tiles, qk_rope_store)
 from engine.kernels.deltanet_triton import conv_step, rule_step
 from engine.kernels.linear_triton import SKINNY_ROWS, skinny_linear
-from engine.kernels.moe_triton import expert_blocks, pair_blocks, route_topk, run_experts, run_experts_routed
+from engine.kernels.moe_triton import GROUP_PAIRS, blocks_for, route_topk, run_experts, run_experts_routed
 from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_router
 from engine.layers.mlp import swiglu_fused
 from engine.layers.moe import MoE
@@ -29,8 +29,6 @@ from engine.models.fused import (CachedMoE, FusedAttention, FusedMoE, fuse_atten
                                  fuse_moe)
 from engine.models.pieces import one_expert_pass, piece_spans, row_pieces
 
-GROUP_PAIRS = 128  # from this many (token, expert) pairs on, experts run grouped per expert, not per pair
-GROUP_BLOCK = 64  # pairs per block when grouped
 
 
 class FastPath:
@@ -172,11 +170,7 @@ class FastPath:
         if not isinstance(mlp, FusedMoE):
             return mlp(h)[:, None]
         ids, w = route_topk(F.linear(h, mlp.router_w), mlp.top_k, mlp.norm_topk, mlp.shared_folded, valid)
-        if ids.numel() < GROUP_PAIRS:
-            blocks = pair_blocks(ids)
-        else:
-            blocks = expert_blocks(ids, mlp.gate_up.shape[0], GROUP_BLOCK)
-        y = run_experts(h, mlp.gate_up, mlp.down, ids, w, blocks)
+        y = run_experts(h, mlp.gate_up, mlp.down, ids, w, blocks_for(ids, mlp.gate_up.shape[0]))
         if mlp.shared is not None:
             shared = torch.sigmoid(F.linear(h, mlp.shared_gate_w)) * mlp.shared(h)
             y = torch.cat([y, shared[:, None]], dim=1)

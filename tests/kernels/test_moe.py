@@ -61,6 +61,27 @@ def test_run_experts_matches_reference(dev, dtype, mapping):
     assert rel_err(y.cpu()[live], ref.cpu()[live]) < 3 * tol(dtype)
 
 
+@pytest.mark.parametrize("mapping", ["pair", "expert"])
+def test_run_experts_reads_slot_blocks_in_place(dev, mapping):
+    """An expert cache's slots hold gate_up and down in one block [S, 3IH]: views with an expert stride of
+    the whole block run as their contiguous copies do; a view with scattered rows is refused."""
+    g = torch.Generator().manual_seed(8)
+    N, S, KP, H, I = 5, 6, 2, 48, 40
+    buf = (torch.randn(S, 3 * I * H, generator=g) * 0.2).to(dev)  # [S, numel]
+    gate_up, down = buf[:, : 2 * I * H].view(S, 2 * I, H), buf[:, 2 * I * H :].view(S, H, I)
+    x = (torch.randn(N, H, generator=g) * 0.5).to(dev)
+    ids = torch.randint(0, S, (N, KP), generator=g).int().to(dev)
+    ids[1, 0] = -1  # a pair the CPU runs: its row is left alone
+    w = torch.ones(N, KP, device=dev)
+    blocks = pair_blocks(ids) if mapping == "pair" else expert_blocks(ids, S, 16)
+    y = run_experts(x, gate_up, down, ids, w, blocks)
+    ref = run_experts(x, gate_up.contiguous(), down.contiguous(), ids, w, blocks)
+    live = (ids >= 0).cpu()
+    assert torch.equal(y.cpu()[live], ref.cpu()[live])
+    with pytest.raises(ValueError, match="packed row-major"):
+        run_experts(x, torch.zeros(S, 2 * I, 2 * H, device=dev)[:, :, ::2], down, ids, w, blocks)
+
+
 def test_run_experts_names_a_dtype_mismatch(dev):
     x = torch.randn(2, 16, device=dev)
     gu, dn = torch.randn(3, 32, 16, device=dev, dtype=torch.float16), torch.randn(3, 16, 16, device=dev, dtype=torch.float16)
