@@ -10,18 +10,7 @@
 #     OUT=/some/dir bash engine/bench/gpu_engine.sh
 # Results under $OUT: summary.txt, bench_model_{8,40}.json, peer/ (llama_bench.json, logs), compare.{txt,json},
 # serve.json, pytest_gpu.log. A failing step is logged and the session goes on.
-set -x
-set -o pipefail
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-PY=${PY:-python3}
-export PYTHONUNBUFFERED=1
-status() { echo "$1 rc=$2" | tee -a "$OUT/summary.txt"; }
-if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-{ date -u; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; nproc; git log -1 --format=%h
-  $PY -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"; } > "$OUT/env.log" 2>&1
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
 
 CKPT=build/peers/ckpt/qwen3.6-35b-a3b-L8  
 ( timeout ${PEER_S:-540} bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 --backend cuda \

@@ -12,18 +12,7 @@
 #     OUT=/some/dir bash engine/bench/gpu_experts.sh
 # Results under $OUT: summary.txt, bench_{resident,offload,hybrid}.json, compare_*.txt, peer/, bw.json,
 # pytest_gpu.log. A failing step is logged and the session goes on.
-set -x
-set -o pipefail
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-PY=${PY:-python3}
-export PYTHONUNBUFFERED=1
-status() { echo "$1 rc=$2" | tee -a "$OUT/summary.txt"; }
-if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-{ date -u; nvidia-smi --query-gpu=name,memory.total --format=csv; nproc; git log -1 --format=%h
-  $PY -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"; } > "$OUT/env.log" 2>&1
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
 if ! ls native/_cpu_experts*.so >/dev/null 2>&1; then  # the CPU expert kernels (hybrid and bench bw use them)
     timeout 90 $PY setup.py build_ext --inplace > "$OUT/build_native.log" 2>&1
     status build_native $?
