@@ -9,7 +9,8 @@
 #      with B_P measured in its process and the pool's bytes moved per row; the killick ÷ llama.cpp tables
 #   4. `killick bench bw` at 6, 15 and 16 threads (B_H against the STREAM read in the same process)
 # Run from the repo root on the GPU box with .whl/ (fla-core, pydantic and its deps) and .peer/ (the sdist):
-#     OUT=/some/dir bash engine/bench/gpu_experts.sh
+#     OUT=/some/dir bash engine/bench/gpu_experts.sh           (uniform routing)
+#     ZIPF=1.0 OUT=/other/dir bash engine/bench/gpu_experts.sh  (skewed routers, the same weights on both sides)
 # Results under $OUT: summary.txt, bench_{resident,offload,hybrid}.json, compare_*.txt, peer/, bw.json,
 # pytest_gpu.log. A failing step is logged and the session goes on.
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
@@ -18,9 +19,11 @@ if ! ls native/_cpu_experts*.so >/dev/null 2>&1; then  # the CPU expert kernels 
     status build_native $?
 fi
 
-CKPT=build/peers/ckpt/qwen3.6-35b-a3b-L8
+# ZIPF=A: the checkpoint with routers skewed to a Zipf law of exponent A, on both sides (a second call)
+CKPT=build/peers/ckpt/qwen3.6-35b-a3b-L8${ZIPF:+-zipf$ZIPF}
 ( timeout ${PEER_S:-420} bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 --backend cuda \
-    --ncmoe ${NCMOE:-0,5,8} --reps 2 --jobs $(( $(nproc) - 3 )) --out "$OUT/peer" > "$OUT/peer.log" 2>&1
+    ${ZIPF:+--router-zipf $ZIPF} --ncmoe ${NCMOE:-0,5,8} --reps 2 --jobs $(( $(nproc) - 3 )) --out "$OUT/peer" \
+    > "$OUT/peer.log" 2>&1
   echo $? > "$OUT/peer.rc" ) &
 PEER=$!
 
