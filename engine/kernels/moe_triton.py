@@ -321,8 +321,8 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route):
         num_warps=warps, num_stages=stages, **pdl_args(x))
     bn, bk, warps, stages = tiles[1] if tiles else _tiles(bm, H, I, N, up=False)
     _expert_down_kernel[(nb, triton.cdiv(H, bn))](act, down, down.stride(0), blocks.rows, blocks.expert, weights, y,
-                                                  H, I, BM=bm,
-                                                  BN=bn, BK=bk, PREC=prec, num_warps=warps, num_stages=stages, **pdl_args(act))
+                                                  H, I, BM=bm, BN=bn, BK=bk, PREC=prec, num_warps=warps,
+                                                  num_stages=stages, **pdl_args(act))
     return y
 
 

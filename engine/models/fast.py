@@ -41,7 +41,8 @@ class FastPath:
         self.cached_experts = hasattr(model.experts, "begin_forward")
         fuse_mlp = fuse_cached_moe if self.cached_experts else fuse_moe
         for layer in model.layers:
-            self.mixers.append(fuse_attention(layer.mixer, cfg) if layer.is_attention else fuse_deltanet(layer.mixer, cfg))
+            mixer = fuse_attention(layer.mixer, cfg) if layer.is_attention else fuse_deltanet(layer.mixer, cfg)
+            self.mixers.append(mixer)
             self.mlps.append(fuse_mlp(layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp)
             if chunked_rule is not None and not layer.is_attention:
                 layer.mixer.chunked_rule = chunked_rule
