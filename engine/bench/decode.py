@@ -221,7 +221,7 @@ def run_args(args: argparse.Namespace) -> int:
         if args.json:  # after every configuration, so a session cut short keeps what it measured
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1, default=str)
-    result["routing_us_per_layer"] = routing_costs(shape, slots, device)
+    result["routing_us_per_layer"] = routing_costs(shape, slots, device, pool)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
@@ -230,10 +230,12 @@ def run_args(args: argparse.Namespace) -> int:
     return 1 if result["failed"] else 0
 
 
-def routing_costs(shape, slots: int, device) -> dict:
-    """Host bookkeeping vs the Triton routing kernel (CUDA only) per MoE layer step."""
+def routing_costs(shape, slots: int, device, pool) -> dict:
+    """Host bookkeeping vs the Triton routing kernel (CUDA only) per MoE layer step, and the backend's whole
+    host side (`backend`)."""
     out = {}
-    for name, fn in (("host", bench_route.host_us), ("triton", bench_route.kernel_us)):
+    for name, fn in (("host", bench_route.host_us), ("triton", bench_route.kernel_us),
+                     ("backend", lambda *a: bench_route.backend_us(*a, pool))):
         if name == "triton" and device.type != "cuda":
             continue
         try:

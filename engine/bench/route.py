@@ -1,6 +1,7 @@
 """Cost of one MoE layer's decode bookkeeping: the Triton routing kernel (CUDA) against the host path the
-backends use today (device->host routing copy, grouping, SlotTable lookup / victims / assign). Part of
-`killick bench decode` (decode.py) on CUDA: it says how much of a decode step is bookkeeping rather than bytes."""
+backends use today (device->host routing copy, grouping, SlotTable lookup / victims / assign), and the whole
+host side of OffloadBackend.forward. Part of `killick bench decode` (decode.py): it says how much of a decode
+step is bookkeeping rather than bytes."""
 from __future__ import annotations
 
 import time
@@ -51,3 +52,28 @@ def kernel_us(shape, slots: int, device, steps: int = 400, ratio: float = 0.8) -
         route_triton(ids, resident, owner, stamp, i % shape.layers, i + 2, ratio)
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / steps * 1e6
+
+
+def backend_us(shape, slots: int, device, pool, steps: int = 400) -> float:
+    """Microseconds per layer step of everything OffloadBackend.forward does on the host at batch 1 (routing
+    copy, grouping, lfu table, fills issued, combine), its device expert launches replaced by nothing."""
+    from engine.experts.offload import OffloadBackend
+    from engine.experts.policy import BandwidthEstimate
+
+    b = OffloadBackend(pool, slots, device, estimate=BandwidthEstimate(frozen=True), stream_prefill=False,
+                       grouped=True, slot_policy="lfu")
+    b._run_grouped = lambda *args: None
+    routes = _routes(shape, device, steps)
+    x = torch.randn(1, shape.hidden, device=device).to(shape.torch_dtype)
+    w = torch.full((1, shape.top_k), 1.0 / shape.top_k, device=device, dtype=shape.torch_dtype)
+    try:
+        for i, ids in enumerate(routes[:40]):  # warm: the table full, the estimate's first samples in
+            b.forward(pool.layers[i % len(pool.layers)], x, ids, w)
+        t0 = time.perf_counter()
+        for i, ids in enumerate(routes):
+            b.forward(pool.layers[i % len(pool.layers)], x, ids, w)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / steps * 1e6
+    finally:
+        b.close()
