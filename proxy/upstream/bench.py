@@ -42,7 +42,8 @@ def free_port() -> int:
 
 class Servers:
     """N `killick serve ARGS` processes on loopback (--allow-forced-responses), started together. Output goes to
-    log files (a full pipe would stall a server); `with Servers(3) as reps: reps.urls ...`."""
+    log files (a full pipe would stall a server), removed at the end unless KILLICK_KEEP_LOGS is set;
+    `with Servers(3) as reps: reps.urls ...`."""
 
     def __init__(self, n: int, args: tuple[str, ...] = (), start_timeout_s: float = 180.0):
         self.n, self.args, self.start_timeout_s = n, tuple(args), start_timeout_s
@@ -102,7 +103,8 @@ class Servers:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=30)
-        shutil.rmtree(self.logs, ignore_errors=True)
+        if not os.environ.get("KILLICK_KEEP_LOGS"):
+            shutil.rmtree(self.logs, ignore_errors=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -133,7 +133,7 @@ class _Call:
         """POST to the next replica in order until one answers 200; an ApiError if none does."""
         while self.todo:
             replica = self.todo.pop(0)
-            self.router.started(replica)
+            self.router.started(replica, self.key)
             try:
                 resp = await self.pool.http.post(replica.url + "/v1/chat/completions", json=self.body,
                                                  headers=self.headers)

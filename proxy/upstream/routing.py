@@ -2,7 +2,7 @@
 
     router = Router(urls, policy="session")
     for replica in router.order(session_key): ...     # first choice, then where to fail over
-    router.started(replica)                           # a request is sent there (load)
+    router.started(replica, session_key)              # a request is sent there (load; a new session's home)
     router.answered(session_key, replica)             # it accepted the request: the session sticks to it
     router.finished(session_key, replica, prompt, cached)   # the upstream's usage: what it reused
     router.failed(replica, why) / router.set_health(replica, ok, why)
@@ -103,9 +103,16 @@ class Router:
         up.sort(key=lambda r: (r.in_flight, held.get(r.url, 0), -rendezvous_score(key, r.url)))
         return up + self._by_score(key, down)
 
-    def started(self, replica: Replica) -> None:
+    def started(self, replica: Replica, session_key: Optional[str] = None) -> None:
+        """A request is sent there. A session's first request makes it the session's home at once: a side
+        request sent before that one is answered (a title, a compaction, a subagent of the same key) then
+        follows it instead of landing elsewhere and moving the home away from the prefix being computed."""
         replica.in_flight += 1
         replica.requests += 1
+        key = routing_key(session_key) if session_key else None
+        if key is not None and key not in self.homes:
+            self.homes[key] = replica.url
+            self._trim()
 
     def answered(self, session_key: Optional[str], replica: Replica) -> None:
         """The replica took the request: the session (and its side requests) stick to it from now on."""
@@ -119,6 +126,9 @@ class Router:
         self.sessions.move_to_end(session_key)
         self.homes[routing_key(session_key)] = replica.url
         self.homes.move_to_end(routing_key(session_key))
+        self._trim()
+
+    def _trim(self) -> None:
         for table in (self.sessions, self.homes):
             while len(table) > self.max_sessions:
                 table.popitem(last=False)

@@ -84,3 +84,20 @@ def test_the_session_tables_stay_bounded():
         _serve(router, f"s{i}")
     assert len(router.sessions) == 4 and len(router.homes) == 4
     assert [s["session"] for s in router.stats()["recent_sessions"]] == ["s9", "s8", "s7", "s6"]
+
+
+def test_a_side_request_sent_before_the_first_answer_follows_the_session():
+    """Codex sends a compaction (KEY#compaction) while KEY's first prompt is still prefilling: both go to one
+    replica, and the later answer of either does not move the session away from its prefix."""
+    router = Router(URLS)
+    first = router.order("k")[0]
+    router.started(first, "k")  # not answered yet: its prefill runs
+    side = router.order("k#compaction")[0]
+    assert side is first
+    router.started(side, "k#compaction")
+    router.answered("k#compaction", side)
+    router.answered("k", first)
+    assert router.order("k")[0] is first
+    for key in ("k", "k#compaction"):
+        router.finished(key, first, 100, 0)
+    assert first.in_flight == 0
