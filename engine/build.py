@@ -193,7 +193,9 @@ def prefill_tokens(opts: EngineOptions, model, step: int, context: int) -> int:
     its pool once per step (a layer-major step moves it once per prompt), else one step's tokens."""
     if opts.max_prefill_tokens is not None:
         return max(step, opts.max_prefill_tokens)
-    if hasattr(model.experts, "begin_forward"):
+    from engine.experts.registry import is_expert_cache
+
+    if is_expert_cache(model.experts):
         return max(step, context)
     return step
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.api import SamplingParams
+from engine.experts.registry import is_expert_cache
 from engine.models import load_model
 from engine.sampling import Sampler
 
@@ -34,7 +35,7 @@ class Engine:
 
             if fast or fast_unsupported(model) is None:
                 model.enable_fast(slots=2, capacity=FAST_CONTEXT)
-        if hasattr(model.experts, "begin_forward"):
+        if is_expert_cache(model.experts):
             model.piece_tokens = PREFILL_CHUNK  # an expert cache: a prompt in one layer-major forward
         return cls(model)
 

@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from engine.experts.registry import is_expert_cache
+
 
 def hbm_rate(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
     """Device-to-device copy, bytes read + written per second (the median of reps)."""
@@ -204,7 +206,7 @@ class ExpertTraffic:
 
     def __init__(self, model) -> None:
         self.backend = getattr(model, "experts", None)
-        self.cached = hasattr(self.backend, "begin_forward")
+        self.cached = is_expert_cache(self.backend)
         self.bp = None
         if self.cached:
             from engine.bench.bw import measure_bp, measure_copy

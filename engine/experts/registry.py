@@ -26,6 +26,12 @@ def resolve(name: str, *, dense: bool, pool_bytes: int, free_bytes: int, profile
     return choose_backend(dense=dense, pool_bytes=pool_bytes, free_bytes=free_bytes, profile=profile)
 
 
+def is_expert_cache(backend) -> bool:
+    """An expert cache (offload / cpu / hybrid: host pool + device slots), told of each forward by
+    begin_forward / end_forward; False for `fused` (every expert resident) and for no backend."""
+    return hasattr(backend, "begin_forward")
+
+
 def create_slot_backend(name: str, pool, num_slots: int, device, **kw):
     """An offload / cpu / hybrid backend over `pool` with `num_slots` device slots."""
     if name not in _SLOT_BACKENDS:

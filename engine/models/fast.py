@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.experts.registry import is_expert_cache
 from engine.kernels.attention_triton import (decode_attention, decode_splits, prefill_attention, prefill_block,
                                              prefill_tiles, qk_rope_store)
 from engine.kernels.deltanet_triton import conv_step, rule_step
@@ -38,7 +39,7 @@ class FastPath:
         self.mixers, self.mlps = [], []
         # an expert cache keeps the routed experts (host pool + device slots): its layers route here and run
         # the experts through it; decode steps then stay on the host's schedule (no graph)
-        self.cached_experts = hasattr(model.experts, "begin_forward")
+        self.cached_experts = is_expert_cache(model.experts)
         fuse_mlp = fuse_cached_moe if self.cached_experts else fuse_moe
         for layer in model.layers:
             mixer = fuse_attention(layer.mixer, cfg) if layer.is_attention else fuse_deltanet(layer.mixer, cfg)

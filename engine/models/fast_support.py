@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from engine.experts.registry import is_expert_cache
+
 
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
@@ -24,8 +26,8 @@ def fast_unsupported(model) -> str | None:
     if model.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"the fast path runs on CUDA (this model is on {model.device})"
     experts = getattr(model, "experts", None)
-    cached = hasattr(experts, "begin_forward")  # an expert cache: its layers route on the device, run through it
-    if experts is not None and not cached and getattr(experts, "name", None) != "fused" and model.config.moe_layers:
+    if (experts is not None and not is_expert_cache(experts) and getattr(experts, "name", None) != "fused"
+            and model.config.moe_layers):
         return f"the {experts.name} expert backend has no fast path"
     cfg = model.config
     dims = [cfg.head_dim] + ([cfg.linear_k_head_dim, cfg.linear_v_head_dim] if cfg.linear_num_v_heads else [])

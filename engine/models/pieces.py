@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from engine.experts.registry import is_expert_cache
 from engine.models.state import Span
 
 
@@ -37,11 +38,10 @@ def one_expert_pass(experts, num_tokens: int, top_k: int):
     """Tell an expert cache that one forward of num_tokens tokens runs through its layers now, however many
     pieces each layer takes (it plans layer streaming for the whole batch); backends without a cache
     (fused) need no notice."""
-    begin = getattr(experts, "begin_forward", None)
-    if begin is None:
+    if not is_expert_cache(experts):
         yield
         return
-    begin(num_tokens, top_k, hold=True)
+    experts.begin_forward(num_tokens, top_k, hold=True)
     try:
         yield
     finally:
