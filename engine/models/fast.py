@@ -10,7 +10,8 @@ mixer's kernels (qk-norm/RoPE/KV store + split attention, or conv step + delta r
 o/out projection, add+norm with the router's logits in the same launch, then two expert kernels, the first
 routing each pair's token itself (top-k without a launch of its own); the next add+norm sums the experts'
 rows into the residual. Prefill chunks run the same projections with the prefill attention kernel, the
-chunked delta rule (fla's kernels on CUDA) and experts grouped per expert. N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
+chunked delta rule (fla's kernels on CUDA) and experts grouped per expert.
+N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
 """
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ from engine.layers.mlp import swiglu_fused
 from engine.layers.moe import MoE
 from engine.models.fused import (CachedMoE, FusedAttention, FusedMoE, fuse_attention, fuse_cached_moe, fuse_deltanet,
                                  fuse_moe)
-from engine.models.pieces import one_expert_pass, piece_spans, row_pieces
-
+from engine.models.pieces import one_expert_pass, piece_rows, piece_spans, row_pieces
 
 
 class FastPath:
@@ -120,7 +120,10 @@ class FastPath:
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         pieces = row_pieces(tokens.shape[0], model.piece_tokens)
         block = prefill_block(self.cfg.head_dim)[0]
-        tiles = [prefill_tiles(_piece_rows(states, offsets, lengths, a, b), block, model.device) for a, b in pieces]
+        tiles = []  # per piece, from each sequence's (offset in the piece, rows, first position, slot)
+        for a, b in pieces:
+            rows = [(off, n, pos, st.slot) for st, off, n, pos in piece_rows(states, offsets, lengths, a, b)]
+            tiles.append(prefill_tiles(rows, block, model.device))
         x = F.embedding(tokens, model.embed)
         x, h = add_rms_norm(x, None, model.layers[0].input_norm, eps, zc)
         with one_expert_pass(model.experts, tokens.shape[0], self.cfg.top_k):
@@ -189,17 +192,6 @@ def _cached_experts(mlp: CachedMoE, h: torch.Tensor, valid: torch.Tensor | None)
     if shared:
         y = y + w[:, K:].to(h.dtype) * swiglu_fused(h, mlp.shared_gate_up, mlp.shared_down)
     return y[:, None]
-
-
-def _piece_rows(states: list, offsets: list[int], lengths: list[int], a: int, b: int) -> list[tuple]:
-    """(offset in the piece, rows, first position, slot) of each sequence with rows in [a, b): what
-    prefill_tiles reads (pieces.piece_spans gives the same rows with each layer's state)."""
-    rows = []
-    for off, n, st in zip(offsets, lengths, states):
-        lo, hi = max(off, a), min(off + n, b)
-        if lo < hi:
-            rows.append((lo - a, hi - lo, st.length + lo - off, st.slot))
-    return rows
 
 
 def _decode_linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -22,15 +22,21 @@ def row_pieces(n: int, piece: int | None) -> list[tuple[int, int]]:
     return [(a, min(a + piece, n)) for a in range(0, n, piece)]
 
 
-def piece_spans(states: list, offsets: list[int], lengths: list[int], index: int, a: int, b: int) -> list[Span]:
-    """The Span of each sequence with rows in [a, b), as layer `index` sees the piece: offsets relative to a,
-    positions moved on by the sequence's rows in earlier pieces."""
-    spans = []
+def piece_rows(states: list, offsets: list[int], lengths: list[int], a: int, b: int) -> list[tuple]:
+    """(state, offset in the piece, rows, first position) of each sequence with rows in [a, b): offsets relative
+    to a, positions moved on by the sequence's rows in earlier pieces."""
+    rows = []
     for off, n, st in zip(offsets, lengths, states):
         lo, hi = max(off, a), min(off + n, b)
         if lo < hi:
-            spans.append(Span(lo - a, hi - lo, st.length + lo - off, st.layers[index], st.checkpoint_positions))
-    return spans
+            rows.append((st, lo - a, hi - lo, st.length + lo - off))
+    return rows
+
+
+def piece_spans(states: list, offsets: list[int], lengths: list[int], index: int, a: int, b: int) -> list[Span]:
+    """The Span of each sequence with rows in [a, b), as layer `index` sees the piece (piece_rows)."""
+    return [Span(off, n, pos, st.layers[index], st.checkpoint_positions)
+            for st, off, n, pos in piece_rows(states, offsets, lengths, a, b)]
 
 
 @contextmanager
