@@ -94,7 +94,7 @@ class Work:
         return tuple(cps[lo:hi])
 
 
-# A prompt whose last piece would be at most max_step_tokens / TAIL_FOLD tokens takes it in the chunk before:
+# A prompt whose last piece would be at most step_budget / TAIL_FOLD tokens takes it in the chunk before:
 # a step has a fixed cost a few tokens do not earn back (H200, 8 layers: 8,215 tokens as 4 x 2,048 + 23 spent
 # 11-20 ms on the 23, against ~0.3 ms for 23 more rows in a 2,048-token chunk; docs/PERF.md, issue 20).
 TAIL_FOLD = 8

@@ -55,8 +55,9 @@ class SlotCache:
     def all_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [S, 2I, H], down [S, H, I]) views of every slot: expert i of them is slot i (the grouped
         expert kernels read them in place, an expert stride of one block)."""
-        gu, lay = self.pool.layout.gate_up_numel, self.pool.layout
-        return (self.buf[:, :gu].view(-1, 2 * lay.inter, lay.hidden), self.buf[:, gu:].view(-1, lay.hidden, lay.inter))
+        lay = self.pool.layout
+        gu = lay.gate_up_numel
+        return self.buf[:, :gu].view(-1, 2 * lay.inter, lay.hidden), self.buf[:, gu:].view(-1, lay.hidden, lay.inter)
 
     def lookup(self, layer: int, experts) -> np.ndarray:
         return self.table.lookup(self.pool.row[layer], experts)

@@ -97,7 +97,7 @@ class FastPath:
     @torch.inference_mode()
     def forward(self, items: list, logits: str = "last") -> list[torch.Tensor]:
         """items: [(token ids LongTensor[T_i], SlotState)] -> per item logits [1, V] or [T_i, V] (fp32)."""
-        model, dev = self.model, self.model.device
+        dev = self.model.device
         ids = [torch.as_tensor(t, dtype=torch.long, device=dev).reshape(-1) for t, _ in items]
         lengths = [t.numel() for t in ids]
         states = [st for _, st in items]

@@ -21,7 +21,7 @@ from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
 from engine.models.pieces import one_expert_pass, piece_spans, row_pieces
 from engine.models.slots import SlotState
-from engine.models.state import KVCache, LinearState, SequenceState, Span, StateCheckpoint
+from engine.models.state import KVCache, LinearState, SequenceState, StateCheckpoint
 
 
 class DecoderLayer:
@@ -171,4 +171,3 @@ class Model:
                 st.advance(1)
             return list(out.split(1))
         return self.fast.forward(items, logits)
-
