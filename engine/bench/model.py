@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 import threading
 import time
 
@@ -71,8 +72,10 @@ def step_bytes(cfg, itemsize: int, batch: int, context: int) -> dict:
 class Collector:
     """Token timestamps per request, taken on the engine thread as events are published."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe=None, at: tuple[int, ...] = ()) -> None:
         self.times: dict[str, list[float]] = {}
+        self.probe, self.at = probe, at  # probe() taken when the first request's token count reaches each of at
+        self.probed: dict[int, object] = {}
         self.final: dict[str, object] = {}
         self.done = threading.Event()
         self.pending = 0
@@ -81,10 +84,16 @@ class Collector:
     def sink(self, rid: str):
         self.times[rid] = []
         self.pending += 1
+        first = len(self.times) == 1
 
         def on_event(ev) -> None:
             if ev.token_ids:
+                had = len(self.times[rid])
                 self.times[rid].extend([time.perf_counter()] * len(ev.token_ids))
+                if first and self.probe is not None:
+                    for n in self.at:
+                        if had < n <= len(self.times[rid]):
+                            self.probed[n] = self.probe()
             if ev.final:
                 self.final[rid] = ev
                 self.pending -= 1
@@ -94,10 +103,11 @@ class Collector:
         return on_event
 
 
-def run_requests(core, prompts: list[list[int]], new_tokens: int, timeout: float = 600.0) -> Collector:
+def run_requests(core, prompts: list[list[int]], new_tokens: int, timeout: float = 600.0,
+                 col: Collector | None = None) -> Collector:
     from engine.api import GenerateRequest
 
-    col = Collector()
+    col = col or Collector()
     reqs = [GenerateRequest(p, new_tokens) for p in prompts]
     for r in reqs:
         core.submit(r, col.sink(r.request_id))
@@ -115,14 +125,19 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def bench_decode(core, vocab: int, batch: int, args, seed: int) -> float:
-    """Seconds per decode step of `batch` concurrent requests (request 0's tokens after the warm-up)."""
+def bench_decode(core, vocab: int, batch: int, args, seed: int, probe=None) -> tuple[float, tuple]:
+    """-> (seconds per decode step of `batch` concurrent requests (request 0's tokens after the warm-up),
+    probe() at the first and the last timed token, or Nones without a probe). The probe runs on the engine
+    thread as the token is published, so it sees the counters of exactly the timed steps."""
     prompts = [random_prompt(args.prompt, vocab, seed + i) for i in range(batch)]
     run_requests(core, prompts, args.warmup)  # compiles, captures this batch's graph
+    ends = (args.warmup, args.warmup + args.steps)
+    # one token past the window: a request's last token is published after the engine caches the turn (one
+    # more forward step, runner._cache_turn), which must not land in the timed steps
     col = run_requests(core, [random_prompt(args.prompt, vocab, seed + 100 + i) for i in range(batch)],
-                       args.warmup + args.steps)
+                       args.warmup + args.steps + 1, col=Collector(probe, ends))
     t = col.times[col.order[0]]
-    return (t[args.warmup + args.steps - 1] - t[args.warmup - 1]) / args.steps
+    return (t[ends[1] - 1] - t[ends[0] - 1]) / args.steps, (col.probed.get(ends[0]), col.probed.get(ends[1]))
 
 
 def bench_prefill(core, vocab: int, args, seed: int, cache: "ExpertTraffic") -> tuple:
@@ -174,15 +189,23 @@ def run(args) -> dict:
     cache = ExpertTraffic(model)
     placement = cache.placement()
     rows = []
+    began = time.perf_counter()
+
+    def done(name: str) -> None:  # progress on stderr, so a run cut off at its timeout still says how far it got
+        print(f"[bench model] {name} done at {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+
+    done("build")
     try:
         for b in batches:
-            mark = cache.mark()
-            step = bench_decode(core, vocab, b, args, seed=1000 * b)
+            step, (start, end) = bench_decode(core, vocab, b, args, seed=1000 * b,
+                                              probe=cache.mark if cache.cached else None)
             need = step_bytes(model.config, model.dtype.itemsize, b, args.prompt + args.warmup + args.steps // 2)
             bound = b * rate / need["total"]
             rows.append({"name": f"decode_b{b}", "placement": placement, "tok_s": b / step, "ms_per_step": step * 1e3,
                          "bound_tok_s": bound, "of_bound": (b / step) / bound, "step_bytes": need,
-                         **cache.since(mark), **cache.row_keys()})
+                         **cache.since(start, upto=end), **cache.fill_bound(start, end, args.steps, b, step),
+                         **cache.row_keys()})
+            done(f"decode_b{b}")
         if args.prefill:
             prefill_s, ttft, reused, mark, between = bench_prefill(core, vocab, args, seed=7, cache=cache)
             rows.append({"name": f"prefill_{args.prefill}", "placement": placement, "tok_s": args.prefill / prefill_s,
@@ -191,6 +214,7 @@ def run(args) -> dict:
             rows.append({"name": f"extend_{args.extend}", "placement": placement, "ttft_ms": ttft * 1e3,
                          "reused_tokens": reused, "tok_s": args.extend / ttft, **cache.since(between),
                          **cache.row_keys()})
+            done("prefill and extend")
     finally:
         core.stop()
     return {"what": "whole engine: EngineCore -> scheduler -> ModelRunner -> Model", "model": name,
@@ -250,6 +274,17 @@ class ExpertTraffic:
         moved = {k: now[k] - mark[k] for k in ("hits", "misses", "fills", "cpu_runs", "bytes_moved")}
         return {"experts": moved, "pool_passes": moved["bytes_moved"] / self.pool_bytes}
 
+    def fill_bound(self, start: dict | None, end: dict | None, steps: int, batch: int, step_s: float) -> dict:
+        """Decode against its copies alone: the bytes the timed steps filled, per step, at B_P (the offload
+        bound; with hybrid the CPU's share is not in it, so it is a floor, not the bound)."""
+        if start is None or end is None:
+            return {}
+        per_step = (end["bytes_moved"] - start["bytes_moved"]) / steps
+        if per_step <= 0:
+            return {"fill_bytes_per_step": 0.0}
+        bound = batch * self.bp / per_step
+        return {"fill_bytes_per_step": per_step, "fill_bound_tok_s": bound, "of_fill_bound": (batch / step_s) / bound}
+
     def stream_bound(self, seconds: float) -> dict:
         """The prefill against streaming the whole pool once at B_P."""
         if not self.cached:
@@ -275,6 +310,8 @@ def print_table(res: dict) -> None:
         if "pool_passes" in r:
             note += f"{'; ' if note else ''}{r['pool_passes']:.2f} pools moved, hit rate " \
                     f"{r['experts']['hits'] / max(1, r['experts']['hits'] + r['experts']['misses']):.2f}"
+        if "fill_bound_tok_s" in r:
+            note += f"; fills alone at B_P {r['fill_bound_tok_s']:.1f} tok/s ({r['of_fill_bound']:.2f} of it)"
         print(f"{r['name']:<16}{r['tok_s']:>12.1f}{r.get('ms_per_step', float('nan')):>10.3f}"
               f"{r.get('bound_tok_s', float('nan')):>13.1f}{r.get('of_bound', float('nan')):>10.2f}  {note}")
 

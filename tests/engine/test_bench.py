@@ -2,12 +2,14 @@
 decode's smoke run, and both through `killick bench`."""
 import json
 
+import pytest
 import torch
 
 from engine.bench import bw as bench_bw
 from engine.bench import decode as bench_decode
 from engine.experts.profile import load_profile, profile_path
 from engine.experts.synthetic import get_shape
+from engine.synth import synth_config
 
 
 def test_bench_bw_profile_is_keyed_on_machine_and_format(tmp_path, monkeypatch):
@@ -84,7 +86,7 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
     for prefill in (None, 64):
         out = tmp_path / f"m{prefill}.json"
         argv = ["--synthetic", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1", "--steps", "4",
-                "--warmup", "1", "--prompt", "8", "--prefill", "256", "--extend", "16", "--max-step-tokens", "64",
+                "--warmup", "2", "--prompt", "8", "--prefill", "256", "--extend", "16", "--max-step-tokens", "64",
                 "--moe-backend", "offload", "--moe-slots", "50%", "--json", str(out)]
         assert bench_model.main(argv + (["--max-prefill-tokens", str(prefill)] if prefill else [])) == 0
         res = json.loads(out.read_text())
@@ -93,5 +95,14 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
         assert set(rows) == {"decode_b1", "prefill_256", "extend_16"}
         assert all(r["placement"] == "ncmoe2" and "pool_passes" in r for r in rows.values())
         passes[prefill] = rows["prefill_256"]["pool_passes"]
+        # decode's counters cover exactly the timed steps (probed on the engine thread): one token a step,
+        # top-k lookups in every MoE layer, and its fills against B_P from those bytes
+        dec, cfg = rows["decode_b1"], synth_config(size="tiny")
+        text = cfg.get("text_config", cfg)
+        lookups = dec["experts"]["hits"] + dec["experts"]["misses"]
+        assert lookups == 4 * text["num_hidden_layers"] * text["num_experts_per_tok"]
+        assert dec["fill_bytes_per_step"] == pytest.approx(dec["experts"]["bytes_moved"] / 4)
+        if dec["fill_bytes_per_step"]:
+            assert dec["fill_bound_tok_s"] == pytest.approx(res["bp_gbs"] * 1e9 / dec["fill_bytes_per_step"])
     assert passes[None] < 1.5 and passes[64] > 3.5
     assert "pools moved" in capsys.readouterr().out

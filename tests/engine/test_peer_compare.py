@@ -97,3 +97,16 @@ def test_llama_json_must_be_llama_benchs_list(tmp_path, capsys):
     bad.write_text("{}")
     assert cmp.main(["--llama", str(bad)]) == 2
     assert "llama-bench -o json" in capsys.readouterr().err
+
+
+def test_a_llama_json_cut_off_mid_run_gives_its_finished_tests(tmp_path, capsys):
+    text = SAMPLE.read_text()
+    whole = json.loads(text)
+    second = text.index("{", text.index("}", text.index("{")))  # the second test's opening brace
+    cut = tmp_path / "cut.json"
+    cut.write_text(text[: second + 40])  # killed while writing the second test
+    assert cmp.load_llama(str(cut)) == whole[:1]
+    assert "1 finished tests" in capsys.readouterr().err
+    cut.write_text('{"not": "a list"')
+    with pytest.raises(json.JSONDecodeError):
+        cmp.load_llama(str(cut))

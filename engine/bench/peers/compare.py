@@ -147,11 +147,37 @@ def to_json(rows: list[Row], meta: dict) -> dict:
 
 
 def load_llama(path: str) -> list[dict]:
+    """llama-bench's tests; a file cut off mid-run (llama-bench writes one test at a time, then the closing
+    bracket) gives the tests it finished, with a line on stderr saying so."""
     with open(path) as f:
-        data = json.load(f)
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = _finished_tests(text)
+        if data is None:
+            raise
+        print(f"compare: {path} ends mid-run; {len(data)} finished tests read", file=sys.stderr)
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected llama-bench's JSON (a list of tests, from `llama-bench -o json`)")
     return data
+
+
+def _finished_tests(text: str) -> list[dict] | None:
+    """The complete test objects at the head of a cut-off JSON list, or None when it is not one."""
+    if not text.lstrip().startswith("["):
+        return None
+    tests, decoder, i = [], json.JSONDecoder(), text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return tests
+        if not isinstance(obj, dict):
+            return None
+        tests.append(obj)
 
 
 def load_killick(path: str | None) -> dict | None:
