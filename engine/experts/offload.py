@@ -24,6 +24,10 @@ from engine.experts.prefill_stream import PrefillStreamer
 from engine.experts.slot_cache import SlotCache
 from engine.experts.stats import ExpertStats
 
+# More fills than this in one layer call (a prompt's tokens routing to most of a layer) pair experts and slots
+# in sorted order so runs of both copy at once (SlotCache.admit's coalesce); decode's few fills keep theirs.
+COALESCE_FILLS = 16
+
 
 class OffloadBackend:
     name = "offload"
@@ -113,7 +117,9 @@ class OffloadBackend:
         is smaller than one step's experts, fills go in rounds, each reusing the slots of the last.
         with_cpu: this call's CPU runs go on alongside the copies (kept with their timing)."""
         want = [routing.experts[i] for i in fills]
-        admitted = self.cache.admit(layer, want, with_cpu=with_cpu)  # before the hits run: copies overlap them
+        # before the hits run: copies overlap them; many fills (an extend's tokens) copy in sorted runs
+        coalesce = len(want) > COALESCE_FILLS
+        admitted = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=coalesce)
         if self.grouped and len(admitted) == len(fills) and x.dtype == self.pool.dtype:
             self._run_grouped(x, y, routing, hits, hit_slots)  # overlapping the copies
             self.cache.ready()
@@ -132,7 +138,7 @@ class OffloadBackend:
             if done == len(fills):
                 return
             self._unlock()
-            admitted = self.cache.admit(layer, want[done:], with_cpu=with_cpu)
+            admitted = self.cache.admit(layer, want[done:], with_cpu=with_cpu, coalesce=coalesce)
             if not admitted:
                 raise RuntimeError("no unlocked expert slot left for a fill")
 

@@ -23,6 +23,29 @@ class FillTiming(NamedTuple):
     with_cpu: bool  # CPU expert runs were in flight alongside (both read host DRAM)
 
 
+def pair_sorted(experts: list[int], victims) -> list[int]:
+    """Slots for `experts` (in their order): the i-th smallest expert gets the i-th smallest victim. Any
+    victim may take any expert; pairing both in order lets consecutive experts land in consecutive slots,
+    so a layer streamed into the slots another layer left copies in a few long runs (copy_runs)."""
+    slots = [0] * len(experts)
+    for i, s in zip(sorted(range(len(experts)), key=experts.__getitem__), sorted(int(v) for v in victims)):
+        slots[i] = s
+    return slots
+
+
+def copy_runs(experts: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first expert, first slot, count) per run where both step by one: one copy each. A prefill stream
+    issued 256 copies a layer, and at ~70 us of host time apiece once the copy queue is deep (H200 box)
+    they, not PCIe, set the layer's pace."""
+    runs: list[tuple[int, int, int]] = []
+    for e, s in sorted(zip(experts, slots)):
+        if runs and runs[-1][0] + runs[-1][2] == e and runs[-1][1] + runs[-1][2] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((e, s, 1))
+    return runs
+
+
 class SlotCache:
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str, policy: str = "lru") -> None:
         self.pool, self.device = pool, torch.device(device)
@@ -63,18 +86,23 @@ class SlotCache:
         return self.table.lookup(self.pool.row[layer], experts)
 
     def admit(self, layer: int, experts: list[int], lo: int = 0, hi: int | None = None, *,
-              with_cpu: bool = False) -> list[int]:
+              with_cpu: bool = False, coalesce: bool = False) -> list[int]:
         """Copy as many of `experts` (of `layer`) as unlocked slots in [lo, hi) allow; lock and return
         their slots (a prefix of `experts`). On CUDA the copies run on the copy stream; call `ready()`.
-        with_cpu: CPU expert runs go on alongside these copies (reported back by `take_fill_timing`)."""
-        victims = self.table.victims(len(experts), lo, hi).tolist()
-        if not victims:
+        with_cpu: CPU expert runs go on alongside these copies (reported back by `take_fill_timing`).
+        coalesce: pair experts and victims in sorted order (pair_sorted) so runs of both copy at once — for a
+        layer streamed whole; otherwise the first victim goes to the first expert (fills come hottest first,
+        and under lru that decides which of them a tie evicts next)."""
+        victims = self.table.victims(len(experts), lo, hi)
+        if not len(victims):
             return []
+        experts = list(experts[: len(victims)])
+        victims = pair_sorted(experts, victims) if coalesce else victims.tolist()
         row, host = self.pool.row[layer], self.pool.wait_layer(layer)
         t0 = time.perf_counter()
         if self.copy_stream is None:
-            for e, s in zip(experts, victims):
-                self.buf[s].copy_(host[e])
+            for e, s, n in copy_runs(experts, victims):
+                self.buf[s: s + n].copy_(host[e: e + n])
             self.last_fill = (None, time.perf_counter() - t0, len(victims) * self.pool.expert_bytes, with_cpu)
         else:
             self._copy_async(host, experts, victims, with_cpu)
@@ -89,8 +117,8 @@ class SlotCache:
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             start.record()
-            for e, s in zip(experts, slots):
-                self.buf[s].copy_(host[e], non_blocking=True)
+            for e, s, n in copy_runs(experts, slots):
+                self.buf[s: s + n].copy_(host[e: e + n], non_blocking=True)
             end.record()
         self.last_fill = (start, end, len(slots) * self.pool.expert_bytes, with_cpu)
 
