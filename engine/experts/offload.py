@@ -14,6 +14,7 @@ import importlib.util
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from engine.experts.compute import Routing, combine, run_expert
@@ -42,6 +43,7 @@ class OffloadBackend:
         self.streamer = PrefillStreamer(self) if stream_prefill else None
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu")
         self._cpu_tables: dict = {}  # layer -> cpu_runner.layer_table of its host blocks, built on first use
+        self._ones: dict = {}  # (T, K) -> unit weights for the grouped kernels (combine weighs afterwards)
         self._fill_run_s = 0.0  # CPU device: seconds the experts of the last fill round took to run
         # rough device expert throughput for the prefill choice (flop/s); only the order of magnitude matters
         self.device_flops = 2e14 if self.device.type == "cuda" else 5e10
@@ -102,7 +104,8 @@ class OffloadBackend:
         table.lock(slots[hits])
         y = x.new_empty(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
         pending = self._start_cpu(layer, x, routing, on_cpu)
-        self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills, pending is not None)
+        self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills, pending is not None,
+                         topk_ids)
         if pending is not None:
             pos, vals, seconds = pending.result()
             y[pos.to(self.device)] = vals.to(self.device, y.dtype)
@@ -112,7 +115,8 @@ class OffloadBackend:
         self._count(layer, len(hits), len(misses), len(fills), len(on_cpu))
         return combine(y, topk_w)
 
-    def _run_device(self, layer, x, y, routing: Routing, hit_slots, hits, fills, with_cpu: bool) -> None:
+    def _run_device(self, layer, x, y, routing: Routing, hit_slots, hits, fills, with_cpu: bool,
+                    topk_ids: torch.Tensor) -> None:
         """Hits from their slots; fills copied (overlapping the hits' compute) then run. When the cache
         is smaller than one step's experts, fills go in rounds, each reusing the slots of the last.
         with_cpu: this call's CPU runs go on alongside the copies (kept with their timing)."""
@@ -121,9 +125,9 @@ class OffloadBackend:
         coalesce = len(want) > COALESCE_FILLS
         admitted = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=coalesce)
         if self.grouped and len(admitted) == len(fills) and x.dtype == self.pool.dtype:
-            self._run_grouped(x, y, routing, hits, hit_slots)  # overlapping the copies
+            self._run_grouped(x, y, routing, hits, hit_slots, topk_ids)  # overlapping the copies
             self.cache.ready()
-            self._run_grouped(x, y, routing, fills, admitted)
+            self._run_grouped(x, y, routing, fills, admitted, topk_ids)
             return
         for i, s in zip(hits, hit_slots):
             self._run_slot(x, y, routing, i, s)
@@ -142,20 +146,23 @@ class OffloadBackend:
             if not admitted:
                 raise RuntimeError("no unlocked expert slot left for a fill")
 
-    def _run_grouped(self, x, y, routing: Routing, experts: list[int], slots: list[int]) -> None:
+    def _run_grouped(self, x, y, routing: Routing, experts: list[int], slots: list[int],
+                     topk_ids: torch.Tensor) -> None:
         """Routing.experts[experts] from their `slots` in one launch pair: their (token, k) rows of y
-        [T*K, H] get the unweighted expert outputs (combine weighs them, as for the other paths)."""
+        [T*K, H] get the unweighted expert outputs (combine weighs them, as for the other paths). Each pair's
+        slot is looked up on the device from the layer's expert -> slot table of this group (-1: not in it),
+        so the host sends E int32s, not a gathered copy of the routing."""
         if not experts:
             return
         from engine.kernels.moe_triton import blocks_for, run_experts
 
         T, K, lay = x.shape[0], routing.top_k, self.pool.layout
-        pos = torch.cat([routing.positions[i] for i in experts])  # [n] flat t * K + k
-        per = torch.tensor([routing.counts[i] for i in experts])
-        ids = torch.full((T * K,), -1, dtype=torch.int32)
-        ids[pos] = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32), per)
-        ids = ids.view(T, K).to(self.device, non_blocking=True)
-        ones = torch.ones(T, K, dtype=torch.float32, device=self.device)
+        lut = np.full(self.pool.num_experts, -1, dtype=np.int32)
+        lut[[routing.experts[i] for i in experts]] = slots
+        ids = torch.from_numpy(lut).to(self.device, non_blocking=True)[topk_ids]  # [T, K] int32
+        ones = self._ones.get((T, K))
+        if ones is None:
+            ones = self._ones[T, K] = torch.ones(T, K, dtype=torch.float32, device=self.device)
         act = torch.empty(T * K, lay.inter, dtype=x.dtype, device=self.device)
         gate_up, down = self.cache.all_weights()
         run_experts(x.contiguous(), gate_up, down, ids, ones, blocks_for(ids, self.cache.num_slots),

@@ -9,11 +9,15 @@ A decode step per layer: add+norm, one projection (a skinny Triton kernel, as ev
 mixer's kernels (qk-norm/RoPE/KV store + split attention, or conv step + delta rule with its gated norm), the
 o/out projection, add+norm with the router's logits in the same launch, then two expert kernels, the first
 routing each pair's token itself (top-k without a launch of its own); the next add+norm sums the experts'
-rows into the residual. Prefill chunks run the same projections with the prefill attention kernel, the
+rows into the residual. With an expert cache a step is segments of device work around each MoE layer's
+routed experts, which the cache runs on the host's schedule (decode_segments). Prefill chunks run the same projections with the prefill attention kernel, the
 chunked delta rule (fla's kernels on CUDA) and experts grouped per expert.
 N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
 """
 from __future__ import annotations
+
+from collections.abc import Generator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +42,7 @@ class FastPath:
         self.model, self.pool, self.cfg = model, pool, cfg
         self.mixers, self.mlps = [], []
         # an expert cache keeps the routed experts (host pool + device slots): its layers route here and run
-        # the experts through it; decode steps then stay on the host's schedule (no graph)
+        # the experts through it; a decode step is graphs between those layers (graphs.py)
         self.cached_experts = is_expert_cache(model.experts)
         fuse_mlp = fuse_cached_moe if self.cached_experts else fuse_moe
         for layer in model.layers:
@@ -56,6 +60,19 @@ class FastPath:
                valid: torch.Tensor | None = None) -> torch.Tensor:
         """ids [B] int64, slots / positions [B] int32 (device) -> logits [B, V] fp32. valid [B] int8: 0
         marks padding rows (their slot is the pool's scratch row; they route to no expert)."""
+        segments, y = self.decode_segments(ids, slots, positions, valid), None
+        try:
+            while True:
+                y = segments.send(y).run()
+        except StopIteration as done:
+            return done.value
+
+    def decode_segments(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                        valid: torch.Tensor | None = None) -> Generator["ExpertCall", torch.Tensor, torch.Tensor]:
+        """The decode step in segments of device work: at each expert-cache layer it yields an ExpertCall (the
+        routed experts' inputs, whose fills and CPU runs the host decides) and takes back their output [B, H];
+        it returns the logits. Without an expert cache it yields nothing. Each segment can be a CUDA graph
+        (graphs.py): the host then runs only the cache's part of each layer."""
         model, zc, eps = self.model, self.cfg.zero_centered_norm, self.cfg.rms_norm_eps
         x = F.embedding(ids, model.embed)
         x, h = add_rms_norm(x, None, model.layers[0].input_norm, eps, zc)
@@ -71,7 +88,12 @@ class FastPath:
                 proj = _decode_linear(h, m.in_w)
                 qkv = conv_step(proj, state[0], slots, m.conv_w)
                 mix = _decode_linear(rule_step(qkv, proj, state[1], slots, m.consts), m.out_w)
-            x, rows = self._decode_mlp(i, x, mix, valid)
+            if isinstance(self.mlps[i], CachedMoE):
+                x, h = add_rms_norm(x, mix, self.norms[i][0], eps, zc)
+                call = route_cached(self.mlps[i], h, valid)
+                rows = call.finish((yield call))
+            else:
+                x, rows = self._decode_mlp(i, x, mix, valid)
             x, h = add_rms_norm(x, rows, self.norms[i][1], eps, zc)
         return _decode_linear(h, model.lm_head, torch.float32)
 
@@ -182,16 +204,38 @@ class FastPath:
         return y
 
 
+class ExpertCall(NamedTuple):
+    """One expert-cache layer's routed experts: run() them through the cache (on the host's schedule), then
+    finish() adds the gated shared expert, computed on the device beforehand."""
+    mlp: CachedMoE
+    h: torch.Tensor  # [N, H]
+    ids: torch.Tensor  # [N, K] int64
+    w: torch.Tensor  # [N, K] in h's dtype
+    shared: torch.Tensor | None  # [N, H] gated shared expert output
+
+    def run(self) -> torch.Tensor:
+        return self.mlp.backend.forward(self.mlp.layer, self.h, self.ids, self.w)  # [N, H]
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """-> [N, 1, H] rows to add to the residual."""
+        return (y if self.shared is None else y + self.shared)[:, None]
+
+
+def route_cached(mlp: CachedMoE, h: torch.Tensor, valid: torch.Tensor | None) -> ExpertCall:
+    """Route on the device and compute the gated shared expert; valid: padding rows must not reach the cache
+    (None: all real)."""
+    has_shared = mlp.shared_gate_up is not None
+    ids, w = route_topk(F.linear(h, mlp.router_w), mlp.top_k, mlp.norm_topk, has_shared, valid)
+    K = mlp.top_k
+    shared = w[:, K:].to(h.dtype) * swiglu_fused(h, mlp.shared_gate_up, mlp.shared_down) if has_shared else None
+    return ExpertCall(mlp, h, ids[:, :K].long(), w[:, :K].to(h.dtype), shared)
+
+
 def _cached_experts(mlp: CachedMoE, h: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """Route on the device, run the routed experts through the expert cache (which groups them on the host),
-    add the gated shared expert -> [N, 1, H]. valid: padding rows must not reach the cache (None: all real)."""
-    shared = mlp.shared_gate_up is not None
-    ids, w = route_topk(F.linear(h, mlp.router_w), mlp.top_k, mlp.norm_topk, shared, valid)
-    K = mlp.top_k
-    y = mlp.backend.forward(mlp.layer, h, ids[:, :K].long(), w[:, :K].to(h.dtype))  # [N, H]
-    if shared:
-        y = y + w[:, K:].to(h.dtype) * swiglu_fused(h, mlp.shared_gate_up, mlp.shared_down)
-    return y[:, None]
+    add the gated shared expert -> [N, 1, H]."""
+    call = route_cached(mlp, h, valid)
+    return call.finish(call.run())
 
 
 def _decode_linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 The fast path needs Triton and a CUDA device (or Triton's CPU interpreter, TRITON_INTERPRET=1, which the
 tests use) and head dims the kernels tile (powers of two). Routed experts either all resident (`fused`: decode
-steps as CUDA graphs) or in an expert cache (offload / cpu / hybrid: the fast kernels around it, decode steps
-launched directly, as the cache decides fills and CPU runs on the host).
+steps as CUDA graphs) or in an expert cache (offload / cpu / hybrid: the fast kernels around it, a decode
+step as one graph per stretch between the cache's layers, which decide fills and CPU runs on the host).
 """
 from __future__ import annotations
 
@@ -51,9 +51,7 @@ def make_fast_path(model, slots: int, capacity: int, graphs: bool | None):
     use_fla = delta_rule_fla.available() and model.dtype != torch.float32
     rule = delta_rule_fla.chunked_gated_delta_rule_fla if use_fla else None
     fast = FastPath(model, StatePool(model, slots, capacity), chunked_rule=rule)
-    if fast.cached_experts:  # the cache picks fills and CPU runs on the host each step: nothing to capture
-        if graphs:
-            raise ValueError("decode steps with an expert cache (offload/cpu/hybrid) cannot be CUDA graphs")
-        return fast, DecodeSteps(fast, slots, capture=False, pad=False)
     capture = model.device.type == "cuda" if graphs is None else graphs
+    if fast.cached_experts:  # the cache picks fills and CPU runs on the host: graphs between its layers
+        return fast, DecodeSteps(fast, slots, capture=capture, pad=False)
     return fast, DecodeSteps(fast, slots, capture)

@@ -6,7 +6,9 @@
 A bucket holds its inputs in one int32 device tensor [4, b] (token ids, slots, positions, valid flags),
 filled by one copy from (pinned) host memory; rows past the batch are padding (the pool's scratch slot,
 routed to no expert). The same bucket shapes run with or without capture, so a replayed step and a
-directly launched one compute bit-identical logits. Replay launches the whole step (hundreds of kernels)
+directly launched one compute bit-identical logits. With an expert cache a step is several graphs, one per
+stretch of device work between the cache's layers, the host running each layer's routed experts in between
+(FastPath.decode_segments): hundreds of kernel launches per step become one replay per layer. Replay launches the whole step (hundreds of kernels)
 at once and releases the GIL, so the proxy's event loop keeps running while the GPU works.
 """
 from __future__ import annotations
@@ -26,6 +28,8 @@ class _Bucket:
     def __init__(self, fast, size: int, capture: bool):
         dev = fast.model.device
         self.fast, self.size, self.graph = fast, size, None
+        self.segments: list[torch.cuda.CUDAGraph] = []  # with an expert cache: a graph between its layers
+        self.calls: list = []  # the ExpertCall the host runs after segment i (its tensors live in the graphs)
         self.host = torch.zeros(4, size, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self.staging = self.host.numpy()  # written through numpy: a step's inputs cost microseconds
         self.inputs = torch.zeros(4, size, dtype=torch.int32, device=dev)
@@ -43,9 +47,33 @@ class _Bucket:
             for _ in range(2):
                 fast.decode(ids, slots, pos, valid)
         torch.cuda.current_stream(dev).wait_stream(side)
+        if fast.cached_experts:
+            self._capture_segments(ids, slots, pos, valid)
+            return
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = fast.decode(ids, slots, pos, valid)
+
+    def _capture_segments(self, ids, slots, pos, valid) -> None:
+        """One graph per stretch of device work between expert-cache layers, all in one memory pool and
+        replayed in capture order; each expert call's output comes back through one static buffer."""
+        fast = self.fast
+        model = fast.model
+        self.y_in = torch.empty(self.size, model.config.hidden_size, dtype=model.dtype, device=model.device)
+        steps, send, pool = fast.decode_segments(ids, slots, pos, valid), None, None
+        while True:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                try:
+                    call = steps.send(send)
+                except StopIteration as done:
+                    call, self.logits = None, done.value
+            pool = pool or graph.pool()
+            self.segments.append(graph)
+            if call is None:
+                return
+            self.calls.append(call)
+            send = self.y_in
 
     def _pad(self, scratch: int, start: int) -> None:
         self.staging[:, start:] = 0
@@ -57,6 +85,12 @@ class _Bucket:
         st[0, :n], st[1, :n], st[2, :n], st[3, :n] = ids, slots, positions, 1
         self._pad(scratch, n)
         self.inputs.copy_(self.host, non_blocking=True)
+        if self.segments:
+            self.segments[0].replay()
+            for call, graph in zip(self.calls, self.segments[1:]):
+                self.y_in.copy_(call.run())
+                graph.replay()
+            return self.logits[:n]
         if self.graph is None:
             return self.fast.decode(*self.inputs)[:n]
         self.graph.replay()

@@ -57,3 +57,38 @@ def test_cuda_layer_major_prompt_matches_fused(ckpt, backend):
     pool_experts = len(b.pool.layers) * b.pool.num_experts
     assert b.stats()["total"]["fills"] <= 2 * pool_experts  # once for the prompt, the decode's misses after
     b.close()
+
+
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_graphed_decode_segments_match_direct_launch(ckpt, backend):
+    """With an expert cache a decode step replays one graph per stretch between the cache's layers: the same
+    logits as the same step launched directly (bit for bit with offload, whose experts all run on the device;
+    hybrid's split depends on the cache's state, which the graphs' warm-up steps move), batch 2 then 1."""
+    def engine(graphs: bool):
+        est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+        eng = Engine.from_pretrained(ckpt, device="cuda", fast=False, expert_device="cpu",
+                                     experts=experts_factory(backend, device="cuda", slots=6, estimate=est))
+        eng.model.enable_fast(slots=3, capacity=128, graphs=graphs)
+        return eng
+
+    direct, graphed = engine(False), engine(True)
+    assert graphed.model.decode_steps.capture and not direct.model.decode_steps.capture
+    states = {e: [e.model.new_state() for _ in range(2)] for e in (direct, graphed)}
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 250, (n,), generator=g) for n in (17, 9)]
+    for e in (direct, graphed):
+        e.model.forward(list(zip(prompts, states[e])))
+    for step in range(6):
+        n = 2 if step < 4 else 1
+        toks = [torch.randint(0, 250, (1,), generator=g) for _ in range(n)]
+        a = direct.model.forward(list(zip(toks, states[direct][:n])))
+        b = graphed.model.forward(list(zip(toks, states[graphed][:n])))
+        for x, y in zip(a, b):
+            if backend == "offload":
+                assert torch.equal(x, y), f"step {step}"
+            else:
+                assert x.argmax() == y.argmax() and (x - y).abs().max() <= 2e-2 * x.abs().max(), f"step {step}"
+    bucket = graphed.model.decode_steps._buckets[2]
+    assert len(bucket.segments) == len(graphed.model.config.moe_layers) + 1
+    for e in (direct, graphed):
+        e.model.experts.close()
