@@ -211,8 +211,9 @@ def _enable_fast(model, max_running: int, context: int, chunk: int) -> None:
         return
     model.enable_fast(slots=max_running + 1, capacity=context + 1)
     log.info("fast engine path: %d state slots of %d tokens (%.1f GiB), decode %s", max_running + 1, context + 1,
-             model.fast.pool.nbytes / 2**30, "as CUDA graphs" if model.decode_steps.capture else
-             "launched directly (the expert cache picks fills and CPU runs on the host each step)")
+             model.fast.pool.nbytes / 2**30, ("as CUDA graphs between the expert cache's layers (it picks fills and CPU runs on the host)"
+              if model.fast.cached_experts else "as CUDA graphs") if model.decode_steps.capture else
+             "launched directly")
     started = time.monotonic()
     model.warm_up(chunk)
     log.info("fast engine path warmed up in %.1f s (kernels compiled, decode graphs captured)",

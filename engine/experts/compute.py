@@ -21,14 +21,20 @@ class Routing:
     experts: list[int]  # distinct experts, ascending
     counts: list[int]  # (token, k) pairs per expert
     positions: list[torch.Tensor]  # LongTensor [n_e] per expert
+    unrouted: int = 0  # pairs with id -1 (a padding row's): no expert, their rows of y must read zero
 
     @staticmethod
     def of(topk_ids: torch.Tensor) -> "Routing":
         flat = topk_ids.reshape(-1).to("cpu", torch.long)  # [T*K]
         order = torch.argsort(flat, stable=True)
         uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        return Routing(topk_ids.shape[1], uniq.tolist(), counts.tolist(),
-                       list(torch.split(order, counts.tolist())))
+        experts, counts = uniq.tolist(), counts.tolist()
+        positions = list(torch.split(order, counts))
+        unrouted = 0
+        if experts and experts[0] < 0:  # sorted first; an expert id of its own would index the last expert
+            unrouted = counts[0]
+            experts, counts, positions = experts[1:], counts[1:], positions[1:]
+        return Routing(topk_ids.shape[1], experts, counts, positions, unrouted)
 
     def rows(self, e_index: int) -> torch.Tensor:
         return self.positions[e_index] // self.top_k  # token of each routed position

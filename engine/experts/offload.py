@@ -102,7 +102,7 @@ class OffloadBackend:
         fills, on_cpu = misses[:q], misses[q:]
         table.touch(slots[hits])
         table.lock(slots[hits])
-        y = x.new_empty(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
+        y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
         pending = self._start_cpu(layer, x, routing, on_cpu)
         self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills, pending is not None,
                          topk_ids)
@@ -157,7 +157,7 @@ class OffloadBackend:
         from engine.kernels.moe_triton import blocks_for, run_experts
 
         T, K, lay = x.shape[0], routing.top_k, self.pool.layout
-        lut = np.full(self.pool.num_experts, -1, dtype=np.int32)
+        lut = np.full(self.pool.num_experts + 1, -1, dtype=np.int32)  # id -1 (routed nowhere) reads the extra -1
         lut[[routing.experts[i] for i in experts]] = slots
         ids = torch.from_numpy(lut).to(self.device, non_blocking=True)[topk_ids]  # [T, K] int32
         ones = self._ones.get((T, K))

@@ -13,7 +13,11 @@ at once and releases the GIL, so the proxy's event loop keeps running while the 
 """
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger("killick.engine")
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -40,6 +44,9 @@ class _Bucket:
 
     def _capture(self, dev) -> None:
         fast = self.fast
+        if fast.cached_experts:  # every row of a bucket is a real one (no padding): warm up and capture so
+            self.staging[3] = 1  # the cache sees routed rows, as it will at every replay
+            self.inputs.copy_(self.host)
         ids, slots, pos, valid = self.inputs
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -48,7 +55,12 @@ class _Bucket:
                 fast.decode(ids, slots, pos, valid)
         torch.cuda.current_stream(dev).wait_stream(side)
         if fast.cached_experts:
-            self._capture_segments(ids, slots, pos, valid)
+            try:
+                self._capture_segments(ids, slots, pos, valid)
+            except RuntimeError as exc:  # never yet seen; the step then runs as before, launched directly
+                log.warning("decode step of %d rows: the graphs between the expert cache's layers could not "
+                            "be captured (%s); launching it directly", self.size, exc)
+                self.segments, self.calls = [], []
             return
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

@@ -144,6 +144,37 @@ def test_grouped_device_experts_match_one_at_a_time(pool, cls, slots):
         b.close()
 
 
+@pytest.mark.parametrize("cls", [OffloadBackend, CpuBackend, HybridBackend])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_pairs_routed_to_no_expert_read_zero_and_never_reach_the_cache(pool, src, cls, grouped):
+    """Padding rows route to id -1 (route_topk's valid flag; a graph's warm-up runs such rows): no expert
+    runs for them, their outputs are zero, the cache neither counts nor fills an expert for them (-1 used to
+    index the last expert)."""
+    if grouped:
+        pytest.importorskip("triton")
+    if cls is CpuBackend and grouped:
+        pytest.skip("the cpu backend runs no device experts")
+    kw = {} if cls is CpuBackend else dict(grouped=grouped)
+    b = cls(pool, 2 * E, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True), **kw)
+    seed = int(torch.randint(1 << 30, ()))
+    for step, T in enumerate([4, 1, 6, 1]):
+        b.begin_forward(T, K)
+        for layer in L_IDS:
+            x, ids, w = routing(T, seed=seed + step * 10 + layer)
+            ids[0] = -1  # a whole padding row
+            if T > 1:
+                ids[1, 0] = -1  # and one lone pair
+            before = dict(b.stats()["total"])
+            got = b.forward(layer, x, ids, w)
+            torch.testing.assert_close(got, reference(src, layer, x, ids, w), rtol=1e-5, atol=1e-5,
+                                       msg=f"seed {seed}")
+            assert torch.count_nonzero(got[0]) == 0
+            now = b.stats()["total"]
+            assert now["hits"] + now["misses"] - before["hits"] - before["misses"] == len(ids[ids >= 0].unique())
+            check_table(b)
+    b.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backends_bit_identical(dtype, monkeypatch):
     """With one expert implementation on both sides, where an expert runs changes no bit of the output."""
