@@ -130,14 +130,14 @@ class SplitPolicy:
         """The fastest predicted choice for m misses; no side effects."""
         if m <= 0:
             return Choice("none", 0, 0.0)
-        return min(self.options(m), key=lambda c: c.seconds)  # ties: split, then fill
+        return _fastest(self.options(m))
 
     def choose(self, m: int) -> Choice:
         """The split for this call's m misses: the fastest predicted, or on schedule one due for re-measuring."""
         if m <= 0:
             return Choice("none", 0, 0.0)
         options = self.options(m)
-        pick = min(options, key=lambda c: c.seconds)
+        pick = _fastest(options)
         due = self._due(options, pick) if m >= self.explore_min and not self.estimate.frozen else []
         if due:
             pick = min(due, key=lambda c: self._last_used[c.arm])._replace(explored=True)
@@ -176,6 +176,10 @@ class SplitPolicy:
 
 
 HYBRID_MIN_BH = 0.5  # B_H / B_P from which `auto` picks hybrid
+
+
+def _fastest(options: list[Choice]) -> Choice:
+    return min(options, key=lambda c: c.seconds)  # ties: the earlier option (split, then fill)
 
 
 def choose_backend(*, dense: bool, pool_bytes: int, free_bytes: int, profile: dict | None) -> str:
