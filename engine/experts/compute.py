@@ -6,38 +6,51 @@ Each backend writes expert outputs into y [T*K, H] at the (token, k) positions r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
 from engine.layers.mlp import swiglu_fused as expert_mlp  # x [n, H], gate_up [2I, H], down [H, I] -> [n, H]
 
 
-@dataclass
 class Routing:
-    """Routed experts of one layer step, grouped on the host (positions are flat t * K + k, on CPU)."""
+    """Routed experts of one layer step, grouped on the host (positions are flat t * K + k, on CPU).
 
-    top_k: int
-    experts: list[int]  # distinct experts, ascending
-    counts: list[int]  # (token, k) pairs per expert
-    positions: list[torch.Tensor]  # LongTensor [n_e] per expert
-    unrouted: int = 0  # pairs with id -1 (a padding row's): no expert, their rows of y must read zero
+    Grouped with numpy: at decode sizes each torch op on a small CPU tensor costs more than the work, and a
+    backend calls this once per MoE layer per step. An expert's positions are a view made when asked for
+    (the grouped device kernels never ask)."""
+
+    __slots__ = ("top_k", "experts", "counts", "unrouted", "_order", "_starts")
+
+    def __init__(self, top_k: int, experts: list[int], counts: list[int], order: np.ndarray,
+                 starts: list[int], unrouted: int = 0) -> None:
+        self.top_k = top_k
+        self.experts = experts  # distinct experts, ascending
+        self.counts = counts  # (token, k) pairs per expert
+        self.unrouted = unrouted  # pairs with id -1 (a padding row's): no expert, their rows of y read zero
+        self._order, self._starts = order, starts
+
+    def position(self, i: int) -> torch.Tensor:
+        """LongTensor [n] of the flat positions routed to experts[i] (a view of the sort order)."""
+        a = self._starts[i]
+        return torch.from_numpy(self._order[a: a + self.counts[i]])
 
     @staticmethod
     def of(topk_ids: torch.Tensor) -> "Routing":
-        flat = topk_ids.reshape(-1).to("cpu", torch.long)  # [T*K]
-        order = torch.argsort(flat, stable=True)
-        uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        experts, counts = uniq.tolist(), counts.tolist()
-        positions = list(torch.split(order, counts))
+        flat = topk_ids.reshape(-1).to("cpu", torch.long).numpy()  # [T*K]
+        order = np.argsort(flat, kind="stable")
+        ids = flat[order]
+        cut = np.flatnonzero(np.diff(ids)) + 1
+        starts = np.concatenate(([0], cut)) if len(ids) else cut
+        counts = np.diff(np.concatenate((starts, [len(ids)])))
+        experts, starts, counts = ids[starts].tolist(), starts.tolist(), counts.tolist()
         unrouted = 0
         if experts and experts[0] < 0:  # sorted first; an expert id of its own would index the last expert
             unrouted = counts[0]
-            experts, counts, positions = experts[1:], counts[1:], positions[1:]
-        return Routing(topk_ids.shape[1], experts, counts, positions, unrouted)
+            experts, starts, counts = experts[1:], starts[1:], counts[1:]
+        return Routing(topk_ids.shape[1], experts, counts, order, starts, unrouted)
 
     def rows(self, e_index: int) -> torch.Tensor:
-        return self.positions[e_index] // self.top_k  # token of each routed position
+        return self.position(e_index) // self.top_k  # token of each routed position
 
 
 def run_expert(y: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, top_k: int, gate_up, down) -> None:

@@ -169,7 +169,7 @@ class OffloadBackend:
                     out=(act, y.view(T, K, -1)))
 
     def _run_slot(self, x, y, routing: Routing, i: int, slot: int) -> None:
-        pos = routing.positions[i].to(self.device, non_blocking=True)
+        pos = routing.position(i).to(self.device, non_blocking=True)
         run_expert(y, x, pos, routing.top_k, *self.cache.weights(slot))
 
     def _start_cpu(self, layer: int, x: torch.Tensor, routing: Routing, on_cpu: list[int]):
@@ -178,7 +178,7 @@ class OffloadBackend:
         host = self.pool.wait_layer(layer)
         if layer not in self._cpu_tables:
             self._cpu_tables[layer] = layer_table(host, self.pool.layout)
-        jobs = [(routing.positions[i], routing.experts[i]) for i in on_cpu]
+        jobs = [(routing.position(i), routing.experts[i]) for i in on_cpu]
         return self._cpu.submit(self._cpu_job, x.to("cpu"), host, jobs, routing.top_k, self._cpu_tables[layer])
 
     def _cpu_job(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs, top_k: int, table):

@@ -1,0 +1,34 @@
+"""compute.Routing.of (numpy grouping) against a plain per-expert reference, on fresh random routing."""
+import random
+
+import torch
+
+from engine.experts.compute import Routing
+
+
+def reference(ids: torch.Tensor):
+    flat = ids.reshape(-1).tolist()
+    experts = sorted({e for e in flat if e >= 0})
+    return experts, [[p for p, e in enumerate(flat) if e == x] for x in experts], sum(e < 0 for e in flat)
+
+
+def test_routing_groups_pairs_by_expert_in_position_order():
+    rng = random.Random()
+    for _ in range(300):
+        T, E = rng.randint(1, 40), rng.choice([4, 16, 256])
+        K = rng.randint(1, min(8, E))
+        ids = torch.stack([torch.tensor(rng.sample(range(E), K)) for _ in range(T)])
+        if rng.random() < 0.5:  # padding rows and lone pairs routed nowhere
+            ids[torch.rand(T, K) < 0.2] = -1
+        r = Routing.of(ids)
+        experts, positions, unrouted = reference(ids)
+        assert r.experts == experts and r.unrouted == unrouted and r.top_k == K
+        assert r.counts == [len(p) for p in positions]
+        for i, want in enumerate(positions):
+            assert r.position(i).tolist() == want and r.position(i).dtype == torch.long
+            assert r.rows(i).tolist() == [p // K for p in want]
+
+
+def test_routing_of_nothing_routed():
+    r = Routing.of(torch.full((3, 2), -1))
+    assert r.experts == [] and r.counts == [] and r.unrouted == 6
