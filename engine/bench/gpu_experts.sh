@@ -15,6 +15,8 @@
 #     OUT=/some/dir bash engine/bench/gpu_experts.sh           (uniform routing)
 #     ZIPF=1.0 OUT=/other/dir bash engine/bench/gpu_experts.sh  (skewed routers, the same weights on both sides)
 #     PACK=FILE ...  also keeps FILE, a tarball of OUT, fresh every 15 s (see gpu_prelude.sh)
+#     REUSE_PEER=1 ...  in a call that follows one of these on the still-warm machine: llama.cpp's results and
+#                       the checkpoint from that call, so this one has its whole time for killick's rows
 # Results under $OUT: summary.txt (each step with its rc and the second it ended), bench_*.{txt,json,log},
 # compare_*.txt, peer/, bw.{txt,json}, pytest_gpu.log. A failing step is logged and the session goes on; a
 # bench cut off by its timeout leaves every thread's stack in its .log (SIGABRT, python -X faulthandler).
@@ -27,11 +29,21 @@ fi
 
 # ZIPF=A: the checkpoint with routers skewed to a Zipf law of exponent A, on both sides (a second call)
 CKPT=build/peers/ckpt/qwen3.6-35b-a3b-L8${ZIPF:+-zipf$ZIPF}
-( timeout $(upto ${PEER_S:-420}) bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 \
-    --backend cuda ${ZIPF:+--router-zipf $ZIPF} --ncmoe ${NCMOE:-0,5} --reps 2 --jobs $(( $(nproc) - 3 )) \
-    --out "$OUT/peer" > "$OUT/peer.log" 2>&1
-  echo $? > "$OUT/peer.rc" ) &
-PEER=$!
+# REUSE_PEER=1: a call right after one that ran llama.cpp on this (still warm) machine takes its results and
+# checkpoint from build/peers (kept between calls) and spends its time on killick's side alone
+KEPT=build/peers/llama_bench-L8${ZIPF:+-zipf$ZIPF}.json
+if [ -n "${REUSE_PEER:-}" ] && [ -f "$KEPT" ] && [ -f "$CKPT/config.json" ]; then
+    mkdir -p "$OUT/peer" && cp "$KEPT" "$OUT/peer/llama_bench.json" && echo 0 > "$OUT/peer.rc"
+    echo "llama.cpp: results of the previous call on this machine ($KEPT)" > "$OUT/peer.log"
+    PEER=""
+else
+    ( timeout $(upto ${PEER_S:-420}) bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 \
+        --backend cuda ${ZIPF:+--router-zipf $ZIPF} --ncmoe ${NCMOE:-0,5} --reps 2 --jobs $(( $(nproc) - 3 )) \
+        --out "$OUT/peer" > "$OUT/peer.log" 2>&1
+      rc=$?; echo $rc > "$OUT/peer.rc"
+      [ $rc = 0 ] && cp "$OUT/peer/llama_bench.json" "$KEPT" ) &
+    PEER=$!
+fi
 
 timeout $(upto ${TEST_S:-150}) $PY -m pytest -q -p no:cacheprovider tests/gpu/test_experts_cuda.py \
     tests/kernels/test_moe.py "tests/engine/test_fast_path.py::test_fast_path_with_an_expert_cache_matches_eager" \
@@ -39,7 +51,7 @@ timeout $(upto ${TEST_S:-150}) $PY -m pytest -q -p no:cacheprovider tests/gpu/te
 status pytest_gpu $?
 tail -3 "$OUT/pytest_gpu.log" >> "$OUT/summary.txt"
 
-wait $PEER
+[ -n "$PEER" ] && wait $PEER
 status peer "$(cat "$OUT/peer.rc" 2>/dev/null)"
 tail -3 "$OUT/peer.log" >> "$OUT/summary.txt"
 
