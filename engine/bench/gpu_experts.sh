@@ -65,7 +65,7 @@ if [ -f "$CKPT/config.json" ]; then
             > "$OUT/bench_$1.txt" 2> "$OUT/bench_$1.log"
         status "bench_$1" $?
         cat "$OUT/bench_$1.txt" >> "$OUT/summary.txt"
-        $PY -m engine.bench.peers.compare --llama "$OUT/peer/llama_bench.json" --killick "$OUT/bench_$1.json" \
+        $PY -m engine.bench.peers.compare --llama "$OUT/peer/llama_bench.json" --killick "$OUT/bench_$1.json" --layers 8 \
             --json "$OUT/compare_$1.json" > "$OUT/compare_$1.txt" 2>&1
         cat "$OUT/compare_$1.txt" >> "$OUT/summary.txt"
     done
