@@ -57,7 +57,7 @@ class _Bucket:
         if fast.cached_experts:
             try:
                 self._capture_segments(ids, slots, pos, valid)
-            except RuntimeError as exc:  # never yet seen; the step then runs as before, launched directly
+            except RuntimeError as exc:  # the step then runs launched directly, as it did before graphs
                 log.warning("decode step of %d rows: the graphs between the expert cache's layers could not "
                             "be captured (%s); launching it directly", self.size, exc)
                 self.segments, self.calls = [], []
