@@ -217,7 +217,8 @@ def run(args) -> dict:
             done("prefill and extend")
     finally:
         core.stop()
-    return {"what": "whole engine: EngineCore -> scheduler -> ModelRunner -> Model", "model": name,
+    split = cache.split()
+    return {"what": "whole engine: EngineCore -> scheduler -> ModelRunner -> Model", "model": name, **split,
             "path": "fast" if model.fast is not None else "eager", "device": _device_name(model.device), "dtype": args.dtype,
             "hbm_copy_gbs": rate / 1e9, "context": context, "placement": placement, **cache.header(),
             "commit": _commit(), "date": time.strftime("%Y-%m-%d"), "rows": rows}
@@ -259,6 +260,12 @@ class ExpertTraffic:
                 "slot_policy": self.backend.cache.table.policy,
                 "experts_on_gpu": f"{self.share():.1%}", "slots": self.backend.cache.num_slots}
 
+    def split(self) -> dict:
+        """hybrid: the split policy at the end of the run (choices taken per arm, explorations, the rates each
+        path was measured at, alone and together, bytes/s) — why it sent what it sent to the CPU."""
+        stats = self.backend.stats() if self.cached else {}
+        return {"split": stats["split"]} if "split" in stats else {}
+
     def row_keys(self) -> dict:
         """Per row: the backend (compare.py's variant) and the share of experts the slots hold."""
         return {"variant": self.backend.name, "experts_on_gpu": f"{self.share():.1%}"} if self.cached else {}
@@ -293,6 +300,14 @@ class ExpertTraffic:
         return {"stream_bound_s": bound, "of_stream_bound": bound / seconds}
 
 
+def print_split(res: dict) -> None:
+    if "split" not in res:
+        return
+    sp = res["split"]
+    rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sp["rates"].items())
+    print(f"hybrid split over the run: choices {sp['arms']} ({sp['explored']} explorations); rates GB/s: {rates}")
+
+
 def print_table(res: dict) -> None:
     cached = (f", experts {res['variant']} {res['slots']} {res['slot_policy']} slots ({res['experts_on_gpu']}, "
               f"as llama.cpp {res['placement']}), B_P {res['bp_gbs']:.1f} GB/s") if "bp_gbs" in res else ""
@@ -314,6 +329,7 @@ def print_table(res: dict) -> None:
             note += f"; fills alone at B_P {r['fill_bound_tok_s']:.1f} tok/s ({r['of_fill_bound']:.2f} of it)"
         print(f"{r['name']:<16}{r['tok_s']:>12.1f}{r.get('ms_per_step', float('nan')):>10.3f}"
               f"{r.get('bound_tok_s', float('nan')):>13.1f}{r.get('of_bound', float('nan')):>10.2f}  {note}")
+    print_split(res)
 
 
 def _device_name(device) -> str:
