@@ -219,7 +219,8 @@ def run(args) -> dict:
         core.stop()
     split = cache.split()
     return {"what": "whole engine: EngineCore -> scheduler -> ModelRunner -> Model", "model": name, **split,
-            "path": "fast" if model.fast is not None else "eager", "device": _device_name(model.device), "dtype": args.dtype,
+            "path": "fast" if model.fast is not None else "eager",
+            "decode_buckets": model.decode_steps.modes() if model.fast is not None else {}, "device": _device_name(model.device), "dtype": args.dtype,
             "hbm_copy_gbs": rate / 1e9, "context": context, "placement": placement, **cache.header(),
             "commit": _commit(), "date": time.strftime("%Y-%m-%d"), "rows": rows}
 
@@ -300,6 +301,11 @@ class ExpertTraffic:
         return {"stream_bound_s": bound, "of_stream_bound": bound / seconds}
 
 
+def print_buckets(res: dict) -> None:
+    if res.get("decode_buckets"):
+        print("decode steps by batch size: " + ", ".join(f"{b} {m}" for b, m in res["decode_buckets"].items()))
+
+
 def print_split(res: dict) -> None:
     if "split" not in res:
         return
@@ -329,6 +335,7 @@ def print_table(res: dict) -> None:
             note += f"; fills alone at B_P {r['fill_bound_tok_s']:.1f} tok/s ({r['of_fill_bound']:.2f} of it)"
         print(f"{r['name']:<16}{r['tok_s']:>12.1f}{r.get('ms_per_step', float('nan')):>10.3f}"
               f"{r.get('bound_tok_s', float('nan')):>13.1f}{r.get('of_bound', float('nan')):>10.2f}  {note}")
+    print_buckets(res)
     print_split(res)
 
 

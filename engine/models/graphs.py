@@ -122,6 +122,12 @@ class DecodeSteps:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
+    def modes(self) -> dict[int, str]:
+        """How each bucket made so far runs: "graph" (one per step), "segments" (graphs between an expert
+        cache's layers) or "direct" (launched directly: capture off, or it failed and was logged)."""
+        return {size: "segments" if b.segments else "graph" if b.graph is not None else "direct"
+                for size, b in sorted(self._buckets.items())}
+
     def run(self, ids: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
         size = next(s for s in self.sizes if s >= len(ids))
         if size not in self._buckets:
