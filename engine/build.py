@@ -210,10 +210,12 @@ def _enable_fast(model, max_running: int, context: int, chunk: int) -> None:
         log.warning("eager engine path: %s", reason)
         return
     model.enable_fast(slots=max_running + 1, capacity=context + 1)
+    decode = "launched directly"
+    if model.decode_steps.capture:
+        decode = ("as CUDA graphs between the expert cache's layers (it picks fills and CPU runs on the host)"
+                  if model.fast.cached_experts else "as CUDA graphs")
     log.info("fast engine path: %d state slots of %d tokens (%.1f GiB), decode %s", max_running + 1, context + 1,
-             model.fast.pool.nbytes / 2**30, ("as CUDA graphs between the expert cache's layers (it picks fills and CPU runs on the host)"
-              if model.fast.cached_experts else "as CUDA graphs") if model.decode_steps.capture else
-             "launched directly")
+             model.fast.pool.nbytes / 2**30, decode)
     started = time.monotonic()
     model.warm_up(chunk)
     log.info("fast engine path warmed up in %.1f s (kernels compiled, decode graphs captured)",

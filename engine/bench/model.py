@@ -217,10 +217,10 @@ def run(args) -> dict:
             done("prefill and extend")
     finally:
         core.stop()
-    split = cache.split()
-    return {"what": "whole engine: EngineCore -> scheduler -> ModelRunner -> Model", "model": name, **split,
-            "path": "fast" if model.fast is not None else "eager",
-            "decode_buckets": model.decode_steps.modes() if model.fast is not None else {}, "device": _device_name(model.device), "dtype": args.dtype,
+    return {"what": "whole engine: EngineCore -> scheduler -> ModelRunner -> Model", "model": name,
+            **cache.split(), "path": "fast" if model.fast is not None else "eager",
+            "decode_buckets": model.decode_steps.modes() if model.fast is not None else {},
+            "device": _device_name(model.device), "dtype": args.dtype,
             "hbm_copy_gbs": rate / 1e9, "context": context, "placement": placement, **cache.header(),
             "commit": _commit(), "date": time.strftime("%Y-%m-%d"), "rows": rows}
 
@@ -228,18 +228,19 @@ def run(args) -> dict:
 class ExpertTraffic:
     """The expert cache's counters around each row (nothing for all-resident experts), and the prefill's
     streaming bound: the pool's bytes at B_P measured in this process (pinned host -> device on CUDA,
-    host -> host on CPU, where a fill is a copy)."""
+    host -> host on CPU, where a fill is a copy). measure_bp=False: the counters alone (no bound)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, measure_bp: bool = True) -> None:
         self.backend = getattr(model, "experts", None)
         self.cached = is_expert_cache(self.backend)
         self.bp = None
         if self.cached:
-            from engine.bench.bw import measure_bp, measure_copy
+            from engine.bench.bw import measure_bp as bp_of, measure_copy
 
             pool = self.backend.pool
             self.pool_bytes = pool.expert_bytes * pool.num_experts * len(pool.layers)
-            self.bp = measure_bp(pool.layout, pool.dtype) or measure_copy(pool.layout, pool.dtype)
+            if measure_bp:
+                self.bp = bp_of(pool.layout, pool.dtype) or measure_copy(pool.layout, pool.dtype)
 
     def placement(self) -> str:
         """As engine/bench/peers/compare.py pairs rows: `resident`, else `ncmoeN` for the llama.cpp run that

@@ -21,6 +21,8 @@ from collections import defaultdict
 
 import torch
 
+from engine.bench.model import ExpertTraffic
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench.profile_decode")
@@ -105,12 +107,7 @@ def main(argv=None) -> int:
         print(f"{name[:71]:<72}{calls:>7.0f}{us:>10.1f}{us / total:>8.1%}")
     cpu_ops = []
     if cached:
-        per_op = defaultdict(lambda: [0, 0.0])
-        for ev in prof.key_averages():
-            if ev.device_type == torch.autograd.DeviceType.CPU:
-                per_op[ev.key][0] += ev.count
-                per_op[ev.key][1] += ev.self_cpu_time_total
-        cpu_ops = sorted(((n, c / args.steps, t / args.steps) for n, (c, t) in per_op.items()), key=lambda r: -r[2])
+        cpu_ops = [(name, calls / args.steps, us / args.steps) for name, calls, us in _host_ops(prof)]
         print(f"\n{'torch op (host)':<72}{'calls':>7}{'self us/step':>14}")
         for name, calls, us in cpu_ops[:25]:
             print(f"{name[:71]:<72}{calls:>7.0f}{us:>14.1f}")
@@ -149,8 +146,8 @@ def _prefill(model, args, sync, g) -> dict:
         sync()
         walls.append(time.perf_counter() - t)
         _release(st)
-    cached = hasattr(model.experts, "pool")
-    before = dict(model.experts.stats()["total"]) if cached else None
+    traffic = ExpertTraffic(model, measure_bp=False)
+    before = traffic.mark()
     st = model.new_state(args.prefill + 8)
     prompt = torch.randint(0, vocab, (args.prefill,), generator=g)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -165,17 +162,15 @@ def _prefill(model, args, sync, g) -> dict:
     _release(st)
     out = {"tokens": args.prefill, "fast_path": fast, "piece_tokens": model.piece_tokens, "wall_s": walls[-1],
            "profiled": {k: v / 1e6 for k, v in kinds.items()}}
-    if cached:
-        after = model.experts.stats()["total"]
-        pool = model.experts.pool
-        out["pools_moved"] = (after["bytes_moved"] - before["bytes_moved"]) / (
-            pool.expert_bytes * pool.num_experts * len(pool.layers))
-    prof_rows = sorted(((e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages()
-                        if e.device_type == torch.autograd.DeviceType.CPU), key=lambda r: -r[2])
+    moved = traffic.since(before)
+    if moved:
+        out["pools_moved"] = moved["pool_passes"]
+    prof_rows = _host_ops(prof)
     out["host_ops"] = prof_rows[:15]
-    print(f"\nprefill {args.prefill} tokens ({'fast' if fast else 'eager'} path), pieces of {model.piece_tokens}: wall {walls[-1] * 1e3:.1f} ms "
-          f"(first {walls[0] * 1e3:.1f}); under the profiler, copies {kinds['copy'] / 1e3:.1f} ms, kernels "
-          f"{kinds['kernels'] / 1e3:.1f} ms" + (f", {out['pools_moved']:.2f} pools moved" if cached else ""))
+    print(f"\nprefill {args.prefill} tokens ({'fast' if fast else 'eager'} path), pieces of {model.piece_tokens}: "
+          f"wall {walls[-1] * 1e3:.1f} ms (first {walls[0] * 1e3:.1f}); under the profiler, copies "
+          f"{kinds['copy'] / 1e3:.1f} ms, kernels {kinds['kernels'] / 1e3:.1f} ms"
+          + (f", {moved['pool_passes']:.2f} pools moved" if moved else ""))
     for name, count, us in prof_rows[:15]:
         print(f"  host {name[:60]:<60}{count:>7}{us / 1e3:>10.1f} ms")
     return out
@@ -187,19 +182,24 @@ def _host_side(model, step, steps: int, sync) -> dict:
     import cProfile
     import pstats
 
-    before = dict(model.experts.stats()["total"])
+    traffic = ExpertTraffic(model, measure_bp=False)
+    before = traffic.mark()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
         step()
     sync()
     prof.disable()
-    after = model.experts.stats()["total"]
     st = pstats.Stats(prof)
     funcs = sorted(((f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]} {fn[2]}", v[1] / steps, v[2] / steps * 1e6)
                     for fn, v in st.stats.items()), key=lambda r: -r[2])
-    return {"experts": {k: after[k] - before[k] for k in ("hits", "misses", "fills", "cpu_runs", "bytes_moved")},
-            "functions": funcs}
+    return {"experts": traffic.since(before)["experts"], "functions": funcs}
+
+
+def _host_ops(prof) -> list[tuple[str, int, float]]:
+    """(torch op, calls, self CPU microseconds) of a profile's host side, the costliest first."""
+    return sorted(((e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CPU), key=lambda r: -r[2])
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ mixer's kernels (qk-norm/RoPE/KV store + split attention, or conv step + delta r
 o/out projection, add+norm with the router's logits in the same launch, then two expert kernels, the first
 routing each pair's token itself (top-k without a launch of its own); the next add+norm sums the experts'
 rows into the residual. With an expert cache a step is segments of device work around each MoE layer's
-routed experts, which the cache runs on the host's schedule (decode_segments). Prefill chunks run the same projections with the prefill attention kernel, the
-chunked delta rule (fla's kernels on CUDA) and experts grouped per expert.
+routed experts, which the cache runs on the host's schedule (decode_segments). Prefill chunks run the same
+projections with the prefill attention kernel, the chunked delta rule (fla's kernels on CUDA) and experts
+grouped per expert.
 N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
 """
 from __future__ import annotations

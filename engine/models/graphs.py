@@ -6,10 +6,11 @@
 A bucket holds its inputs in one int32 device tensor [4, b] (token ids, slots, positions, valid flags),
 filled by one copy from (pinned) host memory; rows past the batch are padding (the pool's scratch slot,
 routed to no expert). The same bucket shapes run with or without capture, so a replayed step and a
-directly launched one compute bit-identical logits. With an expert cache a step is several graphs, one per
-stretch of device work between the cache's layers, the host running each layer's routed experts in between
-(FastPath.decode_segments): hundreds of kernel launches per step become one replay per layer. Replay launches the whole step (hundreds of kernels)
-at once and releases the GIL, so the proxy's event loop keeps running while the GPU works.
+directly launched one compute bit-identical logits. Replay launches the whole step (hundreds of kernels)
+at once and releases the GIL, so the proxy's event loop keeps running while the GPU works. With an expert
+cache a step is several graphs, one per stretch of device work between the cache's layers, the host running
+each layer's routed experts in between (FastPath.decode_segments): one replay per layer instead of hundreds
+of launches.
 """
 from __future__ import annotations
 
