@@ -33,6 +33,7 @@ class EngineOptions:
     max_prefill_tokens: int | None = None  # None: the context with an expert cache, else max_step_tokens
     expert_threads: int | None = None  # CPU expert workers (cpu/hybrid); None: see expert_threads()
     slot_policy: str = "lfu"  # which expert slot a fill evicts: lfu (popularity, decayed) or lru
+    moe_decode: str = "auto"  # fast-path decode through the expert cache: mapped | host | auto (offload.py)
     fast_path: bool = True  # CUDA: Triton kernels, static state slots, decode steps as CUDA graphs
 
     def __post_init__(self) -> None:
@@ -85,6 +86,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="which cached expert a fill evicts: lfu, the least used lately (uses halve in weight every "
                         "256 tokens), or lru, the least recently used (default lfu: at batch 1 the layers cycle and "
                         "LRU evicts popular experts between their uses; docs/PERF.md, bench routing)")
+    g.add_argument("--moe-decode", default="auto", choices=["auto", "mapped", "host"],
+                   help="how the fast path decodes through the expert cache: mapped (the kernels read missing "
+                        "experts in place from the pinned host pool over PCIe; a step is one CUDA graph), host (the "
+                        "host copies misses into slots or runs them on the CPU, layer by layer) or auto (mapped, "
+                        "but host for --moe-backend cpu; default)")
     g.add_argument("--expert-threads", type=int,
                    help="CPU threads running experts for cpu/hybrid (default: every core on a CPU engine; on "
                         "CUDA every core but one, which the engine thread keeps for launching GPU work)")
@@ -212,8 +218,11 @@ def _enable_fast(model, max_running: int, context: int, chunk: int) -> None:
     model.enable_fast(slots=max_running + 1, capacity=context + 1)
     decode = "launched directly"
     if model.decode_steps.capture:
-        decode = ("as CUDA graphs between the expert cache's layers (it picks fills and CPU runs on the host)"
-                  if model.fast.cached_experts else "as CUDA graphs")
+        decode = "as CUDA graphs"
+        if model.fast.mapped is not None:
+            decode = "as CUDA graphs, missing experts read in place from the host pool (--moe-decode mapped)"
+        elif model.fast.cached_experts:
+            decode = "as CUDA graphs between the expert cache's layers (it picks fills and CPU runs on the host)"
     log.info("fast engine path: %d state slots of %d tokens (%.1f GiB), decode %s", max_running + 1, context + 1,
              model.fast.pool.nbytes / 2**30, decode)
     started = time.monotonic()
@@ -256,7 +265,7 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     log.info("%s experts: %d CPU expert threads", name, threads)
     return {"experts": experts_factory(name, device=opts.device, slots=opts.moe_slots, progress=progress,
                                        reserve_bytes=reserve, profile=profile or {},
-                                       slot_policy=opts.slot_policy),
+                                       slot_policy=opts.slot_policy, decode=opts.moe_decode),
             "expert_device": "cpu"}
 
 

@@ -165,6 +165,8 @@ class ModelRunner:
             raise ValueError("the prefix cache is off (--no-prefix-cache): there is no budget to change")
         if moe_slots is not None:
             experts.resize(moe_slots)  # checks the size before it frees anything
+            if fast is not None:
+                self.model.decode_steps.reset()  # its graphs read the old slots in place
         if prefix_device_bytes is not None or prefix_host_bytes is not None:
             self.cache.set_budgets(device=prefix_device_bytes, host=prefix_host_bytes)
         if kv_tokens is not None:

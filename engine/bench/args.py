@@ -81,6 +81,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per step (default as serve: the whole context with an expert cache)")
     p.add_argument("--slot-policy", default="lfu", choices=["lfu", "lru"],
                    help="which cached expert a fill evicts (default lfu, as serve)")
+    p.add_argument("--moe-decode", default="auto", choices=["auto", "mapped", "host"],
+                   help="how decode goes through the expert cache (as serve; default auto)")
     p.add_argument("--json", help="write the results here")
 
 

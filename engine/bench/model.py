@@ -21,6 +21,7 @@ import time
 import torch
 
 from engine.experts.registry import is_expert_cache
+from engine.experts.stats import FIELDS
 
 
 def hbm_rate(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -164,7 +165,8 @@ def build(args):
     zipf = args.router_zipf
     cached = args.moe_backend != "fused"
     where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
-                                         slot_policy=args.slot_policy), expert_device="cpu") if cached else {}
+                                         slot_policy=args.slot_policy, decode=args.moe_decode),
+                 expert_device="cpu") if cached else {}
     if args.model:
         if zipf:
             raise ValueError("--router-zipf skews a synthetic model's routers; a checkpoint routes as it was trained")
@@ -260,6 +262,7 @@ class ExpertTraffic:
             return {}
         return {"bp_gbs": self.bp / 1e9, "pool_bytes": self.pool_bytes, "variant": self.backend.name,
                 "slot_policy": self.backend.cache.table.policy,
+                "decode_path": "mapped" if self.backend.mapped is not None else "host",
                 "experts_on_gpu": f"{self.share():.1%}", "slots": self.backend.cache.num_slots}
 
     def split(self) -> dict:
@@ -280,15 +283,17 @@ class ExpertTraffic:
         if mark is None:
             return {}
         now = upto or self.mark()
-        moved = {k: now[k] - mark[k] for k in ("hits", "misses", "fills", "cpu_runs", "bytes_moved")}
+        moved = {k: now[k] - mark[k] for k in FIELDS}
         return {"experts": moved, "pool_passes": moved["bytes_moved"] / self.pool_bytes}
 
     def fill_bound(self, start: dict | None, end: dict | None, steps: int, batch: int, step_s: float) -> dict:
-        """Decode against its copies alone: the bytes the timed steps filled, per step, at B_P (the offload
-        bound; with hybrid the CPU's share is not in it, so it is a floor, not the bound)."""
+        """Decode against its PCIe traffic alone: the bytes the timed steps filled into slots or read in place
+        (a mapped decode), per step, at B_P (the offload bound; with hybrid the CPU's share is not in it, so it
+        is a floor, not the bound). A mapped decode counts a step's traffic at the next step's start: the
+        window is one step late, the same number of steps."""
         if start is None or end is None:
             return {}
-        per_step = (end["bytes_moved"] - start["bytes_moved"]) / steps
+        per_step = sum(end[k] - start[k] for k in ("bytes_moved", "bytes_read")) / steps
         if per_step <= 0:
             return {"fill_bytes_per_step": 0.0}
         bound = batch * self.bp / per_step
@@ -317,7 +322,8 @@ def print_split(res: dict) -> None:
 
 def print_table(res: dict) -> None:
     cached = (f", experts {res['variant']} {res['slots']} {res['slot_policy']} slots ({res['experts_on_gpu']}, "
-              f"as llama.cpp {res['placement']}), B_P {res['bp_gbs']:.1f} GB/s") if "bp_gbs" in res else ""
+              f"as llama.cpp {res['placement']}), decode {res['decode_path']}, B_P {res['bp_gbs']:.1f} GB/s"
+              ) if "bp_gbs" in res else ""
     print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path, {res['device']}, "
           f"HBM copy {res['hbm_copy_gbs']:.0f} GB/s{cached}, commit {res['commit']}")
     print(f"{'row':<16}{'tok/s':>12}{'ms/step':>10}{'bound tok/s':>13}{'of bound':>10}  note")
@@ -333,7 +339,7 @@ def print_table(res: dict) -> None:
             note += f"{'; ' if note else ''}{r['pool_passes']:.2f} pools moved, hit rate " \
                     f"{r['experts']['hits'] / max(1, r['experts']['hits'] + r['experts']['misses']):.2f}"
         if "fill_bound_tok_s" in r:
-            note += f"; fills alone at B_P {r['fill_bound_tok_s']:.1f} tok/s ({r['of_fill_bound']:.2f} of it)"
+            note += f"; its PCIe bytes alone at B_P {r['fill_bound_tok_s']:.1f} tok/s ({r['of_fill_bound']:.2f} of it)"
         print(f"{r['name']:<16}{r['tok_s']:>12.1f}{r.get('ms_per_step', float('nan')):>10.3f}"
               f"{r.get('bound_tok_s', float('nan')):>13.1f}{r.get('of_bound', float('nan')):>10.2f}  {note}")
     print_buckets(res)

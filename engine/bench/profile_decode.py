@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", type=int, default=0,
                    help="also profile one prompt of this many tokens, layer-major in --piece-tokens pieces")
     p.add_argument("--piece-tokens", type=int, default=2048)
+    p.add_argument("--moe-decode", choices=("auto", "mapped", "host"), default="auto",
+                   help="how decode goes through the expert cache (as serve)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     from engine.synth import synth_model
@@ -46,8 +48,8 @@ def main(argv=None) -> int:
     if cached:
         from engine.experts.registry import experts_factory
 
-        where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots),
-                     expert_device="cpu")
+        where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
+                                             decode=args.moe_decode), expert_device="cpu")
     model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=torch.bfloat16, **where)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     if model.device.type == "cuda":
@@ -93,9 +95,11 @@ def main(argv=None) -> int:
             per[ev.name][1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
     rows = sorted(((n, c / args.steps, t / args.steps) for n, (c, t) in per.items()), key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
+    mapped = model.fast is not None and model.fast.mapped is not None
     if cached:
         print(f"decode step, {args.layers} layers, batch {args.batch}, experts {args.moe_backend} "
-              f"{args.moe_slots} slots: {walls['graph']:.0f} us as graphs between the cache's layers, "
+              f"{args.moe_slots} slots, decode {'mapped' if mapped else 'host'}: {walls['graph']:.0f} us "
+              f"as graphs ({'one a step' if mapped else 'between the cache layers'}), "
               f"{walls['direct']:.0f} us launched directly; kernels {total:.0f} us, "
               f"{sum(r[1] for r in rows):.0f} launches")
     else:

@@ -91,9 +91,11 @@ class HostPool:
                 ev.set()
 
     def _pin(self, buf: torch.Tensor) -> bool:
-        """Page-lock an already filled buffer in place (cudaHostRegister); False (and one warning) on failure."""
+        """Page-lock and map an already filled buffer in place (cudaHostRegister); False (and one warning) on
+        failure."""
         nbytes = buf.numel() * buf.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 1)  # 1 = cudaHostRegisterPortable
+        # portable | mapped: every context's copies, and the expert kernels reading misses in place (mapped.py)
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 3)
         if int(err) == 0:
             # unregister when the buffer dies, even without close(): a freed-but-registered range makes the
             # next pool that gets the same addresses fail with cudaErrorHostMemoryAlreadyRegistered

@@ -28,6 +28,9 @@ from engine.experts.stats import ExpertStats
 # More fills than this in one layer call (a prompt's tokens routing to most of a layer) pair experts and slots
 # in sorted order so runs of both copy at once (SlotCache.admit's coalesce); decode's few fills keep theirs.
 COALESCE_FILLS = 16
+# how a fast path decodes through the cache: mapped (misses read in place, one graph a step), host (each cache
+# layer's fills and CPU runs decided by the host between graphs), auto (mapped unless the backend is cpu)
+DECODE_MODES = ("auto", "mapped", "host")
 
 
 class OffloadBackend:
@@ -35,7 +38,7 @@ class OffloadBackend:
 
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str = "cpu", *,
                  estimate: BandwidthEstimate | None = None, stream_prefill: bool = True,
-                 slot_policy: str = "lru", grouped: bool | None = None) -> None:
+                 slot_policy: str = "lru", grouped: bool | None = None, decode: str = "auto") -> None:
         self.pool, self.device = pool, torch.device(device)
         self.cache = SlotCache(pool, num_slots, self.device, slot_policy)
         self.stats_ = ExpertStats(pool.layers)
@@ -52,6 +55,10 @@ class OffloadBackend:
         # on CUDA); else one expert at a time through torch (the reference, and the path on a CPU device)
         self.grouped = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None \
             if grouped is None else grouped
+        if decode not in DECODE_MODES:
+            raise ValueError(f"--moe-decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
+        self.decode_mode = decode
+        self.mapped = None  # MappedExperts, made by mapped_decode() for a fast path
 
     # --- policy hooks, overridden by cpu / hybrid
     def split(self, m: int) -> int:
@@ -64,6 +71,28 @@ class OffloadBackend:
     def observe(self, path: str, nbytes: int, seconds: float, together: bool) -> None:
         """The time the fill path ("fill") or the CPU path ("cpu") took for nbytes of experts; together:
         the other path ran alongside. Only hybrid chooses by it."""
+
+    def mapped_decode(self):
+        """For a fast path's decode: MappedExperts (mapped.py; the step's kernels read misses in place from the
+        host pool, the step one graph) or None (the host runs this cache's layers between graphs). auto: mapped
+        where the kernels can read the pool — pinned on CUDA (any pool on a CPU device) — unless this backend
+        runs misses on the CPU by design (cpu)."""
+        mode = self.decode_mode
+        if mode == "auto":
+            mode = "host" if self.name == "cpu" else "mapped"
+        if mode == "host":
+            return None
+        self.pool.wait()
+        if self.device.type == "cuda" and not self.pool.pinned:
+            if self.decode_mode == "mapped":
+                raise ValueError("--moe-decode mapped reads experts in place from page-locked host memory, and "
+                                 "pinning the expert pool failed: raise the memlock limit or use --moe-decode host")
+            return None
+        if self.mapped is None:
+            from engine.experts.mapped import MappedExperts
+
+            self.mapped = MappedExperts(self)
+        return self.mapped
 
     # --- the seam
     def begin_forward(self, num_tokens: int, top_k: int, hold: bool = False) -> None:
@@ -218,6 +247,8 @@ class OffloadBackend:
     def resize(self, num_slots: int) -> None:
         """New slot count at a scheduler safe point (between steps); ValueError if impossible."""
         self.cache.resize(num_slots)
+        if self.mapped is not None:
+            self.mapped.reset()
         if self.streamer is not None:
             self.streamer.active, self.streamer.reserved = False, []
 

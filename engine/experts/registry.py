@@ -43,7 +43,7 @@ def create_slot_backend(name: str, pool, num_slots: int, device, **kw):
 def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes: int | None = None,
                     reserve_bytes: int = 0, profile: dict | None = None, estimate=None,
                     stream_prefill: bool = True, progress=None, background: bool = False, checkpoint=None,
-                    slot_policy: str = "lfu"):
+                    slot_policy: str = "lfu", decode: str = "auto"):
     """`load_model(path, experts=experts_factory(...), expert_device="cpu")`: ExpertWeights -> backend.
 
     device: where the slots live (the model's device). slots: `--moe-slots` (N, "N%" or None = all the
@@ -53,7 +53,8 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
     For `fused` the source must already be on `device` (load with expert_device=None).
     checkpoint: fill the pool straight from this directory's safetensors (load the model with
     expert_device="meta" so experts are not held twice). slot_policy: which slot a fill evicts, lru or lfu
-    (engine/experts/lru.py)."""
+    (engine/experts/lru.py). decode: how a fast path decodes through the cache, auto | mapped | host
+    (offload.DECODE_MODES)."""
 
     def build(source):
         import torch
@@ -84,7 +85,7 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
         else:
             pool = pool_from_source(source, progress=progress, background=background)
         return create_slot_backend(chosen, pool, n, device, estimate=est, stream_prefill=stream_prefill,
-                                   slot_policy=slot_policy)
+                                   slot_policy=slot_policy, decode=decode)
 
     return build
 

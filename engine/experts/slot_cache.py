@@ -17,6 +17,20 @@ from engine.experts.host_pool import HostPool
 from engine.experts.lru import SlotTable
 
 
+# a fill of more runs than this goes as one kernel reading the pinned pool in place (kernels/copy_triton.py)
+# rather than a copy a run: the host blocks in the driver on deep copy queues, the kernel is one launch
+KERNEL_RUNS = 8
+
+
+def _copy_kernel():
+    """kernels.copy_triton.copy_blocks, or None without Triton."""
+    try:
+        from engine.kernels.copy_triton import copy_blocks
+    except ImportError:
+        return None
+    return copy_blocks
+
+
 class FillTiming(NamedTuple):
     nbytes: int
     seconds: float
@@ -59,6 +73,7 @@ class SlotCache:
         # (start event, end event, bytes, with_cpu) or (None, seconds, bytes, with_cpu); with_cpu is kept
         # with the fill because on CUDA its timing is read a layer call or more after it was issued
         self.last_fill: tuple | None = None
+        self.placements = 0  # calls that copied experts into slots (a mapped decode checks it, mapped.py)
 
     @property
     def num_slots(self) -> int:
@@ -98,27 +113,38 @@ class SlotCache:
             return []
         experts = list(experts[: len(victims)])
         victims = pair_sorted(experts, victims) if coalesce else victims.tolist()
+        self.place(layer, experts, victims, with_cpu=with_cpu)
+        self.table.lock(victims)
+        return victims
+
+    def place(self, layer: int, experts: list[int], slots: list[int], *, with_cpu: bool = False) -> None:
+        """Copy `experts` of `layer` into `slots` (pairwise) and record them there; on CUDA on the copy stream,
+        after the work queued so far on the compute stream (which may still read the victims)."""
         row, host = self.pool.row[layer], self.pool.wait_layer(layer)
         t0 = time.perf_counter()
         if self.copy_stream is None:
-            for e, s, n in copy_runs(experts, victims):
+            for e, s, n in copy_runs(experts, slots):
                 self.buf[s: s + n].copy_(host[e: e + n])
-            self.last_fill = (None, time.perf_counter() - t0, len(victims) * self.pool.expert_bytes, with_cpu)
+            self.last_fill = (None, time.perf_counter() - t0, len(slots) * self.pool.expert_bytes, with_cpu)
         else:
-            self._copy_async(host, experts, victims, with_cpu)
-        for e, s in zip(experts, victims):
+            self._copy_async(host, experts, slots, with_cpu)
+        for e, s in zip(experts, slots):
             self.table.assign(s, row, e)
-        self.table.lock(victims)
-        return victims
+        self.placements += 1
 
     def _copy_async(self, host: torch.Tensor, experts: list[int], slots: list[int], with_cpu: bool) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         # a victim may still be read by kernels queued earlier on the compute stream
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        runs = copy_runs(experts, slots)
         with torch.cuda.stream(self.copy_stream):
             start.record()
-            for e, s, n in copy_runs(experts, slots):
-                self.buf[s: s + n].copy_(host[e: e + n], non_blocking=True)
+            if len(runs) > KERNEL_RUNS and self.pool.pinned and _copy_kernel() is not None:
+                pairs = torch.tensor(list(zip(experts, slots)), dtype=torch.int32).pin_memory()
+                _copy_kernel()(host, self.buf, pairs.to(self.device, non_blocking=True))
+            else:
+                for e, s, n in runs:
+                    self.buf[s: s + n].copy_(host[e: e + n], non_blocking=True)
             end.record()
         self.last_fill = (start, end, len(slots) * self.pool.expert_bytes, with_cpu)
 

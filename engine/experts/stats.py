@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-FIELDS = ("hits", "misses", "fills", "cpu_runs", "bytes_moved")
+FIELDS = ("hits", "misses", "fills", "cpu_runs", "bytes_moved", "direct_reads", "bytes_read")
 
 
 @dataclass
@@ -12,7 +12,9 @@ class LayerStats:
     misses: int = 0  # (step, expert) pairs not resident when routed
     fills: int = 0  # experts copied host -> slot (misses filled and streamed prefill layers)
     cpu_runs: int = 0  # (step, expert) pairs run on the CPU from the host pool
-    bytes_moved: int = 0  # host -> device bytes
+    bytes_moved: int = 0  # host -> device bytes copied into slots
+    direct_reads: int = 0  # (token, expert) pairs whose weights a mapped decode read in place from the host pool
+    bytes_read: int = 0  # host bytes those in-place reads took over PCIe
 
     def add(self, other: "LayerStats") -> None:
         for f in FIELDS:

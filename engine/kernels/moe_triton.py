@@ -164,11 +164,29 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
 
 
 @triton.jit
+def _expert_base(w_ptr, w_stride, e, loc_ptr, h_ptr, h_stride, sh_ptr, MAPPED: tl.constexpr):
+    """Where expert e's weights start. Unmapped: expert e of w. Mapped (an expert cache's decode): its
+    location entry says slot s of w (s >= 0), in place in the host pool h (LOC_HOST: read over PCIe, no
+    copy) or the shared expert sh (LOC_SHARED)."""
+    if MAPPED:
+        s = tl.load(loc_ptr + e)
+        if s >= 0:
+            base = w_ptr + s.to(tl.int64) * w_stride
+        elif s == -1:
+            base = h_ptr + e.to(tl.int64) * h_stride
+        else:
+            base = sh_ptr
+    else:
+        base = w_ptr + e.to(tl.int64) * w_stride
+    return base
+
+
+@triton.jit
 def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, KP,
-                      logits_ptr, lstride, E, valid_ptr, pw_ptr,
+                      logits_ptr, lstride, E, valid_ptr, pw_ptr, loc_ptr, h_ptr, h_stride, sh_ptr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
                       ROUTE: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, MAPPED: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0)
     if ROUTE:  # one pair per block (the decode mapping): route its token here, no top-k launch before
@@ -190,7 +208,7 @@ def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, 
         tok = tl.where(valid, rows // KP, 0).to(tl.int64)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = rn < I
-        base = w_ptr + e.to(tl.int64) * w_stride
+        base = _expert_base(w_ptr, w_stride, e, loc_ptr, h_ptr, h_stride, sh_ptr, MAPPED)
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -209,7 +227,9 @@ def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, 
 
 @triton.jit
 def _expert_down_kernel(act_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                        loc_ptr, h_ptr, h_stride, sh_ptr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                        MAPPED: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0)
     e = tl.load(exp_ptr + b)
@@ -220,7 +240,7 @@ def _expert_down_kernel(act_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, pw_ptr, y_p
         r64 = tl.where(valid, rows, 0).to(tl.int64)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = rn < H
-        base = w_ptr + e.to(tl.int64) * w_stride
+        base = _expert_base(w_ptr, w_stride, e, loc_ptr, h_ptr, h_stride, sh_ptr, MAPPED)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, I, BK):
             rk = k0 + tl.arange(0, BK)
@@ -247,29 +267,57 @@ def _tiles(bm: int, n: int, k: int, tokens: int, up: bool) -> tuple[int, int, in
     return min(64, triton.next_power_of_2(n)), min(64, triton.next_power_of_2(k)), 4, 3
 
 
+LOC_HOST, LOC_SHARED = -1, -2  # ExpertMap.loc entries besides a slot id
+
+
+@dataclass(frozen=True)
+class ExpertMap:
+    """Where each expert of one MoE layer lives, for the kernels of an expert cache's decode (mapped): the
+    gate_up / down given to run_experts* are then the device slots [S, 2I, H] / [S, H, I], and loc [E (+1)]
+    int32 names per expert its slot (>= 0), LOC_HOST (read in place from the layer's pinned host pool
+    host_gate_up [E, 2I, H] / host_down [E, H, I], over PCIe, no copy) or LOC_SHARED (the shared expert,
+    entry E: shared_gate_up [2I, H] / shared_down [H, I]). loc is read by the kernels when they run, so a
+    graph replays with whatever the table says then."""
+
+    loc: torch.Tensor
+    host_gate_up: torch.Tensor
+    host_down: torch.Tensor
+    shared_gate_up: torch.Tensor | None = None
+    shared_down: torch.Tensor | None = None
+
+    def args(self, up: bool) -> tuple:
+        """(loc, host weights, their expert stride, shared weights) of the gate/up or the down kernel."""
+        host = self.host_gate_up if up else self.host_down
+        shared = self.shared_gate_up if up else self.shared_down
+        return self.loc, host, host.stride(0), host if shared is None else shared
+
+
 def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor, blocks: Blocks, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                tiles: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None):
+                tiles: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None,
+                mapped: ExpertMap | None = None):
     """x [N, H]; gate_up [E, 2I, H]; down [E, H, I]; ids / weights [N, KP] -> y [N, KP, H] (x's dtype).
 
     Rows of pairs with id -1 (padding) are left unwritten. out = (act [P, I], y [N, KP, H]) reuses buffers.
     tiles = ((BN, BK, warps, stages) of the gate/up kernel, the same of the down kernel) overrides _tiles
-    (engine/bench/tiles.py sweeps them)."""
-    _check(x, gate_up, down, ids, weights)
-    return _launch(x, gate_up, down, blocks, weights, out, tiles, None)
+    (engine/bench/tiles.py sweeps them). mapped: gate_up / down are an expert cache's slots, looked up
+    through mapped.loc (ExpertMap)."""
+    _check(x, gate_up, down, ids, weights, mapped)
+    return _launch(x, gate_up, down, blocks, weights, out, tiles, None, mapped)
 
 
 def run_experts_routed(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, logits: torch.Tensor,
                        top_k: int, norm_topk: bool, shared: bool, valid: torch.Tensor,
                        ids: torch.Tensor, weights: torch.Tensor,
                        out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       tiles: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None):
+                       tiles: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None,
+                       mapped: ExpertMap | None = None):
     """The decode step's MoE in two launches: route_topk's routing done inside the gate/up kernel.
 
     logits [N, E (+1 shared gate)] and valid [N] int8 as route_topk takes them; ids / weights [N, KP]
     (int32 / fp32) are written with what route_topk would return (the down kernel reads them); one block
-    per pair (pair_blocks) -> y [N, KP, H] as run_experts."""
-    _check(x, gate_up, down, ids, weights)
+    per pair (pair_blocks) -> y [N, KP, H] as run_experts; mapped as run_experts."""
+    _check(x, gate_up, down, ids, weights, mapped)
     E = logits.shape[1] - (1 if shared else 0)
     kp = top_k + (1 if shared else 0)
     if ids.shape != (x.shape[0], kp) or logits.stride(1) != 1 or not ids.is_contiguous() \
@@ -277,10 +325,10 @@ def run_experts_routed(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
         raise ValueError(f"run_experts_routed: ids / weights must be contiguous [N, {kp}], valid [N], "
                          "logits row-major")
     route = (logits, logits.stride(0), E, valid, top_k, shared, norm_topk)
-    return _launch(x, gate_up, down, pair_blocks(ids), weights, out, tiles, route)
+    return _launch(x, gate_up, down, pair_blocks(ids), weights, out, tiles, route, mapped)
 
 
-def _check(x, gate_up, down, ids, weights) -> None:
+def _check(x, gate_up, down, ids, weights, mapped: ExpertMap | None = None) -> None:
     N, H = x.shape
     E, two_i, Hw = gate_up.shape
     if Hw != H or down.shape != (E, H, two_i // 2) or ids.shape != weights.shape or ids.shape[0] != N:
@@ -291,6 +339,17 @@ def _check(x, gate_up, down, ids, weights) -> None:
                          "(the expert stride may be larger: an expert cache's slots hold both in one block)")
     if x.dtype != gate_up.dtype or x.dtype != down.dtype:
         raise ValueError(f"run_experts: x is {x.dtype} but the experts are {gate_up.dtype}")
+    if mapped is not None:
+        hg, hd = mapped.host_gate_up, mapped.host_down
+        if hg.shape[1:] != gate_up.shape[1:] or hd.shape[1:] != down.shape[1:] or hg.shape[0] != hd.shape[0] \
+                or not (_rows_packed(hg) and _rows_packed(hd)) or hg.dtype != x.dtype or hd.dtype != x.dtype \
+                or mapped.loc.dtype != torch.int32 or mapped.loc.numel() < hg.shape[0]:
+            raise ValueError("run_experts: the ExpertMap's host experts do not fit the slots (shape, packing, "
+                             "dtype) or its loc is not int32 [E (+1)]")
+        for w, ref in ((mapped.shared_gate_up, gate_up), (mapped.shared_down, down)):
+            if w is not None and (w.shape != ref.shape[1:] or not w.is_contiguous() or w.dtype != x.dtype):
+                raise ValueError("run_experts: the ExpertMap's shared expert does not have the routed ones' "
+                                 "shape and dtype")
 
 
 def _rows_packed(w: torch.Tensor) -> bool:
@@ -298,7 +357,7 @@ def _rows_packed(w: torch.Tensor) -> bool:
     return w.stride(2) == 1 and w.stride(1) == w.shape[2] and w.stride(0) >= w.shape[1] * w.shape[2]
 
 
-def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route):
+def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped: ExpertMap | None):
     N, H = x.shape
     I = gate_up.shape[1] // 2
     KP = weights.shape[1]
@@ -313,16 +372,20 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route):
         logits, lstride, E, valid, top_k, shared, norm = x, 0, 0, blocks.expert, 1, False, False
     else:
         logits, lstride, E, valid, top_k, shared, norm = route
+    # unmapped: the location arguments are placeholders the kernels never read
+    up_map = mapped.args(up=True) if mapped else (blocks.expert, gate_up, 0, gate_up)
+    down_map = mapped.args(up=False) if mapped else (blocks.expert, down, 0, down)
     bn, bk, warps, stages = tiles[0] if tiles else _tiles(bm, I, H, N, up=True)
     _expert_up_kernel[(nb, triton.cdiv(I, bn))](
         x, gate_up, gate_up.stride(0), blocks.rows, blocks.expert, act, H, I, KP, logits, lstride, E, valid, weights,
-        BM=bm, BN=bn, BK=bk, PREC=prec, ROUTE=route is not None, K=top_k, SHARED=shared, NORM=norm,
+        *up_map, BM=bm, BN=bn, BK=bk, PREC=prec, ROUTE=route is not None, K=top_k, SHARED=shared, NORM=norm,
         BLOCK_E=triton.next_power_of_2(max(E, 2)), BLOCK_K=triton.next_power_of_2(max(KP, 2)),
-        num_warps=warps, num_stages=stages, **pdl_args(x))
+        MAPPED=mapped is not None, num_warps=warps, num_stages=stages, **pdl_args(x))
     bn, bk, warps, stages = tiles[1] if tiles else _tiles(bm, H, I, N, up=False)
     _expert_down_kernel[(nb, triton.cdiv(H, bn))](act, down, down.stride(0), blocks.rows, blocks.expert, weights, y,
-                                                  H, I, BM=bm, BN=bn, BK=bk, PREC=prec, num_warps=warps,
-                                                  num_stages=stages, **pdl_args(act))
+                                                  H, I, *down_map, BM=bm, BN=bn, BK=bk, PREC=prec,
+                                                  MAPPED=mapped is not None, num_warps=warps, num_stages=stages,
+                                                  **pdl_args(act))
     return y
 
 

@@ -45,6 +45,11 @@ class FastPath:
         # an expert cache keeps the routed experts (host pool + device slots): its layers route here and run
         # the experts through it; a decode step is graphs between those layers (graphs.py)
         self.cached_experts = is_expert_cache(model.experts)
+        # mapped decode (engine/experts/mapped.py): the cache's missing experts read in place by the kernels,
+        # the step one graph; None: the host runs each cache layer's experts between graphs (segments)
+        self.mapped = model.experts.mapped_decode() \
+            if self.cached_experts and model.experts.pool.dtype == model.dtype else None
+        self.routes: torch.Tensor | None = None  # mapped: the last step's routes [L, N, KP] int32
         fuse_mlp = fuse_cached_moe if self.cached_experts else fuse_moe
         for layer in model.layers:
             mixer = fuse_attention(layer.mixer, cfg) if layer.is_attention else fuse_deltanet(layer.mixer, cfg)
@@ -52,6 +57,9 @@ class FastPath:
             self.mlps.append(fuse_mlp(layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp)
             if chunked_rule is not None and not layer.is_attention:
                 layer.mixer.chunked_rule = chunked_rule
+        if self.mapped is not None:
+            first = next(m for m in self.mlps if isinstance(m, CachedMoE))
+            self._route_width = first.top_k + self.mapped.folds(first)  # KP of a step's routes
         norms = [layer.input_norm for layer in model.layers] + [model.final_norm]
         self.norms = [(layer.post_norm, norms[i + 1]) for i, layer in enumerate(model.layers)]
         self.splits = decode_splits(pool.capacity)
@@ -61,6 +69,17 @@ class FastPath:
                valid: torch.Tensor | None = None) -> torch.Tensor:
         """ids [B] int64, slots / positions [B] int32 (device) -> logits [B, V] fp32. valid [B] int8: 0
         marks padding rows (their slot is the pool's scratch row; they route to no expert)."""
+        if self.mapped is not None:
+            self.mapped.begin()
+        logits = self.decode_step(ids, slots, positions, valid)
+        if self.mapped is not None:
+            self.mapped.end(self.routes, ids.shape[0])
+        return logits
+
+    def decode_step(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                    valid: torch.Tensor | None = None) -> torch.Tensor:
+        """decode's device work alone: what one graph captures (the host's part of an expert cache runs
+        inside it, between its layers; a mapped cache's runs around it, in decode)."""
         segments, y = self.decode_segments(ids, slots, positions, valid), None
         try:
             while True:
@@ -77,6 +96,9 @@ class FastPath:
         model, zc, eps = self.model, self.cfg.zero_centered_norm, self.cfg.rms_norm_eps
         x = F.embedding(ids, model.embed)
         x, h = add_rms_norm(x, None, model.layers[0].input_norm, eps, zc)
+        if self.mapped is not None:
+            self.routes = torch.empty(self.mapped.L, ids.shape[0], self._route_width, dtype=torch.int32,
+                                      device=ids.device)
         for i, layer in enumerate(model.layers):
             m, state = self.mixers[i], self.pool.layers[i]
             if isinstance(m, FusedAttention):
@@ -89,7 +111,9 @@ class FastPath:
                 proj = _decode_linear(h, m.in_w)
                 qkv = conv_step(proj, state[0], slots, m.conv_w)
                 mix = _decode_linear(rule_step(qkv, proj, state[1], slots, m.consts), m.out_w)
-            if isinstance(self.mlps[i], CachedMoE):
+            if isinstance(self.mlps[i], CachedMoE) and self.mapped is not None:
+                x, rows = self._decode_mapped(self.mlps[i], x, mix, self.norms[i][0], valid)
+            elif isinstance(self.mlps[i], CachedMoE):
                 x, h = add_rms_norm(x, mix, self.norms[i][0], eps, zc)
                 call = route_cached(self.mlps[i], h, valid)
                 rows = call.finish((yield call))
@@ -115,6 +139,28 @@ class FastPath:
                                              mlp.shared_folded, valid, ids, w)
         x, h = add_rms_norm(x, mix, post, eps, zc)
         return x, self._mlp(i, h, valid)
+
+    def _decode_mapped(self, mlp: CachedMoE, x, mix, post, valid):
+        """A cache layer's MoE inside the step's graph: routing in the gate/up kernel, each expert read from
+        its slot or in place from the host pool (MappedExperts' table), the shared expert as pair K when its
+        width is the routed ones' (else beside them). The pairs' ids land in the step's routes."""
+        m, zc, eps = self.mapped, self.cfg.zero_centered_norm, self.cfg.rms_norm_eps
+        x, h, logits = add_rms_norm_router(x, mix, post, eps, zc, mlp.router_w)
+        N, E = x.shape[0], m.E
+        if valid is None:
+            valid = torch.ones(N, dtype=torch.int8, device=x.device)
+        fold = m.folds(mlp)
+        emap = m.layer_map(mlp.layer, *((mlp.shared_gate_up, mlp.shared_down) if fold else ()))
+        ids = self.routes[m.row(mlp.layer)]  # [N, KP]
+        w = torch.empty(ids.shape, dtype=torch.float32, device=x.device)
+        gate_up, down = m.b.cache.all_weights()
+        route = logits if fold or mlp.shared_gate_up is None else logits[:, :E]
+        rows = run_experts_routed(h, gate_up, down, route, mlp.top_k, mlp.norm_topk, fold, valid, ids, w,
+                                  mapped=emap)
+        if mlp.shared_gate_up is not None and not fold:
+            gate = torch.sigmoid(logits[:, E:].float()).to(h.dtype)
+            rows = torch.cat([rows, (gate * swiglu_fused(h, mlp.shared_gate_up, mlp.shared_down))[:, None]], dim=1)
+        return x, rows
 
     # -- any batch of slot states ----------------------------------------------------------------------
     @torch.inference_mode()

@@ -2,8 +2,9 @@
 
 The fast path needs Triton and a CUDA device (or Triton's CPU interpreter, TRITON_INTERPRET=1, which the
 tests use) and head dims the kernels tile (powers of two). Routed experts either all resident (`fused`: decode
-steps as CUDA graphs) or in an expert cache (offload / cpu / hybrid: the fast kernels around it, a decode
-step as one graph per stretch between the cache's layers, which decide fills and CPU runs on the host).
+steps as CUDA graphs) or in an expert cache (offload / cpu / hybrid): mapped, the decode kernels read missing
+experts in place from the host pool and a step is one graph; else the fast kernels around the cache, a decode
+step as one graph per stretch between the cache's layers, which decide fills and CPU runs on the host.
 """
 from __future__ import annotations
 
@@ -52,6 +53,6 @@ def make_fast_path(model, slots: int, capacity: int, graphs: bool | None):
     rule = delta_rule_fla.chunked_gated_delta_rule_fla if use_fla else None
     fast = FastPath(model, StatePool(model, slots, capacity), chunked_rule=rule)
     capture = model.device.type == "cuda" if graphs is None else graphs
-    if fast.cached_experts:  # the cache picks fills and CPU runs on the host: graphs between its layers
+    if fast.cached_experts and fast.mapped is None:  # the host picks fills and CPU runs between graphs
         return fast, DecodeSteps(fast, slots, capture=capture, pad=False)
     return fast, DecodeSteps(fast, slots, capture)

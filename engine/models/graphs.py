@@ -8,12 +8,14 @@ filled by one copy from (pinned) host memory; rows past the batch are padding (t
 routed to no expert). The same bucket shapes run with or without capture, so a replayed step and a
 directly launched one compute bit-identical logits. Replay launches the whole step (hundreds of kernels)
 at once and releases the GIL, so the proxy's event loop keeps running while the GPU works. With an expert
-cache a step is several graphs, one per stretch of device work between the cache's layers, the host running
-each layer's routed experts in between (FastPath.decode_segments): one replay per layer instead of hundreds
-of launches.
+cache a step is one graph too when the cache is mapped (its kernels read missing experts in place; the host
+keeps the cache before and after each replay, engine/experts/mapped.py), else several graphs, one per stretch
+of device work between the cache's layers, the host running each layer's routed experts in between
+(FastPath.decode_segments): one replay per layer instead of hundreds of launches.
 """
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -55,7 +57,7 @@ class _Bucket:
             for _ in range(2):
                 fast.decode(ids, slots, pos, valid)
         torch.cuda.current_stream(dev).wait_stream(side)
-        if fast.cached_experts:
+        if fast.cached_experts and fast.mapped is None:
             try:
                 self._capture_segments(ids, slots, pos, valid)
             except RuntimeError as exc:  # the step then runs launched directly, as it did before graphs
@@ -63,9 +65,23 @@ class _Bucket:
                             "be captured (%s); launching it directly", self.size, exc)
                 self.segments, self.calls = [], []
             return
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = fast.decode(ids, slots, pos, valid)
+        graph = torch.cuda.CUDAGraph()
+        gc.collect()
+        gc.disable()  # no finalizer (a freed pinned buffer, an unregistered pool) may run inside the capture
+        try:
+            # thread_local: an expert cache's CPU workers may touch CUDA meanwhile; that must not void it
+            with torch.cuda.graph(graph, capture_error_mode="thread_local" if fast.cached_experts else "global"):
+                self.logits = fast.decode_step(ids, slots, pos, valid)
+        except RuntimeError as exc:
+            if not fast.cached_experts:
+                raise
+            log.warning("decode step of %d rows through the mapped expert cache could not be captured (%s); "
+                        "launching it directly", self.size, exc)
+            return
+        finally:
+            gc.enable()
+        self.graph = graph
+        self.routes = fast.routes  # mapped expert cache: the step's routes, in the graph's memory
 
     def _capture_segments(self, ids, slots, pos, valid) -> None:
         """One graph per stretch of device work between expert-cache layers, all in one memory pool and
@@ -99,14 +115,19 @@ class _Bucket:
         self._pad(scratch, n)
         self.inputs.copy_(self.host, non_blocking=True)
         if self.segments:
-            self.segments[0].replay()
+            self.segments[0].replay()  # (segments: the host's part runs inside, between the graphs)
             for call, graph in zip(self.calls, self.segments[1:]):
                 self.y_in.copy_(call.run())
                 graph.replay()
             return self.logits[:n]
         if self.graph is None:
             return self.fast.decode(*self.inputs)[:n]
+        mapped = self.fast.mapped
+        if mapped is not None:
+            mapped.begin()
         self.graph.replay()
+        if mapped is not None:
+            mapped.end(self.routes, n)
         return self.logits[:n]
 
 
@@ -128,6 +149,11 @@ class DecodeSteps:
         cache's layers) or "direct" (launched directly: capture off, or it failed and was logged)."""
         return {size: "segments" if b.segments else "graph" if b.graph is not None else "direct"
                 for size, b in sorted(self._buckets.items())}
+
+    def reset(self) -> None:
+        """Drop every bucket (graphs included): the next step of each size captures afresh (after an expert
+        cache's slots were reallocated, which the graphs read in place)."""
+        self._buckets.clear()
 
     def run(self, ids: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
         size = next(s for s in self.sizes if s >= len(ids))

@@ -125,9 +125,10 @@ def test_warm_up_leaves_the_pool_as_it_found_it(pair):
 
 @pytest.mark.parametrize("backend", ["offload", "hybrid"])
 def test_fast_path_with_an_expert_cache_matches_eager(checkpoints, backend):
-    """Routed experts in an expert cache (a quarter of them on the device): the fast kernels around it,
-    decode launched directly (no padding rows reach the cache), prefill layer-major in pieces with a
-    checkpoint on a piece boundary; logits as the eager path's, greedy tokens the same."""
+    """Routed experts in an expert cache (a quarter of them on the device) run by the host (--moe-decode
+    host): the fast kernels around it, decode launched directly (no padding rows reach the cache), prefill
+    layer-major in pieces with a checkpoint on a piece boundary; logits as the eager path's, greedy tokens
+    the same."""
     from engine.experts.policy import BandwidthEstimate
     from engine.experts.registry import experts_factory
 
@@ -136,7 +137,8 @@ def test_fast_path_with_an_expert_cache_matches_eager(checkpoints, backend):
     def engine(fast: bool):
         est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
         eng = Engine.from_pretrained(ckpt, device=DEV, fast=False, expert_device="cpu",
-                                     experts=experts_factory(backend, device=DEV, slots=8, estimate=est))
+                                     experts=experts_factory(backend, device=DEV, slots=8, estimate=est,
+                                                             decode="host"))
         if fast:
             eng.model.enable_fast(slots=3, capacity=64)
         eng.model.piece_tokens = 8
@@ -163,4 +165,37 @@ def test_fast_path_with_an_expert_cache_matches_eager(checkpoints, backend):
     ids = prompt(12, 7)
     assert fast.generate(ids, max_new_tokens=5) == eager.generate(ids, max_new_tokens=5)
     for eng in (eager, fast):
+        eng.model.experts.close()
+
+
+def test_mapped_decode_reads_misses_in_place_and_keeps_greedy_output(checkpoints):
+    """--moe-decode mapped: the decode kernels read each missing expert in place from the host pool and the
+    step is one graph (on CUDA); greedy tokens equal the host-run cache's and the fused engine's, misses
+    are counted as in-place reads, free slots are filled between steps."""
+    from engine.experts.policy import BandwidthEstimate
+    from engine.experts.registry import experts_factory
+
+    ckpt = checkpoints["qwen3_5_moe", "fused"]
+
+    def engine(decode: str | None):
+        kw = {}
+        if decode is not None:
+            est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+            kw = dict(expert_device="cpu", experts=experts_factory("offload", device=DEV, slots=5, estimate=est,
+                                                                   decode=decode))
+        eng = Engine.from_pretrained(ckpt, device=DEV, fast=False, **kw)
+        eng.model.enable_fast(slots=3, capacity=64)
+        return eng
+
+    fused, mapped, host = engine(None), engine("mapped"), engine("host")
+    assert mapped.model.fast.mapped is not None and host.model.fast.mapped is None
+    ids = prompt(12, 9)
+    want = fused.generate(ids, max_new_tokens=6)
+    assert mapped.generate(ids, max_new_tokens=6) == want == host.generate(ids, max_new_tokens=6)
+    st = mapped.model.experts.stats()["total"]
+    assert st["direct_reads"] > 0 and st["bytes_read"] == st["direct_reads"] * mapped.model.experts.pool.expert_bytes
+    assert st["hits"] + st["misses"] > 0
+    if DEV == "cuda":
+        assert set(mapped.model.decode_steps.modes().values()) == {"graph"}
+    for eng in (mapped, host):
         eng.model.experts.close()

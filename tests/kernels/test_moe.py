@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine.kernels.moe_triton import (expert_blocks, pair_blocks, route_topk, route_topk_ref, run_experts,
-                                       run_experts_ref, run_experts_routed)
+from engine.kernels.moe_triton import (LOC_HOST, LOC_SHARED, ExpertMap, expert_blocks, pair_blocks, route_topk,
+                                       route_topk_ref, run_experts, run_experts_ref, run_experts_routed)
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 
@@ -116,6 +116,64 @@ def test_routed_experts_equal_top_k_then_experts(dev, shared):
     ref = run_experts(x, gate_up, down, ref_ids, ref_w, pair_blocks(ref_ids))
     assert torch.equal(y.cpu()[live], ref.cpu()[live])
     assert torch.isnan(y.cpu()[~live]).all()  # padding rows route nowhere and are never written
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_mapped_experts_read_slots_host_and_shared_as_stacked(dev, shared):
+    """An expert cache's decode MoE: each expert read where its location entry says (a slot of the device
+    buffer, in place from the host pool, the shared expert) computes what the same kernels compute on every
+    expert stacked in one tensor, bit for bit; a location change is seen at the next launch."""
+    g = torch.Generator().manual_seed(41 + shared)
+    N, E, K, H, I, S = 3, 10, 3, 40, 24, 4
+    numel = 3 * I * H
+    host = (torch.randn(E, numel, generator=g) * 0.2)  # the layer's host pool [E, numel] (CPU memory)
+    if dev == "cuda":
+        host = host.pin_memory()
+    shared_block = (torch.randn(numel, generator=g) * 0.2).to(dev)
+
+    def split(buf):
+        return buf[..., : 2 * I * H].unflatten(-1, (2 * I, H)), buf[..., 2 * I * H:].unflatten(-1, (H, I))
+
+    stacked = torch.cat([host.to(dev), shared_block[None]]) if shared else host.to(dev)
+    gu_all, dn_all = split(stacked)
+    slots = torch.zeros(S, numel, device=dev)
+    loc = torch.full((E + 1,), LOC_HOST, dtype=torch.int32)
+    loc[E] = LOC_SHARED
+    for s, e in enumerate((7, 0, 4)):  # three experts in slots (slot 3 holds nothing), the rest in place
+        slots[s] = host[e].to(dev)
+        loc[e] = s
+    loc = loc.to(dev)
+    sg, sd = split(shared_block) if shared else (None, None)
+    hg, hd = split(host)
+    emap = ExpertMap(loc, hg, hd, sg, sd)
+    x = (torch.randn(N, H, generator=g) * 0.5).to(dev)
+    logits = torch.randn(N, E + shared, generator=g).to(dev)
+    valid = torch.ones(N, dtype=torch.int8, device=dev)
+    kp = K + shared
+
+    def both():
+        outs = []
+        for weights, m in (((gu_all, dn_all), None), (split(slots), emap)):
+            ids = torch.empty(N, kp, dtype=torch.int32, device=dev)
+            w = torch.empty(N, kp, device=dev)
+            outs.append((run_experts_routed(x, *weights, logits, K, True, shared, valid, ids, w, mapped=m), ids))
+        return outs
+
+    (ref, ref_ids), (got, got_ids) = both()
+    assert torch.equal(got_ids.cpu(), ref_ids.cpu()) and torch.equal(got.cpu(), ref.cpu())
+    assert ((ref_ids >= 0) & (ref_ids < E)).any()
+    emap.loc[ref_ids[0, 0]] = LOC_HOST if int(emap.loc[ref_ids[0, 0]]) >= 0 else 3  # move one expert
+    slots[3] = host[int(ref_ids[0, 0])].to(dev)
+    (ref, _), (got, _) = both()
+    assert torch.equal(got.cpu(), ref.cpu())
+    blocks = pair_blocks(ref_ids)
+    ref_ids_routed = torch.where(ref_ids < E, ref_ids, -1)  # run_experts on the routed pairs, mapped too
+    w = torch.rand(N, kp, generator=g).to(dev)
+    live = ref_ids_routed.cpu() >= 0
+    got = run_experts(x, *split(slots), ref_ids_routed, w, pair_blocks(ref_ids_routed), mapped=emap)
+    assert torch.equal(got.cpu()[live], run_experts(x, gu_all, dn_all, ref_ids_routed, w, blocks).cpu()[live])
+    with pytest.raises(ValueError, match="ExpertMap"):
+        run_experts(x, *split(slots), ref_ids_routed, w, blocks, mapped=ExpertMap(loc.long(), hg, hd))
 
 
 def test_experts_tiles_do_not_change_the_function(dev):

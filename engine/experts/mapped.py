@@ -1,0 +1,189 @@
+"""Decode through an expert cache in one graph: missing experts are read in place from the pinned host pool.
+
+The decode step's expert kernels take, per MoE layer, a location table on the device (loc [L, E+1] int32,
+moe_triton.ExpertMap): a slot id where the expert sits in a device slot, LOC_HOST where it does not (the
+kernel reads its weights from the page-locked host pool over PCIe, no copy first), LOC_SHARED for entry E
+(the shared expert). Routing, every expert and the rest of the step run on the device without the host, so
+the step is one CUDA graph, as with every expert resident; a miss costs its bytes at PCIe speed inside the
+kernel instead of a host round trip, a copy and a launch.
+
+The host keeps the cache between steps (`begin` before a step, `end` after it):
+- it reads each step's routes back (one copy, processed at the next step's begin) and counts per layer hits,
+  misses and in-place reads, with the heat and recency the slot policy evicts by;
+- it admits a missed expert into a slot (copy stream) when the slot is free or the expert is hotter than the
+  victim by ADMIT_RATIO: a copy costs what one in-place read costs, so only experts used again repay it —
+  under uniform routing almost none are, under skewed routing the popular ones move in and stay;
+- an admitted expert's entry switches to its slot at the first step after its copy landed; an evicted one's
+  goes back to LOC_HOST in the same push that precedes the next step (its slot's copy waits for the work
+  already queued, so no kernel reads a slot while it is overwritten).
+The table is derived from the slot table each begin (plus the fills still in flight), so the prefill path's
+own fills and evictions (OffloadBackend.forward) need no bookkeeping here.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap
+
+ADMIT_RATIO = 2.0  # a missed expert replaces a resident one when its heat is this many times the victim's
+MAX_FILLS = 8  # experts admitted per step at most (about 1 ms of PCIe at the Qwen3.6-35B-A3B width)
+
+
+class MappedExperts:
+    def __init__(self, backend) -> None:
+        self.b = backend
+        pool, cache = backend.pool, backend.cache
+        self.L, self.E = len(pool.layers), pool.num_experts
+        cuda = cache.device.type == "cuda"
+        self.loc = torch.full((self.L, self.E + 1), LOC_HOST, dtype=torch.int32, device=cache.device)
+        self.loc[:, self.E] = LOC_SHARED
+        self._staging = torch.full((self.L, self.E + 1), LOC_HOST, dtype=torch.int32, pin_memory=cuda)
+        self._staging[:, self.E] = LOC_SHARED
+        self._pushed: np.ndarray | None = None  # [L, E] what the kernels read since the last push
+        self._push_done = None  # CUDA event after the last push (the staging buffer is free again)
+        self._pending: list[tuple[object, list[tuple[int, int, int]]]] = []  # (copy done, [(row, expert, slot)])
+        self._routes = None  # (host [L, N, KP] int32, event, rows) of the last step, observed at the next begin
+        self._route_host: dict = {}
+        self._placements, self._own = cache.placements, 0  # own: placements made here since begin() looked
+        self._maps: dict[int, ExpertMap] = {}
+
+    def row(self, layer: int) -> int:
+        return self.b.pool.row[layer]
+
+    def folds(self, mlp) -> bool:
+        """Whether a CachedMoE's shared expert runs as the kernels' pair K (its width is the routed ones')."""
+        lay = self.b.pool.layout
+        gu = mlp.shared_gate_up
+        return gu is not None and gu.shape == (2 * lay.inter, lay.hidden) and gu.dtype == self.b.pool.dtype \
+            and gu.is_contiguous() and mlp.shared_down.is_contiguous()
+
+    def reset(self) -> None:
+        """The slot table was rebuilt (a resize, which lets every copy land first): forget what was pushed."""
+        self._pending, self._pushed, self._routes = [], None, None
+
+    def layer_map(self, layer: int, shared_gate_up=None, shared_down=None) -> ExpertMap:
+        """The kernels' view of `layer`: its row of the table, the host pool's views, the shared expert."""
+        if layer not in self._maps:
+            lay, pool = self.b.pool.layout, self.b.pool
+            host = pool.wait_layer(layer)  # [E, numel]
+            gu = lay.gate_up_numel
+            self._maps[layer] = ExpertMap(self.loc[pool.row[layer]], host[:, :gu].view(-1, 2 * lay.inter, lay.hidden),
+                                          host[:, gu:].view(-1, lay.hidden, lay.inter), shared_gate_up, shared_down)
+        return self._maps[layer]
+
+    # --- around each step
+    def begin(self) -> None:
+        """Before a step: take in the last step's routes (stats, heat, admissions), commit the fills that
+        landed, push the table if it changed. Host work only, a few hundred microseconds at most."""
+        if self._routes is not None:
+            host, done, n = self._routes
+            self._routes = None
+            if done is not None:
+                done.synchronize()
+            self._observe(host[:, :n].numpy())
+        cache = self.b.cache
+        if cache.placements != self._placements + self._own:
+            cache.ready()  # the prefill path filled slots: the step reads them after its copies
+        self._placements, self._own = cache.placements, 0
+        self._commit()
+        self._push()
+
+    def end(self, routes: torch.Tensor, rows: int) -> None:
+        """After a step was queued: its routes [L, N, KP] int32 (device) come back to the host for the next
+        begin; rows: the real sequences (padding rows route nowhere anyway)."""
+        cache = self.b.cache
+        if cache.device.type == "cuda":
+            host = self._routes_buffer(routes)
+            host.copy_(routes, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = routes.clone(), None
+        self._routes = (host, done, rows)
+
+    def _routes_buffer(self, routes: torch.Tensor) -> torch.Tensor:
+        """A pinned host buffer per routes shape (one per decode bucket: pinning costs far more than a step)."""
+        buf = self._route_host.get(routes.shape)
+        if buf is None:
+            buf = self._route_host[routes.shape] = torch.empty(routes.shape, dtype=routes.dtype, pin_memory=True)
+        return buf
+
+    # --- the cache between steps
+    def _observe(self, routes: np.ndarray) -> None:
+        """routes [L, N, KP]: count, heat, and admit the hottest misses."""
+        b, table = self.b, self.b.cache.table
+        seen = self._pushed if self._pushed is not None else self._table()
+        candidates = []
+        for row, layer in enumerate(b.pool.layers):
+            ids = routes[row].ravel()
+            ids = ids[(ids >= 0) & (ids < self.E)]
+            if not len(ids):
+                continue
+            experts, counts = np.unique(ids, return_counts=True)
+            table.tick()
+            table.note_use(row, experts)
+            where = seen[row, experts]
+            hit = where >= 0
+            table.touch(where[hit])
+            st = b.stats_[layer]
+            st.hits += int(hit.sum())
+            st.misses += int((~hit).sum())
+            reads = int(counts[~hit].sum())
+            st.direct_reads += reads
+            st.bytes_read += reads * b.pool.expert_bytes
+            missed = experts[~hit]
+            missed = missed[table.resident[row, missed] < 0]  # not already on its way into a slot
+            candidates.extend((table.heat[row, e], row, int(e)) for e in missed)
+        if candidates:
+            self._admit(sorted(candidates, reverse=True)[:MAX_FILLS])
+
+    def _admit(self, candidates: list[tuple[float, int, int]]) -> None:
+        """Pair the hottest misses with the slots the policy evicts first, while it pays; copy them."""
+        cache = self.b.cache
+        table = cache.table
+        victims = table.victims(len(candidates))
+        chosen: dict[int, list[tuple[int, int]]] = {}
+        for (heat, row, e), s in zip(candidates, victims.tolist()):
+            if table.owner[s] >= 0 and heat <= ADMIT_RATIO * table.slot_heat[s]:
+                break  # victims come coldest first and candidates hottest first: no later pair pays either
+            chosen.setdefault(row, []).append((e, s))
+        for row, pairs in chosen.items():
+            cache.place(self.b.pool.layers[row], [e for e, _ in pairs], [s for _, s in pairs])
+            self._own += 1
+            b_stats = self.b.stats_[self.b.pool.layers[row]]
+            b_stats.fills += len(pairs)
+            b_stats.bytes_moved += len(pairs) * self.b.pool.expert_bytes
+        if chosen:
+            done = None
+            if cache.copy_stream is not None:
+                done = torch.cuda.Event()
+                done.record(cache.copy_stream)
+            self._pending.append((done, [(row, e, s) for row, pairs in chosen.items() for e, s in pairs]))
+
+    def _commit(self) -> None:
+        """Fills whose copies landed become readable from their slots (the next push says so)."""
+        self._pending = [(done, fills) for done, fills in self._pending if done is not None and not done.query()]
+
+    def _table(self) -> np.ndarray:
+        """[L, E] int32: each expert's slot, LOC_HOST where it is not resident or its copy is in flight."""
+        res = self.b.cache.table.resident
+        want = np.where(res >= 0, res, LOC_HOST).astype(np.int32)
+        for _, fills in self._pending:
+            for row, e, s in fills:
+                if want[row, e] == s:
+                    want[row, e] = LOC_HOST
+        return want
+
+    def _push(self) -> None:
+        want = self._table()
+        if self._pushed is not None and np.array_equal(want, self._pushed):
+            return
+        if self._push_done is not None:
+            self._push_done.synchronize()  # the last push may still be reading the staging buffer
+        self._staging.numpy()[:, : self.E] = want
+        self.loc.copy_(self._staging, non_blocking=True)
+        if self.loc.is_cuda:
+            self._push_done = torch.cuda.Event()
+            self._push_done.record()
+        self._pushed = want
