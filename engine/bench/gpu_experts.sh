@@ -5,7 +5,7 @@
 #      build is most of the call (about 5 of its minutes)
 #   2. meanwhile, CUDA tests of the slot backends (greedy == fused for every backend and slot count,
 #      layer-major prompts, the fast path around the cache, the grouped expert kernels reading slots in place,
-#      the mapped decode, the slot fill kernel), then `python -m engine.bench.mapped` (zero-copy rates)
+#      the mapped decode), then `python -m engine.bench.mapped` (zero-copy rates against the copy engines)
 #   3. once llama-bench is done (nothing of ours runs beside it), on the very files it converted: bench model
 #      offload, then hybrid, with 37.5% of the experts in device slots (llama.cpp's -ncmoe 5 share), each with
 #      B_P measured in its process, the pool's bytes moved per row and decode against its fills at B_P; then
@@ -47,13 +47,13 @@ else
 fi
 
 timeout $(upto ${TEST_S:-150}) $PY -m pytest -q -p no:cacheprovider tests/gpu/test_experts_cuda.py \
-    tests/kernels/test_moe.py tests/kernels/test_copy_blocks.py \
+    tests/kernels/test_moe.py \
     "tests/engine/test_fast_path.py::test_fast_path_with_an_expert_cache_matches_eager" \
     "tests/engine/test_fast_path.py::test_mapped_decode_reads_misses_in_place_and_keeps_greedy_output" \
     > "$OUT/pytest_gpu.log" 2>&1
 status pytest_gpu $?
 tail -3 "$OUT/pytest_gpu.log" >> "$OUT/summary.txt"
-# zero-copy against the copy engines: what the mapped decode and the slot fill kernel read at (PCIe only)
+# zero-copy against the copy engines: what the mapped decode's kernels read missing experts at (PCIe only)
 timeout $(upto 60) $PY -m engine.bench.mapped --json "$OUT/mapped.json" > "$OUT/mapped.txt" 2>&1
 status bench_mapped $?
 cat "$OUT/mapped.txt" >> "$OUT/summary.txt"

@@ -80,11 +80,6 @@ def run(args) -> dict:
     torch.cuda.synchronize()
     res["wall_s_per_block"] = time.perf_counter() - t0
     res["bp_one_copy"] = nbytes / _time(lambda: dev.copy_(host, non_blocking=True), args.reps)
-    from engine.kernels.copy_triton import copy_blocks
-
-    scattered = torch.tensor([[e, n - 1 - e] for e in range(n)], dtype=torch.int32, device="cuda")
-    res["copy_kernel"] = nbytes / _time(lambda: copy_blocks(host, dev, scattered), args.reps)
-    res["copy_kernel_right"] = bool(torch.equal(dev[n - 1], host[0].to("cuda")))
 
     out = torch.zeros(1, dtype=torch.float32, device="cuda")
     numel = host.numel()

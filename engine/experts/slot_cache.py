@@ -17,20 +17,6 @@ from engine.experts.host_pool import HostPool
 from engine.experts.lru import SlotTable
 
 
-# a fill of more runs than this goes as one kernel reading the pinned pool in place (kernels/copy_triton.py)
-# rather than a copy a run: the host blocks in the driver on deep copy queues, the kernel is one launch
-KERNEL_RUNS = 8
-
-
-def _copy_kernel():
-    """kernels.copy_triton.copy_blocks, or None without Triton."""
-    try:
-        from engine.kernels.copy_triton import copy_blocks
-    except ImportError:
-        return None
-    return copy_blocks
-
-
 class FillTiming(NamedTuple):
     nbytes: int
     seconds: float
@@ -136,15 +122,10 @@ class SlotCache:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         # a victim may still be read by kernels queued earlier on the compute stream
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        runs = copy_runs(experts, slots)
         with torch.cuda.stream(self.copy_stream):
             start.record()
-            if len(runs) > KERNEL_RUNS and self.pool.pinned and _copy_kernel() is not None:
-                pairs = torch.tensor(list(zip(experts, slots)), dtype=torch.int32).pin_memory()
-                _copy_kernel()(host, self.buf, pairs.to(self.device, non_blocking=True))
-            else:
-                for e, s, n in runs:
-                    self.buf[s: s + n].copy_(host[e: e + n], non_blocking=True)
+            for e, s, n in copy_runs(experts, slots):
+                self.buf[s: s + n].copy_(host[e: e + n], non_blocking=True)
             end.record()
         self.last_fill = (start, end, len(slots) * self.pool.expert_bytes, with_cpu)
 
