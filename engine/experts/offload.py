@@ -117,7 +117,7 @@ class OffloadBackend:
         table.note_use(self.pool.row[layer], routing.experts)
         streaming = self.streamer is not None and self.streamer.active
         if streaming:
-            self.streamer.before_layer(layer)  # waits for this layer's copies, starts the next layer's
+            self.streamer.before_layer(layer)  # waits for this layer's copies (issued after the last layer)
         else:
             self.cache.ready()  # hits may sit in slots filled by copies still in flight
         slots = self.cache.lookup(layer, routing.experts)
@@ -135,6 +135,8 @@ class OffloadBackend:
         pending = self._start_cpu(layer, x, routing, on_cpu)
         self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills, pending is not None,
                          topk_ids)
+        if streaming:
+            self.streamer.after_piece(layer, x.shape[0])  # its last piece queued: stream the next layer
         if pending is not None:
             pos, vals, seconds = pending.result()
             y[pos.to(self.device)] = vals.to(self.device, y.dtype)

@@ -10,6 +10,8 @@ moves far fewer bytes. The choice compares predicted bytes / bandwidth of the tw
 """
 from __future__ import annotations
 
+import torch
+
 # a CPU expert kernel reads each weight once per call; above this many tokens per expert it turns
 # compute-bound and its time grows with the tokens (roughly: machine flops / DRAM bandwidth, bf16)
 CPU_BALANCE_TOKENS = 16
@@ -49,12 +51,15 @@ class PrefillStreamer:
         self.reserved: list[int] = []  # slots of the next layer, kept locked while this one runs
         self._prefetched: set[int] = set()
         self._current: int | None = None  # the layer before_layer last prepared in this forward
+        self._tokens, self._left = 0, {}
+        self._fence = None  # CUDA event: the compute before the layer just finished (see after_piece)
         self.streamed_forwards = 0
 
     def begin(self, num_tokens: int, top_k: int) -> None:
         cache, pool = self.b.cache, self.b.pool
         e = pool.num_experts
         self.active, self.reserved, self._prefetched, self._current = False, [], set(), None
+        self._tokens, self._left = num_tokens, {}  # the forward's tokens; per layer, those not through it yet
         if cache.num_slots < 2 * e or num_tokens <= 1:
             return
         missing = [e - cache.resident_count(layer) for layer in pool.layers]
@@ -63,27 +68,51 @@ class PrefillStreamer:
                                     expert_bytes=pool.expert_bytes, bp=est.bp, bh=est.bh,
                                     cpu_share=self.b.cpu_share(), device_flops=self.b.device_flops)
         self.streamed_forwards += self.active
+        self._fence = self._mark() if self.active else None  # every read of a slot before this forward
 
     def before_layer(self, layer: int) -> None:
-        """Make `layer` fully resident (normally already streamed) and start streaming the next one; a
-        later piece of the same layer (layer-major forward) finds both done."""
+        """Make `layer` fully resident (normally streamed while the previous layer ran); a later piece of the
+        same layer (layer-major forward) finds it done."""
         if layer == self._current:
             self.b.cache.ready()
             return
         self._current = layer
-        layers = self.b.pool.layers
         if layer not in self._prefetched:
             self._prefetch(layer)
         self.b.cache.ready()  # the compute stream waits for this layer, not for the one issued next
-        i = self.b.pool.row[layer]
-        self.reserved = self._prefetch(layers[i + 1]) if i + 1 < len(layers) else []
 
-    def _prefetch(self, layer: int) -> list[int]:
+    def after_piece(self, layer: int, rows: int) -> None:
+        """A piece of `rows` tokens of `layer` has queued its experts: after the layer's last piece, start
+        streaming the next layer. Issued behind all of this layer's compute, the copies run beside it; issued
+        before it (at the layer's first piece, as this did), the host blocks in the driver on the deep copy
+        queue, at PCIe pace, with the layer's compute not yet queued, and the two add up (H200 box, 8k prompt:
+        0.42 s against 0.25 s of copies; docs/PERF.md issue 17)."""
+        left = self._left.get(layer, self._tokens) - rows
+        self._left[layer] = left
+        if left > 0:
+            return
+        layers = self.b.pool.layers
+        i = self.b.pool.row[layer]
+        done = self._mark()
+        # the victims (the layer before this one, or older) were last read before the previous mark: the
+        # copies need not wait for this layer's compute, which they are meant to run beside
+        self.reserved = self._prefetch(layers[i + 1], after=self._fence) if i + 1 < len(layers) else []
+        self._fence = done
+
+    def _mark(self):
+        """A CUDA event after the compute queued so far (None on a CPU device, whose copies are in line)."""
+        if self.b.cache.copy_stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.b.cache.device))
+        return ev
+
+    def _prefetch(self, layer: int, after=None) -> list[int]:
         cache, e = self.b.cache, self.b.pool.num_experts
         slots = cache.lookup(layer, range(e))
         cache.table.lock(slots[slots >= 0])  # its own residents stay where they are
         missing = [x for x in range(e) if slots[x] < 0]
-        admitted = cache.admit(layer, missing, coalesce=True)  # free slots, else the layer streamed two steps ago
+        admitted = cache.admit(layer, missing, coalesce=True, after=after)  # free slots, else the layer streamed two steps ago
         st = self.b.stats_[layer]
         st.fills += len(admitted)
         st.bytes_moved += len(admitted) * self.b.pool.expert_bytes

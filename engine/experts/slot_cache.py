@@ -87,25 +87,28 @@ class SlotCache:
         return self.table.lookup(self.pool.row[layer], experts)
 
     def admit(self, layer: int, experts: list[int], lo: int = 0, hi: int | None = None, *,
-              with_cpu: bool = False, coalesce: bool = False) -> list[int]:
+              with_cpu: bool = False, coalesce: bool = False, after=None) -> list[int]:
         """Copy as many of `experts` (of `layer`) as unlocked slots in [lo, hi) allow; lock and return
         their slots (a prefix of `experts`). On CUDA the copies run on the copy stream; call `ready()`.
         with_cpu: CPU expert runs go on alongside these copies (reported back by `take_fill_timing`).
         coalesce: pair experts and victims in sorted order (pair_sorted) so runs of both copy at once — for a
         layer streamed whole; otherwise the first victim goes to the first expert (fills come hottest first,
-        and under lru that decides which of them a tie evicts next)."""
+        and under lru that decides which of them a tie evicts next). after: a CUDA event after the last work
+        that read any victim (default: everything queued on the compute stream so far)."""
         victims = self.table.victims(len(experts), lo, hi)
         if not len(victims):
             return []
         experts = list(experts[: len(victims)])
         victims = pair_sorted(experts, victims) if coalesce else victims.tolist()
-        self.place(layer, experts, victims, with_cpu=with_cpu)
+        self.place(layer, experts, victims, with_cpu=with_cpu, after=after)
         self.table.lock(victims)
         return victims
 
-    def place(self, layer: int, experts: list[int], slots: list[int], *, with_cpu: bool = False) -> None:
+    def place(self, layer: int, experts: list[int], slots: list[int], *, with_cpu: bool = False,
+              after=None) -> None:
         """Copy `experts` of `layer` into `slots` (pairwise) and record them there; on CUDA on the copy stream,
-        after the work queued so far on the compute stream (which may still read the victims)."""
+        after the work queued so far on the compute stream (which may still read the victims), or only after
+        the event `after` when the caller knows the victims' last readers came before it."""
         row, host = self.pool.row[layer], self.pool.wait_layer(layer)
         t0 = time.perf_counter()
         if self.copy_stream is None:
@@ -113,15 +116,19 @@ class SlotCache:
                 self.buf[s: s + n].copy_(host[e: e + n])
             self.last_fill = (None, time.perf_counter() - t0, len(slots) * self.pool.expert_bytes, with_cpu)
         else:
-            self._copy_async(host, experts, slots, with_cpu)
+            self._copy_async(host, experts, slots, with_cpu, after)
         for e, s in zip(experts, slots):
             self.table.assign(s, row, e)
         self.placements += 1
 
-    def _copy_async(self, host: torch.Tensor, experts: list[int], slots: list[int], with_cpu: bool) -> None:
+    def _copy_async(self, host: torch.Tensor, experts: list[int], slots: list[int], with_cpu: bool,
+                    after=None) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         # a victim may still be read by kernels queued earlier on the compute stream
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            self.copy_stream.wait_event(after)
         with torch.cuda.stream(self.copy_stream):
             start.record()
             for e, s, n in copy_runs(experts, slots):

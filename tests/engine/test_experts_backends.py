@@ -258,3 +258,35 @@ def test_long_prefill_double_buffers_whole_layers(pool, slots, resident):
     st = b.stats()
     assert all(st["layers"][layer]["fills"] == E and st["layers"][layer]["misses"] == 0 for layer in L_IDS)
     b.close()
+
+
+def test_the_next_layer_streams_after_the_last_piece_of_this_one(pool):
+    """A layer-major prompt runs each layer in pieces: the next layer's copies are issued once this layer's
+    last piece has queued its experts (before, at the first piece, the host blocked issuing them while the
+    layer's compute was not yet queued), and every piece's output is as if it ran alone."""
+    b = OffloadBackend(pool, 2 * E, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True))
+    events, prefetch = [], b.streamer._prefetch
+
+    def traced(layer, after=None):
+        events.append(("copy", layer))
+        return prefetch(layer, after)
+
+    b.streamer._prefetch = traced
+    x, ids, w = routing(40, seed=2)
+    b.begin_forward(40, K, hold=True)
+    for layer in L_IDS:
+        for a, z in ((0, 24), (24, 40)):
+            events.append(("piece", layer))
+            y = b.forward(layer, x[a:z], ids[a:z], w[a:z])
+            src = b.pool
+            ref = torch.zeros_like(y)
+            for t in range(z - a):
+                for k in range(K):
+                    e = int(ids[a + t, k])
+                    ref[t] += w[a + t, k] * expert_mlp(x[a + t], *src.weights(layer, e))
+            assert torch.allclose(y, ref, atol=1e-5)
+    b.end_forward()
+    assert b.streamer.streamed_forwards == 1
+    assert events == [("piece", 0), ("copy", 0), ("piece", 0), ("copy", 2), ("piece", 2), ("piece", 2), ("copy", 3),
+                      ("piece", 3), ("piece", 3)]
+    b.close()
