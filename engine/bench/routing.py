@@ -8,7 +8,9 @@ the same weights `llama_cpp.sh --router-zipf a` converts), runs a seeded stream 
 top-k. Then, for each GPU expert fraction f, llama.cpp keeps N = L - round(f L) layers' experts on the CPU and
 the slot cache gets the same GPU memory, (L - N) * E slots; both are simulated on the trace (engine/experts/
 placement.py: the slot table's own policies at batch 1, every miss filled, counted after --warmup tokens; lfu
-forgets with a half-life of --half-life tokens).
+forgets with a half-life of --half-life tokens). "mapped" is the mapped decode's hit rate (misses read in place,
+only clearly hotter experts moved into slots, engine/experts/admission.py) and "PCIe" its traffic per routed
+expert (in-place reads plus fills; llama.cpp moves none, its misses run on the CPU).
 "top" is an oracle: the trace's own most used experts pinned, the best any static per-expert placement could do.
 "fit a" is the Zipf exponent fitted to the measured popularity by intended rank (past the capped head).
 
@@ -92,6 +94,12 @@ def rates(trace: np.ndarray, num_experts: int, fractions: list[float], warmup: i
             "top": placement.top_experts_hits(trace, num_experts, slots, warmup),
         }.items():
             row[name] = hits / routed
+        if slots:
+            hits, routed, fills = placement.mapped_hits(trace, num_experts, slots, warmup, "lfu", half_life)
+            # a mapped decode's PCIe traffic per routed expert: its in-place reads and its fills
+            row.update(mapped=hits / routed, mapped_pcie=(routed - hits + fills) / routed)
+        else:
+            row.update(mapped=0.0, mapped_pcie=1.0)
         rows.append(row)
     return rows
 
@@ -102,7 +110,8 @@ def run(args) -> dict:
 
     torch.manual_seed(args.seed)
     dtype = parse_dtype(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    out = {"what": "expert hit rate: the slot cache (lru, lfu) vs llama.cpp --n-cpu-moe at equal GPU memory",
+    out = {"what": "expert hit rate: the slot cache (lru, lfu, mapped decode) vs llama.cpp --n-cpu-moe at equal GPU "
+                   "memory",
            "synthetic": args.synthetic, "layers": args.layers, "tokens": args.tokens, "warmup": args.warmup,
            "lfu_half_life": args.half_life,
            "seed": args.seed, "date": time.strftime("%Y-%m-%d"), "runs": []}
@@ -127,12 +136,12 @@ def print_table(res: dict) -> None:
           f"{'' if res['layers'] is None else ', ' + str(res['layers']) + ' layers'}, {res['tokens']} random tokens "
           f"(hit rates after {res['warmup']})")
     print(f"{'zipf a':>7}{'fit a':>7}{'rel err':>8}{'top-1':>7}{'GPU frac':>9}{'-ncmoe':>7}{'slots':>7}"
-          f"{'llama.cpp':>10}{'LRU':>7}{'LFU':>7}{'top':>7}")
+          f"{'llama.cpp':>10}{'LRU':>7}{'LFU':>7}{'mapped':>8}{'PCIe':>6}{'top':>7}")
     for run_ in res["runs"]:
         for r in run_["rows"]:
             print(f"{run_['router_zipf']:>7.2f}{run_['fit_a']:>7.2f}{run_['rel_err']:>8.2f}{run_['top1_share']:>7.2f}"
                   f"{r['gpu_fraction']:>9.2f}{r['n_cpu_moe']:>7d}{r['slots']:>7d}{r['static']:>10.3f}{r['lru']:>7.3f}"
-                  f"{r['lfu']:>7.3f}{r['top']:>7.3f}")
+                  f"{r['lfu']:>7.3f}{r['mapped']:>8.3f}{r['mapped_pcie']:>6.2f}{r['top']:>7.3f}")
 
 
 def run_args(args) -> int:

@@ -24,10 +24,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.experts import admission
 from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap
 
-ADMIT_RATIO = 2.0  # a missed expert replaces a resident one when its heat is this many times the victim's
-MAX_FILLS = 8  # experts admitted per step at most (about 1 ms of PCIe at the Qwen3.6-35B-A3B width)
+ADMIT_RATIO, MAX_FILLS = admission.ADMIT_RATIO, admission.MAX_FILLS  # (module level: tests set them)
 
 
 class MappedExperts:
@@ -109,57 +109,35 @@ class MappedExperts:
             buf = self._route_host[routes.shape] = torch.empty(routes.shape, dtype=routes.dtype, pin_memory=True)
         return buf
 
-    # --- the cache between steps
+    # --- the cache between steps (the rules: admission.py, which bench routing simulates)
     def _observe(self, routes: np.ndarray) -> None:
         """routes [L, N, KP]: count, heat, and admit the hottest misses."""
-        b, table = self.b, self.b.cache.table
+        b = self.b
         seen = self._pushed if self._pushed is not None else self._table()
         candidates = []
         for row, layer in enumerate(b.pool.layers):
-            ids = routes[row].ravel()
-            ids = ids[(ids >= 0) & (ids < self.E)]
-            if not len(ids):
-                continue
-            experts, counts = np.unique(ids, return_counts=True)
-            table.tick()
-            table.note_use(row, experts)
-            where = seen[row, experts]
-            hit = where >= 0
-            table.touch(where[hit])
+            step = admission.observe_layer(b.cache.table, row, routes[row], seen[row])
             st = b.stats_[layer]
-            st.hits += int(hit.sum())
-            st.misses += int((~hit).sum())
-            reads = int(counts[~hit].sum())
-            st.direct_reads += reads
-            st.bytes_read += reads * b.pool.expert_bytes
-            missed = experts[~hit]
-            missed = missed[table.resident[row, missed] < 0]  # not already on its way into a slot
-            candidates.extend((table.heat[row, e], row, int(e)) for e in missed)
-        if candidates:
-            self._admit(sorted(candidates, reverse=True)[:MAX_FILLS])
-
-    def _admit(self, candidates: list[tuple[float, int, int]]) -> None:
-        """Pair the hottest misses with the slots the policy evicts first, while it pays; copy them."""
-        cache = self.b.cache
-        table = cache.table
-        victims = table.victims(len(candidates))
-        chosen: dict[int, list[tuple[int, int]]] = {}
-        for (heat, row, e), s in zip(candidates, victims.tolist()):
-            if table.owner[s] >= 0 and heat <= ADMIT_RATIO * table.slot_heat[s]:
-                break  # victims come coldest first and candidates hottest first: no later pair pays either
-            chosen.setdefault(row, []).append((e, s))
-        for row, pairs in chosen.items():
-            cache.place(self.b.pool.layers[row], [e for e, _ in pairs], [s for _, s in pairs])
+            st.hits += step.hits
+            st.misses += step.misses
+            st.direct_reads += step.reads
+            st.bytes_read += step.reads * b.pool.expert_bytes
+            candidates += step.candidates
+        by_row: dict[int, list[tuple[int, int]]] = {}
+        for row, e, s in admission.admissions(b.cache.table, candidates, MAX_FILLS, ADMIT_RATIO):
+            by_row.setdefault(row, []).append((e, s))
+        for row, pairs in by_row.items():
+            layer = b.pool.layers[row]
+            b.cache.place(layer, [e for e, _ in pairs], [s for _, s in pairs])
             self._own += 1
-            b_stats = self.b.stats_[self.b.pool.layers[row]]
-            b_stats.fills += len(pairs)
-            b_stats.bytes_moved += len(pairs) * self.b.pool.expert_bytes
-        if chosen:
+            b.stats_[layer].fills += len(pairs)
+            b.stats_[layer].bytes_moved += len(pairs) * b.pool.expert_bytes
+        if by_row:
             done = None
-            if cache.copy_stream is not None:
+            if b.cache.copy_stream is not None:
                 done = torch.cuda.Event()
-                done.record(cache.copy_stream)
-            self._pending.append((done, [(row, e, s) for row, pairs in chosen.items() for e, s in pairs]))
+                done.record(b.cache.copy_stream)
+            self._pending.append((done, [(row, e, s) for row, pairs in by_row.items() for e, s in pairs]))
 
     def _commit(self) -> None:
         """Fills whose copies landed become readable from their slots (the next push says so)."""
@@ -167,13 +145,7 @@ class MappedExperts:
 
     def _table(self) -> np.ndarray:
         """[L, E] int32: each expert's slot, LOC_HOST where it is not resident or its copy is in flight."""
-        res = self.b.cache.table.resident
-        want = np.where(res >= 0, res, LOC_HOST).astype(np.int32)
-        for _, fills in self._pending:
-            for row, e, s in fills:
-                if want[row, e] == s:
-                    want[row, e] = LOC_HOST
-        return want
+        return admission.visible(self.b.cache.table, [f for _, fills in self._pending for f in fills])
 
     def _push(self) -> None:
         want = self._table()

@@ -13,6 +13,10 @@ Hit rate = routed (token, layer, expert) triples served from GPU memory / all of
   layer's experts are on the GPU (common/arg.cpp: tensor overrides for blocks 0..N-1). Its GPU memory is
   (L - N) * E experts, so `equal_memory` gives the LRU that many slots. Skew cannot help it: a layer is all in
   or all out, so its hit rate is (L - N) / L whatever the routing.
+- The mapped decode (`mapped_hits`): the same table kept by admission.py's rules as MappedExperts keeps it —
+  misses read in place, the hottest moved into a slot only over a clearly colder resident, an admitted
+  expert readable from the step after next (its copy lands while the next step runs). Also counts the fills:
+  a mapped decode's PCIe bytes are its in-place reads plus its fills.
 - `top_experts_hits`: an oracle that keeps the `slots` most used (layer, expert) pairs of the trace itself
   resident; no engine can place experts knowing the future, and llama.cpp cannot place single experts at all
   (a layer's experts are one tensor). It bounds what any static per-expert placement could reach.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.experts import admission
 from engine.experts.lru import HALF_LIFE, SlotTable
 
 
@@ -69,6 +74,33 @@ def slot_hits(trace, num_experts: int, slots: int, warmup: int = 0, policy: str 
                 hits += int(hit.sum())
                 routed += len(experts)
     return hits, routed
+
+
+def mapped_hits(trace, num_experts: int, slots: int, warmup: int = 0, policy: str = "lfu",
+                half_life: float = HALF_LIFE, lands_next_step: bool = True) -> tuple[int, int, int]:
+    """(hits, routed, fills) of the mapped decode over trace[warmup:], warmed by trace[:warmup], batch 1.
+    lands_next_step: an admitted expert's copy is still in flight during the next step (CUDA: it runs beside
+    it); False: readable at once (a CPU device copies in line)."""
+    trace = _check(trace, warmup)
+    T, L, _ = trace.shape
+    table = SlotTable(L, num_experts, slots, policy, half_life)
+    hits = routed = fills = 0
+    in_flight: list = []
+    for t in range(T):
+        seen = admission.visible(table, in_flight)  # this step's table: last step's admissions not landed yet
+        candidates, step_hits, step_routed = [], 0, 0
+        for layer in range(L):
+            step = admission.observe_layer(table, layer, trace[t, layer], seen[layer])
+            candidates += step.candidates
+            step_hits += step.hits
+            step_routed += step.hits + step.misses
+        admitted = admission.admissions(table, candidates)
+        for row, e, s in admitted:
+            table.assign(s, row, e)
+        in_flight = admitted if lands_next_step else []
+        if t >= warmup:
+            hits, routed, fills = hits + step_hits, routed + step_routed, fills + len(admitted)
+    return hits, routed, fills
 
 
 def static_hits(trace, cpu_layers: int, warmup: int = 0) -> tuple[int, int]:

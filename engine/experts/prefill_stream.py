@@ -10,8 +10,6 @@ moves far fewer bytes. The choice compares predicted bytes / bandwidth of the tw
 """
 from __future__ import annotations
 
-import torch
-
 # a CPU expert kernel reads each weight once per call; above this many tokens per expert it turns
 # compute-bound and its time grows with the tokens (roughly: machine flops / DRAM bandwidth, bf16)
 CPU_BALANCE_TOKENS = 16
@@ -68,7 +66,7 @@ class PrefillStreamer:
                                     expert_bytes=pool.expert_bytes, bp=est.bp, bh=est.bh,
                                     cpu_share=self.b.cpu_share(), device_flops=self.b.device_flops)
         self.streamed_forwards += self.active
-        self._fence = self._mark() if self.active else None  # every read of a slot before this forward
+        self._fence = self.b.cache.mark() if self.active else None  # every read of a slot before this forward
 
     def before_layer(self, layer: int) -> None:
         """Make `layer` fully resident (normally streamed while the previous layer ran); a later piece of the
@@ -93,19 +91,11 @@ class PrefillStreamer:
             return
         layers = self.b.pool.layers
         i = self.b.pool.row[layer]
-        done = self._mark()
+        done = self.b.cache.mark()
         # the victims (the layer before this one, or older) were last read before the previous mark: the
         # copies need not wait for this layer's compute, which they are meant to run beside
         self.reserved = self._prefetch(layers[i + 1], after=self._fence) if i + 1 < len(layers) else []
         self._fence = done
-
-    def _mark(self):
-        """A CUDA event after the compute queued so far (None on a CPU device, whose copies are in line)."""
-        if self.b.cache.copy_stream is None:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.b.cache.device))
-        return ev
 
     def _prefetch(self, layer: int, after=None) -> list[int]:
         cache, e = self.b.cache, self.b.pool.num_experts

@@ -136,6 +136,15 @@ class SlotCache:
             end.record()
         self.last_fill = (start, end, len(slots) * self.pool.expert_bytes, with_cpu)
 
+    def mark(self):
+        """A CUDA event after the compute queued so far, for `after=` of a later fill (None on a CPU device,
+        whose copies run in line)."""
+        if self.copy_stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
     def ready(self) -> None:
         """Make the compute stream wait for the fills issued so far (no host sync)."""
         if self.copy_stream is not None:

@@ -126,3 +126,36 @@ def test_slot_simulation_counts_what_the_offload_backend_counts(policy):
     top, routed = placement.top_experts_hits(trace, E, 5)
     counts = np.bincount((np.arange(L)[None, :, None] * E + trace).ravel())
     assert routed == L * T * K and top == np.sort(counts)[-5:].sum()
+
+
+def test_mapped_simulation_counts_what_the_mapped_decode_counts():
+    """placement.mapped_hits keeps the table by admission.py as MappedExperts does: the same hits, misses and
+    fills on the same trace (a one-token step a time, its routes observed at the next step's begin; on a CPU
+    device an admitted expert is readable at the next step, on CUDA one step later, while its copy runs)."""
+    from engine.experts.mapped import MappedExperts
+
+    L, E, H, I, K, T = 3, 12, 8, 4, 3, 60
+    g = torch.Generator().manual_seed(1)
+    src = ExpertWeights({l: torch.randn(E, 2 * I, H, generator=g) for l in range(L)},
+                        {l: torch.randn(E, H, I, generator=g) for l in range(L)})
+    p = torch.tensor(1.0 / np.arange(1, E + 1) ** 1.2)
+    trace = np.stack([[torch.multinomial(p, K, generator=g).numpy() for _ in range(L)] for _ in range(T)])
+    for slots in (4, 9, 20):
+        b = OffloadBackend(pool_from_source(src), slots, "cpu", stream_prefill=False, slot_policy="lfu")
+        m = MappedExperts(b)
+        for t in range(T):
+            m.begin()
+            m.end(torch.as_tensor(trace[t])[:, None, :].int(), 1)
+        m.begin()
+        hits, routed, fills = placement.mapped_hits(trace, E, slots, lands_next_step=False)
+        total = b.stats()["total"]
+        assert (hits, routed, fills) == (total["hits"], total["hits"] + total["misses"], total["fills"])
+        assert fills > 0 and hits > 0
+
+
+def test_a_mapped_admission_is_read_from_its_slot_once_its_copy_landed():
+    """One expert used every step, a free slot: admitted after step 0, read from the slot at step 1 when the
+    copy is in line (CPU), at step 2 when it runs beside step 1 (CUDA); one fill either way."""
+    trace = np.full((4, 1, 1), 5)
+    assert placement.mapped_hits(trace, 8, 2, lands_next_step=False) == (3, 4, 1)
+    assert placement.mapped_hits(trace, 8, 2) == (2, 4, 1)
