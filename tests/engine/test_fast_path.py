@@ -199,3 +199,28 @@ def test_mapped_decode_reads_misses_in_place_and_keeps_greedy_output(checkpoints
         assert set(mapped.model.decode_steps.modes().values()) == {"graph"}
     for eng in (mapped, host):
         eng.model.experts.close()
+
+
+def test_resizing_the_cache_under_a_mapped_decode(checkpoints):
+    """`ctl cache --moe N` between steps: the slots are reallocated, the decode buckets (whose graphs read
+    them in place) are dropped and the location table is rebuilt; greedy output stays the fused engine's."""
+    from engine.experts.policy import BandwidthEstimate
+    from engine.experts.registry import experts_factory
+    from engine.runner import ModelRunner
+
+    ckpt = checkpoints["qwen3_5_moe", "fused"]
+    fused = Engine.from_pretrained(ckpt, device=DEV, fast=False)
+    fused.model.enable_fast(slots=3, capacity=64)
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+    eng = Engine.from_pretrained(ckpt, device=DEV, fast=False, expert_device="cpu",
+                                 experts=experts_factory("offload", device=DEV, slots=6, estimate=est))
+    eng.model.enable_fast(slots=3, capacity=64)
+    ids = prompt(10, 3)
+    want = fused.generate(ids, max_new_tokens=6)
+    assert eng.generate(ids, max_new_tokens=3) == want[:3]
+    ModelRunner(eng.model).reconfigure(moe_slots=2)
+    assert eng.model.decode_steps._buckets == {} and eng.model.experts.cache.num_slots == 2
+    assert eng.generate(ids, max_new_tokens=6) == want
+    m = eng.model.fast.mapped
+    assert 0 < int((m.loc[:, : m.E] >= 0).sum()) <= 2
+    eng.model.experts.close()
