@@ -108,6 +108,9 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights seed; the token stream uses seed + 1")
     p.add_argument("--half-life", type=float, default=256.0,
                    help="tokens after which the lfu policy weighs a use half (default 256, the engine's)")
+    p.add_argument("--iid", action="store_true",
+                   help="draw each token's routes from the Zipf law at the size's expert count and top-k instead of "
+                        "running the model (the real shape in seconds; no correlation between tokens)")
     p.add_argument("--json", help="write the results here")
 
 

@@ -16,6 +16,11 @@ expert (in-place reads plus fills; llama.cpp moves none, its misses run on the C
 
     killick bench routing --synthetic demo --router-zipf 0,0.8,1.2 --gpu-fraction 0.25,0.5
     killick bench routing --synthetic qwen3.6-35b-a3b --layers 8 --device cuda --router-zipf 0,1
+    killick bench routing --synthetic qwen3.6-35b-a3b --layers 8 --iid --router-zipf 0,1   (no model: seconds)
+
+--iid draws each token's routes independently from the law the Zipf router is calibrated to, at the size's
+expert count and top-k, instead of recording a model (the real shape on any machine; a model's routes also
+correlate between tokens and layers, which iid draws leave out).
 """
 from __future__ import annotations
 
@@ -62,6 +67,18 @@ def record(model, tokens: int, seed: int, chunk: int = 512) -> np.ndarray:
     return rec.trace()
 
 
+def iid_trace(num_experts: int, top_k: int, layers: int, tokens: int, a: float, seed: int) -> np.ndarray:
+    """[T, L, K] routes drawn independently per token from the law the Zipf router is calibrated to (each
+    layer's experts in its seeded popularity order, K distinct a token): the real shape's routing statistics
+    without running the model (a model's routes also correlate between tokens and layers)."""
+    rng = np.random.default_rng([0x51D, seed])
+    p = zipf.zipf_popularity(num_experts, top_k, a) if a else np.full(num_experts, top_k / num_experts)
+    p = p / p.sum()
+    by_rank = [np.argsort(zipf.layer_ranks(num_experts, seed, layer)) for layer in range(layers)]  # rank -> expert
+    return np.stack([[by_rank[layer][rng.choice(num_experts, top_k, replace=False, p=p)] for layer in range(layers)]
+                     for _ in range(tokens)])
+
+
 def skew_summary(trace: np.ndarray, num_experts: int, top_k: int, a: float, seed: int) -> dict:
     """How the measured popularity follows the law asked for: fitted exponent past the capped head (mean over
     layers) and the mean relative error of each expert's popularity against its rank's target."""
@@ -106,7 +123,7 @@ def rates(trace: np.ndarray, num_experts: int, fractions: list[float], warmup: i
 
 def run(args) -> dict:
     from engine.models import parse_dtype
-    from engine.synth import synth_model
+    from engine.synth import synth_config, synth_model
 
     torch.manual_seed(args.seed)
     dtype = parse_dtype(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
@@ -115,16 +132,22 @@ def run(args) -> dict:
            "synthetic": args.synthetic, "layers": args.layers, "tokens": args.tokens, "warmup": args.warmup,
            "lfu_half_life": args.half_life,
            "seed": args.seed, "date": time.strftime("%Y-%m-%d"), "runs": []}
+    out["iid"] = args.iid
     for a in args.router_zipf:
         t0 = time.perf_counter()
-        model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=dtype, seed=args.seed,
-                               router_zipf=a)
-        cfg = model.config
-        trace = record(model, args.tokens, args.seed + 1)
-        del model
-        run_ = {"router_zipf": a, "experts": cfg.num_experts, "top_k": cfg.top_k, "moe_layers": trace.shape[1],
-                **skew_summary(trace, cfg.num_experts, cfg.top_k, a, args.seed),
-                "rows": rates(trace, cfg.num_experts, args.gpu_fraction, args.warmup, args.half_life),
+        if args.iid:
+            raw = synth_config(size=args.synthetic, layers=args.layers)
+            E, K = raw["text_config"]["num_experts"], raw["text_config"]["num_experts_per_tok"]
+            trace = iid_trace(E, K, raw["text_config"]["num_hidden_layers"], args.tokens, a, args.seed)
+        else:
+            model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=dtype, seed=args.seed,
+                                   router_zipf=a)
+            E, K = model.config.num_experts, model.config.top_k
+            trace = record(model, args.tokens, args.seed + 1)
+            del model
+        run_ = {"router_zipf": a, "experts": E, "top_k": K, "moe_layers": trace.shape[1],
+                **skew_summary(trace, E, K, a, args.seed),
+                "rows": rates(trace, E, args.gpu_fraction, args.warmup, args.half_life),
                 "seconds": time.perf_counter() - t0}
         out["runs"].append(run_)
         print(f"  router zipf {a}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
@@ -132,7 +155,7 @@ def run(args) -> dict:
 
 
 def print_table(res: dict) -> None:
-    print(f"bench routing — {res['what']}; synthetic {res['synthetic']}"
+    print(f"bench routing — {res['what']}; synthetic {res['synthetic']}{' (iid routes)' if res.get('iid') else ''}"
           f"{'' if res['layers'] is None else ', ' + str(res['layers']) + ' layers'}, {res['tokens']} random tokens "
           f"(hit rates after {res['warmup']})")
     print(f"{'zipf a':>7}{'fit a':>7}{'rel err':>8}{'top-1':>7}{'GPU frac':>9}{'-ncmoe':>7}{'slots':>7}"

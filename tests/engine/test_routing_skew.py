@@ -97,6 +97,20 @@ def test_static_placement_ignores_skew_and_the_slot_cache_gains_from_it(demo_tra
     # lfu keeps the popular experts: past llama.cpp and LRU once routing is skewed, near the oracle
     assert rows[1.0]["lfu"] > max(rows[1.0]["lru"], rows[1.0]["static"]) + 0.05
     assert rows[1.0]["lfu"] > 0.85 * rows[1.0]["top"]
+    # the mapped decode keeps the popular experts too, and under skew moves fewer bytes than it routes
+    assert rows[1.0]["mapped"] > rows[1.0]["static"] + 0.05 and rows[1.0]["mapped"] > 0.85 * rows[1.0]["top"]
+    assert rows[1.0]["mapped_pcie"] < 1 - rows[1.0]["static"]
+
+
+def test_iid_routes_follow_the_law_the_router_is_calibrated_to():
+    """bench routing --iid: K distinct experts a token, each layer's popular experts its seeded ones, the
+    popularity by rank the Zipf law's (the real shape's statistics without running the model)."""
+    E, K, L, T = 64, 4, 2, 3000
+    trace = routing.iid_trace(E, K, L, T, 1.0, seed=7)
+    assert trace.shape == (T, L, K) and all(len(set(r)) == K for r in trace.reshape(-1, K).tolist())
+    on = routing.skew_summary(trace, E, K, 1.0, seed=7)
+    assert on["fit_a"] == pytest.approx(1.0, abs=0.1) and on["rel_err"] < 0.15
+    assert routing.skew_summary(routing.iid_trace(E, K, L, T, 0.0, seed=7), E, K, 0.0, seed=7)["rel_err"] < 0.15
 
 
 def test_equal_memory_matches_llama_cpp_layer_counts():
