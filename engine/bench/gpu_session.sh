@@ -21,7 +21,7 @@ status() { echo "$1 rc=$2" | tee -a "$OUT/summary.txt"; }
 # Budget: 90 + 100 + 50 + 240 s = 8 min at most (typically ~4).
 # 0. the native CPU expert kernels, if this tree has them and they are not built yet (<= 90 s)
 if [ -f native/build.py ] && ! ls native/_cpu_experts*.so >/dev/null 2>&1; then
-    timeout 90 $PY setup.py build_ext --inplace > "$OUT/build_native.log" 2>&1
+    timeout 240 $PY setup.py build_ext --inplace -j "$(nproc)" > "$OUT/build_native.log" 2>&1
     status build_native $?
 fi
 $PY -c "from engine.experts import cpu_runner; print('cpu runner:', cpu_runner.run_on_cpu.__name__)" \

@@ -263,6 +263,7 @@ class ExpertTraffic:
         return {"bp_gbs": self.bp / 1e9, "pool_bytes": self.pool_bytes, "variant": self.backend.name,
                 "slot_policy": self.backend.cache.table.policy,
                 "decode_path": "mapped" if self.backend.mapped is not None else "host",
+                "cpu_experts": _cpu_path(),
                 "experts_on_gpu": f"{self.share():.1%}", "slots": self.backend.cache.num_slots}
 
     def split(self) -> dict:
@@ -307,6 +308,14 @@ class ExpertTraffic:
         return {"stream_bound_s": bound, "of_stream_bound": bound / seconds}
 
 
+def _cpu_path() -> str:
+    """How misses run on the CPU in this process (cpu / hybrid): the native kernels, or torch where the
+    extension is not built (several times slower: a hybrid row on the torch path says little)."""
+    from engine.experts import cpu_runner
+
+    return "native" if cpu_runner.run_on_cpu is not cpu_runner._torch_run_on_cpu else "torch (native kernels not built)"
+
+
 def print_buckets(res: dict) -> None:
     if res.get("decode_buckets"):
         print("decode steps by batch size: " + ", ".join(f"{b} {m}" for b, m in res["decode_buckets"].items()))
@@ -322,8 +331,8 @@ def print_split(res: dict) -> None:
 
 def print_table(res: dict) -> None:
     cached = (f", experts {res['variant']} {res['slots']} {res['slot_policy']} slots ({res['experts_on_gpu']}, "
-              f"as llama.cpp {res['placement']}), decode {res['decode_path']}, B_P {res['bp_gbs']:.1f} GB/s"
-              ) if "bp_gbs" in res else ""
+              f"as llama.cpp {res['placement']}), decode {res['decode_path']}, CPU experts {res['cpu_experts']}, "
+              f"B_P {res['bp_gbs']:.1f} GB/s") if "bp_gbs" in res else ""
     print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path, {res['device']}, "
           f"HBM copy {res['hbm_copy_gbs']:.0f} GB/s{cached}, commit {res['commit']}")
     print(f"{'row':<16}{'tok/s':>12}{'ms/step':>10}{'bound tok/s':>13}{'of bound':>10}  note")
