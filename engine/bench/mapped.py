@@ -4,7 +4,8 @@ pool (zero-copy over PCIe, no fill), and how fast, against copying them first (C
 In one process, on expert blocks of a model's widths drawn into a page-locked host buffer (registered the
 way engine/experts/host_pool.py registers the pool):
 - B_P: host -> device copies of those blocks, one copy per block (what a fill does), and one copy for all;
-- read: a Triton kernel summing the host buffer in place (the zero-copy read rate with nothing else to do);
+- read: a Triton kernel summing the host buffer in place (the zero-copy read rate with nothing else to do),
+  and read_tiles: the same in the expert kernels' pattern (bands of rows, a tile of columns a step);
 - experts: one decode token's `experts` routed experts through the grouped expert kernels, weights read
   from the host buffer in place, against the same kernels on a device copy (HBM) and against copy-then-run;
 - both at once: zero-copy expert reads while a copy stream fills other blocks (do they share PCIe?).
@@ -77,6 +78,16 @@ def run(args) -> dict:
             acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
         tl.atomic_add(out_ptr, tl.sum(acc, axis=0))
 
+    @triton.jit
+    def _tile_sum_kernel(x_ptr, out_ptr, H, BN: tl.constexpr, BK: tl.constexpr):
+        """The expert gate/up kernel's read pattern without its math: a band of BN rows of H, BK columns a
+        step (each step BN pieces of BK elements, H apart)."""
+        rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            acc += tl.load(x_ptr + rows[:, None] * H + k0 + tl.arange(0, BK)[None, :]).to(tl.float32)
+        tl.atomic_add(out_ptr, tl.sum(tl.sum(acc, axis=1), axis=0))
+
     shape = get_shape(args.shape)
     lay = ExpertLayout(shape.hidden, shape.inter, 2)
     dtype = torch.bfloat16
@@ -112,6 +123,14 @@ def run(args) -> dict:
             res[f"read_{block}x{iters}"] = nbytes / t
         except Exception as exc:  # noqa: BLE001 - the point of the probe is whether this works at all
             res[f"read_{block}x{iters}"] = f"failed: {exc}"
+    rows = numel // lay.hidden
+    for bn, bk in ((64, 128), (16, 512), (8, 2048)):
+        try:
+            t = _time(lambda: _tile_sum_kernel[(rows // bn,)](host, out, lay.hidden, BN=bn, BK=bk, num_warps=4,
+                                                                num_stages=4), args.reps)
+            res[f"read_tiles_{bn}x{bk}"] = rows // bn * bn * lay.hidden * 2 / t
+        except Exception as exc:  # noqa: BLE001
+            res[f"read_tiles_{bn}x{bk}"] = f"failed: {exc}"
     hbm = torch.empty_like(host, device="cuda").copy_(host)
     res["read_hbm"] = nbytes / _time(lambda: _sum_kernel[(triton.cdiv(numel, 4096 * 16),)](
         hbm, out, numel, BLOCK=4096, ITERS=16, num_warps=8), args.reps)
