@@ -147,12 +147,7 @@ def run(args) -> dict:
         return buf[:, :gu].view(n, 2 * lay.inter, lay.hidden), buf[:, gu:].view(n, lay.hidden, lay.inter)
 
     def experts_from(buf):
-        g, d = views(buf)
-
-        def fn():
-            for ids in ids_sets:  # every round other experts: nothing is read twice
-                run_experts(x, g, d, ids, w, pair_blocks(ids))
-        return fn
+        return _rounds(x, *views(buf), w, ids_sets)
 
     ref = None
     for name, buf in (("experts_hbm", hbm), ("experts_host", host)):
@@ -203,16 +198,22 @@ DOWN_TILES = [(64, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3), (16, 512, 4, 3)
               (64, 512, 8, 2)]
 
 
+def _rounds(x, gate_up, down, w, ids_sets, tiles=None):
+    """-> a function running one token's experts once per id set (every round other experts: nothing is read
+    twice, nothing stays in L2)."""
+    from engine.kernels.moe_triton import pair_blocks, run_experts
+
+    def fn():
+        for ids in ids_sets:
+            run_experts(x, gate_up, down, ids, w, pair_blocks(ids), tiles=tiles)
+    return fn
+
+
 def _sweep(x, gate_up, down, w, ids_sets, reps: int, layer_bytes: int) -> list[dict]:
     """The gate/up kernel's tiles (down at its default), then the down kernel's (gate/up at the best): one
     token's experts read in place from the host, GB/s of weights for the whole layer."""
-    from engine.kernels.moe_triton import pair_blocks, run_experts
-
     def rate(tiles) -> float:
-        def fn():
-            for ids in ids_sets:
-                run_experts(x, gate_up, down, ids, w, pair_blocks(ids), tiles=tiles)
-        return len(ids_sets) * layer_bytes / _time(fn, reps)
+        return len(ids_sets) * layer_bytes / _time(_rounds(x, gate_up, down, w, ids_sets, tiles), reps)
 
     rows = [{"up": up, "down": DOWN_TILES[0], "gbs": rate((up, DOWN_TILES[0])) / 1e9} for up in UP_TILES]
     best_up = max(rows, key=lambda r: r["gbs"])["up"]

@@ -313,7 +313,7 @@ def _cpu_path() -> str:
     extension is not built (several times slower: a hybrid row on the torch path says little)."""
     from engine.experts import cpu_runner
 
-    return "native" if cpu_runner.run_on_cpu is not cpu_runner._torch_run_on_cpu else "torch (native kernels not built)"
+    return "native" if cpu_runner.NATIVE else "torch (native kernels not built)"
 
 
 def print_buckets(res: dict) -> None:

@@ -46,10 +46,12 @@ def observe_layer(table: SlotTable, row: int, ids: np.ndarray, seen: np.ndarray)
                      [(table.heat[row, e], row, int(e)) for e in missed])
 
 
-def admissions(table: SlotTable, candidates: list, max_fills: int = MAX_FILLS,
-               ratio: float = ADMIT_RATIO) -> list[tuple[int, int, int]]:
+def admissions(table: SlotTable, candidates: list, max_fills: int | None = None,
+               ratio: float | None = None) -> list[tuple[int, int, int]]:
     """(row, expert, slot) to copy: the hottest candidates against the policy's first victims, while it pays.
-    Does not change the table (the caller assigns what it copies)."""
+    Does not change the table (the caller assigns what it copies). None: MAX_FILLS / ADMIT_RATIO."""
+    max_fills = MAX_FILLS if max_fills is None else max_fills
+    ratio = ADMIT_RATIO if ratio is None else ratio
     candidates = sorted(candidates, reverse=True)[:max_fills]
     victims = table.victims(len(candidates)).tolist()
     chosen = []

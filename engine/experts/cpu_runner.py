@@ -99,5 +99,5 @@ try:
 except ImportError:  # the native branch is not merged yet
     cpu_kernels = None
 
-run_on_cpu = (_native_run_on_cpu if cpu_kernels is not None and cpu_kernels.native_available()
-              else _torch_run_on_cpu)
+NATIVE = cpu_kernels is not None and cpu_kernels.native_available()  # the extension is built and loads
+run_on_cpu = _native_run_on_cpu if NATIVE else _torch_run_on_cpu

@@ -11,8 +11,8 @@ The host keeps the cache between steps (`begin` before a step, `end` after it):
 - it reads each step's routes back (one copy, processed at the next step's begin) and counts per layer hits,
   misses and in-place reads, with the heat and recency the slot policy evicts by;
 - it admits a missed expert into a slot (copy stream) when the slot is free or the expert is hotter than the
-  victim by ADMIT_RATIO: a copy costs what one in-place read costs, so only experts used again repay it —
-  under uniform routing almost none are, under skewed routing the popular ones move in and stay;
+  victim by admission.ADMIT_RATIO: a copy costs what one in-place read costs, so only experts used again
+  repay it — under uniform routing almost none are, under skewed routing the popular ones move in and stay;
 - an admitted expert's entry switches to its slot at the first step after its copy landed; an evicted one's
   goes back to LOC_HOST in the same push that precedes the next step (its slot's copy waits for the work
   already queued, so no kernel reads a slot while it is overwritten).
@@ -26,8 +26,6 @@ import torch
 
 from engine.experts import admission
 from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap
-
-ADMIT_RATIO, MAX_FILLS = admission.ADMIT_RATIO, admission.MAX_FILLS  # (module level: tests set them)
 
 
 class MappedExperts:
@@ -124,20 +122,15 @@ class MappedExperts:
             st.bytes_read += step.reads * b.pool.expert_bytes
             candidates += step.candidates
         by_row: dict[int, list[tuple[int, int]]] = {}
-        for row, e, s in admission.admissions(b.cache.table, candidates, MAX_FILLS, ADMIT_RATIO):
+        for row, e, s in admission.admissions(b.cache.table, candidates):
             by_row.setdefault(row, []).append((e, s))
         for row, pairs in by_row.items():
             layer = b.pool.layers[row]
-            b.cache.place(layer, [e for e, _ in pairs], [s for _, s in pairs])
+            done = b.cache.place(layer, [e for e, _ in pairs], [s for _, s in pairs])  # None: landed (CPU)
             self._own += 1
             b.stats_[layer].fills += len(pairs)
             b.stats_[layer].bytes_moved += len(pairs) * b.pool.expert_bytes
-        if by_row:
-            done = None
-            if b.cache.copy_stream is not None:
-                done = torch.cuda.Event()
-                done.record(b.cache.copy_stream)
-            self._pending.append((done, [(row, e, s) for row, pairs in by_row.items() for e, s in pairs]))
+            self._pending.append((done, [(row, e, s) for e, s in pairs]))
 
     def _commit(self) -> None:
         """Fills whose copies landed become readable from their slots (the next push says so)."""

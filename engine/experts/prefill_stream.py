@@ -102,7 +102,8 @@ class PrefillStreamer:
         slots = cache.lookup(layer, range(e))
         cache.table.lock(slots[slots >= 0])  # its own residents stay where they are
         missing = [x for x in range(e) if slots[x] < 0]
-        admitted = cache.admit(layer, missing, coalesce=True, after=after)  # free slots, else the layer streamed two steps ago
+        # free slots, else the layer streamed two steps ago
+        admitted = cache.admit(layer, missing, coalesce=True, after=after)
         st = self.b.stats_[layer]
         st.fills += len(admitted)
         st.bytes_moved += len(admitted) * self.b.pool.expert_bytes

@@ -104,37 +104,37 @@ class SlotCache:
         self.table.lock(victims)
         return victims
 
-    def place(self, layer: int, experts: list[int], slots: list[int], *, with_cpu: bool = False,
-              after=None) -> None:
+    def place(self, layer: int, experts: list[int], slots: list[int], *, with_cpu: bool = False, after=None):
         """Copy `experts` of `layer` into `slots` (pairwise) and record them there; on CUDA on the copy stream,
         after the work queued so far on the compute stream (which may still read the victims), or only after
-        the event `after` when the caller knows the victims' last readers came before it."""
+        the event `after` when the caller knows the victims' last readers came before it. -> a CUDA event
+        after the copies (None on a CPU device: they are done)."""
         row, host = self.pool.row[layer], self.pool.wait_layer(layer)
         t0 = time.perf_counter()
+        done = None
         if self.copy_stream is None:
             for e, s, n in copy_runs(experts, slots):
                 self.buf[s: s + n].copy_(host[e: e + n])
             self.last_fill = (None, time.perf_counter() - t0, len(slots) * self.pool.expert_bytes, with_cpu)
         else:
-            self._copy_async(host, experts, slots, with_cpu, after)
+            done = self._copy_async(host, experts, slots, with_cpu, after)
         for e, s in zip(experts, slots):
             self.table.assign(s, row, e)
         self.placements += 1
+        return done
 
     def _copy_async(self, host: torch.Tensor, experts: list[int], slots: list[int], with_cpu: bool,
-                    after=None) -> None:
+                    after=None) -> torch.cuda.Event:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         # a victim may still be read by kernels queued earlier on the compute stream
-        if after is None:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        else:
-            self.copy_stream.wait_event(after)
+        self.copy_stream.wait_event(self.mark() if after is None else after)
         with torch.cuda.stream(self.copy_stream):
             start.record()
             for e, s, n in copy_runs(experts, slots):
                 self.buf[s: s + n].copy_(host[e: e + n], non_blocking=True)
             end.record()
         self.last_fill = (start, end, len(slots) * self.pool.expert_bytes, with_cpu)
+        return end
 
     def mark(self):
         """A CUDA event after the compute queued so far, for `after=` of a later fill (None on a CPU device,

@@ -195,7 +195,7 @@ def test_backends_bit_identical(dtype, monkeypatch):
         assert torch.equal(o, outs[0])
 
 
-@pytest.mark.skipif(cpu_runner.run_on_cpu is cpu_runner._torch_run_on_cpu, reason="native CPU kernels not built")
+@pytest.mark.skipif(not cpu_runner.NATIVE, reason="native CPU kernels not built")
 def test_native_cpu_runner_matches_torch(pool):
     x, ids, _ = routing(6, seed=5)
     host = pool.wait_layer(2)
@@ -208,7 +208,7 @@ def test_native_cpu_runner_matches_torch(pool):
         torch.testing.assert_close(y_n, y_t, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(cpu_runner.run_on_cpu is cpu_runner._torch_run_on_cpu, reason="native CPU kernels not built")
+@pytest.mark.skipif(not cpu_runner.NATIVE, reason="native CPU kernels not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,layout", [(1, "contiguous"), (1, "strided"), (9, "contiguous"), (9, "strided")])
 def test_native_engine_path_matches_the_torch_reference_on_fresh_inputs(dtype, T, layout):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.experts import mapped as mapped_mod
+from engine.experts import admission
 from engine.experts.host_pool import pool_from_source
 from engine.experts.mapped import MappedExperts
 from engine.experts.offload import OffloadBackend
@@ -64,7 +64,7 @@ def test_misses_are_read_in_place_then_fill_free_slots():
 
 
 def test_a_full_cache_admits_only_a_clearly_hotter_expert(monkeypatch):
-    monkeypatch.setattr(mapped_mod, "MAX_FILLS", 1)
+    monkeypatch.setattr(admission, "MAX_FILLS", 1)
     b = backend(slots=2)
     m = b.mapped_decode()
     for _ in range(3):
