@@ -4,9 +4,15 @@ L = MoE layers, E = experts per layer. Layer row i is one contiguous tensor [E, 
 block (layer, e) is row e of it. Layers are filled one after another (optionally in a background thread)
 and each is pinned right after it is filled: pinning empty memory would fault and zero it for nothing.
 If pinning fails the pool stays pageable (slower copies) and says so once.
+
+Each layer lives in anonymous memory advised to transparent huge pages (2 MB) where the kernel offers them:
+the mapped decode's expert kernels read missing experts in place over PCIe, a tile's rows 4 KB apart, and on
+4 KB pages they read at 0.75 of the copy engines' rate; on huge pages at 0.93 (H200 box, bench mapped,
+2026-12-01). The CPU experts walk the same rows and gain fewer TLB misses.
 """
 from __future__ import annotations
 
+import mmap
 import threading
 import weakref
 import time
@@ -42,8 +48,9 @@ class LoadProgress:
 
 class HostPool:
     def __init__(self, layers: Sequence[int], num_experts: int, layout: ExpertLayout,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, *, hugepages: bool = True) -> None:
         self.layers = [int(x) for x in layers]
+        self.hugepages = hugepages
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.num_experts, self.layout, self.dtype = num_experts, layout, dtype
         self.buffers: list[torch.Tensor | None] = [None] * len(self.layers)
@@ -77,7 +84,7 @@ class HostPool:
         self.pinned = pin
         try:
             for i, layer in enumerate(self.layers):
-                buf = torch.empty(self.num_experts, self.layout.numel, dtype=self.dtype)  # [E, numel]
+                buf = host_buffer((self.num_experts, self.layout.numel), self.dtype, self.hugepages)  # [E, numel]
                 fill(layer, buf)
                 if self.pinned:
                     self.pinned = self._pin(buf)
@@ -126,6 +133,24 @@ class HostPool:
         """(gate_up [2I, H], down [H, I]) views of block (layer, expert)."""
         return split_block(self.block(layer, expert), self.layout)
 
+    def huge_bytes(self) -> int:
+        """Bytes of the loaded layers that sit in transparent huge pages (from /proc/self/smaps: the mappings
+        that hold the buffers; 0 where the kernel does not say)."""
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in self.buffers if b is not None]
+        total, lo, hi = 0, None, None
+        try:
+            with open("/proc/self/smaps") as fh:
+                for line in fh:
+                    head = line.split(None, 1)[0]
+                    if "-" in head and ":" not in head:
+                        a, b = (int(x, 16) for x in head.split("-"))
+                        lo, hi = (a, b) if any(a < e and s < b for s, e in spans) else (None, None)
+                    elif lo is not None and head == "AnonHugePages:":
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            return 0
+        return min(total, self.nbytes)
+
     def close(self) -> None:
         """Unpin (the pool normally lives as long as the process)."""
         if self._thread is not None:
@@ -133,6 +158,37 @@ class HostPool:
         for fin in self._registered:
             fin()
         self._registered.clear()
+
+
+HUGE = 2 << 20
+
+
+def host_buffer(shape: Sequence[int], dtype: torch.dtype, hugepages: bool = True) -> torch.Tensor:
+    """An uninitialised host tensor; with hugepages, in anonymous memory aligned to 2 MB and advised to
+    transparent huge pages before anything touches it (a no-op where THP is off: plain pages, same data)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    size = torch.empty(0, dtype=dtype).element_size()
+    if not hugepages or not hasattr(mmap, "MADV_HUGEPAGE") or n * size < HUGE:
+        return torch.empty(*shape, dtype=dtype)
+    mm = mmap.mmap(-1, n * size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(mm, dtype=torch.uint8)  # holds the mapping as long as any view of it lives
+    skip = -base.data_ptr() % HUGE
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE, skip, n * size)
+    except OSError:  # a kernel without THP: plain pages
+        pass
+    return base[skip:skip + n * size].view(dtype).view(*shape)
+
+
+def anon_huge_kb() -> int:
+    """This process's anonymous memory in transparent huge pages, kB (0 where the kernel does not say)."""
+    try:
+        with open("/proc/self/smaps_rollup") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("AnonHugePages:"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def _unregister(ptr: int) -> None:

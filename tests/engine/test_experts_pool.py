@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine.experts.block_layout import ExpertLayout, split_block
-from engine.experts.host_pool import HostPool
+from engine.experts.host_pool import HUGE, HostPool, host_buffer
 from engine.experts.offload import OffloadBackend
 from engine.experts.synthetic import get_shape, synthetic_pool
 
@@ -34,6 +34,39 @@ def test_loader_error_surfaces_where_the_layer_is_needed():
     pool = HostPool([0, 1], 2, LAYOUT, torch.float32).load(bad, background=True)
     with pytest.raises(RuntimeError, match="loading the expert pool failed"):
         pool.wait_layer(1)
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
+            text = fh.read()
+    except OSError:
+        return "never"
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "never"
+
+
+def _thp_fallbacks() -> int:
+    try:
+        with open("/proc/vmstat") as fh:
+            return sum(int(line.split()[1]) for line in fh if line.startswith("thp_fault_fallback "))
+    except OSError:
+        return 0
+
+
+def test_pool_layers_sit_in_huge_pages_where_the_kernel_offers_them():
+    layout = ExpertLayout(hidden=256, inter=128, itemsize=2)  # 192 KiB a block, 3 MiB a layer
+    fallbacks = _thp_fallbacks()
+    huge = HostPool([0, 1], 16, layout, torch.bfloat16).load(counting_fill)
+    small = HostPool([0, 1], 16, layout, torch.bfloat16, hugepages=False).load(counting_fill)
+    for layer in (0, 1):  # same data either way, huge-page layers start on a 2 MB boundary
+        assert torch.equal(huge.wait_layer(layer), small.wait_layer(layer))
+        assert huge.wait_layer(layer).data_ptr() % HUGE == 0
+    assert small.huge_bytes() == 0
+    if _thp_mode() in ("always", "madvise"):  # advised: the kernel gave huge pages or said it could not
+        assert huge.huge_bytes() > 0 or _thp_fallbacks() > fallbacks
+    assert 0 <= huge.huge_bytes() <= huge.nbytes
+    tiny = host_buffer((3, 5), torch.float32)  # under 2 MB: plain allocation, any shape and dtype
+    assert tiny.shape == (3, 5) and tiny.dtype == torch.float32
 
 
 def test_resize_keeps_residents_and_rejects_impossible_sizes():
