@@ -83,6 +83,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="which cached expert a fill evicts (default lfu, as serve)")
     p.add_argument("--moe-decode", default="auto", choices=["auto", "mapped", "host"],
                    help="how decode goes through the expert cache (as serve; default auto)")
+    p.add_argument("--expert-threads", type=int,
+                   help="CPU expert workers for cpu / hybrid (default as serve: the cores but one on CUDA)")
     p.add_argument("--json", help="write the results here")
 
 

@@ -164,6 +164,12 @@ def build(args):
     dtype = parse_dtype(args.dtype)
     zipf = args.router_zipf
     cached = args.moe_backend != "fused"
+    if cached:  # as serve: --expert-threads, else the cores but one on CUDA (engine/build.py expert_threads)
+        from engine.build import expert_threads
+        from engine.experts import cpu_runner
+
+        cpu_runner.set_threads(expert_threads(EngineOptions(device=args.device, expert_threads=args.expert_threads),
+                                              torch.device(args.device)))
     where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
                                          slot_policy=args.slot_policy, decode=args.moe_decode),
                  expert_device="cpu") if cached else {}
@@ -270,7 +276,11 @@ class ExpertTraffic:
         """hybrid: the split policy at the end of the run (choices taken per arm, explorations, the rates each
         path was measured at, alone and together, bytes/s) — why it sent what it sent to the CPU."""
         stats = self.backend.stats() if self.cached else {}
-        return {"split": stats["split"]} if "split" in stats else {}
+        out = {"split": stats["split"]} if "split" in stats else {}
+        mapped = getattr(self.backend, "mapped", None) if self.cached else None
+        if mapped is not None and mapped.cpu is not None:
+            out["graph_cpu"] = mapped.cpu.stats()
+        return out
 
     def row_keys(self) -> dict:
         """Per row: the backend (compare.py's variant) and the share of experts the slots hold."""
@@ -313,7 +323,8 @@ def _cpu_path() -> str:
     extension is not built (several times slower: a hybrid row on the torch path says little)."""
     from engine.experts import cpu_runner
 
-    return "native" if cpu_runner.NATIVE else "torch (native kernels not built)"
+    path = "native" if cpu_runner.NATIVE else "torch (native kernels not built)"
+    return f"{path} with {cpu_runner.expert_threads()} threads"
 
 
 def print_buckets(res: dict) -> None:
@@ -322,6 +333,11 @@ def print_buckets(res: dict) -> None:
 
 
 def print_split(res: dict) -> None:
+    if "graph_cpu" in res:
+        g = res["graph_cpu"]
+        print(f"hybrid decode, CPU share inside the graph: share {g['share']:.2f} at the end, the device waited "
+              f"for the CPU in {g['waited_steps']} of {g['steps']} steps; {g['pairs']} pairs in {g['layers_run']} "
+              f"layer runs, {g['busy_s'] * 1e3:.1f} ms busy, {g['skipped']} torn reads retried")
     if "split" not in res:
         return
     sp = res["split"]

@@ -17,7 +17,8 @@ The host keeps the cache between steps (`begin` before a step, `end` after it):
   goes back to LOC_HOST in the same push that precedes the next step (its slot's copy waits for the work
   already queued, so no kernel reads a slot while it is overwritten).
 The table is derived from the slot table each begin (plus the fills still in flight), so the prefill path's
-own fills and evictions (OffloadBackend.forward) need no bookkeeping here.
+own fills and evictions (OffloadBackend.forward) need no bookkeeping here. With a hybrid backend a share of
+the non-resident experts is marked LOC_CPU: a native thread runs those inside the step (graph_cpu.py).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.experts import admission
-from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap
+from engine.kernels.moe_triton import LOC_CPU, LOC_HOST, LOC_SHARED, ExpertMap
 
 
 class MappedExperts:
@@ -45,6 +46,23 @@ class MappedExperts:
         self._route_host: dict = {}
         self._placements, self._own = cache.placements, 0  # own: placements made here since begin() looked
         self._maps: dict[int, ExpertMap] = {}
+        self.cpu = None  # graph_cpu.CpuShare: a hybrid backend's CPU share inside the step (enable_cpu)
+
+    def enable_cpu(self, n_max: int, kp: int, dtype: torch.dtype, share: float | None = None):
+        """A hybrid backend: run a share of the misses on the CPU inside the step's graph (graph_cpu.py) for
+        steps of up to n_max tokens with kp pairs each. Returns the CpuShare, or None (and one log line) where
+        it cannot run here: the step then reads every miss over PCIe, as offload does."""
+        from engine.experts import graph_cpu
+
+        why = graph_cpu.available(self.b, dtype)
+        if why is not None:
+            if self.b.name == "hybrid":
+                graph_cpu.log.warning("hybrid decode without its CPU share (%s): misses go over PCIe", why)
+            return None
+        if self.cpu is None:
+            self.cpu = graph_cpu.CpuShare(self.b, n_max, kp, dtype, share)
+            self._pushed = None  # the next push marks the CPU's experts
+        return self.cpu
 
     def row(self, layer: int) -> int:
         return self.b.pool.row[layer]
@@ -79,6 +97,8 @@ class MappedExperts:
             self._routes = None
             if done is not None:
                 done.synchronize()
+            if self.cpu is not None:
+                self.cpu.after_step()
             self._observe(host[:, :n].numpy())
         cache = self.b.cache
         if cache.placements != self._placements + self._own:
@@ -115,11 +135,14 @@ class MappedExperts:
         candidates = []
         for row, layer in enumerate(b.pool.layers):
             step = admission.observe_layer(b.cache.table, row, routes[row], seen[row])
+            ids = routes[row].ravel()
+            cpu = int((seen[row][ids[(ids >= 0) & (ids < self.E)]] == LOC_CPU).sum()) if self.cpu else 0
             st = b.stats_[layer]
             st.hits += step.hits
             st.misses += step.misses
-            st.direct_reads += step.reads
-            st.bytes_read += step.reads * b.pool.expert_bytes
+            st.cpu_runs += cpu
+            st.direct_reads += step.reads - cpu
+            st.bytes_read += (step.reads - cpu) * b.pool.expert_bytes
             candidates += step.candidates
         by_row: dict[int, list[tuple[int, int]]] = {}
         for row, e, s in admission.admissions(b.cache.table, candidates):
@@ -142,6 +165,8 @@ class MappedExperts:
 
     def _push(self) -> None:
         want = self._table()
+        if self.cpu is not None:
+            want = self.cpu.mark(want)
         if self._pushed is not None and np.array_equal(want, self._pushed):
             return
         if self._push_done is not None:

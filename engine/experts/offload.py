@@ -255,5 +255,7 @@ class OffloadBackend:
             self.streamer.active, self.streamer.reserved = False, []
 
     def close(self) -> None:
+        if self.mapped is not None and self.mapped.cpu is not None:
+            self.mapped.cpu.close()
         self._cpu.shutdown(wait=True)
         self._cpu_tables.clear()

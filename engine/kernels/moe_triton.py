@@ -164,6 +164,16 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
 
 
 @triton.jit
+def _runs_here(e, loc_ptr, MAPPED: tl.constexpr):
+    """Whether this block computes its expert e: a routed pair (e >= 0) that, in a mapped decode, the CPU does
+    not run (LOC_CPU: the graph's CPU share, mailbox_triton.py, writes that pair's output instead)."""
+    run = e >= 0
+    if MAPPED:
+        run = run & (tl.load(loc_ptr + tl.maximum(e, 0)) != -3)
+    return run
+
+
+@triton.jit
 def _expert_base(w_ptr, w_stride, e, loc_ptr, h_ptr, h_stride, sh_ptr, MAPPED: tl.constexpr):
     """Where expert e's weights start. Unmapped: expert e of w. Mapped (an expert cache's decode): its
     location entry says slot s of w (s >= 0), in place in the host pool h (LOC_HOST: read over PCIe, no
@@ -201,7 +211,7 @@ def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, 
             tl.store(pw_ptr + b, tl.sum(tl.where(pick, pair_ws, 0.0), axis=0))
     else:
         e = tl.load(exp_ptr + b)
-    if e >= 0:
+    if _runs_here(e, loc_ptr, MAPPED):
         rm = tl.arange(0, BM)
         rows = tl.load(rows_ptr + b * BM + rm)
         valid = rows >= 0
@@ -233,7 +243,7 @@ def _expert_down_kernel(act_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, pw_ptr, y_p
     pdl_enter(PDL)
     b = tl.program_id(0)
     e = tl.load(exp_ptr + b)
-    if e >= 0:
+    if _runs_here(e, loc_ptr, MAPPED):
         rm = tl.arange(0, BM)
         rows = tl.load(rows_ptr + b * BM + rm)
         valid = rows >= 0
@@ -267,7 +277,7 @@ def _tiles(bm: int, n: int, k: int, tokens: int, up: bool) -> tuple[int, int, in
     return min(64, triton.next_power_of_2(n)), min(64, triton.next_power_of_2(k)), 4, 3
 
 
-LOC_HOST, LOC_SHARED = -1, -2  # ExpertMap.loc entries besides a slot id
+LOC_HOST, LOC_SHARED, LOC_CPU = -1, -2, -3  # ExpertMap.loc entries besides a slot id (LOC_CPU: _runs_here)
 
 
 @dataclass(frozen=True)
@@ -275,8 +285,9 @@ class ExpertMap:
     """Where each expert of one MoE layer lives, for the kernels of an expert cache's decode (mapped): the
     gate_up / down given to run_experts* are then the device slots [S, 2I, H] / [S, H, I], and loc [E (+1)]
     int32 names per expert its slot (>= 0), LOC_HOST (read in place from the layer's pinned host pool
-    host_gate_up [E, 2I, H] / host_down [E, H, I], over PCIe, no copy) or LOC_SHARED (the shared expert,
-    entry E: shared_gate_up [2I, H] / shared_down [H, I]). loc is read by the kernels when they run, so a
+    host_gate_up [E, 2I, H] / host_down [E, H, I], over PCIe, no copy), LOC_SHARED (the shared expert,
+    entry E: shared_gate_up [2I, H] / shared_down [H, I]) or LOC_CPU (the kernels skip the pair: the CPU
+    runs it, mailbox_triton.py brings its output in). loc is read by the kernels when they run, so a
     graph replays with whatever the table says then."""
 
     loc: torch.Tensor

@@ -28,6 +28,7 @@ from engine.kernels.attention_triton import (decode_attention, decode_splits, pr
                                              prefill_tiles, qk_rope_store)
 from engine.kernels.deltanet_triton import conv_step, rule_step
 from engine.kernels.linear_triton import SKINNY_ROWS, skinny_linear
+from engine.kernels.mailbox_triton import join, publish
 from engine.kernels.moe_triton import GROUP_PAIRS, blocks_for, route_topk, run_experts, run_experts_routed
 from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_router
 from engine.layers.mlp import swiglu_fused
@@ -60,6 +61,8 @@ class FastPath:
         if self.mapped is not None:
             first = next(m for m in self.mlps if isinstance(m, CachedMoE))
             self._route_width = first.top_k + self.mapped.folds(first)  # KP of a step's routes
+            # hybrid: the CPU's share of the misses runs inside the step (engine/experts/graph_cpu.py)
+            self.mapped.enable_cpu(pool.capacity, self._route_width, model.dtype)
         norms = [layer.input_norm for layer in model.layers] + [model.final_norm]
         self.norms = [(layer.post_norm, norms[i + 1]) for i, layer in enumerate(model.layers)]
         self.splits = decode_splits(pool.capacity)
@@ -155,8 +158,13 @@ class FastPath:
         w = torch.empty(ids.shape, dtype=torch.float32, device=x.device)
         gate_up, down = m.b.cache.all_weights()
         route = logits if fold or mlp.shared_gate_up is None else logits[:, :E]
+        box = m.cpu
+        if box is not None:  # the CPU starts on its pairs now, the kernels below skip them
+            publish(box, m.row(mlp.layer), h, route, valid, mlp.top_k, mlp.norm_topk, fold)
         rows = run_experts_routed(h, gate_up, down, route, mlp.top_k, mlp.norm_topk, fold, valid, ids, w,
                                   mapped=emap)
+        if box is not None:
+            join(box, m.row(mlp.layer), rows, ids, w, emap.loc)
         if mlp.shared_gate_up is not None and not fold:
             gate = torch.sigmoid(logits[:, E:].float()).to(h.dtype)
             rows = torch.cat([rows, (gate * swiglu_fused(h, mlp.shared_gate_up, mlp.shared_down))[:, None]], dim=1)

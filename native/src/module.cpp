@@ -2,11 +2,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels.h"
@@ -145,6 +148,13 @@ struct Runner {
     check_experts(t, experts);
     py::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(mu_);
+    gather(t, n, experts.data(), rows.data(), x, xf, x_stride, out, of, out_stride, nullptr);
+  }
+
+  // run_gather's work on checked tasks, mu_ held, no GIL needed: task i's output lands in out row
+  // out_rows[i] (row i when out_rows is null). The graph mailbox (Mailbox below) calls it from its thread.
+  void gather(const Table& t, size_t n, const int64_t* experts, const int64_t* rows, uint64_t x, Format xf,
+              int64_t x_stride, uint64_t out, Format of, int64_t out_stride, const int64_t* out_rows) {
     pool.wait();  // the planner's job and the staging buffers below may still be in use
     const size_t H = size_t(t.H);
     xg_.resize(n * H);
@@ -154,13 +164,16 @@ struct Runner {
       for (size_t i = iota_.size(); i < n; ++i) iota_.push_back(int64_t(i));
       ones_.assign(iota_.size(), 1.f);
     }
-    addresses(t, experts);
+    addresses(t, experts, n);
     MoeArgs a = args(t.fmt, t.H, t.I, t.ld_gu, t.ld_dn, reinterpret_cast<uint64_t>(xg_.data()), t.H,
                      reinterpret_cast<uint64_t>(yg_.data()), t.H, int(n));
     pool.submit(planner_.plan(a, n, gu_.data(), dn_.data(), iota_.data(), ones_.data()));
     pool.wait();
-    for (size_t i = 0; i < n; ++i) from_f32(yg_.data() + i * H, H, out, of, int64_t(i) * out_stride);
+    for (size_t i = 0; i < n; ++i)
+      from_f32(yg_.data() + i * H, H, out, of, (out_rows ? out_rows[i] : int64_t(i)) * out_stride);
   }
+
+  std::mutex mu_;  // one submitting thread at a time: the planner's job and gu_/dn_ are shared
 
   uint64_t read(uint64_t p, size_t nbytes, int streams, size_t chunk_bytes) {
     if (streams != 1 && streams != 2 && streams != 4)
@@ -186,11 +199,12 @@ struct Runner {
                                     std::to_string(t.E) + " experts");
   }
   // gu_/dn_ <- the weight addresses of `experts` in t (mu_ held, no job in flight).
-  void addresses(const Table& t, const std::vector<int64_t>& experts) {
+  void addresses(const Table& t, const std::vector<int64_t>& experts) { addresses(t, experts.data(), experts.size()); }
+  void addresses(const Table& t, const int64_t* experts, size_t n) {
     int64_t es = t.fmt == kBF16 ? 2 : 4;
-    gu_.resize(experts.size());
-    dn_.resize(experts.size());
-    for (size_t i = 0; i < experts.size(); ++i) {
+    gu_.resize(n);
+    dn_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
       gu_[i] = t.gu + uint64_t(experts[i] * t.gu_estride * es);
       dn_[i] = t.dn + uint64_t(experts[i] * t.dn_estride * es);
     }
@@ -239,12 +253,138 @@ struct Runner {
     if (wait) pool.wait();
   }
 
-  std::mutex mu_;  // one submitting thread at a time: the planner's job and gu_/dn_ are shared
   MoePlanner planner_;
   std::vector<uint64_t> gu_, dn_;  // submit_table's and run_gather's addresses, kept across calls
   std::vector<float> xg_, yg_;     // run_gather's rows of x and its sums, [n, H] f32 each, kept across calls
   std::vector<int64_t> iota_;      // 0, 1, ...: run_gather's output rows
   std::vector<float> ones_;        // and its weights
+};
+
+
+// The CPU's share of an expert-cache decode step that runs as one CUDA graph (engine/experts/graph_hybrid.py).
+// Per MoE layer a device kernel publishes into page-locked, mapped host memory the layer's row (meta[0]), its
+// token count (meta[1]), the routed expert ids [n, KP] and the tokens' normed hidden rows x [n, H], then bumps
+// `posted`. This thread sees the bump, runs the pairs whose expert's entry in the host copy of the location
+// table is kLocCpu (the native kernels, this runner's pool), writes their unweighted outputs to out rows
+// t * KP + k, and stores `done` = posted; the device's join kernel waits for it only where the layer had CPU
+// pairs, scales the rows by the routing weights and places them among the GPU's. A publish that had no CPU
+// pairs is not waited for, so the next one may overwrite it: the thread rereads `posted` after collecting
+// the pairs and takes the newer one instead. Between bursts it spins spin_us, then polls every 50 us.
+constexpr int32_t kLocCpu = -3;  // moe_triton.LOC_CPU
+
+class Mailbox {
+ public:
+  Mailbox(Runner& runner, std::vector<Table> tables, uint64_t posted, uint64_t done, uint64_t meta, uint64_t ids,
+          uint64_t x, int x_fmt, uint64_t out, int out_fmt, int H, int KP, int n_max, uint64_t loc, int E,
+          int spin_us)
+      : r_(runner), tables_(std::move(tables)), posted_(reinterpret_cast<int64_t*>(posted)),
+        done_(reinterpret_cast<int64_t*>(done)), meta_(reinterpret_cast<const int32_t*>(meta)),
+        ids_(reinterpret_cast<const int32_t*>(ids)), x_(x), xf_(Table::check_format(x_fmt)), out_(out),
+        of_(Table::check_format(out_fmt)), H_(H), KP_(KP), n_max_(n_max), loc_(reinterpret_cast<const int32_t*>(loc)),
+        E_(E), spin_ns_(int64_t(spin_us) * 1000) {
+    if (!posted || !done || !meta || !ids || !x || !out || !loc)
+      throw std::invalid_argument("the mailbox needs every buffer's address");
+    if (H < 1 || KP < 1 || n_max < 1 || E < 1) throw std::invalid_argument("the mailbox needs H, KP, n_max, E >= 1");
+    for (const Table& t : tables_)
+      if (t.H != H || t.E != E) throw std::invalid_argument("every layer table must have the mailbox's H and E");
+  }
+  ~Mailbox() { stop(); }
+  Mailbox(const Mailbox&) = delete;
+  Mailbox& operator=(const Mailbox&) = delete;
+
+  void start() {
+    if (thread_.joinable()) return;
+    stop_.store(false);
+    thread_ = std::thread([this] { loop(); });
+  }
+  void stop() {
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();
+  }
+  bool running() const { return thread_.joinable() && !stop_.load(); }
+
+  uint64_t publishes() const { return publishes_.load(); }
+  uint64_t pairs() const { return pairs_.load(); }
+  uint64_t layers_run() const { return layers_run_.load(); }
+  double busy_s() const { return busy_ns_.load() * 1e-9; }
+  uint64_t skipped() const { return skipped_.load(); }
+
+ private:
+  static int64_t now() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+  void loop() {
+    int64_t last = __atomic_load_n(done_, __ATOMIC_ACQUIRE), idle_since = now();
+    std::vector<int64_t> experts, rows, outs;
+    while (!stop_.load(std::memory_order_relaxed)) {
+      const int64_t p = __atomic_load_n(posted_, __ATOMIC_ACQUIRE);
+      if (p == last) {
+        if (now() - idle_since < spin_ns_) {
+#if defined(__x86_64__) || defined(__i386__)
+          __builtin_ia32_pause();
+#endif
+        } else {
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+        continue;
+      }
+      const int32_t row = meta_[0], n = meta_[1];
+      experts.clear();
+      rows.clear();
+      outs.clear();
+      if (row >= 0 && size_t(row) < tables_.size() && n > 0 && n <= n_max_) {
+        const int32_t* lr = loc_ + int64_t(row) * (E_ + 1);
+        for (int t = 0; t < n; ++t)
+          for (int k = 0; k < KP_; ++k) {
+            int32_t e = ids_[t * KP_ + k];
+            if (e >= 0 && e < E_ && lr[e] == kLocCpu) {
+              experts.push_back(e);
+              rows.push_back(t);
+              outs.push_back(int64_t(t) * KP_ + k);
+            }
+          }
+      }
+      if (__atomic_load_n(posted_, __ATOMIC_ACQUIRE) != p) {  // overwritten while read: take the newer one
+        skipped_.fetch_add(1);
+        continue;
+      }
+      if (!experts.empty()) {
+        const int64_t t0 = now();
+        {
+          std::lock_guard<std::mutex> lock(r_.mu_);
+          r_.gather(tables_[row], experts.size(), experts.data(), rows.data(), x_, xf_, H_, out_, of_, H_,
+                    outs.data());
+        }
+        busy_ns_.fetch_add(now() - t0);
+        pairs_.fetch_add(experts.size());
+        layers_run_.fetch_add(1);
+      }
+      __atomic_store_n(done_, p, __ATOMIC_RELEASE);
+      publishes_.fetch_add(1);
+      last = p;
+      idle_since = now();
+    }
+  }
+
+  Runner& r_;
+  std::vector<Table> tables_;
+  int64_t* posted_;
+  int64_t* done_;
+  const int32_t* meta_;
+  const int32_t* ids_;
+  uint64_t x_;
+  Format xf_;
+  uint64_t out_;
+  Format of_;
+  int H_, KP_, n_max_;
+  const int32_t* loc_;
+  int E_;
+  int64_t spin_ns_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> publishes_{0}, pairs_{0}, layers_run_{0}, skipped_{0}, busy_ns_{0};
 };
 
 }  // namespace
@@ -300,4 +440,22 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def("done", [](Runner& r) { return r.pool.done(); })
       .def("read", &Runner::read, py::arg("p"), py::arg("nbytes"), py::arg("streams") = 1,
            py::arg("chunk_bytes") = 0);
+  py::class_<Mailbox>(m, "Mailbox")
+      .def(py::init<Runner&, std::vector<Table>, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, int, uint64_t, int,
+                    int, int, int, uint64_t, int, int>(),
+           py::keep_alive<1, 2>(), py::arg("runner"), py::arg("tables"), py::arg("posted"), py::arg("done"),
+           py::arg("meta"), py::arg("ids"), py::arg("x"), py::arg("x_fmt"), py::arg("out"), py::arg("out_fmt"),
+           py::arg("H"), py::arg("KP"), py::arg("n_max"), py::arg("loc"), py::arg("E"), py::arg("spin_us") = 20000)
+      .def("start", &Mailbox::start)
+      .def("stop", [](Mailbox& mb) { py::gil_scoped_release release; mb.stop(); })
+      .def_property_readonly("running", &Mailbox::running)
+      .def("stats", [](const Mailbox& mb) {
+        py::dict d;
+        d["publishes"] = mb.publishes();
+        d["pairs"] = mb.pairs();
+        d["layers_run"] = mb.layers_run();
+        d["busy_s"] = mb.busy_s();
+        d["skipped"] = mb.skipped();
+        return d;
+      }, "publishes answered, CPU pairs and layers run, seconds spent running them, torn reads retried");
 }

@@ -201,6 +201,49 @@ def test_mapped_decode_reads_misses_in_place_and_keeps_greedy_output(checkpoints
         eng.model.experts.close()
 
 
+def test_hybrid_mapped_decode_runs_a_cpu_share_inside_the_step(checkpoints):
+    """hybrid + mapped decode: a share of the misses is marked LOC_CPU, the expert kernels skip those pairs
+    and the native thread runs them from the host pool between the publish and join kernels (the whole step
+    still one graph on CUDA); greedy tokens equal the fused engine's and the offload engine's, and the CPU
+    pairs are counted as CPU runs, not in-place reads."""
+    from engine.experts import cpu_runner
+    from engine.experts.policy import BandwidthEstimate
+    from engine.experts.registry import experts_factory
+
+    if not cpu_runner.NATIVE:
+        pytest.skip("the CPU share runs on the native kernels")
+    ckpt = checkpoints["qwen3_5_moe", "fused"]
+
+    def engine(backend: str | None, share=None):
+        kw = {}
+        if backend is not None:  # B_H tiny: the prompt's misses are all filled, CPU runs come from decode alone
+            est = BandwidthEstimate(bp=1e9, bh=1e3, frozen=True)
+            kw = dict(expert_device="cpu", experts=experts_factory(backend, device=DEV, slots=5, estimate=est,
+                                                                   decode="mapped"))
+        eng = Engine.from_pretrained(ckpt, device=DEV, fast=False, **kw)
+        eng.model.enable_fast(slots=3, capacity=64)
+        if share is not None:
+            eng.model.fast.mapped.cpu.share, eng.model.fast.mapped.cpu.adapt = share, False
+        return eng
+
+    fused, offload, hybrid = engine(None), engine("offload"), engine("hybrid", share=0.6)
+    cpu = hybrid.model.fast.mapped.cpu
+    assert cpu is not None and offload.model.fast.mapped.cpu is None
+    ids = prompt(12, 9)
+    want = fused.generate(ids, max_new_tokens=6)
+    assert hybrid.generate(ids, max_new_tokens=6) == want == offload.generate(ids, max_new_tokens=6)
+    hybrid.model.fast.mapped.begin()  # takes in the last step's routes
+    st, box = hybrid.model.experts.stats()["total"], cpu.stats()
+    assert st["cpu_runs"] > 0 and st["direct_reads"] > 0  # both paths took misses
+    assert box["pairs"] == st["cpu_runs"] and box["publishes"] >= box["layers_run"] > 0
+    assert int(cpu.err[0]) == 0
+    if DEV == "cuda":
+        assert set(hybrid.model.decode_steps.modes().values()) == {"graph"}
+    for eng in (offload, hybrid):
+        eng.model.experts.close()
+    assert not cpu.box.running
+
+
 def test_resizing_the_cache_under_a_mapped_decode(checkpoints):
     """`ctl cache --moe N` between steps: the slots are reallocated, the decode buckets (whose graphs read
     them in place) are dropped and the location table is rebuilt; greedy output stays the fused engine's."""

@@ -1,0 +1,111 @@
+"""The CPU's share of a mapped decode step (hybrid backend): some missing experts run on the CPU from the host
+pool while the device reads the others over PCIe, inside the step's one CUDA graph.
+
+A graphed step has no host code between its layers, so the device and a native thread hand off through a
+mailbox in page-locked host memory (kernels: engine/kernels/mailbox_triton.py; thread: native Mailbox in
+native/src/module.cpp). MappedExperts marks a share of each layer's non-resident experts LOC_CPU in the
+location table (device copy for the kernels, host copy for the thread): the expert kernels skip those pairs,
+the thread runs them while the device runs the rest, and the join kernel scales their rows into the layer's
+output. The pool's two readers, PCIe and the CPU cores, then share the layer's misses instead of PCIe
+taking them all (both read the same host DRAM; the split that balances them is nearer m*B_H/(B_P+B_H) than
+the paper's q*).
+
+Which experts: a fixed random order per layer (seeded), the first `share` of the experts in it (among those
+not in a slot): under uniform routing the CPU gets that share of the misses. The share starts from the
+measured rates (B_H / (B_H + B_P)) and follows the wait kernel: when the device had to wait for the CPU in
+a step the share shrinks, when it never did it grows (STEP a step, within [0, MAX_SHARE]).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.kernels.moe_triton import LOC_CPU
+
+log = logging.getLogger("killick.experts")
+
+STEP_DOWN, STEP_UP = 0.02, 0.005  # share change after a step the device waited in / did not
+WAIT_SPINS = 16  # spins (~1 us each on the GPU box) over a step's layers that count as waiting
+MAX_SHARE = 0.9
+
+
+def available(backend, dtype: torch.dtype) -> str | None:
+    """None if the CPU share can run here, else why not (one line for the log)."""
+    from engine.experts import cpu_runner
+
+    if backend.name != "hybrid":
+        return "not a hybrid backend"
+    if not cpu_runner.NATIVE:
+        return "the native CPU kernels are not built"
+    if dtype not in (torch.bfloat16, torch.float32) or backend.pool.dtype not in (torch.bfloat16, torch.float32):
+        return f"the CPU kernels take bf16 or fp32 (activations {dtype}, pool {backend.pool.dtype})"
+    return None
+
+
+class CpuShare:
+    def __init__(self, backend, n_max: int, kp: int, dtype: torch.dtype, share: float | None = None,
+                 seed: int = 0) -> None:
+        from engine.experts import cpu_kernels, cpu_runner
+
+        pool = backend.pool
+        self.L, self.E, H = len(pool.layers), pool.num_experts, pool.layout.hidden
+        self.n_max, self.kp = n_max, kp
+        cuda = backend.device.type == "cuda"
+
+        def host(*shape, dtype):  # page-locked on CUDA: the kernels address it through the mapping
+            return torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+
+        self.posted, self.done = host(1, dtype=torch.int64), host(1, dtype=torch.int64)
+        self.err, self.meta = host(1, dtype=torch.int32), host(2, dtype=torch.int32)
+        self.spins = host(self.L, dtype=torch.int32)  # per layer row: the wait kernel's spins this step
+        self.ids = host(n_max * kp, dtype=torch.int32)
+        self.x = host(n_max, H, dtype=dtype)
+        self.out = host(n_max * kp, H, dtype=torch.float32)
+        self.seq = torch.zeros(1, dtype=torch.int64, device=backend.device)
+        self.loc = torch.full((self.L, self.E + 1), -1, dtype=torch.int32)  # the thread's copy of the table
+        self.order = np.argsort(np.random.default_rng(seed).random((self.L, self.E)), axis=1).argsort(axis=1)
+        est = backend.estimate
+        self.share = share if share is not None else min(MAX_SHARE, est.bh / (est.bh + 0.9 * est.bp))
+        self.adapt = share is None
+        self.waited_steps = self.steps = 0
+        runner = cpu_runner.native_runner(cpu_runner.expert_threads())
+        self.tables = [cpu_runner.layer_table(pool.wait_layer(layer), pool.layout) for layer in pool.layers]
+        fmt = cpu_kernels._FORMATS
+        self.box = cpu_kernels._native.Mailbox(
+            runner._pool, [t._native for t in self.tables], self.posted.data_ptr(), self.done.data_ptr(),
+            self.meta.data_ptr(), self.ids.data_ptr(), self.x.data_ptr(), fmt[dtype], self.out.data_ptr(),
+            fmt[torch.float32], H, kp, n_max, self.loc.data_ptr(), self.E)
+        self._runner = runner  # the thread uses its pool: keep it
+        self.box.start()
+        log.info("hybrid decode: the CPU runs a %.0f%% share of the missing experts inside the step's graph "
+                 "(%d threads)", 100 * self.share, runner.threads if hasattr(runner, "threads") else -1)
+
+    def mark(self, table: np.ndarray) -> np.ndarray:
+        """table [L, E] (slot or -1) -> the same with the CPU's share of the non-resident experts LOC_CPU; the
+        thread's copy follows (it reads it only while a step runs, and a step runs after this)."""
+        cpu = (table < 0) & (self.order < int(round(self.share * self.E)))
+        out = np.where(cpu, LOC_CPU, table).astype(np.int32)
+        self.loc.numpy()[:, : self.E] = out
+        return out
+
+    def after_step(self) -> None:
+        """At the next step's begin (the last step finished): check the thread answered, adapt the share."""
+        if int(self.err[0]):
+            self.err[0] = 0
+            raise RuntimeError("the CPU expert thread did not answer a decode step in time (native Mailbox); "
+                               "restart the server or run --moe-backend offload")
+        waited = int(self.spins.sum()) > WAIT_SPINS
+        self.steps += 1
+        self.waited_steps += waited
+        if self.adapt:
+            self.share = max(0.0, self.share - STEP_DOWN) if waited else min(MAX_SHARE, self.share + STEP_UP)
+
+    def stats(self) -> dict:
+        st = dict(self.box.stats())
+        st.update(share=self.share, steps=self.steps, waited_steps=self.waited_steps)
+        return st
+
+    def close(self) -> None:
+        self.box.stop()

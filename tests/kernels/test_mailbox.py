@@ -1,0 +1,65 @@
+"""The graphed decode step's CPU share (engine/kernels/mailbox_triton.py + the native Mailbox thread): pairs
+marked LOC_CPU are skipped by the expert kernels, run by the thread from the host pool and joined into the
+layer's output with their routing weights; the others are untouched, bit for bit."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.experts import cpu_runner
+from engine.experts.block_layout import ExpertLayout
+from engine.experts.host_pool import HostPool
+from engine.experts.policy import BandwidthEstimate
+from engine.kernels.mailbox_triton import join, publish
+from engine.kernels.moe_triton import LOC_CPU, LOC_SHARED, ExpertMap, run_experts_routed
+
+pytestmark = pytest.mark.skipif(not cpu_runner.NATIVE, reason="the CPU share runs on the native kernels")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_cpu_pairs_are_run_by_the_thread_and_joined_with_their_weights(dev, shared):
+    from engine.experts.graph_cpu import CpuShare
+
+    g = torch.Generator().manual_seed(7 + shared)
+    N, E, K, H, I = 4, 12, 4, 64, 32
+    lay = ExpertLayout(H, I, 4)
+    pool = HostPool([0], E, lay, torch.float32).load(lambda layer, buf: buf.copy_(torch.randn(buf.shape, generator=g) * 0.2))
+    host = pool.wait_layer(0)
+    backend = SimpleNamespace(name="hybrid", pool=pool, device=torch.device(dev), estimate=BandwidthEstimate())
+    kp = K + shared
+    box = CpuShare(backend, n_max=4, kp=kp, dtype=torch.float32, share=0.5)
+    try:
+        def split(buf):
+            return buf[..., : 2 * I * H].unflatten(-1, (2 * I, H)), buf[..., 2 * I * H:].unflatten(-1, (H, I))
+
+        shared_block = (torch.randn(3 * I * H, generator=g) * 0.2).to(dev)
+        slots = torch.zeros(3, 3 * I * H, device=dev)
+        table = torch.full((1, E), -1, dtype=torch.int32)
+        for s, e in enumerate((2, 5, 9)):
+            slots[s], table[0, e] = host[e].to(dev), s
+        marked = box.mark(table.numpy())[0]
+        assert (marked == LOC_CPU).sum() > 0 and (marked == -1).sum() > 0 and (marked[[2, 5, 9]] >= 0).all()
+        loc = torch.tensor(list(marked) + [LOC_SHARED], dtype=torch.int32, device=dev)
+        emap = ExpertMap(loc, *split(host), *(split(shared_block) if shared else (None, None)))
+        stacked = torch.cat([host.to(dev), shared_block[None]]) if shared else host.to(dev)
+        x = (torch.randn(N, H, generator=g) * 0.5).to(dev)
+        logits = torch.randn(N, E + shared, generator=g).to(dev)
+        valid = torch.tensor([1, 1, 1, 0], dtype=torch.int8, device=dev)  # a padding row routes nowhere
+        ref_ids, ref_w = torch.empty(N, kp, dtype=torch.int32, device=dev), torch.empty(N, kp, device=dev)
+        ref = run_experts_routed(x, *split(stacked), logits, K, True, shared, valid, ref_ids, ref_w)
+        for step in range(2):  # the protocol's counters carry over from one step to the next
+            ids, w = torch.empty(N, kp, dtype=torch.int32, device=dev), torch.empty(N, kp, device=dev)
+            publish(box, 0, x, logits, valid, K, True, shared)
+            y = run_experts_routed(x, *split(slots), logits, K, True, shared, valid, ids, w, mapped=emap)
+            join(box, 0, y, ids, w, loc)
+            assert torch.equal(ids.cpu(), ref_ids.cpu()) and int(box.err[0]) == 0
+            cpu = (ids >= 0) & (ids < E) & (loc[ids.clamp(min=0).long()] == LOC_CPU)
+            gpu = (ids >= 0) & ~cpu
+            assert cpu.any() and gpu.any()
+            assert torch.equal(y[gpu].cpu(), ref[gpu].cpu())  # the device's pairs as without a CPU share
+            torch.testing.assert_close(y[cpu].cpu(), ref[cpu].cpu(), rtol=1e-4, atol=1e-5)  # the thread's
+        st = box.stats()
+        assert st["publishes"] == 2 and st["pairs"] == 2 * int(cpu.sum())
+    finally:
+        box.close()
+    assert not box.box.running
