@@ -192,6 +192,12 @@ def build(args):
 
 def run(args) -> dict:
     core, model, name, batches, context = build(args)
+    if args.cpu_share is not None:
+        cpu = model.fast.mapped.cpu if model.fast is not None and model.fast.mapped is not None else None
+        if cpu is None:
+            raise ValueError("--cpu-share sets the CPU share of a hybrid mapped decode; this run has none "
+                             "(--moe-backend hybrid, CUDA or CPU with the native kernels built)")
+        cpu.share, cpu.adapt = args.cpu_share, False
     vocab = model.config.vocab_size
     rate = hbm_rate(model.device) if model.device.type == "cuda" else float("nan")
     cache = ExpertTraffic(model)

@@ -145,6 +145,7 @@ class Model:
         if self.fast is None:
             return
         g = torch.Generator().manual_seed(0)
+        chunk = max(min(chunk, self.fast.pool.capacity - 1), 16)  # a slot holds capacity tokens, no more
         for n, inside in ((chunk, ()), (chunk // 2 + 7, (chunk // 4 + 3,)), (13, (5,))):
             state = self.fast.pool.new_state()
             if state is None:

@@ -201,6 +201,17 @@ def test_mapped_decode_reads_misses_in_place_and_keeps_greedy_output(checkpoints
         eng.model.experts.close()
 
 
+def test_warm_up_fits_its_prompts_in_a_short_context(checkpoints):
+    """Serving with a context shorter than a prefill step: the warm-up's prompts are cut to a slot's tokens
+    (they ran past the KV slab: an illegal memory access on the GPU box with a 200-token context)."""
+    eng = Engine.from_pretrained(checkpoints["qwen3_5_moe", "fused"], device=DEV, fast=False)
+    eng.model.enable_fast(slots=2, capacity=24)
+    eng.model.warm_up(2048)
+    ids = prompt(8, 5)
+    assert eng.generate(ids, max_new_tokens=3) == Engine.from_pretrained(
+        checkpoints["qwen3_5_moe", "fused"], device=DEV, fast=False).generate(ids, max_new_tokens=3)
+
+
 def test_hybrid_mapped_decode_runs_a_cpu_share_inside_the_step(checkpoints):
     """hybrid + mapped decode: a share of the misses is marked LOC_CPU, the expert kernels skip those pairs
     and the native thread runs them from the host pool between the publish and join kernels (the whole step
