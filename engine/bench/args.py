@@ -84,7 +84,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-decode", default="auto", choices=["auto", "mapped", "host"],
                    help="how decode goes through the expert cache (as serve; default auto)")
     p.add_argument("--expert-threads", type=int,
-                   help="CPU expert workers for cpu / hybrid (default as serve: the cores but one on CUDA)")
+                   help="CPU expert workers for cpu / hybrid (default as serve: half the cores on CUDA)")
     p.add_argument("--cpu-share", type=float,
                    help="hybrid mapped decode: this share of the non-resident experts runs on the CPU, fixed "
                         "(default: adapted to whether the device waits for the CPU)")

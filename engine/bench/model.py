@@ -164,7 +164,7 @@ def build(args):
     dtype = parse_dtype(args.dtype)
     zipf = args.router_zipf
     cached = args.moe_backend != "fused"
-    if cached:  # as serve: --expert-threads, else the cores but one on CUDA (engine/build.py expert_threads)
+    if cached:  # as serve: --expert-threads, else half the cores on CUDA (engine/build.py expert_threads)
         from engine.build import expert_threads
         from engine.experts import cpu_runner
 

@@ -12,22 +12,24 @@ the paper's q*).
 
 Which experts: a fixed random order per layer (seeded), the first `share` of the experts in it (among those
 not in a slot): under uniform routing the CPU gets that share of the misses. The share starts from the
-measured rates (B_H / (B_H + B_P)) and follows the wait kernel: when the device had to wait for the CPU in
-a step the share shrinks, when it never did it grows (STEP a step, within [0, MAX_SHARE]).
+measured rates (B_H / (B_H + 0.9 B_P): the kernels read host memory at about 0.9 of B_P) and follows the
+measured step time (policy.ShareSearch, a hill climb). The wait kernel's spins say how often the device
+waited for the CPU (stats); the best share has it wait a little in most steps, so that is not the signal.
 """
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
 
+from engine.experts.policy import ShareSearch
 from engine.kernels.moe_triton import LOC_CPU
 
 log = logging.getLogger("killick.experts")
 
-STEP_DOWN, STEP_UP = 0.02, 0.005  # share change after a step the device waited in / did not
-WAIT_SPINS = 16  # spins (~1 us each on the GPU box) over a step's layers that count as waiting
+WAIT_SPINS = 16  # spins (~1 us each on the GPU box) over a step's layers that count as waiting (stats)
 MAX_SHARE = 0.9
 
 
@@ -67,9 +69,12 @@ class CpuShare:
         self.loc = torch.full((self.L, self.E + 1), -1, dtype=torch.int32)  # the thread's copy of the table
         self.order = np.argsort(np.random.default_rng(seed).random((self.L, self.E)), axis=1).argsort(axis=1)
         est = backend.estimate
-        self.share = share if share is not None else min(MAX_SHARE, est.bh / (est.bh + 0.9 * est.bp))
+        start = share if share is not None else est.bh / (est.bh + 0.9 * est.bp)
+        self.search = ShareSearch(start, hi=MAX_SHARE)
+        self.share = self.search.share
         self.adapt = share is None
         self.waited_steps = self.steps = 0
+        self._began: float | None = None
         runner = cpu_runner.native_runner(cpu_runner.expert_threads())
         self.tables = [cpu_runner.layer_table(pool.wait_layer(layer), pool.layout) for layer in pool.layers]
         fmt = cpu_kernels._FORMATS
@@ -90,21 +95,23 @@ class CpuShare:
         self.loc.numpy()[:, : self.E] = out
         return out
 
-    def after_step(self) -> None:
-        """At the next step's begin (the last step finished): check the thread answered, adapt the share."""
+    def after_step(self, rows: int) -> None:
+        """At the next step's begin (the last step, of `rows` sequences, finished): check the thread answered,
+        count whether the device waited for it, and give the step's time to the share's search."""
+        now = time.perf_counter()
         if int(self.err[0]):
             self.err[0] = 0
             raise RuntimeError("the CPU expert thread did not answer a decode step in time (native Mailbox); "
                                "restart the server or run --moe-backend offload")
-        waited = int(self.spins.sum()) > WAIT_SPINS
         self.steps += 1
-        self.waited_steps += waited
-        if self.adapt:
-            self.share = max(0.0, self.share - STEP_DOWN) if waited else min(MAX_SHARE, self.share + STEP_UP)
+        self.waited_steps += int(self.spins.sum()) > WAIT_SPINS
+        if self.adapt and self._began is not None:
+            self.share = self.search.observe(now - self._began, rows)
+        self._began = now
 
     def stats(self) -> dict:
         st = dict(self.box.stats())
-        st.update(share=self.share, steps=self.steps, waited_steps=self.waited_steps)
+        st.update(share=self.share, steps=self.steps, waited_steps=self.waited_steps, moves=self.search.moves)
         return st
 
     def close(self) -> None:

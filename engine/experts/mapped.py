@@ -98,7 +98,7 @@ class MappedExperts:
             if done is not None:
                 done.synchronize()
             if self.cpu is not None:
-                self.cpu.after_step()
+                self.cpu.after_step(n)
             self._observe(host[:, :n].numpy())
         cache = self.b.cache
         if cache.placements != self._placements + self._own:

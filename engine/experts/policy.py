@@ -214,3 +214,64 @@ def slots_from_spec(spec: str | int | None, *, total_experts: int, expert_bytes:
         raise ValueError(f"the expert cache needs at least 1 slot ({expert_bytes} bytes each); "
                          f"got {n}: free device memory or lower the KV budget")
     return min(n, total_experts)
+
+
+class ShareSearch:
+    """The CPU's share of a graphed decode step's misses (graph_cpu.py), by the measured step time.
+
+    Inside one CUDA graph the host cannot time the two paths separately, only whole steps; the step is
+    fastest where the CPU's share finishes about when the device's does, which contention for the host's
+    DRAM and the device's fixed per-layer work move away from B_H / (B_H + B_P) (H200 box, 8 layers at
+    Qwen3.6-35B-A3B widths, 8 threads: 5.46 / 4.76 / 5.11 ms a token at shares 0.25 / 0.40 / 0.55; a rule
+    that avoided every wait for the CPU settled at 0.18-0.32). A hill climb: the median step time of
+    `window` steps at the current share, then of a probe `step` away; the better one is kept and the climb
+    goes on that way (its step doubling back up to the first), else it measures the best again, turns and
+    halves its step (down to `min_step`), so it
+    keeps tracking as the cache warms or the load changes. Step times of a different
+    batch size, or over `outlier` times the last median (a prefill in between), restart the window."""
+
+    def __init__(self, start: float, *, lo: float = 0.0, hi: float = 0.9, step: float = 0.08,
+                 min_step: float = 0.03, window: int = 8, outlier: float = 3.0) -> None:
+        self.lo, self.hi = lo, hi
+        self.share = self.best = min(hi, max(lo, start))
+        self.best_time: float | None = None
+        self.step, self.min_step, self.max_step, self.window, self.outlier = step, min_step, step, window, outlier
+        self.direction = -1  # contention makes the optimum lower than the rates' balance more often than not
+        self.probing = False
+        self._samples: list[float] = []
+        self._rows: int | None = None
+        self._last: float | None = None
+        self.moves = 0
+
+    def observe(self, seconds: float, rows: int) -> float:
+        """One decode step of `rows` sequences took `seconds`; -> the share for the next step."""
+        if rows != self._rows:
+            self._rows, self._samples, self.best_time, self.probing, self._last = rows, [], None, False, None
+            self.share = self.best
+        if self._last is not None and seconds > self.outlier * self._last:
+            return self.share
+        self._samples.append(seconds)
+        if len(self._samples) < self.window:
+            return self.share
+        t = sorted(self._samples)[len(self._samples) // 2]
+        self._samples, self._last = [], t
+        if self.probing and t >= self.best_time:  # worse: back to the best, measured afresh, then the other way
+            self.direction, self.step = -self.direction, max(self.min_step, self.step / 2)
+            self.share, self.probing = self.best, False
+            return self.share
+        if self.probing:  # better: move there and go on the same way, in longer strides while it pays
+            self.best = self.share
+            self.moves += 1
+            self.step = min(self.max_step, 2 * self.step)
+        self.best_time = t
+        self.share = self._probe()
+        self.probing = self.share != self.best
+        return self.share
+
+    def _probe(self) -> float:
+        for d in (self.direction, -self.direction):
+            nxt = min(self.hi, max(self.lo, self.best + d * self.step))
+            if nxt != self.best:
+                self.direction = d
+                return nxt
+        return self.best

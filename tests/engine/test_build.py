@@ -1,4 +1,6 @@
 """engine.build: the one factory behind serve/demo/replay picks the expert backend and cache as asked."""
+import os
+
 import pytest
 
 from engine.api import GenerateRequest
@@ -63,6 +65,8 @@ def test_expert_threads_are_the_engines_own_setting(checkpoints):
         assert cpu_runner.expert_threads() == 1
         core.runner.model.experts.close()
         assert expert_threads(EngineOptions(), torch.device("cpu")) == torch.get_num_threads()
+        cores, on_cuda = len(os.sched_getaffinity(0)), expert_threads(EngineOptions(), torch.device("cuda"))
+        assert 1 <= on_cuda <= max(1, cores // 2) and (on_cuda <= cores - 2 or on_cuda == 1)
     finally:
         cpu_runner.set_threads(before)
     with pytest.raises(ValueError, match="--expert-threads"):

@@ -126,3 +126,28 @@ def test_frozen_estimate_gives_a_fixed_split():
     assert first[9] == 3 and first[30] == 10  # a third filled: both paths end together
     assert first[1] == 0  # one miss: the CPU alone (2 GB/s) beats the fill (1 GB/s)
     assert policy.cpu_share() == pytest.approx(1 - 21 / 64)
+
+
+@pytest.mark.parametrize("start", [0.05, 0.47, 0.8])
+def test_share_search_finds_the_fastest_share_under_noise(start):
+    """ShareSearch (a graphed hybrid step's CPU share) climbs to the share with the shortest median step time
+    from either side, through 2% noise and prefill-sized outliers, and stays near it."""
+    import random
+
+    from engine.experts.policy import ShareSearch
+
+    rng = random.Random(int(start * 100))
+    best = 0.37
+
+    def step(share):  # slowest when either path is left with too much: the H200 box's slopes (8 layers, b1)
+        t = 4.76e-3 + (4.7e-3 * (best - share) if share < best else 2.3e-3 * (share - best))
+        return 40 * t if rng.random() < 0.02 else t * (1 + 0.02 * rng.gauss(0, 1))
+
+    search = ShareSearch(start)
+    share, seen = search.share, []
+    for _ in range(300):
+        share = search.observe(step(share), rows=1)
+        seen.append(share)
+    assert abs(search.best - best) <= 0.06 and search.moves >= 1
+    assert all(abs(s - best) <= 0.13 for s in seen[-60:])  # it keeps probing, but only near the best
+    assert search.observe(1.0, rows=4) == search.best  # another batch size: a fresh window at the best share
