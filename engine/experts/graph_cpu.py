@@ -12,8 +12,8 @@ the paper's q*).
 
 Which experts: a fixed random order per layer (seeded), the first `share` of the experts in it (among those
 not in a slot): under uniform routing the CPU gets that share of the misses. The share starts from the
-measured rates (B_H / (B_H + 0.9 B_P): the kernels read host memory at about 0.9 of B_P) and follows the
-measured step time (policy.ShareSearch, a hill climb). The wait kernel's spins say how often the device
+measured rates (BandwidthEstimate.cpu_share: PCIe at 0.9 of B_P, the kernels' in-place rate, the CPU at what
+the host's DRAM leaves beside it) and follows the measured step time (policy.ShareSearch, a hill climb). The wait kernel's spins say how often the device
 waited for the CPU (stats); the best share has it wait a little in most steps, so that is not the signal.
 """
 from __future__ import annotations
@@ -68,8 +68,7 @@ class CpuShare:
         self.seq = torch.zeros(1, dtype=torch.int64, device=backend.device)
         self.loc = torch.full((self.L, self.E + 1), -1, dtype=torch.int32)  # the thread's copy of the table
         self.order = np.argsort(np.random.default_rng(seed).random((self.L, self.E)), axis=1).argsort(axis=1)
-        est = backend.estimate
-        start = share if share is not None else est.bh / (est.bh + 0.9 * est.bp)
+        start = share if share is not None else backend.estimate.cpu_share()
         self.search = ShareSearch(start, hi=MAX_SHARE)
         self.share = self.search.share
         self.adapt = share is None

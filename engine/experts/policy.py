@@ -38,6 +38,7 @@ class BandwidthEstimate:
     alpha: float = 0.2
     frozen: bool = False
     min_bytes: int = 1 << 20  # samples smaller than this are latency, not bandwidth
+    stream: float = 0.0  # the host's STREAM read rate from the bench profile (0: not measured)
 
     def observe_fill(self, nbytes: int, seconds: float) -> None:
         self.bp = self._update(self.bp, nbytes, seconds)
@@ -52,6 +53,15 @@ class BandwidthEstimate:
 
     def q(self, m: int) -> int:
         return q_star(m, self.bp, self.bh)
+
+    def cpu_share(self, read_ratio: float = 0.9) -> float:
+        """The share of misses the CPU should take when it runs beside in-place PCIe reads (graph_cpu.py): the
+        two paths' rates balanced, PCIe at read_ratio of B_P (the kernels' in-place rate) and the CPU at what
+        the host's DRAM leaves it beside that (STREAM - PCIe, where the profile measured STREAM). On the H200
+        box: B_H 61.6, B_P 53.2, STREAM 86.7 GB/s -> 0.44; the measured best was 0.40 (0.56 without STREAM)."""
+        pcie = read_ratio * self.bp
+        cpu = self.bh if self.stream <= 0 else max(0.1 * self.bh, min(self.bh, self.stream - pcie))
+        return cpu / (cpu + pcie) if cpu + pcie > 0 else 0.0
 
 
 def q_balanced(m: int, bp: float, bh: float) -> int:

@@ -76,7 +76,8 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
         from engine.experts.policy import BandwidthEstimate
 
         n = slots_from_spec(slots, total_experts=total, expert_bytes=expert_bytes, free_bytes=free)
-        est = estimate or (BandwidthEstimate(bp=prof["bp"] or float("inf"), bh=prof["bh"])
+        est = estimate or (BandwidthEstimate(bp=prof["bp"] or float("inf"), bh=prof["bh"],
+                                             stream=prof.get("stream_read") or 0.0)
                            if prof else BandwidthEstimate())
         if checkpoint is not None:
             from engine.experts.safetensors_fill import pool_from_checkpoint
