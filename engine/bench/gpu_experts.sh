@@ -72,6 +72,8 @@ if [ -f "$CKPT/config.json" ]; then
         set -- $run
         [ "$(left)" -gt 30 ] || { status "bench_$1 skipped, deadline" 0; continue; }
         extra=""; [ "$2" != fused ] && extra="--moe-slots ${SLOTS:-37.5%}"
+        # hybrid: the in-graph CPU share's step-time search settles in ~15-90 steps; time it settled
+        [ "$2" = hybrid ] && extra="$extra --warmup ${HYBRID_WARMUP:-64}"
         timeout -s ABRT $(upto ${BENCH_S:-100}) $PY -X faulthandler -m engine.bench.model --model "$CKPT" \
             --moe-backend "$2" $extra --batches 1 --steps ${STEPS:-48} --json "$OUT/bench_$1.json" \
             > "$OUT/bench_$1.txt" 2> "$OUT/bench_$1.log"
