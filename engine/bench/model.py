@@ -354,7 +354,8 @@ def print_split(res: dict) -> None:
 def print_table(res: dict) -> None:
     cached = (f", experts {res['variant']} {res['slots']} {res['slot_policy']} slots ({res['experts_on_gpu']}, "
               f"as llama.cpp {res['placement']}), decode {res['decode_path']}, CPU experts {res['cpu_experts']}, "
-              f"pool {res.get('pool_huge', 0):.0%} in huge pages, B_P {res['bp_gbs']:.1f} GB/s") if "bp_gbs" in res else ""
+              f"pool {res.get('pool_huge', 0):.0%} in huge pages, B_P {res['bp_gbs']:.1f} GB/s"
+              ) if "bp_gbs" in res else ""
     print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path, {res['device']}, "
           f"HBM copy {res['hbm_copy_gbs']:.0f} GB/s{cached}, commit {res['commit']}")
     print(f"{'row':<16}{'tok/s':>12}{'ms/step':>10}{'bound tok/s':>13}{'of bound':>10}  note")

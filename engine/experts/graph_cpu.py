@@ -13,8 +13,9 @@ the paper's q*).
 Which experts: a fixed random order per layer (seeded), the first `share` of the experts in it (among those
 not in a slot): under uniform routing the CPU gets that share of the misses. The share starts from the
 measured rates (BandwidthEstimate.cpu_share: PCIe at 0.9 of B_P, the kernels' in-place rate, the CPU at what
-the host's DRAM leaves beside it) and follows the measured step time (policy.ShareSearch, a hill climb). The wait kernel's spins say how often the device
-waited for the CPU (stats); the best share has it wait a little in most steps, so that is not the signal.
+the host's DRAM leaves beside it) and follows the measured step time (policy.ShareSearch, a hill climb). The
+wait kernel's spins say how often the device waited for the CPU (stats); the best share has it wait a little
+in most steps, so that is not the signal.
 """
 from __future__ import annotations
 
@@ -67,7 +68,9 @@ class CpuShare:
         self.out = host(n_max * kp, H, dtype=torch.float32)
         self.seq = torch.zeros(1, dtype=torch.int64, device=backend.device)
         self.loc = torch.full((self.L, self.E + 1), -1, dtype=torch.int32)  # the thread's copy of the table
-        self.order = np.argsort(np.random.default_rng(seed).random((self.L, self.E)), axis=1).argsort(axis=1)
+        # order[row, e]: expert e's place in its layer's random order (the first `share` of it is the CPU's)
+        rng = np.random.default_rng(seed)
+        self.order = rng.permuted(np.broadcast_to(np.arange(self.E), (self.L, self.E)), axis=1)
         start = share if share is not None else backend.estimate.cpu_share()
         self.search = ShareSearch(start, hi=MAX_SHARE)
         self.share = self.search.share
@@ -84,7 +87,7 @@ class CpuShare:
         self._runner = runner  # the thread uses its pool: keep it
         self.box.start()
         log.info("hybrid decode: the CPU runs a %.0f%% share of the missing experts inside the step's graph "
-                 "(%d threads)", 100 * self.share, runner.threads if hasattr(runner, "threads") else -1)
+                 "(%d threads)", 100 * self.share, runner.threads)
 
     def mark(self, table: np.ndarray) -> np.ndarray:
         """table [L, E] (slot or -1) -> the same with the CPU's share of the non-resident experts LOC_CPU; the

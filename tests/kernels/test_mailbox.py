@@ -23,7 +23,8 @@ def test_cpu_pairs_are_run_by_the_thread_and_joined_with_their_weights(dev, shar
     g = torch.Generator().manual_seed(7 + shared)
     N, E, K, H, I = 4, 12, 4, 64, 32
     lay = ExpertLayout(H, I, 4)
-    pool = HostPool([0], E, lay, torch.float32).load(lambda layer, buf: buf.copy_(torch.randn(buf.shape, generator=g) * 0.2))
+    pool = HostPool([0], E, lay, torch.float32).load(
+        lambda layer, buf: buf.copy_(torch.randn(buf.shape, generator=g) * 0.2))
     host = pool.wait_layer(0)
     backend = SimpleNamespace(name="hybrid", pool=pool, device=torch.device(dev), estimate=BandwidthEstimate())
     kp = K + shared
