@@ -28,6 +28,17 @@ EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 CHUNK_CACHE_BYTES = 64 * 2**20  # encodings of text pieces between special tokens, remembered up to this size
 DENSE_CHARS = 8  # tokens_at_least counts tokens only for text longer than this many characters a token
 COUNT_CHUNK = 1 << 16  # characters counted per call
+# A piece of text this long or longer is encoded in chunks of about SPLIT_CHARS, in parallel (the tokenizers
+# library's thread pool), cut only where a byte-level BPE with a GPT/Qwen-style pre-tokenizer starts a new
+# pre-token whatever came before: a single space after a non-space, before an ASCII letter (" word"). Whether
+# this tokenizer encodes that way is checked at load on probe text (`_splits_exactly`); if not, it never splits.
+# The first render of an 8k-token prompt spent 17 of its 25 ms in one encode call on the dev box.
+SPLIT_MIN_CHARS = 8192
+SPLIT_CHARS = 2048
+SAFE_CUT = re.compile(r"(?<=\S) (?=[A-Za-z])")
+SPLIT_PROBE = ("def f(x):\n    return x  +  1  # ok\t\tdone\n\n  The Café naïve 中文 text, 1234 56.7e-3 "
+               "it's they'll I'd don't; [a](b) {\"k\": \"v\"}  \r\n  end  ·  émoji 🙂 x  y\n- item one\n"
+               "  indented   spaces\tand tabs ... ?! <tag attr='1'>body</tag> A.B C-D e_f g/h 'quoted' z ")
 
 
 class Tokenizer:
@@ -54,6 +65,7 @@ class Tokenizer:
         self._plain = _HFTokenizer.from_str(hf.to_str())  # special-token text in it is just text
         self._plain.encode_special_tokens = True
         self._pieces = PieceCache(CHUNK_CACHE_BYTES)
+        self.splits = self._splits_exactly()
 
     def encode(self, text: str) -> list[int]:
         return self.encode_with_offsets(text)[0]
@@ -86,12 +98,40 @@ class Tokenizer:
         piece = text[start:end]
         hit = self._pieces.get(piece)
         if hit is None:
-            enc = self._plain.encode(piece, add_special_tokens=False)
-            hit = self._pieces.put(piece, enc.ids, enc.offsets)
+            hit = self._pieces.put(piece, *self._encode_piece(piece))
         piece_ids, flat = hit
         ids += piece_ids
         pairs = iter(flat)
         offsets += [(start + a, start + b) for a, b in zip(pairs, pairs)]
+
+    def _encode_piece(self, piece: str, min_chars: int = SPLIT_MIN_CHARS,
+                      chunk: int = SPLIT_CHARS) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and offsets of text with no added tokens in it: in chunks at safe cuts, encoded in parallel,
+        where the tokenizer splits exactly and the piece is long; else in one call."""
+        cuts = _safe_cuts(piece, chunk) if self.splits and len(piece) >= min_chars else []
+        if not cuts:
+            enc = self._plain.encode(piece, add_special_tokens=False)
+            return enc.ids, enc.offsets
+        bounds = [0, *cuts, len(piece)]
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for a, enc in zip(bounds, self._plain.encode_batch([piece[a:b] for a, b in zip(bounds, bounds[1:])],
+                                                            add_special_tokens=False)):
+            ids += enc.ids
+            offsets += [(a + x, a + y) for x, y in enc.offsets]
+        return ids, offsets
+
+    def _splits_exactly(self) -> bool:
+        """Whether encoding at SAFE_CUT cuts gives the ids and offsets of encoding whole, on probe text cut
+        every few characters (tokenizers whose pre-tokenizer could join across such a cut fail it)."""
+        text = SPLIT_PROBE * 3
+        enc = self._plain.encode(text, add_special_tokens=False)
+        self.splits = True
+        try:
+            ids, offsets = self._encode_piece(text, min_chars=0, chunk=16)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot batch: encode whole
+            return False
+        return len(_safe_cuts(text, 16)) > 10 and ids == enc.ids and offsets == [tuple(o) for o in enc.offsets]
 
     def _encode_whole(self, text: str, literal_at: Collection[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """Tokenizers whose added tokens strip spaces or match whole words: the whole text at once (literal
@@ -178,6 +218,19 @@ class PieceCache:
                 while self.bytes > self.budget:
                     self.bytes -= self._items.popitem(last=False)[1][2]
         return ids, flat
+
+
+def _safe_cuts(text: str, chunk: int) -> list[int]:
+    """Cut positions about `chunk` characters apart, each at a SAFE_CUT match (none where none is near)."""
+    cuts, at = [], chunk
+    while at < len(text):
+        m = SAFE_CUT.search(text, at, min(len(text), at + chunk))
+        if m is None:
+            at += chunk
+            continue
+        cuts.append(m.start())
+        at = m.start() + chunk
+    return cuts
 
 
 class IncrementalDecoder:

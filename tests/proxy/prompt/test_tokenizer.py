@@ -225,3 +225,40 @@ def test_tokens_at_least_counts_a_bounded_prefix(tok, monkeypatch):
     assert tok.tokens_at_least([text], 4096) >= 4096
     assert sum(counted) <= 2 * 65536  # a prefix, not 2 MB
     assert tok.tokens_at_least(["x" * (tok.max_token_chars * 5000)], 4096) >= 4096  # by characters alone
+
+
+@settings(max_examples=40, deadline=None)
+@given(words=st.lists(st.one_of(st.sampled_from([" the", " Engine", "  ", "\n", "\t", " 42", ".", " (x)", " é", "中",
+                                                 " it's", " x_y", "🙂", " \n"]), st.text(max_size=8)),
+                      min_size=1, max_size=400))
+def test_long_text_encoded_in_parallel_chunks_equals_the_library(words):
+    """A long piece is encoded in chunks cut at SAFE_CUT, in parallel: ids and offsets as one encode gives."""
+    from proxy.prompt.tokenizer import SPLIT_MIN_CHARS, _safe_cuts
+
+    text = "".join(words)
+    enc = _LIBRARY.encode(text, add_special_tokens=False)
+    assert _SHIPPED.splits
+    assert _SHIPPED._encode_piece(text, min_chars=0, chunk=24) == (enc.ids, enc.offsets)
+    long = (text + "x word") * (SPLIT_MIN_CHARS // (len(text) + 6) + 1)
+    assert _safe_cuts(long, 2048)  # the public path does split it
+    got = _SHIPPED.encode_with_offsets(long)
+    want = _LIBRARY.encode(long, add_special_tokens=False)
+    assert got == (want.ids, want.offsets)
+
+
+def test_a_tokenizer_that_merges_across_spaces_is_never_split(tmp_path):
+    """A BPE trained without a pre-tokenizer has merges across " word" boundaries: the load-time probe sees
+    chunked encoding differ and turns splitting off, so its long texts are encoded whole."""
+    from tokenizers import trainers
+
+    from proxy.prompt.tokenizer import SPLIT_PROBE
+
+    lib = HFTokenizer(models.BPE())
+    lib.train_from_iterator([SPLIT_PROBE * 50], trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                                                   show_progress=False))
+    lib.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert not tok.splits
+    text = SPLIT_PROBE * 80
+    assert tok.encode_with_offsets(text) == (lib.encode(text, add_special_tokens=False).ids,
+                                             lib.encode(text, add_special_tokens=False).offsets)
