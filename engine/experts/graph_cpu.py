@@ -71,9 +71,9 @@ class CpuShare:
         # order[row, e]: expert e's place in its layer's random order (the first `share` of it is the CPU's)
         rng = np.random.default_rng(seed)
         self.order = rng.permuted(np.broadcast_to(np.arange(self.E), (self.L, self.E)), axis=1)
-        start = share if share is not None else backend.estimate.cpu_share()
-        self.search = ShareSearch(start, hi=MAX_SHARE)
-        self.share = self.search.share
+        self.start = share if share is not None else backend.estimate.cpu_share()
+        self.searches: dict[int, ShareSearch] = {}  # per batch size: its best share differs (misses per layer)
+        self.share = self.start
         self.adapt = share is None
         self.waited_steps = self.steps = 0
         self._began: float | None = None
@@ -108,12 +108,25 @@ class CpuShare:
         self.steps += 1
         self.waited_steps += int(self.spins.sum()) > WAIT_SPINS
         if self.adapt and self._began is not None:
-            self.share = self.search.observe(now - self._began, rows)
+            self._search(rows).observe(now - self._began, rows)
         self._began = now
+
+    def before_step(self, rows: int) -> None:
+        """Before a step of `rows` sequences (before the table is pushed): that batch size's share."""
+        if self.adapt:
+            self.share = self._search(rows).share
+
+    def _search(self, rows: int) -> ShareSearch:
+        if rows not in self.searches:  # a new batch size starts from the nearest one's best, else the rates'
+            near = min(self.searches, key=lambda r: abs(r - rows), default=None)
+            self.searches[rows] = ShareSearch(self.start if near is None else self.searches[near].best, hi=MAX_SHARE)
+        return self.searches[rows]
 
     def stats(self) -> dict:
         st = dict(self.box.stats())
-        st.update(share=self.share, steps=self.steps, waited_steps=self.waited_steps, moves=self.search.moves)
+        st.update(share=self.share, steps=self.steps, waited_steps=self.waited_steps,
+                  best={rows: round(sr.best, 3) for rows, sr in sorted(self.searches.items())},
+                  moves=sum(sr.moves for sr in self.searches.values()))
         return st
 
     def close(self) -> None:

@@ -89,9 +89,10 @@ class MappedExperts:
         return self._maps[layer]
 
     # --- around each step
-    def begin(self) -> None:
-        """Before a step: take in the last step's routes (stats, heat, admissions), commit the fills that
-        landed, push the table if it changed. Host work only, a few hundred microseconds at most."""
+    def begin(self, rows: int | None = None) -> None:
+        """Before a step (of `rows` sequences, where known): take in the last step's routes (stats, heat,
+        admissions), commit the fills that landed, push the table if it changed. Host work only, a few hundred
+        microseconds at most."""
         if self._routes is not None:
             host, done, n = self._routes
             self._routes = None
@@ -105,6 +106,8 @@ class MappedExperts:
             cache.ready()  # the prefill path filled slots: the step reads them after its copies
         self._placements, self._own = cache.placements, 0
         self._commit()
+        if self.cpu is not None and rows is not None:
+            self.cpu.before_step(rows)
         self._push()
 
     def end(self, routes: torch.Tensor, rows: int) -> None:

@@ -73,7 +73,7 @@ class FastPath:
         """ids [B] int64, slots / positions [B] int32 (device) -> logits [B, V] fp32. valid [B] int8: 0
         marks padding rows (their slot is the pool's scratch row; they route to no expert)."""
         if self.mapped is not None:
-            self.mapped.begin()
+            self.mapped.begin(ids.shape[0])
         logits = self.decode_step(ids, slots, positions, valid)
         if self.mapped is not None:
             self.mapped.end(self.routes, ids.shape[0])

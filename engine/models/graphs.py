@@ -124,7 +124,7 @@ class _Bucket:
             return self.fast.decode(*self.inputs)[:n]
         mapped = self.fast.mapped
         if mapped is not None:
-            mapped.begin()
+            mapped.begin(n)
         self.graph.replay()
         if mapped is not None:
             mapped.end(self.routes, n)

@@ -248,6 +248,10 @@ def test_hybrid_mapped_decode_runs_a_cpu_share_inside_the_step(checkpoints):
     assert st["cpu_runs"] > 0 and st["direct_reads"] > 0  # both paths took misses
     assert box["pairs"] == st["cpu_runs"] and box["publishes"] >= box["layers_run"] > 0
     assert int(cpu.err[0]) == 0
+    cpu.adapt, steps = True, cpu.steps  # the share by measured step time, per batch size: greedy unchanged
+    assert hybrid.generate(ids, max_new_tokens=6) == want
+    hybrid.model.fast.mapped.begin()
+    assert list(cpu.searches) == [1] and cpu.steps - steps == 5  # five decode steps of one sequence
     if DEV == "cuda":
         assert set(hybrid.model.decode_steps.modes().values()) == {"graph"}
     for eng in (offload, hybrid):
