@@ -17,19 +17,21 @@ from engine.experts.lru import SlotTable
 
 ADMIT_RATIO = 2.0  # a missed expert replaces a resident one when its heat is this many times the victim's
 MAX_FILLS = 8  # experts admitted per step at most (about 1 ms of PCIe at the Qwen3.6-35B-A3B width)
+CPU_RUN = -3  # a `seen` entry for an expert the CPU ran (hybrid, graph_cpu.py): moe_triton.LOC_CPU
 
 
 class LayerStep(NamedTuple):
     hits: int  # distinct experts the kernels found in slots
-    misses: int  # distinct experts read in place
+    misses: int  # distinct experts not in slots (read in place, or run by the CPU)
     reads: int  # (token, expert) pairs read in place: a batch reads a missing expert once per token routed to it
     candidates: list  # (heat, row, expert) of misses that may move into a slot
+    cpu: int = 0  # (token, expert) pairs the CPU ran instead (entries CPU_RUN)
 
 
 def observe_layer(table: SlotTable, row: int, ids: np.ndarray, seen: np.ndarray) -> LayerStep:
     """One MoE layer of a step: ids = its routed expert ids (any shape; ids < 0 are padding), seen [E] = the
-    slot each expert was read from (< 0: in place), as the kernels saw the table. Ticks the table and notes
-    the use (heat), touches the hits."""
+    slot each expert was read from (< 0: in place; CPU_RUN: run by the CPU), as the kernels saw the table.
+    Ticks the table and notes the use (heat), touches the hits."""
     ids = ids.ravel()
     ids = ids[(ids >= 0) & (ids < len(seen))]
     if not len(ids):
@@ -42,8 +44,9 @@ def observe_layer(table: SlotTable, row: int, ids: np.ndarray, seen: np.ndarray)
     table.touch(where[hit])
     missed = experts[~hit]
     missed = missed[table.resident[row, missed] < 0]  # not already on its way into a slot
-    return LayerStep(int(hit.sum()), int((~hit).sum()), int(counts[~hit].sum()),
-                     [(table.heat[row, e], row, int(e)) for e in missed])
+    cpu = int(counts[where == CPU_RUN].sum())
+    return LayerStep(int(hit.sum()), int((~hit).sum()), int(counts[~hit].sum()) - cpu,
+                     [(table.heat[row, e], row, int(e)) for e in missed], cpu)
 
 
 def admissions(table: SlotTable, candidates: list, max_fills: int | None = None,

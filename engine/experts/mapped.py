@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.experts import admission
-from engine.kernels.moe_triton import LOC_CPU, LOC_HOST, LOC_SHARED, ExpertMap
+from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap
 
 
 class MappedExperts:
@@ -138,14 +138,12 @@ class MappedExperts:
         candidates = []
         for row, layer in enumerate(b.pool.layers):
             step = admission.observe_layer(b.cache.table, row, routes[row], seen[row])
-            ids = routes[row].ravel()
-            cpu = int((seen[row][ids[(ids >= 0) & (ids < self.E)]] == LOC_CPU).sum()) if self.cpu else 0
             st = b.stats_[layer]
             st.hits += step.hits
             st.misses += step.misses
-            st.cpu_runs += cpu
-            st.direct_reads += step.reads - cpu
-            st.bytes_read += (step.reads - cpu) * b.pool.expert_bytes
+            st.cpu_runs += step.cpu
+            st.direct_reads += step.reads
+            st.bytes_read += step.reads * b.pool.expert_bytes
             candidates += step.candidates
         by_row: dict[int, list[tuple[int, int]]] = {}
         for row, e, s in admission.admissions(b.cache.table, candidates):

@@ -108,3 +108,15 @@ def test_decode_modes():
     assert CpuBackend(pool_from_source(src), 2, "cpu").mapped_decode() is None  # auto: cpu runs misses itself
     with pytest.raises(ValueError, match="--moe-decode"):
         backend(slots=2, decode="fast")
+
+
+def test_observe_layer_counts_cpu_runs_apart_from_in_place_reads():
+    """A hybrid step's CPU pairs (entries LOC_CPU) are misses, not PCIe reads: counted as `cpu`."""
+    from engine.experts.lru import SlotTable
+    from engine.kernels.moe_triton import LOC_CPU
+
+    assert admission.CPU_RUN == LOC_CPU
+    table = SlotTable(num_layers=1, num_experts=6, num_slots=4)
+    seen = np.array([0, LOC_HOST, LOC_CPU, LOC_CPU, LOC_HOST, LOC_HOST], dtype=np.int32)
+    step = admission.observe_layer(table, 0, np.array([[0, 1, 2], [2, 3, 1], [-1, -1, -1]]), seen)
+    assert (step.hits, step.misses, step.reads, step.cpu) == (1, 3, 2, 3)
