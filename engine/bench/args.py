@@ -87,7 +87,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU expert workers for cpu / hybrid (default as serve: half the cores on CUDA)")
     p.add_argument("--cpu-share", type=float,
                    help="hybrid mapped decode: this share of the non-resident experts runs on the CPU, fixed "
-                        "(default: adapted to whether the device waits for the CPU)")
+                        "(default: searched for the shortest measured step, per batch size)")
     p.add_argument("--json", help="write the results here")
 
 

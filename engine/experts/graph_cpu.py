@@ -54,7 +54,7 @@ class CpuShare:
 
         pool = backend.pool
         self.L, self.E, H = len(pool.layers), pool.num_experts, pool.layout.hidden
-        self.n_max, self.kp = n_max, kp
+        self.n_max = n_max  # publish checks a step's rows against it
         cuda = backend.device.type == "cuda"
 
         def host(*shape, dtype):  # page-locked on CUDA: the kernels address it through the mapping

@@ -137,15 +137,15 @@ class HostPool:
         """Bytes of the loaded layers that sit in transparent huge pages (from /proc/self/smaps: the mappings
         that hold the buffers; 0 where the kernel does not say)."""
         spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in self.buffers if b is not None]
-        total, lo, hi = 0, None, None
+        total, ours = 0, False  # ours: the mapping whose lines follow holds part of a buffer
         try:
             with open("/proc/self/smaps") as fh:
                 for line in fh:
                     head = line.split(None, 1)[0]
                     if "-" in head and ":" not in head:
                         a, b = (int(x, 16) for x in head.split("-"))
-                        lo, hi = (a, b) if any(a < e and s < b for s, e in spans) else (None, None)
-                    elif lo is not None and head == "AnonHugePages:":
+                        ours = any(a < e and s < b for s, e in spans)
+                    elif ours and head == "AnonHugePages:":
                         total += int(line.split()[1]) * 1024
         except OSError:
             return 0

@@ -58,7 +58,7 @@ class BandwidthEstimate:
         """The share of misses the CPU should take when it runs beside in-place PCIe reads (graph_cpu.py): the
         two paths' rates balanced, PCIe at read_ratio of B_P (the kernels' in-place rate) and the CPU at what
         the host's DRAM leaves it beside that (STREAM - PCIe, where the profile measured STREAM). On the H200
-        box: B_H 61.6, B_P 53.2, STREAM 86.7 GB/s -> 0.44; the measured best was 0.40 (0.56 without STREAM)."""
+        box: B_H 61.6, B_P 53.2, STREAM 86.7 GB/s -> 0.45; the measured best was 0.40 (0.56 without STREAM)."""
         pcie = read_ratio * self.bp
         cpu = self.bh if self.stream <= 0 else max(0.1 * self.bh, min(self.bh, self.stream - pcie))
         return cpu / (cpu + pcie) if cpu + pcie > 0 else 0.0
@@ -236,9 +236,9 @@ class ShareSearch:
     that avoided every wait for the CPU settled at 0.18-0.32). A hill climb: the median step time of
     `window` steps at the current share, then of a probe `step` away; the better one is kept and the climb
     goes on that way (its step doubling back up to the first), else it measures the best again, turns and
-    halves its step (down to `min_step`), so it
-    keeps tracking as the cache warms or the load changes. Step times of a different
-    batch size, or over `outlier` times the last median (a prefill in between), restart the window."""
+    halves its step (down to `min_step`), so it keeps tracking as the cache warms or the load changes. Step
+    times of a different batch size, or over `outlier` times the last median (a prefill in between), restart
+    the window."""
 
     def __init__(self, start: float, *, lo: float = 0.0, hi: float = 0.9, step: float = 0.08,
                  min_step: float = 0.03, window: int = 8, outlier: float = 3.0) -> None:

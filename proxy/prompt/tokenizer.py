@@ -106,12 +106,16 @@ class Tokenizer:
 
     def _encode_piece(self, piece: str, min_chars: int = SPLIT_MIN_CHARS,
                       chunk: int = SPLIT_CHARS) -> tuple[list[int], list[tuple[int, int]]]:
-        """Ids and offsets of text with no added tokens in it: in chunks at safe cuts, encoded in parallel,
-        where the tokenizer splits exactly and the piece is long; else in one call."""
+        """Ids and offsets of text with no added tokens in it: in chunks at safe cuts (_encode_chunks) where
+        the tokenizer splits exactly and the piece is long; else in one call."""
         cuts = _safe_cuts(piece, chunk) if self.splits and len(piece) >= min_chars else []
         if not cuts:
             enc = self._plain.encode(piece, add_special_tokens=False)
             return enc.ids, enc.offsets
+        return self._encode_chunks(piece, cuts)
+
+    def _encode_chunks(self, piece: str, cuts: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and offsets of piece cut at `cuts`, the chunks encoded in one batch (in parallel)."""
         bounds = [0, *cuts, len(piece)]
         ids: list[int] = []
         offsets: list[tuple[int, int]] = []
@@ -125,13 +129,13 @@ class Tokenizer:
         """Whether encoding at SAFE_CUT cuts gives the ids and offsets of encoding whole, on probe text cut
         every few characters (tokenizers whose pre-tokenizer could join across such a cut fail it)."""
         text = SPLIT_PROBE * 3
+        cuts = _safe_cuts(text, 16)
         enc = self._plain.encode(text, add_special_tokens=False)
-        self.splits = True
         try:
-            ids, offsets = self._encode_piece(text, min_chars=0, chunk=16)
+            ids, offsets = self._encode_chunks(text, cuts)
         except Exception:  # noqa: BLE001 - a tokenizer that cannot batch: encode whole
             return False
-        return len(_safe_cuts(text, 16)) > 10 and ids == enc.ids and offsets == [tuple(o) for o in enc.offsets]
+        return len(cuts) > 10 and ids == enc.ids and offsets == [tuple(o) for o in enc.offsets]
 
     def _encode_whole(self, text: str, literal_at: Collection[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """Tokenizers whose added tokens strip spaces or match whole words: the whole text at once (literal
