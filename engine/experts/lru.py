@@ -38,6 +38,7 @@ class SlotTable:
         self.resident = np.full((num_layers, num_experts), EMPTY, dtype=np.int64)  # [L, E] -> slot
         self.heat = np.zeros((num_layers, num_experts))  # [L, E] uses, each weighted by the increment then
         self._inc = 1.0
+        self._rescales: list[float] = []  # the increment at each rescale (a deferred use's weight, moment())
         self._growth = 2.0 ** (1.0 / (half_life * num_layers))  # a tick is one layer step: L ticks a token
         self.clock = 0
         self._alloc(num_slots)
@@ -62,19 +63,35 @@ class SlotTable:
         if self._inc > _RESCALE:
             self.heat /= self._inc
             self.slot_heat /= self._inc
+            self._rescales.append(self._inc)
             self._inc = 1.0
         return self.clock
 
-    def note_use(self, layer: int, experts) -> None:
-        """The experts a layer step routes to, resident or not (their heat for lfu)."""
+    def moment(self) -> tuple[int, float, int]:
+        """(clock, heat increment, rescales so far): a use counted later weighs as if counted now."""
+        return self.clock, self._inc, len(self._rescales)
+
+    def note_use(self, layer: int, experts, at: tuple[int, float, int] | None = None) -> None:
+        """The experts a layer step routes to, resident or not (their heat for lfu); at: the moment() the
+        step ran, when it is counted later."""
         experts = np.asarray(experts, dtype=np.int64)
-        self.heat[layer, experts] += self._inc
+        inc = self._inc
+        if at is not None:
+            inc = at[1]
+            for f in self._rescales[at[2]:]:  # the rescales since, one at a time (their product overflows)
+                inc /= f
+        self.heat[layer, experts] += inc
         slots = self.resident[layer, experts]
         on = slots >= 0
         self.slot_heat[slots[on]] = self.heat[layer, experts[on]]
 
-    def touch(self, slots) -> None:
-        self.stamp[np.asarray(slots, dtype=np.int64)] = self.clock
+    def touch(self, slots, clock: int | None = None) -> None:
+        """Used now, or at `clock` (a use counted later: a slot filled since keeps its newer stamp)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if clock is None:
+            self.stamp[slots] = self.clock
+        else:
+            self.stamp[slots] = np.maximum(self.stamp[slots], clock)
 
     def lock(self, slots) -> None:
         self.locked[np.asarray(slots, dtype=np.int64)] = True
@@ -115,6 +132,11 @@ class SlotTable:
         self.owner[slot] = layer * self.num_experts + expert
         self.stamp[slot] = self.clock
         self.slot_heat[slot] = self.heat[layer, expert]
+
+    def release(self, slots) -> None:
+        """The slots hold nothing from now on (their experts stop being resident)."""
+        for s in np.asarray(slots, dtype=np.int64).ravel():
+            self._evict(int(s))
 
     def _evict(self, slot: int) -> None:
         prev = self.owner[slot]

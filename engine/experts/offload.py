@@ -51,6 +51,7 @@ class OffloadBackend:
         # rough device expert throughput for the prefill choice (flop/s); only the order of magnitude matters
         self.device_flops = 2e14 if self.device.type == "cuda" else 5e10
         self._held = False  # a forward announced by begin_forward(hold=True) runs until end_forward
+        self._unsettled: list[tuple] = []  # streamed layer calls not yet counted: (layer, topk_ids, moment)
         # device experts in one launch pair of the grouped Triton kernels, reading the slots in place (default
         # on CUDA); else one expert at a time through torch (the reference, and the path on a CPU device)
         self.grouped = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None \
@@ -100,26 +101,42 @@ class OffloadBackend:
         it `forward` begins a forward at the first MoE layer itself (one call per layer); `hold=True`
         keeps this one until `end_forward`, for a model that runs a layer in several pieces."""
         self._held = hold
+        self.settle()
         if self.streamer is not None:
             self.streamer.begin(num_tokens, top_k)
 
     def end_forward(self) -> None:
         self._held = False
+        self.settle()
+
+    def settle(self) -> None:
+        """Count the layer calls a streamed forward ran without reading their routing back (heat, recency,
+        hits): one host sync for all of them, after the forward's work is queued."""
+        pending, self._unsettled = self._unsettled, []
+        table = self.cache.table
+        for layer, topk_ids, at in pending:
+            routing = Routing.of(topk_ids)
+            table.note_use(self.pool.row[layer], routing.experts, at=at)
+            slots = self.cache.lookup(layer, routing.experts)
+            table.touch(slots[slots >= 0], clock=at[0])  # (a later layer's window may have taken some since)
+            self._count(layer, len(routing.experts), 0, 0, 0)
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, K], topk_w [T, K] -> [T, H] (routed experts only)."""
         if layer == self.pool.layers[0] and not self._held:  # the first MoE layer sees all its tokens
             self.begin_forward(x.shape[0], topk_ids.shape[1])
         self._observe_fill()
-        routing = Routing.of(topk_ids)
         table = self.cache.table
         table.tick()
-        table.note_use(self.pool.row[layer], routing.experts)
         streaming = self.streamer is not None and self.streamer.active
         if streaming:
-            self.streamer.before_layer(layer)  # waits for this layer's copies (issued after the last layer)
+            self.streamer.before_layer(layer)  # waits for this layer's copy, issues the next layer's
+            if self.grouped and x.dtype == self.pool.dtype and layer in self.streamer.tables:
+                return self._forward_streamed(layer, x, topk_ids, topk_w)
         else:
             self.cache.ready()  # hits may sit in slots filled by copies still in flight
+        routing = Routing.of(topk_ids)
+        table.note_use(self.pool.row[layer], routing.experts)
         slots = self.cache.lookup(layer, routing.experts)
         hits = [i for i, s in enumerate(slots) if s >= 0]
         # fills take the misses with the most tokens, then the hottest (the ones a slot will serve again);
@@ -135,8 +152,6 @@ class OffloadBackend:
         pending = self._start_cpu(layer, x, routing, on_cpu)
         self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills, pending is not None,
                          topk_ids)
-        if streaming:
-            self.streamer.after_piece(layer, x.shape[0])  # its last piece queued: stream the next layer
         if pending is not None:
             pos, vals, seconds = pending.result()
             y[pos.to(self.device)] = vals.to(self.device, y.dtype)
@@ -145,6 +160,38 @@ class OffloadBackend:
         self._unlock()
         self._count(layer, len(hits), len(misses), len(fills), len(on_cpu))
         return combine(y, topk_w)
+
+    def _forward_streamed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor):
+        """A streamed layer is wholly resident, so its routing need not come back to the host: the pairs look
+        their slots up on the device (the streamer's table of the layer) and run in one launch pair of the
+        grouped kernels, and the call is counted at settle(). Reading each piece's routing back made the host
+        wait for that piece's compute, so it could not queue the next piece, and a layer of an 8k prompt took
+        several times its GPU time (H200 box, docs/PERF.md issue 17)."""
+        from engine.kernels.moe_triton import blocks_for, run_experts
+
+        T, K = topk_ids.shape
+        ids = self._slot_table(layer)[topk_ids]  # [T, K] int32 slots; id -1 (padding) reads -1
+        ones = self._ones.get((T, K))
+        if ones is None:
+            ones = self._ones[T, K] = torch.ones(T, K, dtype=torch.float32, device=self.device)
+        y = x.new_zeros(T, K, x.shape[1])  # padding pairs are left unwritten and must read zero
+        act = torch.empty(T * K, self.pool.layout.inter, dtype=x.dtype, device=self.device)
+        gate_up, down = self.cache.all_weights()
+        run_experts(x.contiguous(), gate_up, down, ids, ones, blocks_for(ids, self.cache.num_slots), out=(act, y))
+        self._unsettled.append((layer, topk_ids, self.cache.table.moment()))
+        self._unlock()
+        return combine(y.view(T * K, -1), topk_w)
+
+    def _slot_table(self, layer: int) -> torch.Tensor:
+        """The streamer's slot table of `layer` on the device, copied once a forward from page-locked memory
+        (a copy from pageable memory may wait for the stream)."""
+        t = self.streamer.tables[layer]
+        if isinstance(t, np.ndarray):
+            t = torch.from_numpy(t)
+            if self.device.type == "cuda":
+                t = t.pin_memory()
+            t = self.streamer.tables[layer] = t.to(self.device, non_blocking=True)
+        return t
 
     def _run_device(self, layer, x, y, routing: Routing, hit_slots, hits, fills, with_cpu: bool,
                     topk_ids: torch.Tensor) -> None:
@@ -241,6 +288,7 @@ class OffloadBackend:
 
     # --- control and reporting
     def stats(self) -> dict:
+        self.settle()
         out = self.stats_.as_dict()
         out.update(backend=self.name, slots=self.cache.num_slots, bp=self.estimate.bp, bh=self.estimate.bh,
                    streamed_forwards=self.streamer.streamed_forwards if self.streamer else 0)

@@ -10,6 +10,8 @@ moves far fewer bytes. The choice compares predicted bytes / bandwidth of the tw
 """
 from __future__ import annotations
 
+import numpy as np
+
 # a CPU expert kernel reads each weight once per call; above this many tokens per expert it turns
 # compute-bound and its time grows with the tokens (roughly: machine flops / DRAM bandwidth, bf16)
 CPU_BALANCE_TOKENS = 16
@@ -41,7 +43,17 @@ def should_stream(*, num_tokens: int, top_k: int, num_experts: int, missing: lis
 
 
 class PrefillStreamer:
-    """Double-buffered layer streaming for one forward; owned by a slot backend."""
+    """Double-buffered layer streaming for one forward; owned by a slot backend.
+
+    Each streamed layer goes whole into a window of E consecutive slots in one copy (SlotCache.stream_layer),
+    and its copy is issued when the layer before it starts (its first piece), behind that layer's own copy
+    on the copy stream: the copies run back to back while the compute follows one layer behind. The window
+    is one that no slot of the running layer sits in; its last readers (the layer before the running one)
+    are all queued by then, and the copy waits for them on the device. Issued after the running layer's last
+    piece instead (as this did), the copy started only once that layer's pieces had run: each piece reads
+    its routing back to the host, which waits for the piece's compute, so the copies and the compute added
+    up (H200 box, 8k prompt: 0.37-0.40 s against 0.24 s of copies, docs/PERF.md issue 17); issued at the
+    first piece as ~200 copy calls of scattered slots, the host blocked in the driver at PCIe pace."""
 
     def __init__(self, backend) -> None:
         self.b = backend
@@ -49,15 +61,16 @@ class PrefillStreamer:
         self.reserved: list[int] = []  # slots of the next layer, kept locked while this one runs
         self._prefetched: set[int] = set()
         self._current: int | None = None  # the layer before_layer last prepared in this forward
-        self._tokens, self._left = 0, {}
-        self._fence = None  # CUDA event: the compute before the layer just finished (see after_piece)
+        # layer -> its slot per expert, int32 [E + 1] (entry E = -1: what id -1, routed nowhere, looks up), for
+        # looking a prompt's routing up on the device (the backend keeps its device copy here)
+        self.tables: dict[int, object] = {}
         self.streamed_forwards = 0
 
     def begin(self, num_tokens: int, top_k: int) -> None:
         cache, pool = self.b.cache, self.b.pool
         e = pool.num_experts
         self.active, self.reserved, self._prefetched, self._current = False, [], set(), None
-        self._tokens, self._left = num_tokens, {}  # the forward's tokens; per layer, those not through it yet
+        self.tables = {}
         if cache.num_slots < 2 * e or num_tokens <= 1:
             return
         missing = [e - cache.resident_count(layer) for layer in pool.layers]
@@ -66,46 +79,58 @@ class PrefillStreamer:
                                     expert_bytes=pool.expert_bytes, bp=est.bp, bh=est.bh,
                                     cpu_share=self.b.cpu_share(), device_flops=self.b.device_flops)
         self.streamed_forwards += self.active
-        self._fence = self.b.cache.mark() if self.active else None  # every read of a slot before this forward
 
     def before_layer(self, layer: int) -> None:
-        """Make `layer` fully resident (normally streamed while the previous layer ran); a later piece of the
-        same layer (layer-major forward) finds it done."""
+        """Make `layer` fully resident (its copy normally issued when the layer before it started) and issue
+        the next layer's copy; a later piece of the same layer (layer-major forward) finds it done."""
+        cache = self.b.cache
         if layer == self._current:
-            self.b.cache.ready()
+            # its copy was waited for at the first piece; waiting again would wait for the next layer's too
             return
         self._current = layer
         if layer not in self._prefetched:
-            self._prefetch(layer)
-        self.b.cache.ready()  # the compute stream waits for this layer, not for the one issued next
+            self._prefetch(layer, after=None)  # the forward's first layer: after everything queued so far
+        cache.ready()  # the compute stream waits for this layer's copy, not for the one issued next
+        layers, i = self.b.pool.layers, self.b.pool.row[layer]
+        # the next layer's window is one the layer before this one used: its compute is all queued now
+        self.reserved = self._prefetch(layers[i + 1], after=cache.mark()) if i + 1 < len(layers) else []
 
-    def after_piece(self, layer: int, rows: int) -> None:
-        """A piece of `rows` tokens of `layer` has queued its experts: after the layer's last piece, start
-        streaming the next layer. Issued behind all of this layer's compute, the copies run beside it; issued
-        before it (at the layer's first piece, as this did), the host blocks in the driver on the deep copy
-        queue, at PCIe pace, with the layer's compute not yet queued, and the two add up (H200 box, 8k prompt:
-        0.42 s against 0.25 s of copies; docs/PERF.md issue 17)."""
-        left = self._left.get(layer, self._tokens) - rows
-        self._left[layer] = left
-        if left > 0:
-            return
-        layers = self.b.pool.layers
-        i = self.b.pool.row[layer]
-        done = self.b.cache.mark()
-        # the victims (the layer before this one, or older) were last read before the previous mark: the
-        # copies need not wait for this layer's compute, which they are meant to run beside
-        self.reserved = self._prefetch(layers[i + 1], after=self._fence) if i + 1 < len(layers) else []
-        self._fence = done
+    def window_for(self, layer: int) -> int | None:
+        """The window `layer` streams into: one without a locked slot (the running layer's, this layer's
+        reserved ones), holding the fewest experts of other layers, then the one used least recently.
+        None when every window has a locked slot."""
+        t, e = self.b.cache.table, self.b.pool.num_experts
+        row, best, pick = self.b.pool.row[layer], None, None
+        for k in range(self.b.cache.windows()):
+            span = slice(k * e, (k + 1) * e)
+            if t.locked[span].any():
+                continue
+            owner = t.owner[span]
+            key = (int(((owner >= 0) & (owner // e != row)).sum()), int(t.stamp[span].max()), k)
+            if best is None or key < best:
+                best, pick = key, k
+        return pick
 
     def _prefetch(self, layer: int, after=None) -> list[int]:
         cache, e = self.b.cache, self.b.pool.num_experts
-        slots = cache.lookup(layer, range(e))
-        cache.table.lock(slots[slots >= 0])  # its own residents stay where they are
-        missing = [x for x in range(e) if slots[x] < 0]
-        # free slots, else the layer streamed two steps ago
-        admitted = cache.admit(layer, missing, coalesce=True, after=after)
         st = self.b.stats_[layer]
-        st.fills += len(admitted)
-        st.bytes_moved += len(admitted) * self.b.pool.expert_bytes
+        window = self.window_for(layer)
+        if window is None:  # not in the planned flow (every window in use): fill the misses into free slots
+            slots = cache.lookup(layer, range(e))
+            cache.table.lock(slots[slots >= 0])
+            missing = [x for x in range(e) if slots[x] < 0]
+            admitted = cache.admit(layer, missing, coalesce=True, after=after)
+            st.fills += len(admitted)
+            st.bytes_moved += len(admitted) * self.b.pool.expert_bytes
+            taken = slots[slots >= 0].tolist() + admitted
+        else:
+            slots, copied = cache.stream_layer(layer, window, after=after)
+            taken = slots.tolist()
+            cache.table.lock(taken)
+            st.fills += copied
+            st.bytes_moved += e * self.b.pool.expert_bytes  # the whole layer crosses PCIe
         self._prefetched.add(layer)
-        return slots[slots >= 0].tolist() + admitted
+        where = cache.lookup(layer, range(e))
+        if (where >= 0).all():  # (the fill above may have found too few slots: then the layer runs as a miss)
+            self.tables[layer] = np.append(where, -1).astype(np.int32)
+        return taken

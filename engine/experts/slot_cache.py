@@ -109,19 +109,48 @@ class SlotCache:
         after the work queued so far on the compute stream (which may still read the victims), or only after
         the event `after` when the caller knows the victims' last readers came before it. -> a CUDA event
         after the copies (None on a CPU device: they are done)."""
-        row, host = self.pool.row[layer], self.pool.wait_layer(layer)
-        t0 = time.perf_counter()
-        done = None
-        if self.copy_stream is None:
-            for e, s, n in copy_runs(experts, slots):
-                self.buf[s: s + n].copy_(host[e: e + n])
-            self.last_fill = (None, time.perf_counter() - t0, len(slots) * self.pool.expert_bytes, with_cpu)
-        else:
-            done = self._copy_async(host, experts, slots, with_cpu, after)
+        done = self._copy(layer, experts, slots, with_cpu, after)
+        row = self.pool.row[layer]
         for e, s in zip(experts, slots):
             self.table.assign(s, row, e)
-        self.placements += 1
         return done
+
+    def windows(self) -> int:
+        """How many whole layers fit side by side: window k is slots [k E, (k + 1) E), expert e at k E + e."""
+        return self.num_slots // self.pool.num_experts
+
+    def stream_layer(self, layer: int, window: int, *, after=None) -> tuple[np.ndarray, int]:
+        """Make every expert of `layer` resident for a streamed prefill with ONE copy: the whole layer of the
+        host pool into window `window` (expert e to slot window * E + e). Whatever the window held is evicted;
+        the layer's experts resident in another window move into this one (so the layer then reads one window
+        and nothing else of any window, and the next layer may take any other); those resident past the last
+        window stay where they are, and their copies in the window are left unowned. One copy call a layer
+        where coalesced victims took ~200 (scattered slots), whose issue blocked the host at PCIe pace once
+        the copy queue was deep: it moves the whole layer, 1/(1 - resident share) more bytes than the misses
+        alone. -> (the layer's slot per expert [E], experts copied into the window)."""
+        e_count, row, t = self.pool.num_experts, self.pool.row[layer], self.table
+        base = window * e_count
+        if not 0 <= window < self.windows() or t.locked[base: base + e_count].any():
+            raise ValueError(f"window {window} of the expert slots is out of range or still in use")
+        stay = t.resident[row] >= self.windows() * e_count
+        t.release(range(base, base + e_count))
+        moved = np.flatnonzero(~stay)
+        for e in moved.tolist():
+            t.assign(base + e, row, e)
+        self._copy(layer, range(e_count), range(base, base + e_count), False, after)
+        return t.resident[row].copy(), len(moved)
+
+    def _copy(self, layer: int, experts, slots, with_cpu: bool, after) -> torch.cuda.Event | None:
+        """The bytes of `place`: experts of `layer` into slots, in copy_runs; -> an event after them (CUDA)."""
+        host = self.pool.wait_layer(layer)
+        self.placements += 1
+        if self.copy_stream is None:
+            t0 = time.perf_counter()
+            for e, s, n in copy_runs(list(experts), list(slots)):
+                self.buf[s: s + n].copy_(host[e: e + n])
+            self.last_fill = (None, time.perf_counter() - t0, len(slots) * self.pool.expert_bytes, with_cpu)
+            return None
+        return self._copy_async(host, list(experts), list(slots), with_cpu, after)
 
     def _copy_async(self, host: torch.Tensor, experts: list[int], slots: list[int], with_cpu: bool,
                     after=None) -> torch.cuda.Event:

@@ -149,7 +149,7 @@ def test_grouped_device_experts_match_one_at_a_time(pool, cls, slots):
 def test_pairs_routed_to_no_expert_read_zero_and_never_reach_the_cache(pool, src, cls, grouped):
     """Padding rows route to id -1 (route_topk's valid flag; a graph's warm-up runs such rows): no expert
     runs for them, their outputs are zero, the cache neither counts nor fills an expert for them (-1 used to
-    index the last expert)."""
+    index the last expert); also in a streamed layer (40 tokens), which looks the slots up on the device."""
     if grouped:
         pytest.importorskip("triton")
     if cls is CpuBackend and grouped:
@@ -157,7 +157,7 @@ def test_pairs_routed_to_no_expert_read_zero_and_never_reach_the_cache(pool, src
     kw = {} if cls is CpuBackend else dict(grouped=grouped)
     b = cls(pool, 2 * E, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True), **kw)
     seed = int(torch.randint(1 << 30, ()))
-    for step, T in enumerate([4, 1, 6, 1]):
+    for step, T in enumerate([4, 1, 40, 6, 1]):
         b.begin_forward(T, K)
         for layer in L_IDS:
             x, ids, w = routing(T, seed=seed + step * 10 + layer)
@@ -260,18 +260,25 @@ def test_long_prefill_double_buffers_whole_layers(pool, slots, resident):
     b.close()
 
 
-def test_the_next_layer_streams_after_the_last_piece_of_this_one(pool):
-    """A layer-major prompt runs each layer in pieces: the next layer's copies are issued once this layer's
-    last piece has queued its experts (before, at the first piece, the host blocked issuing them while the
-    layer's compute was not yet queued), and every piece's output is as if it ran alone."""
-    b = OffloadBackend(pool, 2 * E, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True))
+def test_the_next_layer_streams_from_the_first_piece_of_this_one(pool):
+    """A layer-major prompt runs each layer in pieces: the next layer's copy is issued when this layer starts
+    (behind this layer's own copy; issued after its last piece it waited for the pieces' host round trips,
+    and copies and compute added up), into a window this layer does not use, and every piece's output is as
+    if it ran alone. Grouped (the CUDA path, here under Triton's interpreter): a streamed layer's pieces look
+    their slots up on the device, so nothing but the streamer waits for copies."""
+    pytest.importorskip("triton")
+    b = OffloadBackend(pool, 2 * E, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True), grouped=True)
     events, prefetch = [], b.streamer._prefetch
 
     def traced(layer, after=None):
         events.append(("copy", layer))
-        return prefetch(layer, after)
+        slots = prefetch(layer, after)
+        events.append(("window", sorted(slots) == list(range(min(slots), min(slots) + E))))
+        return slots
 
     b.streamer._prefetch = traced
+    ready = b.cache.ready
+    b.cache.ready = lambda: events.append(("ready",)) or ready()
     x, ids, w = routing(40, seed=2)
     b.begin_forward(40, K, hold=True)
     for layer in L_IDS:
@@ -287,6 +294,9 @@ def test_the_next_layer_streams_after_the_last_piece_of_this_one(pool):
             assert torch.allclose(y, ref, atol=1e-5)
     b.end_forward()
     assert b.streamer.streamed_forwards == 1
-    assert events == [("piece", 0), ("copy", 0), ("piece", 0), ("copy", 2), ("piece", 2), ("piece", 2), ("copy", 3),
-                      ("piece", 3), ("piece", 3)]
+    ok, ready = ("window", True), ("ready",)
+    # the compute waits for a layer's copy once, before the next layer's is issued: a later piece waiting
+    # again would wait for the next layer's copy too (the compute stream waits for the whole copy stream)
+    assert events == [("piece", 0), ("copy", 0), ok, ready, ("copy", 2), ok, ("piece", 0), ("piece", 2), ready,
+                      ("copy", 3), ok, ("piece", 2), ("piece", 3), ready, ("piece", 3)]
     b.close()

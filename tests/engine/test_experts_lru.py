@@ -127,3 +127,33 @@ def test_policy_modules_import_no_torch():
     code = ("import sys, engine.experts.lru, engine.experts.policy, engine.experts.stats, "
             "engine.experts.prefill_stream, engine.experts.registry; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_use_counted_later_weighs_as_if_counted_when_it_ran():
+    """A streamed prefill counts its layer calls after the forward (OffloadBackend.settle): with the moment()
+    of each call, heat and stamps end where counting each call at once leaves them, across rescales too, and a
+    slot filled after the call keeps its newer stamp."""
+    rng = np.random.default_rng()
+    now, later = SlotTable(2, 8, 6, "lfu", half_life=0.1), SlotTable(2, 8, 6, "lfu", half_life=0.1)
+    for t in (now, later):
+        t.assign(0, 0, 1)
+        t.assign(1, 1, 2)
+    pending = []
+    for step in range(400):  # a half-life of 0.1 token rescales the increment every ~133 ticks
+        layer, experts = int(rng.integers(2)), rng.choice(8, size=3, replace=False)
+        for t in (now, later):
+            t.tick()
+        now.note_use(layer, experts)
+        now.touch(now.resident[layer, experts][now.resident[layer, experts] >= 0])
+        pending.append((layer, experts, later.moment()))
+    assert len(later._rescales) >= 2  # the test crossed rescales
+    for layer, experts, at in pending:
+        later.note_use(layer, experts, at=at)
+        slots = later.resident[layer, experts]
+        later.touch(slots[slots >= 0], clock=at[0])
+    np.testing.assert_allclose(later.heat, now.heat, rtol=1e-9)
+    np.testing.assert_allclose(later.slot_heat, now.slot_heat, rtol=1e-9)
+    assert (later.stamp == now.stamp).all()
+    later.assign(2, 0, 5)
+    later.touch([2], clock=1)
+    assert later.stamp[2] == later.clock

@@ -1,6 +1,7 @@
 """SlotCache's copies: coalesced runs against one copy per expert, on fresh random experts and victims."""
 import random
 
+import pytest
 import torch
 
 from engine.experts.host_pool import pool_from_source
@@ -34,10 +35,10 @@ def test_copy_runs_cover_each_pair_once_and_merge_only_where_both_step_by_one():
     assert copy_runs(list(range(10, 20)), list(range(5, 15))) == [(10, 5, 10)]
 
 
-def _cache(slots: int, E: int = 16, H: int = 8, I: int = 4, seed: int | None = None) -> SlotCache:
+def _cache(slots: int, E: int = 16, H: int = 8, I: int = 4, seed: int | None = None, layers: int = 2) -> SlotCache:
     g = torch.Generator().manual_seed(seed if seed is not None else random.randrange(2**31))
-    src = ExpertWeights({0: torch.randn(E, 2 * I, H, generator=g), 1: torch.randn(E, 2 * I, H, generator=g)},
-                        {0: torch.randn(E, H, I, generator=g), 1: torch.randn(E, H, I, generator=g)})
+    src = ExpertWeights({i: torch.randn(E, 2 * I, H, generator=g) for i in range(layers)},
+                        {i: torch.randn(E, H, I, generator=g) for i in range(layers)})
     return SlotCache(pool_from_source(src), slots, "cpu", "lfu")
 
 
@@ -68,3 +69,59 @@ def test_a_streamed_layer_copies_in_one_run_per_layer(monkeypatch):
         cache.admit(layer, list(range(16)), coalesce=True)
         cache.table.unlock_all()
     assert [len(r) for r in runs] == [1, 1, 1]
+
+
+def test_stream_layer_moves_the_whole_layer_into_its_window_and_keeps_everything_else():
+    """stream_layer on a randomly filled table (both layers scattered over both windows and the slots past
+    them): the layer ends up resident, read from the window or from past the windows only, the bytes in every
+    slot it names are its experts', every other layer's resident outside the window is untouched (table and
+    bytes), the window's slots the layer does not own are free, and the table stays one-to-one."""
+    from engine.experts import slot_cache
+
+    rng = random.Random()
+    for _ in range(40):
+        E = 16
+        cache = _cache(slots=2 * E + rng.randint(0, 12), layers=3)
+        for layer in (0, 1, 2):
+            cache.admit(layer, rng.sample(range(E), rng.randint(0, E)))
+            cache.table.unlock_all()
+        layer, other = rng.sample((0, 1, 2), 2)
+        window = rng.choice((0, 1))
+        t = cache.table
+        before = {e: int(s) for e, s in enumerate(cache.lookup(other, range(E))) if s >= 0}
+        kept = {e: cache.buf[s].clone() for e, s in before.items()}
+        past = {e: int(s) for e, s in enumerate(cache.lookup(layer, range(E))) if s >= 2 * E}
+        calls = []
+        real = slot_cache.copy_runs
+        slot_cache.copy_runs = lambda e, s: calls.append(real(e, s)) or calls[-1]
+        try:
+            slots, copied = cache.stream_layer(layer, window)
+        finally:
+            slot_cache.copy_runs = real
+        assert len(calls) == 1 and len(calls[0]) == 1  # one copy, one run
+        lo, hi = window * E, (window + 1) * E
+        host = cache.pool.wait_layer(layer)
+        assert copied == E - len(past)
+        for e, s in enumerate(slots.tolist()):
+            assert (lo <= s < hi and s == lo + e) or past.get(e) == s
+            assert torch.equal(cache.buf[s], host[e])
+        for e, s in before.items():
+            if not lo <= s < hi:
+                assert cache.lookup(other, [e])[0] == s and torch.equal(cache.buf[s], kept[e])
+            else:
+                assert cache.lookup(other, [e])[0] < 0
+        owners = t.owner[lo:hi]
+        assert all(o < 0 or (o // E == layer and o % E == i) for i, o in enumerate(owners.tolist()))
+        used = t.resident[t.resident >= 0]
+        assert len(set(used.tolist())) == len(used)
+        assert all(t.resident[o // E, o % E] == s for s, o in enumerate(t.owner.tolist()) if o >= 0)
+
+
+def test_stream_layer_refuses_a_window_in_use():
+    cache = _cache(slots=32)
+    cache.table.lock([20])
+    with pytest.raises(ValueError, match="window 1"):
+        cache.stream_layer(0, 1)
+    with pytest.raises(ValueError, match="window 2"):
+        cache.stream_layer(0, 2)
+    cache.stream_layer(0, 0)
