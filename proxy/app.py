@@ -30,7 +30,7 @@ from proxy.apis.responses.store import RESPONSES, ResponseStore
 from proxy.body import MAX_BODY
 from proxy.context import CTX, ServerContext
 from proxy.errors import CLIENT_CLOSED, ApiError, error_middleware, is_anthropic_path
-from proxy.generation import TURN, ReplySource, Turn
+from proxy.generation import ARRIVED, TURN, ReplySource, Turn
 from proxy.policy.planner import NoAnchors, Planner
 from proxy.sites import Sites, sites_middleware
 
@@ -191,7 +191,7 @@ def access_middleware(log_lines: bool):
 
     @web.middleware
     async def access(request: web.Request, handler):
-        started = time.monotonic()
+        started = request[ARRIVED] = time.monotonic()
 
         async def done(status: int) -> None:
             request.app[CTX].metrics.request_done(_route_label(request), status)
@@ -217,6 +217,10 @@ def access_line(request: web.Request, status: int, seconds: float) -> str:
         u = turn.finished.usage
         line += (f" prompt={u.prompt_tokens} cached={u.reused_tokens} prefilled={u.prefilled_tokens}"
                  f" out={u.output_tokens} ttft={u.ttft_s * 1000:.0f}ms")
+        if turn.prepare_s is not None:  # the server's own part before and after the engine's TTFT
+            line += f" prep={turn.prepare_s * 1000:.0f}ms"
+        if turn.first_output_s is not None:
+            line += f" first={turn.first_output_s * 1000:.0f}ms"
     return f"{line} {seconds * 1000:.0f}ms"
 
 

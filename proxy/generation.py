@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Literal, Mapping, Protocol, Union
@@ -91,9 +92,16 @@ class Turn:
     plan: Plan
     finished: Finished | None = None  # set by Generation
     response: Callable[[], dict] | None = None  # set by the front-end: builds the body it answered with
+    # seconds since the request reached the server (ARRIVED): its GenerateRequest made (read, normalised,
+    # rendered, tokenized, planned), and its first output event out of the parser (which holds back text that
+    # may open a tool call or a thinking block); with the engine's TTFT they split the client's
+    arrived: float | None = None
+    prepare_s: float | None = None
+    first_output_s: float | None = None
 
 
 TURN = web.RequestKey("killick_turn", Turn)
+ARRIVED = web.RequestKey("killick_arrived", float)  # time.monotonic() when the request reached the server
 
 
 @dataclass
@@ -125,7 +133,9 @@ async def prepare(ctx: ServerContext, request: web.Request, conv: Conversation, 
         prompt_ids=list(rendered.ids), max_new_tokens=max_new, sampling=params.sampling,
         stop_ids=frozenset(ctx.tokenizer.eos_ids), checkpoint_positions=tuple(plan.checkpoint_positions),
         session_key=plan.session_key, forced_output_ids=forced)
-    turn = request[TURN] = Turn(plan)
+    arrived = request.get(ARRIVED)
+    turn = request[TURN] = Turn(plan, arrived=arrived,
+                                prepare_s=None if arrived is None else time.monotonic() - arrived)
     return Prepared(conv, params, rendered.text, gen_request, turn, str(body.get("model") or ""), headers)
 
 
@@ -245,6 +255,8 @@ class Generation:
                 if isinstance(item, Finished):
                     break
                 collect(self.blocks, item)
+                if self.turn.first_output_s is None and self.turn.arrived is not None:
+                    self.turn.first_output_s = time.monotonic() - self.turn.arrived
                 yield item
                 last_sent = loop.time()
         finally:
@@ -253,6 +265,7 @@ class Generation:
                 with suppress(asyncio.CancelledError, StopAsyncIteration):
                     await next_item
         self.ctx.metrics.observe_usage(item.usage)
+        self.ctx.metrics.observe_turn(self.turn.prepare_s, self.turn.first_output_s)
         self._finish_turn(item)
         self.turn.finished = item
         yield item

@@ -45,6 +45,8 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.decode_rate = Histogram(RATE_BUCKETS)
         self.queue = Histogram(TTFT_BUCKETS)
+        self.prepare = Histogram(TTFT_BUCKETS)
+        self.first_output = Histogram(TTFT_BUCKETS)
 
     def request_done(self, api: str, status: int) -> None:
         self.requests[(api, status)] += 1
@@ -60,6 +62,13 @@ class Metrics:
             self.decode_rate.observe(usage.decode_tok_s)
         self.queue.observe(usage.queue_s)
 
+    def observe_turn(self, prepare_s: float | None, first_output_s: float | None) -> None:
+        """A generating request's own times since it arrived (proxy.generation.Turn); None: not reached."""
+        if prepare_s is not None:
+            self.prepare.observe(prepare_s)
+        if first_output_s is not None:
+            self.first_output.observe(first_output_s)
+
     def render(self, engine_stats: dict, policy_stats: dict | None = None) -> str:
         out = ["# HELP killick_requests_total Finished API requests by API and HTTP status.",
                "# TYPE killick_requests_total counter"]
@@ -72,6 +81,10 @@ class Metrics:
         out += self.ttft.lines("killick_ttft_seconds", "Time from submit to the first output token.")
         out += self.decode_rate.lines("killick_decode_tokens_per_second", "Decode rate per request.")
         out += self.queue.lines("killick_queue_seconds", "Time from submit to first scheduled.")
+        out += self.prepare.lines("killick_prepare_seconds", "Time from arrival to submit: read, normalise, render, "
+                                  "tokenize, plan.")
+        out += self.first_output.lines("killick_first_output_seconds", "Time from arrival to the first output "
+                                       "event (past the output parser's hold-back).")
         for prefix, stats in (("killick_engine_", engine_stats), ("killick_policy_", policy_stats or {})):
             for key, value in sorted(_flatten(stats).items()):
                 out += [f"# TYPE {prefix}{key} gauge", f"{prefix}{key} {value:g}"]

@@ -7,7 +7,8 @@ Sends OpenAI chat-completion requests with `stream: true` (one warm-up, then --r
 fresh prompt so nothing is reused from the prefix cache), and reports per run: prompt tokens (the
 server's usage); TTFT as the client sees it (the first chunk carrying text); the engine's own TTFT and
 decode rate for that request (the change of `killick_ttft_seconds_sum` and
-`killick_decode_tokens_per_second_sum` in /metrics); and prefill tok/s. The client-side decode rate is
+`killick_decode_tokens_per_second_sum` in /metrics); the server's own time from arrival to submit and to
+the first output event (`killick_prepare_seconds_sum`, `killick_first_output_seconds_sum`); and prefill tok/s. The client-side decode rate is
 not reported: the output parser holds back text that may open a tool call or a thinking block, so chunk
 arrival times undercount the decode span. Compare with `bench model`'s rows: the same engine without
 HTTP. Talks to loopback only.
@@ -58,14 +59,18 @@ async def one(session, url: str, text: str, max_tokens: int) -> dict:
             "output_tokens": usage["completion_tokens"]}
 
 
+SUMS = ("killick_ttft_seconds_sum", "killick_decode_tokens_per_second_sum", "killick_prepare_seconds_sum",
+        "killick_first_output_seconds_sum")
+
+
 async def engine_sums(session, url: str) -> dict[str, float]:
-    """The engine's running sums of per-request TTFT and decode rate, from /metrics."""
+    """The server's running sums of per-request times and decode rate, from /metrics (SUMS)."""
     async with session.get(url.rstrip("/") + "/metrics") as r:
         text = await r.text()
     sums = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in ("killick_ttft_seconds_sum", "killick_decode_tokens_per_second_sum"):
+        if name in SUMS:
             sums[name] = float(value)
     return sums
 
@@ -77,6 +82,8 @@ async def measured(session, url: str, text: str, max_tokens: int) -> dict:
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     run["engine_ttft_s"] = delta.get("killick_ttft_seconds_sum", float("nan"))
     run["engine_decode_tok_s"] = delta.get("killick_decode_tokens_per_second_sum", float("nan"))
+    run["server_prepare_s"] = delta.get("killick_prepare_seconds_sum", float("nan"))
+    run["server_first_output_s"] = delta.get("killick_first_output_seconds_sum", float("nan"))
     return run
 
 
@@ -108,6 +115,9 @@ def main(argv=None) -> int:
     print(f"serve (median of {args.runs}): {m['prompt_tokens']:.0f} prompt tokens, TTFT {m['ttft_s'] * 1e3:.1f} ms "
           f"at the client ({m['prefill_tok_s']:.0f} tok/s), {m['engine_ttft_s'] * 1e3:.1f} ms in the engine; "
           f"{m['output_tokens']:.0f} output tokens at {m['engine_decode_tok_s']:.1f} tok/s (engine)")
+    print(f"  the server's part: {m['server_prepare_s'] * 1e3:.1f} ms from arrival to submit (read, render, "
+          f"tokenize, plan), first output event {m['server_first_output_s'] * 1e3:.1f} ms after arrival "
+          f"(engine TTFT + detokenize + the output parser's hold-back)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -1,6 +1,7 @@
 """Protocol details with a stand-in engine (timing and shapes only; end-to-end behaviour is test_e2e.py)."""
 import asyncio
 import json
+import re
 
 import anthropic
 import openai
@@ -81,6 +82,10 @@ async def test_abandoned_request_is_499_in_log_recording_and_metrics(aiohttp_ser
     cached = u.prompt_tokens_details.cached_tokens
     assert f"prompt={u.prompt_tokens} cached={cached} prefilled={u.prompt_tokens - cached} out=" in logged
     assert "ttft=" in logged and logged.endswith("ms")
+    # the server's own times since arrival: the request made (prep), its first output event (first), all of it
+    times = dict(re.findall(r" (prep|first)=(\d+)ms", logged))
+    total = int(logged.rsplit(" ", 1)[1][:-2])
+    assert set(times) == {"prep", "first"} and int(times["prep"]) <= int(times["first"]) <= total
 
 
 @pytest.mark.parametrize("path,body", [
@@ -232,6 +237,9 @@ async def test_models_root_and_metrics(aiohttp_client, fake_stack):
     text = await (await client.get("/metrics")).text()
     assert 'killick_requests_total{api="chat",status="200"} 1' in text
     assert "killick_ttft_seconds_count 1" in text and "killick_engine_cache_hits 1" in text
+    assert "killick_prepare_seconds_count 1" in text and "killick_first_output_seconds_count 1" in text
+    sums = {k: float(v) for k, v in re.findall(r"^killick_(prepare|first_output)_seconds_sum (\S+)$", text, re.M)}
+    assert 0 < sums["prepare"] <= sums["first_output"]
 
 
 async def test_tool_call_streams_in_every_api(aiohttp_server, fake_stack, sdk):
