@@ -18,16 +18,15 @@
 #     PACK=FILE ...  also keeps FILE, a tarball of OUT, fresh every 15 s (see gpu_prelude.sh)
 #     REUSE_PEER=1 ...  in a call that follows one of these on the still-warm machine: llama.cpp's results and
 #                       the checkpoint from that call, so this one has its whole time for killick's rows
+# What worked on 2026-12-02 (27 device minutes): call 1 plain (builds llama.cpp, ~8 min: no time left for
+# killick's rows), at once call 2 plain again with TEST_S=1 (build and GGUF reused: llama-bench, then every
+# killick row, ~3 min), at once ZIPF=1.0 TEST_S=1 (converts the skewed checkpoint, ~4 min). A machine stays
+# warm only 30 s after a call: issue the next one without reading the results first.
 # Results under $OUT: summary.txt (each step with its rc and the second it ended), bench_*.{txt,json,log},
 # compare_*.txt, peer/, bw.{txt,json}, pytest_gpu.log. A failing step is logged and the session goes on; a
 # bench cut off by its timeout leaves every thread's stack in its .log (SIGABRT, python -X faulthandler).
 DEADLINE=${DEADLINE:-560}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
-if ! ls native/_cpu_experts*.so >/dev/null 2>&1; then  # the CPU expert kernels (hybrid and bench bw use them)
-    # in parallel: one file at a time it ran past 90 s on the box (2026-12-01) and hybrid measured torch's path
-    timeout 240 $PY setup.py build_ext --inplace -j "$(nproc)" > "$OUT/build_native.log" 2>&1
-    status build_native $?
-fi
 
 # ZIPF=A: the checkpoint with routers skewed to a Zipf law of exponent A, on both sides (a second call)
 CKPT=build/peers/ckpt/qwen3.6-35b-a3b-L8${ZIPF:+-zipf$ZIPF}
@@ -39,12 +38,19 @@ if [ -n "${REUSE_PEER:-}" ] && [ -f "$KEPT" ] && [ -f "$CKPT/config.json" ]; the
     echo "llama.cpp: results of the previous call on this machine ($KEPT)" > "$OUT/peer.log"
     PEER=""
 else
-    ( timeout $(upto ${PEER_S:-420}) bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 \
+    ( timeout $(upto ${PEER_S:-480}) bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 \
         --backend cuda ${ZIPF:+--router-zipf $ZIPF} --ncmoe ${NCMOE:-0,5} --reps 2 --jobs $(( $(nproc) - 3 )) \
         --out "$OUT/peer" > "$OUT/peer.log" 2>&1
       rc=$?; echo $rc > "$OUT/peer.rc"
       [ $rc = 0 ] && cp "$OUT/peer/llama_bench.json" "$KEPT" ) &
     PEER=$!
+fi
+# after the peer has started (its build is most of a first call: 364 s on 13 cores, 2026-12-02); a .so carried
+# from an earlier call of the session (copy it out under $OUT, carry native/<its name>) skips this build
+if ! ls native/_cpu_experts*.so >/dev/null 2>&1; then  # the CPU expert kernels (hybrid and bench bw use them)
+    # in parallel: one file at a time it ran past 90 s on the box (2026-12-01) and hybrid measured torch's path
+    timeout 240 $PY setup.py build_ext --inplace -j "$(nproc)" > "$OUT/build_native.log" 2>&1
+    status build_native $?
 fi
 
 timeout $(upto ${TEST_S:-150}) $PY -m pytest -q -p no:cacheprovider tests/gpu/test_experts_cuda.py \

@@ -108,3 +108,12 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
             assert dec["fill_bound_tok_s"] == pytest.approx(res["bp_gbs"] * 1e9 / dec["fill_bytes_per_step"])
     assert passes[None] < 1.5 and passes[64] > 3.5
     assert "pools moved" in capsys.readouterr().out
+
+
+def test_profile_decode_counts_overlapping_spans_once():
+    from engine.bench.profile_decode import _union_us
+
+    assert _union_us([]) == 0.0
+    assert _union_us([(20, 25), (0, 10), (5, 15), (6, 7)]) == 20.0  # [0, 15) and [20, 25)
+    copies, kernels = [(0, 30), (60, 90)], [(25, 40), (85, 100)]
+    assert _union_us(copies) + _union_us(kernels) - _union_us(copies + kernels) == 10.0  # ran at once
