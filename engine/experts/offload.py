@@ -111,7 +111,9 @@ class OffloadBackend:
 
     def settle(self) -> None:
         """Count the layer calls a streamed forward ran without reading their routing back (heat, recency,
-        hits): one host sync for all of them, after the forward's work is queued."""
+        hits): one host sync for all of them, after the forward's work is queued. On the engine's thread only
+        (it changes the slot table): end_forward, the next begin_forward, the last layer of a forward that
+        was not held."""
         pending, self._unsettled = self._unsettled, []
         table = self.cache.table
         for layer, topk_ids, at in pending:
@@ -180,6 +182,8 @@ class OffloadBackend:
         run_experts(x.contiguous(), gate_up, down, ids, ones, blocks_for(ids, self.cache.num_slots), out=(act, y))
         self._unsettled.append((layer, topk_ids, self.cache.table.moment()))
         self._unlock()
+        if layer == self.pool.layers[-1] and not self._held:
+            self.settle()
         return combine(y.view(T * K, -1), topk_w)
 
     def _slot_table(self, layer: int) -> torch.Tensor:
@@ -288,7 +292,7 @@ class OffloadBackend:
 
     # --- control and reporting
     def stats(self) -> dict:
-        self.settle()
+        # (no settle() here: any thread may ask, /metrics included; a streamed forward is counted at its end)
         out = self.stats_.as_dict()
         out.update(backend=self.name, slots=self.cache.num_slots, bp=self.estimate.bp, bh=self.estimate.bh,
                    streamed_forwards=self.streamer.streamed_forwards if self.streamer else 0)
