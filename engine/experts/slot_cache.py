@@ -126,7 +126,7 @@ class SlotCache:
         and nothing else of any window, and the next layer may take any other); those resident past the last
         window stay where they are, and their copies in the window are left unowned. One copy call a layer
         where coalesced victims took ~200 (scattered slots), whose issue blocked the host at PCIe pace once
-        the copy queue was deep: it moves the whole layer, 1/(1 - resident share) more bytes than the misses
+        the copy queue was deep: it moves the whole layer, 1/(1 - resident share) times the bytes of the misses
         alone. -> (the layer's slot per expert [E], experts copied into the window)."""
         e_count, row, t = self.pool.num_experts, self.pool.row[layer], self.table
         base = window * e_count
