@@ -169,22 +169,14 @@ class OffloadBackend:
         grouped kernels, and the call is counted at settle(). Reading each piece's routing back made the host
         wait for that piece's compute, so it could not queue the next piece, and a layer of an 8k prompt took
         several times its GPU time (H200 box, docs/PERF.md issue 17)."""
-        from engine.kernels.moe_triton import blocks_for, run_experts
-
         T, K = topk_ids.shape
-        ids = self._slot_table(layer)[topk_ids]  # [T, K] int32 slots; id -1 (padding) reads -1
-        ones = self._ones.get((T, K))
-        if ones is None:
-            ones = self._ones[T, K] = torch.ones(T, K, dtype=torch.float32, device=self.device)
-        y = x.new_zeros(T, K, x.shape[1])  # padding pairs are left unwritten and must read zero
-        act = torch.empty(T * K, self.pool.layout.inter, dtype=x.dtype, device=self.device)
-        gate_up, down = self.cache.all_weights()
-        run_experts(x.contiguous(), gate_up, down, ids, ones, blocks_for(ids, self.cache.num_slots), out=(act, y))
+        y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
+        self._launch_slots(x, y, self._slot_table(layer)[topk_ids])  # id -1 (padding) looks up -1
         self._unsettled.append((layer, topk_ids, self.cache.table.moment()))
         self._unlock()
         if layer == self.pool.layers[-1] and not self._held:
             self.settle()
-        return combine(y.view(T * K, -1), topk_w)
+        return combine(y, topk_w)
 
     def _slot_table(self, layer: int) -> torch.Tensor:
         """The streamer's slot table of `layer` on the device, copied once a forward from page-locked memory
@@ -236,16 +228,20 @@ class OffloadBackend:
         so the host sends E int32s, not a gathered copy of the routing."""
         if not experts:
             return
-        from engine.kernels.moe_triton import blocks_for, run_experts
-
-        T, K, lay = x.shape[0], routing.top_k, self.pool.layout
         lut = np.full(self.pool.num_experts + 1, -1, dtype=np.int32)  # id -1 (routed nowhere) reads the extra -1
         lut[[routing.experts[i] for i in experts]] = slots
-        ids = torch.from_numpy(lut).to(self.device, non_blocking=True)[topk_ids]  # [T, K] int32
+        self._launch_slots(x, y, torch.from_numpy(lut).to(self.device, non_blocking=True)[topk_ids])
+
+    def _launch_slots(self, x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor) -> None:
+        """The grouped kernels over the slots: ids [T, K] int32, each pair's slot (-1: not run here) -> the
+        unweighted expert outputs into those pairs' rows of y [T*K, H] (combine weighs them)."""
+        from engine.kernels.moe_triton import blocks_for, run_experts
+
+        T, K = ids.shape
         ones = self._ones.get((T, K))
         if ones is None:
             ones = self._ones[T, K] = torch.ones(T, K, dtype=torch.float32, device=self.device)
-        act = torch.empty(T * K, lay.inter, dtype=x.dtype, device=self.device)
+        act = torch.empty(T * K, self.pool.layout.inter, dtype=x.dtype, device=self.device)
         gate_up, down = self.cache.all_weights()
         run_experts(x.contiguous(), gate_up, down, ids, ones, blocks_for(ids, self.cache.num_slots),
                     out=(act, y.view(T, K, -1)))

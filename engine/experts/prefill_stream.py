@@ -118,19 +118,16 @@ class PrefillStreamer:
         if window is None:  # not in the planned flow (every window in use): fill the misses into free slots
             slots = cache.lookup(layer, range(e))
             cache.table.lock(slots[slots >= 0])
-            missing = [x for x in range(e) if slots[x] < 0]
-            admitted = cache.admit(layer, missing, coalesce=True, after=after)
+            admitted = cache.admit(layer, [x for x in range(e) if slots[x] < 0], coalesce=True, after=after)
             st.fills += len(admitted)
             st.bytes_moved += len(admitted) * self.b.pool.expert_bytes
-            taken = slots[slots >= 0].tolist() + admitted
+            where = cache.lookup(layer, range(e))  # (admit may have found too few slots)
         else:
-            slots, copied = cache.stream_layer(layer, window, after=after)
-            taken = slots.tolist()
-            cache.table.lock(taken)
+            where, copied = cache.stream_layer(layer, window, after=after)
+            cache.table.lock(where)
             st.fills += copied
             st.bytes_moved += e * self.b.pool.expert_bytes  # the whole layer crosses PCIe
         self._prefetched.add(layer)
-        where = cache.lookup(layer, range(e))
-        if (where >= 0).all():  # (the fill above may have found too few slots: then the layer runs as a miss)
+        if (where >= 0).all():  # else the layer's missing experts run as misses (no device lookup table)
             self.tables[layer] = np.append(where, -1).astype(np.int32)
-        return taken
+        return where[where >= 0].tolist()
