@@ -115,13 +115,21 @@ class OffloadBackend:
         (it changes the slot table): end_forward, the next begin_forward, the last layer of a forward that
         was not held."""
         pending, self._unsettled = self._unsettled, []
-        table = self.cache.table
+        if not pending:
+            return
+        table, e = self.cache.table, self.pool.num_experts
+        # one read-back for all the calls; grouping each call's routing (Routing.of, one read-back apiece) took
+        # ~40 ms after an 8k prompt's 32 pieces (H200 box), all of it before the first token
+        flat = torch.cat([ids.reshape(-1) for _, ids, _ in pending]).to("cpu", torch.long).numpy()
+        start = 0
         for layer, topk_ids, at in pending:
-            routing = Routing.of(topk_ids)
-            table.note_use(self.pool.row[layer], routing.experts, at=at)
-            slots = self.cache.lookup(layer, routing.experts)
+            ids = flat[start: start + topk_ids.numel()]
+            start += topk_ids.numel()
+            experts = np.flatnonzero(np.bincount(ids[ids >= 0], minlength=e))  # id -1: a padding pair
+            table.note_use(self.pool.row[layer], experts, at=at)
+            slots = self.cache.lookup(layer, experts)
             table.touch(slots[slots >= 0], clock=at[0])  # (a later layer's window may have taken some since)
-            self._count(layer, len(routing.experts), 0, 0, 0)
+            self._count(layer, len(experts), 0, 0, 0)
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, K], topk_w [T, K] -> [T, H] (routed experts only)."""
@@ -171,23 +179,12 @@ class OffloadBackend:
         several times its GPU time (H200 box, docs/PERF.md issue 17)."""
         T, K = topk_ids.shape
         y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
-        self._launch_slots(x, y, self._slot_table(layer)[topk_ids])  # id -1 (padding) looks up -1
+        self._launch_slots(x, y, self.streamer.tables[layer][topk_ids])  # id -1 (padding) looks up -1
         self._unsettled.append((layer, topk_ids, self.cache.table.moment()))
         self._unlock()
         if layer == self.pool.layers[-1] and not self._held:
             self.settle()
         return combine(y, topk_w)
-
-    def _slot_table(self, layer: int) -> torch.Tensor:
-        """The streamer's slot table of `layer` on the device, copied once a forward from page-locked memory
-        (a copy from pageable memory may wait for the stream)."""
-        t = self.streamer.tables[layer]
-        if isinstance(t, np.ndarray):
-            t = torch.from_numpy(t)
-            if self.device.type == "cuda":
-                t = t.pin_memory()
-            t = self.streamer.tables[layer] = t.to(self.device, non_blocking=True)
-        return t
 
     def _run_device(self, layer, x, y, routing: Routing, hit_slots, hits, fills, with_cpu: bool,
                     topk_ids: torch.Tensor) -> None:

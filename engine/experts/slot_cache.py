@@ -119,7 +119,7 @@ class SlotCache:
         """How many whole layers fit side by side: window k is slots [k E, (k + 1) E), expert e at k E + e."""
         return self.num_slots // self.pool.num_experts
 
-    def stream_layer(self, layer: int, window: int, *, after=None) -> tuple[np.ndarray, int]:
+    def stream_layer(self, layer: int, window: int, *, after=None) -> tuple[np.ndarray, int, torch.Tensor]:
         """Make every expert of `layer` resident for a streamed prefill with ONE copy: the whole layer of the
         host pool into window `window` (expert e to slot window * E + e). Whatever the window held is evicted;
         the layer's experts resident in another window move into this one (so the layer then reads one window
@@ -127,7 +127,8 @@ class SlotCache:
         window stay where they are, and their copies in the window are left unowned. One copy call a layer
         where coalesced victims took ~200 (scattered slots), whose issue blocked the host at PCIe pace once
         the copy queue was deep: it moves the whole layer, 1/(1 - resident share) times the bytes of the misses
-        alone. -> (the layer's slot per expert [E], experts copied into the window)."""
+        alone. -> (the layer's slot per expert [E], experts copied into the window, the same slots as a device
+        lookup table [E + 1] int32 whose entry E is -1, uploaded ahead of the layer's copy: see `lookup`)."""
         e_count, row, t = self.pool.num_experts, self.pool.row[layer], self.table
         base = window * e_count
         if not 0 <= window < self.windows() or t.locked[base: base + e_count].any():
@@ -137,8 +138,24 @@ class SlotCache:
         moved = np.flatnonzero(~stay)
         for e in moved.tolist():
             t.assign(base + e, row, e)
+        slots = t.resident[row].copy()
+        table = self.lookup_table(slots)
         self._copy(layer, range(e_count), range(base, base + e_count), False, after)
-        return t.resident[row].copy(), len(moved)
+        return slots, len(moved), table
+
+    def lookup_table(self, slots: np.ndarray) -> torch.Tensor:
+        """slots [E] (a layer's slot per expert, -1 for none) as an int32 device table [E + 1] whose entry E
+        is -1 (what routing id -1, a padding pair, looks up), for pairs to find their slots on the device.
+        On CUDA it goes on the copy stream, ahead of the copies issued after it: on the compute stream the
+        1 KB copy queued on the copy engine behind the next layer's stream and held that layer's compute
+        until the whole 1.6 GB had crossed (H200 box, 2026-12-02: compute and copies ran one after the other)."""
+        host = torch.from_numpy(np.append(slots, -1).astype(np.int32))
+        if self.copy_stream is None:
+            return host
+        out = torch.empty_like(host, device=self.device)  # allocated for the compute stream, its only reader
+        with torch.cuda.stream(self.copy_stream):
+            out.copy_(host.pin_memory(), non_blocking=True)
+        return out
 
     def _copy(self, layer: int, experts, slots, with_cpu: bool, after) -> torch.cuda.Event | None:
         """The bytes of `place`: experts of `layer` into slots, in copy_runs; -> an event after them (CUDA)."""

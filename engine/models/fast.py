@@ -207,17 +207,19 @@ class FastPath:
             for i in range(len(model.layers)):
                 for (a, b), piece_tiles in zip(pieces, tiles):
                     spans = piece_spans(states, offsets, lengths, i, a, b)
-                    out = self._prefill_layer(i, x[a:b], h[a:b], slots[a:b], positions[a:b], piece_tiles, spans)
+                    # a piece's result goes straight into its rows (a copy would queue on the copy engine behind
+                    # an expert layer streaming in, and wait for all of it)
+                    out = self._prefill_layer(i, x[a:b], h[a:b], slots[a:b], positions[a:b], piece_tiles, spans,
+                                              into=(x[a:b], h[a:b]) if len(pieces) > 1 else None)
                     if len(pieces) == 1:
                         x, h = out
-                    else:
-                        x[a:b], h[a:b] = out
         if logits == "last":
             h = h[[off + n - 1 for off, n in zip(offsets, lengths)]]
         return F.linear(h, model.lm_head).float()
 
-    def _prefill_layer(self, i, x, h, slots, positions, tiles, spans):
-        """Layer i over rows x (residual) / h (its normed input) -> (residual, the next layer's normed input)."""
+    def _prefill_layer(self, i, x, h, slots, positions, tiles, spans, into=None):
+        """Layer i over rows x (residual) / h (its normed input) -> (residual, the next layer's normed input),
+        written into the pair `into` when given (it may be x and h themselves: both are read before)."""
         m, zc, eps = self.mixers[i], self.cfg.zero_centered_norm, self.cfg.rms_norm_eps
         if isinstance(m, FusedAttention):
             k, v = self.pool.layers[i]
@@ -229,7 +231,7 @@ class FastPath:
             mix = self._deltanet_prefill(self.model.layers[i].mixer, m, h, spans)
         post, nxt = self.norms[i]
         x, h = add_rms_norm(x, mix, post, eps, zc)
-        return add_rms_norm(x, self._mlp(i, h, None), nxt, eps, zc)
+        return add_rms_norm(x, self._mlp(i, h, None), nxt, eps, zc, out=into)
 
     def _deltanet_prefill(self, net, m, h, spans):
         """The eager layer's per-sequence conv + chunked rule (with checkpoints), on one fused projection."""

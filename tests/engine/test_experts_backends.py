@@ -262,7 +262,8 @@ def test_long_prefill_double_buffers_whole_layers(pool, slots, resident):
 
 
 def test_the_next_layer_streams_from_the_first_piece_of_this_one(pool):
-    """A layer-major prompt runs each layer in pieces: the next layer's copy is issued when this layer starts
+    """A layer-major prompt runs each layer in pieces: the first layer's copy is issued when the forward begins,
+    the next layer's when this layer starts
     (behind this layer's own copy; issued after its last piece it waited for the pieces' host round trips,
     and copies and compute added up), into a window this layer does not use, and every piece's output is as
     if it ran alone. Grouped (the CUDA path, here under Triton's interpreter): a streamed layer's pieces look
@@ -298,6 +299,7 @@ def test_the_next_layer_streams_from_the_first_piece_of_this_one(pool):
     ok, ready = ("window", True), ("ready",)
     # the compute waits for a layer's copy once, before the next layer's is issued: a later piece waiting
     # again would wait for the next layer's copy too (the compute stream waits for the whole copy stream)
-    assert events == [("piece", 0), ("copy", 0), ok, ready, ("copy", 2), ok, ("piece", 0), ("piece", 2), ready,
+    # the first layer's copy goes at begin_forward, before its first piece's mixer
+    assert events == [("copy", 0), ok, ("piece", 0), ready, ("copy", 2), ok, ("piece", 0), ("piece", 2), ready,
                       ("copy", 3), ok, ("piece", 2), ("piece", 3), ready, ("piece", 3)]
     b.close()

@@ -95,10 +95,11 @@ def test_stream_layer_moves_the_whole_layer_into_its_window_and_keeps_everything
         real = slot_cache.copy_runs
         slot_cache.copy_runs = lambda e, s: calls.append(real(e, s)) or calls[-1]
         try:
-            slots, copied = cache.stream_layer(layer, window)
+            slots, copied, table = cache.stream_layer(layer, window)
         finally:
             slot_cache.copy_runs = real
         assert len(calls) == 1 and len(calls[0]) == 1  # one copy, one run
+        assert table.dtype == torch.int32 and table.tolist() == slots.tolist() + [-1]
         lo, hi = window * E, (window + 1) * E
         host = cache.pool.wait_layer(layer)
         assert copied == E - len(past)
