@@ -117,3 +117,18 @@ def test_profile_decode_counts_overlapping_spans_once():
     assert _union_us([(20, 25), (0, 10), (5, 15), (6, 7)]) == 20.0  # [0, 15) and [20, 25)
     copies, kernels = [(0, 30), (60, 90)], [(25, 40), (85, 100)]
     assert _union_us(copies) + _union_us(kernels) - _union_us(copies + kernels) == 10.0  # ran at once
+
+
+def test_spy_top_counts_each_thread_self_and_inclusive_frames():
+    from engine.bench.spy_top import tables
+
+    lines = ["thread (0x1): engine;run (a.py:1);step (a.py:2);f (a.py:3) 5\n",
+             "thread (0x1): engine;run (a.py:1);step (a.py:2) 3\n",
+             "thread (0x2): loop;select (s.py:9) 2\n",
+             "thread (0x1): engine;run (a.py:1);g (a.py:4);g (a.py:4) 1\n",
+             "not a sample line\n"]
+    (t1, n1, own1, incl1), (t2, n2, own2, incl2) = tables(lines)
+    assert (t1, n1, t2, n2) == ("engine", 9, "loop", 2)
+    assert own1 == {"f (a.py:3)": 5, "step (a.py:2)": 3, "g (a.py:4)": 1}
+    assert incl1["run (a.py:1)"] == 9 and incl1["step (a.py:2)"] == 8 and incl1["g (a.py:4)"] == 1  # once a sample
+    assert own2 == {"select (s.py:9)": 2}
