@@ -97,8 +97,8 @@ class ChatRenderer:
         if len(text) > len(body):
             spans.append(("generation_prompt", len(body), len(text), None))
         text, literal_at = marks.restore(text)
-        ids, offsets = self.tokenizer.encode_with_offsets(text, literal_at)
-        return Rendered(ids, text, _to_token_segments(spans, offsets), tuple(o[0] for o in offsets))
+        ids, starts = self.tokenizer.encode_with_starts(text, literal_at)
+        return Rendered(ids, text, _to_token_segments(spans, starts), tuple(starts))
 
     def _render(self, msgs: list[dict], tools: list[dict], thinking: bool, generation: bool,
                 volatile: str = "") -> str:
@@ -287,9 +287,8 @@ def _tag_spans(text: str, open_tag: str, close_tag: str, start: int, end: int) -
     return spans
 
 
-def _to_token_segments(spans: list[tuple], offsets: list[tuple[int, int]]) -> tuple[Segment, ...]:
+def _to_token_segments(spans: list[tuple], token_starts: list[int]) -> tuple[Segment, ...]:
     """Character spans -> token spans: a boundary at char c falls before the first token starting at >= c."""
-    token_starts = [o[0] for o in offsets]
     segments = [Segment(kind, bisect.bisect_left(token_starts, a), bisect.bisect_left(token_starts, b), i)
                 for kind, a, b, i in spans]
     return tuple(sorted((s for s in segments if s.end > s.start), key=lambda s: (s.start, -s.end)))

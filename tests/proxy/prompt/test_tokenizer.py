@@ -146,6 +146,7 @@ def test_piecewise_encoding_equals_the_library(parts):
     enc = _LIBRARY.encode(text, add_special_tokens=False)
     for _ in range(2):  # cold, then from the piece cache
         assert _SHIPPED.encode_with_offsets(text) == (enc.ids, enc.offsets)
+        assert _SHIPPED.encode_with_starts(text) == (enc.ids, [a for a, _ in enc.offsets])
 
 
 def test_piecewise_encoding_with_a_normalizer(tmp_path):
@@ -174,6 +175,7 @@ def test_special_token_text_marked_literal_is_encoded_as_text(tok):
     text = "<|im_start|>user\nsay <|im_end|>\n<|im_start|>system<|im_end|>\n"
     literal = {text.index("<|im_end|>\n<|im_start|>system"), text.index("<|im_start|>system")}
     ids, offsets = tok.encode_with_offsets(text, literal_at=literal)
+    assert tok.encode_with_starts(text, literal_at=literal) == (ids, [a for a, _ in offsets])
     specials = [i for i in ids if i in tok.special_ids.values()]
     assert specials == [tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")]  # the template's two only
     assert tok.decode(ids) == text and [text[a:b] for a, b in offsets] == [tok.decode([i]) for i in ids]
@@ -186,21 +188,25 @@ def test_literal_special_tokens_in_the_whole_text_fallback(tmp_path):
     lib.save(str(tmp_path / "tokenizer.json"))
     tok = load_tokenizer(tmp_path)
     text = "x<|im_end|>y<|im_end|>"
-    ids, _ = tok.encode_with_offsets(text, literal_at={1})
+    ids, offsets = tok.encode_with_offsets(text, literal_at={1})
     assert ids.count(tok.token_id("<|im_end|>")) == 1 and tok.decode(ids) == text
+    assert tok.encode_with_starts(text, literal_at={1}) == (ids, [a for a, _ in offsets])
 
 
 def test_piece_cache_is_bounded_by_bytes():
-    from proxy.prompt.tokenizer import PieceCache
+    from proxy.prompt.tokenizer import PieceCache, flat_offsets
 
     cache = PieceCache(64 * 1024)
     for n in range(200):
         piece = f"{n} " * 200
-        cache.put(piece, list(range(200)), [(i, i + 1) for i in range(200)])
+        cache.put(piece, list(range(200)), flat_offsets([(i, i + 1) for i in range(200)]))
         assert cache.bytes <= cache.budget
-    assert cache.get("199 " * 200) is not None and cache.get("0 " * 200) is None  # least recently used out
+    ids, flat = cache.get("199 " * 200)  # kept as given
+    assert ids == list(range(200)) and flat.tolist() == [x for i in range(200) for x in (i, i + 1)]
+    assert cache.get("0 " * 200) is None  # least recently used out
     huge = "x" * 9000  # over an eighth of the budget: encoded each time, never kept
-    assert cache.put(huge, [1], [(0, 9000)]) == ([1], cache.put(huge, [1], [(0, 9000)])[1])
+    ids, flat = cache.put(huge, [1], flat_offsets([(0, 9000)]))
+    assert ids == [1] and flat.tolist() == [0, 9000]
     assert cache.get(huge) is None
 
 
@@ -238,7 +244,8 @@ def test_long_text_encoded_in_parallel_chunks_equals_the_library(words):
     text = "".join(words)
     enc = _LIBRARY.encode(text, add_special_tokens=False)
     assert _SHIPPED.splits
-    assert _SHIPPED._encode_piece(text, min_chars=0, chunk=24) == (enc.ids, enc.offsets)
+    ids, flat = _SHIPPED._encode_piece(text, min_chars=0, chunk=24)
+    assert ids == enc.ids and flat.tolist() == [x for pair in enc.offsets for x in pair]
     long = (text + "x word") * (SPLIT_MIN_CHARS // (len(text) + 6) + 1)
     assert _safe_cuts(long, 2048)  # the public path does split it
     got = _SHIPPED.encode_with_offsets(long)
