@@ -13,6 +13,7 @@ rate measured in the same process. Prints a table; --json writes it (engine/benc
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import threading
@@ -142,17 +143,21 @@ def bench_decode(core, vocab: int, batch: int, args, seed: int, probe=None) -> t
 
 
 def bench_prefill(core, vocab: int, args, seed: int, cache: "ExpertTraffic") -> tuple:
-    """-> (prefill seconds of the long prompt, TTFT of the extend, tokens the extend reused, the expert
-    counters before the prompt and between the prompt and the extend)."""
+    """-> (prefill seconds of the long prompt: the median of --prefill-runs fresh prompts, each run's seconds,
+    TTFT of the extend, tokens the extend reused, the expert counters before the last prompt and between it
+    and the extend)."""
     run_requests(core, [random_prompt(args.prefill, vocab, seed)], 1)  # warm-up at the same size
-    before = cache.mark()
-    prompt = random_prompt(args.prefill, vocab, seed + 1)
-    first = run_requests(core, [prompt], 1)
-    prefill_s = first.final[first.order[0]].usage.ttft_s
+    times = []
+    for i in range(max(1, args.prefill_runs)):  # one run alone varied by 25% between machines (H200 box)
+        before = cache.mark()
+        prompt = random_prompt(args.prefill, vocab, seed + 1 + 3 * i)
+        first = run_requests(core, [prompt], 1)
+        times.append(first.final[first.order[0]].usage.ttft_s)
+    prefill_s = statistics.median(times)
     between = cache.mark()
     ext = run_requests(core, [prompt + random_prompt(args.extend, vocab, seed + 2)], 1)
     usage = ext.final[ext.order[0]].usage
-    return prefill_s, usage.ttft_s, usage.reused_tokens, before, between
+    return prefill_s, times, usage.ttft_s, usage.reused_tokens, before, between
 
 
 def build(args):
@@ -221,9 +226,10 @@ def run(args) -> dict:
                          **cache.row_keys()})
             done(f"decode_b{b}")
         if args.prefill:
-            prefill_s, ttft, reused, mark, between = bench_prefill(core, vocab, args, seed=7, cache=cache)
+            prefill_s, runs, ttft, reused, mark, between = bench_prefill(core, vocab, args, seed=7, cache=cache)
             rows.append({"name": f"prefill_{args.prefill}", "placement": placement, "tok_s": args.prefill / prefill_s,
-                         "seconds": prefill_s, **cache.since(mark, upto=between), **cache.stream_bound(prefill_s),
+                         "seconds": prefill_s, "runs_s": runs, **cache.since(mark, upto=between),
+                         **cache.stream_bound(prefill_s),
                          **cache.row_keys()})
             rows.append({"name": f"extend_{args.extend}", "placement": placement, "ttft_ms": ttft * 1e3,
                          "reused_tokens": reused, "tok_s": args.extend / ttft, **cache.since(between),
@@ -364,6 +370,8 @@ def print_table(res: dict) -> None:
         note = ""
         if r["name"].startswith("prefill"):
             note = f"{r['seconds']:.3f} s"
+            if len(r.get("runs_s", ())) > 1:
+                note += f" (median of {', '.join(f'{x:.3f}' for x in r['runs_s'])})"
             if "stream_bound_s" in r:
                 note += f"; pool once at B_P {r['stream_bound_s']:.3f} s ({r['of_stream_bound']:.2f} of it)"
         if r["name"].startswith("extend"):

@@ -87,7 +87,7 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
         out = tmp_path / f"m{prefill}.json"
         argv = ["--synthetic", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1", "--steps", "4",
                 "--warmup", "2", "--prompt", "8", "--prefill", "256", "--extend", "16", "--max-step-tokens", "64",
-                "--moe-backend", "offload", "--moe-slots", "50%", "--json", str(out)]
+                "--moe-backend", "offload", "--moe-slots", "50%", "--prefill-runs", "2", "--json", str(out)]
         assert bench_model.main(argv + (["--max-prefill-tokens", str(prefill)] if prefill else [])) == 0
         res = json.loads(out.read_text())
         assert res["variant"] == "offload" and res["placement"] == "ncmoe2" and res["bp_gbs"] > 0
@@ -95,7 +95,9 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
         rows = {r["name"]: r for r in res["rows"]}
         assert set(rows) == {"decode_b1", "prefill_256", "extend_16"}
         assert all(r["placement"] == "ncmoe2" and "pool_passes" in r for r in rows.values())
-        passes[prefill] = rows["prefill_256"]["pool_passes"]
+        passes[prefill] = rows["prefill_256"]["pool_passes"]  # of the last timed prompt alone
+        runs = rows["prefill_256"]["runs_s"]
+        assert len(runs) == 2 and rows["prefill_256"]["seconds"] == pytest.approx(sum(runs) / 2)
         # decode's counters cover exactly the timed steps (probed on the engine thread): one token a step,
         # top-k lookups in every MoE layer, and its fills against B_P from those bytes
         dec, cfg = rows["decode_b1"], synth_config(size="tiny")
