@@ -312,7 +312,7 @@ class ExpertTraffic:
     def fill_bound(self, start: dict | None, end: dict | None, steps: int, batch: int, step_s: float) -> dict:
         """Decode against its PCIe traffic alone: the bytes the timed steps filled into slots or read in place
         (a mapped decode), per step, at B_P (the offload bound; with hybrid the CPU's share is not in it, so it
-        is a floor, not the bound). A mapped decode counts a step's traffic at the next step's start: the
+        is a floor, not the bound). A mapped decode counts a step's traffic while the next step runs: the
         window is one step late, the same number of steps."""
         if start is None or end is None:
             return {}

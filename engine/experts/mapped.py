@@ -8,8 +8,8 @@ the step is one CUDA graph, as with every expert resident; a miss costs its byte
 kernel instead of a host round trip, a copy and a launch.
 
 The host keeps the cache between steps (`begin` before a step, `end` after it):
-- it reads each step's routes back (one copy, processed at the next step's begin) and counts per layer hits,
-  misses and in-place reads, with the heat and recency the slot policy evicts by;
+- it reads each step's routes back (one copy) and, once the next step is queued, while the device runs it,
+  counts per layer hits, misses and in-place reads, with the heat and recency the slot policy evicts by;
 - it admits a missed expert into a slot (copy stream) when the slot is free or the expert is hotter than the
   victim by admission.ADMIT_RATIO: a copy costs what one in-place read costs, so only experts used again
   repay it — under uniform routing almost none are, under skewed routing the popular ones move in and stay;
@@ -42,8 +42,11 @@ class MappedExperts:
         self._pushed: np.ndarray | None = None  # [L, E] what the kernels read since the last push
         self._push_done = None  # CUDA event after the last push (the staging buffer is free again)
         self._pending: list[tuple[object, list[tuple[int, int, int]]]] = []  # (copy done, [(row, expert, slot)])
-        self._routes = None  # (host [L, N, KP] int32, event, rows) of the last step, observed at the next begin
+        # (host [L, N, KP] int32, event, rows, the table it ran with) of the last step: taken in at the next end
+        self._routes = None
+        self._last_step = None  # (event, rows) of the last step, for the CPU share's begin
         self._route_host: dict = {}
+        self._flip = 0  # which of two host buffers the next step's routes go to
         self._placements, self._own = cache.placements, 0  # own: placements made here since begin() looked
         self._maps: dict[int, ExpertMap] = {}
         self.cpu = None  # graph_cpu.CpuShare: a hybrid backend's CPU share inside the step (enable_cpu)
@@ -76,7 +79,7 @@ class MappedExperts:
 
     def reset(self) -> None:
         """The slot table was rebuilt (a resize, which lets every copy land first): forget what was pushed."""
-        self._pending, self._pushed, self._routes = [], None, None
+        self._pending, self._pushed, self._routes, self._last_step = [], None, None, None
 
     def layer_map(self, layer: int, shared_gate_up=None, shared_down=None) -> ExpertMap:
         """The kernels' view of `layer`: its row of the table, the host pool's views, the shared expert."""
@@ -90,17 +93,15 @@ class MappedExperts:
 
     # --- around each step
     def begin(self, rows: int | None = None) -> None:
-        """Before a step (of `rows` sequences, where known): take in the last step's routes (stats, heat,
-        admissions), commit the fills that landed, push the table if it changed. Host work only, a few hundred
-        microseconds at most."""
-        if self._routes is not None:
-            host, done, n = self._routes
-            self._routes = None
-            if done is not None:
-                done.synchronize()
+        """Before a step (of `rows` sequences, where known): commit the fills that landed, push the table if it
+        changed (and with a CPU share, time the last step). Host work only, tens of microseconds."""
+        if self._last_step is not None:
+            done, n = self._last_step
+            self._last_step = None
             if self.cpu is not None:
+                if done is not None:
+                    done.synchronize()
                 self.cpu.after_step(n)
-            self._observe(host[:, :n].numpy())
         cache = self.b.cache
         if cache.placements != self._placements + self._own:
             cache.ready()  # the prefill path filled slots: the step reads them after its copies
@@ -111,8 +112,12 @@ class MappedExperts:
         self._push()
 
     def end(self, routes: torch.Tensor, rows: int) -> None:
-        """After a step was queued: its routes [L, N, KP] int32 (device) come back to the host for the next
-        begin; rows: the real sequences (padding rows route nowhere anyway)."""
+        """After a step was queued: its routes [L, N, KP] int32 (device) start back to the host, and the last
+        step's are taken in (stats, heat, admissions) while the device runs this one: taken in before this
+        step instead (at its begin), their ~0.6 ms of host work a step sat between two steps with the device
+        idle (H200 box, offload decode b1: 8% of a step). rows: the real sequences (padding rows route nowhere
+        anyway). An admission made here copies after this step's work (it may read the victim's slot); the
+        next begin's push already reads the victim in place and the newcomer only once it landed."""
         cache = self.b.cache
         if cache.device.type == "cuda":
             host = self._routes_buffer(routes)
@@ -121,20 +126,39 @@ class MappedExperts:
             done.record()
         else:
             host, done = routes.clone(), None
-        self._routes = (host, done, rows)
+        last, self._routes, self._last_step = self._routes, (host, done, rows, self._pushed), (done, rows)
+        if last is not None:
+            self._take_in(last)
+
+    def observe_last(self) -> None:
+        """Take in the last step's routes now, not at the next step's end: its counts, and the admissions they
+        make (which the next begin pushes)."""
+        last, self._routes = self._routes, None
+        if last is not None:
+            self._take_in(last)
+
+    def _take_in(self, routes) -> None:
+        host, done, n, seen = routes
+        if done is not None:
+            done.synchronize()
+        self._observe(host[:, :n].numpy(), seen)
 
     def _routes_buffer(self, routes: torch.Tensor) -> torch.Tensor:
-        """A pinned host buffer per routes shape (one per decode bucket: pinning costs far more than a step)."""
-        buf = self._route_host.get(routes.shape)
+        """Pinned host buffers per routes shape (one pair per decode bucket: pinning costs far more than a step),
+        used in turn: a step's routes arrive while the host still reads the last step's."""
+        self._flip ^= 1
+        key = (routes.shape, self._flip)
+        buf = self._route_host.get(key)
         if buf is None:
-            buf = self._route_host[routes.shape] = torch.empty(routes.shape, dtype=routes.dtype, pin_memory=True)
+            buf = self._route_host[key] = torch.empty(routes.shape, dtype=routes.dtype, pin_memory=True)
         return buf
 
     # --- the cache between steps (the rules: admission.py, which bench routing simulates)
-    def _observe(self, routes: np.ndarray) -> None:
-        """routes [L, N, KP]: count, heat, and admit the hottest misses."""
+    def _observe(self, routes: np.ndarray, seen: np.ndarray | None) -> None:
+        """routes [L, N, KP] of a step that ran with the table `seen` (None: none pushed yet, the slot table's
+        view): count, heat, and admit the hottest misses."""
         b = self.b
-        seen = self._pushed if self._pushed is not None else self._table()
+        seen = seen if seen is not None else self._table()
         candidates = []
         for row, layer in enumerate(b.pool.layers):
             step = admission.observe_layer(b.cache.table, row, routes[row], seen[row])

@@ -15,7 +15,8 @@ Hit rate = routed (token, layer, expert) triples served from GPU memory / all of
   or all out, so its hit rate is (L - N) / L whatever the routing.
 - The mapped decode (`mapped_hits`): the same table kept by admission.py's rules as MappedExperts keeps it —
   misses read in place, the hottest moved into a slot only over a clearly colder resident, an admitted
-  expert readable from the step after next (its copy lands while the next step runs). Also counts the fills:
+  expert readable two steps after the one that routed to it (its routes are taken in while the next step
+  runs, its copy lands while the one after runs). Also counts the fills:
   a mapped decode's PCIe bytes are its in-place reads plus its fills.
 - `top_experts_hits`: an oracle that keeps the `slots` most used (layer, expert) pairs of the trace itself
   resident; no engine can place experts knowing the future, and llama.cpp cannot place single experts at all
@@ -77,17 +78,20 @@ def slot_hits(trace, num_experts: int, slots: int, warmup: int = 0, policy: str 
 
 
 def mapped_hits(trace, num_experts: int, slots: int, warmup: int = 0, policy: str = "lfu",
-                half_life: float = HALF_LIFE, lands_next_step: bool = True) -> tuple[int, int, int]:
+                half_life: float = HALF_LIFE, lag: int = 1, in_flight: bool = True) -> tuple[int, int, int]:
     """(hits, routed, fills) of the mapped decode over trace[warmup:], warmed by trace[:warmup], batch 1.
-    lands_next_step: an admitted expert's copy is still in flight during the next step (CUDA: it runs beside
-    it); False: readable at once (a CPU device copies in line)."""
+
+    lag: steps between a step and the one whose table first holds its admissions. MappedExperts takes a
+    step's routes in (and admits) while the next step runs (1); that next step still reads the victims from
+    their slots. in_flight: an admission's copy runs beside the step after it was made (CUDA), which reads
+    the newcomer in place; False: a CPU device copies in line."""
     trace = _check(trace, warmup)
     T, L, _ = trace.shape
     table = SlotTable(L, num_experts, slots, policy, half_life)
     hits = routed = fills = 0
-    in_flight: list = []
+    pushed = [admission.visible(table, [])] * (lag + 1)  # the tables of the next lag + 1 steps, oldest first
     for t in range(T):
-        seen = admission.visible(table, in_flight)  # this step's table: last step's admissions not landed yet
+        seen = pushed.pop(0)
         candidates, step_hits, step_routed = [], 0, 0
         for layer in range(L):
             step = admission.observe_layer(table, layer, trace[t, layer], seen[layer])
@@ -97,7 +101,7 @@ def mapped_hits(trace, num_experts: int, slots: int, warmup: int = 0, policy: st
         admitted = admission.admissions(table, candidates)
         for row, e, s in admitted:
             table.assign(s, row, e)
-        in_flight = admitted if lands_next_step else []
+        pushed.append(admission.visible(table, admitted if in_flight else []))
         if t >= warmup:
             hits, routed, fills = hits + step_hits, routed + step_routed, fills + len(admitted)
     return hits, routed, fills

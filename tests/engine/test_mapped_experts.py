@@ -32,6 +32,13 @@ def step(m: MappedExperts, per_layer: list[list[int]]) -> None:
     m.end(routes, 1)
 
 
+def take_in(m: MappedExperts) -> None:
+    """What the step after the last would do to the table before it runs: the last routes taken in (a step's
+    end takes in the step before it), then the push."""
+    m.observe_last()
+    m.begin()
+
+
 def table_matches_slots(b: OffloadBackend, m: MappedExperts) -> None:
     """Every entry the kernels would read is the expert's weights: a slot holding exactly its block."""
     loc = m.loc.numpy()
@@ -47,7 +54,7 @@ def test_misses_are_read_in_place_then_fill_free_slots():
     m = b.mapped_decode()
     assert isinstance(m, MappedExperts) and m is b.mapped_decode()
     step(m, [[1, 2], [3], [0, 5]])
-    m.begin()  # the first step's routes are taken in here
+    take_in(m)
     st = b.stats()["total"]
     assert (st["hits"], st["misses"], st["direct_reads"]) == (0, 5, 5)
     assert st["bytes_read"] == 5 * b.pool.expert_bytes
@@ -59,7 +66,7 @@ def test_misses_are_read_in_place_then_fill_free_slots():
     routes = [[], [], []]
     routes[row] = [e]
     step(m, routes)
-    m.begin()
+    take_in(m)
     assert b.stats()["total"]["hits"] == 1
 
 
@@ -69,15 +76,15 @@ def test_a_full_cache_admits_only_a_clearly_hotter_expert(monkeypatch):
     m = b.mapped_decode()
     for _ in range(3):
         step(m, [[0], [0], []])  # layers 0 and 2's expert 0 fill both slots and get hot
-    m.begin()
+    take_in(m)
     assert m.loc[0, 0] >= 0 and m.loc[1, 0] >= 0
     fills = b.stats()["total"]["fills"]
     step(m, [[], [], [5]])  # a single use of a new expert does not evict either
-    m.begin()
+    take_in(m)
     assert b.stats()["total"]["fills"] == fills and m.loc[2, 5] == LOC_HOST
     for _ in range(12):  # used every step while layer 0's expert 0 goes cold: it moves in over it
         step(m, [[], [0], [5]])
-    m.begin()
+    take_in(m)
     assert m.loc[2, 5] >= 0 and m.loc[0, 0] == LOC_HOST and m.loc[1, 0] >= 0
     table_matches_slots(b, m)
 

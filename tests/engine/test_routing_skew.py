@@ -144,8 +144,9 @@ def test_slot_simulation_counts_what_the_offload_backend_counts(policy):
 
 def test_mapped_simulation_counts_what_the_mapped_decode_counts():
     """placement.mapped_hits keeps the table by admission.py as MappedExperts does: the same hits, misses and
-    fills on the same trace (a one-token step a time, its routes observed at the next step's begin; on a CPU
-    device an admitted expert is readable at the next step, on CUDA one step later, while its copy runs)."""
+    fills on the same trace (a one-token step a time, its routes taken in at the next step's end; on a CPU
+    device an admitted expert is readable at the step after that, on CUDA one step later, while its copy
+    runs)."""
     from engine.experts.mapped import MappedExperts
 
     L, E, H, I, K, T = 3, 12, 8, 4, 3, 60
@@ -160,16 +161,19 @@ def test_mapped_simulation_counts_what_the_mapped_decode_counts():
         for t in range(T):
             m.begin()
             m.end(torch.as_tensor(trace[t])[:, None, :].int(), 1)
-        m.begin()
-        hits, routed, fills = placement.mapped_hits(trace, E, slots, lands_next_step=False)
+        m.observe_last()
+        hits, routed, fills = placement.mapped_hits(trace, E, slots, in_flight=False)
         total = b.stats()["total"]
         assert (hits, routed, fills) == (total["hits"], total["hits"] + total["misses"], total["fills"])
         assert fills > 0 and hits > 0
 
 
 def test_a_mapped_admission_is_read_from_its_slot_once_its_copy_landed():
-    """One expert used every step, a free slot: admitted after step 0, read from the slot at step 1 when the
-    copy is in line (CPU), at step 2 when it runs beside step 1 (CUDA); one fill either way."""
-    trace = np.full((4, 1, 1), 5)
-    assert placement.mapped_hits(trace, 8, 2, lands_next_step=False) == (3, 4, 1)
-    assert placement.mapped_hits(trace, 8, 2) == (2, 4, 1)
+    """One expert used every step, a free slot: admitted from step 0's routes, which are taken in while step 1
+    runs; read from the slot at step 2 when the copy is in line (CPU), at step 3 when it runs beside step 2
+    (CUDA); one fill either way. Taken in before the next step (lag 0) it would serve a step earlier."""
+    trace = np.full((5, 1, 1), 5)
+    assert placement.mapped_hits(trace, 8, 2, in_flight=False) == (3, 5, 1)
+    assert placement.mapped_hits(trace, 8, 2) == (2, 5, 1)
+    assert placement.mapped_hits(trace, 8, 2, lag=0, in_flight=False) == (4, 5, 1)
+    assert placement.mapped_hits(trace, 8, 2, lag=0) == (3, 5, 1)
