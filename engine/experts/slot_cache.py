@@ -128,7 +128,7 @@ class SlotCache:
         where coalesced victims took ~200 (scattered slots), whose issue blocked the host at PCIe pace once
         the copy queue was deep: it moves the whole layer, 1/(1 - resident share) times the bytes of the misses
         alone. -> (the layer's slot per expert [E], experts copied into the window, the same slots as a device
-        lookup table [E + 1] int32 whose entry E is -1, uploaded ahead of the layer's copy: see `lookup`)."""
+        lookup table [E + 1] int32 whose entry E is -1, uploaded ahead of the layer's copy: lookup_table)."""
         e_count, row, t = self.pool.num_experts, self.pool.row[layer], self.table
         base = window * e_count
         if not 0 <= window < self.windows() or t.locked[base: base + e_count].any():
@@ -152,9 +152,10 @@ class SlotCache:
         host = torch.from_numpy(np.append(slots, -1).astype(np.int32))
         if self.copy_stream is None:
             return host
-        out = torch.empty_like(host, device=self.device)  # allocated for the compute stream, its only reader
+        out = torch.empty_like(host, device=self.device)  # allocated for the compute stream, its reader
         with torch.cuda.stream(self.copy_stream):
             out.copy_(host.pin_memory(), non_blocking=True)
+        out.record_stream(self.copy_stream)  # freed unread (a forward cut short), it waits for the copy
         return out
 
     def _copy(self, layer: int, experts, slots, with_cpu: bool, after) -> torch.cuda.Event | None:
