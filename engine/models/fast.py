@@ -207,19 +207,16 @@ class FastPath:
             for i in range(len(model.layers)):
                 for (a, b), piece_tiles in zip(pieces, tiles):
                     spans = piece_spans(states, offsets, lengths, i, a, b)
-                    # a piece's result goes straight into its rows (a copy would queue on the copy engine behind
-                    # an expert layer streaming in, and wait for all of it)
-                    out = self._prefill_layer(i, x[a:b], h[a:b], slots[a:b], positions[a:b], piece_tiles, spans,
-                                              into=(x[a:b], h[a:b]) if len(pieces) > 1 else None)
-                    if len(pieces) == 1:
-                        x, h = out
+                    # the piece's result goes straight into its rows of x and h: no copy a piece
+                    self._prefill_layer(i, x[a:b], h[a:b], slots[a:b], positions[a:b], piece_tiles, spans,
+                                        into=(x[a:b], h[a:b]))
         if logits == "last":
             h = h[[off + n - 1 for off, n in zip(offsets, lengths)]]
         return F.linear(h, model.lm_head).float()
 
-    def _prefill_layer(self, i, x, h, slots, positions, tiles, spans, into=None):
-        """Layer i over rows x (residual) / h (its normed input) -> (residual, the next layer's normed input),
-        written into the pair `into` when given (it may be x and h themselves: both are read before)."""
+    def _prefill_layer(self, i, x, h, slots, positions, tiles, spans, into):
+        """Layer i over rows x (residual) / h (its normed input): the residual and the next layer's normed input
+        written into the pair `into` (it may be x and h themselves: both are read before)."""
         m, zc, eps = self.mixers[i], self.cfg.zero_centered_norm, self.cfg.rms_norm_eps
         if isinstance(m, FusedAttention):
             k, v = self.pool.layers[i]
