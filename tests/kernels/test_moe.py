@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine.kernels.moe_triton import (LOC_HOST, LOC_SHARED, ExpertMap, expert_blocks, pair_blocks, route_topk,
-                                       route_topk_ref, run_experts, run_experts_ref, run_experts_routed)
+from engine.kernels.moe_triton import (LOC_CPU, LOC_HOST, LOC_SHARED, ExpertMap, expert_blocks, pair_blocks,
+                                       route_topk, route_topk_ref, run_experts, run_experts_ref, run_experts_routed)
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 
@@ -188,3 +188,51 @@ def test_experts_tiles_do_not_change_the_function(dev):
     for tiles in (((16, 32, 4, 2), (16, 16, 4, 2)), ((32, 64, 4, 3), (64, 32, 4, 3))):
         y = run_experts(x, gate_up, down, ids, w, pair_blocks(ids), tiles=tiles)
         assert rel_err(y.cpu(), ref.cpu()) < 3 * tol(torch.float32)
+
+
+@pytest.mark.parametrize("routed", [True, False])
+def test_down_kernel_reading_its_weights_early_equals_the_chunked_one(dev, routed):
+    """The decode down kernel that reads its whole [BN, I] weight tile before its PDL wait (routing its pair
+    again from the logits when the gate/up kernel routes) computes what the K-chunked one computes, for
+    experts in slots, read in place from the host, the shared one and skipped (LOC_CPU) pairs."""
+    g = torch.Generator().manual_seed(77 + routed)
+    N, E, K, H, I, S = 3, 9, 3, 40, 24, 3
+    numel = 3 * I * H
+    host = torch.randn(E, numel, generator=g) * 0.2
+    if dev == "cuda":
+        host = host.pin_memory()
+    shared_block = (torch.randn(numel, generator=g) * 0.2).to(dev)
+
+    def split(buf):
+        return buf[..., : 2 * I * H].unflatten(-1, (2 * I, H)), buf[..., 2 * I * H:].unflatten(-1, (H, I))
+
+    slots = torch.zeros(S, numel, device=dev)
+    loc = torch.full((E + 1,), LOC_HOST, dtype=torch.int32)
+    loc[E] = LOC_SHARED
+    for s, e in enumerate((2, 5)):
+        slots[s] = host[e].to(dev)
+        loc[e] = s
+    loc[[0, 7]] = LOC_CPU  # the CPU's pairs: the kernels leave their rows alone
+    emap = ExpertMap(loc.to(dev), *split(host), *split(shared_block))
+    x = (torch.randn(N, H, generator=g) * 0.5).to(dev)
+    logits = torch.randn(N, E + 1, generator=g).to(dev)
+    valid = torch.tensor([1, 0, 1], dtype=torch.int8, device=dev)
+    up = (16, 16, 4, 2)
+    outs = []
+    for down_tile in ((32, 32, 4, 1), (16, 8, 4, 2)):  # BK >= I: early; BK < I: the K loop
+        y = torch.full((N, K + 1, H), float("nan"), device=dev)
+        act = torch.empty(N * (K + 1), I, device=dev)
+        ids = torch.empty(N, K + 1, dtype=torch.int32, device=dev)
+        w = torch.empty(N, K + 1, device=dev)
+        if routed:
+            run_experts_routed(x, *split(slots), logits, K, True, True, valid, ids, w, out=(act, y),
+                               tiles=(up, down_tile), mapped=emap)
+        else:
+            ids, w = route_topk(logits, K, True, True, valid)
+            run_experts(x, *split(slots), ids, w, pair_blocks(ids), out=(act, y), tiles=(up, down_tile), mapped=emap)
+        outs.append((y.cpu(), ids.cpu()))
+    (early, ids), (chunked, _) = outs
+    ran = torch.isin(ids, torch.tensor([0, 7]), invert=True) & (ids >= 0)
+    assert ran.any() and (~ran & (ids >= 0)).any()  # both kinds of pair occur
+    assert rel_err(early[ran], chunked[ran]) < 3 * tol(torch.float32)
+    assert torch.isnan(early[~ran]).all() and torch.isnan(chunked[~ran]).all()
