@@ -93,11 +93,15 @@ class Turn:
     finished: Finished | None = None  # set by Generation
     response: Callable[[], dict] | None = None  # set by the front-end: builds the body it answered with
     # seconds since the request reached the server (ARRIVED): its GenerateRequest made (read, normalised,
-    # rendered, tokenized, planned), and its first output event out of the parser (which holds back text that
-    # may open a tool call or a thinking block); with the engine's TTFT they split the client's
+    # rendered, tokenized, planned), the engine's first token in the proxy, and its first output event out of
+    # the detokenizer and parser (which hold back half a character, and text that may open a tool call or a
+    # thinking block); with the engine's TTFT they split the client's. held: output tokens that had come when
+    # the first output event left (1: none held back)
     arrived: float | None = None
     prepare_s: float | None = None
+    first_token_s: float | None = None
     first_output_s: float | None = None
+    held: int | None = None
 
 
 TURN = web.RequestKey("killick_turn", Turn)
@@ -208,6 +212,7 @@ class Generation:
         self.stream: TokenStream | None = None
         self.source: AsyncIterator[OutputEvent | Finished] | None = None
         self._iter: AsyncIterator[GenItem] | None = None
+        self._tokens_out = 0  # output tokens from the engine so far (the parser may hold some back)
 
     async def __aenter__(self) -> "Generation":
         answer = getattr(self.ctx.core, "answer", None)
@@ -257,6 +262,7 @@ class Generation:
                 collect(self.blocks, item)
                 if self.turn.first_output_s is None and self.turn.arrived is not None:
                     self.turn.first_output_s = time.monotonic() - self.turn.arrived
+                    self.turn.held = self._tokens_out
                 yield item
                 last_sent = loop.time()
         finally:
@@ -265,7 +271,7 @@ class Generation:
                 with suppress(asyncio.CancelledError, StopAsyncIteration):
                     await next_item
         self.ctx.metrics.observe_usage(item.usage)
-        self.ctx.metrics.observe_turn(self.turn.prepare_s, self.turn.first_output_s)
+        self.ctx.metrics.observe_turn(self.turn.prepare_s, self.turn.first_output_s, self.turn.first_token_s)
         self._finish_turn(item)
         self.turn.finished = item
         yield item
@@ -279,6 +285,9 @@ class Generation:
             ev = await anext(self.stream)
             ids = [t for t in ev.token_ids if t not in stop_ids]
             output_ids += ev.token_ids
+            self._tokens_out = len(output_ids)
+            if ev.token_ids and self.turn.first_token_s is None and self.turn.arrived is not None:
+                self.turn.first_token_s = time.monotonic() - self.turn.arrived
             reasoning += len(ids) if parser.mode == "think" else 0
             out = parser.feed(self.decoder.push(ids)) if ids else []
             if ev.final:

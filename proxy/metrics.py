@@ -46,6 +46,7 @@ class Metrics:
         self.decode_rate = Histogram(RATE_BUCKETS)
         self.queue = Histogram(TTFT_BUCKETS)
         self.prepare = Histogram(TTFT_BUCKETS)
+        self.first_token = Histogram(TTFT_BUCKETS)
         self.first_output = Histogram(TTFT_BUCKETS)
 
     def request_done(self, api: str, status: int) -> None:
@@ -62,10 +63,13 @@ class Metrics:
             self.decode_rate.observe(usage.decode_tok_s)
         self.queue.observe(usage.queue_s)
 
-    def observe_turn(self, prepare_s: float | None, first_output_s: float | None) -> None:
+    def observe_turn(self, prepare_s: float | None, first_output_s: float | None,
+                     first_token_s: float | None = None) -> None:
         """A generating request's own times since it arrived (proxy.generation.Turn); None: not reached."""
         if prepare_s is not None:
             self.prepare.observe(prepare_s)
+        if first_token_s is not None:
+            self.first_token.observe(first_token_s)
         if first_output_s is not None:
             self.first_output.observe(first_output_s)
 
@@ -83,8 +87,10 @@ class Metrics:
         out += self.queue.lines("killick_queue_seconds", "Time from submit to first scheduled.")
         out += self.prepare.lines("killick_prepare_seconds", "Time from arrival to submit: read, normalise, render, "
                                   "tokenize, plan.")
+        out += self.first_token.lines("killick_first_token_seconds", "Time from arrival to the engine's first "
+                                      "output token reaching the proxy.")
         out += self.first_output.lines("killick_first_output_seconds", "Time from arrival to the first output "
-                                       "event (past the output parser's hold-back).")
+                                       "event (past the detokenizer's and output parser's hold-back).")
         for prefix, stats in (("killick_engine_", engine_stats), ("killick_policy_", policy_stats or {})):
             for key, value in sorted(_flatten(stats).items()):
                 out += [f"# TYPE {prefix}{key} gauge", f"{prefix}{key} {value:g}"]

@@ -4,7 +4,8 @@
 #   1. the 8-layer Qwen3.6-35B-A3B-width checkpoint drawn on the device with the shipped tokenizer
 #   2. `bench model --model CKPT --batches 1 --prefill 8215`: the engine alone (TTFT of the same prompt size, decode)
 #   3. `killick serve` on it, one request to compile, then `python -m engine.bench.serve` (client TTFT, the
-#      server's arrival-to-submit, the engine's TTFT and the first output event, decode rate): twice, each under
+#      server's arrival-to-submit, the engine's TTFT, its first token in the proxy and the first output event,
+#      decode rate), each run with prompts the server has not seen (--seed): twice, each under
 #      py-spy when its wheel is in .whl/ (`pip download py-spy --no-deps --only-binary=:all: --platform
 #      manylinux2014_x86_64 -d .whl`): first the threads that run (spy_active.txt), then only the thread that
 #      holds the GIL (spy_gil.txt): whether the engine thread and the event loop wait for each other
@@ -33,7 +34,7 @@ $PY -m proxy.cli serve --model "$CKPT" --device cuda --dtype bfloat16 --port "$P
 SERVE=$!
 for _ in $(seq 1 150); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
 timeout "$(upto 60)" $PY -m engine.bench.serve --url "http://127.0.0.1:$PORT" --prompt-words "$WORDS" \
-    --max-tokens 32 --runs 1 > /dev/null 2>> "$OUT/serve.log"  # compiles this size's kernels
+    --max-tokens 32 --runs 1 --seed 9 > /dev/null 2>> "$OUT/serve.log"  # compiles this size's kernels
 status serve_warm $?
 SPY=$(command -v py-spy || ls /tmp/site/bin/py-spy 2>/dev/null)
 for run in 1 2; do
@@ -47,7 +48,7 @@ for run in 1 2; do
         sleep 1
     fi
     timeout "$(upto 90)" $PY -m engine.bench.serve --url "http://127.0.0.1:$PORT" --prompt-words "$WORDS" \
-        --max-tokens 256 --runs 4 --json "$OUT/serve_$run.json" >> "$S" 2>> "$OUT/serve.log"
+        --max-tokens 256 --runs 4 --seed $run --json "$OUT/serve_$run.json" >> "$S" 2>> "$OUT/serve.log"
     status "serve_$run" $?
     if [ -n "$SPYPID" ]; then
         wait "$SPYPID"

@@ -82,10 +82,32 @@ async def test_abandoned_request_is_499_in_log_recording_and_metrics(aiohttp_ser
     cached = u.prompt_tokens_details.cached_tokens
     assert f"prompt={u.prompt_tokens} cached={cached} prefilled={u.prompt_tokens - cached} out=" in logged
     assert "ttft=" in logged and logged.endswith("ms")
-    # the server's own times since arrival: the request made (prep), its first output event (first), all of it
-    times = dict(re.findall(r" (prep|first)=(\d+)ms", logged))
+    # the server's own times since arrival: the request made (prep), the engine's first token in the proxy
+    # (tok1), the first output event (first), all of it; "hello" comes out with its first token (held=1)
+    times = dict(re.findall(r" (prep|tok1|first)=(\d+)ms", logged))
     total = int(logged.rsplit(" ", 1)[1][:-2])
-    assert set(times) == {"prep", "first"} and int(times["prep"]) <= int(times["first"]) <= total
+    assert set(times) == {"prep", "tok1", "first"}
+    assert int(times["prep"]) <= int(times["tok1"]) <= int(times["first"]) <= total
+    assert " held=1 " in logged
+
+
+async def test_access_log_counts_tokens_held_back_before_the_first_output(aiohttp_server, fake_stack, sdk, caplog):
+    """The first output event leaves with the sixth token of "</think>\\n\\n<toolbox" (the thinking block's end
+    and the blank line make no event, "<" and "<t" may open a tool call) and the access line says so (held=6),
+    beside the first token's time, five 10 ms steps before it."""
+    import logging
+
+    base, core = await _server(aiohttp_server, fake_stack, step_s=0.01, access_log=True)
+    client = sdk.openai(base, api_key="x", max_retries=0)
+    with caplog.at_level(logging.INFO, logger="killick.access"):
+        stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                      stream=True, extra_headers={FORCED: "</think>\\n\\n<toolbox"})
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "<toolbox"
+    (logged,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("POST /v1/chat/completions 200")]
+    tok1, first = (int(v) for v in re.findall(r" (?:tok1|first)=(\d+)ms", logged))
+    assert " held=6 " in logged and tok1 + 40 <= first
 
 
 @pytest.mark.parametrize("path,body", [
@@ -238,8 +260,10 @@ async def test_models_root_and_metrics(aiohttp_client, fake_stack):
     assert 'killick_requests_total{api="chat",status="200"} 1' in text
     assert "killick_ttft_seconds_count 1" in text and "killick_engine_cache_hits 1" in text
     assert "killick_prepare_seconds_count 1" in text and "killick_first_output_seconds_count 1" in text
-    sums = {k: float(v) for k, v in re.findall(r"^killick_(prepare|first_output)_seconds_sum (\S+)$", text, re.M)}
-    assert 0 < sums["prepare"] <= sums["first_output"]
+    assert "killick_first_token_seconds_count 1" in text
+    sums = {k: float(v) for k, v in re.findall(r"^killick_(prepare|first_token|first_output)_seconds_sum (\S+)$",
+                                               text, re.M)}
+    assert 0 < sums["prepare"] <= sums["first_token"] <= sums["first_output"]
 
 
 async def test_tool_call_streams_in_every_api(aiohttp_server, fake_stack, sdk):
