@@ -219,6 +219,8 @@ def access_line(request: web.Request, status: int, seconds: float) -> str:
                  f" out={u.output_tokens} ttft={u.ttft_s * 1000:.0f}ms")
         if turn.prepare_s is not None:  # the server's own part before and after the engine's TTFT
             line += f" prep={turn.prepare_s * 1000:.0f}ms"
+            if turn.render_s is not None:
+                line += f" (render={turn.render_s * 1000:.0f}ms plan={turn.plan_s * 1000:.0f}ms)"
         if turn.first_token_s is not None:
             line += f" tok1={turn.first_token_s * 1000:.0f}ms"
         if turn.first_output_s is not None:

@@ -99,6 +99,8 @@ class Turn:
     # the first output event left (1: none held back)
     arrived: float | None = None
     prepare_s: float | None = None
+    render_s: float | None = None  # of prepare_s: rendering and tokenizing (in a worker thread), then planning
+    plan_s: float | None = None
     first_token_s: float | None = None
     first_output_s: float | None = None
     held: int | None = None
@@ -124,12 +126,15 @@ async def prepare(ctx: ServerContext, request: web.Request, conv: Conversation, 
     """normalise -> render -> check the context -> plan -> GenerateRequest."""
     headers = request.headers
     conv = normalize(ctx, conv, headers, body)
+    t0 = time.monotonic()
     rendered = await render(ctx, conv)
+    t1 = time.monotonic()
     n = len(rendered.ids)
     if n >= ctx.context_length:
         raise too_long(ctx, f"{n} tokens")
     max_new = min(params.max_tokens or ctx.default_max_tokens, ctx.context_length - n)
     plan = _plan(ctx, conv, rendered, headers, body)
+    t2 = time.monotonic()
     forced = ctx.replies.reply_ids(ctx, conv, rendered.text, headers, plan) if ctx.replies is not None else None
     if forced is not None:
         max_new = max(max_new, min(len(forced), ctx.context_length - n))  # a replay is not cut short
@@ -139,7 +144,8 @@ async def prepare(ctx: ServerContext, request: web.Request, conv: Conversation, 
         session_key=plan.session_key, forced_output_ids=forced)
     arrived = request.get(ARRIVED)
     turn = request[TURN] = Turn(plan, arrived=arrived,
-                                prepare_s=None if arrived is None else time.monotonic() - arrived)
+                                prepare_s=None if arrived is None else time.monotonic() - arrived,
+                                render_s=t1 - t0, plan_s=t2 - t1)
     return Prepared(conv, params, rendered.text, gen_request, turn, str(body.get("model") or ""), headers)
 
 

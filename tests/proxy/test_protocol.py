@@ -88,6 +88,8 @@ async def test_abandoned_request_is_499_in_log_recording_and_metrics(aiohttp_ser
     total = int(logged.rsplit(" ", 1)[1][:-2])
     assert set(times) == {"prep", "tok1", "first"}
     assert int(times["prep"]) <= int(times["tok1"]) <= int(times["first"]) <= total
+    parts = dict(re.findall(r"[ (](render|plan)=(\d+)ms", logged))  # of prep: render + tokenize, then plan
+    assert set(parts) == {"render", "plan"} and sum(map(int, parts.values())) <= int(times["prep"]) + 1
     assert " held=1 " in logged
 
 
