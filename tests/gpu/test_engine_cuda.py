@@ -67,10 +67,29 @@ def test_cuda_batched_equals_alone(engines):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
 
 
+def torch_only_reference_module():
+    """transformers' Qwen3.5-MoE modeling module with its own torch delta rule: with fla importable (the GPU box
+    carries it for the engine) transformers swaps in fla's Triton kernels when the module is imported, whose fp32
+    rounding is not the reference's (max |diff| 0.27 in the logits on the box, 2026-12-02). Re-imported with fla
+    hidden, then fla is put back for the engine."""
+    import importlib
+    import sys
+
+    name = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
+    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
+    sys.modules["fla"] = None  # an import of fla now fails
+    try:
+        module = importlib.reload(importlib.import_module(name))
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(saved)
+    return module
+
+
 def test_cuda_fp32_matches_transformers_on_cuda(ckpt, engines):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     _, gpu = engines
-    ref = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(
+    ref = torch_only_reference_module().Qwen3_5MoeForConditionalGeneration.from_pretrained(
         ckpt, dtype=torch.float32, experts_implementation="eager").cuda().eval()
     prompt = ids(150, seed=3)
     with torch.no_grad(), torch.backends.cudnn.flags(allow_tf32=False):

@@ -196,7 +196,7 @@ def test_down_kernel_reading_its_weights_early_equals_the_chunked_one(dev, route
     again from the logits when the gate/up kernel routes) computes what the K-chunked one computes, for
     experts in slots, read in place from the host, the shared one and skipped (LOC_CPU) pairs."""
     g = torch.Generator().manual_seed(77 + routed)
-    N, E, K, H, I, S = 3, 9, 3, 40, 24, 3
+    N, E, K, H, I, S = 3, 9, 3, 40, 40, 3
     numel = 3 * I * H
     host = torch.randn(E, numel, generator=g) * 0.2
     if dev == "cuda":
@@ -219,7 +219,7 @@ def test_down_kernel_reading_its_weights_early_equals_the_chunked_one(dev, route
     valid = torch.tensor([1, 0, 1], dtype=torch.int8, device=dev)
     up = (16, 16, 4, 2)
     outs = []
-    for down_tile in ((32, 32, 4, 1), (16, 8, 4, 2)):  # BK >= I: early; BK < I: the K loop
+    for down_tile in ((32, 64, 4, 1), (16, 16, 4, 2)):  # BK >= I: early; BK < I: the K loop (compiled: BK >= 16)
         y = torch.full((N, K + 1, H), float("nan"), device=dev)
         act = torch.empty(N * (K + 1), I, device=dev)
         ids = torch.empty(N, K + 1, dtype=torch.int32, device=dev)
