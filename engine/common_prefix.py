@@ -5,11 +5,12 @@ prompts (token ids) and rendered text with it.
 """
 from __future__ import annotations
 
+from array import array
 from typing import Sequence
 
 
 def common_prefix_len(a: Sequence, b: Sequence) -> int:
-    """Length of the longest common prefix of a and b (token id lists or tuples, or text).
+    """Length of the longest common prefix of a and b (token id lists, tuples or id_array()s, or text).
 
     Slices are compared block by block, so the work runs at C speed even for 100k-token prompts.
     """
@@ -24,3 +25,10 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
             i += step
         step //= 8
     return i
+
+
+def id_array(ids: Sequence[int]) -> array:
+    """Token ids as an int64 array.array, made once per prompt (~0.2 ms for 8k ids): common_prefix_len of two
+    such arrays compares machine words (~10-20 us for 8k), where a tuple against a list is first copied into
+    two lists (~70 us): what a session scan pays for each of the dozens of earlier prompts it checks."""
+    return array("q", ids)

@@ -17,9 +17,11 @@ Classification looks at where the edit point falls in both renders' segments:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from array import array
+from functools import cached_property
 from typing import Optional, Sequence
 
-from engine.common_prefix import common_prefix_len
+from engine.common_prefix import common_prefix_len, id_array
 from harness_adapters.rules import Compaction, ElideObservationsExceptLastN, rules_of
 from proxy.conversation import Conversation
 from proxy.policy.turns import EditClass, RenderedLike, first_conversation_message, message_spans, segments_at
@@ -34,9 +36,14 @@ class PreviousTurn:
     segments: tuple  # the previous render's segments (prompt offsets)
     conversation: Optional[Conversation] = None  # roles of messages, for observation rules
 
-    @property
+    @cached_property
     def ids(self) -> tuple[int, ...]:
         return self.prompt_ids + self.generated_ids
+
+    @cached_property
+    def id_array(self) -> array:
+        """ids as an array, made once: sessions compare every new prompt with it (common_prefix.id_array)."""
+        return id_array(self.ids)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from engine.common_prefix import common_prefix_len
+from engine.common_prefix import common_prefix_len, id_array
 from harness_adapters import header
 from proxy.policy.diff import PreviousTurn
 from proxy.policy.turns import first_conversation_message, message_spans
@@ -130,11 +130,12 @@ class SessionStore:
         match runs past its first conversation message (unless threshold is False)."""
         lru, wanted = self._lru(kind), set(keys)
         best, best_len = None, -1
+        new = id_array(ids)
         for key in reversed([k for k in lru if k in wanted]):
             state = lru[key]
             if state.prev is None:
                 continue
-            n = common_prefix_len(state.prev.ids, ids)
+            n = common_prefix_len(state.prev.id_array, new)
             if n > best_len and (not threshold or n >= max(1, state.first_message_end)):
                 best, best_len = key, n
         return best
@@ -154,9 +155,10 @@ class SessionStore:
         included: what a new conversation can reuse from the others (e.g. a harness's system + tools)."""
         limit = len(ids) if max_position is None else max_position
         best = (0, 0)
+        new = id_array(ids)
         for state in list(self._main.values()) + list(self._side.values()):
             if state.prev is not None:
-                n = common_prefix_len(state.prev.ids, ids)
+                n = common_prefix_len(state.prev.id_array, new)
                 deepest = max((p for p in state.checkpoint_positions if p <= min(n, limit)), default=0)
                 best = max(best, (deepest, n))
         return best[1], best[0]
