@@ -224,7 +224,9 @@ def access_line(request: web.Request, status: int, seconds: float) -> str:
         if turn.first_token_s is not None:
             line += f" tok1={turn.first_token_s * 1000:.0f}ms"
         if turn.first_output_s is not None:
-            line += f" first={turn.first_output_s * 1000:.0f}ms held={turn.held}"
+            line += f" first={turn.first_output_s * 1000:.0f}ms"
+            if turn.held is not None:  # an engine's request (an upstream's or a replayed answer has none)
+                line += f" held={turn.held}"
     return f"{line} {seconds * 1000:.0f}ms"
 
 

@@ -218,7 +218,7 @@ class Generation:
         self.stream: TokenStream | None = None
         self.source: AsyncIterator[OutputEvent | Finished] | None = None
         self._iter: AsyncIterator[GenItem] | None = None
-        self._tokens_out = 0  # output tokens from the engine so far (the parser may hold some back)
+        self._tokens_out: int | None = None  # output tokens from the engine so far (None: no engine stream)
 
     async def __aenter__(self) -> "Generation":
         answer = getattr(self.ctx.core, "answer", None)
