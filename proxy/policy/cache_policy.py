@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
+from engine.common_prefix import id_array
 from harness_adapters import Registry
 from proxy.conversation import Conversation
 from proxy.policy.anchors import (IMPLICIT_PER_TURN, SHARED_PREFIX, AnchorBudget, AnchorPlan, plan_anchors,
@@ -61,8 +62,9 @@ class CachePolicy:
     def plan_turn(self, request: Mapping[str, Any], headers: Mapping[str, str], conv: Conversation,
                   rendered: RenderedLike, adapter) -> TurnPlan:
         kind = adapter.side_request_kind(conv) or "main"
+        ids = id_array(rendered.ids)  # once: the session scans below compare it with every earlier prompt
         with self._lock:
-            key, source = self.store.identify(request, headers, rendered.ids, kind, extras=conv.extras,
+            key, source = self.store.identify(request, headers, ids, kind, extras=conv.extras,
                                               from_summary=adapter.starts_from_summary(conv), conv=conv)
             state = self.store.get(key)
             last = len(rendered.ids) - 1  # the engine prefills at least one token to get the first logits
@@ -71,7 +73,7 @@ class CachePolicy:
                 resume = resume_position(state.checkpoint_positions, min(edit.edit_point, last))
                 existing, turn_index = state.checkpoint_positions, state.turns
             else:  # a new conversation still shares the harness's fixed prefix with the others
-                shared, resume = self.store.shared_checkpoint(rendered.ids, max_position=last)
+                shared, resume = self.store.shared_checkpoint(ids, max_position=last)
                 edit, existing, turn_index = Edit(shared, "first"), (), 0
             if kind == "main":
                 anchors = plan_anchors(rendered, adapter.rules, start=resume, existing=existing,

@@ -16,8 +16,8 @@ Classification looks at where the edit point falls in both renders' segments:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from array import array
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence
 
@@ -36,7 +36,7 @@ class PreviousTurn:
     segments: tuple  # the previous render's segments (prompt offsets)
     conversation: Optional[Conversation] = None  # roles of messages, for observation rules
 
-    @cached_property
+    @property
     def ids(self) -> tuple[int, ...]:
         return self.prompt_ids + self.generated_ids
 
