@@ -274,10 +274,7 @@ def _expert_down_kernel(act_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, pw_ptr, y_p
             valid = rows >= 0
             r64 = tl.where(valid, rows, 0).to(tl.int64)
             a = tl.load(act_ptr + r64[:, None] * I + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(w), input_precision=PREC)
-            acc = acc * tl.load(pw_ptr + r64, mask=valid, other=0.0)[:, None]
-            tl.store(y_ptr + r64[:, None] * H + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=valid[:, None] & nmask[None, :])
+            _store_pair_rows(tl.dot(a, tl.trans(w), input_precision=PREC), pw_ptr, y_ptr, r64, valid, rn, nmask, H)
     else:
         pdl_enter(PDL)
         e = tl.load(exp_ptr + b)
@@ -294,9 +291,15 @@ def _expert_down_kernel(act_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, pw_ptr, y_p
                             other=0.0)
                 w = tl.load(base + rn[:, None] * I + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
                 acc += tl.dot(a, tl.trans(w), input_precision=PREC)
-            acc = acc * tl.load(pw_ptr + r64, mask=valid, other=0.0)[:, None]
-            tl.store(y_ptr + r64[:, None] * H + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=valid[:, None] & nmask[None, :])
+            _store_pair_rows(acc, pw_ptr, y_ptr, r64, valid, rn, nmask, H)
+
+
+@triton.jit
+def _store_pair_rows(acc, pw_ptr, y_ptr, r64, valid, rn, nmask, H):
+    """The down kernel's block [BM, BN]: each pair's row times its routing weight, into y's columns rn."""
+    acc = acc * tl.load(pw_ptr + r64, mask=valid, other=0.0)[:, None]
+    tl.store(y_ptr + r64[:, None] * H + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=valid[:, None] & nmask[None, :])
 
 
 def _tiles(bm: int, n: int, k: int, tokens: int, up: bool) -> tuple[int, int, int, int]:
