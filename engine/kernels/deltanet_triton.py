@@ -205,6 +205,70 @@ def _rule(qkv, proj, rec_state, slots, c: RuleConsts, o, norm: bool) -> None:
         BV=bv, KEYS=keys, NORM=norm, num_warps=8 if norm else 4, **pdl_args(qkv))
 
 
+TAIL_TOKENS = 64  # the most tokens rule_tail takes: past its first checkpoint, a prompt's run is this short
+
+
+@triton.jit
+def _rule_tail_kernel(q_ptr, k_ptr, v_ptr, qk_stride, v_stride, g_ptr, g_stride, beta_ptr, beta_stride,
+                      state_ptr, o_ptr, snap_ptr, mark_ptr, T, scale, HV,
+                      REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    # one program: one value head, BV of its dv columns, through all T steps in order (_rule_step_kernel's
+    # arithmetic a step); after step t+1 the state is also stored where mark[t] >= 0 points
+    h = tl.program_id(0)
+    hk = h // REP
+    dk = tl.arange(0, DK)
+    dv = tl.program_id(1) * BV + tl.arange(0, BV)
+    at = (h * DK + dk[:, None]) * DV + dv[None, :]
+    S = tl.load(state_ptr + at)  # [DK, BV] fp32
+    for t in range(T):
+        q = tl.load(q_ptr + t * qk_stride + hk * DK + dk).to(tl.float32)
+        k = tl.load(k_ptr + t * qk_stride + hk * DK + dk).to(tl.float32)
+        v = tl.load(v_ptr + t * v_stride + h * DV + dv).to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        S = S * tl.exp(tl.load(g_ptr + t * g_stride + h))
+        delta = (v - tl.sum(S * k[:, None], axis=0)) * tl.load(beta_ptr + t * beta_stride + h).to(tl.float32)
+        S = S + k[:, None] * delta[None, :]
+        o = tl.sum(S * q[:, None], axis=0)
+        tl.store(o_ptr + (t * HV + h) * DV + dv, o.to(o_ptr.dtype.element_ty))
+        mark = tl.load(mark_ptr + t)
+        if mark >= 0:
+            tl.store(snap_ptr + mark * HV * DK * DV + at, S)
+    tl.store(state_ptr + at, S)
+
+
+def rule_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              state: torch.Tensor, marks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The delta rule over a short run of one sequence's tokens in one launch, with the state kept after
+    some of its steps: what a prompt's last few tokens need when checkpoints fall among them (split at each,
+    the chunked rule would cost a whole pass of launches a piece).
+
+    q, k [T, Hk, dk]; v [T, Hv, dv]; g [T, Hv] fp32; beta [T, Hv]; state [Hv, dk, dv] fp32 (left as it is);
+    marks: steps in 1..T, ascending -> (o [T, Hv, dv] in v's dtype, the state after step T, the states after
+    each marked step [len(marks), Hv, dk, dv]). recurrent_gated_delta_rule's contract and arithmetic."""
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1:]
+    if not 0 < T <= TAIL_TOKENS or sorted(set(marks)) != list(marks) or not all(0 < m <= T for m in marks):
+        raise ValueError(f"rule_tail: {T} tokens (at most {TAIL_TOKENS}), marks {marks} must ascend in 1..T")
+    q, k, v = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (q, k, v))
+    if k.stride(0) != q.stride(0):
+        q, k = q.contiguous(), k.contiguous()
+    g, beta = g.float(), beta if beta.stride(1) == 1 else beta.contiguous()
+    g = g if g.stride(1) == 1 else g.contiguous()
+    after = state.contiguous().clone()
+    snaps = torch.empty(len(marks), Hv, dk, dv, dtype=torch.float32, device=q.device)
+    where = [-1] * T
+    for i, m in enumerate(marks):
+        where[m - 1] = i
+    o = torch.empty(T, Hv, dv, dtype=v.dtype, device=q.device)
+    bv = min(32, dv)
+    _rule_tail_kernel[(Hv, dv // bv)](
+        q, k, v, q.stride(0), v.stride(0), g, g.stride(0), beta, beta.stride(0), after, o, snaps,
+        torch.tensor(where, dtype=torch.int32).to(q.device, non_blocking=True), T, dk ** -0.5, Hv,
+        REP=Hv // Hk, DK=dk, DV=dv, BV=bv, num_warps=4)
+    return o, after, snaps
+
+
 def rule_step_ref(qkv, proj, rec_state, slots, consts: RuleConsts):
     c = consts
     B, C = qkv.shape

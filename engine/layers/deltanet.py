@@ -23,6 +23,10 @@ class GatedDeltaNet:
         self.neg_A = -w[p + "A_log"].float().exp()  # [Hv]; decay rate, in fp32 as fp16 could overflow
         self.dt_bias, self.norm_w, self.out_w = w[p + "dt_bias"], w[p + "norm.weight"], w[p + "out_proj.weight"]
         self.chunked_rule = chunked_gated_delta_rule  # the fast path swaps in fla's kernels on CUDA
+        # (q, k, v, g, beta, state, marks) -> (o, state, states at the marks): the fast path's one-launch
+        # kernel on CUDA (deltanet_triton.rule_tail) for the few tokens past a prompt's first checkpoint
+        self.tail_rule = None
+        self.tail_tokens = 0
 
     def __call__(self, x: torch.Tensor, spans: list) -> torch.Tensor:
         """x [N, H]; spans: a Span per sequence (its state a LinearState) -> [N, H]."""
@@ -48,7 +52,8 @@ class GatedDeltaNet:
         """Conv + delta rule over one sequence's rows of qkv [N, C], writing out [N, Hv, dv].
 
         At each checkpoint position after the span's first token, up to and including its last one, the state
-        is also copied into state.checkpoints, the recurrence running piecewise between them. (A forward's
+        is also copied into state.checkpoints, the recurrence running piecewise between them (with a tail rule,
+        the run past the first one in one pass when it is short). (A forward's
         own end is never among the positions: the runner snapshots there itself; a piece of a layer-major
         forward may end on one.)"""
         cfg = self.cfg
@@ -60,9 +65,20 @@ class GatedDeltaNet:
         q = q.reshape(n, cfg.linear_num_k_heads, -1)
         k = k.reshape(n, cfg.linear_num_k_heads, -1)
         v = v.reshape(n, cfg.linear_num_v_heads, -1)
-        bounds = sorted({0, *inside, n})
+        first = inside[0] if inside else n
+        # the tail rule takes the short run past the first checkpoint in one pass, keeping the state at the
+        # rest; else the recurrence runs piecewise between them
+        tail = self.tail_rule is not None and 0 < n - first <= self.tail_tokens
+        bounds = sorted({0, first, n} if tail else {0, *inside, n})
         for a, b in zip(bounds, bounds[1:]):
             s = slice(off + a, off + b)
+            if tail and a == first:
+                marks = [p - a for p in inside[1:]]
+                out[s], state.recurrent, snaps = self.tail_rule(q[a:], k[a:], v[a:], g[s], beta[s],
+                                                                state.recurrent, marks)
+                for m, snap in zip(inside[1:], snaps):
+                    state.checkpoints[pos + m] = (self._conv_state_at(conv_in, rows, m), snap)
+                break
             rule = recurrent_gated_delta_rule if b - a == 1 else self.chunked_rule
             out[s], state.recurrent = rule(q[a:b], k[a:b], v[a:b], g[s], beta[s], state.recurrent)
             if b in inside:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from engine.experts.registry import is_expert_cache
 from engine.kernels.attention_triton import (decode_attention, decode_splits, prefill_attention, prefill_block,
                                              prefill_tiles, qk_rope_store)
-from engine.kernels.deltanet_triton import conv_step, rule_step
+from engine.kernels.deltanet_triton import TAIL_TOKENS, conv_step, rule_step
 from engine.kernels.linear_triton import SKINNY_ROWS, skinny_linear
 from engine.kernels.mailbox_triton import join, publish
 from engine.kernels.moe_triton import GROUP_PAIRS, blocks_for, route_topk, run_experts, run_experts_routed
@@ -39,7 +39,7 @@ from engine.models.pieces import one_expert_pass, piece_rows, piece_spans, row_p
 
 
 class FastPath:
-    def __init__(self, model, pool, chunked_rule=None):
+    def __init__(self, model, pool, chunked_rule=None, tail_rule=None):
         cfg = model.config
         self.model, self.pool, self.cfg = model, pool, cfg
         self.mixers, self.mlps = [], []
@@ -58,6 +58,8 @@ class FastPath:
             self.mlps.append(fuse_mlp(layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp)
             if chunked_rule is not None and not layer.is_attention:
                 layer.mixer.chunked_rule = chunked_rule
+            if tail_rule is not None and not layer.is_attention:
+                layer.mixer.tail_rule, layer.mixer.tail_tokens = tail_rule, TAIL_TOKENS
         if self.mapped is not None:
             first = next(m for m in self.mlps if isinstance(m, CachedMoE))
             self._route_width = first.top_k + self.mapped.folds(first)  # KP of a step's routes

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import Engine
+from engine.kernels.deltanet_triton import TAIL_TOKENS, rule_tail
 
 pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
@@ -59,8 +60,32 @@ def test_batched_prefill_then_decode_matches_eager(pair):
     assert [s.length for s in sf] == [s.length for s in se] == [16, 14]
 
 
-def test_checkpoints_inside_a_chunk_and_restore(pair):
+@pytest.mark.parametrize("tail", [False, True])
+def test_checkpoints_inside_a_chunk_and_restore(pair, tail):
+    """tail: the run past the first checkpoint through the one-launch tail rule (CUDA's default; on the CPU
+    only in this test), the state at the second checkpoint and the chunk's end kept by it."""
     eager, fast = pair
+    nets = [layer.mixer for layer in fast.layers if not layer.is_attention]
+    if tail and not nets:
+        pytest.skip("no DeltaNet layer")
+    kept = [(net.tail_rule, net.tail_tokens) for net in nets]
+    runs = []
+
+    def counted(*args):
+        runs.append(args[-1])  # its marks
+        return rule_tail(*args)
+
+    for net in nets:
+        net.tail_rule, net.tail_tokens = (counted, TAIL_TOKENS) if tail else (None, 0)
+    try:
+        _checkpoints_inside_a_chunk_and_restore(eager, fast)
+        assert runs == ([[5]] * len(nets) if tail else [])  # 6..16 in one launch, the state kept at 11
+    finally:
+        for net, (rule, tokens) in zip(nets, kept):
+            net.tail_rule, net.tail_tokens = rule, tokens
+
+
+def _checkpoints_inside_a_chunk_and_restore(eager, fast):
     ids = prompt(20, 3)
     state = fast.new_state()
     state.checkpoint_positions = (6, 11)

@@ -1,9 +1,12 @@
 """DeltaNet decode kernels (conv step, rule step with gated norm) against the eager layer's arithmetic,
-states in slot pools updated in place, several steps in a row."""
+states in slot pools updated in place, several steps in a row; the tail rule (a prompt's last tokens, states
+kept at marked steps) against the eager recurrence."""
 import pytest
 import torch
 
-from engine.kernels.deltanet_triton import RuleConsts, conv_step, conv_step_ref, rule_step, rule_step_ref
+from engine.kernels.deltanet_triton import (RuleConsts, conv_step, conv_step_ref, rule_step, rule_step_ref,
+                                           rule_tail)
+from engine.layers.delta_rule import recurrent_gated_delta_rule
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 
@@ -47,3 +50,33 @@ def test_rule_step_names_a_wrong_width(dev):
     with pytest.raises(ValueError, match="channels"):
         rule_step(torch.zeros(1, 10, device=dev), torch.zeros(1, 200, device=dev),
                   torch.zeros(1, 4, 16, 16, device=dev), torch.zeros(1, dtype=torch.int32, device=dev), c)
+
+
+@pytest.mark.parametrize("dtype", float_dtypes())
+def test_rule_tail_runs_the_recurrence_and_keeps_the_marked_states(dev, dtype):
+    """A prompt's last tokens in one launch: outputs and final state as the eager recurrence's, and the state
+    after each marked step as the recurrence stopped there; q and k strided views of one conv output."""
+    g = torch.Generator().manual_seed(5)
+    T, hk, hv, dk, dv = 9, 2, 4, 16, 32
+    keys = hk * dk
+    qkv = torch.randn(T, 2 * keys + hv * dv, generator=g).to(dev, dtype)
+    q, k = qkv[:, :keys].view(T, hk, dk), qkv[:, keys : 2 * keys].view(T, hk, dk)
+    v = qkv[:, 2 * keys :].reshape(T, hv, dv)
+    gate = (-torch.rand(T, hv, generator=g)).to(dev)
+    beta = torch.rand(T, hv, generator=g).to(dev, dtype)
+    state = (torch.randn(hv, dk, dv, generator=g) * 0.1).to(dev)
+    before = state.clone()
+    marks = [1, 4, 7]  # and the end (9), which the kernel returns on its own
+    o, after, snaps = rule_tail(q, k, v, gate, beta, state, marks)
+    assert torch.equal(state, before)  # the caller's state is left as it was
+    ref, s, a = [], state, 0
+    for b in [*marks, T]:
+        piece, s = recurrent_gated_delta_rule(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], s)
+        ref.append(piece)
+        if b in marks:
+            assert rel_err(snaps[marks.index(b)], s) < 1e-5, b
+        a = b
+    assert o.dtype == v.dtype and rel_err(o, torch.cat(ref)) < 4 * tol(dtype)
+    assert rel_err(after, s) < 1e-5
+    with pytest.raises(ValueError, match="marks"):
+        rule_tail(q, k, v, gate, beta, state, [4, 2])
