@@ -158,22 +158,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+MALLOC_ARENAS = 4  # measured on the 16-core GPU box (2026-12-02): see steady_malloc
+
+
 def steady_malloc() -> bool:
-    """glibc: an arena per core plus two, and a fixed 128 KiB mmap threshold, as MALLOC_ARENA_MAX and
+    """glibc: four malloc arenas and a fixed 128 KiB mmap threshold, as MALLOC_ARENA_MAX=4 and
     MALLOC_MMAP_THRESHOLD_=131072 would set: the prompt-sized buffers the render threads and the engine free
     go back to the system instead of fragmenting an arena per thread (a 20-minute soak: RSS crept +84 MB after
-    every cache was full without, stayed within 30 MB with), while the tokenizer's encode threads (one per
-    core) each still find an arena of their own (two arenas for the 16 cores of the GPU box made an 8k-token
-    render take 40 ms instead of 5). Whether it was applied; not where the user set either variable, nor off
-    glibc."""
+    every cache was full without, stayed within 30 MB with). The count is a trade measured on the GPU box
+    against `bench model`: two arenas made the tokenizer's 16 encode threads queue (an 8k-token render 35-42
+    ms instead of 5), one a core (18) cost the engine thread itself (TTFT 136-140 ms instead of 120-123,
+    decode 925 instead of 980 tok/s); four render in 14-18 ms. Whether it was applied; not where the user set
+    either variable, nor off glibc."""
     if {"MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_"} & os.environ.keys():
         return False
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    arenas = (os.cpu_count() or 1) + 2
-    return bool(mallopt(M_ARENA_MAX, arenas)) and bool(mallopt(M_MMAP_THRESHOLD, 128 * 1024))
+    return bool(mallopt(M_ARENA_MAX, MALLOC_ARENAS)) and bool(mallopt(M_MMAP_THRESHOLD, 128 * 1024))
 
 
 async def _serve(app: web.Application, host: str, port: int) -> None:

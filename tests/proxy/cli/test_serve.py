@@ -45,9 +45,7 @@ def test_steady_malloc_leaves_a_users_setting_alone(monkeypatch):
     monkeypatch.setattr(ctypes, "CDLL", lambda name: libc)
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    monkeypatch.setattr(serve.os, "cpu_count", lambda: 16)
-    # an arena for each of the tokenizer's encode threads (one a core), and two more
-    assert serve.steady_malloc() and calls == [(serve.M_ARENA_MAX, 18), (serve.M_MMAP_THRESHOLD, 131072)]
+    assert serve.steady_malloc() and calls == [(serve.M_ARENA_MAX, 4), (serve.M_MMAP_THRESHOLD, 131072)]
     monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
     assert not serve.steady_malloc() and len(calls) == 2
 
