@@ -72,6 +72,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-runs", type=int, default=3,
                    help="fresh long prompts timed after a warm-up one; the row is their median (default 3)")
     p.add_argument("--extend", type=int, default=256, help="tokens appended after the cached prompt (default 256)")
+    p.add_argument("--text-prompts", action="store_true",
+                   help="prompts of the text `python -m engine.bench.serve` sends, tokenized with the checkpoint's "
+                        "tokenizer (--model DIR), instead of uniform random ids: experts routed as a serve "
+                        "request's are, for comparing the two (default: random ids)")
     p.add_argument("--max-step-tokens", type=int, help="prefill chunk (default: the serve default for the device)")
     p.add_argument("--eager", action="store_true", help="the eager reference path instead of the fast one")
     p.add_argument("--moe-backend", default="fused", choices=["fused", "offload", "cpu", "hybrid"],

@@ -127,35 +127,66 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def bench_decode(core, vocab: int, batch: int, args, seed: int, probe=None) -> tuple[float, tuple]:
+class Prompts:
+    """Prompt ids of n tokens from a seed: uniform random ids, or (a tokenizer given) the first n tokens of the
+    text `engine.bench.serve` sends, whose repeated words route the experts unevenly, as a chat prompt does."""
+
+    def __init__(self, vocab: int, tokenizer=None):
+        self.vocab, self.tokenizer = vocab, tokenizer
+
+    @classmethod
+    def of_text(cls, vocab: int, model_dir: str) -> "Prompts":
+        from pathlib import Path
+
+        from tokenizers import Tokenizer
+
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"--text-prompts: no tokenizer.json in {model_dir}; give a checkpoint with one")
+        return cls(vocab, Tokenizer.from_file(str(path)))
+
+    def __call__(self, n: int, seed: int) -> list[int]:
+        if self.tokenizer is None:
+            return random_prompt(n, self.vocab, seed)
+        from engine.bench.serve import prompt_text
+
+        words = n // 3 + 8
+        while True:
+            ids = self.tokenizer.encode(prompt_text(words, seed), add_special_tokens=False).ids
+            if len(ids) >= n:
+                return ids[:n]
+            words *= 2
+
+
+def bench_decode(core, prompt, batch: int, args, seed: int, probe=None) -> tuple[float, tuple]:
     """-> (seconds per decode step of `batch` concurrent requests (request 0's tokens after the warm-up),
     probe() at the first and the last timed token, or Nones without a probe). The probe runs on the engine
     thread as the token is published, so it sees the counters of exactly the timed steps."""
-    prompts = [random_prompt(args.prompt, vocab, seed + i) for i in range(batch)]
+    prompts = [prompt(args.prompt, seed + i) for i in range(batch)]
     run_requests(core, prompts, args.warmup)  # compiles, captures this batch's graph
     ends = (args.warmup, args.warmup + args.steps)
     # one token past the window: a request's last token is published after the engine caches the turn (one
     # more forward step, runner._cache_turn), which must not land in the timed steps
-    col = run_requests(core, [random_prompt(args.prompt, vocab, seed + 100 + i) for i in range(batch)],
+    col = run_requests(core, [prompt(args.prompt, seed + 100 + i) for i in range(batch)],
                        args.warmup + args.steps + 1, col=Collector(probe, ends))
     t = col.times[col.order[0]]
     return (t[ends[1] - 1] - t[ends[0] - 1]) / args.steps, (col.probed.get(ends[0]), col.probed.get(ends[1]))
 
 
-def bench_prefill(core, vocab: int, args, seed: int, cache: "ExpertTraffic") -> tuple:
+def bench_prefill(core, draw, args, seed: int, cache: "ExpertTraffic") -> tuple:
     """-> (prefill seconds of the long prompt: the median of --prefill-runs fresh prompts, each run's seconds,
     TTFT of the extend, tokens the extend reused, the expert counters before the last prompt and between it
     and the extend)."""
-    run_requests(core, [random_prompt(args.prefill, vocab, seed)], 1)  # warm-up at the same size
+    run_requests(core, [draw(args.prefill, seed)], 1)  # warm-up at the same size
     times = []
     for i in range(max(1, args.prefill_runs)):  # one run alone varied by 25% between machines (H200 box)
         before = cache.mark()
-        prompt = random_prompt(args.prefill, vocab, seed + 1 + 3 * i)
+        prompt = draw(args.prefill, seed + 1 + 3 * i)
         first = run_requests(core, [prompt], 1)
         times.append(first.final[first.order[0]].usage.ttft_s)
     prefill_s = statistics.median(times)
     between = cache.mark()
-    ext = run_requests(core, [prompt + random_prompt(args.extend, vocab, seed + 2)], 1)
+    ext = run_requests(core, [prompt + draw(args.extend, seed + 2)], 1)
     usage = ext.final[ext.order[0]].usage
     return prefill_s, times, usage.ttft_s, usage.reused_tokens, before, between
 
@@ -196,6 +227,8 @@ def build(args):
 
 
 def run(args) -> dict:
+    if args.text_prompts and not args.model:
+        raise ValueError("--text-prompts tokenizes text with a checkpoint's tokenizer: give --model DIR")
     core, model, name, batches, context = build(args)
     if args.cpu_share is not None:
         cpu = model.fast.mapped.cpu if model.fast is not None and model.fast.mapped is not None else None
@@ -204,6 +237,7 @@ def run(args) -> dict:
                              "(--moe-backend hybrid, CUDA or CPU with the native kernels built)")
         cpu.share, cpu.adapt = args.cpu_share, False
     vocab = model.config.vocab_size
+    draw = Prompts.of_text(vocab, args.model) if args.text_prompts else Prompts(vocab)
     rate = hbm_rate(model.device) if model.device.type == "cuda" else float("nan")
     cache = ExpertTraffic(model)
     placement = cache.placement()
@@ -216,7 +250,7 @@ def run(args) -> dict:
     done("build")
     try:
         for b in batches:
-            step, (start, end) = bench_decode(core, vocab, b, args, seed=1000 * b,
+            step, (start, end) = bench_decode(core, draw, b, args, seed=1000 * b,
                                               probe=cache.mark if cache.cached else None)
             need = step_bytes(model.config, model.dtype.itemsize, b, args.prompt + args.warmup + args.steps // 2)
             bound = b * rate / need["total"]
@@ -226,7 +260,7 @@ def run(args) -> dict:
                          **cache.row_keys()})
             done(f"decode_b{b}")
         if args.prefill:
-            prefill_s, runs, ttft, reused, mark, between = bench_prefill(core, vocab, args, seed=7, cache=cache)
+            prefill_s, runs, ttft, reused, mark, between = bench_prefill(core, draw, args, seed=7, cache=cache)
             rows.append({"name": f"prefill_{args.prefill}", "placement": placement, "tok_s": args.prefill / prefill_s,
                          "seconds": prefill_s, "runs_s": runs, **cache.since(mark, upto=between),
                          **cache.stream_bound(prefill_s),
@@ -241,6 +275,7 @@ def run(args) -> dict:
             **cache.split(), "path": "fast" if model.fast is not None else "eager",
             "decode_buckets": model.decode_steps.modes() if model.fast is not None else {},
             "device": _device_name(model.device), "dtype": args.dtype,
+            "prompts": "text (engine.bench.serve's)" if args.text_prompts else "random ids",
             "hbm_copy_gbs": rate / 1e9, "context": context, "placement": placement, **cache.header(),
             "commit": _commit(), "date": time.strftime("%Y-%m-%d"), "rows": rows}
 
@@ -364,7 +399,7 @@ def print_table(res: dict) -> None:
               f"pool {res.get('pool_huge', 0):.0%} in huge pages, B_P {res['bp_gbs']:.1f} GB/s"
               ) if "bp_gbs" in res else ""
     print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path, {res['device']}, "
-          f"HBM copy {res['hbm_copy_gbs']:.0f} GB/s{cached}, commit {res['commit']}")
+          f"prompts of {res.get('prompts', 'random ids')}, HBM copy {res['hbm_copy_gbs']:.0f} GB/s{cached}, commit {res['commit']}")
     print(f"{'row':<16}{'tok/s':>12}{'ms/step':>10}{'bound tok/s':>13}{'of bound':>10}  note")
     for r in res["rows"]:
         note = ""

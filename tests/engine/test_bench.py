@@ -134,3 +134,21 @@ def test_spy_top_counts_each_thread_self_and_inclusive_frames():
     assert own1 == {"f (a.py:3)": 5, "step (a.py:2)": 3, "g (a.py:4)": 1}
     assert incl1["run (a.py:1)"] == 9 and incl1["step (a.py:2)"] == 8 and incl1["g (a.py:4)"] == 1  # once a sample
     assert own2 == {"select (s.py:9)": 2}
+
+
+def test_bench_model_text_prompts_are_the_serve_benchs_text_cut_to_length(tmp_path):
+    """--text-prompts: the words `engine.bench.serve` sends, tokenized by the checkpoint's tokenizer and cut to
+    exactly n ids, the same for a seed; a directory without a tokenizer is named in the error."""
+    from tokenizers import Tokenizer
+
+    from engine.bench.model import Prompts
+    from engine.bench.serve import prompt_text
+
+    draw = Prompts.of_text(1000, "fixtures/tokenizer")
+    a, b = draw(300, 4), draw(300, 5)
+    assert len(a) == len(b) == 300 and a != b and draw(300, 4) == a
+    whole = Tokenizer.from_file("fixtures/tokenizer/tokenizer.json").encode(prompt_text(400, 4)).ids
+    assert whole[:300] == a
+    assert len(Prompts(1000)(17, 1)) == 17 and max(Prompts(1000)(64, 1)) < 1000
+    with pytest.raises(ValueError, match="no tokenizer.json in"):
+        Prompts.of_text(1000, str(tmp_path))
