@@ -43,11 +43,14 @@ def test_steady_malloc_leaves_a_users_setting_alone(monkeypatch):
     calls = []
     libc = type("Libc", (), {"mallopt": staticmethod(lambda *a: calls.append(a) or 1)})()
     monkeypatch.setattr(ctypes, "CDLL", lambda name: libc)
-    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    env = {}
+    monkeypatch.setattr(serve.os, "environ", env)
     assert serve.steady_malloc() and calls == [(serve.M_ARENA_MAX, 4), (serve.M_MMAP_THRESHOLD, 131072)]
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
-    assert not serve.steady_malloc() and len(calls) == 2
+    assert env == {"RAYON_NUM_THREADS": "4"}  # an arena for each of the tokenizer's encode threads
+    env.update(RAYON_NUM_THREADS="16", MALLOC_ARENA_MAX="8")
+    assert not serve.steady_malloc() and len(calls) == 2 and env["RAYON_NUM_THREADS"] == "16"
+    del env["MALLOC_ARENA_MAX"]
+    assert serve.steady_malloc() and env["RAYON_NUM_THREADS"] == "16"  # the user's setting stays
 
 
 def _free_port() -> int:
