@@ -2,8 +2,9 @@
 # One GPU-box call for issue 20's serve line: `killick serve` against `bench model` on the same checkpoint, and
 # where serve's extra time goes. About 4 minutes on a fresh machine (most of it loading and compiling):
 #   1. the 8-layer Qwen3.6-35B-A3B-width checkpoint drawn on the device with the shipped tokenizer
-#   2. `bench model --model CKPT --batches 1 --prefill 8215 --text-prompts`: the engine alone (TTFT of the same
-#      prompt size and text, decode)
+#   2. `bench model --model CKPT --batches 1 --prefill 8215 --text-prompts --prompt 8192`: the engine alone
+#      (TTFT of the same prompt size and text; decode after a prompt as long as serve's, attending over as many
+#      keys)
 #   3. `killick serve` on it, one request to compile, then `python -m engine.bench.serve` (client TTFT, the
 #      server's arrival-to-submit, the engine's TTFT, its first token in the proxy and the first output event,
 #      decode rate), each run with prompts the server has not seen (--seed): twice, each under
@@ -27,7 +28,7 @@ timeout "$(upto 120)" $PY -c "from engine.synth import synth_checkpoint; synth_c
 size='qwen3.6-35b-a3b', tokenizer='fixtures/tokenizer', layers=8, device='cuda')" > "$OUT/ckpt.log" 2>&1
 status checkpoint $?
 timeout "$(upto 100)" $PY -m engine.bench.model --model "$CKPT" --batches 1 --prefill 8215 --text-prompts \
-    --json "$OUT/bench_model.json" > "$OUT/bench_model.txt" 2> "$OUT/bench_model.log"
+    --prompt 8192 --json "$OUT/bench_model.json" > "$OUT/bench_model.txt" 2> "$OUT/bench_model.log"
 status bench_model $?
 cat "$OUT/bench_model.txt" >> "$S"
 
