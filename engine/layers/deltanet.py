@@ -53,7 +53,7 @@ class GatedDeltaNet:
 
         At each checkpoint position after the span's first token, up to and including its last one, the state
         is also copied into state.checkpoints, the recurrence running piecewise between them (with a tail rule,
-        the run past the first one in one pass when it is short). (A forward's
+        the last few tokens in one pass from the first checkpoint among them). (A forward's
         own end is never among the positions: the runner snapshots there itself; a piece of a layer-major
         forward may end on one.)"""
         cfg = self.cfg
@@ -65,18 +65,18 @@ class GatedDeltaNet:
         q = q.reshape(n, cfg.linear_num_k_heads, -1)
         k = k.reshape(n, cfg.linear_num_k_heads, -1)
         v = v.reshape(n, cfg.linear_num_v_heads, -1)
-        first = inside[0] if inside else n
-        # the tail rule takes the short run past the first checkpoint in one pass, keeping the state at the
-        # rest; else the recurrence runs piecewise between them
-        tail = self.tail_rule is not None and 0 < n - first <= self.tail_tokens
-        bounds = sorted({0, first, n} if tail else {0, *inside, n})
+        # the tail rule takes the run past the first checkpoint within tail_tokens of the end in one pass,
+        # keeping the state at the later ones; before it (or without one) the recurrence runs piecewise
+        near = [p for p in inside if p < n and n - p <= self.tail_tokens] if self.tail_rule is not None else []
+        tail = near[0] if near else None
+        bounds = sorted({0, *(p for p in inside if tail is None or p <= tail), n})
         for a, b in zip(bounds, bounds[1:]):
             s = slice(off + a, off + b)
-            if tail and a == first:
-                marks = [p - a for p in inside[1:]]
+            if a == tail:
+                later = [p for p in inside if p > a]
                 out[s], state.recurrent, snaps = self.tail_rule(q[a:], k[a:], v[a:], g[s], beta[s],
-                                                                state.recurrent, marks)
-                for m, snap in zip(inside[1:], snaps):
+                                                                state.recurrent, [p - a for p in later])
+                for m, snap in zip(later, snaps):
                     state.checkpoints[pos + m] = (self._conv_state_at(conv_in, rows, m), snap)
                 break
             rule = recurrent_gated_delta_rule if b - a == 1 else self.chunked_rule

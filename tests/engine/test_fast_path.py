@@ -60,10 +60,11 @@ def test_batched_prefill_then_decode_matches_eager(pair):
     assert [s.length for s in sf] == [s.length for s in se] == [16, 14]
 
 
-@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("tail", [0, TAIL_TOKENS, 7])
 def test_checkpoints_inside_a_chunk_and_restore(pair, tail):
-    """tail: the run past the first checkpoint through the one-launch tail rule (CUDA's default; on the CPU
-    only in this test), the state at the second checkpoint and the chunk's end kept by it."""
+    """tail: the last `tail` tokens from the first checkpoint among them through the one-launch tail rule
+    (CUDA's default; on the CPU only in this test). 64: from 6 on, the state at 11 kept by it; 7: 0-6 and
+    6-11 piecewise, 11-16 by it."""
     eager, fast = pair
     nets = [layer.mixer for layer in fast.layers if not layer.is_attention]
     if tail and not nets:
@@ -76,10 +77,10 @@ def test_checkpoints_inside_a_chunk_and_restore(pair, tail):
         return rule_tail(*args)
 
     for net in nets:
-        net.tail_rule, net.tail_tokens = (counted, TAIL_TOKENS) if tail else (None, 0)
+        net.tail_rule, net.tail_tokens = (counted, tail) if tail else (None, 0)
     try:
         _checkpoints_inside_a_chunk_and_restore(eager, fast)
-        assert runs == ([[5]] * len(nets) if tail else [])  # 6..16 in one launch, the state kept at 11
+        assert runs == {0: [], TAIL_TOKENS: [[5]] * len(nets), 7: [[]] * len(nets)}[tail]
     finally:
         for net, (rule, tokens) in zip(nets, kept):
             net.tail_rule, net.tail_tokens = rule, tokens
