@@ -205,7 +205,7 @@ def _rule(qkv, proj, rec_state, slots, c: RuleConsts, o, norm: bool) -> None:
         BV=bv, KEYS=keys, NORM=norm, num_warps=8 if norm else 4, **pdl_args(qkv))
 
 
-TAIL_TOKENS = 64  # the most tokens rule_tail takes: past its first checkpoint, a prompt's run is this short
+TAIL_TOKENS = 64  # the most tokens rule_tail takes: a prompt's last ones, from the first checkpoint among them
 
 
 @triton.jit
@@ -253,8 +253,7 @@ def rule_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     q, k, v = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (q, k, v))
     if k.stride(0) != q.stride(0):
         q, k = q.contiguous(), k.contiguous()
-    g, beta = g.float(), beta if beta.stride(1) == 1 else beta.contiguous()
-    g = g if g.stride(1) == 1 else g.contiguous()
+    g, beta = (x if x.stride(1) == 1 else x.contiguous() for x in (g.float(), beta))
     after = state.contiguous().clone()
     snaps = torch.empty(len(marks), Hv, dk, dv, dtype=torch.float32, device=q.device)
     where = [-1] * T

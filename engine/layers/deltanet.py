@@ -24,7 +24,7 @@ class GatedDeltaNet:
         self.dt_bias, self.norm_w, self.out_w = w[p + "dt_bias"], w[p + "norm.weight"], w[p + "out_proj.weight"]
         self.chunked_rule = chunked_gated_delta_rule  # the fast path swaps in fla's kernels on CUDA
         # (q, k, v, g, beta, state, marks) -> (o, state, states at the marks): the fast path's one-launch
-        # kernel on CUDA (deltanet_triton.rule_tail) for the few tokens past a prompt's first checkpoint
+        # kernel on CUDA (deltanet_triton.rule_tail) for a prompt's last tail_tokens when checkpoints fall there
         self.tail_rule = None
         self.tail_tokens = 0
 
