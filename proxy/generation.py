@@ -277,7 +277,9 @@ class Generation:
                 with suppress(asyncio.CancelledError, StopAsyncIteration):
                     await next_item
         self.ctx.metrics.observe_usage(item.usage)
-        self.ctx.metrics.observe_turn(self.turn.prepare_s, self.turn.first_output_s, self.turn.first_token_s)
+        turn = self.turn
+        self.ctx.metrics.observe_turn(prepare_s=turn.prepare_s, first_token_s=turn.first_token_s,
+                                      first_output_s=turn.first_output_s)
         self._finish_turn(item)
         self.turn.finished = item
         yield item

@@ -63,9 +63,10 @@ class Metrics:
             self.decode_rate.observe(usage.decode_tok_s)
         self.queue.observe(usage.queue_s)
 
-    def observe_turn(self, prepare_s: float | None, first_output_s: float | None,
-                     first_token_s: float | None = None) -> None:
-        """A generating request's own times since it arrived (proxy.generation.Turn); None: not reached."""
+    def observe_turn(self, *, prepare_s: float | None, first_token_s: float | None,
+                     first_output_s: float | None) -> None:
+        """A generating request's own times since it arrived, in the order they come (proxy.generation.Turn);
+        None: not reached."""
         if prepare_s is not None:
             self.prepare.observe(prepare_s)
         if first_token_s is not None:
