@@ -57,7 +57,12 @@ class EngineCore:
         self._stopping = False
         self.totals = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "prompt_tokens": 0,
                        "reused_tokens": 0, "prefilled_tokens": 0, "output_tokens": 0,
-                       "shared_prefill_waits": 0, "shared_prefill_tokens": 0}
+                       "shared_prefill_waits": 0, "shared_prefill_tokens": 0,
+                       # back-to-back decode steps (every item one token past its prompt): seconds from one's
+                       # end to the next one's, and of those in the runner (forward, sampling, its device
+                       # wait); the rest is the engine thread's own (scheduling, publishing, the GIL)
+                       "decode_steps": 0, "decode_step_seconds": 0.0, "decode_runner_seconds": 0.0}
+        self._decode_end: float | None = None  # when the last decode step ended, if nothing came between
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "EngineCore":
@@ -127,6 +132,7 @@ class EngineCore:
         while True:
             with self._lock:
                 while not self._stopping and not self._inbox and not self._calls and self.scheduler.idle:
+                    self._decode_end = None  # an idle wait is no part of a decode step
                     self._lock.wait(0.5)
                 if self._stopping:
                     break
@@ -159,13 +165,22 @@ class EngineCore:
         work = self.scheduler.schedule()
         if not work:
             return
+        decode = all(w.end - w.start == 1 and w.start >= w.seq.num_prompt for w in work)
+        began = time.perf_counter()
         try:
             tokens = self.runner.step(work)
         except Exception as exc:
+            self._decode_end = None
             log.exception("engine step failed")
             for item in work:
                 self._finish(item.seq, "error", error=f"engine error: {exc}")
             return
+        ended = time.perf_counter()
+        if decode and self._decode_end is not None:
+            self.totals["decode_steps"] += 1
+            self.totals["decode_step_seconds"] += ended - self._decode_end
+            self.totals["decode_runner_seconds"] += ended - began
+        self._decode_end = ended if decode else None
         for item, token in zip(work, tokens):
             self._publish(item, token)
 

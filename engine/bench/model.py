@@ -158,19 +158,27 @@ class Prompts:
             words *= 2
 
 
-def bench_decode(core, prompt, batch: int, args, seed: int, probe=None) -> tuple[float, tuple]:
+def bench_decode(core, prompt, batch: int, args, seed: int, probe=None) -> tuple[float, tuple, dict]:
     """-> (seconds per decode step of `batch` concurrent requests (request 0's tokens after the warm-up),
-    probe() at the first and the last timed token, or Nones without a probe). The probe runs on the engine
-    thread as the token is published, so it sees the counters of exactly the timed steps."""
+    probe() at the first and the last timed token, or Nones without a probe, the engine thread's split of a
+    decode step over the timed requests: engine.bench.serve.decode_split, as serve's /metrics give it). The
+    probe runs on the engine thread as the token is published, so it sees the counters of exactly the timed
+    steps."""
+    from engine.bench.serve import decode_split
+
     prompts = [prompt(args.prompt, seed + i) for i in range(batch)]
     run_requests(core, prompts, args.warmup)  # compiles, captures this batch's graph
     ends = (args.warmup, args.warmup + args.steps)
     # one token past the window: a request's last token is published after the engine caches the turn (one
     # more forward step, runner._cache_turn), which must not land in the timed steps
+    before = core.stats()
     col = run_requests(core, [prompt(args.prompt, seed + 100 + i) for i in range(batch)],
                        args.warmup + args.steps + 1, col=Collector(probe, ends))
+    after = core.stats()
+    split = decode_split(*(after[k] - before[k] for k in ("decode_steps", "decode_step_seconds",
+                                                           "decode_runner_seconds")))
     t = col.times[col.order[0]]
-    return (t[ends[1] - 1] - t[ends[0] - 1]) / args.steps, (col.probed.get(ends[0]), col.probed.get(ends[1]))
+    return (t[ends[1] - 1] - t[ends[0] - 1]) / args.steps, (col.probed.get(ends[0]), col.probed.get(ends[1])), split
 
 
 def bench_prefill(core, draw, args, seed: int, cache: "ExpertTraffic") -> tuple:
@@ -250,12 +258,12 @@ def run(args) -> dict:
     done("build")
     try:
         for b in batches:
-            step, (start, end) = bench_decode(core, draw, b, args, seed=1000 * b,
-                                              probe=cache.mark if cache.cached else None)
+            step, (start, end), split = bench_decode(core, draw, b, args, seed=1000 * b,
+                                                     probe=cache.mark if cache.cached else None)
             need = step_bytes(model.config, model.dtype.itemsize, b, args.prompt + args.warmup + args.steps // 2)
             bound = b * rate / need["total"]
             rows.append({"name": f"decode_b{b}", "placement": placement, "tok_s": b / step, "ms_per_step": step * 1e3,
-                         "bound_tok_s": bound, "of_bound": (b / step) / bound, "step_bytes": need,
+                         "bound_tok_s": bound, "of_bound": (b / step) / bound, "step_bytes": need, **split,
                          **cache.since(start, upto=end), **cache.fill_bound(start, end, args.steps, b, step),
                          **cache.row_keys()})
             done(f"decode_b{b}")
@@ -414,6 +422,9 @@ def print_table(res: dict) -> None:
         if "pool_passes" in r:
             note += f"{'; ' if note else ''}{r['pool_passes']:.2f} pools moved, hit rate " \
                     f"{r['experts']['hits'] / max(1, r['experts']['hits'] + r['experts']['misses']):.2f}"
+        if "decode_runner_ms" in r:
+            note += f"{'; ' if note else ''}engine thread: step {r['decode_step_ms']:.3f} ms, runner " \
+                    f"{r['decode_runner_ms']:.3f} ms"
         if "fill_bound_tok_s" in r:
             note += f"; its PCIe bytes alone at B_P {r['fill_bound_tok_s']:.1f} tok/s ({r['of_fill_bound']:.2f} of it)"
         print(f"{r['name']:<16}{r['tok_s']:>12.1f}{r.get('ms_per_step', float('nan')):>10.3f}"

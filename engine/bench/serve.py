@@ -62,7 +62,8 @@ async def one(session, url: str, text: str, max_tokens: int) -> dict:
 
 
 SUMS = ("killick_ttft_seconds_sum", "killick_decode_tokens_per_second_sum", "killick_prepare_seconds_sum",
-        "killick_first_token_seconds_sum", "killick_first_output_seconds_sum")
+        "killick_first_token_seconds_sum", "killick_first_output_seconds_sum", "killick_engine_decode_steps",
+        "killick_engine_decode_step_seconds", "killick_engine_decode_runner_seconds")
 
 
 async def engine_sums(session, url: str) -> dict[str, float]:
@@ -87,7 +88,18 @@ async def measured(session, url: str, text: str, max_tokens: int) -> dict:
     run["server_prepare_s"] = delta.get("killick_prepare_seconds_sum", float("nan"))
     run["server_first_token_s"] = delta.get("killick_first_token_seconds_sum", float("nan"))
     run["server_first_output_s"] = delta.get("killick_first_output_seconds_sum", float("nan"))
+    run.update(decode_split(delta.get("killick_engine_decode_steps", 0.0),
+                            delta.get("killick_engine_decode_step_seconds", float("nan")),
+                            delta.get("killick_engine_decode_runner_seconds", float("nan"))))
     return run
+
+
+def decode_split(steps: float, step_s: float, runner_s: float) -> dict:
+    """Per back-to-back decode step: its period and the runner's part (forward, sampling, device wait), in ms;
+    what bench model prints beside its decode rows, to tell serve's extra time from the engine's."""
+    if not steps:
+        return {"decode_step_ms": float("nan"), "decode_runner_ms": float("nan")}
+    return {"decode_step_ms": step_s / steps * 1e3, "decode_runner_ms": runner_s / steps * 1e3}
 
 
 async def run(args) -> dict:
@@ -126,6 +138,8 @@ def main(argv=None) -> int:
           f"the first output event {m['server_first_output_s'] * 1e3:.1f} ms after arrival (the detokenizer "
           f"and output parser hold back half characters and text that may open a tool call; the access log's "
           f"held= counts the tokens that had come by then)")
+    print(f"  a decode step {m['decode_step_ms']:.3f} ms end to end, {m['decode_runner_ms']:.3f} ms of it in the "
+          f"runner (forward, sampling, device wait); the rest on the engine thread (scheduling, publishing)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -104,6 +104,7 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
         text = cfg.get("text_config", cfg)
         lookups = dec["experts"]["hits"] + dec["experts"]["misses"]
         assert lookups == 4 * text["num_hidden_layers"] * text["num_experts_per_tok"]
+        assert 0 < dec["decode_runner_ms"] <= dec["decode_step_ms"]  # the engine thread's split of a step
         moved = dec["experts"]["bytes_moved"] + dec["experts"]["bytes_read"]  # fills and in-place reads
         assert dec["fill_bytes_per_step"] == pytest.approx(moved / 4)
         if dec["fill_bytes_per_step"]:

@@ -119,3 +119,13 @@ def test_call_runs_on_the_engine_thread_and_propagates_errors():
         assert core.call(lambda: threading.current_thread().name) == "killick-engine"
         with pytest.raises(ZeroDivisionError):
             core.call(lambda: 1 / 0)
+
+
+def test_decode_steps_are_timed_back_to_back_and_prefill_is_not():
+    """totals count the steps one token past the prompt that follow another such step: their period end to
+    end, and the runner's part of it (here its 2 ms sleep)."""
+    with EngineCore(CountingRunner(delay=0.002), max_step_tokens=4) as core:
+        collect(core, GenerateRequest(list(range(10)), 6))  # prefill 4 + 4 + 2, then 5 decode steps
+        stats = core.stats()
+    assert stats["decode_steps"] == 4  # the first decode step follows a prefill chunk: no period yet
+    assert 4 * 0.002 <= stats["decode_runner_seconds"] <= stats["decode_step_seconds"]
