@@ -56,10 +56,11 @@ class FastPath:
             mixer = fuse_attention(layer.mixer, cfg) if layer.is_attention else fuse_deltanet(layer.mixer, cfg)
             self.mixers.append(mixer)
             self.mlps.append(fuse_mlp(layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp)
-            if chunked_rule is not None and not layer.is_attention:
-                layer.mixer.chunked_rule = chunked_rule
-            if tail_rule is not None and not layer.is_attention:
-                layer.mixer.tail_rule, layer.mixer.tail_tokens = tail_rule, TAIL_TOKENS
+            if not layer.is_attention:
+                if chunked_rule is not None:
+                    layer.mixer.chunked_rule = chunked_rule
+                if tail_rule is not None:
+                    layer.mixer.tail_rule, layer.mixer.tail_tokens = tail_rule, TAIL_TOKENS
         if self.mapped is not None:
             first = next(m for m in self.mlps if isinstance(m, CachedMoE))
             self._route_width = first.top_k + self.mapped.folds(first)  # KP of a step's routes
