@@ -35,6 +35,7 @@ class EngineOptions:
     slot_policy: str = "lfu"  # which expert slot a fill evicts: lfu (popularity, decayed) or lru
     moe_decode: str = "auto"  # fast-path decode through the expert cache: mapped | host | auto (offload.py)
     fast_path: bool = True  # CUDA: Triton kernels, static state slots, decode steps as CUDA graphs
+    overlap: bool = True  # CUDA: queue the next decode step from the last one's tokens still on the device
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -80,6 +81,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "device slots), cpu (misses run on the CPU), hybrid (q* split); auto picks (default)")
     g.add_argument("--eager", dest="fast_path", action="store_false",
                    help="CUDA: run the eager reference path instead of the fast one (kernels, CUDA graphs)")
+    g.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="CUDA: read each decode step's tokens before the next step is queued (for comparisons; by "
+                        "default the next step starts from the tokens still on the device, so the host's work "
+                        "between steps runs while the device computes)")
     g.add_argument("--moe-slots", metavar="N|P%", help="device expert slots for offload/cpu/hybrid: a count or "
                                                       "a percentage of all experts (default: memory left)")
     g.add_argument("--slot-policy", default="lfu", choices=["lfu", "lru"],
@@ -127,7 +132,7 @@ def build_core(model_dir: Path, opts: EngineOptions = EngineOptions(), model=Non
         dev = opts.cache_device_mb << 20 if opts.cache_device_mb else default_device_budget(model.device)
         host = opts.cache_host_mb << 20 if opts.cache_host_mb else None
         cache = PrefixStore(model, device_budget=dev, host_budget=host)
-    runner = ModelRunner(model, context_length=context, cache=cache)
+    runner = ModelRunner(model, context_length=context, cache=cache, overlap=opts.overlap)
     step = step_tokens(opts, model.device)
     prefill = prefill_tokens(opts, model, step, context)
     model.piece_tokens = step if prefill > step else None

@@ -12,7 +12,7 @@ import torch
 
 from engine.api import GenerateRequest
 from engine.config import FULL
-from engine.sampling import Sampler, argmax_rows, wait_for_device
+from engine.sampling import Readback, Sampler, sample_rows
 from engine.scheduler import Sequence, Work
 
 
@@ -34,7 +34,8 @@ class StateCache(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model, context_length: int | None = None, cache: StateCache | None = None) -> None:
+    def __init__(self, model, context_length: int | None = None, cache: StateCache | None = None,
+                 overlap: bool | None = None) -> None:
         self.model = model
         self.cache = cache
         self.vocab_size = model.config.vocab_size
@@ -43,6 +44,10 @@ class ModelRunner:
         self._samplers: dict[str, Sampler] = {}
         self._matches: dict[str, object] = {}
         self.steps = 0
+        self._readback = Readback(depth=2)  # a chained step's tokens travel while the host reads the last's
+        # EngineCore queues the next decode step before it reads this one's tokens (chain), so the host's work
+        # between steps runs while the device computes; by default on CUDA, where a queued step runs alone
+        self.overlap = model.device.type == "cuda" if overlap is None else overlap
         # On CPU, steps of a few tokens run on one intra-op thread: their ops are too small to split, and
         # torch's other threads only fight the proxy's event loop for the cores (a 40-token step took 2x
         # as long on 2 threads next to a streaming proxy). Long prefill chunks get every thread.
@@ -71,8 +76,12 @@ class ModelRunner:
         seq.cache_tier = "none"
         self.admit(seq)
 
-    @torch.inference_mode()
     def step(self, work: list[Work]) -> list[int | None]:
+        return self.launch(work).tokens()
+
+    @torch.inference_mode()
+    def launch(self, work: list[Work]) -> "Launched":
+        """Queue one step (forward, checkpoints, sampling) on the device; its tokens are read by tokens()."""
         # token ids stay host-side lists: the model moves them (a decode step reads them as ints)
         items = [(w.seq.tokens[w.start : w.end], self._states[w.seq.request_id]) for w in work]
         if self._cpu_threads > 1:
@@ -92,29 +101,41 @@ class ModelRunner:
                 if w.checkpoint_here:
                     self.cache.insert(seq.tokens[: w.end], state)
                     seq.checkpoints_kept.append(w.end)
-        return self._sample(work, logits)
+        samples = [w.samples and w.seq.req.max_new_tokens > 0 for w in work]
+        return self._sample(work, logits, samples)
 
-    def _sample(self, work: list[Work], logits: list[torch.Tensor]) -> list[int | None]:
-        """A token per sampling item: forced ids as given, greedy rows in one batched argmax (one wait for
-        the device per step), the others through their own Sampler."""
-        out: list[int | None] = [None] * len(work)
-        greedy = []
-        for i, (w, lg) in enumerate(zip(work, logits)):
-            seq = w.seq
-            if not w.samples or seq.req.max_new_tokens == 0:
+    @torch.inference_mode()
+    def chain(self, last: "Launched", work: list[Work]) -> "Launched":
+        """Queue the decode step after `last` before its tokens reach the host: each item of `work` (one token
+        past a sequence of last's, which sampled there) feeds the token last sampled for that sequence, on the
+        device. The caller drops the rows of sequences that last's tokens end; their states have taken one
+        token more (a stop token: what the turn's cache entry takes anyway, see _cache_turn)."""
+        rows = [last.row(w.seq) for w in work]
+        # (a subset picked by int views and one stack: indexing by a list would copy the list to the device)
+        ids = last.ids if rows == list(range(last.ids.shape[0])) else torch.stack([last.ids[r] for r in rows])
+        items = [(ids[i : i + 1], self._states[w.seq.request_id]) for i, w in enumerate(work)]
+        logits = self.model.forward(items, logits="last")
+        self.steps += 1
+        return self._sample(work, logits, [True] * len(work))
+
+    def _sample(self, work: list[Work], logits: list[torch.Tensor], samples: list[bool]) -> "Launched":
+        """A token per sampling item, queued on the device: forced ids as given, the others drawn by their
+        Sampler (greedy rows in one argmax), all read back by one copy when tokens() asks."""
+        forced: dict[int, int] = {}
+        drawn = []
+        for i, (w, sampling) in enumerate(zip(work, samples)):
+            if not sampling:
                 continue
-            if seq.req.forced_output_ids is not None:
-                out[i] = seq.req.forced_output_ids[seq.num_output]
-            elif seq.req.sampling.greedy:
-                greedy.append(i)
+            script = w.seq.req.forced_output_ids
+            if script is not None:
+                forced[i] = script[w.seq.num_output]
             else:
-                out[i] = self._samplers[seq.request_id](lg[-1])
-        if greedy:
-            for i, token in zip(greedy, argmax_rows([logits[i][-1] for i in greedy])):
-                out[i] = token
-        else:
-            wait_for_device(self.model.device)  # step timings and prefill progress mean work done
-        return out
+                drawn.append(i)
+        ids = sample_rows([logits[i][-1] for i in drawn], [self._samplers[work[i].seq.request_id] for i in drawn]) \
+            if drawn else None
+        # without draws, a step still waits for the device: step timings and prefill progress mean work done
+        read = self._readback.start(ids) if ids is not None else _device_done(self.model.device)
+        return Launched(work, forced, drawn, ids, read)
 
     def release(self, seq: Sequence) -> None:
         state = self._states.get(seq.request_id)
@@ -181,6 +202,42 @@ class ModelRunner:
         if self.cache is not None:
             out.update(self.cache.stats())
         return out
+
+
+class Launched:
+    """A step queued on the device (ModelRunner.launch / chain). tokens(): its token per item (None where
+    the item does not sample), read from the device once."""
+
+    def __init__(self, work: list[Work], forced: dict[int, int], drawn: list[int], ids: torch.Tensor | None,
+                 read) -> None:
+        self.work, self.ids = work, ids  # ids: the drawn tokens [len(drawn)] int64 on the device
+        self._forced, self._drawn, self._read = forced, drawn, read
+        self._rows = {work[i].seq.request_id: r for r, i in enumerate(drawn)}
+        self._tokens: list[int | None] | None = None
+
+    def row(self, seq: Sequence) -> int:
+        """The row of ids holding seq's drawn token (KeyError: seq's item drew none)."""
+        return self._rows[seq.request_id]
+
+    def tokens(self) -> list[int | None]:
+        if self._tokens is None:
+            out: list[int | None] = [None] * len(self.work)
+            for i, token in self._forced.items():
+                out[i] = token
+            values = self._read()
+            for i, token in zip(self._drawn, values or ()):
+                out[i] = token
+            self._tokens = out
+        return self._tokens
+
+
+def _device_done(device: torch.device):
+    """-> a function that waits (GIL released) until the device finished the work queued so far."""
+    if device.type != "cuda":
+        return lambda: None
+    done = torch.cuda.Event()
+    done.record()
+    return done.synchronize
 
 
 def _check_fits(model, kv_tokens: int | None, device_bytes: int | None, host_bytes: int | None) -> None:

@@ -2,8 +2,11 @@
 
     sampler = Sampler(SamplingParams(temperature=0.7, top_p=0.9, seed=1), device)
     token = sampler(logits)        # logits FloatTensor [V] -> int
+    ids = sampler.sample(logits)   # the same draw as a 0-d tensor on logits' device, no wait for the device
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -12,16 +15,16 @@ from engine.api import SamplingParams
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Logits [V] with everything outside the top-k / top-p nucleus set to -inf (0 / 1.0 mean off)."""
-    logits = logits.float().clone()
+    logits = logits.float().clone()  # masks, not boolean indexing: nothing here waits for the device
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
-        logits[logits < kth] = float("-inf")
+        logits.masked_fill_(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # drop a token once the tokens before it already reach top_p; the first always stays
         drop = (cumulative - sorted_logits.softmax(-1)) >= top_p
-        logits[order[drop]] = float("-inf")
+        logits.masked_fill_(torch.zeros_like(drop).scatter_(0, order, drop), float("-inf"))
     return logits
 
 
@@ -33,34 +36,65 @@ class Sampler:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
 
     def __call__(self, logits: torch.Tensor) -> int:
+        return int(self.sample(logits))
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] -> the token as a 0-d int64 tensor on their device, queued without waiting for it (a
+        decode step's token can feed the next step before the host reads it). A draw is the argmax of the
+        probabilities over independent Exp(1) noise, which picks token i with probability p_i, as
+        torch.multinomial does, without the wait for the device multinomial costs on CUDA."""
         p = self.params
         if p.greedy:
-            return int(torch.argmax(logits))
-        filtered = filter_logits(logits / p.temperature, p.top_k, p.top_p)
-        probs = filtered.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            return torch.argmax(logits)
+        probs = filter_logits(logits / p.temperature, p.top_k, p.top_p).softmax(-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator).clamp_min_(NOISE_MIN)
+        return torch.argmax(probs / noise)
 
 
-def wait_for_device(device: torch.device) -> None:
-    """Block until the device has finished the work queued so far, without holding the GIL (CUDA)."""
-    if device.type == "cuda":
+NOISE_MIN = 1e-20  # an Exp(1) draw of 0 would make p / 0 inf (or NaN where p = 0), which argmax would pick
+
+
+def sample_rows(rows: list[torch.Tensor], samplers: list[Sampler]) -> torch.Tensor:
+    """A token for each logits row [V] by its sampler -> int64 [n] on the rows' device, queued, nothing read
+    back: the greedy rows in one argmax, the others one draw each."""
+    greedy = [i for i, s in enumerate(samplers) if s.params.greedy]
+    if len(greedy) == len(rows):
+        return _as_matrix(rows).argmax(-1)
+    picks: list[torch.Tensor | None] = [None] * len(rows)
+    if greedy:
+        for i, token in zip(greedy, _as_matrix([rows[i] for i in greedy]).argmax(-1)):
+            picks[i] = token
+    for i, (row, sampler) in enumerate(zip(rows, samplers)):
+        if picks[i] is None:
+            picks[i] = sampler.sample(row)
+    return torch.stack(picks)
+
+
+class Readback:
+    """Device int64 vectors to host lists through page-locked buffers used in turn: a step's tokens travel
+    while the host still reads the step before's, so up to `depth` steps may be queued and unread."""
+
+    def __init__(self, depth: int = 2) -> None:
+        self._buffers: list[torch.Tensor | None] = [None] * depth
+        self._turn = 0
+
+    def start(self, ids: torch.Tensor) -> Callable[[], list[int]]:
+        """Queue the copy of ids [n]; -> a function that waits for it (GIL released) and returns the list."""
+        if ids.device.type != "cuda":
+            return ids.tolist
+        n, k = ids.shape[0], self._turn
+        self._turn = (k + 1) % len(self._buffers)
+        if self._buffers[k] is None or self._buffers[k].shape[0] < n:
+            self._buffers[k] = torch.empty(max(n, 64), dtype=ids.dtype, pin_memory=True)  # pinning: a syscall
+        host = self._buffers[k][:n]
+        host.copy_(ids, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        done.synchronize()
 
-
-def argmax_rows(rows: list[torch.Tensor]) -> list[int]:
-    """Greedy tokens of several logits rows [V] at once: one argmax, one copy to the host."""
-    ids = _as_matrix(rows).argmax(-1)
-    if ids.device.type != "cuda":
-        return ids.tolist()
-    n = ids.shape[0]
-    if _PINNED.get("ids") is None or _PINNED["ids"].shape[0] < n:
-        _PINNED["ids"] = torch.empty(max(n, 64), dtype=ids.dtype, pin_memory=True)  # pinning costs a syscall
-    host = _PINNED["ids"][:n]
-    host.copy_(ids, non_blocking=True)
-    wait_for_device(ids.device)
-    return host.tolist()
+        def read() -> list[int]:
+            done.synchronize()
+            return host.tolist()
+        return read
 
 
 def _as_matrix(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -76,5 +110,3 @@ def _as_matrix(rows: list[torch.Tensor]) -> torch.Tensor:
             return first.as_strided((len(rows), step), (step, 1))
     return torch.stack(rows)
 
-
-_PINNED: dict[str, torch.Tensor] = {}  # the engine thread's reusable pinned buffer

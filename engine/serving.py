@@ -13,7 +13,7 @@ from collections import deque
 from typing import Callable, Protocol
 
 from engine.api import FinishReason, GenerateRequest, TokenEvent, Usage
-from engine.scheduler import Scheduler, Sequence, Work
+from engine.scheduler import Scheduler, Sequence, Status, Work
 
 log = logging.getLogger("killick.engine")
 EventSink = Callable[[TokenEvent], None]
@@ -32,6 +32,11 @@ class Runner(Protocol):
     def readmit(self, seq: Sequence) -> None: ...  # nothing computed yet: restore the (longer) cached prefix
 
     def step(self, work: list[Work]) -> list[int | None]: ...  # one forward; a token per sampling item
+
+    # Optional (engine/runner.py has them): `launch(work)` queues a step and returns an object with `work` and
+    # `tokens()`; `chain(launched, work)` queues the decode step after it from its tokens still on the device;
+    # `overlap` (bool) says whether the core should chain (where the device runs a step while the host goes
+    # on). A runner with `step` alone runs each step to its end.
 
     def release(self, seq: Sequence) -> None: ...  # cache what is worth keeping, free the rest
 
@@ -63,6 +68,7 @@ class EngineCore:
                        # wait); the rest is the engine thread's own (scheduling, publishing, the GIL)
                        "decode_steps": 0, "decode_step_seconds": 0.0, "decode_runner_seconds": 0.0}
         self._decode_end: float | None = None  # when the last decode step ended, if nothing came between
+        self._ahead = None  # a decode step queued after the last one published, its tokens not read yet
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "EngineCore":
@@ -131,7 +137,8 @@ class EngineCore:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self._inbox and not self._calls and self.scheduler.idle:
+                while (not self._stopping and not self._inbox and not self._calls and self.scheduler.idle
+                       and self._ahead is None):
                     self._decode_end = None  # an idle wait is no part of a decode step
                     self._lock.wait(0.5)
                 if self._stopping:
@@ -139,13 +146,15 @@ class EngineCore:
                 inbox, self._inbox = list(self._inbox), deque()
                 calls, self._calls = list(self._calls), deque()
                 aborts, self._aborts = self._aborts, set()
+            if calls and self._ahead is not None:
+                self._step(chain=False)  # a call runs between steps: the step in flight is published first
             for fn, done, box in calls:
                 box.append(_try(fn))
                 done.set()
             for seq in inbox:
                 self.scheduler.waiting.append(seq)
             self._apply_aborts(aborts)
-            if not self.scheduler.idle:
+            if not self.scheduler.idle or self._ahead is not None:
                 self._step()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._finish(seq, "abort", error=None)
@@ -155,25 +164,32 @@ class EngineCore:
             if seq.request_id in aborts or seq.req.abort.aborted:
                 self._finish(seq, "abort")
 
-    def _step(self) -> None:
-        for seq in self.scheduler.admit():
-            self._admit(seq, self.runner.admit)
-        for seq in self.scheduler.ready_followers():  # the prefill they waited for put their prefix in the cache
-            before = seq.num_computed
-            if self._admit(seq, self.runner.readmit):
-                self.totals["shared_prefill_tokens"] += max(0, seq.num_computed - before)
-        work = self.scheduler.schedule()
-        if not work:
-            return
-        decode = all(w.end - w.start == 1 and w.start >= w.seq.num_prompt for w in work)
+    def _step(self, chain: bool = True) -> None:
+        """One step's tokens published: the step queued last time (chained), else one scheduled and launched
+        now. Before its tokens are read, the decode step after it is queued (chain) where nothing else could
+        run instead (_chain), so the device runs that one while this thread publishes."""
+        launched, self._ahead = self._ahead, None
         began = time.perf_counter()
-        try:
-            tokens = self.runner.step(work)
-        except Exception as exc:
-            self._decode_end = None
-            log.exception("engine step failed")
-            for item in work:
-                self._finish(item.seq, "error", error=f"engine error: {exc}")
+        if launched is None:
+            for seq in self.scheduler.admit():
+                self._admit(seq, self.runner.admit)
+            for seq in self.scheduler.ready_followers():  # the prefill they waited for put their prefix in the cache
+                before = seq.num_computed
+                if self._admit(seq, self.runner.readmit):
+                    self.totals["shared_prefill_tokens"] += max(0, seq.num_computed - before)
+            work = self.scheduler.schedule()
+            if not work:
+                return
+            began = time.perf_counter()
+            launched = self._run(lambda: self._launch(work), work)
+            if launched is None:
+                return
+        work = launched.work
+        decode = all(w.end - w.start == 1 and w.start >= w.seq.num_prompt for w in work)
+        if decode and chain:
+            self._ahead = self._chain(launched)
+        tokens = self._run(launched.tokens, work)
+        if tokens is None:
             return
         ended = time.perf_counter()
         if decode and self._decode_end is not None:
@@ -182,7 +198,43 @@ class EngineCore:
             self.totals["decode_runner_seconds"] += ended - began
         self._decode_end = ended if decode else None
         for item, token in zip(work, tokens):
-            self._publish(item, token)
+            if item.seq.status is Status.RUNNING:  # not ended (stop, abort) while its step was in flight
+                self._publish(item, token)
+
+    def _launch(self, work: list[Work]):
+        launch = getattr(self.runner, "launch", None)
+        return launch(work) if launch is not None else _Done(work, self.runner.step(work))
+
+    def _run(self, fn: Callable[[], object], work: list[Work]):
+        """fn() (a launch, or reading a step's tokens); if it fails, every running sequence of `work` ends
+        with the error (and a step queued after it is dropped) -> None."""
+        try:
+            return fn()
+        except Exception as exc:
+            self._decode_end, self._ahead = None, None
+            log.exception("engine step failed")
+            for item in work:
+                if item.seq.status is Status.RUNNING:
+                    self._finish(item.seq, "error", error=f"engine error: {exc}")
+            return None
+
+    def _chain(self, launched):
+        """Queue the decode step after `launched` from its tokens on the device, before the host reads them,
+        when that step is certain to be the next one but for sequences its tokens end (stop tokens: their row
+        is dropped): every running sequence decodes, greedy or sampled, none waits, nothing else is asked of
+        the engine. A sequence whose token is its last (max_new_tokens) is left out. -> the launched step."""
+        chain = getattr(self.runner, "chain", None)
+        if chain is None or not getattr(self.runner, "overlap", False):
+            return None
+        sched, work = self.scheduler, launched.work
+        if (self._inbox or self._calls or self._aborts or sched.waiting or len(work) != len(sched.running)
+                or any(w.seq.req.forced_output_ids is not None or w.seq.req.abort.aborted or not w.samples
+                       for w in work)):
+            return None
+        nxt = [Work(w.seq, w.end, w.end + 1) for w in work if w.seq.num_output + 1 < w.seq.req.max_new_tokens]
+        if not nxt:
+            return None
+        return self._run(lambda: chain(launched, nxt), nxt)
 
     def _admit(self, seq: Sequence, restore: Callable[[Sequence], None]) -> bool:
         """Restore seq's cached prefix, then let it wait for a prefill in flight it shares. False: it failed."""
@@ -275,6 +327,16 @@ class TokenStream:
 
     async def aclose(self) -> None:
         self.abort()
+
+
+class _Done:
+    """A step a runner without launch() ran to its end: its tokens, known."""
+
+    def __init__(self, work: list[Work], tokens: list[int | None]) -> None:
+        self.work, self._tokens = work, tokens
+
+    def tokens(self) -> list[int | None]:
+        return self._tokens
 
 
 def _try(fn: Callable[[], object]) -> object:

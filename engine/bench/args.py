@@ -78,6 +78,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "request's are, for comparing the two (default: random ids)")
     p.add_argument("--max-step-tokens", type=int, help="prefill chunk (default: the serve default for the device)")
     p.add_argument("--eager", action="store_true", help="the eager reference path instead of the fast one")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="read each decode step's tokens before queuing the next (as serve --no-overlap)")
     p.add_argument("--moe-backend", default="fused", choices=["fused", "offload", "cpu", "hybrid"],
                    help="where routed experts run (default fused: all on the device); the others keep the experts "
                         "in a host-RAM pool with --moe-slots of them cached on the device, as serve does")

@@ -230,7 +230,7 @@ def build(args):
     context = args.prefill + args.extend + 64 if args.prefill else args.prompt + args.warmup + args.steps + 64
     given = {k: getattr(args, k) for k in ("max_step_tokens", "max_prefill_tokens") if getattr(args, k)}
     opts = EngineOptions(device=args.device, dtype=args.dtype, max_running=max(batches), context_length=context,
-                         fast_path=not args.eager, **given)
+                         fast_path=not args.eager, overlap=args.overlap, **given)
     return build_core(None, opts, model=model).start(), model, name, batches, context
 
 
@@ -282,6 +282,7 @@ def run(args) -> dict:
     return {"what": "whole engine: EngineCore -> scheduler -> ModelRunner -> Model", "model": name,
             **cache.split(), "path": "fast" if model.fast is not None else "eager",
             "decode_buckets": model.decode_steps.modes() if model.fast is not None else {},
+            "overlap": core.runner.overlap,
             "device": _device_name(model.device), "dtype": args.dtype,
             "prompts": "text (engine.bench.serve's)" if args.text_prompts else "random ids",
             "hbm_copy_gbs": rate / 1e9, "context": context, "placement": placement, **cache.header(),
@@ -406,7 +407,8 @@ def print_table(res: dict) -> None:
               f"as llama.cpp {res['placement']}), decode {res['decode_path']}, CPU experts {res['cpu_experts']}, "
               f"pool {res.get('pool_huge', 0):.0%} in huge pages, B_P {res['bp_gbs']:.1f} GB/s"
               ) if "bp_gbs" in res else ""
-    print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path, {res['device']}, "
+    overlap = ", decode steps overlapped" if res.get("overlap") else ", decode steps one at a time"
+    print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path{overlap}, {res['device']}, "
           f"prompts of {res.get('prompts', 'random ids')}, HBM copy {res['hbm_copy_gbs']:.0f} GB/s{cached}, commit {res['commit']}")
     print(f"{'row':<16}{'tok/s':>12}{'ms/step':>10}{'bound tok/s':>13}{'of bound':>10}  note")
     for r in res["rows"]:

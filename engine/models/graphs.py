@@ -1,7 +1,8 @@
 """Decode steps in batch-size buckets; on CUDA each bucket is a graph captured on first use and replayed.
 
     steps = DecodeSteps(fast, max_batch=8, capture=True)
-    logits = steps.run(ids, slots, positions)      # lists of ints -> [B, V] fp32, valid until the next run
+    logits = steps.run(ids, slots, positions)      # lists of ints (ids may be a device tensor) -> [B, V] fp32,
+                                                   # valid until the next run
 
 A bucket holds its inputs in one int32 device tensor [4, b] (token ids, slots, positions, valid flags),
 filled by one copy from (pinned) host memory; rows past the batch are padding (the pool's scratch slot,
@@ -37,8 +38,13 @@ class _Bucket:
         self.fast, self.size, self.graph = fast, size, None
         self.segments: list[torch.cuda.CUDAGraph] = []  # with an expert cache: a graph between its layers
         self.calls: list = []  # the ExpertCall the host runs after segment i (its tensors live in the graphs)
-        self.host = torch.zeros(4, size, dtype=torch.int32, pin_memory=dev.type == "cuda")
-        self.staging = self.host.numpy()  # written through numpy: a step's inputs cost microseconds
+        # two page-locked staging buffers used in turn: a chained step fills one while the step before may
+        # not have copied the other yet (the engine reads a step's tokens before it queues the one after next)
+        self.hosts = [torch.zeros(4, size, dtype=torch.int32, pin_memory=dev.type == "cuda") for _ in range(2)]
+        self.stagings = [h.numpy() for h in self.hosts]  # written through numpy: a step's inputs cost microseconds
+        self.turn = 0
+        self.host, self.staging = self.hosts[0], self.stagings[0]
+        self.copied: list = [None, None]  # CUDA event after each buffer's last copy to the device
         self.inputs = torch.zeros(4, size, dtype=torch.int32, device=dev)
         self._pad(fast.pool.scratch, 0)
         self.inputs.copy_(self.host)
@@ -108,12 +114,23 @@ class _Bucket:
         self.staging[:, start:] = 0
         self.staging[1, start:] = scratch
 
-    def run(self, ids: list[int], slots: list[int], positions: list[int], scratch: int) -> torch.Tensor:
-        n = len(ids)
+    def run(self, ids, slots: list[int], positions: list[int], scratch: int) -> torch.Tensor:
+        """ids: a list of ints, or a tensor [n] (on the device: taken from there, nothing read back)."""
+        n = len(slots)
+        self.turn = k = self.turn ^ 1
+        self.host, self.staging = self.hosts[k], self.stagings[k]
+        if self.copied[k] is not None:
+            self.copied[k].synchronize()  # (long done unless another launch came between two chained steps)
         st = self.staging
-        st[0, :n], st[1, :n], st[2, :n], st[3, :n] = ids, slots, positions, 1
+        on_host = not isinstance(ids, torch.Tensor)
+        st[0, :n], st[1, :n], st[2, :n], st[3, :n] = ids if on_host else 0, slots, positions, 1
         self._pad(scratch, n)
         self.inputs.copy_(self.host, non_blocking=True)
+        if self.inputs.is_cuda:
+            self.copied[k] = torch.cuda.Event()
+            self.copied[k].record()
+        if not on_host:
+            self.inputs[0, :n].copy_(ids, non_blocking=True)
         if self.segments:
             self.segments[0].replay()  # (segments: the host's part runs inside, between the graphs)
             for call, graph in zip(self.calls, self.segments[1:]):
@@ -155,8 +172,9 @@ class DecodeSteps:
         cache's slots were reallocated, which the graphs read in place)."""
         self._buckets.clear()
 
-    def run(self, ids: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
-        size = next(s for s in self.sizes if s >= len(ids))
+    def run(self, ids, slots: list[int], positions: list[int]) -> torch.Tensor:
+        """ids: list of ints or an int tensor [n] (device: read in place by the step's input copy)."""
+        size = next(s for s in self.sizes if s >= len(slots))
         if size not in self._buckets:
             self._buckets[size] = _Bucket(self.fast, size, self.capture)
         self.replays += self.capture

@@ -165,8 +165,13 @@ class Model:
     def _forward_fast(self, items: list, logits: str) -> list[torch.Tensor]:
         sizes = [len(t) if isinstance(t, list) else torch.as_tensor(t).numel() for t, _ in items]
         if all(n == 1 for n in sizes) and len(items) <= self.decode_steps.max_batch:
-            # lists or CPU tensors: no device sync (a CUDA tensor costs one)
-            ids = [t[0] if isinstance(t, list) else int(torch.as_tensor(t).reshape(-1)[0]) for t, _ in items]
+            # lists: read on the host; tensors (a chained step's ids, the tokens the step before drew, still
+            # on the device) stay tensors, copied into the step's inputs on the device: no sync either way
+            if all(isinstance(t, torch.Tensor) for t, _ in items):
+                ids = torch.cat([t.reshape(-1) for t, _ in items])
+            else:
+                ids = [int(torch.as_tensor(t).reshape(-1)[0]) if isinstance(t, torch.Tensor) else t[0]
+                       for t, _ in items]
             out = self.decode_steps.run(ids, [st.slot for _, st in items], [st.length for _, st in items])
             for _, st in items:
                 st.advance(1)

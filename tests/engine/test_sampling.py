@@ -57,17 +57,40 @@ def test_generate_seeded_reproducible_and_top_k_1_is_greedy(engine_for):
     assert len(different) > 1
 
 
-def test_argmax_rows_reads_consecutive_rows_in_place_and_others_by_copy():
-    from engine.sampling import _as_matrix, argmax_rows
+def test_sample_rows_reads_consecutive_rows_in_place_and_others_by_copy():
+    from engine.sampling import _as_matrix, sample_rows
 
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(4, 50, generator=g)
     rows = list(logits.split(1))
     rows = [r[-1] for r in rows]  # what the runner passes: the last row of each item's [1, V]
+    greedy = [Sampler(SamplingParams())] * 4
     assert _as_matrix(rows).data_ptr() == logits.data_ptr()  # no copy
-    assert argmax_rows(rows) == logits.argmax(-1).tolist()
+    assert sample_rows(rows, greedy).tolist() == logits.argmax(-1).tolist()
     shuffled = [rows[2], rows[0], rows[3]]  # not consecutive: stacked, same answer
     assert _as_matrix(shuffled).data_ptr() != logits.data_ptr()
-    assert argmax_rows(shuffled) == [int(r.argmax()) for r in shuffled]
+    assert sample_rows(shuffled, greedy[:3]).tolist() == [int(r.argmax()) for r in shuffled]
     other = torch.randn(50, generator=g)
-    assert argmax_rows([rows[0], other]) == [int(rows[0].argmax()), int(other.argmax())]
+    assert sample_rows([rows[0], other], greedy[:2]).tolist() == [int(rows[0].argmax()), int(other.argmax())]
+
+
+def test_sample_rows_mixes_greedy_and_seeded_rows_as_each_sampler_alone():
+    from engine.sampling import sample_rows
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    rows = [r[-1] for r in logits.split(1)]
+    params = SamplingParams(temperature=1.3, top_p=0.9, seed=21)
+    samplers = [Sampler(SamplingParams()), Sampler(params), Sampler(SamplingParams())]
+    alone = Sampler(params)
+    for _ in range(5):
+        got = sample_rows(rows, samplers).tolist()
+        assert got[0] == int(rows[0].argmax()) and got[2] == int(rows[2].argmax())
+        assert got[1] == alone(rows[1])
+
+
+def test_draws_follow_the_probabilities():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=1))
+    n = 6000
+    counts = torch.bincount(torch.stack([sampler.sample(probs.log()) for _ in range(n)]), minlength=4)
+    assert torch.allclose(counts / n, probs, atol=0.025), counts
