@@ -160,3 +160,44 @@ def test_fast_path_decode_fed_from_the_last_steps_ids(checkpoints):
             got, _ = run_all(core, [GenerateRequest(p, 5) for p in ps], timeout=600)
         assert got == expected
         assert (runner.chained > 0) == overlap
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="the fast path needs CUDA or TRITON_INTERPRET=1")
+def test_mapped_expert_cache_decode_overlapped(checkpoints):
+    """Offload and hybrid mapped decode through EngineCore with overlap: the cache's bookkeeping between steps
+    (routes taken in a step late, admissions, the location table) and the hybrid CPU share, whose table may
+    change only once the step before finished (its share searched as it goes), keep the fused engine's greedy
+    tokens for two sequences decoding together."""
+    pytest.importorskip("triton")
+    from engine.experts import cpu_runner
+    from engine.experts.policy import BandwidthEstimate, ShareSearch
+    from engine.experts.registry import experts_factory
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ckpt = checkpoints["qwen3_5_moe", "fused"]
+    fused = Engine.from_pretrained(ckpt, device=dev, fast=False)
+    fused.model.enable_fast(slots=3, capacity=64, graphs=dev == "cuda")
+    ps = [p[:10] for p in prompts(fused.config.vocab_size, 2, seed=14)]
+    expected = [fused.generate(p, max_new_tokens=12) for p in ps]
+    for backend in ("offload", "hybrid") if cpu_runner.NATIVE else ("offload",):
+        est = BandwidthEstimate(bp=1e9, bh=1e3, frozen=True)
+        eng = Engine.from_pretrained(ckpt, device=dev, fast=False, expert_device="cpu",
+                                     experts=experts_factory(backend, device=dev, slots=5, estimate=est, decode="mapped"))
+        eng.model.enable_fast(slots=3, capacity=64)
+        cpu = eng.model.fast.mapped.cpu
+        if cpu is not None:  # a short window: the share moves (and the thread's table with it) within the run
+            cpu.share = 0.5
+            cpu.searches[2] = ShareSearch(0.5, window=2)
+            tables = []
+            follow = cpu.follow
+            cpu.follow = lambda table: (tables.append(table.copy()), follow(table))[1]
+        runner = CountingChains(eng.model, overlap=True)
+        with EngineCore(runner, max_running=2) as core:
+            got, _ = run_all(core, [GenerateRequest(p, 12) for p in ps], timeout=900)
+        assert got == expected, backend
+        assert runner.chained > 0
+        if cpu is not None:
+            assert eng.model.experts.stats()["total"]["cpu_runs"] > 0
+            assert len({t.tobytes() for t in tables}) > 1  # the CPU's share changed between steps
+        eng.model.experts.close()
