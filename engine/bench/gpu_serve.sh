@@ -14,7 +14,8 @@
 # Run from the repo root on the GPU box with .whl/ (fla-core, pydantic and its deps; py-spy optional):
 #     OUT=/some/dir bash engine/bench/gpu_serve.sh
 # Results under $OUT: summary.txt, bench_model.{txt,json}, serve_{1,2}.json, serve.log (access lines with
-# prep= and first=), spy_{active,gil}.txt (collapsed stacks) and their per-thread tables spy_*_top.txt.
+# prep= and first=), client.log (the HTTP client's errors: the server's log would overwrite them),
+# spy_{active,gil}.txt (collapsed stacks) and their per-thread tables spy_*_top.txt.
 # Do not pipe this script into another command on the box: the server it starts is killed at the end, but a
 # reader waiting on its output would hold the call until its limit.
 DEADLINE=${DEADLINE:-420}
@@ -36,7 +37,9 @@ $PY -m proxy.cli serve --model "$CKPT" --device cuda --dtype bfloat16 --port "$P
 SERVE=$!
 for _ in $(seq 1 150); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
 timeout "$(upto 60)" $PY -m engine.bench.serve --url "http://127.0.0.1:$PORT" --prompt-words "$WORDS" \
-    --max-tokens 32 --runs 1 --seed 9 > /dev/null 2>> "$OUT/serve.log"  # compiles this size's kernels
+    --max-tokens 128 --runs 1 --seed 9 > /dev/null 2>> "$OUT/client.log"  # compiles this size's kernels
+# (128 tokens: the synthetic model's first 5-90 tokens may all be held back by the output parser, and a
+# reply with no content fails the client)
 status serve_warm $?
 SPY=$(command -v py-spy || ls /tmp/site/bin/py-spy 2>/dev/null)
 for run in 1 2; do
@@ -50,7 +53,7 @@ for run in 1 2; do
         sleep 1
     fi
     timeout "$(upto 90)" $PY -m engine.bench.serve --url "http://127.0.0.1:$PORT" --prompt-words "$WORDS" \
-        --max-tokens 256 --runs 4 --seed $run --json "$OUT/serve_$run.json" >> "$S" 2>> "$OUT/serve.log"
+        --max-tokens 256 --runs 4 --seed $run --json "$OUT/serve_$run.json" >> "$S" 2>> "$OUT/client.log"
     status "serve_$run" $?
     if [ -n "$SPYPID" ]; then
         wait "$SPYPID"
