@@ -152,10 +152,14 @@ class SlotCache:
         host = torch.from_numpy(np.append(slots, -1).astype(np.int32))
         if self.copy_stream is None:
             return host
-        out = torch.empty_like(host, device=self.device)  # allocated for the compute stream, its reader
+        reader = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):
+            # allocated on the stream that writes it: a block the compute stream freed may still be written by
+            # its queued kernels (the allocator hands it back to that stream at once), and a copy on another
+            # stream into it raced them (a 256-token extend read a garbage table, H200 box, 2026-12-02)
+            out = torch.empty_like(host, device=self.device)
             out.copy_(host.pin_memory(), non_blocking=True)
-        out.record_stream(self.copy_stream)  # freed unread (a forward cut short), it waits for the copy
+        out.record_stream(reader)  # not handed out again before the compute stream's read of it
         return out
 
     def _copy(self, layer: int, experts, slots, with_cpu: bool, after) -> torch.cuda.Event | None:

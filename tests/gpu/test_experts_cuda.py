@@ -101,3 +101,27 @@ def test_graphed_decode_matches_direct_launch(ckpt, backend, decode):
         assert len(bucket.segments) == len(graphed.model.config.moe_layers) + 1
     for e in (direct, graphed):
         e.model.experts.close()
+
+
+def test_lookup_table_is_not_overwritten_by_compute_still_queued(ckpt):
+    """SlotCache.lookup_table writes a layer's slot table on the copy stream for the compute stream to read:
+    its memory must not be a block the compute stream freed while a queued kernel still writes it (the
+    allocator hands such a block back to its own stream at once). A freed tensor whose fill waits behind a
+    sleep is the bait; the table must read what was written, after the compute stream waits for the copies."""
+    import numpy as np
+
+    eng = Engine.from_pretrained(ckpt, device="cuda", expert_device="cpu",
+                                 experts=experts_factory("offload", device="cuda", slots=16,
+                                                         estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)))
+    cache = eng.model.experts.cache
+    E = eng.model.experts.pool.num_experts
+    slots = np.arange(E, dtype=np.int64)[::-1].copy()
+    for _ in range(8):
+        bait = torch.empty(E + 1, dtype=torch.int32, device="cuda")
+        torch.cuda._sleep(20_000_000)  # ~10 ms of the compute stream before the bait's fill runs
+        bait.fill_(-7)
+        del bait  # freed while its fill is queued: the compute stream may reuse the block at once
+        table = cache.lookup_table(slots)
+        cache.ready()
+        assert table.tolist() == slots.tolist() + [-1]
+    eng.model.experts.close()
