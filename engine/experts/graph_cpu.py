@@ -90,19 +90,16 @@ class CpuShare:
                  "(%d threads)", 100 * self.share, runner.threads)
 
     def mark(self, table: np.ndarray) -> np.ndarray:
-        """table [L, E] (slot or -1) -> the same with the CPU's share of the non-resident experts LOC_CPU."""
+        """table [L, E] (slot or -1) -> the same with the CPU's share of the non-resident experts LOC_CPU; the
+        thread's copy follows (it reads it only while a step runs, and a step runs after this)."""
         cpu = (table < 0) & (self.order < int(round(self.share * self.E)))
-        return np.where(cpu, LOC_CPU, table).astype(np.int32)
-
-    def follow(self, table: np.ndarray) -> None:
-        """The thread's copy of the (marked) table, before the step that reads it is queued; the thread reads
-        it while a step runs, so the caller lets the step before finish first."""
-        self.loc.numpy()[:, : self.E] = table
+        out = np.where(cpu, LOC_CPU, table).astype(np.int32)
+        self.loc.numpy()[:, : self.E] = out
+        return out
 
     def after_step(self, rows: int) -> None:
-        """At the next step's begin: check the thread answered, count whether the device waited for it, and give
-        the step's time to the share's search. The time is from one begin to the next: a step's period, whether
-        the engine waits for each step or queues the next while it runs (then the spins may still be counting)."""
+        """At the next step's begin (the last step, of `rows` sequences, finished): check the thread answered,
+        count whether the device waited for it, and give the step's time to the share's search."""
         now = time.perf_counter()
         if int(self.err[0]):
             self.err[0] = 0

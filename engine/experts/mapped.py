@@ -45,7 +45,6 @@ class MappedExperts:
         # (host [L, N, KP] int32, event, rows, the table it ran with) of the last step: taken in at the next end
         self._routes = None
         self._last_step = None  # (event, rows) of the last step, for the CPU share's begin
-        self._queued = None  # CUDA event after the step queued last (the CPU share's table waits for it)
         self._route_host: dict = {}
         self._flip = 0  # which of two host buffers the next step's routes go to
         self._placements, self._own = cache.placements, 0  # own: placements made here since begin() looked
@@ -95,13 +94,13 @@ class MappedExperts:
     # --- around each step
     def begin(self, rows: int | None = None) -> None:
         """Before a step (of `rows` sequences, where known): commit the fills that landed, push the table if it
-        changed (and with a CPU share, time the last step). Host work only, tens of microseconds; it waits for
-        the step before only where the CPU share's table changes (its thread may be reading it), so the engine
-        can queue a step while the one before runs."""
+        changed (and with a CPU share, time the last step). Host work only, tens of microseconds."""
         if self._last_step is not None:
-            _, n = self._last_step
+            done, n = self._last_step
             self._last_step = None
             if self.cpu is not None:
+                if done is not None:
+                    done.synchronize()
                 self.cpu.after_step(n)
         cache = self.b.cache
         if cache.placements != self._placements + self._own:
@@ -128,7 +127,6 @@ class MappedExperts:
         else:
             host, done = routes.clone(), None
         last, self._routes, self._last_step = self._routes, (host, done, rows, self._pushed), (done, rows)
-        self._queued = done
         if last is not None:
             self._take_in(last)
 
@@ -196,10 +194,6 @@ class MappedExperts:
             want = self.cpu.mark(want)
         if self._pushed is not None and np.array_equal(want, self._pushed):
             return
-        if self.cpu is not None:
-            if self._queued is not None:
-                self._queued.synchronize()  # the thread reads its copy of the table while a step runs
-            self.cpu.follow(want)
         if self._push_done is not None:
             self._push_done.synchronize()  # the last push may still be reading the staging buffer
         self._staging.numpy()[:, : self.E] = want

@@ -166,8 +166,8 @@ def test_fast_path_decode_fed_from_the_last_steps_ids(checkpoints):
                     reason="the fast path needs CUDA or TRITON_INTERPRET=1")
 def test_mapped_expert_cache_decode_overlapped(checkpoints):
     """Offload and hybrid mapped decode through EngineCore with overlap: the cache's bookkeeping between steps
-    (routes taken in a step late, admissions, the location table) and the hybrid CPU share, whose table may
-    change only once the step before finished (its share searched as it goes), keep the fused engine's greedy
+    (routes taken in a step late, admissions, the location table) and the hybrid CPU share (whose begin waits
+    for the step before; its share searched as it goes, so its table changes) keep the fused engine's greedy
     tokens for two sequences decoding together."""
     pytest.importorskip("triton")
     from engine.experts import cpu_runner
@@ -190,8 +190,8 @@ def test_mapped_expert_cache_decode_overlapped(checkpoints):
             cpu.share = 0.5
             cpu.searches[2] = ShareSearch(0.5, window=2)
             tables = []
-            follow = cpu.follow
-            cpu.follow = lambda table: (tables.append(table.copy()), follow(table))[1]
+            mark = cpu.mark
+            cpu.mark = lambda table: tables.append(mark(table)) or tables[-1]
         runner = CountingChains(eng.model, overlap=True)
         with EngineCore(runner, max_running=2) as core:
             got, _ = run_all(core, [GenerateRequest(p, 12) for p in ps], timeout=900)
