@@ -46,24 +46,45 @@ class Sampler:
         p = self.params
         if p.greedy:
             return torch.argmax(logits)
-        probs = filter_logits(logits / p.temperature, p.top_k, p.top_p).softmax(-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator).clamp_min_(NOISE_MIN)
-        return torch.argmax(probs / noise)
+        return _race(filter_logits(logits / p.temperature, p.top_k, p.top_p).softmax(-1), self.generator)
+
+    @property
+    def plain(self) -> bool:
+        """Temperature alone (no top-k / top-p, no seed): draws of several such rows can share launches."""
+        p = self.params
+        return not p.greedy and p.seed is None and p.top_k == 0 and p.top_p == 1.0
 
 
 NOISE_MIN = 1e-20  # an Exp(1) draw of 0 would make p / 0 inf (or NaN where p = 0), which argmax would pick
 
 
+def _race(probs: torch.Tensor, generator=None) -> torch.Tensor:
+    """The argmax over the last dim of probs / Exp(1) noise: index i with probability probs[i]."""
+    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(NOISE_MIN)
+    return torch.argmax(probs / noise, dim=-1)
+
+
 def sample_rows(rows: list[torch.Tensor], samplers: list[Sampler]) -> torch.Tensor:
     """A token for each logits row [V] by its sampler -> int64 [n] on the rows' device, queued, nothing read
-    back: the greedy rows in one argmax, the others one draw each."""
+    back: the greedy rows in one argmax, the rows of temperature alone in one draw per temperature (what an
+    agent's request asks when it sends no sampling fields: temperature 1), the others one draw each."""
     greedy = [i for i, s in enumerate(samplers) if s.params.greedy]
     if len(greedy) == len(rows):
         return _as_matrix(rows).argmax(-1)
     picks: list[torch.Tensor | None] = [None] * len(rows)
-    if greedy:
-        for i, token in zip(greedy, _as_matrix([rows[i] for i in greedy]).argmax(-1)):
+
+    def put(members: list[int], tokens: torch.Tensor) -> None:
+        for i, token in zip(members, tokens):
             picks[i] = token
+
+    if greedy:
+        put(greedy, _as_matrix([rows[i] for i in greedy]).argmax(-1))
+    by_temperature: dict[float, list[int]] = {}
+    for i, s in enumerate(samplers):
+        if s.plain:
+            by_temperature.setdefault(s.params.temperature, []).append(i)
+    for t, members in by_temperature.items():
+        put(members, _race((_as_matrix([rows[i] for i in members]).float() / t).softmax(-1)))
     for i, (row, sampler) in enumerate(zip(rows, samplers)):
         if picks[i] is None:
             picks[i] = sampler.sample(row)

@@ -80,6 +80,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true", help="the eager reference path instead of the fast one")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="read each decode step's tokens before queuing the next (as serve --no-overlap)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="decode requests sample at this temperature (default 0: greedy; agents that send no "
+                        "sampling fields get 1.0 from the APIs)")
     p.add_argument("--moe-backend", default="fused", choices=["fused", "offload", "cpu", "hybrid"],
                    help="where routed experts run (default fused: all on the device); the others keep the experts "
                         "in a host-RAM pool with --moe-slots of them cached on the device, as serve does")

@@ -13,6 +13,7 @@
 #      holds the GIL (spy_gil.txt): whether the engine thread and the event loop wait for each other
 # Run from the repo root on the GPU box with .whl/ (fla-core, pydantic and its deps; py-spy optional):
 #     OUT=/some/dir bash engine/bench/gpu_serve.sh
+#     TEMPERATURE=1 ...  both sides decode sampled, as an agent's requests (no sampling fields: temperature 1)
 # Results under $OUT: summary.txt, bench_model.{txt,json}, serve_{1,2}.json, serve.log (access lines with
 # prep= and first=), client.log (the HTTP client's errors: the server's log would overwrite them),
 # spy_{active,gil}.txt (collapsed stacks) and their per-thread tables spy_*_top.txt.
@@ -28,8 +29,9 @@ WORDS=${SERVE_WORDS:-1850}  # ~8,216 tokens with the shipped tokenizer
 timeout "$(upto 120)" $PY -c "from engine.synth import synth_checkpoint; synth_checkpoint('$CKPT', \
 size='qwen3.6-35b-a3b', tokenizer='fixtures/tokenizer', layers=8, device='cuda')" > "$OUT/ckpt.log" 2>&1
 status checkpoint $?
+T=${TEMPERATURE:-0}  # sampling temperature of both sides' decode (agents that send none get 1.0)
 timeout "$(upto 100)" $PY -m engine.bench.model --model "$CKPT" --batches 1 --prefill 8215 --text-prompts \
-    --prompt 8192 --json "$OUT/bench_model.json" > "$OUT/bench_model.txt" 2> "$OUT/bench_model.log"
+    --prompt 8192 --temperature "$T" --json "$OUT/bench_model.json" > "$OUT/bench_model.txt" 2> "$OUT/bench_model.log"
 status bench_model $?
 cat "$OUT/bench_model.txt" >> "$S"
 
@@ -53,7 +55,7 @@ for run in 1 2; do
         sleep 1
     fi
     timeout "$(upto 90)" $PY -m engine.bench.serve --url "http://127.0.0.1:$PORT" --prompt-words "$WORDS" \
-        --max-tokens 256 --runs 4 --seed $run --json "$OUT/serve_$run.json" >> "$S" 2>> "$OUT/client.log"
+        --max-tokens 256 --runs 4 --seed $run --temperature "$T" --json "$OUT/serve_$run.json" >> "$S" 2>> "$OUT/client.log"
     status "serve_$run" $?
     if [ -n "$SPYPID" ]; then
         wait "$SPYPID"

@@ -106,11 +106,11 @@ class Collector:
 
 
 def run_requests(core, prompts: list[list[int]], new_tokens: int, timeout: float = 600.0,
-                 col: Collector | None = None) -> Collector:
-    from engine.api import GenerateRequest
+                 col: Collector | None = None, temperature: float = 0.0) -> Collector:
+    from engine.api import GenerateRequest, SamplingParams
 
     col = col or Collector()
-    reqs = [GenerateRequest(p, new_tokens) for p in prompts]
+    reqs = [GenerateRequest(p, new_tokens, sampling=SamplingParams(temperature)) for p in prompts]
     for r in reqs:
         core.submit(r, col.sink(r.request_id))
     if not col.done.wait(timeout):
@@ -167,13 +167,13 @@ def bench_decode(core, prompt, batch: int, args, seed: int, probe=None) -> tuple
     from engine.bench.serve import decode_split
 
     prompts = [prompt(args.prompt, seed + i) for i in range(batch)]
-    run_requests(core, prompts, args.warmup)  # compiles, captures this batch's graph
+    run_requests(core, prompts, args.warmup, temperature=args.temperature)  # compiles, captures the graph
     ends = (args.warmup, args.warmup + args.steps)
     # one token past the window: a request's last token is published after the engine caches the turn (one
     # more forward step, runner._cache_turn), which must not land in the timed steps
     before = core.stats()
     col = run_requests(core, [prompt(args.prompt, seed + 100 + i) for i in range(batch)],
-                       args.warmup + args.steps + 1, col=Collector(probe, ends))
+                       args.warmup + args.steps + 1, col=Collector(probe, ends), temperature=args.temperature)
     after = core.stats()
     split = decode_split(*(after[k] - before[k] for k in ("decode_steps", "decode_step_seconds",
                                                            "decode_runner_seconds")))
@@ -282,7 +282,7 @@ def run(args) -> dict:
     return {"what": "whole engine: EngineCore -> scheduler -> ModelRunner -> Model", "model": name,
             **cache.split(), "path": "fast" if model.fast is not None else "eager",
             "decode_buckets": model.decode_steps.modes() if model.fast is not None else {},
-            "overlap": core.runner.overlap,
+            "overlap": core.runner.overlap, "temperature": args.temperature,
             "device": _device_name(model.device), "dtype": args.dtype,
             "prompts": "text (engine.bench.serve's)" if args.text_prompts else "random ids",
             "hbm_copy_gbs": rate / 1e9, "context": context, "placement": placement, **cache.header(),
@@ -408,6 +408,8 @@ def print_table(res: dict) -> None:
               f"pool {res.get('pool_huge', 0):.0%} in huge pages, B_P {res['bp_gbs']:.1f} GB/s"
               ) if "bp_gbs" in res else ""
     overlap = ", decode steps overlapped" if res.get("overlap") else ", decode steps one at a time"
+    if res.get("temperature"):
+        overlap += f", decode sampled at temperature {res['temperature']}"
     print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path{overlap}, {res['device']}, "
           f"prompts of {res.get('prompts', 'random ids')}, HBM copy {res['hbm_copy_gbs']:.0f} GB/s{cached}, commit {res['commit']}")
     print(f"{'row':<16}{'tok/s':>12}{'ms/step':>10}{'bound tok/s':>13}{'of bound':>10}  note")

@@ -38,8 +38,8 @@ def _has_output(delta: dict) -> bool:
     return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
 
 
-async def one(session, url: str, text: str, max_tokens: int) -> dict:
-    body = {"model": "killick", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+async def one(session, url: str, text: str, max_tokens: int, temperature: float = 0.0) -> dict:
+    body = {"model": "killick", "stream": True, "max_tokens": max_tokens, "temperature": temperature,
             "messages": [{"role": "user", "content": text}], "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     chunks, usage = [], None
@@ -78,9 +78,9 @@ async def engine_sums(session, url: str) -> dict[str, float]:
     return sums
 
 
-async def measured(session, url: str, text: str, max_tokens: int) -> dict:
+async def measured(session, url: str, text: str, max_tokens: int, temperature: float = 0.0) -> dict:
     before = await engine_sums(session, url)
-    run = await one(session, url, text, max_tokens)
+    run = await one(session, url, text, max_tokens, temperature)
     after = await engine_sums(session, url)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     run["engine_ttft_s"] = delta.get("killick_ttft_seconds_sum", float("nan"))
@@ -108,11 +108,14 @@ async def run(args) -> dict:
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         seed = args.seed * 1000  # prompts of another --seed share no prefix with these
-        await one(session, args.url, prompt_text(args.prompt_words, seed), args.max_tokens)  # warm-up
-        runs = [await measured(session, args.url, prompt_text(args.prompt_words, seed + i + 1), args.max_tokens)
+        warm = prompt_text(args.prompt_words, seed)
+        await one(session, args.url, warm, args.max_tokens, args.temperature)  # compiles, captures
+        runs = [await measured(session, args.url, prompt_text(args.prompt_words, seed + i + 1), args.max_tokens,
+                               args.temperature)
                 for i in range(args.runs)]
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    return {"what": "killick serve over HTTP (OpenAI chat, streamed)", "url": args.url, "runs": runs, "median": med}
+    return {"what": "killick serve over HTTP (OpenAI chat, streamed)", "url": args.url,
+            "temperature": args.temperature, "runs": runs, "median": med}
 
 
 def main(argv=None) -> int:
@@ -120,6 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--url", default="http://127.0.0.1:8421")
     p.add_argument("--prompt-words", type=int, default=6000, help="words of each prompt (default 6000)")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the requests (default 0: greedy; an agent that sends none gets 1)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0, help="prompt set: runs against the same server with different "

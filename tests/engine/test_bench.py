@@ -88,8 +88,11 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
         argv = ["--synthetic", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1", "--steps", "4",
                 "--warmup", "2", "--prompt", "8", "--prefill", "256", "--extend", "16", "--max-step-tokens", "64",
                 "--moe-backend", "offload", "--moe-slots", "50%", "--prefill-runs", "2", "--json", str(out)]
-        assert bench_model.main(argv + (["--max-prefill-tokens", str(prefill)] if prefill else [])) == 0
+        # (the chunked run decodes sampled, as an agent's requests do: the same counters a step)
+        assert bench_model.main(argv + (["--max-prefill-tokens", str(prefill), "--temperature", "1"]
+                                        if prefill else [])) == 0
         res = json.loads(out.read_text())
+        assert res["temperature"] == (1.0 if prefill else 0.0)
         assert res["variant"] == "offload" and res["placement"] == "ncmoe2" and res["bp_gbs"] > 0
         assert res["decode_path"] in ("mapped", "host") and res["cpu_experts"].split()[0] in ("native", "torch")
         rows = {r["name"]: r for r in res["rows"]}

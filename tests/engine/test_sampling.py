@@ -94,3 +94,29 @@ def test_draws_follow_the_probabilities():
     n = 6000
     counts = torch.bincount(torch.stack([sampler.sample(probs.log()) for _ in range(n)]), minlength=4)
     assert torch.allclose(counts / n, probs, atol=0.025), counts
+
+
+def test_rows_of_temperature_alone_draw_together_and_follow_their_probabilities():
+    """Rows whose sampler has a temperature and nothing else (an agent's default) share one draw per
+    temperature; each row still picks token i with its own probability, and the rows around them (greedy,
+    seeded, top-p) keep theirs, in order."""
+    from engine.sampling import sample_rows
+
+    probs = torch.tensor([[0.6, 0.3, 0.1, 0.0], [0.1, 0.1, 0.2, 0.6], [0.25, 0.25, 0.25, 0.25]])
+    logits = probs.clamp_min(1e-30).log()
+    rows = [r[-1] for r in logits.split(1)]
+    plain = Sampler(SamplingParams(temperature=1.0))
+    assert plain.plain and not Sampler(SamplingParams(temperature=1.0, seed=3)).plain
+    assert not Sampler(SamplingParams(temperature=1.0, top_p=0.5)).plain and not Sampler(SamplingParams()).plain
+    torch.manual_seed(0)
+    n = 4000
+    draws = torch.stack([sample_rows(rows, [plain] * 3) for _ in range(n)])  # [n, 3]
+    for r in range(3):
+        freq = torch.bincount(draws[:, r], minlength=4) / n
+        assert torch.allclose(freq, probs[r], atol=0.03), (r, freq)
+    seeded = SamplingParams(temperature=1.0, seed=9)
+    mixed = [Sampler(SamplingParams()), plain, Sampler(seeded), Sampler(SamplingParams(temperature=1.0, top_p=0.5))]
+    alone = Sampler(seeded)
+    got = sample_rows([rows[0], rows[1], rows[2], rows[1]], mixed).tolist()
+    assert got[0] == 0 and got[3] == 3  # greedy; the top-p 0.5 nucleus of row 1 is token 3 alone
+    assert got[2] == alone(rows[2])
