@@ -1,7 +1,9 @@
 """The serving core: one scheduler thread that owns the model runner; callers submit from any thread.
 
 The step reads like the contract says: schedule -> run (prepare, forward, sample inside the runner) ->
-publish. An asyncio server never blocks on the model: `stream()` hops events onto the caller's loop.
+publish. While every running sequence decodes, the next decode step is queued before this one's tokens are
+read (the runner's chain, fed on the device), so publishing and scheduling overlap the device's work. An
+asyncio server never blocks on the model: `stream()` hops events onto the caller's loop.
 """
 from __future__ import annotations
 
