@@ -115,13 +115,15 @@ class _Bucket:
         self.staging[1, start:] = scratch
 
     def run(self, ids, slots: list[int], positions: list[int], scratch: int) -> torch.Tensor:
-        """ids: a list of ints, or a tensor [n] (on the device: taken from there, nothing read back)."""
+        """ids: a list of ints, or a tensor [n] (on the model's device: copied from there, nothing read back)."""
         n = len(slots)
         self.turn = k = self.turn ^ 1
         self.host, self.staging = self.hosts[k], self.stagings[k]
         if self.copied[k] is not None:
             self.copied[k].synchronize()  # (long done unless another launch came between two chained steps)
         st = self.staging
+        if isinstance(ids, torch.Tensor) and ids.device != self.inputs.device:
+            ids = ids.tolist()  # host-side ids (a CPU tensor for a CUDA model): through the pinned staging
         on_host = not isinstance(ids, torch.Tensor)
         st[0, :n], st[1, :n], st[2, :n], st[3, :n] = ids if on_host else 0, slots, positions, 1
         self._pad(scratch, n)
