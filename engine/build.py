@@ -36,6 +36,7 @@ class EngineOptions:
     moe_decode: str = "auto"  # fast-path decode through the expert cache: mapped | host | auto (offload.py)
     fast_path: bool = True  # CUDA: Triton kernels, static state slots, decode steps as CUDA graphs
     overlap: bool = True  # CUDA: queue the next decode step from the last one's tokens still on the device
+    # (False: each step's tokens read first; the CPU never overlaps, a queued step runs at once there)
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -132,7 +133,7 @@ def build_core(model_dir: Path, opts: EngineOptions = EngineOptions(), model=Non
         dev = opts.cache_device_mb << 20 if opts.cache_device_mb else default_device_budget(model.device)
         host = opts.cache_host_mb << 20 if opts.cache_host_mb else None
         cache = PrefixStore(model, device_budget=dev, host_budget=host)
-    runner = ModelRunner(model, context_length=context, cache=cache, overlap=opts.overlap)
+    runner = ModelRunner(model, context_length=context, cache=cache, overlap=None if opts.overlap else False)
     step = step_tokens(opts, model.device)
     prefill = prefill_tokens(opts, model, step, context)
     model.piece_tokens = step if prefill > step else None

@@ -71,3 +71,20 @@ def test_expert_threads_are_the_engines_own_setting(checkpoints):
         cpu_runner.set_threads(before)
     with pytest.raises(ValueError, match="--expert-threads"):
         EngineOptions(expert_threads=0)
+
+
+def test_overlap_is_on_by_default_on_cuda_only_and_no_overlap_turns_it_off(checkpoints):
+    """serve's --no-overlap reaches the runner (EngineOptions.overlap); without it the runner overlaps decode
+    steps on CUDA only (on the CPU a queued step runs at once: nothing to overlap)."""
+    import argparse
+
+    from engine.build import add_engine_arguments, options_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    assert options_from_args(p.parse_args([])).overlap is True
+    off = options_from_args(p.parse_args(["--no-overlap"]))
+    assert off.overlap is False
+    path = checkpoints["qwen3_5_moe", "fused"]
+    assert build_core(path, EngineOptions(prefix_cache=False, context_length=256)).runner.overlap is False  # CPU
+    assert build_core(path, off).runner.overlap is False
