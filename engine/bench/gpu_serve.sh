@@ -2,9 +2,9 @@
 # One GPU-box call for issue 20's serve line: `killick serve` against `bench model` on the same checkpoint, and
 # where serve's extra time goes. About 4 minutes on a fresh machine (most of it loading and compiling):
 #   1. the 8-layer Qwen3.6-35B-A3B-width checkpoint drawn on the device with the shipped tokenizer
-#   2. `bench model --model CKPT --batches 1 --prefill 8215 --text-prompts --prompt 8192`: the engine alone
-#      (TTFT of the same prompt size and text; decode after a prompt as long as serve's, attending over as many
-#      keys)
+#   2. `bench model --model CKPT --batches 1 --prefill 8215 --prefill-runs 5 --text-prompts --prompt 8192`: the
+#      engine alone (TTFT of the same prompt size and text, the median of five prompts: text prompts of one
+#      length spread 0.100-0.200 s; decode after a prompt as long as serve's, attending over as many keys)
 #   3. `killick serve` on it, one request to compile, then `python -m engine.bench.serve` (client TTFT, the
 #      server's arrival-to-submit, the engine's TTFT, its first token in the proxy and the first output event,
 #      decode rate), each run with prompts the server has not seen (--seed): twice, each under
@@ -30,7 +30,8 @@ timeout "$(upto 120)" $PY -c "from engine.synth import synth_checkpoint; synth_c
 size='qwen3.6-35b-a3b', tokenizer='fixtures/tokenizer', layers=8, device='cuda')" > "$OUT/ckpt.log" 2>&1
 status checkpoint $?
 T=${TEMPERATURE:-0}  # sampling temperature of both sides' decode (agents that send none get 1.0)
-timeout "$(upto 100)" $PY -m engine.bench.model --model "$CKPT" --batches 1 --prefill 8215 --text-prompts \
+timeout "$(upto 100)" $PY -m engine.bench.model --model "$CKPT" --batches 1 --prefill 8215 --prefill-runs 5 \
+    --text-prompts \
     --prompt 8192 --temperature "$T" --json "$OUT/bench_model.json" > "$OUT/bench_model.txt" 2> "$OUT/bench_model.log"
 status bench_model $?
 cat "$OUT/bench_model.txt" >> "$S"
