@@ -224,12 +224,15 @@ class EngineCore:
         """Queue the decode step after `launched` from its tokens on the device, before the host reads them,
         when that step is certain to be the next one but for sequences its tokens end (stop tokens: their row
         is dropped): every running sequence decodes, greedy or sampled, none waits, nothing else is asked of
-        the engine. A sequence whose token is its last (max_new_tokens) is left out. -> the launched step."""
+        the engine, and no waiting request could be admitted (with every running slot taken, one waits for a
+        slot a step longer when a sequence stops). A sequence whose token is its last (max_new_tokens) is left
+        out. -> the launched step."""
         chain = getattr(self.runner, "chain", None)
         if chain is None or not getattr(self.runner, "overlap", False):
             return None
         sched, work = self.scheduler, launched.work
-        if (self._inbox or self._calls or self._aborts or sched.waiting or len(work) != len(sched.running)
+        admissible = sched.waiting and len(sched.running) < sched.max_running  # (a full batch keeps its pace)
+        if (self._inbox or self._calls or self._aborts or admissible or len(work) != len(sched.running)
                 or any(w.seq.req.forced_output_ids is not None or w.seq.req.abort.aborted or not w.samples
                        for w in work)):
             return None

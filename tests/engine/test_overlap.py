@@ -201,3 +201,20 @@ def test_mapped_expert_cache_decode_overlapped(checkpoints):
             assert eng.model.experts.stats()["total"]["cpu_runs"] > 0
             assert len({t.tobytes() for t in tables}) > 1  # the CPU's share changed between steps
         eng.model.experts.close()
+
+
+def test_a_full_batch_keeps_overlapping_while_requests_wait(engine):
+    """With every running slot taken, waiting requests cannot be admitted before a sequence ends: decode
+    steps go on overlapping, and each waiting request starts once a slot frees, with the output it would
+    have had alone."""
+    vocab = engine.config.vocab_size
+    ps = prompts(vocab, 3, seed=9) + prompts(vocab, 1, seed=10)
+    reqs = [GenerateRequest(p, n) for p, n in zip(ps, (6, 10, 4, 5))]
+    runner = CountingChains(engine.model, overlap=True)
+    with EngineCore(runner, max_running=2) as core:
+        got, finals = run_all(core, reqs, then=None)
+        stats = core.stats()
+    assert got == [engine.generate(r.prompt_ids, max_new_tokens=r.max_new_tokens) for r in reqs]
+    assert [f.finish_reason for f in finals] == ["length"] * 4 and stats["live_states"] == 0
+    # the first pair decodes 4 steps with two requests waiting: those are queued ahead too (3 without them)
+    assert runner.chained >= 8
