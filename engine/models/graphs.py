@@ -42,9 +42,9 @@ class _Bucket:
         # not have copied the other yet (the engine reads a step's tokens before it queues the one after next)
         self.hosts = [torch.zeros(4, size, dtype=torch.int32, pin_memory=dev.type == "cuda") for _ in range(2)]
         self.stagings = [h.numpy() for h in self.hosts]  # written through numpy: a step's inputs cost microseconds
-        self.turn = 0
-        self.host, self.staging = self.hosts[0], self.stagings[0]
-        self.copied: list = [None, None]  # CUDA event after each buffer's last copy to the device
+        self.turn = 0  # the buffer the last (or next, before any) step filled
+        # after each buffer's last copy to the device (an event never recorded waits for nothing)
+        self.copied = [torch.cuda.Event() for _ in range(2)] if dev.type == "cuda" else None
         self.inputs = torch.zeros(4, size, dtype=torch.int32, device=dev)
         self._pad(fast.pool.scratch, 0)
         self.inputs.copy_(self.host)
@@ -110,6 +110,14 @@ class _Bucket:
             self.calls.append(call)
             send = self.y_in
 
+    @property
+    def host(self) -> torch.Tensor:
+        return self.hosts[self.turn]
+
+    @property
+    def staging(self):
+        return self.stagings[self.turn]
+
     def _pad(self, scratch: int, start: int) -> None:
         self.staging[:, start:] = 0
         self.staging[1, start:] = scratch
@@ -118,8 +126,7 @@ class _Bucket:
         """ids: a list of ints, or a tensor [n] (on the model's device: copied from there, nothing read back)."""
         n = len(slots)
         self.turn = k = self.turn ^ 1
-        self.host, self.staging = self.hosts[k], self.stagings[k]
-        if self.copied[k] is not None:
+        if self.copied is not None:
             self.copied[k].synchronize()  # (long done unless another launch came between two chained steps)
         st = self.staging
         if isinstance(ids, torch.Tensor) and ids.device != self.inputs.device:
@@ -128,8 +135,7 @@ class _Bucket:
         st[0, :n], st[1, :n], st[2, :n], st[3, :n] = ids if on_host else 0, slots, positions, 1
         self._pad(scratch, n)
         self.inputs.copy_(self.host, non_blocking=True)
-        if self.inputs.is_cuda:
-            self.copied[k] = torch.cuda.Event()
+        if self.copied is not None:
             self.copied[k].record()
         if not on_host:
             self.inputs[0, :n].copy_(ids, non_blocking=True)
