@@ -102,7 +102,6 @@ def route_topk_ref(logits, top_k, norm_topk, shared, valid=None):
 
 GROUP_PAIRS = 128  # from this many (token, expert) pairs on, experts run grouped per expert, not per pair
 GROUP_BLOCK = 64  # pairs per block when grouped
-EARLY_MAX_K = 1024  # decode: down kernels of experts this narrow read their weights before waiting (_tiles)
 
 
 def blocks_for(ids: torch.Tensor, num_experts: int) -> "Blocks":
@@ -243,63 +242,30 @@ def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, 
 
 @triton.jit
 def _expert_down_kernel(act_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I,
-                        loc_ptr, h_ptr, h_stride, sh_ptr, logits_ptr, lstride, E, valid_ptr, KP,
+                        loc_ptr, h_ptr, h_stride, sh_ptr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                        MAPPED: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, ROUTE: tl.constexpr,
-                        K: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                        MAPPED: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = rn < H
     rm = tl.arange(0, BM)
-    if EARLY:
-        # The whole reduction is one tile (BK >= I): which expert this block runs and its weights do not depend
-        # on the gate/up kernel, so they are read before waiting for it. Under PDL this kernel's programs sit on
-        # the SMs beside the gate/up kernel's, and their weight reads (over PCIe for a miss read in place) run
-        # while the gate/up kernel's last reads land instead of after them. Routed in the gate/up kernel
-        # (ROUTE), the expert is routed again here from the same logits: the kernel before the gate/up one wrote
-        # them, and the gate/up kernel lets this one start only after its own wait for that kernel.
-        if ROUTE:
-            e, _ = _pair_route(logits_ptr, b, lstride, E, valid_ptr, KP, K, SHARED, NORM, BLOCK_E, BLOCK_K)
-        else:
-            e = tl.load(exp_ptr + b)
-        run = _runs_here(e, loc_ptr, MAPPED)
-        rk = tl.arange(0, BK)
-        kmask = rk < I
-        base = _expert_base(w_ptr, w_stride, tl.maximum(e, 0), loc_ptr, h_ptr, h_stride, sh_ptr, MAPPED)
-        w = tl.load(base + rn[:, None] * I + rk[None, :], mask=run & nmask[:, None] & kmask[None, :], other=0.0)
-        pdl_enter(PDL)
-        if run:
-            rows = tl.load(rows_ptr + b * BM + rm)
-            valid = rows >= 0
-            r64 = tl.where(valid, rows, 0).to(tl.int64)
+    pdl_enter(PDL)
+    e = tl.load(exp_ptr + b)
+    if _runs_here(e, loc_ptr, MAPPED):
+        rows = tl.load(rows_ptr + b * BM + rm)
+        valid = rows >= 0
+        r64 = tl.where(valid, rows, 0).to(tl.int64)
+        base = _expert_base(w_ptr, w_stride, e, loc_ptr, h_ptr, h_stride, sh_ptr, MAPPED)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            rk = k0 + tl.arange(0, BK)
+            kmask = rk < I
             a = tl.load(act_ptr + r64[:, None] * I + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-            _store_pair_rows(tl.dot(a, tl.trans(w), input_precision=PREC), pw_ptr, y_ptr, r64, valid, rn, nmask, H)
-    else:
-        pdl_enter(PDL)
-        e = tl.load(exp_ptr + b)
-        if _runs_here(e, loc_ptr, MAPPED):
-            rows = tl.load(rows_ptr + b * BM + rm)
-            valid = rows >= 0
-            r64 = tl.where(valid, rows, 0).to(tl.int64)
-            base = _expert_base(w_ptr, w_stride, e, loc_ptr, h_ptr, h_stride, sh_ptr, MAPPED)
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for k0 in range(0, I, BK):
-                rk = k0 + tl.arange(0, BK)
-                kmask = rk < I
-                a = tl.load(act_ptr + r64[:, None] * I + rk[None, :], mask=valid[:, None] & kmask[None, :],
-                            other=0.0)
-                w = tl.load(base + rn[:, None] * I + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-                acc += tl.dot(a, tl.trans(w), input_precision=PREC)
-            _store_pair_rows(acc, pw_ptr, y_ptr, r64, valid, rn, nmask, H)
-
-
-@triton.jit
-def _store_pair_rows(acc, pw_ptr, y_ptr, r64, valid, rn, nmask, H):
-    """The down kernel's block [BM, BN]: each pair's row times its routing weight, into y's columns rn."""
-    acc = acc * tl.load(pw_ptr + r64, mask=valid, other=0.0)[:, None]
-    tl.store(y_ptr + r64[:, None] * H + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=valid[:, None] & nmask[None, :])
+            w = tl.load(base + rn[:, None] * I + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc += tl.dot(a, tl.trans(w), input_precision=PREC)
+        acc = acc * tl.load(pw_ptr + r64, mask=valid, other=0.0)[:, None]  # the pair's routing weight
+        tl.store(y_ptr + r64[:, None] * H + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=valid[:, None] & nmask[None, :])
 
 
 def _tiles(bm: int, n: int, k: int, tokens: int, up: bool) -> tuple[int, int, int, int]:
@@ -308,15 +274,12 @@ def _tiles(bm: int, n: int, k: int, tokens: int, up: bool) -> tuple[int, int, in
     docs/PERF.md issue 20): the gate/up kernel of one token's pairs runs best in 64-row tiles 4 deep (20.8
     against 22.4 us a layer with 3), of eight tokens' in 32-row tiles (92.9 against 97.6); the down kernel's
     candidates were within the noise of (64, 128, 4, 3). Triton's autotuner, timing on weights that stayed
-    in L2, picked tiles that ran 7-11% slower in the step. The down kernel of experts up to EARLY_MAX_K wide
-    now takes the whole reduction in one tile and reads it before its PDL wait: offload decode b1 176.9
-    against 174.3 tok/s without (H200, 2026-12-02, one run each: within the run-to-run spread)."""
+    in L2, picked tiles that ran 7-11% slower in the step. (A down kernel that took the whole reduction in one
+    tile, read before its PDL wait so a miss's weights would cross PCIe while the gate/up kernel ended, took
+    17 us a layer against 7.5 on resident experts and gained nothing in the offload decode: H200, 2026-12-02.)"""
     if bm <= 16:
         if up:
             return min(64 if tokens <= 2 else 32, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(k)), 4, 4
-        if k <= EARLY_MAX_K:  # the whole reduction in one tile, its weights read before the PDL wait
-            bn = 32 if k <= 512 else 16  # a program's weights [BN, I] stay within 32 KB (64 registers a thread)
-            return min(bn, triton.next_power_of_2(n)), triton.next_power_of_2(k), 4, 1
         return min(64, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(k)), 4, 3
     return min(64, triton.next_power_of_2(n)), min(64, triton.next_power_of_2(k)), 4, 3
 
@@ -438,10 +401,9 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
         MAPPED=mapped is not None, num_warps=warps, num_stages=stages, **pdl_args(x))
     bn, bk, warps, stages = tiles[1] if tiles else _tiles(bm, H, I, N, up=False)
     _expert_down_kernel[(nb, triton.cdiv(H, bn))](
-        act, down, down.stride(0), blocks.rows, blocks.expert, weights, y, H, I, *down_map, logits, lstride, E, valid,
-        KP, BM=bm, BN=bn, BK=bk, PREC=prec, MAPPED=mapped is not None, EARLY=bk >= I, ROUTE=route is not None,
-        K=top_k, SHARED=shared, NORM=norm, BLOCK_E=triton.next_power_of_2(max(E, 2)),
-        BLOCK_K=triton.next_power_of_2(max(KP, 2)), num_warps=warps, num_stages=stages, **pdl_args(act))
+        act, down, down.stride(0), blocks.rows, blocks.expert, weights, y, H, I, *down_map,
+        BM=bm, BN=bn, BK=bk, PREC=prec, MAPPED=mapped is not None, num_warps=warps, num_stages=stages,
+        **pdl_args(act))
     return y
 
 
