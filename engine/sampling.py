@@ -46,6 +46,8 @@ class Sampler:
         p = self.params
         if p.greedy:
             return torch.argmax(logits)
+        if self.plain:
+            return race_temperature(logits[None], p.temperature)[0]
         return _race(filter_logits(logits / p.temperature, p.top_k, p.top_p).softmax(-1), self.generator)
 
     @property
@@ -62,6 +64,17 @@ def _race(probs: torch.Tensor, generator=None) -> torch.Tensor:
     """The argmax over the last dim of probs / Exp(1) noise: index i with probability probs[i]."""
     noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(NOISE_MIN)
     return torch.argmax(probs / noise, dim=-1)
+
+
+def race_temperature(rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    """rows [n, V] of logits -> int64 [n], each drawn from softmax(row / temperature), queued. On CUDA in two
+    Triton launches (engine/kernels/sample_triton.py: the same race, Philox noise keyed by a seed drawn from
+    torch's CPU generator, so torch.manual_seed still repeats a run); elsewhere torch's ops."""
+    if rows.is_cuda:
+        from engine.kernels.sample_triton import race_rows
+
+        return race_rows(rows, temperature, seed=int(torch.randint(2**31 - 1, (1,))))
+    return _race((rows.float() / temperature).softmax(-1))
 
 
 def sample_rows(rows: list[torch.Tensor], samplers: list[Sampler]) -> torch.Tensor:
@@ -83,8 +96,12 @@ def sample_rows(rows: list[torch.Tensor], samplers: list[Sampler]) -> torch.Tens
     for i, s in enumerate(samplers):
         if s.plain:
             by_temperature.setdefault(s.params.temperature, []).append(i)
+    if not greedy and len(by_temperature) == 1:
+        (t, members), = by_temperature.items()
+        if len(members) == len(rows):  # every row at one temperature (agents' requests): one draw, no regathering
+            return race_temperature(_as_matrix(rows), t)
     for t, members in by_temperature.items():
-        put(members, _race((_as_matrix([rows[i] for i in members]).float() / t).softmax(-1)))
+        put(members, race_temperature(_as_matrix([rows[i] for i in members]), t))
     for i, (row, sampler) in enumerate(zip(rows, samplers)):
         if picks[i] is None:
             picks[i] = sampler.sample(row)
