@@ -73,6 +73,7 @@ def race_temperature(rows: torch.Tensor, temperature: float) -> torch.Tensor:
     if rows.is_cuda:
         from engine.kernels.sample_triton import race_rows
 
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         return race_rows(rows, temperature, seed=int(torch.randint(2**31 - 1, (1,))))
     return _race((rows.float() / temperature).softmax(-1))
 
