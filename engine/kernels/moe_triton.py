@@ -274,9 +274,9 @@ def _tiles(bm: int, n: int, k: int, tokens: int, up: bool) -> tuple[int, int, in
     docs/PERF.md issue 20): the gate/up kernel of one token's pairs runs best in 64-row tiles 4 deep (20.8
     against 22.4 us a layer with 3), of eight tokens' in 32-row tiles (92.9 against 97.6); the down kernel's
     candidates were within the noise of (64, 128, 4, 3). Triton's autotuner, timing on weights that stayed
-    in L2, picked tiles that ran 7-11% slower in the step. (A down kernel that took the whole reduction in one
-    tile, read before its PDL wait so a miss's weights would cross PCIe while the gate/up kernel ended, took
-    17 us a layer against 7.5 on resident experts and gained nothing in the offload decode: H200, 2026-12-02.)"""
+    in L2, picked tiles that ran 7-11% slower in the step. The down kernel loops over K for every expert: its
+    whole [BN, I] tile read before the PDL wait runs 17 us a layer against 7.5 on resident experts and gains
+    nothing over PCIe in the offload decode (docs/PERF.md, twelfth session)."""
     if bm <= 16:
         if up:
             return min(64 if tokens <= 2 else 32, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(k)), 4, 4

@@ -1,5 +1,5 @@
-"""A decode step's rows of temperature alone sampled in two launches (torch's softmax, Exp(1) noise, divide
-and argmax took seven, ~80 us a step beside a 750 us greedy step on the H200).
+"""A decode step's rows of temperature alone sampled in two launches (torch's divide, softmax, Exp(1) noise,
+clamp, divide and argmax are seven: ~80 us a step beside a 750 us greedy step on the H200, docs/PERF.md).
 
 The race: token i wins argmax_i(logits_i / T - log E_i) with E_i ~ Exp(1) independent, which is
 argmax_i(p_i / E_i) for p = softmax(logits / T) (sampling._race): token i with probability p_i. Uniforms come
