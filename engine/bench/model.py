@@ -215,7 +215,8 @@ def build(args):
         cpu_runner.set_threads(expert_threads(EngineOptions(device=args.device, expert_threads=args.expert_threads),
                                               torch.device(args.device)))
     where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
-                                         slot_policy=args.slot_policy, decode=args.moe_decode),
+                                         slot_policy=args.slot_policy, decode=args.moe_decode,
+                                         stream_prefill=args.prefill_stream == "auto"),
                  expert_device="cpu") if cached else {}
     if args.model:
         if zipf:
@@ -324,6 +325,7 @@ class ExpertTraffic:
             return {}
         return {"bp_gbs": self.bp / 1e9, "pool_bytes": self.pool_bytes, "variant": self.backend.name,
                 "slot_policy": self.backend.cache.table.policy,
+                "prefill_stream": "off" if getattr(self.backend, "streamer", None) is None else "auto",
                 "decode_path": "mapped" if self.backend.mapped is not None else "host",
                 "cpu_experts": _cpu_path(), "pool_huge": self.backend.pool.huge_bytes() / self.pool_bytes,
                 "experts_on_gpu": f"{self.share():.1%}", "slots": self.backend.cache.num_slots}
@@ -343,15 +345,20 @@ class ExpertTraffic:
         return {"variant": self.backend.name, "experts_on_gpu": f"{self.share():.1%}"} if self.cached else {}
 
     def mark(self) -> dict | None:
-        return dict(self.backend.stats()["total"]) if self.cached else None
+        if not self.cached:
+            return None
+        streamer = getattr(self.backend, "streamer", None)
+        return dict(self.backend.stats()["total"], streamed=streamer.streamed_forwards if streamer else 0)
 
     def since(self, mark: dict | None, upto: dict | None = None) -> dict:
-        """Expert counters moved from `mark` to `upto` (default: now), and how many pools' worth of bytes."""
+        """Expert counters moved from `mark` to `upto` (default: now), how many pools' worth of bytes, and
+        how many forwards streamed whole layers (the others moved their routed experts alone)."""
         if mark is None:
             return {}
         now = upto or self.mark()
         moved = {k: now[k] - mark[k] for k in FIELDS}
-        return {"experts": moved, "pool_passes": moved["bytes_moved"] / self.pool_bytes}
+        return {"experts": moved, "pool_passes": moved["bytes_moved"] / self.pool_bytes,
+                "streamed_forwards": now["streamed"] - mark["streamed"]}
 
     def fill_bound(self, start: dict | None, end: dict | None, steps: int, batch: int, step_s: float) -> dict:
         """Decode against its PCIe traffic alone: the bytes the timed steps filled into slots or read in place
@@ -405,7 +412,8 @@ def print_split(res: dict) -> None:
 def print_table(res: dict) -> None:
     cached = (f", experts {res['variant']} {res['slots']} {res['slot_policy']} slots ({res['experts_on_gpu']}, "
               f"as llama.cpp {res['placement']}), decode {res['decode_path']}, CPU experts {res['cpu_experts']}, "
-              f"pool {res.get('pool_huge', 0):.0%} in huge pages, B_P {res['bp_gbs']:.1f} GB/s"
+              f"pool {res.get('pool_huge', 0):.0%} in huge pages, prefill stream {res.get('prefill_stream', 'auto')}, "
+              f"B_P {res['bp_gbs']:.1f} GB/s"
               ) if "bp_gbs" in res else ""
     overlap = ", decode steps overlapped" if res.get("overlap") else ", decode steps one at a time"
     if res.get("temperature"):
@@ -426,6 +434,8 @@ def print_table(res: dict) -> None:
         if "pool_passes" in r:
             note += f"{'; ' if note else ''}{r['pool_passes']:.2f} pools moved, hit rate " \
                     f"{r['experts']['hits'] / max(1, r['experts']['hits'] + r['experts']['misses']):.2f}"
+            if not r["name"].startswith("decode"):
+                note += ", layers streamed" if r["streamed_forwards"] else ", routed experts only"
         if "decode_runner_ms" in r:
             note += f"{'; ' if note else ''}engine thread: step {r['decode_step_ms']:.3f} ms, runner " \
                     f"{r['decode_runner_ms']:.3f} ms"
