@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 BLOCK_V = 4096  # tokens a program races (a 248k vocabulary: 61 programs a row)
+NOISE_MIN = 1e-20  # the smallest Exp(1) draw, as sampling.NOISE_MIN (a draw of 0 would win whatever its token)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -38,8 +39,7 @@ def _race_pick_kernel(best_ptr, where_ptr, out_ptr, NB, BLOCK_NB: tl.constexpr):
     tl.store(out_ptr + row, tl.load(where_ptr + row * NB + tl.argmax(best, axis=0)).to(tl.int64))
 
 
-def race_rows(logits: torch.Tensor, temperature: float, seed: int, block: int = BLOCK_V,
-              noise_min: float = 1e-20) -> torch.Tensor:
+def race_rows(logits: torch.Tensor, temperature: float, seed: int, block: int = BLOCK_V) -> torch.Tensor:
     """logits [n, V] (rows of unit stride) -> int64 [n]: each row's token drawn from softmax(logits / T),
     queued on the device, nothing read back. seed: Philox's key (a new one for every call)."""
     if logits.dim() != 2 or logits.stride(1) != 1 or not temperature > 0:
@@ -50,6 +50,6 @@ def race_rows(logits: torch.Tensor, temperature: float, seed: int, block: int = 
     where = torch.empty(n, nb, dtype=torch.int32, device=logits.device)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     _race_blocks_kernel[(n, nb)](logits, logits.stride(0), V, 1.0 / temperature, seed, best, where, nb,
-                                 NOISE_MIN=noise_min, BLOCK=block)
+                                 NOISE_MIN=NOISE_MIN, BLOCK=block)
     _race_pick_kernel[(n,)](best, where, out, nb, BLOCK_NB=triton.next_power_of_2(max(nb, 2)))
     return out
