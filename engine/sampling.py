@@ -85,6 +85,9 @@ def sample_rows(rows: list[torch.Tensor], samplers: list[Sampler]) -> torch.Tens
     greedy = [i for i, s in enumerate(samplers) if s.params.greedy]
     if len(greedy) == len(rows):
         return _as_matrix(rows).argmax(-1)
+    temperatures = {s.params.temperature for s in samplers}
+    if len(temperatures) == 1 and all(s.plain for s in samplers):  # agents' requests: one draw, no regathering
+        return race_temperature(_as_matrix(rows), temperatures.pop())
     picks: list[torch.Tensor | None] = [None] * len(rows)
 
     def put(members: list[int], tokens: torch.Tensor) -> None:
@@ -97,10 +100,6 @@ def sample_rows(rows: list[torch.Tensor], samplers: list[Sampler]) -> torch.Tens
     for i, s in enumerate(samplers):
         if s.plain:
             by_temperature.setdefault(s.params.temperature, []).append(i)
-    if not greedy and len(by_temperature) == 1:
-        (t, members), = by_temperature.items()
-        if len(members) == len(rows):  # every row at one temperature (agents' requests): one draw, no regathering
-            return race_temperature(_as_matrix(rows), t)
     for t, members in by_temperature.items():
         put(members, race_temperature(_as_matrix([rows[i] for i in members]), t))
     for i, (row, sampler) in enumerate(zip(rows, samplers)):
