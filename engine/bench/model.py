@@ -298,6 +298,7 @@ class ExpertTraffic:
     def __init__(self, model, measure_bp: bool = True) -> None:
         self.backend = getattr(model, "experts", None)
         self.cached = is_expert_cache(self.backend)
+        self.streamer = getattr(self.backend, "streamer", None)  # None: prompts move their routed experts alone
         self.bp = None
         if self.cached:
             from engine.bench.bw import measure_bp as bp_of, measure_copy
@@ -325,7 +326,7 @@ class ExpertTraffic:
             return {}
         return {"bp_gbs": self.bp / 1e9, "pool_bytes": self.pool_bytes, "variant": self.backend.name,
                 "slot_policy": self.backend.cache.table.policy,
-                "prefill_stream": "off" if getattr(self.backend, "streamer", None) is None else "auto",
+                "prefill_stream": "off" if self.streamer is None else "auto",
                 "decode_path": "mapped" if self.backend.mapped is not None else "host",
                 "cpu_experts": _cpu_path(), "pool_huge": self.backend.pool.huge_bytes() / self.pool_bytes,
                 "experts_on_gpu": f"{self.share():.1%}", "slots": self.backend.cache.num_slots}
@@ -347,8 +348,7 @@ class ExpertTraffic:
     def mark(self) -> dict | None:
         if not self.cached:
             return None
-        streamer = getattr(self.backend, "streamer", None)
-        return dict(self.backend.stats()["total"], streamed=streamer.streamed_forwards if streamer else 0)
+        return dict(self.backend.stats()["total"], streamed=self.streamer.streamed_forwards if self.streamer else 0)
 
     def since(self, mark: dict | None, upto: dict | None = None) -> dict:
         """Expert counters moved from `mark` to `upto` (default: now), how many pools' worth of bytes, and
