@@ -90,10 +90,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                                                       "the memory left)")
     p.add_argument("--max-prefill-tokens", type=int,
                    help="prompt tokens per step (default as serve: the whole context with an expert cache)")
-    p.add_argument("--prefill-stream", default="auto", choices=["auto", "off"],
+    p.add_argument("--prefill-stream", default="auto", choices=["auto", "on", "off"],
                    help="with an expert cache: auto (as serve) streams whole layers through the slots when "
-                        "prefill_stream.should_stream predicts it faster than moving the routed experts alone; off "
-                        "moves only the routed experts for every prompt (to measure that choice)")
+                        "prefill_stream.should_stream predicts it faster than moving the routed experts alone; on "
+                        "streams every prompt, off moves only the routed experts for every prompt (to measure "
+                        "that choice)")
     p.add_argument("--slot-policy", default="lfu", choices=["lfu", "lru"],
                    help="which cached expert a fill evicts (default lfu, as serve)")
     p.add_argument("--moe-decode", default="auto", choices=["auto", "mapped", "host"],

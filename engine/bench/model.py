@@ -216,7 +216,7 @@ def build(args):
                                               torch.device(args.device)))
     where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
                                          slot_policy=args.slot_policy, decode=args.moe_decode,
-                                         stream_prefill=args.prefill_stream == "auto"),
+                                         stream_prefill=args.prefill_stream),
                  expert_device="cpu") if cached else {}
     if args.model:
         if zipf:
@@ -326,7 +326,7 @@ class ExpertTraffic:
             return {}
         return {"bp_gbs": self.bp / 1e9, "pool_bytes": self.pool_bytes, "variant": self.backend.name,
                 "slot_policy": self.backend.cache.table.policy,
-                "prefill_stream": "off" if self.streamer is None else "auto",
+                "prefill_stream": "off" if self.streamer is None else self.streamer.mode,
                 "decode_path": "mapped" if self.backend.mapped is not None else "host",
                 "cpu_experts": _cpu_path(), "pool_huge": self.backend.pool.huge_bytes() / self.pool_bytes,
                 "experts_on_gpu": f"{self.share():.1%}", "slots": self.backend.cache.num_slots}

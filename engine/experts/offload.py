@@ -21,7 +21,7 @@ from engine.experts.compute import Routing, combine, run_expert
 from engine.experts.cpu_runner import layer_table, run_on_cpu
 from engine.experts.host_pool import HostPool
 from engine.experts.policy import BandwidthEstimate
-from engine.experts.prefill_stream import PrefillStreamer
+from engine.experts.prefill_stream import STREAM_MODES, PrefillStreamer
 from engine.experts.slot_cache import SlotCache
 from engine.experts.stats import ExpertStats
 
@@ -37,13 +37,17 @@ class OffloadBackend:
     name = "offload"
 
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str = "cpu", *,
-                 estimate: BandwidthEstimate | None = None, stream_prefill: bool = True,
+                 estimate: BandwidthEstimate | None = None, stream_prefill: bool | str = True,
                  slot_policy: str = "lru", grouped: bool | None = None, decode: str = "auto") -> None:
         self.pool, self.device = pool, torch.device(device)
         self.cache = SlotCache(pool, num_slots, self.device, slot_policy)
         self.stats_ = ExpertStats(pool.layers)
         self.estimate = estimate or BandwidthEstimate()
-        self.streamer = PrefillStreamer(self) if stream_prefill else None
+        # prompts stream whole layers: auto (True) when predicted faster, on always, off (False) never
+        mode = {True: "auto", False: "off"}.get(stream_prefill, stream_prefill)
+        if mode not in STREAM_MODES:
+            raise ValueError(f"--prefill-stream must be one of {', '.join(STREAM_MODES)}, got {stream_prefill!r}")
+        self.streamer = PrefillStreamer(self, mode) if mode != "off" else None
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu")
         self._cpu_tables: dict = {}  # layer -> cpu_runner.layer_table of its host blocks, built on first use
         self._ones: dict = {}  # (T, K) -> unit weights for the grouped kernels (combine weighs afterwards)

@@ -6,13 +6,20 @@ slots while layer l (locked) runs. With a full cache those LRU slots are exactly
 used, so two layer-sized buffers of the slot pool alternate (it needs 2E slots); with free slots the
 streamed layers simply stay resident, and decode after a long prompt starts with a warm cache.
 A short extend (a tool result) touches few experts; the ordinary per-expert path (fill or CPU-run) then
-moves far fewer bytes. The choice compares predicted bytes / bandwidth of the two, not a token threshold.
+moves far fewer bytes. The choice compares predicted bytes / bandwidth of the two, not a token threshold;
+which experts a prompt will touch comes from the slot table's heat (recent routing), not from uniform routing.
 """
 from __future__ import annotations
+
+import numpy as np
 
 # a CPU expert kernel reads each weight once per call; above this many tokens per expert it turns
 # compute-bound and its time grows with the tokens (roughly: machine flops / DRAM bandwidth, bf16)
 CPU_BALANCE_TOKENS = 16
+# routing probabilities from the slot table's heat start from this many uses of every expert (a uniform
+# prior that a few tokens of history cannot outweigh; a decode's hundreds of tokens do)
+PRIOR_USES = 1.0
+STREAM_MODES = ("auto", "on", "off")
 
 
 def expected_touched(num_tokens: int, top_k: int, num_experts: int) -> float:
@@ -20,24 +27,51 @@ def expected_touched(num_tokens: int, top_k: int, num_experts: int) -> float:
     return 1.0 - (1.0 - top_k / num_experts) ** num_tokens
 
 
-def should_stream(*, num_tokens: int, top_k: int, num_experts: int, missing: list[int], expert_bytes: int,
-                  bp: float, bh: float, cpu_share: float, device_flops: float) -> bool:
-    """True when streaming every missing expert beats serving only the routed ones.
+def touched_missing(heat: np.ndarray, missing: np.ndarray, num_tokens: int, top_k: int,
+                    prior: float = PRIOR_USES) -> float:
+    """Expected non-resident experts of one layer that T tokens route to at least once.
 
-    missing = non-resident experts per MoE layer; cpu_share = fraction of misses the backend runs on
-    the CPU (0 offload, 1 cpu, else the hybrid split). The per-expert path copies a layer's experts only
-    once routing is known, so its copies add to the compute; streaming hides one behind the other."""
-    total_missing = sum(missing)
-    if total_missing == 0:
+    heat [E]: the layer's recent uses (the slot table's heat in units of one use now); missing [E] bool.
+    A token picks top_k distinct experts, expert e with probability proportional to w_e = heat_e + prior
+    and at most 1 (the mass above 1 goes to the others: the probabilities sum to top_k). With no history
+    that is uniform routing (expected_touched); under skew the cold experts, the ones usually missing, are
+    touched less often than uniform routing would say."""
+    w = np.asarray(heat, dtype=np.float64) + prior
+    p = np.zeros_like(w)
+    free = np.ones(len(w), dtype=bool)
+    for _ in range(top_k + 1):  # each pass caps at least one more expert at 1, or settles
+        share = (top_k - (~free).sum()) * w * free / w[free].sum()
+        over = share > 1
+        p = np.where(free, share, 1.0)
+        if not over.any():
+            break
+        free &= ~over
+    p = np.minimum(p, 1.0)[np.asarray(missing, dtype=bool)]
+    return float((1.0 - (1.0 - p) ** num_tokens).sum())
+
+
+def should_stream(*, num_tokens: int, top_k: int, num_experts: int, missing: list[int], touched: list[float],
+                  expert_bytes: int, bp: float, bh: float, cpu_share: float, device_flops: float) -> bool:
+    """True when streaming every layer whole beats serving only the routed experts.
+
+    missing = non-resident experts per MoE layer; touched = how many of them the tokens are expected to
+    route to (touched_missing); cpu_share = fraction of misses the backend runs on the CPU (0 offload,
+    1 cpu, else the hybrid split). Streaming copies every layer whole (one copy a layer: the resident
+    experts cross PCIe again), but queues them all at once so copies hide behind compute. The per-expert
+    path copies only the touched misses, each layer's once its routing is back on the host, so its copies
+    add to the compute."""
+    if sum(missing) == 0:
         return False
-    routed = total_missing * expected_touched(num_tokens, top_k, num_experts) * expert_bytes
+    layers = len(missing)
     per_expert_tokens = num_tokens * top_k / num_experts
     cpu_slowdown = max(1.0, per_expert_tokens / CPU_BALANCE_TOKENS)
+    routed = sum(touched) * expert_bytes
     # fills and CPU runs proceed concurrently: the slower share sets the time
     serve = routed * max((1 - cpu_share) / bp, cpu_share * cpu_slowdown / bh)
     # 2 flops per weight element and routed token; a block has expert_bytes / 2 elements at bf16
-    compute = len(missing) * num_tokens * top_k * expert_bytes / device_flops
-    return max(total_missing * expert_bytes / bp, compute) <= serve + compute
+    compute = layers * num_tokens * top_k * expert_bytes / device_flops
+    stream = layers * num_experts * expert_bytes / bp
+    return max(stream, compute) <= serve + compute
 
 
 class PrefillStreamer:
@@ -53,8 +87,11 @@ class PrefillStreamer:
     up (H200 box, 8k prompt: 0.37-0.40 s against 0.24 s of copies, docs/PERF.md issue 17); issued at the
     first piece as ~200 copy calls of scattered slots, the host blocked in the driver at PCIe pace."""
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, mode: str = "auto") -> None:
+        if mode not in ("auto", "on"):
+            raise ValueError(f"a prefill streamer streams 'auto' (when predicted faster) or 'on', not {mode!r}")
         self.b = backend
+        self.mode = mode
         self.active = False
         self.reserved: list[int] = []  # slots of the next layer, kept locked while this one runs
         self._prefetched: set[int] = set()
@@ -71,16 +108,26 @@ class PrefillStreamer:
         self.tables = {}
         if cache.num_slots < 2 * e or num_tokens <= 1:
             return
-        missing = [e - cache.resident_count(layer) for layer in pool.layers]
-        est = self.b.estimate
-        self.active = should_stream(num_tokens=num_tokens, top_k=top_k, num_experts=e, missing=missing,
-                                    expert_bytes=pool.expert_bytes, bp=est.bp, bh=est.bh,
-                                    cpu_share=self.b.cpu_share(), device_flops=self.b.device_flops)
+        self.active = self.mode == "on" or self._predicted_faster(num_tokens, top_k)
         self.streamed_forwards += self.active
         if self.active:
             # the first layer's copy now, not at its first piece: that one follows the piece's mixer (~9 ms of an
             # 8k prompt on the H200 box) with the copy engine idle; kept locked (reserved) until that piece ran
             self.reserved = self._prefetch(pool.layers[0], after=None)
+
+    def _predicted_faster(self, num_tokens: int, top_k: int) -> bool:
+        cache, pool, est = self.b.cache, self.b.pool, self.b.estimate
+        t = cache.table
+        unit = t.moment()[1]  # the weight of one use now
+        missing, touched = [], []
+        for layer in pool.layers:
+            row = pool.row[layer]
+            cold = t.resident[row] < 0
+            missing.append(int(cold.sum()))
+            touched.append(touched_missing(t.heat[row] / unit, cold, num_tokens, top_k))
+        return should_stream(num_tokens=num_tokens, top_k=top_k, num_experts=pool.num_experts, missing=missing,
+                             touched=touched, expert_bytes=pool.expert_bytes, bp=est.bp, bh=est.bh,
+                             cpu_share=self.b.cpu_share(), device_flops=self.b.device_flops)
 
     def before_layer(self, layer: int) -> None:
         """Make `layer` fully resident (its copy normally issued when the layer before it started) and issue

@@ -42,7 +42,7 @@ def create_slot_backend(name: str, pool, num_slots: int, device, **kw):
 
 def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes: int | None = None,
                     reserve_bytes: int = 0, profile: dict | None = None, estimate=None,
-                    stream_prefill: bool = True, progress=None, background: bool = False, checkpoint=None,
+                    stream_prefill: bool | str = True, progress=None, background: bool = False, checkpoint=None,
                     slot_policy: str = "lfu", decode: str = "auto"):
     """`load_model(path, experts=experts_factory(...), expert_device="cpu")`: ExpertWeights -> backend.
 
@@ -52,7 +52,8 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
     profile: the bench bw profile (default: this machine's, if `killick bench bw` ran; {} = none).
     For `fused` the source must already be on `device` (load with expert_device=None).
     checkpoint: fill the pool straight from this directory's safetensors (load the model with
-    expert_device="meta" so experts are not held twice). slot_policy: which slot a fill evicts, lru or lfu
+    expert_device="meta" so experts are not held twice). stream_prefill: whether prompts stream whole layers
+    through the slots, auto (True) | on | off (False) (prefill_stream.py). slot_policy: which slot a fill evicts, lru or lfu
     (engine/experts/lru.py). decode: how a fast path decodes through the cache, auto | mapped | host
     (offload.DECODE_MODES)."""
 

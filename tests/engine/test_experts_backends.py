@@ -61,7 +61,8 @@ def check_table(backend):
 @pytest.mark.parametrize("slots", [1, 3, 2 * E, len(L_IDS) * E])
 def test_backend_matches_reference(src, pool, cls, slots):
     est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)  # hybrid fills a third of the misses (q_balanced)
-    b = cls(pool, slots, "cpu", estimate=est)
+    # offload streams every prompt (whole layers whenever two buffers fit); the others choose (auto)
+    b = cls(pool, slots, "cpu", estimate=est, stream_prefill="on" if cls is OffloadBackend else "auto")
     streamed = False
     for step, T in enumerate([5, 1, 1, 7, 1, 40, 1]):
         b.begin_forward(T, K)

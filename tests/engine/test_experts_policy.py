@@ -1,12 +1,13 @@
 """q*, the balanced split, the bandwidth estimate, `auto`, slot sizing and the prefill choice (torch-free)."""
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.experts.policy import BandwidthEstimate, choose_backend, q_balanced, q_star, slots_from_spec
-from engine.experts.prefill_stream import should_stream
+from engine.experts.prefill_stream import expected_touched, should_stream, touched_missing
 from engine.experts.registry import resolve
 
 
@@ -71,9 +72,37 @@ def test_slots_from_spec():
 
 def test_prefill_choice_by_predicted_bytes():
     kw = dict(top_k=8, num_experts=256, expert_bytes=6 << 20, bp=50e9, bh=50e9, device_flops=2e14)
-    missing = [160] * 40
-    assert should_stream(num_tokens=8192, missing=missing, cpu_share=0.0, **kw)
-    assert not should_stream(num_tokens=20, missing=missing, cpu_share=0.0, **kw)
-    assert not should_stream(num_tokens=8192, missing=[0] * 40, cpu_share=0.0, **kw)
+
+    def choose(tokens, missing, touched=None, cpu_share=0.0, **over):
+        touched = missing if touched is None else touched
+        return should_stream(num_tokens=tokens, missing=[missing] * 40, touched=[touched] * 40,
+                             cpu_share=cpu_share, **{**kw, **over})
+
+    assert not choose(8192, 0)  # nothing to move
+    assert not choose(20, 160, touched=5)  # a short extend moves its few routed experts
+    # a streamed layer crosses whole: with most of each layer resident, copying only the routed misses wins
+    # even for a long prompt whose copies add to a short compute...
+    assert not choose(8192, 160)
+    # ...but not with almost nothing resident (the same bytes either way, streaming hides them under compute)
+    assert choose(8192, 250)
+    # on a slow device the compute hides the whole stream, where the per-expert copies would add to it
+    assert choose(8192, 160, device_flops=1e12)
     # a cache that already holds most experts makes a medium extend cheaper to serve per expert
-    assert not should_stream(num_tokens=60, missing=[8] * 40, cpu_share=0.5, **kw)
+    assert not choose(60, 8, touched=8 * expected_touched(60, 8, 256), cpu_share=0.5)
+
+
+def test_touched_misses_from_the_slot_tables_heat():
+    e, k = 256, 8
+    missing = np.arange(e) >= 96  # experts 96.. are not resident
+    # no history: uniform routing
+    assert touched_missing(np.zeros(e), missing, 40, k) == pytest.approx(160 * expected_touched(40, k, e))
+    # skewed history, the resident experts the hot ones: the cold misses are touched far less than uniformly
+    heat = np.where(missing, 0.0, 100.0)
+    skew = touched_missing(heat, missing, 40, k)
+    assert skew < 0.2 * touched_missing(np.zeros(e), missing, 40, k)
+    # a missing expert far hotter than the rest is touched for sure, and the others share the k - 1 other picks
+    heat[200] = 1e6
+    rest = np.arange(e) != 200
+    assert touched_missing(heat, missing, 40, k) == pytest.approx(
+        1 + touched_missing(heat[rest], missing[rest], 40, k - 1), abs=1e-6)
+    assert touched_missing(heat, missing, 10 ** 6, k) <= missing.sum()

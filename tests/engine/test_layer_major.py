@@ -56,10 +56,10 @@ def test_pieces_equal_one_pass_with_checkpoints_on_and_off_the_boundaries(checkp
     model.piece_tokens = None
 
 
-def offload_engine(path, slots):
+def offload_engine(path, slots, stream="auto"):
     est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
-    return Engine.from_pretrained(path, experts=experts_factory("offload", slots=slots, estimate=est),
-                                  expert_device="cpu")
+    return Engine.from_pretrained(path, experts=experts_factory("offload", slots=slots, estimate=est,
+                                                                stream_prefill=stream), expert_device="cpu")
 
 
 def test_a_prompt_streams_the_expert_pool_once(checkpoints, engine_for):
@@ -71,7 +71,7 @@ def test_a_prompt_streams_the_expert_pool_once(checkpoints, engine_for):
     ref = engine_for("qwen3_5_moe").generate(prompt, 6)
     fills = {}
     for piece in (None, 32):
-        eng = offload_engine(path, 2 * experts.num_experts)
+        eng = offload_engine(path, 2 * experts.num_experts, stream="on")
         eng.model.piece_tokens = piece
         state = eng.model.new_state()
         chunks = [prompt] if piece else [prompt[a:a + 32] for a in range(0, len(prompt), 32)]
