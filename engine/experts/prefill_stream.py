@@ -27,15 +27,14 @@ def expected_touched(num_tokens: int, top_k: int, num_experts: int) -> float:
     return 1.0 - (1.0 - top_k / num_experts) ** num_tokens
 
 
-def touched_missing(heat: np.ndarray, missing: np.ndarray, num_tokens: int, top_k: int,
-                    prior: float = PRIOR_USES) -> float:
-    """Expected non-resident experts of one layer that T tokens route to at least once.
+def touched(heat: np.ndarray, num_tokens: int, top_k: int, prior: float = PRIOR_USES) -> np.ndarray:
+    """[E]: the probability that T tokens route to each expert of one layer at least once.
 
-    heat [E]: the layer's recent uses (the slot table's heat in units of one use now); missing [E] bool.
-    A token picks top_k distinct experts, expert e with probability proportional to w_e = heat_e + prior
-    and at most 1 (the mass above 1 goes to the others: the probabilities sum to top_k). With no history
-    that is uniform routing (expected_touched); under skew the cold experts, the ones usually missing, are
-    touched less often than uniform routing would say."""
+    heat [E]: the layer's recent uses (the slot table's heat in units of one use now). A token picks top_k
+    distinct experts, expert e with probability proportional to w_e = heat_e + prior and at most 1 (the mass
+    above 1 goes to the others: the probabilities sum to top_k). With no history that is uniform routing
+    (expected_touched); under skew the cold experts, the ones usually missing, are touched less often than
+    uniform routing would say."""
     w = np.asarray(heat, dtype=np.float64) + prior
     p = np.zeros_like(w)
     free = np.ones(len(w), dtype=bool)
@@ -46,28 +45,37 @@ def touched_missing(heat: np.ndarray, missing: np.ndarray, num_tokens: int, top_
         if not over.any():
             break
         free &= ~over
-    p = np.minimum(p, 1.0)[np.asarray(missing, dtype=bool)]
-    return float((1.0 - (1.0 - p) ** num_tokens).sum())
+    return 1.0 - (1.0 - np.minimum(p, 1.0)) ** num_tokens
 
 
-def should_stream(*, num_tokens: int, top_k: int, num_experts: int, missing: list[int], touched: list[float],
+def routed_fills(touched_missing: list[float], touched_resident: list[float], num_slots: int,
+                 cpu_share: float = 0.0) -> float:
+    """Experts the per-expert path copies (or, the cpu_share of the misses, runs on the CPU) in one forward:
+    the touched misses, and the touched residents that the fills evict before their own layer runs. Layers run in order and each fill takes the coldest or
+    least recently used slot, which a cyclic walk makes a layer not yet run: once a forward needs more
+    experts than there are slots, every slot taken beyond them costs a later layer a resident (an 8k prompt
+    with 37.5% in slots moved 0.90 of the pool this way, H200 box, docs/PERF.md thirteenth session)."""
+    need = (1 - cpu_share) * sum(touched_missing) + sum(touched_resident)  # CPU runs take no slot
+    return sum(touched_missing) + min(max(0.0, need - num_slots), sum(touched_resident))
+
+
+def should_stream(*, num_tokens: int, top_k: int, num_experts: int, missing: list[int], routed: float,
                   expert_bytes: int, bp: float, bh: float, cpu_share: float, device_flops: float) -> bool:
     """True when streaming every layer whole beats serving only the routed experts.
 
-    missing = non-resident experts per MoE layer; touched = how many of them the tokens are expected to
-    route to (touched_missing); cpu_share = fraction of misses the backend runs on the CPU (0 offload,
-    1 cpu, else the hybrid split). Streaming copies every layer whole (one copy a layer: the resident
-    experts cross PCIe again), but queues them all at once so copies hide behind compute. The per-expert
-    path copies only the touched misses, each layer's once its routing is back on the host, so its copies
-    add to the compute."""
+    missing = non-resident experts per MoE layer; routed = experts the per-expert path would move or run
+    on the CPU (routed_fills); cpu_share = fraction of them the backend runs on the CPU (0 offload, 1 cpu,
+    else the hybrid split). Streaming copies every layer whole (one copy a layer: the resident experts
+    cross PCIe again), but queues them all at once so copies hide behind compute. The per-expert path
+    copies only what it routes to, each layer's once its routing is back on the host, so its copies add to
+    the compute."""
     if sum(missing) == 0:
         return False
     layers = len(missing)
     per_expert_tokens = num_tokens * top_k / num_experts
     cpu_slowdown = max(1.0, per_expert_tokens / CPU_BALANCE_TOKENS)
-    routed = sum(touched) * expert_bytes
     # fills and CPU runs proceed concurrently: the slower share sets the time
-    serve = routed * max((1 - cpu_share) / bp, cpu_share * cpu_slowdown / bh)
+    serve = routed * expert_bytes * max((1 - cpu_share) / bp, cpu_share * cpu_slowdown / bh)
     # 2 flops per weight element and routed token; a block has expert_bytes / 2 elements at bf16
     compute = layers * num_tokens * top_k * expert_bytes / device_flops
     stream = layers * num_experts * expert_bytes / bp
@@ -119,15 +127,19 @@ class PrefillStreamer:
         cache, pool, est = self.b.cache, self.b.pool, self.b.estimate
         t = cache.table
         unit = t.moment()[1]  # the weight of one use now
-        missing, touched = [], []
+        missing, cold_hit, warm_hit = [], [], []
         for layer in pool.layers:
             row = pool.row[layer]
             cold = t.resident[row] < 0
+            p = touched(t.heat[row] / unit, num_tokens, top_k)
             missing.append(int(cold.sum()))
-            touched.append(touched_missing(t.heat[row] / unit, cold, num_tokens, top_k))
+            cold_hit.append(float(p[cold].sum()))
+            warm_hit.append(float(p[~cold].sum()))
+        share = self.b.cpu_share()
         return should_stream(num_tokens=num_tokens, top_k=top_k, num_experts=pool.num_experts, missing=missing,
-                             touched=touched, expert_bytes=pool.expert_bytes, bp=est.bp, bh=est.bh,
-                             cpu_share=self.b.cpu_share(), device_flops=self.b.device_flops)
+                             routed=routed_fills(cold_hit, warm_hit, cache.num_slots, share),
+                             expert_bytes=pool.expert_bytes, bp=est.bp, bh=est.bh, cpu_share=share,
+                             device_flops=self.b.device_flops)
 
     def before_layer(self, layer: int) -> None:
         """Make `layer` fully resident (its copy normally issued when the layer before it started) and issue

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.experts.policy import BandwidthEstimate, choose_backend, q_balanced, q_star, slots_from_spec
-from engine.experts.prefill_stream import expected_touched, should_stream, touched_missing
+from engine.experts.prefill_stream import expected_touched, routed_fills, should_stream, touched
 from engine.experts.registry import resolve
 
 
@@ -73,36 +73,48 @@ def test_slots_from_spec():
 def test_prefill_choice_by_predicted_bytes():
     kw = dict(top_k=8, num_experts=256, expert_bytes=6 << 20, bp=50e9, bh=50e9, device_flops=2e14)
 
-    def choose(tokens, missing, touched=None, cpu_share=0.0, **over):
-        touched = missing if touched is None else touched
-        return should_stream(num_tokens=tokens, missing=[missing] * 40, touched=[touched] * 40,
-                             cpu_share=cpu_share, **{**kw, **over})
+    def choose(tokens, missing, routed, cpu_share=0.0, **over):
+        return should_stream(num_tokens=tokens, missing=[missing] * 40, routed=routed, cpu_share=cpu_share,
+                             **{**kw, **over})
 
-    assert not choose(8192, 0)  # nothing to move
-    assert not choose(20, 160, touched=5)  # a short extend moves its few routed experts
-    # a streamed layer crosses whole: with most of each layer resident, copying only the routed misses wins
-    # even for a long prompt whose copies add to a short compute...
-    assert not choose(8192, 160)
-    # ...but not with almost nothing resident (the same bytes either way, streaming hides them under compute)
-    assert choose(8192, 250)
+    assert not choose(8192, 0, 0)  # nothing to move
+    assert not choose(20, 160, 40 * 5)  # a short extend moves its few routed experts
+    # a streamed layer crosses whole: moving only the routed misses wins where they are fewer, even for a
+    # long prompt whose copies add to a short compute...
+    assert not choose(8192, 160, 40 * 160)
+    # ...but not where the per-expert path moves about as much (its evictions: routed_fills)
+    assert choose(8192, 160, 40 * 256)
     # on a slow device the compute hides the whole stream, where the per-expert copies would add to it
-    assert choose(8192, 160, device_flops=1e12)
-    # a cache that already holds most experts makes a medium extend cheaper to serve per expert
-    assert not choose(60, 8, touched=8 * expected_touched(60, 8, 256), cpu_share=0.5)
+    assert choose(8192, 160, 40 * 160, device_flops=1e12)
+    # the CPU's share of the misses runs beside the fills (hybrid)
+    assert not choose(256, 160, 40 * 256, cpu_share=0.45)
+    # ...unless each expert has so many tokens that the CPU turns compute-bound
+    assert choose(8192, 160, 40 * 256, cpu_share=0.45)
 
 
-def test_touched_misses_from_the_slot_tables_heat():
+def test_routed_fills_count_the_residents_a_cyclic_walk_evicts():
+    # every expert of 8 layers touched, 3 layers' worth of slots: the fills evict residents of later layers
+    assert routed_fills([160] * 8, [96] * 8, 768) == 8 * 256
+    # the touched experts fit the slots: only the misses move
+    assert routed_fills([10] * 8, [40] * 8, 768) == 80
+    # partly: the excess costs residents
+    assert routed_fills([100] * 8, [40] * 8, 1000) == 800 + 120
+    # misses the CPU runs take no slot
+    assert routed_fills([160] * 8, [96] * 8, 768, cpu_share=1.0) == 8 * 160
+
+
+def test_touched_experts_from_the_slot_tables_heat():
     e, k = 256, 8
     missing = np.arange(e) >= 96  # experts 96.. are not resident
     # no history: uniform routing
-    assert touched_missing(np.zeros(e), missing, 40, k) == pytest.approx(160 * expected_touched(40, k, e))
+    assert touched(np.zeros(e), 40, k) == pytest.approx(np.full(e, expected_touched(40, k, e)))
     # skewed history, the resident experts the hot ones: the cold misses are touched far less than uniformly
     heat = np.where(missing, 0.0, 100.0)
-    skew = touched_missing(heat, missing, 40, k)
-    assert skew < 0.2 * touched_missing(np.zeros(e), missing, 40, k)
-    # a missing expert far hotter than the rest is touched for sure, and the others share the k - 1 other picks
+    skew = touched(heat, 40, k)[missing].sum()
+    assert skew < 0.2 * 160 * expected_touched(40, k, e)
+    # an expert far hotter than the rest is touched for sure, and the others share the k - 1 other picks
     heat[200] = 1e6
     rest = np.arange(e) != 200
-    assert touched_missing(heat, missing, 40, k) == pytest.approx(
-        1 + touched_missing(heat[rest], missing[rest], 40, k - 1), abs=1e-6)
-    assert touched_missing(heat, missing, 10 ** 6, k) <= missing.sum()
+    p = touched(heat, 40, k)
+    assert p[200] == pytest.approx(1.0) and p[rest] == pytest.approx(touched(heat[rest], 40, k - 1))
+    assert (touched(heat, 10 ** 6, k) <= 1).all()
