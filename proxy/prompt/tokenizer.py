@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-import threading
-from array import array
-from collections import OrderedDict
-from itertools import chain
+import unicodedata
 from pathlib import Path
 from typing import Collection, Iterable
 
@@ -22,6 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
 
 from engine.demo import SHIPPED_TOKENIZER
+from proxy.prompt.encodings import ByteOffsets, PieceCache, RecentTexts, flat_offsets
 
 SHIPPED_DIR = SHIPPED_TOKENIZER
 TEMPLATE_FILE = "chat_template.jinja"
@@ -66,7 +63,11 @@ class Tokenizer:
         self._added_re = _added_token_splitter(hf)
         self._plain = _HFTokenizer.from_str(hf.to_str())  # special-token text in it is just text
         self._plain.encode_special_tokens = True
+        self._longest_added = max(map(len, self._added), default=0)
         self._pieces = PieceCache(CHUNK_CACHE_BYTES)
+        self._recent = RecentTexts()
+        self._nfc = type(hf.normalizer).__name__ == "NFC"  # offsets from ids hold for text already in NFC
+        self.byte_offsets = self._offsets_from_ids() if hf.normalizer is None or self._nfc else None
         self.splits = self._splits_exactly()
 
     def encode(self, text: str) -> list[int]:
@@ -94,18 +95,20 @@ class Tokenizer:
         """Ids and their offsets flat (int32 [2n]: start, end, start, end, ...)."""
         if self._added_re is None:
             return self._encode_whole(text, literal_at)
-        ids: list[int] = []
-        flats: list[np.ndarray] = []
-        start = 0
-        for m in self._added_re.finditer(text):
+        ids, head, cuts, start = self._recent.prefix(text, literal_at, self._longest_added)
+        flats = [head]
+        for m in self._added_re.finditer(text, start):
             if m.start() in literal_at:
                 continue
             self._add_piece(ids, flats, text, start, m.start())
             ids.append(self._added[m.group()])
+            cuts.append(m.start())
             flats.append(np.array(m.span(), dtype=np.int32))
             start = m.end()
         self._add_piece(ids, flats, text, start, len(text))
-        return ids, np.concatenate(flats) if flats else np.empty(0, dtype=np.int32)
+        flat = np.concatenate(flats)
+        self._recent.put(text, literal_at, cuts, ids, flat)
+        return ids, flat
 
     def _add_piece(self, ids: list[int], flats: list[np.ndarray], text: str, start: int, end: int) -> None:
         if end <= start:
@@ -121,8 +124,16 @@ class Tokenizer:
     def _encode_piece(self, piece: str, min_chars: int = SPLIT_MIN_CHARS,
                       chunk: int = SPLIT_CHARS) -> tuple[list[int], np.ndarray]:
         """Ids and flat offsets of text with no added tokens in it: in chunks at safe cuts (_encode_chunks)
-        where the tokenizer splits exactly and the piece is long; else in one call."""
+        where the tokenizer splits exactly and the piece is long; else in one call. Offsets come from the
+        ids (byte_offsets) where they agree with the library's, which then need not track them."""
         cuts = _safe_cuts(piece, chunk) if self.splits and len(piece) >= min_chars else []
+        if self.byte_offsets is not None and not (self._nfc and not unicodedata.is_normalized("NFC", piece)):
+            bounds = [0, *cuts, len(piece)]
+            ids: list[int] = []
+            for enc in self._plain.encode_batch_fast([piece[a:b] for a, b in zip(bounds, bounds[1:])],
+                                                     add_special_tokens=False):
+                ids += enc.ids
+            return ids, self.byte_offsets.flat(piece, ids)
         if not cuts:
             enc = self._plain.encode(piece, add_special_tokens=False)
             return enc.ids, flat_offsets(enc.offsets)
@@ -138,6 +149,18 @@ class Tokenizer:
             ids += enc.ids
             flats.append(flat_offsets(enc.offsets, a))
         return ids, np.concatenate(flats)
+
+    def _offsets_from_ids(self) -> ByteOffsets | None:
+        """ByteOffsets where the ids alone give the library's offsets on probe text (a byte-level BPE), else None."""
+        text = SPLIT_PROBE * 3
+        try:
+            offsets = ByteOffsets(self._plain.get_vocab(with_added_tokens=True), self._added)
+            enc = self._plain.encode(text, add_special_tokens=False)
+            fast = self._plain.encode_batch_fast([text], add_special_tokens=False)[0]
+            same = fast.ids == enc.ids and np.array_equal(offsets.flat(text, enc.ids), flat_offsets(enc.offsets))
+        except Exception:  # noqa: BLE001 - a library without encode_batch_fast: its own offsets
+            return None
+        return offsets if same else None
 
     def _splits_exactly(self) -> bool:
         """Whether encoding at SAFE_CUT cuts gives the ids and offsets of encoding whole, on probe text cut
@@ -202,50 +225,6 @@ class Tokenizer:
 
     def incremental_decoder(self, skip_special: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special)
-
-
-class PieceCache:
-    """Encodings of text pieces, least recently used first out, bounded by the bytes they hold (ids and
-    offsets as 32-bit arrays); a piece over an eighth of the budget is never kept. Thread-safe: the proxy
-    renders off its event loop and the engine thread may encode too."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget = budget_bytes
-        self.bytes = 0
-        self._items: OrderedDict[str, tuple[array, np.ndarray, int]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def get(self, piece: str) -> tuple[list[int], np.ndarray] | None:
-        with self._lock:
-            hit = self._items.get(piece)
-            if hit is None:
-                return None
-            self._items.move_to_end(piece)
-        return hit[0].tolist(), hit[1]
-
-    def put(self, piece: str, ids: list[int], flat: np.ndarray) -> tuple[list[int], np.ndarray]:
-        """Keep a piece's ids and flat offsets (flat_offsets); -> the same pair, as `get` gives it."""
-        packed = array("i", ids)
-        size = sys.getsizeof(piece) + packed.itemsize * len(packed) + flat.nbytes
-        if size <= self.budget // 8:
-            with self._lock:
-                if piece not in self._items:
-                    self._items[piece] = (packed, flat, size)
-                    self.bytes += size
-                while self.bytes > self.budget:
-                    self.bytes -= self._items.popitem(last=False)[1][2]
-        return ids, flat
-
-
-def flat_offsets(offsets: list[tuple[int, int]], shift: int = 0) -> np.ndarray:
-    """A tokenizers encoding's offsets [(start, end), ...] as int32 [start, end, start, end, ...] + shift."""
-    flat = np.fromiter(chain.from_iterable(offsets), dtype=np.int32, count=2 * len(offsets))
-    if shift:
-        flat += shift
-    return flat
 
 
 def _safe_cuts(text: str, chunk: int) -> list[int]:
