@@ -48,15 +48,35 @@ def touched(heat: np.ndarray, num_tokens: int, top_k: int, prior: float = PRIOR_
     return 1.0 - (1.0 - np.minimum(p, 1.0)) ** num_tokens
 
 
-def routed_fills(touched_missing: list[float], touched_resident: list[float], num_slots: int,
-                 cpu_share: float = 0.0) -> float:
+def at_risk(heat: np.ndarray, resident: np.ndarray, p: np.ndarray, lfu: bool) -> float:
+    """Expected touched residents of one layer that the forward's fills may evict before the layer runs.
+
+    Fills take the coldest slot (lfu) or the least recently used (lru). Under lru, and under lfu where the
+    residents are no hotter than the misses (uniform routing: admissions hardly move anything), that is any
+    resident of a layer not yet run; under lfu with skewed routing the residents are the hot experts and
+    the slots filled earlier in the same forward, colder, go first: only residents no hotter than most
+    misses (after the one use the forward adds) are at risk."""
+    if not lfu or resident.all() or not resident.any():
+        return float(p[resident].sum())
+    cutoff = np.quantile(heat[~resident], 0.9) + 1.0
+    return float(p[resident & (heat <= cutoff)].sum())
+
+
+def routed_fills(touched_missing: list[float], at_risk_resident: list[float], num_slots: int,
+                 cpu_share: float = 0.0, touched_resident: list[float] | None = None) -> float:
     """Experts the per-expert path copies (or, the cpu_share of the misses, runs on the CPU) in one forward:
-    the touched misses, and the touched residents that the fills evict before their own layer runs. Layers run in order and each fill takes the coldest or
-    least recently used slot, which a cyclic walk makes a layer not yet run: once a forward needs more
-    experts than there are slots, every slot taken beyond them costs a later layer a resident (an 8k prompt
-    with 37.5% in slots moved 0.90 of the pool this way, H200 box, docs/PERF.md thirteenth session)."""
+    the touched misses, and the touched residents those fills evict before their own layer runs.
+
+    Layers run in order and each fill takes the coldest or least recently used unlocked slot. Once a forward
+    needs more experts than there are slots, every slot taken beyond them is a resident lost: one of a layer
+    not yet run where it is at risk (at_risk; an 8k prompt under uniform routing with 37.5% in slots moved
+    0.90 of the pool this way, H200 box, docs/PERF.md thirteenth session), and at least the first layer's
+    fills (nothing colder sits in the slots yet). touched_resident: all touched residents (default:
+    at_risk_resident), which `need` counts."""
+    touched_resident = at_risk_resident if touched_resident is None else touched_resident
     need = (1 - cpu_share) * sum(touched_missing) + sum(touched_resident)  # CPU runs take no slot
-    return sum(touched_missing) + min(max(0.0, need - num_slots), sum(touched_resident))
+    lost = max(sum(at_risk_resident), (1 - cpu_share) * touched_missing[0])
+    return sum(touched_missing) + min(max(0.0, need - num_slots), lost, sum(touched_resident))
 
 
 def should_stream(*, num_tokens: int, top_k: int, num_experts: int, missing: list[int], routed: float,
@@ -127,18 +147,19 @@ class PrefillStreamer:
         cache, pool, est = self.b.cache, self.b.pool, self.b.estimate
         t = cache.table
         unit = t.moment()[1]  # the weight of one use now
-        missing, cold_hit, warm_hit = [], [], []
+        missing, cold_hit, warm_hit, risk = [], [], [], []
         for layer in pool.layers:
             row = pool.row[layer]
-            cold = t.resident[row] < 0
-            p = touched(t.heat[row] / unit, num_tokens, top_k)
-            missing.append(int(cold.sum()))
-            cold_hit.append(float(p[cold].sum()))
-            warm_hit.append(float(p[~cold].sum()))
+            warm, heat = t.resident[row] >= 0, t.heat[row] / unit
+            p = touched(heat, num_tokens, top_k)
+            missing.append(int((~warm).sum()))
+            cold_hit.append(float(p[~warm].sum()))
+            warm_hit.append(float(p[warm].sum()))
+            risk.append(at_risk(heat, warm, p, t.policy == "lfu"))
         share = self.b.cpu_share()
+        routed = routed_fills(cold_hit, risk, cache.num_slots, share, touched_resident=warm_hit)
         return should_stream(num_tokens=num_tokens, top_k=top_k, num_experts=pool.num_experts, missing=missing,
-                             routed=routed_fills(cold_hit, warm_hit, cache.num_slots, share),
-                             expert_bytes=pool.expert_bytes, bp=est.bp, bh=est.bh, cpu_share=share,
+                             routed=routed, expert_bytes=pool.expert_bytes, bp=est.bp, bh=est.bh, cpu_share=share,
                              device_flops=self.b.device_flops)
 
     def before_layer(self, layer: int) -> None:

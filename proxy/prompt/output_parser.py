@@ -10,7 +10,8 @@ until the next piece decides it. A JSON tool call streams: once its head `{"name
 read, ToolCallStart(index, name) goes out, then ToolCallDelta pieces of the arguments object as they are
 written, then ToolCall(streamed=True) whose arguments are exactly the deltas joined. Any other tool call is
 buffered until its closing tag and parsed whole (ToolCall, streamed=False): malformed JSON degrades to plain
-text, never an error; once a call has started streaming it ends as a call, its arguments as written. Whitespace at the edges of each segment (after
+text, never an error, and a call whose first characters can open neither form goes out as text at once (up to
+its closing tag, as it would have at the end); once a call has started streaming it ends as a call, its arguments as written. Whitespace at the edges of each segment (after
 `<think>`, around `</think>`, between tool calls) is dropped, as the providers do.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Union
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+XML_CALL_OPEN = "<function="
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class OutputParser:
         self._buf = ""  # undecided text (may be the start of a marker)
         self._tool_buf = ""
         self._call: ArgumentsScan | None = None  # the tool call whose arguments are streaming
+        self._not_a_call = False  # inside <tool_call> ... </tool_call> whose text can be no call: shown as text
         self._pending_ws = ""  # trailing whitespace held until more visible text follows
         self._segment_started = False
         self._before_tool = ("", False)
@@ -136,10 +139,10 @@ class OutputParser:
                 self.mode = "text"
                 self._close_tool(out)
                 rest = ""
-            elif self.mode == "tool":
-                self.mode = "text"
+            elif self.mode == "tool" and not self._not_a_call:
                 self._pending_ws, self._segment_started = self._before_tool
                 rest = TOOL_OPEN + self._tool_buf + rest
+            self.mode, self._not_a_call = "text", False
             self._emit(out, rest)
         self._pending_ws = ""
         return out
@@ -168,6 +171,10 @@ class OutputParser:
         return True
 
     def _transition(self, out: list[OutputEvent], marker: str) -> None:
+        if self._not_a_call:  # the close tag of text shown as text: it stays text, whitespace rules go on
+            self._emit(out, marker)
+            self.mode, self._not_a_call = "text", False
+            return
         if marker == TOOL_OPEN:  # text state before a tool call, restored if the call is malformed
             self._before_tool = (self._pending_ws, self._segment_started)
         self._pending_ws = ""
@@ -203,8 +210,13 @@ class OutputParser:
     def _emit(self, out: list[OutputEvent], text: str) -> None:
         if not text:
             return
-        if self.mode == "tool":
+        if self.mode == "tool" and not self._not_a_call:
             self._tool_buf += text
+            if self._call is None and not may_open_call(self._tool_buf):
+                self._not_a_call = True
+                self._emit(out, TOOL_OPEN + self._tool_buf)
+                self._tool_buf = ""
+                return
             self._stream_arguments(out)
             return
         if not self._segment_started:
@@ -238,6 +250,13 @@ class OutputParser:
             out.append(ToolCallDelta(self.tool_calls, piece))
 
 
+def may_open_call(body: str) -> bool:
+    """Whether a tool call's text so far can still parse as a call (parse_tool_call): its first non-space
+    characters open a JSON object or the XML variant's <function=."""
+    head = body.lstrip()
+    return not head or head.startswith(("{", XML_CALL_OPEN)) or XML_CALL_OPEN.startswith(head)
+
+
 def _partial_marker_suffix(buf: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of buf that is a proper prefix of some marker."""
     best = 0
@@ -256,7 +275,7 @@ _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 def parse_tool_call(body: str) -> tuple[str, str] | None:
     """(name, arguments JSON object text) from a tool call's body, or None when it is malformed."""
     text = body.strip()
-    if text.startswith("<function="):
+    if text.startswith(XML_CALL_OPEN):
         return _parse_xml_call(text)
     try:
         obj = json.loads(text)

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.experts.policy import BandwidthEstimate, choose_backend, q_balanced, q_star, slots_from_spec
-from engine.experts.prefill_stream import expected_touched, routed_fills, should_stream, touched
+from engine.experts.prefill_stream import at_risk, expected_touched, routed_fills, should_stream, touched
 from engine.experts.registry import resolve
 
 
@@ -92,8 +92,9 @@ def test_prefill_choice_by_predicted_bytes():
     assert choose(8192, 160, 40 * 256, cpu_share=0.45)
 
 
-def test_routed_fills_count_the_residents_a_cyclic_walk_evicts():
-    # every expert of 8 layers touched, 3 layers' worth of slots: the fills evict residents of later layers
+def test_routed_fills_count_the_residents_the_fills_evict():
+    # every expert of 8 layers touched, 3 layers' worth of slots, every resident at risk: the fills evict
+    # residents of later layers
     assert routed_fills([160] * 8, [96] * 8, 768) == 8 * 256
     # the touched experts fit the slots: only the misses move
     assert routed_fills([10] * 8, [40] * 8, 768) == 80
@@ -101,6 +102,20 @@ def test_routed_fills_count_the_residents_a_cyclic_walk_evicts():
     assert routed_fills([100] * 8, [40] * 8, 1000) == 800 + 120
     # misses the CPU runs take no slot
     assert routed_fills([160] * 8, [96] * 8, 768, cpu_share=1.0) == 8 * 160
+    # hot residents (none at risk): the first layer's fills still take residents, later ones the earlier fills
+    assert routed_fills([135] * 8, [0] * 8, 768, touched_resident=[96] * 8) == 8 * 135 + 135
+
+
+def test_residents_at_risk_by_heat():
+    e = 256
+    warm = np.arange(e) < 96
+    p = np.full(e, 0.5)
+    flat = np.random.default_rng(0).poisson(11, e).astype(float)  # uniform routing: residents as hot as misses
+    assert at_risk(flat, warm, p, lfu=True) > 0.8 * 48
+    # Zipf 1.0 over a half-life's decode (~2,950 uses of a layer's experts): the residents are the hottest
+    skew = 2950 / (np.log(e) + 0.577) / np.arange(1, e + 1)
+    assert at_risk(skew, warm, p, lfu=True) < 0.1 * 48
+    assert at_risk(skew, warm, p, lfu=False) == 48  # lru: recency, not heat, picks the victim
 
 
 def test_touched_experts_from_the_slot_tables_heat():

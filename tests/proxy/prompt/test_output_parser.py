@@ -1,6 +1,8 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.prompt.output_parser import (
     OutputParser, TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart, generation_opens_think,
@@ -122,3 +124,28 @@ def test_one_tool_call_when_parallel_calls_are_off():
            '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>')
     events, parser = run(two, 5, max_tool_calls=1)
     assert events == [ToolCall(0, "a", "{}", streamed=True)] and parser.ended and parser.stopped is None
+
+
+def test_a_call_that_can_be_no_call_goes_out_as_text_at_once():
+    parser = OutputParser(thinking_open=False)
+    assert parser.feed("<tool_call>") == [] and parser.feed("\n ") == []  # may still open a call
+    assert parser.feed("I") == [TextDelta("<tool_call>\n I")]  # neither JSON nor <function=: shown now
+    rest = parser.feed(" think</tool_call> so") + parser.finish()
+    assert "".join(e.text for e in rest) == " think</tool_call> so" and parser.tool_calls == 0
+    for opening in ('<tool_call>\n{"na', "<tool_call>\n<func", '<tool_call><function=bash>\n'):
+        assert OutputParser(thinking_open=False).feed(opening) == []  # held: it may still be a call
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=st.text("ab \n", max_size=6), body=st.text("xy {}<=/\n\t ", max_size=12),
+       close=st.booleans(), after=st.text("ab \n", max_size=6), step=st.integers(1, 8))
+def test_text_shown_early_is_the_text_shown_at_the_end(before, body, close, after, step):
+    """Whatever the chunking, a call that parses is a call, and everything else reads as the text it was."""
+    text = before + "<tool_call>" + body + ("</tool_call>" if close else "") + after
+    events, parser = run(text, step)
+    if parse_tool_call(body) is not None and close:
+        assert parser.tool_calls == 1
+        return
+    if any(isinstance(e, ToolCall) for e in events):  # an unclosed call whose arguments began streaming
+        return
+    assert events == run(text, len(text) or 1, parse_tools=False)[0]
