@@ -214,6 +214,7 @@ class OutputParser:
             self._tool_buf += text
             if self._call is None and not may_open_call(self._tool_buf):
                 self._not_a_call = True
+                self._pending_ws, self._segment_started = self._before_tool
                 self._emit(out, TOOL_OPEN + self._tool_buf)
                 self._tool_buf = ""
                 return
