@@ -24,6 +24,7 @@ import numpy as np
 from engine.common_prefix import common_prefix_len
 
 RECENT_TEXTS = 16  # encodings of whole rendered texts remembered (a few per active session is plenty)
+RECENT_BYTES = 64 * 2**20  # and at most about this much of them (a 200k-token prompt holds ~10 MB)
 RECENT_MIN_CHARS = 1024  # shorter texts are cheap to encode again: not remembered
 
 
@@ -72,17 +73,19 @@ def flat_offsets(offsets: list[tuple[int, int]], shift: int = 0) -> np.ndarray:
 
 
 class Encoded(NamedTuple):
-    """A whole text's encoding, as RecentTexts keeps it."""
+    """A whole text's encoding, as RecentTexts keeps it (nbytes: its size, the ids' int objects counted)."""
 
     text: str
     literal_at: tuple[int, ...]  # sorted: offsets of special-token strings encoded as plain text
     cuts: list[int]  # offsets of the added tokens the text was cut at, ascending
     ids: list[int]  # a private copy
     flat: np.ndarray
+    nbytes: int
 
 
 class RecentTexts:
-    """The encodings of the last RECENT_TEXTS texts (of RECENT_MIN_CHARS or more), most recently used last.
+    """The encodings of the last RECENT_TEXTS texts (of RECENT_MIN_CHARS or more, RECENT_BYTES in all), most
+    recently used last.
 
     `prefix(text, literal_at, longest)` -> Head: the ids, offsets and added-token offsets of text[:end] taken
     from the remembered text sharing the longest prefix with `text`, cut at the start of an added token. That is exact
@@ -91,8 +94,8 @@ class RecentTexts:
     `longest` (the longest added token's length) past the cut, and the special-token strings encoded as plain
     text before it are the same ones."""
 
-    def __init__(self, size: int = RECENT_TEXTS) -> None:
-        self.size = size
+    def __init__(self, size: int = RECENT_TEXTS, budget_bytes: int = RECENT_BYTES) -> None:
+        self.size, self.budget, self.bytes = size, budget_bytes, 0
         self._items: OrderedDict[int, Encoded] = OrderedDict()  # keyed by id() of the entry
         self._lock = threading.Lock()
 
@@ -127,11 +130,13 @@ class RecentTexts:
     def put(self, text: str, literal_at: Collection[int], cuts: list[int], ids: list[int], flat: np.ndarray) -> None:
         if len(text) < RECENT_MIN_CHARS:
             return
-        entry = Encoded(text, tuple(sorted(literal_at)), cuts, list(ids), flat)
+        nbytes = sys.getsizeof(text) + 36 * len(ids) + flat.nbytes
+        entry = Encoded(text, tuple(sorted(literal_at)), cuts, list(ids), flat, nbytes)
         with self._lock:
             self._items[id(entry)] = entry
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            self.bytes += nbytes
+            while self._items and (len(self._items) > self.size or self.bytes > self.budget):
+                self.bytes -= self._items.popitem(last=False)[1].nbytes
 
 
 class Head(NamedTuple):

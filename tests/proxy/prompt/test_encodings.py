@@ -83,3 +83,12 @@ def test_a_later_turn_encodes_only_its_new_text():
     later = first + "Done.<|im_end|>\n<|im_start|>user\nand now the tests<|im_end|>\n<|im_start|>assistant\n"
     assert tok.encode(later) == _LIBRARY.encode(later, add_special_tokens=False).ids
     assert 0 < sum(map(len, encoded)) <= len(later) - len(first) + len("assistant\n")
+
+
+def test_recent_texts_are_bounded_in_count_and_bytes():
+    recent = RecentTexts(size=4, budget_bytes=200_000)
+    for n in range(10):
+        text = f"{n} " * 2000
+        recent.put(text, (), [], *_FAST._encode(text, ()))  # ~90 kB each: the bytes bind before the count
+        assert len(recent) <= 4 and recent.bytes <= recent.budget
+    assert recent.prefix("9 " * 2000, (), 16).end == 0  # no added token to cut at: nothing taken
