@@ -19,7 +19,7 @@
 #     PACK=FILE ...  also keeps FILE, a tarball of OUT, fresh every 15 s (see gpu_prelude.sh)
 #     REUSE_PEER=1 ...  in a call that follows one of these on the still-warm machine: llama.cpp's results and
 #                       the checkpoint from that call, so this one has its whole time for killick's rows
-#     STREAM_AB=1 ...   also offload with --prefill-stream off: the streaming choice against its alternative
+#     STREAM_AB=1 ...   also offload with --prefill-stream off and on: the streaming choice against both options
 # What worked on 2026-12-02 (27 device minutes): call 1 plain (builds llama.cpp, ~8 min: no time left for
 # killick's rows), at once call 2 plain again with TEST_S=1 (build and GGUF reused: llama-bench, then every
 # killick row, ~3 min), at once ZIPF=1.0 TEST_S=1 (converts the skewed checkpoint, ~4 min). A machine stays
@@ -77,13 +77,15 @@ status peer "$(cat "$OUT/peer.rc" 2>/dev/null)"
 tail -3 "$OUT/peer.log" >> "$OUT/summary.txt"
 
 if [ -f "$CKPT/config.json" ]; then
-    # STREAM_AB=1: offload once more with --prefill-stream off (the routed experts alone for every prompt), the
-    # prefill and extend rows beside the streamed ones
-    for run in "offload offload" ${STREAM_AB:+"offload_routed offload"} "hybrid hybrid" "resident fused"; do
+    # STREAM_AB=1: offload twice more, with --prefill-stream off (the routed experts alone for every prompt) and on
+    # (every prompt streamed): the prefill and extend rows beside the ones auto chose
+    for run in "offload offload" ${STREAM_AB:+"offload_routed offload" "offload_streamed offload"} "hybrid hybrid" \
+            "resident fused"; do
         set -- $run
         [ "$(left)" -gt 30 ] || { status "bench_$1 skipped, deadline" 0; continue; }
         extra=""; [ "$2" != fused ] && extra="--moe-slots ${SLOTS:-37.5%}"
         [ "$1" = offload_routed ] && extra="$extra --prefill-stream off"
+        [ "$1" = offload_streamed ] && extra="$extra --prefill-stream on"
         # hybrid: the in-graph CPU share's step-time search settles in ~15-90 steps; time it settled
         [ "$2" = hybrid ] && extra="$extra --warmup ${HYBRID_WARMUP:-64}"
         timeout -s ABRT $(upto ${BENCH_S:-100}) $PY -X faulthandler -m engine.bench.model --model "$CKPT" \
