@@ -19,6 +19,13 @@ The host keeps the cache between steps (`begin` before a step, `end` after it):
 The table is derived from the slot table each begin (plus the fills still in flight), so the prefill path's
 own fills and evictions (OffloadBackend.forward) need no bookkeeping here. With a hybrid backend a share of
 the non-resident experts is marked LOC_CPU: a native thread runs those inside the step (graph_cpu.py).
+
+With prefetch (--moe-prefetch on) the step guesses, at the end of each layer, the next layer's likely expert
+among those read in place (its router on the hidden state before the next layer's mixer) and copies that
+expert's gate/up weights to the device on a side stream while the mixer runs: the PCIe link idles through a
+layer's attention or DeltaNet (~68 us of ~680 at 8 layers, offload b1 on the H200), and a right guess spends
+that time on bytes the layer needs (`stage`, moe_triton.stage_guess). The first cache layer is never guessed.
+Guesses, right ones and their bytes are counted per layer.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ import numpy as np
 import torch
 
 from engine.experts import admission
-from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap
+from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap, stage_guess
 
 
 class MappedExperts:
@@ -50,6 +57,17 @@ class MappedExperts:
         self._placements, self._own = cache.placements, 0  # own: placements made here since begin() looked
         self._maps: dict[int, ExpertMap] = {}
         self.cpu = None  # graph_cpu.CpuShare: a hybrid backend's CPU share inside the step (enable_cpu)
+        # prefetch: each layer's staged expert (-1 none) [L] int32, one device buffer for its gate/up (a layer's
+        # guess is copied after the layer before has read its own), the pinned pair its ids come back through
+        self.prefetch = bool(getattr(backend, "prefetch", False))
+        self.stage_ids = torch.full((self.L,), -1, dtype=torch.int32, device=cache.device)
+        self.stage_gate_up = None
+        self._stage_host = [torch.full((self.L,), -1, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._stage_flip = 0
+        self._host_gate_up: dict[int, torch.Tensor] = {}
+        if self.prefetch:
+            lay = pool.layout
+            self.stage_gate_up = torch.empty(2 * lay.inter, lay.hidden, dtype=pool.dtype, device=cache.device)
 
     def enable_cpu(self, n_max: int, kp: int, dtype: torch.dtype, share: float | None = None):
         """A hybrid backend: run a share of the misses on the CPU inside the step's graph (graph_cpu.py) for
@@ -81,15 +99,37 @@ class MappedExperts:
         """The slot table was rebuilt (a resize, which lets every copy land first): forget what was pushed."""
         self._pending, self._pushed, self._routes, self._last_step = [], None, None, None
 
+    def staged(self, layer: int) -> bool:
+        """Whether the step prefetches a guess for `layer` (every cache layer but the first)."""
+        return self.prefetch and self.row(layer) > 0
+
     def layer_map(self, layer: int, shared_gate_up=None, shared_down=None) -> ExpertMap:
-        """The kernels' view of `layer`: its row of the table, the host pool's views, the shared expert."""
+        """The kernels' view of `layer`: its row of the table, the host pool's views, the shared expert, and
+        its staged expert where the step prefetches one."""
         if layer not in self._maps:
             lay, pool = self.b.pool.layout, self.b.pool
             host = pool.wait_layer(layer)  # [E, numel]
-            gu = lay.gate_up_numel
-            self._maps[layer] = ExpertMap(self.loc[pool.row[layer]], host[:, :gu].view(-1, 2 * lay.inter, lay.hidden),
-                                          host[:, gu:].view(-1, lay.hidden, lay.inter), shared_gate_up, shared_down)
+            row = pool.row[layer]
+            stage = (self.stage_ids[row: row + 1], self.stage_gate_up) if self.staged(layer) else (None, None)
+            self._maps[layer] = ExpertMap(self.loc[row], self._gate_up(layer),
+                                          host[:, lay.gate_up_numel:].view(-1, lay.hidden, lay.inter),
+                                          shared_gate_up, shared_down, *stage)
         return self._maps[layer]
+
+    def _gate_up(self, layer: int) -> torch.Tensor:
+        """The layer's pinned host gate/up weights [E, 2I, H] (views of the pool)."""
+        if layer not in self._host_gate_up:
+            lay = self.b.pool.layout
+            host = self.b.pool.wait_layer(layer)
+            self._host_gate_up[layer] = host[:, : lay.gate_up_numel].view(-1, 2 * lay.inter, lay.hidden)
+        return self._host_gate_up[layer]
+
+    def stage(self, layer: int, logits: torch.Tensor, valid: torch.Tensor) -> None:
+        """Inside the step, before `layer` runs: its likely expert read in place (by logits [N, E], a guess at
+        its routing) copied to the device for its gate/up kernel (moe_triton.stage_guess)."""
+        row = self.row(layer)
+        stage_guess(logits, valid, self.loc[row], self._gate_up(layer), self.stage_ids[row: row + 1],
+                    self.stage_gate_up)
 
     # --- around each step
     def begin(self, rows: int | None = None) -> None:
@@ -119,6 +159,11 @@ class MappedExperts:
         anyway). An admission made here copies after this step's work (it may read the victim's slot); the
         next begin's push already reads the victim in place and the newcomer only once it landed."""
         cache = self.b.cache
+        staged = None
+        if self.prefetch:
+            self._stage_flip ^= 1  # two buffers in turn, as the routes': the last step's is read after this copy
+            staged = self._stage_host[self._stage_flip]
+            staged.copy_(self.stage_ids, non_blocking=True)
         if cache.device.type == "cuda":
             host = self._routes_buffer(routes)
             host.copy_(routes, non_blocking=True)
@@ -126,7 +171,7 @@ class MappedExperts:
             done.record()
         else:
             host, done = routes.clone(), None
-        last, self._routes, self._last_step = self._routes, (host, done, rows, self._pushed), (done, rows)
+        last, self._routes, self._last_step = self._routes, (host, done, rows, self._pushed, staged), (done, rows)
         if last is not None:
             self._take_in(last)
 
@@ -138,10 +183,10 @@ class MappedExperts:
             self._take_in(last)
 
     def _take_in(self, routes) -> None:
-        host, done, n, seen = routes
+        host, done, n, seen, staged = routes
         if done is not None:
             done.synchronize()
-        self._observe(host[:, :n].numpy(), seen)
+        self._observe(host[:, :n].numpy(), seen, None if staged is None else staged.numpy())
 
     def _routes_buffer(self, routes: torch.Tensor) -> torch.Tensor:
         """Pinned host buffers per routes shape (one pair per decode bucket: pinning costs far more than a step),
@@ -154,11 +199,13 @@ class MappedExperts:
         return buf
 
     # --- the cache between steps (the rules: admission.py, which bench routing simulates)
-    def _observe(self, routes: np.ndarray, seen: np.ndarray | None) -> None:
+    def _observe(self, routes: np.ndarray, seen: np.ndarray | None, staged: np.ndarray | None = None) -> None:
         """routes [L, N, KP] of a step that ran with the table `seen` (None: none pushed yet, the slot table's
-        view): count, heat, and admit the hottest misses."""
+        view) and staged [L] (its prefetched expert per layer, -1 none; None without prefetch): count, heat,
+        and admit the hottest misses."""
         b = self.b
         seen = seen if seen is not None else self._table()
+        gate_up_bytes = b.pool.layout.gate_up_numel * b.pool.dtype.itemsize
         candidates = []
         for row, layer in enumerate(b.pool.layers):
             step = admission.observe_layer(b.cache.table, row, routes[row], seen[row])
@@ -168,6 +215,10 @@ class MappedExperts:
             st.cpu_runs += step.cpu
             st.direct_reads += step.reads
             st.bytes_read += step.reads * b.pool.expert_bytes
+            if staged is not None and staged[row] >= 0:
+                st.guesses += 1
+                st.guesses_right += bool((routes[row] == staged[row]).any())
+                st.bytes_guessed += gate_up_bytes
             candidates += step.candidates
         by_row: dict[int, list[tuple[int, int]]] = {}
         for row, e, s in admission.admissions(b.cache.table, candidates):

@@ -38,7 +38,8 @@ class OffloadBackend:
 
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str = "cpu", *,
                  estimate: BandwidthEstimate | None = None, stream_prefill: bool | str = True,
-                 slot_policy: str = "lru", grouped: bool | None = None, decode: str = "auto") -> None:
+                 slot_policy: str = "lru", grouped: bool | None = None, decode: str = "auto",
+                 prefetch: bool = False) -> None:
         self.pool, self.device = pool, torch.device(device)
         self.cache = SlotCache(pool, num_slots, self.device, slot_policy)
         self.stats_ = ExpertStats(pool.layers)
@@ -65,6 +66,7 @@ class OffloadBackend:
         if decode not in DECODE_MODES:
             raise ValueError(f"--moe-decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
         self.decode_mode = decode
+        self.prefetch = prefetch  # a mapped decode copies each layer's likely expert in ahead (mapped.py)
         self.mapped = None  # MappedExperts, made by mapped_decode() for a fast path
 
     # --- policy hooks, overridden by cpu / hybrid

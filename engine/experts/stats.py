@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-FIELDS = ("hits", "misses", "fills", "cpu_runs", "bytes_moved", "direct_reads", "bytes_read")
+FIELDS = ("hits", "misses", "fills", "cpu_runs", "bytes_moved", "direct_reads", "bytes_read", "guesses",
+          "guesses_right", "bytes_guessed")
 
 
 @dataclass
@@ -14,7 +15,10 @@ class LayerStats:
     cpu_runs: int = 0  # (step, expert) pairs run on the CPU from the host pool
     bytes_moved: int = 0  # host -> device bytes copied into slots
     direct_reads: int = 0  # (token, expert) pairs whose weights a mapped decode read in place from the host pool
-    bytes_read: int = 0  # host bytes those in-place reads took over PCIe
+    bytes_read: int = 0  # host bytes those in-place reads took over PCIe (a right guess's gate/up among them)
+    guesses: int = 0  # steps whose likely expert a mapped decode prefetched before the layer's routing was known
+    guesses_right: int = 0  # of those, the steps that then routed to it
+    bytes_guessed: int = 0  # host bytes the guesses copied (a wrong one's are PCIe traffic the misses did not need)
 
     def add(self, other: "LayerStats") -> None:
         for f in FIELDS:

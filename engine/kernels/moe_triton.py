@@ -204,9 +204,11 @@ def _pair_route(logits_ptr, b, lstride, E, valid_ptr, KP, K: tl.constexpr, SHARE
 @triton.jit
 def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, KP,
                       logits_ptr, lstride, E, valid_ptr, pw_ptr, loc_ptr, h_ptr, h_stride, sh_ptr,
+                      stage_ptr, stage_w_ptr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
                       ROUTE: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, MAPPED: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, MAPPED: tl.constexpr, STAGED: tl.constexpr,
+                      PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0)
     if ROUTE:  # one pair per block (the decode mapping): route its token here, no top-k launch before
@@ -224,6 +226,9 @@ def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, 
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = rn < I
         base = _expert_base(w_ptr, w_stride, e, loc_ptr, h_ptr, h_stride, sh_ptr, MAPPED)
+        if STAGED:  # the gate/up weights prefetched for this layer (stage_guess): read from the device copy
+            if e == tl.load(stage_ptr):
+                base = stage_w_ptr
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -295,13 +300,17 @@ class ExpertMap:
     host_gate_up [E, 2I, H] / host_down [E, H, I], over PCIe, no copy), LOC_SHARED (the shared expert,
     entry E: shared_gate_up [2I, H] / shared_down [H, I]) or LOC_CPU (the kernels skip the pair: the CPU
     runs it, mailbox_triton.py brings its output in). loc is read by the kernels when they run, so a
-    graph replays with whatever the table says then."""
+    graph replays with whatever the table says then; so are stage_id and stage_gate_up."""
 
     loc: torch.Tensor
     host_gate_up: torch.Tensor
     host_down: torch.Tensor
     shared_gate_up: torch.Tensor | None = None
     shared_down: torch.Tensor | None = None
+    # a prefetched expert (stage_guess): stage_id [1] int32 names it (-1: none), stage_gate_up [2I, H] holds its
+    # gate/up weights on the device; the gate/up kernel reads them there instead of over PCIe
+    stage_id: torch.Tensor | None = None
+    stage_gate_up: torch.Tensor | None = None
 
     def args(self, up: bool) -> tuple:
         """(loc, host weights, their expert stride, shared weights) of the gate/up or the down kernel."""
@@ -364,6 +373,11 @@ def _check(x, gate_up, down, ids, weights, mapped: ExpertMap | None = None) -> N
                 or mapped.loc.dtype != torch.int32 or mapped.loc.numel() < hg.shape[0]:
             raise ValueError("run_experts: the ExpertMap's host experts do not fit the slots (shape, packing, "
                              "dtype) or its loc is not int32 [E (+1)]")
+        sg = mapped.stage_gate_up
+        if mapped.stage_id is not None and (sg is None or sg.shape != gate_up.shape[1:] or not sg.is_contiguous()
+                                            or sg.dtype != x.dtype or mapped.stage_id.dtype != torch.int32):
+            raise ValueError("run_experts: the ExpertMap's staged gate/up must be a contiguous [2I, H] of the "
+                             "experts' dtype, with an int32 stage_id")
         for w, ref in ((mapped.shared_gate_up, gate_up), (mapped.shared_down, down)):
             if w is not None and (w.shape != ref.shape[1:] or not w.is_contiguous() or w.dtype != x.dtype):
                 raise ValueError("run_experts: the ExpertMap's shared expert does not have the routed ones' "
@@ -393,18 +407,88 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
     # unmapped: the location arguments are placeholders the kernels never read
     up_map = mapped.args(up=True) if mapped else (blocks.expert, gate_up, 0, gate_up)
     down_map = mapped.args(up=False) if mapped else (blocks.expert, down, 0, down)
+    staged = mapped is not None and mapped.stage_id is not None
+    stage = (mapped.stage_id, mapped.stage_gate_up) if staged else (blocks.expert, gate_up)  # else placeholders
+    # a staged layer's gate/up waits for the prefetch on another stream: plain stream order, no PDL edge
+    pdl = {"PDL": False, "launch_pdl": False} if staged else pdl_args(x)
     bn, bk, warps, stages = tiles[0] if tiles else _tiles(bm, I, H, N, up=True)
     _expert_up_kernel[(nb, triton.cdiv(I, bn))](
         x, gate_up, gate_up.stride(0), blocks.rows, blocks.expert, act, H, I, KP, logits, lstride, E, valid, weights,
-        *up_map, BM=bm, BN=bn, BK=bk, PREC=prec, ROUTE=route is not None, K=top_k, SHARED=shared, NORM=norm,
-        BLOCK_E=triton.next_power_of_2(max(E, 2)), BLOCK_K=triton.next_power_of_2(max(KP, 2)),
-        MAPPED=mapped is not None, num_warps=warps, num_stages=stages, **pdl_args(x))
+        *up_map, *stage, BM=bm, BN=bn, BK=bk, PREC=prec, ROUTE=route is not None, K=top_k, SHARED=shared,
+        NORM=norm, BLOCK_E=triton.next_power_of_2(max(E, 2)), BLOCK_K=triton.next_power_of_2(max(KP, 2)),
+        MAPPED=mapped is not None, STAGED=staged, num_warps=warps, num_stages=stages, **pdl)
     bn, bk, warps, stages = tiles[1] if tiles else _tiles(bm, H, I, N, up=False)
     _expert_down_kernel[(nb, triton.cdiv(H, bn))](
         act, down, down.stride(0), blocks.rows, blocks.expert, weights, y, H, I, *down_map,
         BM=bm, BN=bn, BK=bk, PREC=prec, MAPPED=mapped is not None, num_warps=warps, num_stages=stages,
         **pdl_args(act))
     return y
+
+
+@triton.jit
+def _stage_pick_kernel(logits_ptr, lstride, valid_ptr, N: tl.constexpr, E, loc_ptr, stage_ptr,
+                       BLOCK_E: tl.constexpr):
+    """One program: the expert read in place (LOC_HOST) that the rows' softmax puts most weight on -> stage.
+    N (a decode bucket's rows) is a constant: Triton 3.6's interpreter cannot loop to a runtime bound."""
+    re = tl.arange(0, BLOCK_E)
+    emask = re < E
+    score = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for t in range(N):
+        row = tl.load(logits_ptr + t * lstride + re, mask=emask, other=float("-inf")).to(tl.float32)
+        p = tl.exp(row - tl.max(row, axis=0))
+        on = (tl.load(valid_ptr + t) != 0).to(tl.float32)
+        score += on * p / tl.sum(p, axis=0)
+    host = emask & (tl.load(loc_ptr + re, mask=emask, other=0) == -1)
+    score = tl.where(host, score, -1.0)
+    best = tl.argmax(score, axis=0)
+    pick = tl.where(tl.max(score, axis=0) > 0, best, -1)
+    tl.store(stage_ptr, pick.to(tl.int32))
+
+
+@triton.jit
+def _stage_copy_kernel(stage_ptr, host_ptr, host_stride, out_ptr, numel, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    e = tl.load(stage_ptr)
+    if e >= 0:
+        src = host_ptr + e.to(tl.int64) * host_stride
+        for i in range(ITERS):
+            off = (tl.program_id(0) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+            m = off < numel
+            tl.store(out_ptr + off, tl.load(src + off, mask=m), mask=m)
+
+
+STAGE_BLOCK, STAGE_ITERS = 2048, 4  # elements a program copies per iteration, iterations: 16 KB a program at bf16
+
+
+def stage_guess(logits: torch.Tensor, valid: torch.Tensor, loc: torch.Tensor, host_gate_up: torch.Tensor,
+                stage_id: torch.Tensor, stage_gate_up: torch.Tensor) -> None:
+    """Prefetch one expert's gate/up weights for a layer whose routing is not known yet, all on the device.
+
+    logits [N, E]: a guess at the layer's router logits (its router applied to the hidden state entering the
+    layer, before its mixer); valid [N] int8; loc [E (+1)] int32: the layer's ExpertMap.loc. Of the experts
+    read in place (LOC_HOST), the one the valid rows' softmax weighs most goes to stage_id [1] int32 and its
+    gate/up [2I, H] from host_gate_up [E, 2I, H] (pinned, read over PCIe) into stage_gate_up; stage_id is
+    -1 where every expert sits in a slot. Graph-safe: no host sync, fixed grid."""
+    N, E = logits.shape
+    if logits.stride(1) != 1 or valid.shape != (N,) or stage_gate_up.shape != host_gate_up.shape[1:] \
+            or not stage_gate_up.is_contiguous() or host_gate_up.stride(2) != 1 \
+            or host_gate_up.stride(1) != host_gate_up.shape[2] or stage_id.dtype != torch.int32:
+        raise ValueError("stage_guess: logits [N, E] row-major, valid [N], host gate/up packed per expert and a "
+                         "contiguous [2I, H] stage of the same shape, stage_id int32")
+    _stage_pick_kernel[(1,)](logits, logits.stride(0), valid, N, E, loc, stage_id,
+                             BLOCK_E=triton.next_power_of_2(max(E, 2)))
+    numel = stage_gate_up.numel()
+    _stage_copy_kernel[(triton.cdiv(numel, STAGE_BLOCK * STAGE_ITERS),)](
+        stage_id, host_gate_up, host_gate_up.stride(0), stage_gate_up, numel, BLOCK=STAGE_BLOCK, ITERS=STAGE_ITERS)
+
+
+def stage_guess_ref(logits, valid, loc, host_gate_up):
+    """-> (the expert stage_guess stages, or -1; its gate/up weights or None)."""
+    p = torch.softmax(logits.float(), dim=-1) * (valid != 0).float()[:, None]
+    score = torch.where(loc[: logits.shape[1]] == LOC_HOST, p.sum(0), -1.0)
+    if score.max() <= 0:
+        return -1, None
+    e = int(score.argmax())
+    return e, host_gate_up[e]
 
 
 def run_experts_ref(x, gate_up, down, ids, weights):

@@ -17,6 +17,8 @@ N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
 """
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Generator
 from typing import NamedTuple
 
@@ -61,6 +63,10 @@ class FastPath:
                     layer.mixer.chunked_rule = chunked_rule
                 if tail_rule is not None:
                     layer.mixer.tail_rule, layer.mixer.tail_tokens = tail_rule, TAIL_TOKENS
+        # mapped with prefetch: each cache layer's likely expert copied in on this stream while its mixer runs
+        self._guess_stream = None
+        if self.mapped is not None and self.mapped.prefetch and model.device.type == "cuda":
+            self._guess_stream = torch.cuda.Stream(model.device)
         if self.mapped is not None:
             first = next(m for m in self.mlps if isinstance(m, CachedMoE))
             self._route_width = first.top_k + self.mapped.folds(first)  # KP of a step's routes
@@ -105,6 +111,7 @@ class FastPath:
         if self.mapped is not None:
             self.routes = torch.empty(self.mapped.L, ids.shape[0], self._route_width, dtype=torch.int32,
                                       device=ids.device)
+        guess = None  # the prefetch for the next cache layer, issued at the end of the layer before it
         for i, layer in enumerate(model.layers):
             m, state = self.mixers[i], self.pool.layers[i]
             if isinstance(m, FusedAttention):
@@ -118,7 +125,8 @@ class FastPath:
                 qkv = conv_step(proj, state[0], slots, m.conv_w)
                 mix = _decode_linear(rule_step(qkv, proj, state[1], slots, m.consts), m.out_w)
             if isinstance(self.mlps[i], CachedMoE) and self.mapped is not None:
-                x, rows = self._decode_mapped(self.mlps[i], x, mix, self.norms[i][0], valid)
+                x, rows = self._decode_mapped(self.mlps[i], x, mix, self.norms[i][0], valid, guess)
+                guess = None
             elif isinstance(self.mlps[i], CachedMoE):
                 x, h = add_rms_norm(x, mix, self.norms[i][0], eps, zc)
                 call = route_cached(self.mlps[i], h, valid)
@@ -126,7 +134,34 @@ class FastPath:
             else:
                 x, rows = self._decode_mlp(i, x, mix, valid)
             x, h = add_rms_norm(x, rows, self.norms[i][1], eps, zc)
+            nxt = self.mlps[i + 1] if i + 1 < len(self.mlps) else None
+            if self.mapped is not None and isinstance(nxt, CachedMoE) and self.mapped.staged(nxt.layer):
+                guess = self._guess(i + 1, x, valid)
         return _decode_linear(h, model.lm_head, torch.float32)
+
+    def _guess(self, j: int, x: torch.Tensor, valid: torch.Tensor | None):
+        """Layer j's router on the residual entering it (its mixer not yet added), and the likely expert that
+        gives copied in for its gate/up kernel (MappedExperts.stage): on the guess stream beside the mixer on
+        CUDA, inline elsewhere. -> (event the layer's experts wait for, or None; the tensors to keep alive
+        until then)."""
+        mlp, w = self.mlps[j], self.norms[j][0]
+        E, eps = self.mapped.E, self.cfg.rms_norm_eps
+        if valid is None:
+            valid = torch.ones(x.shape[0], dtype=torch.int8, device=x.device)
+        side = self._guess_stream
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            xf = x.float()
+            h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            h = (h * ((1.0 + w.float()) if self.cfg.zero_centered_norm else w.float())).to(x.dtype)
+            logits = h @ mlp.router_w[:E].T  # [N, E]
+            self.mapped.stage(mlp.layer, logits, valid)
+        if side is None:
+            return None, ()
+        done = torch.cuda.Event()
+        done.record(side)
+        return done, (x, h, logits, valid)  # x too: the main stream must not reuse its block while this reads it
 
     def _decode_mlp(self, i: int, x: torch.Tensor, mix: torch.Tensor, valid: torch.Tensor | None):
         """The post-mixer add+norm and the MLP of one decode step -> (residual, rows to add to it)."""
@@ -146,10 +181,11 @@ class FastPath:
         x, h = add_rms_norm(x, mix, post, eps, zc)
         return x, self._mlp(i, h, valid)
 
-    def _decode_mapped(self, mlp: CachedMoE, x, mix, post, valid):
+    def _decode_mapped(self, mlp: CachedMoE, x, mix, post, valid, guess=None):
         """A cache layer's MoE inside the step's graph: routing in the gate/up kernel, each expert read from
         its slot or in place from the host pool (MappedExperts' table), the shared expert as pair K when its
-        width is the routed ones' (else beside them). The pairs' ids land in the step's routes."""
+        width is the routed ones' (else beside them). The pairs' ids land in the step's routes. guess: _guess's
+        prefetch for this layer, which its experts wait for."""
         m, zc, eps = self.mapped, self.cfg.zero_centered_norm, self.cfg.rms_norm_eps
         x, h, logits = add_rms_norm_router(x, mix, post, eps, zc, mlp.router_w)
         N, E = x.shape[0], m.E
@@ -164,6 +200,8 @@ class FastPath:
         box = m.cpu
         if box is not None:  # the CPU starts on its pairs now, the kernels below skip them
             publish(box, m.row(mlp.layer), h, route, valid, mlp.top_k, mlp.norm_topk, fold)
+        if guess is not None and guess[0] is not None:
+            torch.cuda.current_stream(x.device).wait_event(guess[0])
         rows = run_experts_routed(h, gate_up, down, route, mlp.top_k, mlp.norm_topk, fold, valid, ids, w,
                                   mapped=emap)
         if box is not None:

@@ -227,6 +227,45 @@ def test_mapped_decode_reads_misses_in_place_and_keeps_greedy_output(checkpoints
         eng.model.experts.close()
 
 
+def test_mapped_decode_prefetch_keeps_greedy_output_and_counts_its_guesses(checkpoints):
+    """--moe-prefetch on: every cache layer but the first has its likely expert's gate/up copied in before its
+    routing is known, on a side stream on CUDA (the step still one graph); greedy tokens equal the fused
+    engine's and the mapped decode's without prefetch, each guess and its bytes are counted, and the
+    misses' in-place traffic is the same as without prefetch."""
+    from engine.experts.policy import BandwidthEstimate
+    from engine.experts.registry import experts_factory
+
+    ckpt = checkpoints["qwen3_5_moe", "fused"]
+
+    def engine(prefetch: bool | None):
+        kw = {}
+        if prefetch is not None:
+            est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+            kw = dict(expert_device="cpu", experts=experts_factory("offload", device=DEV, slots=5, estimate=est,
+                                                                   decode="mapped", prefetch=prefetch))
+        eng = Engine.from_pretrained(ckpt, device=DEV, fast=False, **kw)
+        eng.model.enable_fast(slots=3, capacity=64)
+        return eng
+
+    fused, plain, pre = engine(None), engine(False), engine(True)
+    ids = prompt(12, 9)
+    want = fused.generate(ids, max_new_tokens=8)
+    assert plain.generate(ids, max_new_tokens=8) == want
+    assert pre.generate(ids, max_new_tokens=8) == want
+    experts = pre.model.experts
+    stats = experts.stats()
+    first, *rest = experts.pool.layers
+    st, lay = stats["total"], experts.pool.layout
+    assert stats["layers"][first]["guesses"] == 0 and all(stats["layers"][x]["guesses"] > 0 for x in rest)
+    assert 0 < st["guesses_right"] <= st["guesses"]  # the staged weights were read, and gave the same tokens
+    assert st["bytes_guessed"] == st["guesses"] * lay.gate_up_numel * experts.pool.dtype.itemsize
+    assert plain.model.experts.stats()["total"]["guesses"] == 0
+    if DEV == "cuda":
+        assert set(pre.model.decode_steps.modes().values()) == {"graph"}
+    for eng in (plain, pre):
+        eng.model.experts.close()
+
+
 def test_warm_up_fits_its_prompts_in_a_short_context(checkpoints):
     """Serving with a context shorter than a prefill step: the warm-up's prompts are cut to a slot's tokens
     (they ran past the KV slab: an illegal memory access on the GPU box with a 200-token context)."""

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from engine.kernels.moe_triton import (LOC_CPU, LOC_HOST, LOC_SHARED, ExpertMap, expert_blocks, pair_blocks,
-                                       route_topk, route_topk_ref, run_experts, run_experts_ref, run_experts_routed)
+                                       route_topk, route_topk_ref, run_experts, run_experts_ref, run_experts_routed,
+                                       stage_guess, stage_guess_ref)
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 
@@ -235,3 +236,73 @@ def test_mapped_decode_kernels_match_the_reference_in_any_down_tiling(dev, route
         ref = run_experts_ref(x, *split(every), ids.clamp(min=0), w)
         assert rel_err(y[ran].cpu(), ref[ran].cpu()) < 3 * tol(torch.float32), down_tile
         assert torch.isnan(y[~ran]).all()
+
+
+def test_stage_guess_picks_the_likeliest_expert_read_in_place(dev):
+    """The prefetch's pick (the valid rows' summed softmax, over the experts read in place only) and its copy
+    of that expert's gate/up, against the reference, on fresh random inputs; -1 and nothing copied when every
+    expert sits in a slot."""
+    g = torch.Generator().manual_seed(5)
+    N, E, I, H = 3, 16, 8, 24
+    for trial in range(6):
+        logits = torch.randn(N, E, generator=g).to(torch.bfloat16)
+        valid = torch.tensor([1, trial % 2, 1], dtype=torch.int8)
+        loc = torch.full((E + 1,), LOC_HOST, dtype=torch.int32)
+        loc[E] = LOC_SHARED
+        loc[torch.randperm(E, generator=g)[:6]] = torch.arange(6, dtype=torch.int32)
+        loc[torch.randperm(E, generator=g)[:2]] = LOC_CPU  # the CPU's experts are not prefetched either
+        if trial == 5:
+            loc[:E] = torch.arange(E, dtype=torch.int32)
+        host = torch.randn(E, 2 * I, H, generator=g).to(torch.bfloat16)
+        want, weights = stage_guess_ref(logits, valid, loc, host)
+        if dev == "cuda":
+            host = host.pin_memory()
+        sid = torch.full((1,), -7, dtype=torch.int32, device=dev)
+        buf = torch.zeros(2 * I, H, dtype=torch.bfloat16, device=dev)
+        stage_guess(logits.to(dev), valid.to(dev), loc.to(dev), host, sid, buf)
+        assert int(sid) == want
+        assert torch.equal(buf.cpu(), weights if weights is not None else torch.zeros(2 * I, H, dtype=torch.bfloat16))
+
+
+def test_the_gate_up_kernel_reads_a_staged_expert_from_its_device_copy(dev):
+    """A staged expert's pairs take its gate/up from the stage buffer, the others from slots and the host: with
+    the true weights staged the rows equal the unstaged kernels', with other weights staged only that expert's
+    pairs change, and as the reference computes them with those weights."""
+    g = torch.Generator().manual_seed(9)
+    N, E, K, H, I = 4, 8, 3, 32, 16
+    numel = 3 * I * H
+    host = torch.randn(E, numel, generator=g) * 0.2
+    if dev == "cuda":
+        host = host.pin_memory()
+
+    def split(buf):
+        return buf[..., : 2 * I * H].unflatten(-1, (2 * I, H)), buf[..., 2 * I * H:].unflatten(-1, (H, I))
+
+    slots = torch.zeros(2, numel, device=dev)
+    loc = torch.full((E,), LOC_HOST, dtype=torch.int32)
+    slots[0], loc[3] = host[3].to(dev), 0
+    x = (torch.randn(N, H, generator=g) * 0.5).to(dev)
+    logits = torch.randn(N, E, generator=g).to(dev)
+    valid = torch.ones(N, dtype=torch.int8, device=dev)
+
+    def run(emap):
+        ids = torch.empty(N, K, dtype=torch.int32, device=dev)
+        w = torch.empty(N, K, device=dev)
+        y = run_experts_routed(x, *split(slots), logits, K, True, False, valid, ids, w, mapped=emap)
+        return y, ids, w
+
+    plain, ids, w = run(ExpertMap(loc.to(dev), *split(host)))
+    staged = int(ids[0, 0])  # an expert the first token routes to
+    assert loc[staged] == LOC_HOST
+    sid = torch.tensor([staged], dtype=torch.int32, device=dev)
+    true_copy = split(host)[0][staged].to(dev).contiguous()
+    same, _, _ = run(ExpertMap(loc.to(dev), *split(host), stage_id=sid, stage_gate_up=true_copy))
+    assert torch.equal(same, plain)
+    other = (torch.randn(2 * I, H, generator=g) * 0.2).to(dev)
+    changed, _, _ = run(ExpertMap(loc.to(dev), *split(host), stage_id=sid, stage_gate_up=other))
+    hit = ids == staged
+    assert torch.equal(changed[~hit], plain[~hit]) and not torch.equal(changed[hit], plain[hit])
+    every = host.to(dev).clone()
+    every[staged, : 2 * I * H] = other.reshape(-1)
+    ref = run_experts_ref(x, *split(every), ids, w)
+    assert rel_err(changed.cpu(), ref.cpu()) < 3 * tol(torch.float32)
