@@ -175,7 +175,7 @@ async def run(args) -> dict:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     times = {kind: defaultdict(list) for kind in ("first", "later")}
     try:
         async with ClientSession() as session:
