@@ -99,7 +99,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="which cached expert a fill evicts (default lfu, as serve)")
     p.add_argument("--moe-prefetch", default="off", choices=["on", "off"],
                    help="with a mapped decode: prefetch each layer's likely expert while its attention runs (as "
-                        "serve's --moe-prefetch; default off)")
+                        "serve's --moe-prefetch; default off: not yet faster, docs/PERF.md)")
     p.add_argument("--moe-decode", default="auto", choices=["auto", "mapped", "host"],
                    help="how decode goes through the expert cache (as serve; default auto)")
     p.add_argument("--expert-threads", type=int,
