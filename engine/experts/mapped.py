@@ -37,6 +37,14 @@ from engine.experts import admission
 from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap, stage_guess
 
 
+def stage_rows(inter: int) -> int:
+    """Rows of the gate and of the up projection a guess prefetches: about half of them (in whole 64-row decode
+    tiles) where experts are wide, so the copy fits the ~68 us a layer's mixer leaves the link idle (the whole
+    4 MB gate/up took longer, and the layer's experts waited for it: H200 box, docs/PERF.md thirteenth
+    session); all of them for narrow experts."""
+    return inter if inter < 128 else max(64, inter // 2 // 64 * 64)
+
+
 class MappedExperts:
     def __init__(self, backend) -> None:
         self.b = backend
@@ -66,9 +74,11 @@ class MappedExperts:
         self._stage_host = [torch.full((self.L,), -1, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self._stage_flip = 0
         self._host_gate_up: dict[int, torch.Tensor] = {}
+        self.stage_rows = None
         if self.prefetch:
             lay = pool.layout
             self.stage_gate_up = torch.empty(2 * lay.inter, lay.hidden, dtype=pool.dtype, device=cache.device)
+            self.stage_rows = stage_rows(lay.inter)
 
     def enable_cpu(self, n_max: int, kp: int, dtype: torch.dtype, share: float | None = None):
         """A hybrid backend: run a share of the misses on the CPU inside the step's graph (graph_cpu.py) for
@@ -111,7 +121,8 @@ class MappedExperts:
             lay, pool = self.b.pool.layout, self.b.pool
             host = pool.wait_layer(layer)  # [E, numel]
             row = pool.row[layer]
-            stage = (self.stage_ids[row: row + 1], self.stage_gate_up) if self.staged(layer) else (None, None)
+            stage = (self.stage_ids[row: row + 1], self.stage_gate_up, self.stage_rows) if self.staged(layer) \
+                else (None, None, None)
             self._maps[layer] = ExpertMap(self.loc[row], self._gate_up(layer),
                                           host[:, lay.gate_up_numel:].view(-1, lay.hidden, lay.inter),
                                           shared_gate_up, shared_down, *stage)
@@ -130,7 +141,7 @@ class MappedExperts:
         its routing) copied to the device for its gate/up kernel (moe_triton.stage_guess)."""
         row = self.row(layer)
         stage_guess(logits, valid, self.loc[row], self._gate_up(layer), self.stage_ids[row: row + 1],
-                    self.stage_gate_up)
+                    self.stage_gate_up, self.stage_rows)
 
     # --- around each step
     def begin(self, rows: int | None = None) -> None:

@@ -204,7 +204,7 @@ def _pair_route(logits_ptr, b, lstride, E, valid_ptr, KP, K: tl.constexpr, SHARE
 @triton.jit
 def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, KP,
                       logits_ptr, lstride, E, valid_ptr, pw_ptr, loc_ptr, h_ptr, h_stride, sh_ptr,
-                      stage_ptr, stage_w_ptr,
+                      stage_ptr, stage_w_ptr, stage_rows,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
                       ROUTE: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, MAPPED: tl.constexpr, STAGED: tl.constexpr,
@@ -226,8 +226,8 @@ def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, 
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = rn < I
         base = _expert_base(w_ptr, w_stride, e, loc_ptr, h_ptr, h_stride, sh_ptr, MAPPED)
-        if STAGED:  # the gate/up weights prefetched for this layer (stage_guess): read from the device copy
-            if e == tl.load(stage_ptr):
+        if STAGED:  # the gate/up rows prefetched for this layer (stage_guess): read from the device copy
+            if (e == tl.load(stage_ptr)) & ((tl.program_id(1) + 1) * BN <= stage_rows):
                 base = stage_w_ptr
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
@@ -308,9 +308,11 @@ class ExpertMap:
     shared_gate_up: torch.Tensor | None = None
     shared_down: torch.Tensor | None = None
     # a prefetched expert (stage_guess): stage_id [1] int32 names it (-1: none), stage_gate_up [2I, H] holds its
-    # gate/up weights on the device; the gate/up kernel reads them there instead of over PCIe
+    # gate and up rows [0, stage_rows) (None: all I) on the device; the gate/up kernel's tiles inside those rows
+    # read them there instead of over PCIe
     stage_id: torch.Tensor | None = None
     stage_gate_up: torch.Tensor | None = None
+    stage_rows: int | None = None
 
     def args(self, up: bool) -> tuple:
         """(loc, host weights, their expert stride, shared weights) of the gate/up or the down kernel."""
@@ -408,7 +410,8 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
     up_map = mapped.args(up=True) if mapped else (blocks.expert, gate_up, 0, gate_up)
     down_map = mapped.args(up=False) if mapped else (blocks.expert, down, 0, down)
     staged = mapped is not None and mapped.stage_id is not None
-    stage = (mapped.stage_id, mapped.stage_gate_up) if staged else (blocks.expert, gate_up)  # else placeholders
+    rows = I if not staged or mapped.stage_rows is None else mapped.stage_rows
+    stage = (mapped.stage_id, mapped.stage_gate_up, rows) if staged else (blocks.expert, gate_up, 0)  # placeholders
     # a staged layer's gate/up waits for the prefetch on another stream: plain stream order, no PDL edge
     pdl = {"PDL": False, "launch_pdl": False} if staged else pdl_args(x)
     bn, bk, warps, stages = tiles[0] if tiles else _tiles(bm, I, H, N, up=True)
@@ -446,13 +449,17 @@ def _stage_pick_kernel(logits_ptr, lstride, valid_ptr, N: tl.constexpr, E, loc_p
 
 
 @triton.jit
-def _stage_copy_kernel(stage_ptr, host_ptr, host_stride, out_ptr, numel, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def _stage_copy_kernel(stage_ptr, host_ptr, host_stride, out_ptr, half, up_at, BLOCK: tl.constexpr,
+                       ITERS: tl.constexpr):
+    """The staged expert's gate rows [0, R) and up rows [I, I + R): elements [0, half) and [up_at, up_at + half)
+    of its [2I, H] block (half = R * H, up_at = I * H), at the same offsets in the stage."""
     e = tl.load(stage_ptr)
     if e >= 0:
         src = host_ptr + e.to(tl.int64) * host_stride
         for i in range(ITERS):
-            off = (tl.program_id(0) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-            m = off < numel
+            q = (tl.program_id(0) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+            m = q < 2 * half
+            off = tl.where(q < half, q, q - half + up_at)
             tl.store(out_ptr + off, tl.load(src + off, mask=m), mask=m)
 
 
@@ -460,14 +467,15 @@ STAGE_BLOCK, STAGE_ITERS = 2048, 4  # elements a program copies per iteration, i
 
 
 def stage_guess(logits: torch.Tensor, valid: torch.Tensor, loc: torch.Tensor, host_gate_up: torch.Tensor,
-                stage_id: torch.Tensor, stage_gate_up: torch.Tensor) -> None:
+                stage_id: torch.Tensor, stage_gate_up: torch.Tensor, rows: int | None = None) -> None:
     """Prefetch one expert's gate/up weights for a layer whose routing is not known yet, all on the device.
 
     logits [N, E]: a guess at the layer's router logits (its router applied to the hidden state entering the
     layer, before its mixer); valid [N] int8; loc [E (+1)] int32: the layer's ExpertMap.loc. Of the experts
     read in place (LOC_HOST), the one the valid rows' softmax weighs most goes to stage_id [1] int32 and its
-    gate/up [2I, H] from host_gate_up [E, 2I, H] (pinned, read over PCIe) into stage_gate_up; stage_id is
-    -1 where every expert sits in a slot. Graph-safe: no host sync, fixed grid."""
+    gate and up rows [0, rows) (None: all I) from host_gate_up [E, 2I, H] (pinned, read over PCIe) into the
+    same rows of stage_gate_up; stage_id is -1 where every expert sits in a slot. Graph-safe: no host sync,
+    fixed grid."""
     N, E = logits.shape
     if logits.stride(1) != 1 or valid.shape != (N,) or stage_gate_up.shape != host_gate_up.shape[1:] \
             or not stage_gate_up.is_contiguous() or host_gate_up.stride(2) != 1 \
@@ -476,9 +484,11 @@ def stage_guess(logits: torch.Tensor, valid: torch.Tensor, loc: torch.Tensor, ho
                          "contiguous [2I, H] stage of the same shape, stage_id int32")
     _stage_pick_kernel[(1,)](logits, logits.stride(0), valid, N, E, loc, stage_id,
                              BLOCK_E=triton.next_power_of_2(max(E, 2)))
-    numel = stage_gate_up.numel()
-    _stage_copy_kernel[(triton.cdiv(numel, STAGE_BLOCK * STAGE_ITERS),)](
-        stage_id, host_gate_up, host_gate_up.stride(0), stage_gate_up, numel, BLOCK=STAGE_BLOCK, ITERS=STAGE_ITERS)
+    I, H = stage_gate_up.shape[0] // 2, stage_gate_up.shape[1]
+    half = (I if rows is None else rows) * H
+    _stage_copy_kernel[(triton.cdiv(2 * half, STAGE_BLOCK * STAGE_ITERS),)](
+        stage_id, host_gate_up, host_gate_up.stride(0), stage_gate_up, half, I * H, BLOCK=STAGE_BLOCK,
+        ITERS=STAGE_ITERS)
 
 
 def stage_guess_ref(logits, valid, loc, host_gate_up):

@@ -259,9 +259,14 @@ def test_stage_guess_picks_the_likeliest_expert_read_in_place(dev):
             host = host.pin_memory()
         sid = torch.full((1,), -7, dtype=torch.int32, device=dev)
         buf = torch.zeros(2 * I, H, dtype=torch.bfloat16, device=dev)
-        stage_guess(logits.to(dev), valid.to(dev), loc.to(dev), host, sid, buf)
+        rows = (None, 3, I)[trial % 3]  # all rows, or the first R of the gate and of the up projection
+        stage_guess(logits.to(dev), valid.to(dev), loc.to(dev), host, sid, buf, rows)
         assert int(sid) == want
-        assert torch.equal(buf.cpu(), weights if weights is not None else torch.zeros(2 * I, H, dtype=torch.bfloat16))
+        expect = torch.zeros(2 * I, H, dtype=torch.bfloat16)
+        if weights is not None:
+            r = rows or I
+            expect[:r], expect[I: I + r] = weights[:r], weights[I: I + r]
+        assert torch.equal(buf.cpu(), expect)
 
 
 def test_the_gate_up_kernel_reads_a_staged_expert_from_its_device_copy(dev):
@@ -285,10 +290,10 @@ def test_the_gate_up_kernel_reads_a_staged_expert_from_its_device_copy(dev):
     logits = torch.randn(N, E, generator=g).to(dev)
     valid = torch.ones(N, dtype=torch.int8, device=dev)
 
-    def run(emap):
+    def run(emap, tiles=None):
         ids = torch.empty(N, K, dtype=torch.int32, device=dev)
         w = torch.empty(N, K, device=dev)
-        y = run_experts_routed(x, *split(slots), logits, K, True, False, valid, ids, w, mapped=emap)
+        y = run_experts_routed(x, *split(slots), logits, K, True, False, valid, ids, w, mapped=emap, tiles=tiles)
         return y, ids, w
 
     plain, ids, w = run(ExpertMap(loc.to(dev), *split(host)))
@@ -306,3 +311,12 @@ def test_the_gate_up_kernel_reads_a_staged_expert_from_its_device_copy(dev):
     every[staged, : 2 * I * H] = other.reshape(-1)
     ref = run_experts_ref(x, *split(every), ids, w)
     assert rel_err(changed.cpu(), ref.cpu()) < 3 * tol(torch.float32)
+    # only the first 8 of 16 rows staged, in 8-row tiles: the other tiles still read the expert over PCIe
+    tiles = ((8, 16, 4, 2), (16, 16, 4, 2))
+    half, _, _ = run(ExpertMap(loc.to(dev), *split(host), stage_id=sid, stage_gate_up=other, stage_rows=8), tiles)
+    mixed = host.to(dev).clone()
+    gu = mixed[staged, : 2 * I * H].view(2 * I, H)
+    gu[:8], gu[I: I + 8] = other[:8], other[I: I + 8]
+    ref = run_experts_ref(x, *split(mixed), ids, w)
+    assert rel_err(half.cpu(), ref.cpu()) < 3 * tol(torch.float32)
+    assert not torch.equal(half[hit], changed[hit]) and not torch.equal(half[hit], plain[hit])
