@@ -100,9 +100,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "but host for --moe-backend cpu; default)")
     g.add_argument("--moe-prefetch", default="off", choices=["on", "off"],
                    help="with a mapped decode: at the end of each layer guess the next layer's likely expert (its "
-                        "router on the hidden state so far) and copy its gate/up weights to the device while the "
-                        "next layer's attention runs, when the PCIe link would idle (default off: on the H200 the "
-                        "guesses were 86%% right but the decode 0.98x as fast, docs/PERF.md)")
+                        "router on the hidden state so far) and copy part of its gate/up weights to the device "
+                        "while the next layer's attention runs, when the PCIe link would idle (default off: on the "
+                        "H200 the guesses were 86%% right but the decode not faster yet, docs/PERF.md)")
     g.add_argument("--expert-threads", type=int,
                    help="CPU threads running experts for cpu/hybrid (default: every core on a CPU engine; on "
                         "CUDA half the cores: host DRAM bounds the experts, and the engine thread keeps a core)")

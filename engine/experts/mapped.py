@@ -21,12 +21,13 @@ own fills and evictions (OffloadBackend.forward) need no bookkeeping here. With 
 the non-resident experts is marked LOC_CPU: a native thread runs those inside the step (graph_cpu.py).
 
 With prefetch (--moe-prefetch on) the step guesses, at the end of each layer, the next layer's likely expert
-among those read in place (its router on the hidden state before the next layer's mixer) and copies that
-expert's gate/up weights to the device on a side stream while the mixer runs: the PCIe link idles through a
-layer's attention or DeltaNet (~68 us of ~680 at 8 layers, offload b1 on the H200), and a right guess spends
-that time on bytes the layer needs (`stage`, moe_triton.stage_guess). The first cache layer is never guessed.
+among those read in place (its router on the hidden state before the next layer's mixer) and copies part of
+that expert's gate/up weights (stage_rows) to the device on a side stream while the mixer runs: the PCIe link
+idles through a layer's attention or DeltaNet (~68 us of ~680 at 8 layers, offload b1 on the H200), and a
+right guess spends that time on bytes the layer needs (`stage`, moe_triton.stage_guess). The first cache layer is never guessed.
 Guesses, right ones and their bytes are counted per layer. Off by default: on the H200 (offload b1, 8 layers)
-the guesses were 86% right, yet the step ran 0.98x as fast (docs/PERF.md, thirteenth session).
+the guesses were 86% right, yet with the whole gate/up staged the step ran 0.98x as fast (docs/PERF.md,
+thirteenth session); half the rows, which fit the mixer's time, are not measured yet.
 """
 from __future__ import annotations
 
