@@ -66,6 +66,10 @@ class OffloadBackend:
         if decode not in DECODE_MODES:
             raise ValueError(f"--moe-decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
         self.decode_mode = decode
+        if prefetch and (decode == "host" or (decode == "auto" and self.name == "cpu")):
+            raise ValueError("--moe-prefetch on works inside the mapped decode, and this one decodes on the host "
+                             f"(--moe-backend {self.name}, --moe-decode {decode}): use --moe-decode mapped or drop "
+                             "--moe-prefetch")
         self.prefetch = prefetch  # a mapped decode copies each layer's likely expert in ahead (mapped.py)
         self.mapped = None  # MappedExperts, made by mapped_decode() for a fast path
 

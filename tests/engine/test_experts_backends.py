@@ -304,3 +304,14 @@ def test_the_next_layer_streams_from_the_first_piece_of_this_one(pool):
     assert events == [("copy", 0), ok, ("piece", 0), ready, ("copy", 2), ok, ("piece", 0), ("piece", 2), ready,
                       ("copy", 3), ok, ("piece", 2), ("piece", 3), ready, ("piece", 3)]
     b.close()
+
+
+def test_bad_streaming_and_prefetch_options_name_the_fix(pool):
+    with pytest.raises(ValueError, match="--prefill-stream must be one of auto, on, off"):
+        OffloadBackend(pool, 2 * E, "cpu", stream_prefill="always")
+    for cls, decode in ((OffloadBackend, "host"), (CpuBackend, "auto")):
+        with pytest.raises(ValueError, match="--moe-prefetch on works inside the mapped decode"):
+            cls(pool, 2 * E, "cpu", decode=decode, prefetch=True)
+    b = HybridBackend(pool, 2 * E, "cpu", decode="auto", prefetch=True)  # mapped by default: accepted
+    assert b.prefetch and b.streamer.mode == "auto"
+    b.close()
