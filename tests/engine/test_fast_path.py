@@ -194,26 +194,28 @@ def test_fast_path_with_an_expert_cache_matches_eager(checkpoints, backend):
         eng.model.experts.close()
 
 
+def _fast_engine(ckpt, decode: str | None = None, prefetch: bool = False):
+    """The fast path on the checkpoint: every expert resident (decode None), or through a 5-slot offload
+    cache decoding `decode` (mapped | host), with or without --moe-prefetch."""
+    from engine.experts.policy import BandwidthEstimate
+    from engine.experts.registry import experts_factory
+
+    kw = {}
+    if decode is not None:
+        est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+        kw = dict(expert_device="cpu", experts=experts_factory("offload", device=DEV, slots=5, estimate=est,
+                                                               decode=decode, prefetch=prefetch))
+    eng = Engine.from_pretrained(ckpt, device=DEV, fast=False, **kw)
+    eng.model.enable_fast(slots=3, capacity=64)
+    return eng
+
+
 def test_mapped_decode_reads_misses_in_place_and_keeps_greedy_output(checkpoints):
     """--moe-decode mapped: the decode kernels read each missing expert in place from the host pool and the
     step is one graph (on CUDA); greedy tokens equal the host-run cache's and the fused engine's, misses
     are counted as in-place reads, free slots are filled between steps."""
-    from engine.experts.policy import BandwidthEstimate
-    from engine.experts.registry import experts_factory
-
     ckpt = checkpoints["qwen3_5_moe", "fused"]
-
-    def engine(decode: str | None):
-        kw = {}
-        if decode is not None:
-            est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
-            kw = dict(expert_device="cpu", experts=experts_factory("offload", device=DEV, slots=5, estimate=est,
-                                                                   decode=decode))
-        eng = Engine.from_pretrained(ckpt, device=DEV, fast=False, **kw)
-        eng.model.enable_fast(slots=3, capacity=64)
-        return eng
-
-    fused, mapped, host = engine(None), engine("mapped"), engine("host")
+    fused, mapped, host = _fast_engine(ckpt), _fast_engine(ckpt, "mapped"), _fast_engine(ckpt, "host")
     assert mapped.model.fast.mapped is not None and host.model.fast.mapped is None
     ids = prompt(12, 9)
     want = fused.generate(ids, max_new_tokens=6)
@@ -232,22 +234,9 @@ def test_mapped_decode_prefetch_keeps_greedy_output_and_counts_its_guesses(check
     routing is known, on a side stream on CUDA (the step still one graph); greedy tokens equal the fused
     engine's and the mapped decode's without prefetch, each guess and its bytes are counted, and the
     misses' in-place traffic is the same as without prefetch."""
-    from engine.experts.policy import BandwidthEstimate
-    from engine.experts.registry import experts_factory
-
     ckpt = checkpoints["qwen3_5_moe", "fused"]
-
-    def engine(prefetch: bool | None):
-        kw = {}
-        if prefetch is not None:
-            est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
-            kw = dict(expert_device="cpu", experts=experts_factory("offload", device=DEV, slots=5, estimate=est,
-                                                                   decode="mapped", prefetch=prefetch))
-        eng = Engine.from_pretrained(ckpt, device=DEV, fast=False, **kw)
-        eng.model.enable_fast(slots=3, capacity=64)
-        return eng
-
-    fused, plain, pre = engine(None), engine(False), engine(True)
+    fused, plain = _fast_engine(ckpt), _fast_engine(ckpt, "mapped")
+    pre = _fast_engine(ckpt, "mapped", prefetch=True)
     ids = prompt(12, 9)
     want = fused.generate(ids, max_new_tokens=8)
     assert plain.generate(ids, max_new_tokens=8) == want
@@ -259,7 +248,8 @@ def test_mapped_decode_prefetch_keeps_greedy_output_and_counts_its_guesses(check
     assert stats["layers"][first]["guesses"] == 0 and all(stats["layers"][x]["guesses"] > 0 for x in rest)
     assert 0 < st["guesses_right"] <= st["guesses"]  # the staged weights were read, and gave the same tokens
     assert st["bytes_guessed"] == st["guesses"] * lay.gate_up_numel * experts.pool.dtype.itemsize
-    assert plain.model.experts.stats()["total"]["guesses"] == 0
+    plain_st = plain.model.experts.stats()["total"]
+    assert plain_st["guesses"] == 0 and plain_st["direct_reads"] == st["direct_reads"]
     if DEV == "cuda":
         assert set(pre.model.decode_steps.modes().values()) == {"graph"}
     for eng in (plain, pre):
