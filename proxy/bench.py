@@ -26,6 +26,7 @@ from collections import defaultdict
 from aiohttp import ClientSession, web
 
 from engine.api import GenerateRequest, TokenEvent, Usage
+from engine.bench.args import print_and_save
 from engine.bench.serve import prompt_text
 from proxy.apis.anthropic.schema import MessagesRequest, check_supported, gen_params, to_conversation
 from proxy.body import check_json
@@ -206,7 +207,8 @@ async def run(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m proxy.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompt-words", type=int, default=1850, help="words of a session's first message (1850: ~8.2k tokens)")
+    p.add_argument("--prompt-words", type=int, default=1850,
+                   help="words of a session's first message (1850: ~8.2k tokens)")
     p.add_argument("--sessions", type=int, default=5)
     p.add_argument("--turns", type=int, default=4, help="requests per session, the first included")
     p.add_argument("--seed", type=int, default=0)
@@ -214,15 +216,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.sessions < 1 or args.turns < 1:
         p.error("--sessions and --turns must be >= 1")
-    res = asyncio.run(run(args))
+    return print_and_save(asyncio.run(run(args)), print_table, args.json)
+
+
+def print_table(res: dict) -> None:
     med = res["median_ms"]
     print(f"{'stage (median ms)':<32} {'first':>8} {'later':>8}")
     for k in (*STAGES, *HTTP):
         print(f"{k:<32} {med['first'].get(k, float('nan')):>8.2f} {med['later'].get(k, float('nan')):>8.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

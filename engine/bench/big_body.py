@@ -17,6 +17,7 @@ import json
 import statistics
 import time
 
+from engine.bench.args import print_and_save
 from engine.bench.server_process import ServerProcess
 
 HEALTH_EVERY_S = 0.02
@@ -113,17 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="distinct bodies of each size")
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args(argv)
-    rows = asyncio.run(run([int(x) for x in args.mb.split(",")], args.repeat))
+    return print_and_save(asyncio.run(run([int(x) for x in args.mb.split(",")], args.repeat)), print_rows, args.json)
+
+
+def print_rows(rows: list[dict]) -> None:
     print(table(rows))
     by_mb = {mb: [r for r in rows if r["mb"] == mb] for mb in sorted({r["mb"] for r in rows})}
     for mb, rs in by_mb.items():
         print(f"{mb} MB: median answer {statistics.median(r['answer_s'] for r in rs):.3f} s, "
               f"worst /health {max(r['health_max_ms'] for r in rs):.0f} ms, "
               f"RSS growth after {max(r['rss_after_mb'] - r['rss_before_mb'] for r in rs):.1f} MB")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

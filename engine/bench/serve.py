@@ -24,6 +24,8 @@ import random
 import statistics
 import time
 
+from engine.bench.args import print_and_save
+
 WORDS = ("the engine streams layer weights while the agent edits files and runs tests against a small "
          "repository with many modules each holding functions classes and comments about caching").split()
 
@@ -133,10 +135,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not args.url.startswith(("http://127.", "http://localhost", "http://[::1]")):
         p.error("--url must be a loopback address")
-    res = asyncio.run(run(args))
+    return print_and_save(asyncio.run(run(args)), print_summary, args.json)
+
+
+def print_summary(res: dict) -> None:
     m = res["median"]
-    print(f"serve (median of {args.runs}): {m['prompt_tokens']:.0f} prompt tokens, TTFT {m['ttft_s'] * 1e3:.1f} ms "
-          f"at the client ({m['prefill_tok_s']:.0f} tok/s), {m['engine_ttft_s'] * 1e3:.1f} ms in the engine; "
+    print(f"serve (median of {len(res['runs'])}): {m['prompt_tokens']:.0f} prompt tokens, TTFT "
+          f"{m['ttft_s'] * 1e3:.1f} ms at the client ({m['prefill_tok_s']:.0f} tok/s), "
+          f"{m['engine_ttft_s'] * 1e3:.1f} ms in the engine; "
           f"{m['output_tokens']:.0f} output tokens at {m['engine_decode_tok_s']:.1f} tok/s (engine)")
     print(f"  the server's part: {m['server_prepare_s'] * 1e3:.1f} ms from arrival to submit (read, render, "
           f"tokenize, plan), the engine's first token in the proxy {m['server_first_token_s'] * 1e3:.1f} ms and "
@@ -145,10 +151,6 @@ def main(argv=None) -> int:
           f"held= counts the tokens that had come by then)")
     print(f"  a decode step {m['decode_step_ms']:.3f} ms end to end, {m['decode_runner_ms']:.3f} ms of it in the "
           f"runner (forward, sampling, device wait); the rest on the engine thread (scheduling, publishing)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":
