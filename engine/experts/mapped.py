@@ -24,10 +24,10 @@ With prefetch (--moe-prefetch on) the step guesses, at the end of each layer, th
 among those read in place (its router on the hidden state before the next layer's mixer) and copies part of
 that expert's gate/up weights (stage_rows) to the device on a side stream while the mixer runs: the PCIe link
 idles through a layer's attention or DeltaNet (~68 us of ~680 at 8 layers, offload b1 on the H200), and a
-right guess spends that time on bytes the layer needs (`stage`, moe_triton.stage_guess). The first cache layer is never guessed.
-Guesses, right ones and their bytes are counted per layer. Off by default: on the H200 (offload b1, 8 layers)
-the guesses were 86% right, yet with the whole gate/up staged the step ran 0.98x as fast (docs/PERF.md,
-thirteenth session); half the rows, which fit the mixer's time, are not measured yet.
+right guess spends that time on bytes the layer needs (`stage`, moe_triton.stage_guess). The first cache
+layer is never guessed. Guesses, right ones and their bytes are counted per layer. Off by default: on the
+H200 (offload b1, 8 layers) the guesses were 86% right, yet with the whole gate/up staged the step ran 0.98x
+as fast (docs/PERF.md, thirteenth session); half the rows, which fit the mixer's time, are not measured yet.
 """
 from __future__ import annotations
 
@@ -72,11 +72,12 @@ class MappedExperts:
         self.prefetch = bool(getattr(backend, "prefetch", False))
         self.stage_ids = torch.full((self.L,), -1, dtype=torch.int32, device=cache.device)
         self.stage_gate_up = None
-        self._stage_host = [torch.full((self.L,), -1, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._stage_host: list[torch.Tensor] = []
         self._stage_flip = 0
         self._host_gate_up: dict[int, torch.Tensor] = {}
         self.stage_rows = None
         if self.prefetch:
+            self._stage_host = [torch.full((self.L,), -1, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
             lay = pool.layout
             self.stage_gate_up = torch.empty(2 * lay.inter, lay.hidden, dtype=pool.dtype, device=cache.device)
             self.stage_rows = stage_rows(lay.inter)

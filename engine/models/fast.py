@@ -35,6 +35,7 @@ from engine.kernels.moe_triton import GROUP_PAIRS, blocks_for, route_topk, run_e
 from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_router
 from engine.layers.mlp import swiglu_fused
 from engine.layers.moe import MoE
+from engine.layers.norm import rms_norm
 from engine.models.fused import (CachedMoE, FusedAttention, FusedMoE, fuse_attention, fuse_cached_moe, fuse_deltanet,
                                  fuse_moe)
 from engine.models.pieces import one_expert_pass, piece_rows, piece_spans, row_pieces
@@ -144,17 +145,15 @@ class FastPath:
         gives copied in for its gate/up kernel (MappedExperts.stage): on the guess stream beside the mixer on
         CUDA, inline elsewhere. -> (event the layer's experts wait for, or None; the tensors to keep alive
         until then)."""
-        mlp, w = self.mlps[j], self.norms[j][0]
-        E, eps = self.mapped.E, self.cfg.rms_norm_eps
+        mlp, E = self.mlps[j], self.mapped.E
         if valid is None:
             valid = torch.ones(x.shape[0], dtype=torch.int8, device=x.device)
         side = self._guess_stream
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            xf = x.float()
-            h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            h = (h * ((1.0 + w.float()) if self.cfg.zero_centered_norm else w.float())).to(x.dtype)
+            # torch's ops, not the Triton norm: its PDL launch would hang a programmatic edge across streams
+            h = rms_norm(x, self.norms[j][0], self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)
             logits = h @ mlp.router_w[:E].T  # [N, E]
             self.mapped.stage(mlp.layer, logits, valid)
         if side is None:
