@@ -429,9 +429,54 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
 
 
 @triton.jit
-def _stage_pick_kernel(logits_ptr, lstride, valid_ptr, N: tl.constexpr, E, loc_ptr, stage_ptr,
-                       BLOCK_E: tl.constexpr):
-    """One program: the expert read in place (LOC_HOST) that the rows' softmax puts most weight on -> stage.
+def _guess_logits_kernel(x_ptr, H, nw_ptr, eps, rw_ptr, rstride, E, out_ptr, N: tl.constexpr,
+                         ZC: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Experts [BLOCK_E * pid, ...) of a router applied to the RMS-normed rows of x [N, H] -> out [N, E] fp32:
+    the norm and the router in one launch, for a guess (the normed row stays fp32: no rounding to x's dtype).
+    N is a constant (Triton 3.6's interpreter cannot loop to a runtime bound)."""
+    re = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    emask = re < E
+    for t in range(N):
+        ss = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            rk = k0 + tl.arange(0, BLOCK_H)
+            v = tl.load(x_ptr + t * H + rk, mask=rk < H, other=0.0).to(tl.float32)
+            ss += v * v
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
+        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            rk = k0 + tl.arange(0, BLOCK_H)
+            kmask = rk < H
+            v = tl.load(x_ptr + t * H + rk, mask=kmask, other=0.0)
+            nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0)
+            h = v.to(tl.float32) * rstd * ((1.0 + nw.to(tl.float32)) if ZC else nw.to(tl.float32))
+            w = tl.load(rw_ptr + re[:, None].to(tl.int64) * rstride + rk[None, :],
+                        mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * h[None, :], axis=1)
+        tl.store(out_ptr + t * E + re, acc, mask=emask)
+
+
+def guess_logits(x: torch.Tensor, norm_w: torch.Tensor, eps: float, zero_centered: bool,
+                 router_w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, H] (the residual entering a layer), norm_w [H] (its post-attention norm), router_w [>= E, H]
+    (its router; rows past E, a shared gate, are left out by the caller's slice) -> logits [N, E] fp32:
+    rms_norm(x) @ router_w.T in fp32 in one launch, no PDL (it runs on the guess's own stream)."""
+    N, H = x.shape
+    E = router_w.shape[0]
+    if not x.is_contiguous() or router_w.stride(1) != 1 or norm_w.shape != (H,) or router_w.shape[1] != H:
+        raise ValueError("guess_logits: x [N, H] contiguous, norm_w [H], router_w [E, H] with unit column stride")
+    if out is None:
+        out = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    BLOCK_E = 16
+    _guess_logits_kernel[(triton.cdiv(E, BLOCK_E),)](
+        x, H, norm_w, float(eps), router_w, router_w.stride(0), E, out, N=N, ZC=bool(zero_centered),
+        BLOCK_E=BLOCK_E, BLOCK_H=min(512, triton.next_power_of_2(H)))
+    return out
+
+
+@triton.jit
+def _stage_pick(logits_ptr, lstride, valid_ptr, N: tl.constexpr, E, loc_ptr, BLOCK_E: tl.constexpr):
+    """The expert read in place (LOC_HOST) that the rows' softmax puts most weight on, or -1.
     N (a decode bucket's rows) is a constant: Triton 3.6's interpreter cannot loop to a runtime bound."""
     re = tl.arange(0, BLOCK_E)
     emask = re < E
@@ -444,16 +489,20 @@ def _stage_pick_kernel(logits_ptr, lstride, valid_ptr, N: tl.constexpr, E, loc_p
     host = emask & (tl.load(loc_ptr + re, mask=emask, other=0) == -1)
     score = tl.where(host, score, -1.0)
     best = tl.argmax(score, axis=0)
-    pick = tl.where(tl.max(score, axis=0) > 0, best, -1)
-    tl.store(stage_ptr, pick.to(tl.int32))
+    return tl.where(tl.max(score, axis=0) > 0, best, -1)
 
 
 @triton.jit
-def _stage_copy_kernel(stage_ptr, host_ptr, host_stride, out_ptr, half, up_at, BLOCK: tl.constexpr,
+def _stage_copy_kernel(logits_ptr, lstride, valid_ptr, E, loc_ptr, stage_ptr, host_ptr, host_stride, out_ptr,
+                       half, up_at, N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
                        ITERS: tl.constexpr):
-    """The staged expert's gate rows [0, R) and up rows [I, I + R): elements [0, half) and [up_at, up_at + half)
-    of its [2I, H] block (half = R * H, up_at = I * H), at the same offsets in the stage."""
-    e = tl.load(stage_ptr)
+    """Every program picks the expert (_stage_pick: a few hundred logits, no launch between the pick and the
+    copy), the first records it in stage, and each copies its share of that expert's gate rows [0, R) and up
+    rows [I, I + R): elements [0, half) and [up_at, up_at + half) of its [2I, H] block (half = R * H,
+    up_at = I * H), at the same offsets in the stage."""
+    e = _stage_pick(logits_ptr, lstride, valid_ptr, N, E, loc_ptr, BLOCK_E)
+    if tl.program_id(0) == 0:
+        tl.store(stage_ptr, e.to(tl.int32))
     if e >= 0:
         src = host_ptr + e.to(tl.int64) * host_stride
         for i in range(ITERS):
@@ -475,20 +524,18 @@ def stage_guess(logits: torch.Tensor, valid: torch.Tensor, loc: torch.Tensor, ho
     read in place (LOC_HOST), the one the valid rows' softmax weighs most goes to stage_id [1] int32 and its
     gate and up rows [0, rows) (None: all I) from host_gate_up [E, 2I, H] (pinned, read over PCIe) into the
     same rows of stage_gate_up; stage_id is -1 where every expert sits in a slot. Graph-safe: no host sync,
-    fixed grid."""
+    fixed grid, one launch."""
     N, E = logits.shape
     if logits.stride(1) != 1 or valid.shape != (N,) or stage_gate_up.shape != host_gate_up.shape[1:] \
             or not stage_gate_up.is_contiguous() or host_gate_up.stride(2) != 1 \
             or host_gate_up.stride(1) != host_gate_up.shape[2] or stage_id.dtype != torch.int32:
         raise ValueError("stage_guess: logits [N, E] row-major, valid [N], host gate/up packed per expert and a "
                          "contiguous [2I, H] stage of the same shape, stage_id int32")
-    _stage_pick_kernel[(1,)](logits, logits.stride(0), valid, N, E, loc, stage_id,
-                             BLOCK_E=triton.next_power_of_2(max(E, 2)))
     I, H = stage_gate_up.shape[0] // 2, stage_gate_up.shape[1]
     half = (I if rows is None else rows) * H
     _stage_copy_kernel[(triton.cdiv(2 * half, STAGE_BLOCK * STAGE_ITERS),)](
-        stage_id, host_gate_up, host_gate_up.stride(0), stage_gate_up, half, I * H, BLOCK=STAGE_BLOCK,
-        ITERS=STAGE_ITERS)
+        logits, logits.stride(0), valid, E, loc, stage_id, host_gate_up, host_gate_up.stride(0), stage_gate_up,
+        half, I * H, N=N, BLOCK_E=triton.next_power_of_2(max(E, 2)), BLOCK=STAGE_BLOCK, ITERS=STAGE_ITERS)
 
 
 def stage_guess_ref(logits, valid, loc, host_gate_up):

@@ -31,11 +31,11 @@ from engine.kernels.attention_triton import (decode_attention, decode_splits, pr
 from engine.kernels.deltanet_triton import TAIL_TOKENS, conv_step, rule_step
 from engine.kernels.linear_triton import SKINNY_ROWS, skinny_linear
 from engine.kernels.mailbox_triton import join, publish
-from engine.kernels.moe_triton import GROUP_PAIRS, blocks_for, route_topk, run_experts, run_experts_routed
+from engine.kernels.moe_triton import (GROUP_PAIRS, blocks_for, guess_logits, route_topk, run_experts,
+                                       run_experts_routed)
 from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_router
 from engine.layers.mlp import swiglu_fused
 from engine.layers.moe import MoE
-from engine.layers.norm import rms_norm
 from engine.models.fused import (CachedMoE, FusedAttention, FusedMoE, fuse_attention, fuse_cached_moe, fuse_deltanet,
                                  fuse_moe)
 from engine.models.pieces import one_expert_pass, piece_rows, piece_spans, row_pieces
@@ -152,15 +152,16 @@ class FastPath:
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            # torch's ops, not the Triton norm: its PDL launch would hang a programmatic edge across streams
-            h = rms_norm(x, self.norms[j][0], self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)
-            logits = h @ mlp.router_w[:E].T  # [N, E]
+            # two launches without PDL (a programmatic edge across streams would hang): the norm and the router
+            # in one, the pick and the copy in the other, so the copy starts soon after the layer before ends
+            logits = guess_logits(x, self.norms[j][0], self.cfg.rms_norm_eps, self.cfg.zero_centered_norm,
+                                  mlp.router_w[:E])  # [N, E] fp32
             self.mapped.stage(mlp.layer, logits, valid)
         if side is None:
             return None, ()
         done = torch.cuda.Event()
         done.record(side)
-        return done, (x, h, logits, valid)  # x too: the main stream must not reuse its block while this reads it
+        return done, (x, logits, valid)  # x too: the main stream must not reuse its block while this reads it
 
     def _decode_mlp(self, i: int, x: torch.Tensor, mix: torch.Tensor, valid: torch.Tensor | None):
         """The post-mixer add+norm and the MLP of one decode step -> (residual, rows to add to it)."""
