@@ -65,8 +65,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--batches", default="1,4,8", help="decode batch sizes (default 1,4,8)")
-    p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size (default 64)")
-    p.add_argument("--warmup", type=int, default=8, help="decode steps before timing (default 8)")
+    p.add_argument("--steps", type=_at_least(1), default=64, help="timed decode steps per batch size (default 64)")
+    p.add_argument("--warmup", type=_at_least(1), default=8,
+                   help="decode steps before timing, at least 1: the first token is the prompt's (default 8)")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens of each decode request (default 64)")
     p.add_argument("--prefill", type=int, default=8192, help="tokens of the long prompt (default 8192; 0: skip)")
     p.add_argument("--prefill-runs", type=int, default=3,
@@ -108,6 +109,19 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="hybrid mapped decode: this share of the non-resident experts runs on the CPU, fixed "
                         "(default: searched for the shortest measured step, per batch size)")
     p.add_argument("--json", help="write the results here")
+
+
+def _at_least(low: int):
+    """An argparse type: an integer >= low (a bad value is one usage line naming it)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
 
 
 def _floats(text: str) -> list[float]:

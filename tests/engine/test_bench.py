@@ -128,6 +128,17 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
     assert "routed experts only" in capsys.readouterr().out
 
 
+def test_bench_model_refuses_a_decode_window_it_cannot_time(capsys):
+    """--warmup 0 timed from the first token (the prompt's) and printed a negative rate; the parser says so."""
+    from engine.bench import model as bench_model
+
+    for flag in ("--warmup", "--steps"):
+        with pytest.raises(SystemExit) as exit_:
+            bench_model.main(["--synthetic", "tiny", "--device", "cpu", flag, "0"])
+        assert exit_.value.code == 2
+        assert f"argument {flag}: must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_profile_decode_counts_overlapping_spans_once():
     from engine.bench.profile_decode import _union_us
 
