@@ -34,7 +34,7 @@ class SlotTable:
             raise ValueError(f"the expert cache policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if half_life <= 0:
             raise ValueError(f"the lfu half-life must be positive, got {half_life} tokens")
-        self.num_layers, self.num_experts, self.policy = num_layers, num_experts, policy
+        self.num_layers, self.num_experts, self.policy, self.half_life = num_layers, num_experts, policy, half_life
         self.resident = np.full((num_layers, num_experts), EMPTY, dtype=np.int64)  # [L, E] -> slot
         self.heat = np.zeros((num_layers, num_experts))  # [L, E] uses, each weighted by the increment then
         self._inc = 1.0
@@ -57,30 +57,43 @@ class SlotTable:
         """Slot of each expert of `layer`, EMPTY where not resident."""
         return self.resident[layer, np.asarray(experts, dtype=np.int64)]
 
-    def tick(self) -> int:
-        self.clock += 1
-        self._inc *= self._growth
-        if self._inc > _RESCALE:
-            self.heat /= self._inc
-            self.slot_heat /= self._inc
-            self._rescales.append(self._inc)
-            self._inc = 1.0
-        return self.clock
+    def tick(self, n: int = 1) -> int:
+        """n layer steps pass (a prompt of T tokens: T per layer, tokens_passed)."""
+        self.clock += n
+        doublings = n * np.log2(self._growth)
+        while True:  # in steps of 2^300 at most: a long prompt's growth in one product would overflow
+            step = min(doublings, 300.0)  # (the increment stays under 1e200 between steps)
+            self._inc *= 2.0 ** step
+            if self._inc > _RESCALE:
+                self.heat /= self._inc
+                self.slot_heat /= self._inc
+                self._rescales.append(self._inc)
+                self._inc = 1.0
+            doublings -= step
+            if doublings <= 0:
+                return self.clock
+
+    def tokens_passed(self, tokens: int) -> None:
+        """A forward's tokens before its last one passed at once (the layer calls that follow tick once each):
+        older heat fades by the prompt's length, as if its tokens had been decoded one by one."""
+        if tokens > 0:
+            self.tick(tokens * self.num_layers)
 
     def moment(self) -> tuple[int, float, int]:
         """(clock, heat increment, rescales so far): a use counted later weighs as if counted now."""
         return self.clock, self._inc, len(self._rescales)
 
-    def note_use(self, layer: int, experts, at: tuple[int, float, int] | None = None) -> None:
+    def note_use(self, layer: int, experts, at: tuple[int, float, int] | None = None, weights=None) -> None:
         """The experts a layer step routes to, resident or not (their heat for lfu); at: the moment() the
-        step ran, when it is counted later."""
+        step ran, when it is counted later; weights: uses per expert (default one each; a prompt's layer call
+        weighs each by its tokens, prompt_use_weights)."""
         experts = np.asarray(experts, dtype=np.int64)
         inc = self._inc
         if at is not None:
             inc = at[1]
             for f in self._rescales[at[2]:]:  # the rescales since, one at a time (their product overflows)
                 inc /= f
-        self.heat[layer, experts] += inc
+        self.heat[layer, experts] += inc if weights is None else inc * np.asarray(weights, dtype=np.float64)
         slots = self.resident[layer, experts]
         on = slots >= 0
         self.slot_heat[slots[on]] = self.heat[layer, experts[on]]
@@ -168,6 +181,22 @@ class SlotTable:
             self.owner[new], self.stamp[new], self.slot_heat[new] = owner[old], stamp[old], heat[old]
             o = owner[old]
             self.resident[o // self.num_experts, o % self.num_experts] = new
+
+
+def prompt_use_weights(counts, tokens: int, after: int = 0, half_life: float = HALF_LIFE) -> np.ndarray:
+    """Uses per expert of one layer call over `tokens` tokens of a prompt, in decode tokens' units: counts [n]
+    tokens routed to each expert, spread over the call; `after` tokens of the same prompt follow the call's
+    (a layer-major prompt's earlier pieces). A token k tokens before the prompt's end weighs 2^(-k /
+    half_life), as it would have in a decode, so a call's weights are counts x the mean weight of its tokens:
+    one token is one use; an 8k prompt's routing outweighs older decode history, its last few hundred tokens
+    counting most. Counting a prompt's layer call as one use per distinct expert instead left the heat flat
+    after a long prompt, and the popular experts had to earn their slots back token by token."""
+    counts = np.asarray(counts, dtype=np.float64)
+    if tokens <= 1 and after == 0:
+        return counts
+    r = 2.0 ** (-1.0 / half_life)
+    mean = r ** after * (1.0 - r ** tokens) / (1.0 - r) / tokens
+    return counts * mean
 
 
 def victims_reference(stamp, locked, k: int, heat=None) -> list[int]:

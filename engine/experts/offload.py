@@ -20,6 +20,7 @@ import torch
 from engine.experts.compute import Routing, combine, run_expert
 from engine.experts.cpu_runner import layer_table, run_on_cpu
 from engine.experts.host_pool import HostPool
+from engine.experts.lru import prompt_use_weights
 from engine.experts.policy import BandwidthEstimate
 from engine.experts.prefill_stream import STREAM_MODES, PrefillStreamer
 from engine.experts.slot_cache import SlotCache
@@ -58,7 +59,8 @@ class OffloadBackend:
         # weights of routed experts: ~4e13/s with attention, DeltaNet and the rest of the layer counted in)
         self.device_flops = 4e13 if self.device.type == "cuda" else 5e10
         self._held = False  # a forward announced by begin_forward(hold=True) runs until end_forward
-        self._unsettled: list[tuple] = []  # streamed layer calls not yet counted: (layer, topk_ids, moment)
+        self._unsettled: list[tuple] = []  # streamed layer calls not yet counted: (layer, topk_ids, moment, span)
+        self._span = 1  # the longest sequence's tokens in the running forward (begin_forward)
         # device experts in one launch pair of the grouped Triton kernels, reading the slots in place (default
         # on CUDA); else one expert at a time through torch (the reference, and the path on a CPU device)
         self.grouped = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None \
@@ -108,14 +110,18 @@ class OffloadBackend:
         return self.mapped
 
     # --- the seam
-    def begin_forward(self, num_tokens: int, top_k: int, hold: bool = False) -> None:
+    def begin_forward(self, num_tokens: int, top_k: int, hold: bool = False, span: int = 1) -> None:
         """Once per forward, before its layers: picks layer streaming or not for all its tokens. Without
         it `forward` begins a forward at the first MoE layer itself (one call per layer); `hold=True`
-        keeps this one until `end_forward`, for a model that runs a layer in several pieces."""
+        keeps this one until `end_forward`, for a model that runs a layer in several pieces. span: the
+        longest sequence's tokens in this forward (a prompt's length; 1: decode tokens, one a sequence): the
+        cache's heat ages by them and weighs each expert by the tokens routed to it (lru.prompt_use_weights)."""
         self._held = hold
         self.settle()
         if self.streamer is not None:
-            self.streamer.begin(num_tokens, top_k)
+            self.streamer.begin(num_tokens, top_k, span)  # predicts from the heat before this prompt fades it
+        self._span = max(1, int(span))
+        self.cache.table.tokens_passed(self._span - 1)
 
     def end_forward(self) -> None:
         self._held = False
@@ -132,13 +138,14 @@ class OffloadBackend:
         table, e = self.cache.table, self.pool.num_experts
         # one read-back for all the calls; grouping each call's routing (Routing.of, one read-back apiece) took
         # ~40 ms after an 8k prompt's 32 pieces (H200 box), all of it before the first token
-        flat = torch.cat([ids.reshape(-1) for _, ids, _ in pending]).to("cpu", torch.long).numpy()
+        flat = torch.cat([ids.reshape(-1) for _, ids, _, _ in pending]).to("cpu", torch.long).numpy()
         start = 0
-        for layer, topk_ids, at in pending:
+        for layer, topk_ids, at, span in pending:
             ids = flat[start: start + topk_ids.numel()]
             start += topk_ids.numel()
-            experts = np.flatnonzero(np.bincount(ids[ids >= 0], minlength=e))  # id -1: a padding pair
-            table.note_use(self.pool.row[layer], experts, at=at)
+            counts = np.bincount(ids[ids >= 0], minlength=e)  # id -1: a padding pair
+            experts = np.flatnonzero(counts)
+            table.note_use(self.pool.row[layer], experts, at=at, weights=self._use_weights(counts[experts], span))
             slots = self.cache.lookup(layer, experts)
             table.touch(slots[slots >= 0], clock=at[0])  # (a later layer's window may have taken some since)
             self._count(layer, len(experts), 0, 0, 0)
@@ -158,7 +165,7 @@ class OffloadBackend:
         else:
             self.cache.ready()  # hits may sit in slots filled by copies still in flight
         routing = Routing.of(topk_ids)
-        table.note_use(self.pool.row[layer], routing.experts)
+        table.note_use(self.pool.row[layer], routing.experts, weights=self._use_weights(routing.counts, self._span))
         slots = self.cache.lookup(layer, routing.experts)
         hits = [i for i, s in enumerate(slots) if s >= 0]
         # fills take the misses with the most tokens, then the hottest (the ones a slot will serve again);
@@ -192,7 +199,7 @@ class OffloadBackend:
         T, K = topk_ids.shape
         y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
         self._launch_slots(x, y, self.streamer.tables[layer][topk_ids])  # id -1 (padding) looks up -1
-        self._unsettled.append((layer, topk_ids, self.cache.table.moment()))
+        self._unsettled.append((layer, topk_ids, self.cache.table.moment(), self._span))
         self._unlock()
         if layer == self.pool.layers[-1] and not self._held:
             self.settle()
@@ -286,6 +293,13 @@ class OffloadBackend:
         # the fill path: copies, and on a CPU "device" also running the filled experts, on the same cores
         # and in line (on CUDA a decode fill is its copy; the expert kernels queue behind it)
         self.observe("fill", timing.nbytes, timing.seconds + self._fill_run_s, together=timing.with_cpu)
+
+    def _use_weights(self, counts, span: int):
+        """Heat per routed expert of a layer call: one use each in a decode (None), the tokens routed to it
+        weighed as a prompt of `span` tokens' (lru.prompt_use_weights)."""
+        if span <= 1:
+            return None
+        return prompt_use_weights(counts, span, half_life=self.cache.table.half_life)
 
     def _count(self, layer: int, hits: int, misses: int, fills: int, cpu: int) -> None:
         st = self.stats_[layer]

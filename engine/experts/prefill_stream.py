@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.experts.lru import prompt_use_weights
+
 # a CPU expert kernel reads each weight once per call; above this many tokens per expert it turns
 # compute-bound and its time grows with the tokens (roughly: machine flops / DRAM bandwidth, bf16)
 CPU_BALANCE_TOKENS = 16
@@ -48,17 +50,18 @@ def touched(heat: np.ndarray, num_tokens: int, top_k: int, prior: float = PRIOR_
     return 1.0 - (1.0 - np.minimum(p, 1.0)) ** num_tokens
 
 
-def at_risk(heat: np.ndarray, resident: np.ndarray, p: np.ndarray, lfu: bool) -> float:
+def at_risk(heat: np.ndarray, resident: np.ndarray, p: np.ndarray, lfu: bool, added: float = 1.0) -> float:
     """Expected touched residents of one layer that the forward's fills may evict before the layer runs.
 
     Fills take the coldest slot (lfu) or the least recently used (lru). Under lru, and under lfu where the
     residents are no hotter than the misses (uniform routing: admissions hardly move anything), that is any
     resident of a layer not yet run; under lfu with skewed routing the residents are the hot experts and
     the slots filled earlier in the same forward, colder, go first: only residents no hotter than most
-    misses (after the one use the forward adds) are at risk."""
+    misses (after the `added` uses the forward gives them: one in a decode step, a prompt's tokens'
+    weight in a prompt) are at risk."""
     if not lfu or resident.all() or not resident.any():
         return float(p[resident].sum())
-    cutoff = np.quantile(heat[~resident], 0.9) + 1.0
+    cutoff = np.quantile(heat[~resident], 0.9) + added
     return float(p[resident & (heat <= cutoff)].sum())
 
 
@@ -129,24 +132,27 @@ class PrefillStreamer:
         self.tables: dict[int, object] = {}
         self.streamed_forwards = 0
 
-    def begin(self, num_tokens: int, top_k: int) -> None:
+    def begin(self, num_tokens: int, top_k: int, span: int = 1) -> None:
         cache, pool = self.b.cache, self.b.pool
         e = pool.num_experts
         self.active, self.reserved, self._prefetched, self._current = False, [], set(), None
         self.tables = {}
         if cache.num_slots < 2 * e or num_tokens <= 1:
             return
-        self.active = self.mode == "on" or self._predicted_faster(num_tokens, top_k)
+        self.active = self.mode == "on" or self._predicted_faster(num_tokens, top_k, span)
         self.streamed_forwards += self.active
         if self.active:
             # the first layer's copy now, not at its first piece: that one follows the piece's mixer (~9 ms of an
             # 8k prompt on the H200 box) with the copy engine idle; kept locked (reserved) until that piece ran
             self.reserved = self._prefetch(pool.layers[0], after=None)
 
-    def _predicted_faster(self, num_tokens: int, top_k: int) -> bool:
+    def _predicted_faster(self, num_tokens: int, top_k: int, span: int = 1) -> bool:
         cache, pool, est = self.b.cache, self.b.pool, self.b.estimate
         t = cache.table
         unit = t.moment()[1]  # the weight of one use now
+        # the heat this forward adds to a touched miss before the layers after it run (the uses of its tokens)
+        added = max(1.0, float(prompt_use_weights([num_tokens * top_k / pool.num_experts], max(1, span),
+                                                  half_life=t.half_life)[0]))
         missing, cold_hit, warm_hit, risk = [], [], [], []
         for layer in pool.layers:
             row = pool.row[layer]
@@ -155,7 +161,7 @@ class PrefillStreamer:
             missing.append(int((~warm).sum()))
             cold_hit.append(float(p[~warm].sum()))
             warm_hit.append(float(p[warm].sum()))
-            risk.append(at_risk(heat, warm, p, t.policy == "lfu"))
+            risk.append(at_risk(heat, warm, p, t.policy == "lfu", added))
         share = self.b.cpu_share()
         routed = routed_fills(cold_hit, risk, cache.num_slots, share, touched_resident=warm_hit)
         return should_stream(num_tokens=num_tokens, top_k=top_k, num_experts=pool.num_experts, missing=missing,

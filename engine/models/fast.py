@@ -244,7 +244,7 @@ class FastPath:
             tiles.append(prefill_tiles(rows, block, model.device))
         x = F.embedding(tokens, model.embed)
         x, h = add_rms_norm(x, None, model.layers[0].input_norm, eps, zc)
-        with one_expert_pass(model.experts, tokens.shape[0], self.cfg.top_k):
+        with one_expert_pass(model.experts, tokens.shape[0], self.cfg.top_k, max(lengths)):
             for i in range(len(model.layers)):
                 for (a, b), piece_tiles in zip(pieces, tiles):
                     spans = piece_spans(states, offsets, lengths, i, a, b)

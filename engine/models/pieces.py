@@ -40,14 +40,15 @@ def piece_spans(states: list, offsets: list[int], lengths: list[int], index: int
 
 
 @contextmanager
-def one_expert_pass(experts, num_tokens: int, top_k: int):
+def one_expert_pass(experts, num_tokens: int, top_k: int, span: int = 1):
     """Tell an expert cache that one forward of num_tokens tokens runs through its layers now, however many
-    pieces each layer takes (it plans layer streaming for the whole batch); backends without a cache
-    (fused) need no notice."""
+    pieces each layer takes (it plans layer streaming for the whole batch); span: the longest sequence's
+    tokens (how much time the forward stands for, for the cache's heat). Backends without a cache (fused)
+    need no notice."""
     if not is_expert_cache(experts):
         yield
         return
-    experts.begin_forward(num_tokens, top_k, hold=True)
+    experts.begin_forward(num_tokens, top_k, hold=True, span=span)
     try:
         yield
     finally:

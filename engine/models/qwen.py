@@ -121,7 +121,7 @@ class Model:
         x = F.embedding(torch.cat(ids), self.embed)  # [N, H]
         pieces = row_pieces(x.shape[0], self.piece_tokens)
         states = [st for _, st in items]
-        with one_expert_pass(self.experts, x.shape[0], self.config.top_k):
+        with one_expert_pass(self.experts, x.shape[0], self.config.top_k, max(lengths)):
             for index, layer in enumerate(self.layers):
                 for a, b in pieces:  # layer-major: every piece of the batch through this layer, then the next
                     spans = piece_spans(states, offsets, lengths, index, a, b)

@@ -8,6 +8,7 @@ from engine.experts.compute import expert_mlp
 from engine.experts.cpu import CpuBackend
 from engine.experts.host_pool import pool_from_source
 from engine.experts.hybrid import HybridBackend
+from engine.experts.lru import prompt_use_weights
 from engine.experts.offload import OffloadBackend
 from engine.experts.policy import BandwidthEstimate
 from engine.experts.source import ExpertWeights
@@ -304,6 +305,37 @@ def test_the_next_layer_streams_from_the_first_piece_of_this_one(pool):
     assert events == [("copy", 0), ok, ("piece", 0), ready, ("copy", 2), ok, ("piece", 0), ("piece", 2), ready,
                       ("copy", 3), ok, ("piece", 2), ("piece", 3), ready, ("piece", 3)]
     b.close()
+
+
+@pytest.mark.parametrize("stream", ["on", "off"])
+def test_a_prompt_leaves_its_popular_experts_the_hottest(pool, stream):
+    """A prompt's layer call weighs each expert by the tokens routed to it (streamed or not): after a skewed
+    prompt the experts it used most are the hottest, and the decode history before it has faded by its length.
+    Counted one use per distinct expert, a long prompt left every expert it touched equally hot."""
+    b = OffloadBackend(pool, 2 * E, "cpu", stream_prefill=stream, slot_policy="lfu")
+    t = b.cache.table
+    b.begin_forward(1, K)  # a decode token routed to experts 5, 6, 7
+    for layer in L_IDS:
+        x, _, w = routing(1, seed=layer)
+        b.forward(layer, x, torch.tensor([[5, 6, 7]]), w)
+    b.end_forward()
+    T = 200
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.tensor([0, 1, 2]) if i % 4 else torch.randperm(E, generator=g)[:K] for i in range(T)])
+    x, _, w = routing(T, seed=9)
+    b.begin_forward(T, K, hold=True, span=T)
+    for layer in L_IDS:
+        b.forward(layer, x, ids, w)
+    b.end_forward()
+    assert b.streamer is None or b.streamer.streamed_forwards == (stream == "on")
+    for layer in L_IDS:
+        heat = t.heat[pool.row[layer]] / t._inc
+        counts = np.bincount(ids.reshape(-1).numpy(), minlength=E)
+        assert set(np.argsort(-heat)[:3]) == {0, 1, 2}
+        want = prompt_use_weights(counts, T, half_life=t.half_life)
+        # (up to the layer ticks after the call's own; 5-7 also carry the faded decode use)
+        np.testing.assert_allclose(heat[:5], want[:5], rtol=5e-3)
+        assert heat[5] - want[5] < 2.0 ** (-(T - 1) / t.half_life) * 1.01
 
 
 def test_bad_streaming_and_prefetch_options_name_the_fix(pool):

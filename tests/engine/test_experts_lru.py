@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.experts.lru import EMPTY, SlotTable, victims_reference
+from engine.experts.lru import EMPTY, SlotTable, prompt_use_weights, victims_reference
 
 
 @settings(max_examples=200, deadline=None)
@@ -157,3 +157,41 @@ def test_a_use_counted_later_weighs_as_if_counted_when_it_ran():
     later.assign(2, 0, 5)
     later.touch([2], clock=1)
     assert later.stamp[2] == later.clock
+
+
+def test_ticks_at_once_equal_ticks_one_by_one_and_a_long_prompt_does_not_overflow():
+    one, many = (SlotTable(2, 4, 2, policy="lfu", half_life=0.5) for _ in range(2))
+    for t in (one, many):
+        t.note_use(0, [1])
+    for _ in range(700):  # 350 tokens at a half-life of half a token: rescales on the way
+        one.tick()
+    many.tick(700)
+    for t in (one, many):
+        t.note_use(0, [2])
+    assert one.clock == many.clock == 700
+    assert many.heat[0, 2] / many.heat[0, 1] == pytest.approx(one.heat[0, 2] / one.heat[0, 1], rel=1e-6)
+    huge = SlotTable(40, 256, 8, policy="lfu")
+    huge.note_use(3, [7])
+    huge.tokens_passed(10_000_000)  # 2^39062 in one product would be inf
+    huge.note_use(3, [8])
+    assert np.isfinite(huge.heat).all() and huge.heat[3, 8] > 0 and huge._inc < 1e200
+
+
+def test_a_prompts_uses_weigh_each_token_as_a_decoded_one_would():
+    """prompt_use_weights against the sum over the prompt's tokens one by one (token k before the end weighs
+    2^(-k / half-life)), for tokens spread evenly over the call; a single token is one use."""
+    hl, T = 64.0, 300
+    counts = np.array([300, 30, 3, 0])
+    got = prompt_use_weights(counts, T, half_life=hl)
+    per_token = 2.0 ** (-np.arange(T) / hl)  # the prompt's last token first
+    np.testing.assert_allclose(got, counts * per_token.mean(), rtol=1e-12)
+    assert got[0] == pytest.approx(per_token.sum())  # an expert every token routes to: all of them
+    np.testing.assert_array_equal(prompt_use_weights(counts, 1), counts)
+    # a table that saw the prompt through tokens_passed and one tick a layer call ages the older heat alike
+    t = SlotTable(1, 4, 2, policy="lfu", half_life=hl)
+    t.note_use(0, [3])  # a decode use before the prompt
+    t.tokens_passed(T - 1)
+    t.tick()
+    t.note_use(0, [0, 1, 2], weights=got[:3])
+    assert t.heat[0, 3] / t._inc == pytest.approx(2.0 ** (-T / hl), rel=1e-9)
+    assert t.heat[0, 0] / t._inc == pytest.approx(per_token.sum(), rel=1e-9)
