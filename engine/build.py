@@ -34,7 +34,7 @@ class EngineOptions:
     expert_threads: int | None = None  # CPU expert workers (cpu/hybrid); None: see expert_threads()
     slot_policy: str = "lfu"  # which expert slot a fill evicts: lfu (popularity, decayed) or lru
     moe_decode: str = "auto"  # fast-path decode through the expert cache: mapped | host | auto (offload.py)
-    moe_prefetch: str = "off"  # on: a mapped decode copies each layer's likely expert in while its mixer runs
+    moe_prefetch: str = "auto"  # on: a mapped decode copies each layer's likely expert in while its mixer runs
     fast_path: bool = True  # CUDA: Triton kernels, static state slots, decode steps as CUDA graphs
     overlap: bool = True  # CUDA: queue the next decode step from the last one's tokens still on the device
     # (False: each step's tokens read first; the CPU never overlaps, a queued step runs at once there)
@@ -98,11 +98,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "experts in place from the pinned host pool over PCIe; a step is one CUDA graph), host (the "
                         "host copies misses into slots or runs them on the CPU, layer by layer) or auto (mapped, "
                         "but host for --moe-backend cpu; default)")
-    g.add_argument("--moe-prefetch", default="off", choices=["on", "off"],
+    g.add_argument("--moe-prefetch", default="auto", choices=["auto", "on", "off"],
                    help="with a mapped decode: at the end of each layer guess the next layer's likely expert (its "
                         "router on the hidden state so far) and copy part of its gate/up weights to the device "
-                        "while the next layer's attention runs, when the PCIe link would idle (default off: on the "
-                        "H200 the guesses were 86%% right but the decode not faster yet, docs/PERF.md)")
+                        "while the next layer's attention runs, when the PCIe link would idle (default auto: on "
+                        "for a mapped decode on CUDA; H200: 86%% of guesses right, decode 1-2%% faster, "
+                        "docs/PERF.md)")
     g.add_argument("--expert-threads", type=int,
                    help="CPU threads running experts for cpu/hybrid (default: every core on a CPU engine; on "
                         "CUDA half the cores: host DRAM bounds the experts, and the engine thread keeps a core)")
@@ -278,7 +279,7 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     return {"experts": experts_factory(name, device=opts.device, slots=opts.moe_slots, progress=progress,
                                        reserve_bytes=reserve, profile=profile or {},
                                        slot_policy=opts.slot_policy, decode=opts.moe_decode,
-                                       prefetch=opts.moe_prefetch == "on"),
+                                       prefetch=opts.moe_prefetch),
             "expert_device": "cpu"}
 
 

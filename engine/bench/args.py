@@ -98,9 +98,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "that choice)")
     p.add_argument("--slot-policy", default="lfu", choices=["lfu", "lru"],
                    help="which cached expert a fill evicts (default lfu, as serve)")
-    p.add_argument("--moe-prefetch", default="off", choices=["on", "off"],
+    p.add_argument("--moe-prefetch", default="auto", choices=["auto", "on", "off"],
                    help="with a mapped decode: prefetch each layer's likely expert while its attention runs (as "
-                        "serve's --moe-prefetch; default off: not yet faster, docs/PERF.md)")
+                        "serve's --moe-prefetch; default auto: on for a mapped decode on CUDA)")
     p.add_argument("--moe-decode", default="auto", choices=["auto", "mapped", "host"],
                    help="how decode goes through the expert cache (as serve; default auto)")
     p.add_argument("--expert-threads", type=int,

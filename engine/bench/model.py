@@ -216,7 +216,7 @@ def build(args):
                                               torch.device(args.device)))
     where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
                                          slot_policy=args.slot_policy, decode=args.moe_decode,
-                                         prefetch=args.moe_prefetch == "on",
+                                         prefetch=args.moe_prefetch,
                                          stream_prefill=args.prefill_stream),
                  expert_device="cpu") if cached else {}
     if args.model:

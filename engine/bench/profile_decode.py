@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     p.add_argument("--piece-tokens", type=int, default=2048)
     p.add_argument("--moe-decode", choices=("auto", "mapped", "host"), default="auto",
                    help="how decode goes through the expert cache (as serve)")
-    p.add_argument("--moe-prefetch", choices=("on", "off"), default="off",
+    p.add_argument("--moe-prefetch", choices=("auto", "on", "off"), default="auto",
                    help="a mapped decode copies each layer's likely expert in while its mixer runs (as serve)")
     p.add_argument("--trace", help="with --prefill: write the profiled prompt's Chrome trace here (copy and "
                                   "compute streams on one time line: does the stream hide under the compute?)")
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
         from engine.experts.registry import experts_factory
 
         where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
-                                             decode=args.moe_decode, prefetch=args.moe_prefetch == "on"),
+                                             decode=args.moe_decode, prefetch=args.moe_prefetch),
                      expert_device="cpu")
     model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=torch.bfloat16, **where)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)

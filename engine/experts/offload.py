@@ -32,6 +32,9 @@ COALESCE_FILLS = 16
 # how a fast path decodes through the cache: mapped (misses read in place, one graph a step), host (each cache
 # layer's fills and CPU runs decided by the host between graphs), auto (mapped unless the backend is cpu)
 DECODE_MODES = ("auto", "mapped", "host")
+# whether a mapped decode prefetches each layer's likely expert (mapped.py): auto = on CUDA with a mapped decode
+# (H200 box, 8 layers at 37.5% in slots: offload 1.013x and hybrid 1.019x decode b1, Zipf routing even; docs/PERF.md)
+PREFETCH_MODES = ("auto", "on", "off")
 
 
 class OffloadBackend:
@@ -40,7 +43,7 @@ class OffloadBackend:
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str = "cpu", *,
                  estimate: BandwidthEstimate | None = None, stream_prefill: bool | str = True,
                  slot_policy: str = "lru", grouped: bool | None = None, decode: str = "auto",
-                 prefetch: bool = False) -> None:
+                 prefetch: bool | str = False) -> None:
         self.pool, self.device = pool, torch.device(device)
         self.cache = SlotCache(pool, num_slots, self.device, slot_policy)
         self.stats_ = ExpertStats(pool.layers)
@@ -68,11 +71,16 @@ class OffloadBackend:
         if decode not in DECODE_MODES:
             raise ValueError(f"--moe-decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
         self.decode_mode = decode
-        if prefetch and (decode == "host" or (decode == "auto" and self.name == "cpu")):
+        prefetch = {True: "on", False: "off"}.get(prefetch, prefetch)
+        if prefetch not in PREFETCH_MODES:
+            raise ValueError(f"--moe-prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
+        host_decode = decode == "host" or (decode == "auto" and self.name == "cpu")
+        if prefetch == "on" and host_decode:
             raise ValueError("--moe-prefetch on works inside the mapped decode, and this one decodes on the host "
                              f"(--moe-backend {self.name}, --moe-decode {decode}): use --moe-decode mapped or drop "
                              "--moe-prefetch")
-        self.prefetch = prefetch  # a mapped decode copies each layer's likely expert in ahead (mapped.py)
+        # a mapped decode copies each layer's likely expert in ahead (mapped.py); auto where it overlaps PCIe
+        self.prefetch = prefetch == "on" or (prefetch == "auto" and not host_decode and self.device.type == "cuda")
         self.mapped = None  # MappedExperts, made by mapped_decode() for a fast path
 
     # --- policy hooks, overridden by cpu / hybrid

@@ -43,7 +43,7 @@ def create_slot_backend(name: str, pool, num_slots: int, device, **kw):
 def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes: int | None = None,
                     reserve_bytes: int = 0, profile: dict | None = None, estimate=None,
                     stream_prefill: bool | str = True, progress=None, background: bool = False, checkpoint=None,
-                    slot_policy: str = "lfu", decode: str = "auto", prefetch: bool = False):
+                    slot_policy: str = "lfu", decode: str = "auto", prefetch: bool | str = "auto"):
     """`load_model(path, experts=experts_factory(...), expert_device="cpu")`: ExpertWeights -> backend.
 
     device: where the slots live (the model's device). slots: `--moe-slots` (N, "N%" or None = all the
@@ -56,7 +56,7 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
     through the slots, auto (True) | on | off (False) (prefill_stream.py). slot_policy: which slot a fill evicts, lru or lfu
     (engine/experts/lru.py). decode: how a fast path decodes through the cache, auto | mapped | host
     (offload.DECODE_MODES). prefetch: a mapped decode copies each layer's likely expert in while the layer's
-    mixer runs (mapped.py)."""
+    mixer runs (mapped.py), auto (on CUDA with a mapped decode) | on (True) | off (False)."""
 
     def build(source):
         import torch

@@ -347,3 +347,13 @@ def test_bad_streaming_and_prefetch_options_name_the_fix(pool):
     b = HybridBackend(pool, 2 * E, "cpu", decode="auto", prefetch=True)  # mapped by default: accepted
     assert b.prefetch and b.streamer.mode == "auto"
     b.close()
+    with pytest.raises(ValueError, match="--moe-prefetch must be one of auto, on, off"):
+        OffloadBackend(pool, 2 * E, "cpu", prefetch="always")
+    # auto (the default): on where a mapped decode overlaps PCIe (CUDA), never with a host decode, off on a CPU
+    for cls, decode, device in ((OffloadBackend, "auto", "cpu"), (OffloadBackend, "host", "cuda"),
+                                (CpuBackend, "auto", "cuda"), (HybridBackend, "mapped", "cuda")):
+        if device == "cuda" and not torch.cuda.is_available():
+            continue
+        b = cls(pool, 2 * E, device, decode=decode, prefetch="auto")
+        assert b.prefetch == (device == "cuda" and decode != "host" and cls is not CpuBackend)
+        b.close()
