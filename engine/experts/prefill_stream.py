@@ -22,6 +22,13 @@ CPU_BALANCE_TOKENS = 16
 # prior that a few tokens of history cannot outweigh; a decode's hundreds of tokens do)
 PRIOR_USES = 1.0
 STREAM_MODES = ("auto", "on", "off")
+# the share of B_P each path's copies reach (H200 box, 8 layers at the Qwen3.6-35B-A3B widths, 37.5% in slots,
+# docs/PERF.md): a streamed layer is one copy, and an 8k prompt streamed the pool at 0.93-0.96 of it; the routed
+# path copies each layer's experts only once its routing is back on the host, and a 256-token extend's fills
+# moved at 0.81-0.85 of it (1,229-2,041 experts in 174.5-297.6 ms). Priced at B_P alike, the two tied where
+# the routed path moved nearly every expert, and it ran 17% slower than the stream it was chosen over.
+STREAM_EFFICIENCY = 0.95
+ROUTED_EFFICIENCY = 0.83
 
 
 def expected_touched(num_tokens: int, top_k: int, num_experts: int) -> float:
@@ -98,10 +105,10 @@ def should_stream(*, num_tokens: int, top_k: int, num_experts: int, missing: lis
     per_expert_tokens = num_tokens * top_k / num_experts
     cpu_slowdown = max(1.0, per_expert_tokens / CPU_BALANCE_TOKENS)
     # fills and CPU runs proceed concurrently: the slower share sets the time
-    serve = routed * expert_bytes * max((1 - cpu_share) / bp, cpu_share * cpu_slowdown / bh)
+    serve = routed * expert_bytes * max((1 - cpu_share) / (bp * ROUTED_EFFICIENCY), cpu_share * cpu_slowdown / bh)
     # 2 flops per weight element and routed token; a block has expert_bytes / 2 elements at bf16
     compute = layers * num_tokens * top_k * expert_bytes / device_flops
-    stream = layers * num_experts * expert_bytes / bp
+    stream = layers * num_experts * expert_bytes / (bp * STREAM_EFFICIENCY)
     return max(stream, compute) <= serve + compute
 
 

@@ -82,8 +82,11 @@ def test_prefill_choice_by_predicted_bytes():
     # a streamed layer crosses whole: moving only the routed misses wins where they are fewer, even for a
     # long prompt whose copies add to a short compute...
     assert not choose(8192, 160, 40 * 160)
-    # ...but not where the per-expert path moves about as much (its evictions: routed_fills)
+    # ...but not where the per-expert path moves about as much (its evictions: routed_fills), nor where it moves
+    # a little less: its copies wait for each layer's routing and reach less of B_P than one copy a layer
     assert choose(8192, 160, 40 * 256)
+    assert choose(256, 160, 40 * 250)
+    assert not choose(256, 160, 40 * 200)
     # on a slow device the compute hides the whole stream, where the per-expert copies would add to it
     assert choose(8192, 160, 40 * 160, device_flops=1e12)
     # the CPU's share of the misses runs beside the fills (hybrid)
