@@ -49,11 +49,7 @@ else
 fi
 # after the peer has started (its build is most of a first call: 364 s on 13 cores, 2026-12-02); a .so carried
 # from an earlier call of the session (copy it out under $OUT, carry native/<its name>) skips this build
-if ! ls native/_cpu_experts*.so >/dev/null 2>&1; then  # the CPU expert kernels (hybrid and bench bw use them)
-    # in parallel: one file at a time it ran past 90 s on the box (2026-12-01) and hybrid measured torch's path
-    timeout 240 $PY setup.py build_ext --inplace -j "$(nproc)" > "$OUT/build_native.log" 2>&1
-    status build_native $?
-fi
+build_native  # the CPU expert kernels (hybrid and bench bw use them)
 
 timeout $(upto ${TEST_S:-150}) $PY -m pytest -q -p no:cacheprovider tests/engine/test_overlap.py \
     tests/gpu/test_experts_cuda.py \

@@ -22,5 +22,13 @@ fi
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
+# build_native: the CPU expert kernels for this Python, unless they import already. Without them hybrid's CPU share
+# and bench bw run torch's path (the fourteenth session's hybrid rows did: a third of the native CPU rate). In
+# parallel: one file at a time it ran past 90 s on the box (2026-12-01).
+build_native() {
+    $PY -c "from native import _cpu_experts" 2>/dev/null && return 0
+    timeout "$(upto 240)" $PY setup.py build_ext --inplace -j "$(nproc)" > "$OUT/build_native.log" 2>&1
+    status build_native $?
+}
 { date -u; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; nproc; git log -1 --format=%h
   $PY -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"; } > "$OUT/env.log" 2>&1
