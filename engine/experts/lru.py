@@ -40,6 +40,7 @@ class SlotTable:
         self._inc = 1.0
         self._rescales: list[float] = []  # the increment at each rescale (a deferred use's weight, moment())
         self._growth = 2.0 ** (1.0 / (half_life * num_layers))  # a tick is one layer step: L ticks a token
+        self._most_ticks = max(1, int(300 * half_life * num_layers))  # ticks whose growth stays under 2^300
         self.clock = 0
         self._alloc(num_slots)
 
@@ -60,18 +61,16 @@ class SlotTable:
     def tick(self, n: int = 1) -> int:
         """n layer steps pass (a prompt of T tokens: T per layer, tokens_passed)."""
         self.clock += n
-        doublings = n * np.log2(self._growth)
-        while True:  # in steps of 2^300 at most: a long prompt's growth in one product would overflow
-            step = min(doublings, 300.0)  # (the increment stays under 1e200 between steps)
-            self._inc *= 2.0 ** step
+        while n > 0:  # a long prompt's growth in one product would overflow: at most 2^300 a step (the
+            step = min(n, self._most_ticks)  # increment stays under 1e200 between steps)
+            self._inc *= self._growth if step == 1 else self._growth ** step
             if self._inc > _RESCALE:
                 self.heat /= self._inc
                 self.slot_heat /= self._inc
                 self._rescales.append(self._inc)
                 self._inc = 1.0
-            doublings -= step
-            if doublings <= 0:
-                return self.clock
+            n -= step
+        return self.clock
 
     def tokens_passed(self, tokens: int) -> None:
         """A forward's tokens before its last one passed at once (the layer calls that follow tick once each):
@@ -183,20 +182,19 @@ class SlotTable:
             self.resident[o // self.num_experts, o % self.num_experts] = new
 
 
-def prompt_use_weights(counts, tokens: int, after: int = 0, half_life: float = HALF_LIFE) -> np.ndarray:
-    """Uses per expert of one layer call over `tokens` tokens of a prompt, in decode tokens' units: counts [n]
-    tokens routed to each expert, spread over the call; `after` tokens of the same prompt follow the call's
-    (a layer-major prompt's earlier pieces). A token k tokens before the prompt's end weighs 2^(-k /
-    half_life), as it would have in a decode, so a call's weights are counts x the mean weight of its tokens:
-    one token is one use; an 8k prompt's routing outweighs older decode history, its last few hundred tokens
-    counting most. Counting a prompt's layer call as one use per distinct expert instead left the heat flat
-    after a long prompt, and the popular experts had to earn their slots back token by token."""
+def prompt_use_weights(counts, tokens: int, half_life: float = HALF_LIFE) -> np.ndarray:
+    """Uses per expert of a prompt's layer call, in decode tokens' units: counts [n] tokens routed to each
+    expert, spread evenly over a prompt of `tokens` tokens (every piece of a layer-major prompt weighs by the
+    whole prompt). A token k tokens before the prompt's end weighs 2^(-k / half_life), as it would have in a
+    decode, so the weights are counts x the mean weight of the prompt's tokens: one token is one use; an 8k
+    prompt's routing outweighs older decode history. Counting a prompt's layer call as one use per distinct
+    expert instead left the heat flat after a long prompt, and the popular experts had to earn their slots
+    back token by token."""
     counts = np.asarray(counts, dtype=np.float64)
-    if tokens <= 1 and after == 0:
+    if tokens <= 1:
         return counts
     r = 2.0 ** (-1.0 / half_life)
-    mean = r ** after * (1.0 - r ** tokens) / (1.0 - r) / tokens
-    return counts * mean
+    return counts * ((1.0 - r ** tokens) / (1.0 - r) / tokens)
 
 
 def victims_reference(stamp, locked, k: int, heat=None) -> list[int]:

@@ -158,8 +158,7 @@ class PrefillStreamer:
         t = cache.table
         unit = t.moment()[1]  # the weight of one use now
         # the heat this forward adds to a touched miss before the layers after it run (the uses of its tokens)
-        added = max(1.0, float(prompt_use_weights([num_tokens * top_k / pool.num_experts], max(1, span),
-                                                  half_life=t.half_life)[0]))
+        added = max(1.0, float(prompt_use_weights(num_tokens * top_k / pool.num_experts, span, t.half_life)))
         missing, cold_hit, warm_hit, risk = [], [], [], []
         for layer in pool.layers:
             row = pool.row[layer]
