@@ -111,13 +111,23 @@ class SlotTable:
     def unlock_all(self) -> None:
         self.locked[:] = False
 
-    def victims(self, k: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    def victims(self, k: int, lo: int = 0, hi: int | None = None, protect: np.ndarray | None = None) -> np.ndarray:
         """The k unlocked slots in [lo, hi) the policy evicts first, in that order, in one pass: lru the
         least recently used; lfu the coldest (free slots first, then by heat, recency breaking ties).
+        protect [S] (bool): slots taken only once every other unlocked one is (a prompt's residents that a
+        layer still to run will read, OffloadBackend.forward), in the same order among themselves.
 
         Returns fewer than k when fewer are unlocked. Ties break towards the lower slot id."""
         hi = self.num_slots if hi is None else hi
         cand = np.flatnonzero(~self.locked[lo:hi])
+        if protect is None:
+            return self._first(cand, k, lo, hi)
+        kept = protect[lo:hi][cand]
+        out = self._first(cand[~kept], k, lo, hi)
+        return np.concatenate([out, self._first(cand[kept], k - len(out), lo, hi)]) if len(out) < k else out
+
+    def _first(self, cand: np.ndarray, k: int, lo: int, hi: int) -> np.ndarray:
+        """The k of cand (slot ids less lo) the policy evicts first, in order, as slot ids."""
         k = min(k, len(cand))
         if k <= 0:
             return np.empty(0, dtype=np.int64)
@@ -197,9 +207,9 @@ def prompt_use_weights(counts, tokens: int, half_life: float = HALF_LIFE) -> np.
     return counts * ((1.0 - r ** tokens) / (1.0 - r) / tokens)
 
 
-def victims_reference(stamp, locked, k: int, heat=None) -> list[int]:
+def victims_reference(stamp, locked, k: int, heat=None, protect=None) -> list[int]:
     """Slow reference for `SlotTable.victims`: k scans, each taking the unlocked slot left with the lowest
-    (heat, stamp) — stamp alone for lru (heat None)."""
+    (protected, heat, stamp) — stamp alone for lru (heat None); protected slots last."""
     taken: list[int] = []
     for _ in range(k):
         best = None
@@ -207,6 +217,7 @@ def victims_reference(stamp, locked, k: int, heat=None) -> list[int]:
             if locked[s] or s in taken:
                 continue
             key = (stamp[s],) if heat is None else (heat[s], stamp[s])
+            key = (bool(protect[s]) if protect is not None else False,) + key
             if best is None or key < best_key:
                 best, best_key = s, key
         if best is None:

@@ -2,9 +2,10 @@
 
 A long extend routes to nearly every expert of every layer, so each MoE layer's experts are copied in
 full while the previous layer computes: the copy stream loads layer l+1 into the least recently used
-slots while layer l (locked) runs. With a full cache those LRU slots are exactly the buffer layer l-1
-used, so two layer-sized buffers of the slot pool alternate (it needs 2E slots); with free slots the
-streamed layers simply stay resident, and decode after a long prompt starts with a warm cache.
+slots while layer l (locked) runs. Two layer-sized windows of the slot pool alternate (it needs 2E slots);
+with room for W >= 3 windows the first W - 2 layers keep one each, so a prompt leaves the first layers
+resident: the next prompt reads them in place, and a routed extend fills each later layer into the slots of
+a layer it already ran (OffloadBackend.protected) instead of evicting layers still to run.
 A short extend (a tool result) touches few experts; the ordinary per-expert path (fill or CPU-run) then
 moves far fewer bytes. The choice compares predicted bytes / bandwidth of the two, not a token threshold;
 which experts a prompt will touch comes from the slot table's heat (recent routing), not from uniform routing.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.experts.lru import prompt_use_weights
 
 # a CPU expert kernel reads each weight once per call; above this many tokens per expert it turns
 # compute-bound and its time grows with the tokens (roughly: machine flops / DRAM bandwidth, bf16)
@@ -22,6 +22,11 @@ CPU_BALANCE_TOKENS = 16
 # prior that a few tokens of history cannot outweigh; a decode's hundreds of tokens do)
 PRIOR_USES = 1.0
 STREAM_MODES = ("auto", "on", "off")
+# a prompt forward's fills leave alone the residents of layers still to run that its tokens will route to with at
+# least this probability (prefill_stream.touched), while other slots remain: an early layer's fills took the
+# coldest slots anywhere, often a later layer's residents, which that layer then filled again (a 256-token extend
+# after a streamed 8k prompt hit 0.02-0.10 of its experts, H200 box, docs/PERF.md fourteenth session)
+LIKELY_READ = 0.5
 # the share of B_P each path's copies reach (H200 box, 8 layers at the Qwen3.6-35B-A3B widths, 37.5% in slots,
 # docs/PERF.md): a streamed layer is one copy, and an 8k prompt streamed the pool at 0.93-0.96 of it; the routed
 # path copies each layer's experts only once its routing is back on the host, and a 256-token extend's fills
@@ -37,18 +42,19 @@ def expected_touched(num_tokens: int, top_k: int, num_experts: int) -> float:
 
 
 def touched(heat: np.ndarray, num_tokens: int, top_k: int, prior: float = PRIOR_USES) -> np.ndarray:
-    """[E]: the probability that T tokens route to each expert of one layer at least once.
+    """[..., E]: the probability that T tokens route to each expert of one layer (a row of heat) at least once.
 
-    heat [E]: the layer's recent uses (the slot table's heat in units of one use now). A token picks top_k
+    heat [..., E]: the layer's recent uses (the slot table's heat in units of one use now). A token picks top_k
     distinct experts, expert e with probability proportional to w_e = heat_e + prior and at most 1 (the mass
     above 1 goes to the others: the probabilities sum to top_k). With no history that is uniform routing
     (expected_touched); under skew the cold experts, the ones usually missing, are touched less often than
     uniform routing would say."""
     w = np.asarray(heat, dtype=np.float64) + prior
+    free = np.ones(w.shape, dtype=bool)
     p = np.zeros_like(w)
-    free = np.ones(len(w), dtype=bool)
-    for _ in range(top_k + 1):  # each pass caps at least one more expert at 1, or settles
-        share = (top_k - (~free).sum()) * w * free / w[free].sum()
+    for _ in range(top_k + 1):  # each pass caps at least one more expert of a row at 1, or settles
+        left = top_k - (~free).sum(-1, keepdims=True)
+        share = left * w * free / (w * free).sum(-1, keepdims=True)
         over = share > 1
         p = np.where(free, share, 1.0)
         if not over.any():
@@ -57,58 +63,47 @@ def touched(heat: np.ndarray, num_tokens: int, top_k: int, prior: float = PRIOR_
     return 1.0 - (1.0 - np.minimum(p, 1.0)) ** num_tokens
 
 
-def at_risk(heat: np.ndarray, resident: np.ndarray, p: np.ndarray, lfu: bool, added: float = 1.0) -> float:
-    """Expected touched residents of one layer that the forward's fills may evict before the layer runs.
+def routed_fills(touched_missing: list[float], likely_resident: list[float], num_slots: int,
+                 cpu_share: float = 0.0) -> float:
+    """Experts the per-expert path copies (or, the cpu_share of the misses, runs on the CPU) in one prompt
+    forward: the touched misses, and the residents those fills evict before their own layer runs.
 
-    Fills take the coldest slot (lfu) or the least recently used (lru). Under lru, and under lfu where the
-    residents are no hotter than the misses (uniform routing: admissions hardly move anything), that is any
-    resident of a layer not yet run; under lfu with skewed routing the residents are the hot experts and
-    the slots filled earlier in the same forward, colder, go first: only residents no hotter than most
-    misses (after the `added` uses the forward gives them: one in a decode step, a prompt's tokens'
-    weight in a prompt) are at risk."""
-    if not lfu or resident.all() or not resident.any():
-        return float(p[resident].sum())
-    cutoff = np.quantile(heat[~resident], 0.9) + added
-    return float(p[resident & (heat <= cutoff)].sum())
-
-
-def routed_fills(touched_missing: list[float], at_risk_resident: list[float], num_slots: int,
-                 cpu_share: float = 0.0, touched_resident: list[float] | None = None) -> float:
-    """Experts the per-expert path copies (or, the cpu_share of the misses, runs on the CPU) in one forward:
-    the touched misses, and the touched residents those fills evict before their own layer runs.
-
-    Layers run in order and each fill takes the coldest or least recently used unlocked slot. Once a forward
-    needs more experts than there are slots, every slot taken beyond them is a resident lost: one of a layer
-    not yet run where it is at risk (at_risk; an 8k prompt under uniform routing with 37.5% in slots moved
-    0.90 of the pool this way, H200 box, docs/PERF.md thirteenth session), and at least the first layer's
-    fills (nothing colder sits in the slots yet). touched_resident: all touched residents (default:
-    at_risk_resident), which `need` counts."""
-    touched_resident = at_risk_resident if touched_resident is None else touched_resident
-    need = (1 - cpu_share) * sum(touched_missing) + sum(touched_resident)  # CPU runs take no slot
-    lost = max(sum(at_risk_resident), (1 - cpu_share) * touched_missing[0])
-    return sum(touched_missing) + min(max(0.0, need - num_slots), lost, sum(touched_resident))
+    Layers run in order (the lists' order). likely_resident[l]: residents of layer l the prompt will likely
+    read; a fill takes one of them only when every other unlocked slot is taken (OffloadBackend.protected),
+    and after a layer has run its slots are free to take. So residents are lost only where one layer's fills
+    outnumber the slots that are not protected: the first layer's, after a streamed prompt that left the
+    slots full of layers still to run. CPU runs take no slot."""
+    lost = 0.0
+    for i, m in enumerate(touched_missing):
+        later = max(0.0, sum(likely_resident[i + 1:]) - lost)
+        spare = num_slots - later - likely_resident[i]  # unprotected, and not this layer's hits
+        lost += min(max(0.0, (1 - cpu_share) * m - spare), later)
+    return sum(touched_missing) + lost
 
 
 def should_stream(*, num_tokens: int, top_k: int, num_experts: int, missing: list[int], routed: float,
-                  expert_bytes: int, bp: float, bh: float, cpu_share: float, device_flops: float) -> bool:
+                  expert_bytes: int, bp: float, bh: float, cpu_share: float, device_flops: float,
+                  streamed: float | None = None) -> bool:
     """True when streaming every layer whole beats serving only the routed experts.
 
     missing = non-resident experts per MoE layer; routed = experts the per-expert path would move or run
     on the CPU (routed_fills); cpu_share = fraction of them the backend runs on the CPU (0 offload, 1 cpu,
-    else the hybrid split). Streaming copies every layer whole (one copy a layer: the resident experts
-    cross PCIe again), but queues them all at once so copies hide behind compute. The per-expert path
-    copies only what it routes to, each layer's once its routing is back on the host, so its copies add to
-    the compute."""
+    else the hybrid split); streamed = experts the stream copies (default every layer whole: the layers kept
+    in place in their windows copy only what is missing there, SlotCache.stream_copies). Streaming copies
+    every layer whole (one copy a layer: the resident experts cross PCIe again), but queues them all at once
+    so copies hide behind compute. The per-expert path copies only what it routes to, each layer's once its
+    routing is back on the host, so its copies add to the compute."""
     if sum(missing) == 0:
         return False
     layers = len(missing)
+    streamed = layers * num_experts if streamed is None else streamed
     per_expert_tokens = num_tokens * top_k / num_experts
     cpu_slowdown = max(1.0, per_expert_tokens / CPU_BALANCE_TOKENS)
     # fills and CPU runs proceed concurrently: the slower share sets the time
     serve = routed * expert_bytes * max((1 - cpu_share) / (bp * ROUTED_EFFICIENCY), cpu_share * cpu_slowdown / bh)
     # 2 flops per weight element and routed token; a block has expert_bytes / 2 elements at bf16
     compute = layers * num_tokens * top_k * expert_bytes / device_flops
-    stream = layers * num_experts * expert_bytes / (bp * STREAM_EFFICIENCY)
+    stream = streamed * expert_bytes / (bp * STREAM_EFFICIENCY)
     return max(stream, compute) <= serve + compute
 
 
@@ -155,24 +150,22 @@ class PrefillStreamer:
 
     def _predicted_faster(self, num_tokens: int, top_k: int, span: int = 1) -> bool:
         cache, pool, est = self.b.cache, self.b.pool, self.b.estimate
-        t = cache.table
-        unit = t.moment()[1]  # the weight of one use now
-        # the heat this forward adds to a touched miss before the layers after it run (the uses of its tokens)
-        added = max(1.0, float(prompt_use_weights(num_tokens * top_k / pool.num_experts, span, t.half_life)))
-        missing, cold_hit, warm_hit, risk = [], [], [], []
-        for layer in pool.layers:
-            row = pool.row[layer]
-            warm, heat = t.resident[row] >= 0, t.heat[row] / unit
-            p = touched(heat, num_tokens, top_k)
+        t, w = cache.table, cache.windows()
+        p = touched(t.heat[[pool.row[layer] for layer in pool.layers]] / t.moment()[1], num_tokens, top_k)  # [L, E]
+        missing, cold_hit, likely, streamed = [], [], [], 0
+        for i, layer in enumerate(pool.layers):
+            warm = t.resident[pool.row[layer]] >= 0
             missing.append(int((~warm).sum()))
-            cold_hit.append(float(p[~warm].sum()))
-            warm_hit.append(float(p[warm].sum()))
-            risk.append(at_risk(heat, warm, p, t.policy == "lfu", added))
+            cold_hit.append(float(p[i][~warm].sum()))
+            likely.append(float((warm & (p[i] >= LIKELY_READ)).sum()))
+            # the first w - 2 layers stream into windows kept from the forward before (window_for)
+            kept = w >= 3 and pool.row[layer] < w - 2
+            streamed += cache.stream_copies(layer, w - 1 - pool.row[layer]) if kept else pool.num_experts
         share = self.b.cpu_share()
-        routed = routed_fills(cold_hit, risk, cache.num_slots, share, touched_resident=warm_hit)
+        routed = routed_fills(cold_hit, likely, cache.num_slots, share)
         return should_stream(num_tokens=num_tokens, top_k=top_k, num_experts=pool.num_experts, missing=missing,
                              routed=routed, expert_bytes=pool.expert_bytes, bp=est.bp, bh=est.bh, cpu_share=share,
-                             device_flops=self.b.device_flops)
+                             device_flops=self.b.device_flops, streamed=streamed)
 
     def before_layer(self, layer: int) -> None:
         """Make `layer` fully resident (its copy normally issued when the layer before it started) and issue
@@ -190,12 +183,20 @@ class PrefillStreamer:
         self.reserved = self._prefetch(layers[i + 1], after=cache.mark()) if i + 1 < len(layers) else []
 
     def window_for(self, layer: int) -> int | None:
-        """The window `layer` streams into: one without a locked slot (the running layer's, this layer's
-        reserved ones), holding the fewest experts of other layers, then the one used least recently.
-        None when every window has a locked slot."""
+        """The window `layer` streams into. With W >= 3 windows the first W - 2 layers of the forward keep one
+        each (layer i window W - 1 - i) and the rest alternate in windows 0 and 1, so a streamed prompt leaves
+        the first layers wholly resident: the next prompt reads them where they are (no copy), and a routed
+        extend after it fills each later layer into slots of a layer it already ran, where one that left the
+        last layers resident had the first layers' fills evict layers still to run (OffloadBackend.protected).
+        Among the candidates: one without a locked slot (the running layer's, this layer's reserved ones),
+        holding the fewest experts of other layers, then the one used least recently. None when every
+        window has a locked slot."""
         t, e = self.b.cache.table, self.b.pool.num_experts
-        row, best, pick = self.b.pool.row[layer], None, None
-        for k in range(self.b.cache.windows()):
+        row, w = self.b.pool.row[layer], self.b.cache.windows()
+        if w >= 3 and row < w - 2 and not t.locked[(w - 1 - row) * e: (w - row) * e].any():
+            return w - 1 - row
+        best, pick = None, None
+        for k in range(2 if w >= 3 else w):
             span = slice(k * e, (k + 1) * e)
             if t.locked[span].any():
                 continue
@@ -219,9 +220,9 @@ class PrefillStreamer:
             if (where >= 0).all():  # else the layer's missing experts run as misses (no device lookup table)
                 self.tables[layer] = cache.lookup_table(where)
         else:
-            where, copied, self.tables[layer] = cache.stream_layer(layer, window, after=after)
+            where, copied, self.tables[layer], nbytes = cache.stream_layer(layer, window, after=after)
             cache.table.lock(where)
             st.fills += copied
-            st.bytes_moved += e * self.b.pool.expert_bytes  # the whole layer crosses PCIe
+            st.bytes_moved += nbytes  # the whole layer crosses PCIe, unless its window kept it
         self._prefetched.add(layer)
         return where[where >= 0].tolist()

@@ -46,6 +46,11 @@ def copy_runs(experts: list[int], slots: list[int]) -> list[tuple[int, int, int]
     return runs
 
 
+# a layer mostly in place in its streaming window copies the experts missing there in at most this many copies
+# (runs of consecutive slots); more, and it copies the whole layer in one (stream_layer)
+PARTIAL_RUNS = 8
+
+
 class SlotCache:
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str, policy: str = "lru") -> None:
         self.pool, self.device = pool, torch.device(device)
@@ -87,15 +92,16 @@ class SlotCache:
         return self.table.lookup(self.pool.row[layer], experts)
 
     def admit(self, layer: int, experts: list[int], lo: int = 0, hi: int | None = None, *,
-              with_cpu: bool = False, coalesce: bool = False, after=None) -> list[int]:
+              with_cpu: bool = False, coalesce: bool = False, after=None, protect=None) -> list[int]:
         """Copy as many of `experts` (of `layer`) as unlocked slots in [lo, hi) allow; lock and return
         their slots (a prefix of `experts`). On CUDA the copies run on the copy stream; call `ready()`.
         with_cpu: CPU expert runs go on alongside these copies (reported back by `take_fill_timing`).
         coalesce: pair experts and victims in sorted order (pair_sorted) so runs of both copy at once — for a
         layer streamed whole; otherwise the first victim goes to the first expert (fills come hottest first,
         and under lru that decides which of them a tie evicts next). after: a CUDA event after the last work
-        that read any victim (default: everything queued on the compute stream so far)."""
-        victims = self.table.victims(len(experts), lo, hi)
+        that read any victim (default: everything queued on the compute stream so far). protect: slots taken
+        last (SlotTable.victims)."""
+        victims = self.table.victims(len(experts), lo, hi, protect)
         if not len(victims):
             return []
         experts = list(experts[: len(victims)])
@@ -119,7 +125,7 @@ class SlotCache:
         """How many whole layers fit side by side: window k is slots [k E, (k + 1) E), expert e at k E + e."""
         return self.num_slots // self.pool.num_experts
 
-    def stream_layer(self, layer: int, window: int, *, after=None) -> tuple[np.ndarray, int, torch.Tensor]:
+    def stream_layer(self, layer: int, window: int, *, after=None) -> tuple[np.ndarray, int, torch.Tensor, int]:
         """Make every expert of `layer` resident for a streamed prefill with ONE copy: the whole layer of the
         host pool into window `window` (expert e to slot window * E + e). Whatever the window held is evicted;
         the layer's experts resident in another window move into this one (so the layer then reads one window
@@ -127,21 +133,40 @@ class SlotCache:
         window stay where they are, and their copies in the window are left unowned. One copy call a layer
         where coalesced victims took ~200 (scattered slots), whose issue blocked the host at PCIe pace once
         the copy queue was deep: it moves the whole layer, 1/(1 - resident share) times the bytes of the misses
-        alone. -> (the layer's slot per expert [E], experts copied into the window, the same slots as a device
-        lookup table [E + 1] int32 whose entry E is -1, uploaded ahead of the layer's copy: lookup_table)."""
+        alone. A window that holds the layer in place already (kept from the forward before,
+        PrefillStreamer.window_for) copies only the experts not in place, in at most PARTIAL_RUNS copies
+        (else the whole layer), or nothing. -> (the layer's slot per expert [E], experts made resident, the same
+        slots as a device lookup table [E + 1] int32 whose entry E is -1, uploaded ahead of the layer's copy:
+        lookup_table, the bytes copied)."""
         e_count, row, t = self.pool.num_experts, self.pool.row[layer], self.table
         base = window * e_count
         if not 0 <= window < self.windows() or t.locked[base: base + e_count].any():
             raise ValueError(f"window {window} of the expert slots is out of range or still in use")
-        stay = t.resident[row] >= self.windows() * e_count
-        t.release(range(base, base + e_count))
-        moved = np.flatnonzero(~stay)
-        for e in moved.tolist():
+        stay, todo, whole = self._stream_plan(layer, window)
+        copy = np.arange(e_count) if whole else todo
+        t.release(np.arange(base, base + e_count) if whole else base + todo)  # every slot the copy writes
+        for e in np.flatnonzero(~stay).tolist() if whole else todo.tolist():
             t.assign(base + e, row, e)
         slots = t.resident[row].copy()
         table = self.lookup_table(slots)
-        self._copy(layer, range(e_count), range(base, base + e_count), False, after)
-        return slots, len(moved), table
+        if len(copy):
+            self._copy(layer, copy.tolist(), (base + copy).tolist(), False, after)
+        return slots, len(todo), table, len(copy) * self.pool.expert_bytes
+
+    def _stream_plan(self, layer: int, window: int) -> tuple[np.ndarray, np.ndarray, bool]:
+        """stream_layer's plan: (the layer's experts that stay past the windows [E] bool, the experts to make
+        resident in the window, whether the whole layer is copied)."""
+        e_count, row, t = self.pool.num_experts, self.pool.row[layer], self.table
+        base = window * e_count
+        stay = t.resident[row] >= self.windows() * e_count
+        placed = t.owner[base: base + e_count] == row * e_count + np.arange(e_count)
+        todo = np.flatnonzero(~placed & ~stay)
+        return stay, todo, len(copy_runs(todo.tolist(), (base + todo).tolist())) > PARTIAL_RUNS
+
+    def stream_copies(self, layer: int, window: int) -> int:
+        """Experts stream_layer(layer, window) would copy now."""
+        _, todo, whole = self._stream_plan(layer, window)
+        return self.pool.num_experts if whole else len(todo)
 
     def lookup_table(self, slots: np.ndarray) -> torch.Tensor:
         """slots [E] (a layer's slot per expert, -1 for none) as an int32 device table [E + 1] whose entry E

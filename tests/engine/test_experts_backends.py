@@ -11,6 +11,7 @@ from engine.experts.hybrid import HybridBackend
 from engine.experts.lru import prompt_use_weights
 from engine.experts.offload import OffloadBackend
 from engine.experts.policy import BandwidthEstimate
+from engine.experts.prefill_stream import routed_fills
 from engine.experts.source import ExpertWeights
 
 L_IDS, E, H, I, K = [0, 2, 3], 8, 16, 12, 3  # MoE layers 0, 2, 3 (layer 1 dense)
@@ -357,3 +358,73 @@ def test_bad_streaming_and_prefetch_options_name_the_fix(pool):
         b = cls(pool, 2 * E, device, decode=decode, prefetch="auto")
         assert b.prefetch == (device == "cuda" and decode != "host" and cls is not CpuBackend)
         b.close()
+
+
+def _deep_pool(layers=6, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    src = ExpertWeights({l: torch.randn(E, 2 * I, H, generator=g) * 0.3 for l in range(layers)},
+                        {l: torch.randn(E, H, I, generator=g) * 0.3 for l in range(layers)})
+    return src, pool_from_source(src)
+
+
+def _prompt(b, layers, T, seed):
+    x, ids, w = routing(T, seed)
+    b.begin_forward(T, K, hold=True, span=T)
+    for layer in layers:
+        b.forward(layer, x, ids, w)
+    b.end_forward()
+
+
+def test_a_streamed_prompt_keeps_its_first_layers_in_place_for_the_next():
+    """With room for W >= 3 layers, the first W - 2 layers of a streamed prompt keep their windows: the next
+    streamed prompt copies every layer but those, and its output is the reference's."""
+    src, deep = _deep_pool()
+    layers = list(range(6))
+    b = OffloadBackend(deep, 3 * E, "cpu", stream_prefill="on", slot_policy="lfu")
+    _prompt(b, layers, 40, seed=1)
+    assert b.cache.lookup(0, range(E)).tolist() == list(range(2 * E, 3 * E))  # layer 0 in window 2
+    before = b.stats()["total"]["bytes_moved"]
+    x, ids, w = routing(40, seed=2)
+    b.begin_forward(40, K, hold=True, span=40)
+    for layer in layers:
+        y = b.forward(layer, x, ids, w)
+        torch.testing.assert_close(y, reference(src, layer, x, ids, w), rtol=1e-5, atol=1e-5)
+    b.end_forward()
+    assert b.stats()["total"]["bytes_moved"] - before == 5 * E * deep.expert_bytes
+    check_table(b)
+    b.close()
+
+
+@pytest.mark.parametrize("layout", ["first and last two", "last three"])
+@pytest.mark.parametrize("likely", [0.5, 2.0])
+def test_a_routed_prompt_fills_into_the_slots_of_layers_it_has_run(layout, likely, monkeypatch):
+    """A routed prompt's fills leave the residents of layers still to run alone while any other slot is left
+    (OffloadBackend.protected): after a streamed prompt that kept the first layer and the last two, a prompt
+    touching every expert fills only the three layers between; with the last three kept, the first layer's
+    fills must take a later layer's residents. routed_fills predicts both; without the protection (likely
+    never reached) the first layer's fills took residents either way. Outputs equal the reference's."""
+    monkeypatch.setattr(offload, "LIKELY_READ", likely)
+    src, deep = _deep_pool()
+    layers = list(range(6))
+    b = OffloadBackend(deep, 3 * E, "cpu", stream_prefill="off", slot_policy="lfu")
+    kept = [0, 4, 5] if layout == "first and last two" else [3, 4, 5]
+    for layer in kept:
+        b.cache.admit(layer, list(range(E)))
+        b.cache.table.unlock_all()
+    before = b.stats()["total"]
+    x, ids, w = routing(40, seed=3)
+    assert len(set(ids.reshape(-1).tolist())) == E  # every expert touched (the same routing in every layer)
+    b.begin_forward(40, K, hold=True, span=40)
+    for layer in layers:
+        torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                   rtol=1e-5, atol=1e-5)
+    b.end_forward()
+    fills = b.stats()["total"]["fills"] - before["fills"]
+    missing = [0 if layer in kept else E for layer in layers]
+    model = routed_fills(missing, [E - m for m in missing], 3 * E)
+    if likely <= 1:
+        assert fills == model == (3 * E if layout == "first and last two" else 4 * E)
+    else:
+        assert fills > model
+    check_table(b)
+    b.close()

@@ -34,6 +34,25 @@ def test_lfu_victims_equal_reference(slots, k):
     assert t.victims(k).tolist() == want
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-1, 6), st.integers(0, 3), st.booleans(), st.booleans()), min_size=1,
+                max_size=40), st.integers(0, 45), st.sampled_from(["lru", "lfu"]), st.integers(0, 3))
+def test_protected_victims_equal_reference(slots, k, policy, lo):
+    """Protected slots go only after every other unlocked one, in the policy's order among themselves (a range
+    [lo, hi) too)."""
+    t = SlotTable(2, 4, len(slots), policy=policy)
+    t.slot_heat[:] = [-np.inf if h < 0 else float(h) for h, _, _, _ in slots]
+    t.stamp[:] = [s for _, s, _, _ in slots]
+    t.locked[:] = [lk for _, _, lk, _ in slots]
+    protect = np.array([p for _, _, _, p in slots])
+    lo = min(lo, len(slots) - 1)
+    heat = t.slot_heat[lo:].tolist() if policy == "lfu" else None
+    want = victims_reference(t.stamp[lo:].tolist(), t.locked[lo:].tolist(), k, heat=heat, protect=protect[lo:])
+    assert t.victims(k, lo=lo, protect=protect).tolist() == [w + lo for w in want]
+    if not protect.any():
+        assert t.victims(k, lo=lo, protect=protect).tolist() == t.victims(k, lo=lo).tolist()
+
+
 def test_lfu_heat_halves_every_half_life_and_survives_rescaling():
     t = SlotTable(2, 4, 2, policy="lfu", half_life=3)
     t.tick()

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.experts.policy import BandwidthEstimate, choose_backend, q_balanced, q_star, slots_from_spec
-from engine.experts.prefill_stream import at_risk, expected_touched, routed_fills, should_stream, touched
+from engine.experts.prefill_stream import expected_touched, routed_fills, should_stream, touched
 from engine.experts.registry import resolve
 
 
@@ -96,29 +96,19 @@ def test_prefill_choice_by_predicted_bytes():
 
 
 def test_routed_fills_count_the_residents_the_fills_evict():
-    # every expert of 8 layers touched, 3 layers' worth of slots, every resident at risk: the fills evict
-    # residents of later layers
-    assert routed_fills([160] * 8, [96] * 8, 768) == 8 * 256
+    # every expert of 8 layers touched, 3 layers' worth of slots holding the last three layers (a streamed prompt
+    # before): the first layer's fills find no slot that is not protected and evict a later layer's residents;
+    # every layer after fills into the slots of the one before
+    assert routed_fills([256] * 5 + [0] * 3, [0] * 5 + [256] * 3, 768) == 5 * 256 + 256
+    # the same slots holding the first layer and the last two: nothing lost
+    assert routed_fills([0] + [256] * 5 + [0] * 2, [256] + [0] * 5 + [256] * 2, 768) == 5 * 256
     # the touched experts fit the slots: only the misses move
     assert routed_fills([10] * 8, [40] * 8, 768) == 80
-    # partly: the excess costs residents
-    assert routed_fills([100] * 8, [40] * 8, 1000) == 800 + 120
+    # free or unlikely slots take the first layer's fills first; what they lack costs residents
+    assert routed_fills([100] * 8, [40] * 8, 400) == 800 + (100 - (400 - 7 * 40 - 40))
     # misses the CPU runs take no slot
-    assert routed_fills([160] * 8, [96] * 8, 768, cpu_share=1.0) == 8 * 160
-    # hot residents (none at risk): the first layer's fills still take residents, later ones the earlier fills
-    assert routed_fills([135] * 8, [0] * 8, 768, touched_resident=[96] * 8) == 8 * 135 + 135
-
-
-def test_residents_at_risk_by_heat():
-    e = 256
-    warm = np.arange(e) < 96
-    p = np.full(e, 0.5)
-    flat = np.random.default_rng(0).poisson(11, e).astype(float)  # uniform routing: residents as hot as misses
-    assert at_risk(flat, warm, p, lfu=True) > 0.8 * 48
-    # Zipf 1.0 over a half-life's decode (~2,950 uses of a layer's experts): the residents are the hottest
-    skew = 2950 / (np.log(e) + 0.577) / np.arange(1, e + 1)
-    assert at_risk(skew, warm, p, lfu=True) < 0.1 * 48
-    assert at_risk(skew, warm, p, lfu=False) == 48  # lru: recency, not heat, picks the victim
+    assert routed_fills([256] * 5 + [0] * 3, [0] * 5 + [256] * 3, 768, cpu_share=1.0) == 5 * 256
+    assert routed_fills([256] * 5 + [0] * 3, [0] * 5 + [256] * 3, 768, cpu_share=0.5) == 5 * 256 + 128
 
 
 def test_touched_experts_from_the_slot_tables_heat():
@@ -136,3 +126,6 @@ def test_touched_experts_from_the_slot_tables_heat():
     p = touched(heat, 40, k)
     assert p[200] == pytest.approx(1.0) and p[rest] == pytest.approx(touched(heat[rest], 40, k - 1))
     assert (touched(heat, 10 ** 6, k) <= 1).all()
+    # rows of a [L, E] heat are layers of their own
+    rows = np.stack([np.zeros(e), heat, np.arange(e, dtype=float)])
+    np.testing.assert_allclose(touched(rows, 40, k), np.stack([touched(r, 40, k) for r in rows]))
