@@ -16,8 +16,11 @@ upto() { local l; l=$(left); echo $(( $1 < l ? $1 : (l > 1 ? l : 1) )); }
 status() { echo "$1 rc=$2 at ${SECONDS}s" | tee -a "$OUT/summary.txt"; }
 pack() { [ -n "${PACK:-}" ] && tar czf "$PACK.part" -C "$OUT" . 2>/dev/null && mv -f "$PACK.part" "$PACK"; true; }
 if [ -n "${PACK:-}" ]; then
-    ( while sleep 15; do pack; done ) &
-    trap pack EXIT
+    # the loop ends with the script: left running (it holds the script's stdout), a call piping the script into
+    # `tail` waited for it until its time limit (2026-12-03: 250 device seconds after the script had finished)
+    ( while sleep 15; do pack; done ) > /dev/null 2>&1 &
+    PACKER=$!
+    trap 'kill $PACKER 2>/dev/null; pack' EXIT
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
