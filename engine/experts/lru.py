@@ -111,23 +111,26 @@ class SlotTable:
     def unlock_all(self) -> None:
         self.locked[:] = False
 
-    def victims(self, k: int, lo: int = 0, hi: int | None = None, protect: np.ndarray | None = None) -> np.ndarray:
+    def victims(self, k: int, lo: int = 0, hi: int | None = None, bonus: np.ndarray | None = None) -> np.ndarray:
         """The k unlocked slots in [lo, hi) the policy evicts first, in that order, in one pass: lru the
         least recently used; lfu the coldest (free slots first, then by heat, recency breaking ties).
-        protect [S] (bool): slots taken only once every other unlocked one is (a prompt's residents that a
-        layer still to run will read, OffloadBackend.forward), in the same order among themselves.
+        bonus [S] (uses, >= 0): heat a slot's expert is still to gain (a prompt's layers still to run will read
+        it, OffloadBackend.keep_bonus); lfu adds it to the slot's heat, lru takes the slots with a bonus last.
 
         Returns fewer than k when fewer are unlocked. Ties break towards the lower slot id."""
         hi = self.num_slots if hi is None else hi
         cand = np.flatnonzero(~self.locked[lo:hi])
-        if protect is None:
+        if bonus is None:
             return self._first(cand, k, lo, hi)
-        kept = protect[lo:hi][cand]
+        if self.policy == "lfu":
+            return self._first(cand, k, lo, hi, bonus[lo:hi][cand] * self._inc)
+        kept = bonus[lo:hi][cand] > 0
         out = self._first(cand[~kept], k, lo, hi)
         return np.concatenate([out, self._first(cand[kept], k - len(out), lo, hi)]) if len(out) < k else out
 
-    def _first(self, cand: np.ndarray, k: int, lo: int, hi: int) -> np.ndarray:
-        """The k of cand (slot ids less lo) the policy evicts first, in order, as slot ids."""
+    def _first(self, cand: np.ndarray, k: int, lo: int, hi: int, extra: np.ndarray | None = None) -> np.ndarray:
+        """The k of cand (slot ids less lo) the policy evicts first, in order, as slot ids; extra: heat added
+        to each candidate's (lfu)."""
         k = min(k, len(cand))
         if k <= 0:
             return np.empty(0, dtype=np.int64)
@@ -135,6 +138,8 @@ class SlotTable:
         keys = self.stamp[lo:hi][cand] * (hi - lo + 1) + cand
         if self.policy == "lfu":
             heat = self.slot_heat[lo:hi][cand]
+            if extra is not None:
+                heat = heat + extra  # (free slots stay at -inf)
             if k < len(cand):  # the k coldest and everything tied with the k-th, in one pass
                 keep = heat <= np.partition(heat, k - 1)[k - 1]
                 cand, keys, heat = cand[keep], keys[keep], heat[keep]
@@ -207,17 +212,17 @@ def prompt_use_weights(counts, tokens: int, half_life: float = HALF_LIFE) -> np.
     return counts * ((1.0 - r ** tokens) / (1.0 - r) / tokens)
 
 
-def victims_reference(stamp, locked, k: int, heat=None, protect=None) -> list[int]:
+def victims_reference(stamp, locked, k: int, heat=None, bonus=None) -> list[int]:
     """Slow reference for `SlotTable.victims`: k scans, each taking the unlocked slot left with the lowest
-    (protected, heat, stamp) — stamp alone for lru (heat None); protected slots last."""
+    (heat + bonus, stamp) — for lru (heat None) (has a bonus, stamp); bonus in the heat's units."""
     taken: list[int] = []
     for _ in range(k):
         best = None
         for s in range(len(stamp)):
             if locked[s] or s in taken:
                 continue
-            key = (stamp[s],) if heat is None else (heat[s], stamp[s])
-            key = (bool(protect[s]) if protect is not None else False,) + key
+            b = bonus[s] if bonus is not None else 0.0
+            key = (b > 0, stamp[s]) if heat is None else (heat[s] + b, stamp[s])
             if best is None or key < best_key:
                 best, best_key = s, key
         if best is None:

@@ -22,7 +22,7 @@ from engine.experts.cpu_runner import layer_table, run_on_cpu
 from engine.experts.host_pool import HostPool
 from engine.experts.lru import prompt_use_weights
 from engine.experts.policy import BandwidthEstimate
-from engine.experts.prefill_stream import LIKELY_READ, STREAM_MODES, PrefillStreamer, touched
+from engine.experts.prefill_stream import KEEP_RATIO, REFILL_USES, STREAM_MODES, PrefillStreamer, pick_probability
 from engine.experts.slot_cache import SlotCache
 from engine.experts.stats import ExpertStats
 
@@ -64,7 +64,7 @@ class OffloadBackend:
         self._held = False  # a forward announced by begin_forward(hold=True) runs until end_forward
         self._unsettled: list[tuple] = []  # streamed layer calls not yet counted: (layer, topk_ids, moment, span)
         self._span = 1  # the longest sequence's tokens in the running forward (begin_forward)
-        self._likely = None  # [L, E] bool: experts a routed prompt forward will likely read (begin_forward)
+        self._ahead = None  # [L, E]: heat a routed prompt forward will add to each expert, plus a refill (begin_forward)
         # device experts in one launch pair of the grouped Triton kernels, reading the slots in place (default
         # on CUDA); else one expert at a time through torch (the reference, and the path on a CPU device)
         self.grouped = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None \
@@ -129,29 +129,35 @@ class OffloadBackend:
         self.settle()
         if self.streamer is not None:
             self.streamer.begin(num_tokens, top_k, span)  # predicts from the heat before this prompt fades it
-        self._likely = None
+        self._ahead = None
         if span > 1 and not (self.streamer is not None and self.streamer.active):
             t = self.cache.table
-            self._likely = touched(t.heat / t.moment()[1], num_tokens, top_k) >= LIKELY_READ
+            q = pick_probability(t.heat / t.moment()[1], top_k)  # [L, E] per token
+            self._ahead = self._use_weights(num_tokens * q, span) + REFILL_USES * (1.0 - (1.0 - q) ** num_tokens)
         self._span = max(1, int(span))
         self.cache.table.tokens_passed(self._span - 1)
 
     def end_forward(self) -> None:
         self._held = False
-        self._likely = None
+        self._ahead = None
         self.settle()
 
-    def protected(self, layer: int) -> np.ndarray | None:
-        """[S] bool: the slots a fill of `layer` takes only when no other is left — in a routed prompt forward, the
-        residents of the layers after it (and of its own later pieces, in a held forward) that the prompt will
-        likely read (LIKELY_READ). Slots of layers already run, free slots and unlikely experts go first, so a
-        layer's fills land where the layer before it worked. None outside a routed prompt forward."""
-        if self._likely is None:
+    def keep_bonus(self, layer: int) -> np.ndarray | None:
+        """[S] uses to add to each slot's heat for the fills' victims (SlotTable.victims) in a routed prompt
+        forward: a resident of a layer after `layer` (or of `layer` itself, for its later pieces in a held
+        forward) counts as KEEP_RATIO x its heat at the forward's end (what the prompt's tokens will add, and
+        the refill its eviction would cost: REFILL_USES). So a layer's fills land where the layers before it
+        worked, unless a resident there is several times hotter than what a later layer will read. None
+        outside a routed prompt forward."""
+        if self._ahead is None:
             return None
-        e, owner = self.pool.num_experts, self.cache.table.owner
+        t, e = self.cache.table, self.pool.num_experts
+        owner = t.owner
         rows, row = owner // e, self.pool.row[layer]
-        out = (owner >= 0) & ((rows > row) | ((rows == row) & self._held))
-        out[out] = self._likely[rows[out], owner[out] % e]
+        later = (owner >= 0) & ((rows > row) | ((rows == row) & self._held))
+        out = np.zeros(len(owner))
+        end = t.slot_heat[later] / t.moment()[1] + self._ahead[rows[later], owner[later] % e]  # uses at the end
+        out[later] = KEEP_RATIO * end - t.slot_heat[later] / t.moment()[1]  # (victims adds the heat back)
         return out
 
     def settle(self) -> None:
@@ -240,7 +246,7 @@ class OffloadBackend:
         want = [routing.experts[i] for i in fills]
         # before the hits run: copies overlap them; many fills (an extend's tokens) copy in sorted runs
         coalesce = len(want) > COALESCE_FILLS
-        admitted = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=coalesce, protect=self.protected(layer))
+        admitted = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=coalesce, bonus=self.keep_bonus(layer))
         if self.grouped and len(admitted) == len(fills) and x.dtype == self.pool.dtype:
             self._run_grouped(x, y, routing, hits, hit_slots, topk_ids)  # overlapping the copies
             self.cache.ready()
@@ -260,7 +266,7 @@ class OffloadBackend:
                 return
             self._unlock()
             admitted = self.cache.admit(layer, want[done:], with_cpu=with_cpu, coalesce=coalesce,
-                                        protect=self.protected(layer))
+                                        bonus=self.keep_bonus(layer))
             if not admitted:
                 raise RuntimeError("no unlocked expert slot left for a fill")
 

@@ -5,7 +5,7 @@ full while the previous layer computes: the copy stream loads layer l+1 into the
 slots while layer l (locked) runs. Two layer-sized windows of the slot pool alternate (it needs 2E slots);
 with room for W >= 3 windows the first W - 2 layers keep one each, so a prompt leaves the first layers
 resident: the next prompt reads them in place, and a routed extend fills each later layer into the slots of
-a layer it already ran (OffloadBackend.protected) instead of evicting layers still to run.
+a layer it already ran (OffloadBackend.keep_bonus) instead of evicting layers still to run.
 A short extend (a tool result) touches few experts; the ordinary per-expert path (fill or CPU-run) then
 moves far fewer bytes. The choice compares predicted bytes / bandwidth of the two, not a token threshold;
 which experts a prompt will touch comes from the slot table's heat (recent routing), not from uniform routing.
@@ -22,10 +22,20 @@ CPU_BALANCE_TOKENS = 16
 # prior that a few tokens of history cannot outweigh; a decode's hundreds of tokens do)
 PRIOR_USES = 1.0
 STREAM_MODES = ("auto", "on", "off")
-# a prompt forward's fills leave alone the residents of layers still to run that its tokens will route to with at
-# least this probability (prefill_stream.touched), while other slots remain: an early layer's fills took the
-# coldest slots anywhere, often a later layer's residents, which that layer then filled again (a 256-token extend
-# after a streamed 8k prompt hit 0.02-0.10 of its experts, H200 box, docs/PERF.md fourteenth session)
+# a prompt's resident expert that a layer still to run will read is worth, to the forward's fills, the heat that read
+# will add (its expected tokens, weighed as the prompt's: lru.prompt_use_weights) plus this many uses for the refill
+# its eviction would cost. Without it an early layer's fills took the coldest slots anywhere, often a later
+# layer's residents, which that layer then filled again (a 256-token extend after a streamed 8k prompt hit 0.02-0.10
+# of its experts, H200 box, docs/PERF.md fourteenth session); with those residents simply last, the prompt's end
+# left hot experts of early layers evicted for cold ones of late layers, and the decode after a 64-token prompt
+# filled 3x the experts (Zipf 1.0, docs/PERF.md fifteenth session)
+REFILL_USES = 1.0
+# ...and counts this many times over: a layer's routing counts vary by more than one use between experts (under uniform
+# routing an 8k prompt's heat left residents of a later layer colder than some experts an earlier layer had just read,
+# and their fills took a third of the later layers' residents); several times colder, a later layer's resident goes
+# first (a 64-token prompt's rare expert against a decode's popular one)
+KEEP_RATIO = 2.0
+# the residents routed_fills counts as kept for a later layer: touched with at least this probability
 LIKELY_READ = 0.5
 # the share of B_P each path's copies reach (H200 box, 8 layers at the Qwen3.6-35B-A3B widths, 37.5% in slots,
 # docs/PERF.md): a streamed layer is one copy, and an 8k prompt streamed the pool at 0.93-0.96 of it; the routed
@@ -41,14 +51,12 @@ def expected_touched(num_tokens: int, top_k: int, num_experts: int) -> float:
     return 1.0 - (1.0 - top_k / num_experts) ** num_tokens
 
 
-def touched(heat: np.ndarray, num_tokens: int, top_k: int, prior: float = PRIOR_USES) -> np.ndarray:
-    """[..., E]: the probability that T tokens route to each expert of one layer (a row of heat) at least once.
+def pick_probability(heat: np.ndarray, top_k: int, prior: float = PRIOR_USES) -> np.ndarray:
+    """[..., E]: the probability that one token routes to each expert of a layer (a row of heat).
 
     heat [..., E]: the layer's recent uses (the slot table's heat in units of one use now). A token picks top_k
     distinct experts, expert e with probability proportional to w_e = heat_e + prior and at most 1 (the mass
-    above 1 goes to the others: the probabilities sum to top_k). With no history that is uniform routing
-    (expected_touched); under skew the cold experts, the ones usually missing, are touched less often than
-    uniform routing would say."""
+    above 1 goes to the others: the probabilities sum to top_k). With no history that is uniform routing."""
     w = np.asarray(heat, dtype=np.float64) + prior
     free = np.ones(w.shape, dtype=bool)
     p = np.zeros_like(w)
@@ -60,7 +68,14 @@ def touched(heat: np.ndarray, num_tokens: int, top_k: int, prior: float = PRIOR_
         if not over.any():
             break
         free &= ~over
-    return 1.0 - (1.0 - np.minimum(p, 1.0)) ** num_tokens
+    return np.minimum(p, 1.0)
+
+
+def touched(heat: np.ndarray, num_tokens: int, top_k: int, prior: float = PRIOR_USES) -> np.ndarray:
+    """[..., E]: the probability that T tokens route to each expert of a layer at least once (pick_probability
+    per token). With no history that is uniform routing (expected_touched); under skew the cold experts, the
+    ones usually missing, are touched less often than uniform routing would say."""
+    return 1.0 - (1.0 - pick_probability(heat, top_k, prior)) ** num_tokens
 
 
 def routed_fills(touched_missing: list[float], likely_resident: list[float], num_slots: int,
@@ -69,14 +84,14 @@ def routed_fills(touched_missing: list[float], likely_resident: list[float], num
     forward: the touched misses, and the residents those fills evict before their own layer runs.
 
     Layers run in order (the lists' order). likely_resident[l]: residents of layer l the prompt will likely
-    read; a fill takes one of them only when every other unlocked slot is taken (OffloadBackend.protected),
-    and after a layer has run its slots are free to take. So residents are lost only where one layer's fills
-    outnumber the slots that are not protected: the first layer's, after a streamed prompt that left the
-    slots full of layers still to run. CPU runs take no slot."""
+    read; a fill takes one of them only once the unlocked slots no hotter are taken (OffloadBackend.keep_bonus;
+    counted here as only when no other is left), and after a layer has run its slots are free to take. So
+    residents are lost only where one layer's fills outnumber the slots that are not kept: the first layer's,
+    after a streamed prompt that left the slots full of layers still to run. CPU runs take no slot."""
     lost = 0.0
     for i, m in enumerate(touched_missing):
         later = max(0.0, sum(likely_resident[i + 1:]) - lost)
-        spare = num_slots - later - likely_resident[i]  # unprotected, and not this layer's hits
+        spare = num_slots - later - likely_resident[i]  # not kept, and not this layer's hits
         lost += min(max(0.0, (1 - cpu_share) * m - spare), later)
     return sum(touched_missing) + lost
 
@@ -187,7 +202,7 @@ class PrefillStreamer:
         each (layer i window W - 1 - i) and the rest alternate in windows 0 and 1, so a streamed prompt leaves
         the first layers wholly resident: the next prompt reads them where they are (no copy), and a routed
         extend after it fills each later layer into slots of a layer it already ran, where one that left the
-        last layers resident had the first layers' fills evict layers still to run (OffloadBackend.protected).
+        last layers resident had the first layers' fills evict layers still to run (OffloadBackend.keep_bonus).
         Among the candidates: one without a locked slot (the running layer's, this layer's reserved ones),
         holding the fewest experts of other layers, then the one used least recently. None when every
         window has a locked slot."""

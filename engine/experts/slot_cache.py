@@ -92,16 +92,16 @@ class SlotCache:
         return self.table.lookup(self.pool.row[layer], experts)
 
     def admit(self, layer: int, experts: list[int], lo: int = 0, hi: int | None = None, *,
-              with_cpu: bool = False, coalesce: bool = False, after=None, protect=None) -> list[int]:
+              with_cpu: bool = False, coalesce: bool = False, after=None, bonus=None) -> list[int]:
         """Copy as many of `experts` (of `layer`) as unlocked slots in [lo, hi) allow; lock and return
         their slots (a prefix of `experts`). On CUDA the copies run on the copy stream; call `ready()`.
         with_cpu: CPU expert runs go on alongside these copies (reported back by `take_fill_timing`).
         coalesce: pair experts and victims in sorted order (pair_sorted) so runs of both copy at once — for a
         layer streamed whole; otherwise the first victim goes to the first expert (fills come hottest first,
         and under lru that decides which of them a tie evicts next). after: a CUDA event after the last work
-        that read any victim (default: everything queued on the compute stream so far). protect: slots taken
-        last (SlotTable.victims)."""
-        victims = self.table.victims(len(experts), lo, hi, protect)
+        that read any victim (default: everything queued on the compute stream so far). bonus: heat each
+        slot is still to gain (SlotTable.victims)."""
+        victims = self.table.victims(len(experts), lo, hi, bonus)
         if not len(victims):
             return []
         experts = list(experts[: len(victims)])

@@ -396,14 +396,15 @@ def test_a_streamed_prompt_keeps_its_first_layers_in_place_for_the_next():
 
 
 @pytest.mark.parametrize("layout", ["first and last two", "last three"])
-@pytest.mark.parametrize("likely", [0.5, 2.0])
-def test_a_routed_prompt_fills_into_the_slots_of_layers_it_has_run(layout, likely, monkeypatch):
-    """A routed prompt's fills leave the residents of layers still to run alone while any other slot is left
-    (OffloadBackend.protected): after a streamed prompt that kept the first layer and the last two, a prompt
-    touching every expert fills only the three layers between; with the last three kept, the first layer's
-    fills must take a later layer's residents. routed_fills predicts both; without the protection (likely
-    never reached) the first layer's fills took residents either way. Outputs equal the reference's."""
-    monkeypatch.setattr(offload, "LIKELY_READ", likely)
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_routed_prompt_fills_into_the_slots_of_layers_it_has_run(layout, keep, monkeypatch):
+    """A routed prompt's fills leave the residents of layers still to run alone while slots no hotter remain
+    (OffloadBackend.keep_bonus): with the first layer and the last two resident, a prompt touching every
+    expert fills only the three layers between; with the last three resident, the first layer's fills must
+    take a later layer's residents. routed_fills predicts both; without the bonus the first layer's fills took
+    residents either way. Outputs equal the reference's."""
+    if not keep:
+        monkeypatch.setattr(OffloadBackend, "keep_bonus", lambda self, layer: None)
     src, deep = _deep_pool()
     layers = list(range(6))
     b = OffloadBackend(deep, 3 * E, "cpu", stream_prefill="off", slot_policy="lfu")
@@ -422,9 +423,28 @@ def test_a_routed_prompt_fills_into_the_slots_of_layers_it_has_run(layout, likel
     fills = b.stats()["total"]["fills"] - before["fills"]
     missing = [0 if layer in kept else E for layer in layers]
     model = routed_fills(missing, [E - m for m in missing], 3 * E)
-    if likely <= 1:
+    if keep:
         assert fills == model == (3 * E if layout == "first and last two" else 4 * E)
     else:
         assert fills > model
     check_table(b)
+    b.close()
+
+
+@pytest.mark.parametrize("done_heat,taken", [(1.0, 0), (1000.0, 2)])
+def test_a_later_layers_resident_goes_first_only_against_a_far_hotter_slot(done_heat, taken):
+    """keep_bonus: while layer 1 of a routed prompt fills, a resident of layer 2 (still to run) counts KEEP_RATIO x
+    its heat at the forward's end; layer 0's slots (already run) count their heat. As hot as layer 2's, layer 0's
+    slots go first; a thousand times hotter (a decode's popular experts), layer 2's go first."""
+    src, deep = _deep_pool(layers=3)
+    b = OffloadBackend(deep, 2 * E, "cpu", stream_prefill="off", slot_policy="lfu")
+    t = b.cache.table
+    for layer, heat in ((0, done_heat), (2, 1.0)):
+        b.cache.admit(layer, list(range(E)))
+        t.unlock_all()
+        t.note_use(layer, np.arange(E), weights=np.full(E, heat))
+    b.begin_forward(40, K, hold=True, span=40)
+    victims = t.victims(E, bonus=b.keep_bonus(1))
+    assert set((t.owner[victims] // E).tolist()) == {taken}
+    b.end_forward()
     b.close()

@@ -35,22 +35,25 @@ def test_lfu_victims_equal_reference(slots, k):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(-1, 6), st.integers(0, 3), st.booleans(), st.booleans()), min_size=1,
-                max_size=40), st.integers(0, 45), st.sampled_from(["lru", "lfu"]), st.integers(0, 3))
-def test_protected_victims_equal_reference(slots, k, policy, lo):
-    """Protected slots go only after every other unlocked one, in the policy's order among themselves (a range
-    [lo, hi) too)."""
+@given(st.lists(st.tuples(st.integers(-1, 6), st.integers(0, 3), st.booleans(), st.sampled_from([0.0, 0.0, 0.5, 2.0, 7.0])),
+                min_size=1, max_size=40), st.integers(0, 45), st.sampled_from(["lru", "lfu"]), st.integers(0, 3))
+def test_victims_with_a_bonus_equal_reference(slots, k, policy, lo):
+    """lfu adds each slot's bonus to its heat (in uses now: the table's increment), lru takes the slots with a
+    bonus last; over a range [lo, hi) too; no bonus anywhere is no bonus at all."""
     t = SlotTable(2, 4, len(slots), policy=policy)
+    for _ in range(5):
+        t.tick()  # an increment other than 1: the bonus is in uses now
     t.slot_heat[:] = [-np.inf if h < 0 else float(h) for h, _, _, _ in slots]
     t.stamp[:] = [s for _, s, _, _ in slots]
     t.locked[:] = [lk for _, _, lk, _ in slots]
-    protect = np.array([p for _, _, _, p in slots])
+    bonus = np.array([b for _, _, _, b in slots])
     lo = min(lo, len(slots) - 1)
     heat = t.slot_heat[lo:].tolist() if policy == "lfu" else None
-    want = victims_reference(t.stamp[lo:].tolist(), t.locked[lo:].tolist(), k, heat=heat, protect=protect[lo:])
-    assert t.victims(k, lo=lo, protect=protect).tolist() == [w + lo for w in want]
-    if not protect.any():
-        assert t.victims(k, lo=lo, protect=protect).tolist() == t.victims(k, lo=lo).tolist()
+    want = victims_reference(t.stamp[lo:].tolist(), t.locked[lo:].tolist(), k, heat=heat,
+                             bonus=(bonus[lo:] * t.moment()[1]).tolist())
+    assert t.victims(k, lo=lo, bonus=bonus).tolist() == [w + lo for w in want]
+    if not bonus.any():
+        assert t.victims(k, lo=lo, bonus=bonus).tolist() == t.victims(k, lo=lo).tolist()
 
 
 def test_lfu_heat_halves_every_half_life_and_survives_rescaling():

@@ -97,7 +97,7 @@ def test_prefill_choice_by_predicted_bytes():
 
 def test_routed_fills_count_the_residents_the_fills_evict():
     # every expert of 8 layers touched, 3 layers' worth of slots holding the last three layers (a streamed prompt
-    # before): the first layer's fills find no slot that is not protected and evict a later layer's residents;
+    # before): the first layer's fills find no slot that is not kept and evict a later layer's residents;
     # every layer after fills into the slots of the one before
     assert routed_fills([256] * 5 + [0] * 3, [0] * 5 + [256] * 3, 768) == 5 * 256 + 256
     # the same slots holding the first layer and the last two: nothing lost

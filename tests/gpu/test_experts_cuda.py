@@ -60,6 +60,25 @@ def test_cuda_layer_major_prompt_matches_fused(ckpt, backend):
     b.close()
 
 
+@pytest.mark.parametrize("stream", ["on", "off"])
+def test_cuda_prompts_after_prompts_match_fused(ckpt, stream):
+    """Room for three layers' windows: streamed prompts keep the first layer in place for the next one (which
+    copies only what decode moved out of its window), routed ones fill into the slots of layers already run;
+    every prompt and the decode after it is the fused reference's."""
+    first = [(13 * i + 1) % 250 for i in range(1100)]
+    second = [(11 * i + 5) % 250 for i in range(1100)]
+    extend = first + [(3 * i + 2) % 250 for i in range(40)]
+    fused = Engine.from_pretrained(ckpt, device="cuda")
+    refs = [fused.generate(p, 6) for p in (first, second, extend)]
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+    eng = Engine.from_pretrained(ckpt, device="cuda", expert_device="cpu",
+                                 experts=experts_factory("offload", device="cuda", slots=24, estimate=est,
+                                                         stream_prefill=stream))
+    assert eng.model.experts.cache.windows() == 3
+    assert [eng.generate(p, 6) for p in (first, second, extend)] == refs
+    eng.model.experts.close()
+
+
 @pytest.mark.parametrize("backend,decode", [("offload", "host"), ("hybrid", "host"), ("offload", "mapped"),
                                             ("hybrid", "mapped")])
 def test_graphed_decode_matches_direct_launch(ckpt, backend, decode):
