@@ -383,6 +383,10 @@ def test_a_streamed_prompt_keeps_its_first_layers_in_place_for_the_next():
     b = OffloadBackend(deep, 3 * E, "cpu", stream_prefill="on", slot_policy="lfu")
     _prompt(b, layers, 40, seed=1)
     assert b.cache.lookup(0, range(E)).tolist() == list(range(2 * E, 3 * E))  # layer 0 in window 2
+    # the stream's price counts what it will copy: nothing of layer 0, a few experts once some left its window
+    assert b.cache.stream_copies(0, 2) == 0 and b.cache.stream_copies(1, 0) == E
+    b.cache.table.release([2 * E + 3, 2 * E + 4])
+    assert b.cache.stream_copies(0, 2) == 2
     before = b.stats()["total"]["bytes_moved"]
     x, ids, w = routing(40, seed=2)
     b.begin_forward(40, K, hold=True, span=40)
@@ -390,7 +394,7 @@ def test_a_streamed_prompt_keeps_its_first_layers_in_place_for_the_next():
         y = b.forward(layer, x, ids, w)
         torch.testing.assert_close(y, reference(src, layer, x, ids, w), rtol=1e-5, atol=1e-5)
     b.end_forward()
-    assert b.stats()["total"]["bytes_moved"] - before == 5 * E * deep.expert_bytes
+    assert b.stats()["total"]["bytes_moved"] - before == (5 * E + 2) * deep.expert_bytes
     check_table(b)
     b.close()
 
