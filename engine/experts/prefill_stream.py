@@ -26,9 +26,8 @@ STREAM_MODES = ("auto", "on", "off")
 # will add (its expected tokens, weighed as the prompt's: lru.prompt_use_weights) plus this many uses for the refill
 # its eviction would cost. Without it an early layer's fills took the coldest slots anywhere, often a later
 # layer's residents, which that layer then filled again (a 256-token extend after a streamed 8k prompt hit 0.02-0.10
-# of its experts, H200 box, docs/PERF.md fourteenth session); with those residents simply last, the prompt's end
-# left hot experts of early layers evicted for cold ones of late layers, and the decode after a 64-token prompt
-# filled 3x the experts (Zipf 1.0, docs/PERF.md fifteenth session)
+# of its experts, H200 box, docs/PERF.md fourteenth session); with those residents simply taken last (bd24a6f), a
+# cold one that a later layer may read outranked a decode's popular expert of an earlier layer
 REFILL_USES = 1.0
 # ...and counts this many times over: a layer's routing counts vary by more than one use between experts (under uniform
 # routing an 8k prompt's heat left residents of a later layer colder than some experts an earlier layer had just read,
