@@ -112,8 +112,12 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
         assert dec["fill_bytes_per_step"] == pytest.approx(moved / 4)
         if dec["fill_bytes_per_step"]:
             assert dec["fill_bound_tok_s"] == pytest.approx(res["bp_gbs"] * 1e9 / dec["fill_bytes_per_step"])
+        ext = rows["extend_16"]  # against streaming the pool once at B_P, as the prefill
+        assert ext["of_stream_bound"] == pytest.approx(ext["stream_bound_s"] * 1e3 / ext["ttft_ms"])
+        assert ext["stream_bound_s"] == pytest.approx(rows["prefill_256"]["stream_bound_s"])
     assert passes[None] < 1.5 and passes[64] > 3.5
-    assert "pools moved" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "pools moved" in printed and "x faster than the pool once at B_P" in printed
     # the streaming choice says itself per prompt: on streams every prompt, off none (the routed experts alone)
     streamed = {}
     for mode in ("auto", "on", "off"):
