@@ -128,7 +128,7 @@ class OffloadBackend:
         self._held = hold
         self.settle()
         if self.streamer is not None:
-            self.streamer.begin(num_tokens, top_k, span)  # predicts from the heat before this prompt fades it
+            self.streamer.begin(num_tokens, top_k)  # predicts from the heat before this prompt fades it
         self._ahead = None
         if span > 1 and not (self.streamer is not None and self.streamer.active):
             t = self.cache.table
@@ -156,8 +156,8 @@ class OffloadBackend:
         rows, row = owner // e, self.pool.row[layer]
         later = (owner >= 0) & ((rows > row) | ((rows == row) & self._held))
         out = np.zeros(len(owner))
-        end = t.slot_heat[later] / t.moment()[1] + self._ahead[rows[later], owner[later] % e]  # uses at the end
-        out[later] = KEEP_RATIO * end - t.slot_heat[later] / t.moment()[1]  # (victims adds the heat back)
+        heat = t.slot_heat[later] / t.moment()[1]  # uses now; victims adds it back: KEEP_RATIO x (heat + ahead)
+        out[later] = (KEEP_RATIO - 1) * heat + KEEP_RATIO * self._ahead[rows[later], owner[later] % e]
         return out
 
     def settle(self) -> None:

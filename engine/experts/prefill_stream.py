@@ -148,33 +148,32 @@ class PrefillStreamer:
         self.tables: dict[int, object] = {}
         self.streamed_forwards = 0
 
-    def begin(self, num_tokens: int, top_k: int, span: int = 1) -> None:
+    def begin(self, num_tokens: int, top_k: int) -> None:
         cache, pool = self.b.cache, self.b.pool
         e = pool.num_experts
         self.active, self.reserved, self._prefetched, self._current = False, [], set(), None
         self.tables = {}
         if cache.num_slots < 2 * e or num_tokens <= 1:
             return
-        self.active = self.mode == "on" or self._predicted_faster(num_tokens, top_k, span)
+        self.active = self.mode == "on" or self._predicted_faster(num_tokens, top_k)
         self.streamed_forwards += self.active
         if self.active:
             # the first layer's copy now, not at its first piece: that one follows the piece's mixer (~9 ms of an
             # 8k prompt on the H200 box) with the copy engine idle; kept locked (reserved) until that piece ran
             self.reserved = self._prefetch(pool.layers[0], after=None)
 
-    def _predicted_faster(self, num_tokens: int, top_k: int, span: int = 1) -> bool:
+    def _predicted_faster(self, num_tokens: int, top_k: int) -> bool:
         cache, pool, est = self.b.cache, self.b.pool, self.b.estimate
         t, w = cache.table, cache.windows()
-        p = touched(t.heat[[pool.row[layer] for layer in pool.layers]] / t.moment()[1], num_tokens, top_k)  # [L, E]
+        p = touched(t.heat / t.moment()[1], num_tokens, top_k)  # [L, E], rows in pool.layers' order (pool.row)
         missing, cold_hit, likely, streamed = [], [], [], 0
         for i, layer in enumerate(pool.layers):
-            warm = t.resident[pool.row[layer]] >= 0
+            warm = t.resident[i] >= 0
             missing.append(int((~warm).sum()))
             cold_hit.append(float(p[i][~warm].sum()))
             likely.append(float((warm & (p[i] >= LIKELY_READ)).sum()))
             # the first w - 2 layers stream into windows kept from the forward before (window_for)
-            kept = w >= 3 and pool.row[layer] < w - 2
-            streamed += cache.stream_copies(layer, w - 1 - pool.row[layer]) if kept else pool.num_experts
+            streamed += cache.stream_copies(layer, w - 1 - i) if w >= 3 and i < w - 2 else pool.num_experts
         share = self.b.cpu_share()
         routed = routed_fills(cold_hit, likely, cache.num_slots, share)
         return should_stream(num_tokens=num_tokens, top_k=top_k, num_experts=pool.num_experts, missing=missing,
