@@ -35,6 +35,7 @@ class EngineOptions:
     slot_policy: str = "lfu"  # which expert slot a fill evicts: lfu (popularity, decayed) or lru
     moe_decode: str = "auto"  # fast-path decode through the expert cache: mapped | host | auto (offload.py)
     moe_prefetch: str = "auto"  # on: a mapped decode copies each layer's likely expert in while its mixer runs
+    moe_lookahead: str = "auto"  # on: a routed prompt copies the next layer's likely misses while a layer runs
     fast_path: bool = True  # CUDA: Triton kernels, static state slots, decode steps as CUDA graphs
     overlap: bool = True  # CUDA: queue the next decode step from the last one's tokens still on the device
     # (False: each step's tokens read first; the CPU never overlaps, a queued step runs at once there)
@@ -104,6 +105,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "while the next layer's attention runs, when the PCIe link would idle (default auto: on "
                         "for a mapped decode on CUDA; H200: 86%% of guesses right, decode 1-2%% faster, "
                         "docs/PERF.md)")
+    g.add_argument("--moe-lookahead", default="auto", choices=["auto", "on", "off"],
+                   help="a prompt served expert by expert (not streamed whole) copies the next layer's likely "
+                        "missing experts (touched with probability >= 0.9 by the cache's recent routing) while a "
+                        "layer runs, into slots no later layer holds, so PCIe does not wait for each layer's "
+                        "routing (default auto: on CUDA; counted as fills and as `ahead` / `ahead_used` in the "
+                        "expert stats)")
     g.add_argument("--expert-threads", type=int,
                    help="CPU threads running experts for cpu/hybrid (default: every core on a CPU engine; on "
                         "CUDA half the cores: host DRAM bounds the experts, and the engine thread keeps a core)")
@@ -279,7 +286,7 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     return {"experts": experts_factory(name, device=opts.device, slots=opts.moe_slots, progress=progress,
                                        reserve_bytes=reserve, profile=profile or {},
                                        slot_policy=opts.slot_policy, decode=opts.moe_decode,
-                                       prefetch=opts.moe_prefetch),
+                                       prefetch=opts.moe_prefetch, lookahead=opts.moe_lookahead),
             "expert_device": "cpu"}
 
 

@@ -101,6 +101,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-prefetch", default="auto", choices=["auto", "on", "off"],
                    help="with a mapped decode: prefetch each layer's likely expert while its attention runs (as "
                         "serve's --moe-prefetch; default auto: on for a mapped decode on CUDA)")
+    p.add_argument("--moe-lookahead", default="auto", choices=["auto", "on", "off"],
+                   help="a routed prompt copies the next layer's likely missing experts while a layer runs (as "
+                        "serve's --moe-lookahead; default auto: on CUDA)")
     p.add_argument("--moe-decode", default="auto", choices=["auto", "mapped", "host"],
                    help="how decode goes through the expert cache (as serve; default auto)")
     p.add_argument("--expert-threads", type=int,

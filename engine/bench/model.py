@@ -216,7 +216,7 @@ def build(args):
                                               torch.device(args.device)))
     where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
                                          slot_policy=args.slot_policy, decode=args.moe_decode,
-                                         prefetch=args.moe_prefetch,
+                                         prefetch=args.moe_prefetch, lookahead=args.moe_lookahead,
                                          stream_prefill=args.prefill_stream),
                  expert_device="cpu") if cached else {}
     if args.model:
@@ -329,6 +329,7 @@ class ExpertTraffic:
                 "slot_policy": self.backend.cache.table.policy,
                 "prefill_stream": "off" if self.streamer is None else self.streamer.mode,
                 "prefetch": "on" if getattr(self.backend, "prefetch", False) else "off",
+                "lookahead": "on" if getattr(self.backend, "lookahead", False) else "off",
                 "decode_path": "mapped" if self.backend.mapped is not None else "host",
                 "cpu_experts": _cpu_path(), "pool_huge": self.backend.pool.huge_bytes() / self.pool_bytes,
                 "experts_on_gpu": f"{self.share():.1%}", "slots": self.backend.cache.num_slots}
@@ -415,7 +416,7 @@ def print_table(res: dict) -> None:
     cached = (f", experts {res['variant']} {res['slots']} {res['slot_policy']} slots ({res['experts_on_gpu']}, "
               f"as llama.cpp {res['placement']}), decode {res['decode_path']}, CPU experts {res['cpu_experts']}, "
               f"pool {res.get('pool_huge', 0):.0%} in huge pages, prefill stream {res.get('prefill_stream', 'auto')}, "
-              f"prefetch {res.get('prefetch', 'off')}, "
+              f"prefetch {res.get('prefetch', 'off')}, lookahead {res.get('lookahead', 'off')}, "
               f"B_P {res['bp_gbs']:.1f} GB/s"
               ) if "bp_gbs" in res else ""
     overlap = ", decode steps overlapped" if res.get("overlap") else ", decode steps one at a time"
@@ -449,6 +450,10 @@ def print_table(res: dict) -> None:
         if r.get("experts", {}).get("guesses"):
             ex = r["experts"]  # --moe-prefetch on: wrong guesses' bytes are traffic beyond the PCIe bytes above
             note += f"; prefetched {ex['guesses']} guesses, {ex['guesses_right'] / ex['guesses']:.2f} right"
+        if r.get("experts", {}).get("ahead"):
+            ex = r["experts"]  # --moe-lookahead: copies of the next layer's likely misses, and how many it read
+            note += f"; {ex['fills']} fills, {ex['cpu_runs']} on the CPU, {ex['ahead']} copied ahead " \
+                    f"({ex['ahead_used']} read)"
         print(f"{r['name']:<16}{r['tok_s']:>12.1f}{r.get('ms_per_step', float('nan')):>10.3f}"
               f"{r.get('bound_tok_s', float('nan')):>13.1f}{r.get('of_bound', float('nan')):>10.2f}  {note}")
     print_buckets(res)

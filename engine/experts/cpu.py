@@ -9,8 +9,11 @@ from engine.experts.offload import OffloadBackend
 class CpuBackend(OffloadBackend):
     name = "cpu"
 
-    def split(self, m: int) -> int:
+    def split(self, m: int, busy: int = 0) -> int:
         return 0
+
+    def ahead_fills(self, expected: float, likely: int) -> int:
+        return 0  # nothing is filled
 
     def cpu_share(self) -> float:
         return 1.0

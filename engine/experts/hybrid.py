@@ -18,8 +18,13 @@ class HybridBackend(OffloadBackend):
         super().__init__(pool, num_slots, device, **kw)
         self.policy = SplitPolicy(self.estimate, pool.expert_bytes)
 
-    def split(self, m: int) -> int:
-        return self.policy.choose(m).q
+    def split(self, m: int, busy: int = 0) -> int:
+        return self.policy.choose(m, busy).q
+
+    def ahead_fills(self, expected: float, likely: int) -> int:
+        """The fill share of the next layer's expected misses: copied ahead, they leave that layer's CPU the
+        rest, and this layer's split counts them as the copy stream's (split's busy)."""
+        return min(likely, self.policy.best(round(expected)).q)
 
     def cpu_share(self) -> float:
         return self.policy.cpu_share()

@@ -35,6 +35,11 @@ DECODE_MODES = ("auto", "mapped", "host")
 # whether a mapped decode prefetches each layer's likely expert (mapped.py): auto = on CUDA with a mapped decode
 # (H200 box, 8 layers at 37.5% in slots: offload 1.013x and hybrid 1.019x decode b1, Zipf routing even; docs/PERF.md)
 PREFETCH_MODES = ("auto", "on", "off")
+# a routed prompt forward copies the next MoE layer's likely misses while a layer runs (`lookahead`): the
+# experts its tokens touch with at least this probability by the slot table's heat (prefill_stream.touched),
+# into slots no layer still to run holds. Else PCIe waits for each layer's routing to come back to the host.
+AHEAD_TOUCHED = 0.9
+LOOKAHEAD_MODES = ("auto", "on", "off")
 
 
 class OffloadBackend:
@@ -43,7 +48,7 @@ class OffloadBackend:
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str = "cpu", *,
                  estimate: BandwidthEstimate | None = None, stream_prefill: bool | str = True,
                  slot_policy: str = "lru", grouped: bool | None = None, decode: str = "auto",
-                 prefetch: bool | str = False) -> None:
+                 prefetch: bool | str = False, lookahead: bool | str = "auto") -> None:
         self.pool, self.device = pool, torch.device(device)
         self.cache = SlotCache(pool, num_slots, self.device, slot_policy)
         self.stats_ = ExpertStats(pool.layers)
@@ -65,6 +70,13 @@ class OffloadBackend:
         self._unsettled: list[tuple] = []  # streamed layer calls not yet counted: (layer, topk_ids, moment, span)
         self._span = 1  # the longest sequence's tokens in the running forward (begin_forward)
         self._ahead = None  # [L, E]: heat a routed prompt forward will add to each expert, plus a refill (begin_forward)
+        self._touch = None  # [L, E]: the probability a routed prompt forward's tokens touch each expert (begin_forward)
+        self._looked: dict[int, np.ndarray] = {}  # layer -> experts copied in ahead of its routing, not yet counted
+        lookahead = {True: "on", False: "off"}.get(lookahead, lookahead)
+        if lookahead not in LOOKAHEAD_MODES:
+            raise ValueError(f"--moe-lookahead must be one of {', '.join(LOOKAHEAD_MODES)}, got {lookahead!r}")
+        # auto: where copies overlap compute (CUDA); on a CPU device a fill is a copy in line, nothing to overlap
+        self.lookahead = lookahead == "on" or (lookahead == "auto" and self.device.type == "cuda")
         # device experts in one launch pair of the grouped Triton kernels, reading the slots in place (default
         # on CUDA); else one expert at a time through torch (the reference, and the path on a CPU device)
         self.grouped = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None \
@@ -85,9 +97,15 @@ class OffloadBackend:
         self.mapped = None  # MappedExperts, made by mapped_decode() for a fast path
 
     # --- policy hooks, overridden by cpu / hybrid
-    def split(self, m: int) -> int:
-        """How many of m misses to fill (the rest run on the CPU)."""
+    def split(self, m: int, busy: int = 0) -> int:
+        """How many of m misses to fill (the rest run on the CPU); busy: experts the copy stream moves besides
+        (the next layer's, copied ahead)."""
         return m
+
+    def ahead_fills(self, expected: float, likely: int) -> int:
+        """How many of the next layer's `likely` misses (expected: its misses the heat predicts) to copy in
+        ahead of its routing: all of them here (every miss is filled)."""
+        return likely
 
     def cpu_share(self) -> float:
         return 0.0
@@ -127,19 +145,25 @@ class OffloadBackend:
         cache's heat ages by them and weighs each expert by the tokens routed to it (lru.prompt_use_weights)."""
         self._held = hold
         self.settle()
+        t = self.cache.table
+        # [L, E] per token, from the heat before this prompt fades it: the streamer's choice and a routed prompt's
+        # fills both predict by it
+        q = pick_probability(t.heat / t.moment()[1], top_k) if num_tokens > 1 and (
+            span > 1 or self.streamer is not None) else None
         if self.streamer is not None:
-            self.streamer.begin(num_tokens, top_k)  # predicts from the heat before this prompt fades it
-        self._ahead = None
+            self.streamer.begin(num_tokens, top_k, q)
+        self._ahead = self._touch = None
+        self._looked = {}
         if span > 1 and not (self.streamer is not None and self.streamer.active):
-            t = self.cache.table
-            q = pick_probability(t.heat / t.moment()[1], top_k)  # [L, E] per token
-            self._ahead = self._use_weights(num_tokens * q, span) + REFILL_USES * (1.0 - (1.0 - q) ** num_tokens)
+            self._touch = 1.0 - (1.0 - q) ** num_tokens
+            self._ahead = self._use_weights(num_tokens * q, span) + REFILL_USES * self._touch
         self._span = max(1, int(span))
         self.cache.table.tokens_passed(self._span - 1)
 
     def end_forward(self) -> None:
         self._held = False
-        self._ahead = None
+        self._ahead = self._touch = None
+        self._looked = {}
         self.settle()
 
     def keep_bonus(self, layer: int) -> np.ndarray | None:
@@ -201,19 +225,26 @@ class OffloadBackend:
         table.note_use(self.pool.row[layer], routing.experts, weights=self._use_weights(routing.counts, self._span))
         slots = self.cache.lookup(layer, routing.experts)
         hits = [i for i, s in enumerate(slots) if s >= 0]
+        self._count_looked(layer, routing.experts)
         # fills take the misses with the most tokens, then the hottest (the ones a slot will serve again);
         # the CPU runs the rest from the host pool
         heat = table.heat[self.pool.row[layer]]
         misses = sorted((i for i, s in enumerate(slots) if s < 0),
                         key=lambda i: (-routing.counts[i], -heat[routing.experts[i]]))
-        q = len(misses) if streaming else self.split(len(misses))
-        fills, on_cpu = misses[:q], misses[q:]
         table.touch(slots[hits])
         table.lock(slots[hits])
+        ahead = None if streaming else self._ahead_plan(layer)
+        q = len(misses) if streaming else self.split(len(misses), busy=len(ahead[1]) if ahead else 0)
+        fills, on_cpu = misses[:q], misses[q:]
+        if ahead:  # the fills of this layer take spare slots first
+            ahead = ahead[0], ahead[1][: max(0, ahead[2] - q)]
         y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
         pending = self._start_cpu(layer, x, routing, on_cpu)
-        self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills, pending is not None,
-                         topk_ids)
+        read = self.cache.mark() if ahead else None  # the last reader of an unlocked slot is queued before this...
+        in_rounds = self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills,
+                                     pending is not None, topk_ids)
+        if ahead and len(ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
+            self._copy_ahead(*ahead, with_cpu=pending is not None, after=None if in_rounds else read)
         if pending is not None:
             pos, vals, seconds = pending.result()
             y[pos.to(self.device)] = vals.to(self.device, y.dtype)
@@ -222,6 +253,51 @@ class OffloadBackend:
         self._unlock()
         self._count(layer, len(hits), len(misses), len(fills), len(on_cpu))
         return combine(y, topk_w)
+
+    def _ahead_plan(self, layer: int):
+        """For a routed prompt forward with `lookahead`: (the next MoE layer, its likely misses to copy in
+        while this layer runs, most likely first, the slots they and this layer's fills may take: unlocked and
+        held by no layer still to run, nor by this one in a held forward, whose later pieces read it) or None."""
+        if not self.lookahead or self._touch is None:
+            return None
+        i = self.pool.row[layer] + 1
+        if i == len(self.pool.layers):
+            return None
+        nxt, t = self.pool.layers[i], self.cache.table
+        p, missing = self._touch[i], t.resident[i] < 0
+        likely = np.flatnonzero(missing & (p >= AHEAD_TOUCHED))
+        spare = int((~t.locked & ~self._kept_from(i - int(self._held))).sum())
+        want = min(self.ahead_fills(float(p[missing].sum()), len(likely)), spare)
+        if want <= 0:
+            return None
+        heat = t.heat[i]
+        return nxt, likely[np.lexsort((-heat[likely], -p[likely]))][:want], spare
+
+    def _kept_from(self, row: int) -> np.ndarray:
+        """[S] slots holding an expert of pool row `row` or later (a layer still to run)."""
+        owner = self.cache.table.owner
+        return (owner >= 0) & (owner // self.pool.num_experts >= row)
+
+    def _copy_ahead(self, layer: int, experts: np.ndarray, *, with_cpu: bool, after) -> None:
+        """Copy `experts` of `layer` (the next MoE layer) into slots no layer from `layer` on holds, on the copy
+        stream behind this layer's fills; counted as fills of `layer` and as `ahead` (a wrong guess shows as
+        ahead - ahead_used)."""
+        bonus = np.where(self._kept_from(self.pool.row[layer] - int(self._held)), np.inf, 0.0)  # never taken
+        want = experts[: int((~self.cache.table.locked & (bonus == 0)).sum())].tolist()
+        placed = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=len(want) > COALESCE_FILLS,
+                                  after=after, bonus=bonus)
+        if not placed:
+            return
+        self._looked[layer] = np.asarray(want[: len(placed)])
+        st = self.stats_[layer]
+        st.fills += len(placed)
+        st.ahead += len(placed)
+        st.bytes_moved += len(placed) * self.pool.expert_bytes
+
+    def _count_looked(self, layer: int, experts: list[int]) -> None:
+        looked = self._looked.pop(layer, None)
+        if looked is not None:
+            self.stats_[layer].ahead_used += int(np.isin(looked, experts).sum())
 
     def _forward_streamed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor):
         """A streamed layer is wholly resident, so its routing need not come back to the host: the pairs look
@@ -239,9 +315,9 @@ class OffloadBackend:
         return combine(y, topk_w)
 
     def _run_device(self, layer, x, y, routing: Routing, hit_slots, hits, fills, with_cpu: bool,
-                    topk_ids: torch.Tensor) -> None:
+                    topk_ids: torch.Tensor) -> bool:
         """Hits from their slots; fills copied (overlapping the hits' compute) then run. When the cache
-        is smaller than one step's experts, fills go in rounds, each reusing the slots of the last.
+        is smaller than one step's experts, fills go in rounds, each reusing the slots of the last (-> True).
         with_cpu: this call's CPU runs go on alongside the copies (kept with their timing)."""
         want = [routing.experts[i] for i in fills]
         # before the hits run: copies overlap them; many fills (an extend's tokens) copy in sorted runs
@@ -251,7 +327,7 @@ class OffloadBackend:
             self._run_grouped(x, y, routing, hits, hit_slots, topk_ids)  # overlapping the copies
             self.cache.ready()
             self._run_grouped(x, y, routing, fills, admitted, topk_ids)
-            return
+            return False
         for i, s in zip(hits, hit_slots):
             self._run_slot(x, y, routing, i, s)
         done = 0
@@ -263,7 +339,7 @@ class OffloadBackend:
             self._fill_run_s = time.perf_counter() - t0 if self.cache.copy_stream is None else 0.0
             done += len(admitted)
             if done == len(fills):
-                return
+                return done > len(admitted)
             self._unlock()
             admitted = self.cache.admit(layer, want[done:], with_cpu=with_cpu, coalesce=coalesce,
                                         bonus=self.keep_bonus(layer))

@@ -148,24 +148,27 @@ class PrefillStreamer:
         self.tables: dict[int, object] = {}
         self.streamed_forwards = 0
 
-    def begin(self, num_tokens: int, top_k: int) -> None:
+    def begin(self, num_tokens: int, top_k: int, pick: np.ndarray | None = None) -> None:
+        """A forward of num_tokens begins: stream it or not. pick [L, E]: each expert's probability per token
+        (pick_probability of the slot table's heat; computed here when not given)."""
         cache, pool = self.b.cache, self.b.pool
         e = pool.num_experts
         self.active, self.reserved, self._prefetched, self._current = False, [], set(), None
         self.tables = {}
         if cache.num_slots < 2 * e or num_tokens <= 1:
             return
-        self.active = self.mode == "on" or self._predicted_faster(num_tokens, top_k)
+        self.active = self.mode == "on" or self._predicted_faster(num_tokens, top_k, pick)
         self.streamed_forwards += self.active
         if self.active:
             # the first layer's copy now, not at its first piece: that one follows the piece's mixer (~9 ms of an
             # 8k prompt on the H200 box) with the copy engine idle; kept locked (reserved) until that piece ran
             self.reserved = self._prefetch(pool.layers[0], after=None)
 
-    def _predicted_faster(self, num_tokens: int, top_k: int) -> bool:
+    def _predicted_faster(self, num_tokens: int, top_k: int, pick: np.ndarray | None) -> bool:
         cache, pool, est = self.b.cache, self.b.pool, self.b.estimate
         t, w = cache.table, cache.windows()
-        p = touched(t.heat / t.moment()[1], num_tokens, top_k)  # [L, E], rows in pool.layers' order (pool.row)
+        # [L, E] touched, rows in pool.layers' order (pool.row)
+        p = touched(t.heat / t.moment()[1], num_tokens, top_k) if pick is None else 1.0 - (1.0 - pick) ** num_tokens
         missing, cold_hit, likely, streamed = [], [], [], 0
         for i, layer in enumerate(pool.layers):
             warm = t.resident[i] >= 0

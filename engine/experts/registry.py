@@ -43,7 +43,8 @@ def create_slot_backend(name: str, pool, num_slots: int, device, **kw):
 def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes: int | None = None,
                     reserve_bytes: int = 0, profile: dict | None = None, estimate=None,
                     stream_prefill: bool | str = True, progress=None, background: bool = False, checkpoint=None,
-                    slot_policy: str = "lfu", decode: str = "auto", prefetch: bool | str = "auto"):
+                    slot_policy: str = "lfu", decode: str = "auto", prefetch: bool | str = "auto",
+                    lookahead: bool | str = "auto"):
     """`load_model(path, experts=experts_factory(...), expert_device="cpu")`: ExpertWeights -> backend.
 
     device: where the slots live (the model's device). slots: `--moe-slots` (N, "N%" or None = all the
@@ -56,7 +57,9 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
     through the slots, auto (True) | on | off (False) (prefill_stream.py). slot_policy: which slot a fill evicts, lru or lfu
     (engine/experts/lru.py). decode: how a fast path decodes through the cache, auto | mapped | host
     (offload.DECODE_MODES). prefetch: a mapped decode copies each layer's likely expert in while the layer's
-    mixer runs (mapped.py), auto (on CUDA with a mapped decode) | on (True) | off (False)."""
+    mixer runs (mapped.py), auto (on CUDA with a mapped decode) | on (True) | off (False). lookahead: a routed
+    prompt copies the next layer's likely misses while a layer runs (offload.AHEAD_TOUCHED), auto (on CUDA) |
+    on | off."""
 
     def build(source):
         import torch
@@ -88,7 +91,8 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
         else:
             pool = pool_from_source(source, progress=progress, background=background)
         return create_slot_backend(chosen, pool, n, device, estimate=est, stream_prefill=stream_prefill,
-                                   slot_policy=slot_policy, decode=decode, prefetch=prefetch)
+                                   slot_policy=slot_policy, decode=decode, prefetch=prefetch,
+                                   lookahead=lookahead)
 
     return build
 

@@ -94,8 +94,8 @@ def test_hybrid_measurements_reach_the_policy_tagged_as_issued(pool):
     chosen, copies, issued, seen = [], [], [], []  # choices; with_cpu of each admit that copied; observations
     admit, take, observe = b.cache.admit, b.cache.take_fill_timing, b.policy.observe
 
-    def cycle(m):  # every choice in turn, whatever the measured rates say
-        options = b.policy.options(m) if m else [b.policy.best(m)]
+    def cycle(m, busy=0):  # every choice in turn, whatever the measured rates say
+        options = b.policy.options(m, busy) if m else [b.policy.best(m)]
         chosen.append(options[len(chosen) % len(options)])
         return chosen[-1]
 
@@ -451,4 +451,61 @@ def test_a_later_layers_resident_goes_first_only_against_a_far_hotter_slot(done_
     victims = t.victims(E, bonus=b.keep_bonus(1))
     assert set((t.owner[victims] // E).tolist()) == {taken}
     b.end_forward()
+    b.close()
+
+
+@pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
+def test_a_routed_prompt_copies_the_next_layers_likely_misses_ahead(cls):
+    """--moe-lookahead on: while a layer of a routed prompt runs, the next layer's likely misses are copied
+    into slots no layer still to run holds (here the one free layer of slots, then the slots of the layers
+    already run), so the layers between the resident first and last two find them in place. Outputs equal the
+    reference's with and without it; the residents of the last two layers are never taken; every copy ahead is
+    counted as a fill and as `ahead`, the ones the layer then read as `ahead_used`."""
+    src, deep = _deep_pool()
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+    got = {}
+    for look in ("off", "on"):
+        b = cls(deep, 4 * E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", lookahead=look)
+        for layer in (0, 4, 5):
+            b.cache.admit(layer, list(range(E)))
+            b.cache.table.unlock_all()
+        kept = {s: b.cache.table.owner[s] for s in range(4 * E) if b.cache.table.owner[s] // E in (4, 5)}
+        x, ids, w = routing(40, seed=3)
+        b.begin_forward(40, K, hold=True, span=40)
+        for layer in range(6):
+            y = b.forward(layer, x, ids, w)
+            torch.testing.assert_close(y, reference(src, layer, x, ids, w), rtol=1e-5, atol=1e-5)
+            assert all(b.cache.table.owner[s] == o for s, o in kept.items())
+        b.end_forward()
+        got[look] = b.stats()["total"]
+        check_table(b)
+        b.close()
+    off, on = got["off"], got["on"]
+    assert off["ahead"] == 0
+    assert on["ahead"] > 0 and on["ahead_used"] == on["ahead"]  # every expert is routed to: no wrong copy
+    assert on["fills"] >= on["ahead"] and on["hits"] > off["hits"]
+    if cls is OffloadBackend:  # every miss is filled either way; ahead of its layer they are hits there
+        assert on["ahead"] == 3 * E and on["fills"] == off["fills"] == 3 * E and on["misses"] == 0
+    else:  # the copies ahead take the fill share; the CPU runs the rest
+        assert on["cpu_runs"] > 0 and on["misses"] + on["ahead"] == off["misses"]
+
+
+def test_a_wrong_copy_ahead_shows_as_ahead_not_used():
+    """The heat says layer 1's experts 0-3 are hot; the prompt routes elsewhere: they are copied ahead and
+    counted as ahead, not ahead_used, and the outputs still equal the reference's."""
+    src, deep = _deep_pool(layers=2)
+    b = OffloadBackend(deep, 2 * E, "cpu", stream_prefill="off", slot_policy="lfu", lookahead="on")
+    b.cache.table.note_use(1, np.arange(4), weights=np.full(4, 1000.0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, H, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:K] + 4 for _ in range(40)])  # experts 4-7 only
+    w = torch.softmax(torch.randn(40, K, generator=g), -1)
+    b.begin_forward(40, K, hold=True, span=40)
+    for layer in range(2):
+        torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                   rtol=1e-5, atol=1e-5)
+    b.end_forward()
+    st = b.stats()["layers"][1]
+    assert st["ahead"] == 4 and st["ahead_used"] == 0 and st["fills"] == 8  # 4 wrong copies, then the 4 misses
+    check_table(b)
     b.close()

@@ -163,3 +163,23 @@ def test_cpu_share_leaves_the_cpu_what_dram_has_beside_pcie():
         BandwidthEstimate(bp=53.2e9, bh=61.6e9).cpu_share()  # plenty of DRAM: B_H itself
     starved = BandwidthEstimate(bp=53.2e9, bh=61.6e9, stream=40e9).cpu_share()
     assert 0 < starved < 0.15  # PCIe alone fills DRAM: the CPU keeps a floor of a tenth of B_H
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_busy_copies_move_the_split_to_the_cpu(seed):
+    """busy: experts the copy stream moves besides this call's fills (the next layer's, copied ahead). The
+    split's predicted time is within one expert of the best integer split of max((q + busy) / B_P, (m - q) /
+    B_H) at the together rates, never worse than either path alone with the copies counted, and it fills
+    fewer the more the copy stream carries; busy=0 is the plain balanced split."""
+    rnd = random.Random(seed)
+    for _ in range(200):
+        bp, bh = rnd.uniform(5e9, 60e9), rnd.uniform(5e9, 60e9)
+        p = SplitPolicy(BandwidthEstimate(bp=bp, bh=bh, frozen=True), EB)
+        m, busy = rnd.randint(1, 200), rnd.randint(0, 200)
+        best = min(max((q + busy) * EB / bp, (m - q) * EB / bh) for q in range(m + 1))
+        c = p.best(m, busy)
+        assert c.seconds <= best + EB / min(bp, bh) + 1e-12
+        assert c.seconds == pytest.approx(max((c.q + busy) * EB / bp, (m - c.q) * EB / bh))
+        assert c.q <= p.best(m, 0).q
+        if busy == 0:
+            assert c.q in (0, m, q_balanced(m, bp, bh))
