@@ -277,7 +277,8 @@ def run(args) -> dict:
                          **cache.row_keys()})
             rows.append({"name": f"extend_{args.extend}", "placement": placement, "ttft_ms": ttft * 1e3,
                          "reused_tokens": reused, "tok_s": args.extend / ttft, **cache.since(between),
-                         **cache.stream_bound(ttft), **cache.row_keys()})
+                         **cache.stream_bound(ttft), **cache.dram_bound(cache.since(between), ttft),
+                         **cache.row_keys()})
             done("prefill and extend")
     finally:
         core.stop()
@@ -294,13 +295,15 @@ def run(args) -> dict:
 class ExpertTraffic:
     """The expert cache's counters around each row (nothing for all-resident experts), and the prefill's
     streaming bound: the pool's bytes at B_P measured in this process (pinned host -> device on CUDA,
-    host -> host on CPU, where a fill is a copy). measure_bp=False: the counters alone (no bound)."""
+    host -> host on CPU, where a fill is a copy), and the host DRAM's read rate over the pool (every core,
+    STREAM-style): an extend's misses are read from it once each, by a fill's DMA or by the CPU, so their bytes
+    at that rate are its floor whatever the split. measure_bp=False: the counters alone (no bounds)."""
 
     def __init__(self, model, measure_bp: bool = True) -> None:
         self.backend = getattr(model, "experts", None)
         self.cached = is_expert_cache(self.backend)
         self.streamer = getattr(self.backend, "streamer", None)  # None: prompts move their routed experts alone
-        self.bp = None
+        self.bp = self.host_read = None
         if self.cached:
             from engine.bench.bw import measure_bp as bp_of, measure_copy
 
@@ -308,6 +311,7 @@ class ExpertTraffic:
             self.pool_bytes = pool.expert_bytes * pool.num_experts * len(pool.layers)
             if measure_bp:
                 self.bp = bp_of(pool.layout, pool.dtype) or measure_copy(pool.layout, pool.dtype)
+                self.host_read = host_read_rate(pool)
 
     def placement(self) -> str:
         """As engine/bench/peers/compare.py pairs rows: `resident`, else `ncmoeN` for the llama.cpp run that
@@ -325,7 +329,8 @@ class ExpertTraffic:
     def header(self) -> dict:
         if not self.cached:
             return {}
-        return {"bp_gbs": self.bp / 1e9, "pool_bytes": self.pool_bytes, "variant": self.backend.name,
+        return {"bp_gbs": self.bp / 1e9, "host_read_gbs": (self.host_read or 0) / 1e9, "pool_bytes": self.pool_bytes,
+                "variant": self.backend.name,
                 "slot_policy": self.backend.cache.table.policy,
                 "prefill_stream": "off" if self.streamer is None else self.streamer.mode,
                 "prefetch": "on" if getattr(self.backend, "prefetch", False) else "off",
@@ -383,6 +388,40 @@ class ExpertTraffic:
         bound = self.pool_bytes / self.bp
         return {"stream_bound_s": bound, "of_stream_bound": bound / seconds}
 
+    def dram_bound(self, moved: dict, seconds: float) -> dict:
+        """A routed prompt's seconds against its misses' bytes (filled or run on the CPU, each read from host
+        DRAM once) at the host's read rate: 1.0 is the floor for those misses, however they are split."""
+        if not self.cached or not self.host_read or "experts" not in moved:
+            return {}
+        ex = moved["experts"]
+        nbytes = (ex["fills"] + ex["cpu_runs"]) * self.backend.pool.expert_bytes
+        return {"host_read_gbs": self.host_read / 1e9, "dram_bound_s": nbytes / self.host_read,
+                "of_dram_bound": nbytes / self.host_read / seconds}
+
+
+def host_read_rate(pool, passes: int = 3) -> float | None:
+    """Bytes/s of the best of `passes` reads over up to 2 GiB of the host pool on every core (the native read
+    pass, else a torch sum): the ceiling a fill's DMA and the CPU's expert runs share. None: nothing to read."""
+    import os
+
+    from engine.experts.cpu_runner import native_runner
+
+    rows = []
+    for layer in pool.layers:
+        rows.append(pool.wait_layer(layer))
+        if sum(r.numel() * r.element_size() for r in rows) >= 2 << 30:
+            break
+    if not rows:
+        return None
+    runner = native_runner(os.cpu_count() or 1)
+    best = 0.0
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for r in rows:
+            runner.read_bandwidth_pass(r) if runner is not None else r.sum()
+        best = max(best, sum(r.numel() * r.element_size() for r in rows) / (time.perf_counter() - t0))
+    return best
+
 
 def _cpu_path() -> str:
     """How misses run on the CPU in this process (cpu / hybrid): the native kernels, or torch where the
@@ -417,7 +456,7 @@ def print_table(res: dict) -> None:
               f"as llama.cpp {res['placement']}), decode {res['decode_path']}, CPU experts {res['cpu_experts']}, "
               f"pool {res.get('pool_huge', 0):.0%} in huge pages, prefill stream {res.get('prefill_stream', 'auto')}, "
               f"prefetch {res.get('prefetch', 'off')}, lookahead {res.get('lookahead', 'off')}, "
-              f"B_P {res['bp_gbs']:.1f} GB/s"
+              f"B_P {res['bp_gbs']:.1f} GB/s, host read {res.get('host_read_gbs', 0):.1f} GB/s"
               ) if "bp_gbs" in res else ""
     overlap = ", decode steps overlapped" if res.get("overlap") else ", decode steps one at a time"
     if res.get("temperature"):
@@ -437,6 +476,9 @@ def print_table(res: dict) -> None:
             note = f"TTFT {r['ttft_ms']:.1f} ms, {r['reused_tokens']} tokens reused"
             if "stream_bound_s" in r:  # issue 17 asks an extend to be 3x faster than streaming every expert
                 note += f"; {r['of_stream_bound']:.2f}x faster than the pool once at B_P ({r['stream_bound_s']:.3f} s)"
+            if "dram_bound_s" in r:  # its misses read once from host DRAM: the floor of any split
+                note += f"; its misses at the host's read rate {r['dram_bound_s'] * 1e3:.1f} ms " \
+                        f"({r['of_dram_bound']:.2f} of it)"
         if "pool_passes" in r:
             note += f"{'; ' if note else ''}{r['pool_passes']:.2f} pools moved, hit rate " \
                     f"{r['experts']['hits'] / max(1, r['experts']['hits'] + r['experts']['misses']):.2f}"

@@ -115,9 +115,16 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
         ext = rows["extend_16"]  # against streaming the pool once at B_P, as the prefill
         assert ext["of_stream_bound"] == pytest.approx(ext["stream_bound_s"] * 1e3 / ext["ttft_ms"])
         assert ext["stream_bound_s"] == pytest.approx(rows["prefill_256"]["stream_bound_s"])
+        # and against its misses read once from host DRAM at the read rate measured in the same process
+        miss_bytes = (ext["experts"]["fills"] + ext["experts"]["cpu_runs"]) * res["pool_bytes"] / (
+            text["num_hidden_layers"] * text["num_experts"])
+        assert res["host_read_gbs"] == ext["host_read_gbs"] > 0
+        assert ext["dram_bound_s"] == pytest.approx(miss_bytes / (ext["host_read_gbs"] * 1e9))
+        assert ext["of_dram_bound"] == pytest.approx(ext["dram_bound_s"] * 1e3 / ext["ttft_ms"])
     assert passes[None] < 1.5 and passes[64] > 3.5
     printed = capsys.readouterr().out
     assert "pools moved" in printed and "x faster than the pool once at B_P" in printed
+    assert "its misses at the host's read rate" in printed
     # the streaming choice says itself per prompt: on streams every prompt, off none (the routed experts alone)
     streamed = {}
     for mode in ("auto", "on", "off"):
