@@ -1,10 +1,12 @@
 """Run experts on the CPU straight from the host pool: the one function the backends call.
 
-run_on_cpu(x, host, jobs, layout, top_k, table=None): host is one layer's blocks [E, numel] (HostPool
+run_on_cpu(x, host, jobs, layout, top_k, table=None, out=None): host is one layer's blocks [E, numel] (HostPool
 .wait_layer), jobs = [(positions LongTensor [n_e], expert id)]. With the native kernels
 (engine/experts/cpu_kernels.py, extension built) they run the experts on a table of the layer (layer_table:
 build it once per layer and pass it, so a decode step's call checks nothing per expert); otherwise a torch
-CPU path does. The choice is the single assignment at the bottom of this file.
+CPU path does. The choice is the single assignment at the bottom of this file. out: a buffer [>= N, H] of x's
+dtype (e.g. page-locked, for the device to read in place) the outputs are written into; its first N rows come
+back.
 
 The native runner's worker count is its own setting (set_threads), not torch's intra-op thread count read on
 every call: the engine's torch threads and the expert workers are separate pools, and asking torch each call
@@ -22,7 +24,7 @@ Result = tuple[torch.Tensor, torch.Tensor]  # (positions [N], outputs [N, H])
 
 
 def _torch_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertLayout, top_k: int,
-                      table=None) -> Result:
+                      table=None, out: torch.Tensor | None = None) -> Result:
     """x [T, H] (CPU); jobs = [(pos LongTensor [n_e], expert id)] -> (pos [N], y [N, H]) on the CPU."""
     outs, poss = [], []
     for pos, e in jobs:
@@ -31,7 +33,10 @@ def _torch_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertL
         poss.append(pos)
     if not outs:
         return torch.empty(0, dtype=torch.long), x.new_empty(0, x.shape[1])
-    return torch.cat(poss), torch.cat(outs)
+    y = torch.cat(outs)
+    if out is not None:
+        y = out[: len(y)].copy_(y)
+    return torch.cat(poss), y
 
 
 _runners: dict = {}
@@ -62,7 +67,7 @@ def layer_table(host: torch.Tensor, layout: ExpertLayout):
 
 
 def _native_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertLayout, top_k: int,
-                       table=None) -> Result:
+                       table=None, out: torch.Tensor | None = None) -> Result:
     """Same contract on the native runner, one native call (CpuExpertRunner.run_gather: gather, kernels,
     conversion). A handful of torch calls on purpose: each costs 20-100 us with caches emptied by the previous
     call's streaming (dev box: 400-530 us a call of 8 experts outside the kernels before, 170-300 after; docs/
@@ -71,15 +76,20 @@ def _native_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: Expert
         return torch.empty(0, dtype=torch.long), x.new_empty(0, x.shape[1])
     table = table if table is not None else layer_table(host, layout)
     if table is None:
-        return _torch_run_on_cpu(x, host, jobs, layout, top_k)
+        return _torch_run_on_cpu(x, host, jobs, layout, top_k, out=out)
     pos = torch.cat([p for p, _ in jobs]) if len(jobs) > 1 else jobs[0][0]  # [N]
     flat = pos.tolist()
     experts = [e for _, e in jobs] if len(flat) == len(jobs) else [e for p, e in jobs for _ in range(len(p))]
     native = x.dtype in _GATHER_DTYPES  # else (fp16) through f32, two more torch calls
-    out = torch.empty(len(flat), layout.hidden, dtype=x.dtype if native else torch.float32)  # [N, H], overwritten
+    if native and out is not None:
+        y = out[: len(flat)]  # [N, H], overwritten
+    else:
+        y = torch.empty(len(flat), layout.hidden, dtype=x.dtype if native else torch.float32)
     native_runner(_threads[0] or expert_threads()).run_gather(table, experts, [q // top_k for q in flat],
-                                                      x if native else x.float(), out)
-    return pos, out if native else out.to(x.dtype)
+                                                      x if native else x.float(), y)
+    if not native:
+        y = y.to(x.dtype) if out is None else out[: len(flat)].copy_(y)
+    return pos, y
 
 
 _GATHER_DTYPES = (torch.bfloat16, torch.float32)  # activation dtypes run_gather reads and writes

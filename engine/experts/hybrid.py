@@ -19,12 +19,13 @@ class HybridBackend(OffloadBackend):
         self.policy = SplitPolicy(self.estimate, pool.expert_bytes)
 
     def split(self, m: int, busy: int = 0) -> int:
-        return self.policy.choose(m, busy).q
+        # with copies ahead the copy engine runs through the layer's handoff, and the CPU waits it out
+        return self.policy.choose(m, busy, self.handoff if busy else 0.0).q
 
     def ahead_fills(self, expected: float, likely: int) -> int:
-        """The fill share of the next layer's expected misses: copied ahead, they leave that layer's CPU the
-        rest, and this layer's split counts them as the copy stream's (split's busy)."""
-        return min(likely, self.policy.best(round(expected)).q)
+        """The fill share of the next layer's expected misses, the CPU's handoff counted: copied ahead, they
+        leave that layer's CPU the rest, and this layer's split counts them as the copy stream's (split's busy)."""
+        return min(likely, self.policy.best(round(expected), cpu_extra=self.handoff).q)
 
     def cpu_share(self) -> float:
         return self.policy.cpu_share()

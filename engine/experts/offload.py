@@ -22,7 +22,8 @@ from engine.experts.cpu_runner import layer_table, run_on_cpu
 from engine.experts.host_pool import HostPool
 from engine.experts.lru import prompt_use_weights
 from engine.experts.policy import BandwidthEstimate
-from engine.experts.prefill_stream import KEEP_RATIO, REFILL_USES, STREAM_MODES, PrefillStreamer, pick_probability
+from engine.experts.prefill_stream import (KEEP_RATIO, LIKELY_READ, REFILL_USES, STREAM_MODES, PrefillStreamer,
+                                          pick_probability)
 from engine.experts.slot_cache import SlotCache
 from engine.experts.stats import ExpertStats
 
@@ -40,6 +41,7 @@ PREFETCH_MODES = ("auto", "on", "off")
 # into slots no layer still to run holds. Else PCIe waits for each layer's routing to come back to the host.
 AHEAD_TOUCHED = 0.9
 LOOKAHEAD_MODES = ("auto", "on", "off")
+HANDOFF_ALPHA = 0.3  # weight of a new sample in the handoff's running estimate
 
 
 class OffloadBackend:
@@ -72,15 +74,31 @@ class OffloadBackend:
         self._ahead = None  # [L, E]: heat a routed prompt forward will add to each expert, plus a refill (begin_forward)
         self._touch = None  # [L, E]: the probability a routed prompt forward's tokens touch each expert (begin_forward)
         self._looked: dict[int, np.ndarray] = {}  # layer -> experts copied in ahead of its routing, not yet counted
+        self._seen: dict[int, int] = {}  # pool row -> tokens its calls have run in this forward
+        self._tokens = 0  # tokens of the forward (begin_forward)
         lookahead = {True: "on", False: "off"}.get(lookahead, lookahead)
         if lookahead not in LOOKAHEAD_MODES:
             raise ValueError(f"--moe-lookahead must be one of {', '.join(LOOKAHEAD_MODES)}, got {lookahead!r}")
         # auto: where copies overlap compute (CUDA); on a CPU device a fill is a copy in line, nothing to overlap
         self.lookahead = lookahead == "on" or (lookahead == "auto" and self.device.type == "cuda")
+        # seconds a routed prompt's layer call leaves the CPU idle besides its expert runs: the device's work
+        # between two MoE layers (CUDA events) and the host's before the CPU job starts; hybrid's split with
+        # copies ahead gives the copy engine that much more (EMA, HANDOFF_ALPHA)
+        self.handoff = 0.0
+        self._handoff_n = 0
+        self._last_exit = None  # (pool row, CUDA event after that MoE layer call) in this forward
+        self._gaps: list = []  # (event, event): the device's time between two MoE layer calls, not yet read
+        self._gap_s = 0.0  # the last of them read
+        # CUDA: a routed prompt's CPU outputs and their positions go to page-locked buffers that the device reads
+        # in place (mailbox_triton.scatter_rows); an H2D copy of them queued behind the copies ahead
+        self._zero_copy = False  # set with self.grouped below
+        self._cpu_out: dict = {}  # dtype -> (positions [cap] int64, outputs [cap, H]), page-locked
+        self._scatter_done = None  # CUDA event after the last scatter_rows, their reader
         # device experts in one launch pair of the grouped Triton kernels, reading the slots in place (default
         # on CUDA); else one expert at a time through torch (the reference, and the path on a CPU device)
         self.grouped = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None \
             if grouped is None else grouped
+        self._zero_copy = self.grouped and self.device.type == "cuda"
         if decode not in DECODE_MODES:
             raise ValueError(f"--moe-decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
         self.decode_mode = decode
@@ -152,8 +170,8 @@ class OffloadBackend:
             span > 1 or self.streamer is not None) else None
         if self.streamer is not None:
             self.streamer.begin(num_tokens, top_k, q)
-        self._ahead = self._touch = None
-        self._looked = {}
+        self._ahead = self._touch = self._last_exit = None
+        self._looked, self._seen, self._tokens = {}, {}, num_tokens
         if span > 1 and not (self.streamer is not None and self.streamer.active):
             self._touch = 1.0 - (1.0 - q) ** num_tokens
             self._ahead = self._use_weights(num_tokens * q, span) + REFILL_USES * self._touch
@@ -220,8 +238,12 @@ class OffloadBackend:
             if self.grouped and x.dtype == self.pool.dtype and layer in self.streamer.tables:
                 return self._forward_streamed(layer, x, topk_ids, topk_w)
         else:
+            self._seen[self.pool.row[layer]] = self._seen.get(self.pool.row[layer], 0) + x.shape[0]
+            self._mark_enter(layer)
             self.cache.ready()  # hits may sit in slots filled by copies still in flight
         routing = Routing.of(topk_ids)
+        routed_at = time.perf_counter()
+        self._read_gaps()  # the routing's read-back waited for the device: earlier gaps' events are done
         table.note_use(self.pool.row[layer], routing.experts, weights=self._use_weights(routing.counts, self._span))
         slots = self.cache.lookup(layer, routing.experts)
         hits = [i for i, s in enumerate(slots) if s >= 0]
@@ -246,13 +268,16 @@ class OffloadBackend:
         if ahead and len(ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
             self._copy_ahead(*ahead, with_cpu=pending is not None, after=None if in_rounds else read)
         if pending is not None:
-            pos, vals, seconds = pending.result()
-            y[pos.to(self.device)] = vals.to(self.device, y.dtype)
+            pos, vals, seconds, started = pending.result()
+            self._place_cpu(y, pos, vals)
             self.estimate.observe_cpu(len(on_cpu) * self.pool.expert_bytes, seconds)
             self.observe("cpu", len(on_cpu) * self.pool.expert_bytes, seconds, together=bool(fills))
+            self._observe_handoff(started - routed_at)
         self._unlock()
         self._count(layer, len(hits), len(misses), len(fills), len(on_cpu))
-        return combine(y, topk_w)
+        out = combine(y, topk_w)
+        self._mark_exit(layer)
+        return out
 
     def _ahead_plan(self, layer: int):
         """For a routed prompt forward with `lookahead`: (the next MoE layer, its likely misses to copy in
@@ -266,23 +291,34 @@ class OffloadBackend:
         nxt, t = self.pool.layers[i], self.cache.table
         p, missing = self._touch[i], t.resident[i] < 0
         likely = np.flatnonzero(missing & (p >= AHEAD_TOUCHED))
-        spare = int((~t.locked & ~self._kept_from(i - int(self._held))).sum())
+        spare = int((~t.locked & ~self._kept(i - 1)).sum())
         want = min(self.ahead_fills(float(p[missing].sum()), len(likely)), spare)
         if want <= 0:
             return None
         heat = t.heat[i]
         return nxt, likely[np.lexsort((-heat[likely], -p[likely]))][:want], spare
 
-    def _kept_from(self, row: int) -> np.ndarray:
-        """[S] slots holding an expert of pool row `row` or later (a layer still to run)."""
-        owner = self.cache.table.owner
-        return (owner >= 0) & (owner // self.pool.num_experts >= row)
+    def _kept(self, running: int) -> np.ndarray:
+        """[S] slots a copy ahead leaves alone while pool row `running` runs: those holding an expert that a
+        layer still to run (or this one, when more of its pieces follow) will likely read (touched with p >=
+        LIKELY_READ). A cold resident of a later layer goes for a likely miss of the next."""
+        owner, e = self.cache.table.owner, self.pool.num_experts
+        rows = owner // e
+        later = (owner >= 0) & ((rows > running) | ((rows == running) & self._more_pieces(running)))
+        out = np.zeros(len(owner), dtype=bool)
+        out[later] = self._touch[rows[later], owner[later] % e] >= LIKELY_READ
+        return out
+
+    def _more_pieces(self, row: int) -> bool:
+        """Whether the held forward runs more pieces of pool row `row` after the one running (its tokens so far
+        fall short of the forward's)."""
+        return self._held and self._seen.get(row, 0) < self._tokens
 
     def _copy_ahead(self, layer: int, experts: np.ndarray, *, with_cpu: bool, after) -> None:
         """Copy `experts` of `layer` (the next MoE layer) into slots no layer from `layer` on holds, on the copy
         stream behind this layer's fills; counted as fills of `layer` and as `ahead` (a wrong guess shows as
         ahead - ahead_used)."""
-        bonus = np.where(self._kept_from(self.pool.row[layer] - int(self._held)), np.inf, 0.0)  # never taken
+        bonus = np.where(self._kept(self.pool.row[layer] - 1), np.inf, 0.0)  # never taken
         want = experts[: int((~self.cache.table.locked & (bonus == 0)).sum())].tolist()
         placed = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=len(want) > COALESCE_FILLS,
                                   after=after, bonus=bonus)
@@ -298,6 +334,62 @@ class OffloadBackend:
         looked = self._looked.pop(layer, None)
         if looked is not None:
             self.stats_[layer].ahead_used += int(np.isin(looked, experts).sum())
+
+    def _mark_enter(self, layer: int) -> None:
+        """A routed prompt's MoE layer call begins (CUDA, lookahead): the device's time since the last one ended,
+        the layers' attention and the rest, is CPU idle time (read at _read_gaps, once the events are done)."""
+        if not (self.lookahead and self._touch is not None and self.device.type == "cuda"):
+            return
+        last, self._last_exit = self._last_exit, None
+        if last is not None and last[0] == self.pool.row[layer] - 1:
+            enter = torch.cuda.Event(enable_timing=True)
+            enter.record()
+            self._gaps.append((last[1], enter))
+
+    def _mark_exit(self, layer: int) -> None:
+        if self.lookahead and self._touch is not None and self.device.type == "cuda":
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            self._last_exit = (self.pool.row[layer], done)
+
+    def _read_gaps(self) -> None:
+        while self._gaps and self._gaps[0][1].query():
+            a, b = self._gaps.pop(0)
+            self._gap_s = a.elapsed_time(b) / 1e3
+
+    def _observe_handoff(self, host_s: float) -> None:
+        """A layer call's CPU idle time: the host's from the routing's return to the CPU job's start, plus the
+        device's last gap between MoE layers (CUDA)."""
+        if not self.lookahead or self._touch is None:
+            return
+        sample = max(0.0, host_s) + self._gap_s
+        self._handoff_n += 1
+        w = max(HANDOFF_ALPHA, 1.0 / self._handoff_n)
+        self.handoff = (1 - w) * self.handoff + w * sample
+
+    def _place_cpu(self, y: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
+        """y [T*K, H] at pos <- the CPU's outputs: read in place from page-locked memory by a kernel on CUDA,
+        else copied."""
+        if self._zero_copy and vals.is_pinned() and pos.is_pinned():
+            from engine.kernels.mailbox_triton import scatter_rows
+
+            scatter_rows(y, pos, vals)
+            self._scatter_done = torch.cuda.Event()
+            self._scatter_done.record()
+        else:
+            y[pos.to(self.device)] = vals.to(self.device, y.dtype)
+
+    def _out_buffers(self, dtype: torch.dtype, rows: int):
+        """(positions [>= rows] int64, outputs [>= rows, H]) page-locked, for a CPU job to write; the last
+        scatter_rows that read them has run (normally long since: the routing's read-back waited for it)."""
+        if self._scatter_done is not None:
+            self._scatter_done.synchronize()
+        buf = self._cpu_out.get(dtype)
+        if buf is None or buf[0].shape[0] < rows:
+            cap = 1 << max(10, (rows - 1).bit_length())
+            buf = self._cpu_out[dtype] = (torch.empty(cap, dtype=torch.long, pin_memory=True),
+                                          torch.empty(cap, self.pool.layout.hidden, dtype=dtype, pin_memory=True))
+        return buf
 
     def _forward_streamed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor):
         """A streamed layer is wholly resident, so its routing need not come back to the host: the pairs look
@@ -383,12 +475,16 @@ class OffloadBackend:
         if layer not in self._cpu_tables:
             self._cpu_tables[layer] = layer_table(host, self.pool.layout)
         jobs = [(routing.position(i), routing.experts[i]) for i in on_cpu]
-        return self._cpu.submit(self._cpu_job, x.to("cpu"), host, jobs, routing.top_k, self._cpu_tables[layer])
+        out = self._out_buffers(x.dtype, sum(routing.counts[i] for i in on_cpu)) if self._zero_copy else None
+        return self._cpu.submit(self._cpu_job, x.to("cpu"), host, jobs, routing.top_k, self._cpu_tables[layer], out)
 
-    def _cpu_job(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs, top_k: int, table):
+    def _cpu_job(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs, top_k: int, table, out=None):
+        """-> (positions, outputs, seconds, when it started): into `out` (positions, outputs) when given."""
         t0 = time.perf_counter()
-        pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table)
-        return pos, vals, time.perf_counter() - t0
+        pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table, out=None if out is None else out[1])
+        if out is not None:
+            pos = out[0][: len(pos)].copy_(pos)
+        return pos, vals, time.perf_counter() - t0, t0
 
     def _unlock(self) -> None:
         self.cache.table.unlock_all()

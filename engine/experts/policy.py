@@ -126,31 +126,38 @@ class SplitPolicy:
         self._last_used = dict.fromkeys(ARMS, 0)  # decision number an arm was last taken at
         self._decisions = 0
 
-    def options(self, m: int, busy: int = 0) -> list[Choice]:
+    def options(self, m: int, busy: int = 0, cpu_extra: float = 0.0) -> list[Choice]:
         """The choices for m >= 1 misses with their predicted seconds; "split" only where both paths get work.
         busy: experts the fill path copies besides (a routed prompt's next layer, copied ahead while this one
-        runs): they add to the fills' time, and with them "cpu" runs alongside the copies."""
+        runs): they add to the fills' time, and with them "cpu" runs alongside the copies. cpu_extra: seconds
+        the CPU path loses per call besides its runs (with copies ahead the copy engine works through a layer's
+        handoff, the routing's return and the next attention, while the CPU waits for its next input)."""
         fill, cpu = self.rates["fill", False].value, self.rates["cpu", False].value
         bp, bh = self.rates["fill", True].value, self.rates["cpu", True].value
-        alone_cpu = self._seconds(m, cpu) if not busy else max(self._seconds(m, bh), self._seconds(busy, bp))
+
+        def on_cpu(n: int, rate: float) -> float:
+            return self._seconds(n, rate) + cpu_extra if n else 0.0
+
+        alone_cpu = on_cpu(m, cpu) if not busy else max(on_cpu(m, bh), self._seconds(busy, bp))
         out = [Choice("fill", m, self._seconds(m + busy, fill)), Choice("cpu", 0, alone_cpu)]
-        q = max(0, q_balanced(m + busy, bp, bh) - busy)
+        extra = round(cpu_extra * bh / self.expert_bytes) if cpu_extra > 0 else 0  # the handoff in experts
+        q = max(0, q_balanced(m + busy + extra, bp, bh) - busy)
         if 0 < q < m:
-            out.insert(0, Choice("split", q, max(self._seconds(q + busy, bp), self._seconds(m - q, bh))))
+            out.insert(0, Choice("split", q, max(self._seconds(q + busy, bp), on_cpu(m - q, bh))))
         return out
 
-    def best(self, m: int, busy: int = 0) -> Choice:
+    def best(self, m: int, busy: int = 0, cpu_extra: float = 0.0) -> Choice:
         """The fastest predicted choice for m misses; no side effects."""
         if m <= 0:
             return Choice("none", 0, 0.0)
-        return _fastest(self.options(m, busy))
+        return _fastest(self.options(m, busy, cpu_extra))
 
-    def choose(self, m: int, busy: int = 0) -> Choice:
-        """The split for this call's m misses (busy: as in options): the fastest predicted, or on schedule one due
-        for re-measuring."""
+    def choose(self, m: int, busy: int = 0, cpu_extra: float = 0.0) -> Choice:
+        """The split for this call's m misses (busy, cpu_extra: as in options): the fastest predicted, or on
+        schedule one due for re-measuring."""
         if m <= 0:
             return Choice("none", 0, 0.0)
-        options = self.options(m, busy)
+        options = self.options(m, busy, cpu_extra)
         pick = _fastest(options)
         due = self._due(options, pick) if m >= self.explore_min and not self.estimate.frozen else []
         if due:

@@ -94,8 +94,8 @@ def test_hybrid_measurements_reach_the_policy_tagged_as_issued(pool):
     chosen, copies, issued, seen = [], [], [], []  # choices; with_cpu of each admit that copied; observations
     admit, take, observe = b.cache.admit, b.cache.take_fill_timing, b.policy.observe
 
-    def cycle(m, busy=0):  # every choice in turn, whatever the measured rates say
-        options = b.policy.options(m, busy) if m else [b.policy.best(m)]
+    def cycle(m, busy=0, cpu_extra=0.0):  # every choice in turn, whatever the measured rates say
+        options = b.policy.options(m, busy, cpu_extra) if m else [b.policy.best(m)]
         chosen.append(options[len(chosen) % len(options)])
         return chosen[-1]
 
@@ -210,6 +210,11 @@ def test_native_cpu_runner_matches_torch(pool):
         pos_n, y_n = cpu_runner.run_on_cpu(x, host, jobs, pool.layout, K, tab)
         assert torch.equal(pos_n, pos_t)
         torch.testing.assert_close(y_n, y_t, rtol=1e-5, atol=1e-5)
+    for run in (cpu_runner.run_on_cpu, cpu_runner._torch_run_on_cpu):  # into a caller's (page-locked) buffer
+        buf = torch.full((len(pos_t) + 5, H), float("nan"))
+        pos_b, y_b = run(x, host, jobs, pool.layout, K, table, out=buf)
+        assert torch.equal(pos_b, pos_t) and y_b.data_ptr() == buf.data_ptr() and len(y_b) == len(pos_t)
+        torch.testing.assert_close(y_b, y_t, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not cpu_runner.NATIVE, reason="native CPU kernels not built")
@@ -490,6 +495,31 @@ def test_a_routed_prompt_copies_the_next_layers_likely_misses_ahead(cls):
         assert on["cpu_runs"] > 0 and on["misses"] + on["ahead"] == off["misses"]
 
 
+def test_the_cpus_handoff_moves_hybrids_copies_ahead_and_its_split_to_the_copy_engine(pool):
+    """With copies ahead the copy engine works through a layer's handoff while the CPU waits: the longer the
+    handoff (measured per routed prompt layer call, an EMA), the more of the next layer's misses hybrid copies
+    ahead and the fewer of this layer's it runs on the CPU; a routed prompt with CPU work measures it."""
+    est = BandwidthEstimate(bp=50e9, bh=50e9, frozen=True)
+    b = HybridBackend(pool, 3, "cpu", estimate=est, stream_prefill="off", lookahead="on")
+    ahead, fills = [], []
+    for h in (0.0, 0.002, 0.004, 0.05):
+        b.handoff = h
+        ahead.append(b.ahead_fills(200.0, 1000))
+        # a layer whose copies ahead came (200 - ahead[-1] misses left) copying the next one's: all on the CPU
+        assert b.split(200 - ahead[-1], busy=ahead[-1]) == 0 or ahead[-1] == 200
+        fills.append(b.split(200, busy=50))
+    assert ahead[0] == 100 and ahead == sorted(ahead) and ahead[-1] == 200  # half, then more, then all
+    assert fills == sorted(fills) and fills[-1] > fills[0]
+    b.handoff = 0.0
+    x, ids, w = routing(40, seed=3)
+    b.begin_forward(40, K, hold=True, span=40)
+    for layer in L_IDS:
+        b.forward(layer, x, ids, w)
+    b.end_forward()
+    assert b.stats()["total"]["cpu_runs"] > 0 and b.handoff > 0
+    b.close()
+
+
 def test_a_wrong_copy_ahead_shows_as_ahead_not_used():
     """The heat says layer 1's experts 0-3 are hot; the prompt routes elsewhere: they are copied ahead and
     counted as ahead, not ahead_used, and the outputs still equal the reference's."""
@@ -507,5 +537,34 @@ def test_a_wrong_copy_ahead_shows_as_ahead_not_used():
     b.end_forward()
     st = b.stats()["layers"][1]
     assert st["ahead"] == 4 and st["ahead_used"] == 0 and st["fills"] == 8  # 4 wrong copies, then the 4 misses
+    check_table(b)
+    b.close()
+
+
+def test_a_copy_ahead_takes_cold_residents_and_those_of_a_layer_done():
+    """All slots full (layers 0 and 2): the copy ahead for layer 1's likely experts 0-3 takes slots whose
+    experts the prompt will likely not read, here layer 0's untouched ones once its only piece ran and layer
+    2's cold ones, never layer 2's hot ones. Outputs equal the reference's."""
+    src, deep = _deep_pool(layers=3)
+    b = OffloadBackend(deep, 2 * E, "cpu", stream_prefill="off", slot_policy="lfu", lookahead="on")
+    t = b.cache.table
+    for layer in (0, 2):
+        b.cache.admit(layer, list(range(E)))
+        t.unlock_all()
+    for row in range(3):
+        t.note_use(row, np.arange(4), weights=np.full(4, 1000.0))
+    hot2 = {int(t.resident[2, e]) for e in range(4)}
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, H, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:K] for _ in range(40)])  # experts 0-3 only
+    w = torch.softmax(torch.randn(40, K, generator=g), -1)
+    b.begin_forward(40, K, hold=True, span=40)
+    for layer in range(3):
+        torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                   rtol=1e-5, atol=1e-5)
+        assert all(t.owner[s] // E == 2 for s in hot2)
+    b.end_forward()
+    st = b.stats()["layers"]
+    assert st[1]["ahead"] == st[1]["ahead_used"] == 4 and st[1]["misses"] == 0 and st[2]["misses"] == 0
     check_table(b)
     b.close()

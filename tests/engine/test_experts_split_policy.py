@@ -183,3 +183,8 @@ def test_busy_copies_move_the_split_to_the_cpu(seed):
         assert c.q <= p.best(m, 0).q
         if busy == 0:
             assert c.q in (0, m, q_balanced(m, bp, bh))
+        extra = rnd.uniform(0, 0.01)  # seconds the CPU path loses a call besides its runs
+        best = min(max((q + busy) * EB / bp, (m - q) * EB / bh + (extra if q < m else 0.0)) for q in range(m + 1))
+        c = p.best(m, busy, extra)
+        assert c.seconds <= best + EB / min(bp, bh) + 1e-12
+        assert c.q >= p.best(m, busy).q

@@ -64,3 +64,24 @@ def test_cpu_pairs_are_run_by_the_thread_and_joined_with_their_weights(dev, shar
     finally:
         box.close()
     assert not box.box.running
+
+
+def test_scatter_rows_reads_host_rows_in_place_into_their_positions(dev):
+    """scatter_rows: y[pos[i]] = src[i] with pos and src in page-locked host memory (on the CPU under the
+    interpreter), converted to y's dtype; rows not named keep what they held."""
+    from engine.kernels.mailbox_triton import scatter_rows
+
+    g = torch.Generator().manual_seed(3)
+    pin = dev == "cuda"
+    for n, R, H in ((5, 12, 2048), (1, 3, 100), (0, 4, 8)):
+        src = torch.randn(n, H, generator=g).to(torch.bfloat16)
+        pos = torch.randperm(R, generator=g)[:n]
+        if pin:
+            src, pos = src.pin_memory(), pos.pin_memory()
+        y = torch.randn(R, H, generator=g).to(dev)
+        want = y.clone()
+        want[pos.to(dev)] = src.to(dev, y.dtype)
+        scatter_rows(y, pos, src)
+        assert torch.equal(y, want)
+    with pytest.raises(ValueError, match="scatter_rows"):
+        scatter_rows(torch.zeros(4, 8, device=dev), torch.zeros(2, dtype=torch.long), torch.zeros(2, 9))
