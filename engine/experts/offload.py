@@ -380,15 +380,16 @@ class OffloadBackend:
             y[pos.to(self.device)] = vals.to(self.device, y.dtype)
 
     def _out_buffers(self, dtype: torch.dtype, rows: int):
-        """(positions [>= rows] int64, outputs [>= rows, H]) page-locked, for a CPU job to write; the last
-        scatter_rows that read them has run (normally long since: the routing's read-back waited for it)."""
+        """(positions [>= rows] int64, outputs [>= rows, H]) for a CPU job to write, page-locked on CUDA; the
+        last scatter_rows that read them has run (normally long since: the routing's read-back waited for it)."""
         if self._scatter_done is not None:
             self._scatter_done.synchronize()
         buf = self._cpu_out.get(dtype)
         if buf is None or buf[0].shape[0] < rows:
             cap = 1 << max(10, (rows - 1).bit_length())
-            buf = self._cpu_out[dtype] = (torch.empty(cap, dtype=torch.long, pin_memory=True),
-                                          torch.empty(cap, self.pool.layout.hidden, dtype=dtype, pin_memory=True))
+            pin = self.device.type == "cuda"
+            buf = self._cpu_out[dtype] = (torch.empty(cap, dtype=torch.long, pin_memory=pin),
+                                          torch.empty(cap, self.pool.layout.hidden, dtype=dtype, pin_memory=pin))
         return buf
 
     def _forward_streamed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor):
@@ -479,11 +480,15 @@ class OffloadBackend:
         return self._cpu.submit(self._cpu_job, x.to("cpu"), host, jobs, routing.top_k, self._cpu_tables[layer], out)
 
     def _cpu_job(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs, top_k: int, table, out=None):
-        """-> (positions, outputs, seconds, when it started): into `out` (positions, outputs) when given."""
+        """-> (positions, outputs, seconds, when it started): into `out` (positions, outputs) when given. In
+        inference mode, as the engine's thread that made `out` (a worker thread starts outside it, and writing
+        an inference tensor there raises)."""
         t0 = time.perf_counter()
-        pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table, out=None if out is None else out[1])
-        if out is not None:
-            pos = out[0][: len(pos)].copy_(pos)
+        with torch.inference_mode():
+            pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table,
+                                   out=None if out is None else out[1])
+            if out is not None:
+                pos = out[0][: len(pos)].copy_(pos)
         return pos, vals, time.perf_counter() - t0, t0
 
     def _unlock(self) -> None:

@@ -568,3 +568,23 @@ def test_a_copy_ahead_takes_cold_residents_and_those_of_a_layer_done():
     assert st[1]["ahead"] == st[1]["ahead_used"] == 4 and st[1]["misses"] == 0 and st[2]["misses"] == 0
     check_table(b)
     b.close()
+
+
+def test_cpu_outputs_through_the_reused_buffers_equal_the_reference_in_inference_mode():
+    """The CPU job writes a routed prompt's outputs and positions into buffers the backend keeps (page-locked
+    on CUDA, read in place by scatter_rows): made by the engine's thread in inference mode, written by the
+    worker thread, reused layer after layer and prompt after prompt. Outputs equal the reference's."""
+    src, deep = _deep_pool(layers=3)
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+    b = HybridBackend(deep, 4, "cpu", estimate=est, stream_prefill="off", lookahead="on")
+    b._zero_copy = True  # the buffers as on CUDA (the scatter itself: tests/kernels/test_mailbox.py)
+    with torch.inference_mode():
+        for step, T in enumerate((40, 7, 40)):
+            x, ids, w = routing(T, seed=50 + step)
+            b.begin_forward(T, K, hold=True, span=T)
+            for layer in range(3):
+                torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                           rtol=1e-5, atol=1e-5)
+            b.end_forward()
+    assert b.stats()["total"]["cpu_runs"] > 0 and b._cpu_out
+    b.close()
