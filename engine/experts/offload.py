@@ -38,7 +38,7 @@ DECODE_MODES = ("auto", "mapped", "host")
 PREFETCH_MODES = ("auto", "on", "off")
 # a routed prompt forward copies the next MoE layer's likely misses while a layer runs (`lookahead`): the
 # experts its tokens touch with at least this probability by the slot table's heat (prefill_stream.touched),
-# into slots no layer still to run holds. Else PCIe waits for each layer's routing to come back to the host.
+# into slots of experts it will likely not read (_kept). Else PCIe waits for each layer's routing to return.
 AHEAD_TOUCHED = 0.9
 LOOKAHEAD_MODES = ("auto", "on", "off")
 HANDOFF_ALPHA = 0.3  # weight of a new sample in the handoff's running estimate
@@ -89,15 +89,14 @@ class OffloadBackend:
         self._last_exit = None  # (pool row, CUDA event after that MoE layer call) in this forward
         self._gaps: list = []  # (event, event): the device's time between two MoE layer calls, not yet read
         self._gap_s = 0.0  # the last of them read
-        # CUDA: a routed prompt's CPU outputs and their positions go to page-locked buffers that the device reads
-        # in place (mailbox_triton.scatter_rows); an H2D copy of them queued behind the copies ahead
-        self._zero_copy = False  # set with self.grouped below
         self._cpu_out: dict = {}  # dtype -> (positions [cap] int64, outputs [cap, H]), page-locked
         self._scatter_done = None  # CUDA event after the last scatter_rows, their reader
         # device experts in one launch pair of the grouped Triton kernels, reading the slots in place (default
         # on CUDA); else one expert at a time through torch (the reference, and the path on a CPU device)
         self.grouped = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None \
             if grouped is None else grouped
+        # CUDA: a routed prompt's CPU outputs and their positions go to page-locked buffers that the device reads
+        # in place (mailbox_triton.scatter_rows); an H2D copy of them queued behind the copies ahead
         self._zero_copy = self.grouped and self.device.type == "cuda"
         if decode not in DECODE_MODES:
             raise ValueError(f"--moe-decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
@@ -282,7 +281,7 @@ class OffloadBackend:
     def _ahead_plan(self, layer: int):
         """For a routed prompt forward with `lookahead`: (the next MoE layer, its likely misses to copy in
         while this layer runs, most likely first, the slots they and this layer's fills may take: unlocked and
-        held by no layer still to run, nor by this one in a held forward, whose later pieces read it) or None."""
+        not _kept) or None."""
         if not self.lookahead or self._touch is None:
             return None
         i = self.pool.row[layer] + 1
@@ -315,8 +314,8 @@ class OffloadBackend:
         return self._held and self._seen.get(row, 0) < self._tokens
 
     def _copy_ahead(self, layer: int, experts: np.ndarray, *, with_cpu: bool, after) -> None:
-        """Copy `experts` of `layer` (the next MoE layer) into slots no layer from `layer` on holds, on the copy
-        stream behind this layer's fills; counted as fills of `layer` and as `ahead` (a wrong guess shows as
+        """Copy `experts` of `layer` (the next MoE layer) into unlocked slots _kept leaves, on the copy stream
+        behind this layer's fills; counted as fills of `layer` and as `ahead` (a wrong guess shows as
         ahead - ahead_used)."""
         bonus = np.where(self._kept(self.pool.row[layer] - 1), np.inf, 0.0)  # never taken
         want = experts[: int((~self.cache.table.locked & (bonus == 0)).sum())].tolist()
