@@ -275,10 +275,10 @@ def run(args) -> dict:
                          "seconds": prefill_s, "runs_s": runs, **cache.since(mark, upto=between),
                          **cache.stream_bound(prefill_s),
                          **cache.row_keys()})
+            moved = cache.since(between)
             rows.append({"name": f"extend_{args.extend}", "placement": placement, "ttft_ms": ttft * 1e3,
-                         "reused_tokens": reused, "tok_s": args.extend / ttft, **cache.since(between),
-                         **cache.stream_bound(ttft), **cache.dram_bound(cache.since(between), ttft),
-                         **cache.row_keys()})
+                         "reused_tokens": reused, "tok_s": args.extend / ttft, **moved,
+                         **cache.stream_bound(ttft), **cache.dram_bound(moved, ttft), **cache.row_keys()})
             done("prefill and extend")
     finally:
         core.stop()

@@ -282,7 +282,7 @@ class OffloadBackend:
         """For a routed prompt forward with `lookahead`: (the next MoE layer, its likely misses to copy in
         while this layer runs, most likely first, the slots they and this layer's fills may take: unlocked and
         not _kept) or None."""
-        if not self.lookahead or self._touch is None:
+        if not self._looking_ahead():
             return None
         i = self.pool.row[layer] + 1
         if i == len(self.pool.layers):
@@ -334,10 +334,14 @@ class OffloadBackend:
         if looked is not None:
             self.stats_[layer].ahead_used += int(np.isin(looked, experts).sum())
 
+    def _looking_ahead(self) -> bool:
+        """A routed prompt forward runs with `lookahead` (its touch probabilities known)."""
+        return self.lookahead and self._touch is not None
+
     def _mark_enter(self, layer: int) -> None:
         """A routed prompt's MoE layer call begins (CUDA, lookahead): the device's time since the last one ended,
         the layers' attention and the rest, is CPU idle time (read at _read_gaps, once the events are done)."""
-        if not (self.lookahead and self._touch is not None and self.device.type == "cuda"):
+        if not (self._looking_ahead() and self.device.type == "cuda"):
             return
         last, self._last_exit = self._last_exit, None
         if last is not None and last[0] == self.pool.row[layer] - 1:
@@ -346,7 +350,7 @@ class OffloadBackend:
             self._gaps.append((last[1], enter))
 
     def _mark_exit(self, layer: int) -> None:
-        if self.lookahead and self._touch is not None and self.device.type == "cuda":
+        if self._looking_ahead() and self.device.type == "cuda":
             done = torch.cuda.Event(enable_timing=True)
             done.record()
             self._last_exit = (self.pool.row[layer], done)
@@ -359,7 +363,7 @@ class OffloadBackend:
     def _observe_handoff(self, host_s: float) -> None:
         """A layer call's CPU idle time: the host's from the routing's return to the CPU job's start, plus the
         device's last gap between MoE layers (CUDA)."""
-        if not self.lookahead or self._touch is None:
+        if not self._looking_ahead():
             return
         sample = max(0.0, host_s) + self._gap_s
         self._handoff_n += 1
