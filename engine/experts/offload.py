@@ -239,7 +239,6 @@ class OffloadBackend:
         else:
             self._seen[self.pool.row[layer]] = self._seen.get(self.pool.row[layer], 0) + x.shape[0]
             self._mark_enter(layer)
-            self.cache.ready()  # hits may sit in slots filled by copies still in flight
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
         self._read_gaps()  # the routing's read-back waited for the device: earlier gaps' events are done
@@ -262,6 +261,11 @@ class OffloadBackend:
         y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
         pending = self._start_cpu(layer, x, routing, on_cpu)
         read = self.cache.mark() if ahead else None  # the last reader of an unlocked slot is queued before this...
+        if not streaming:
+            # hits may sit in slots that copies still in flight fill (the last layer's copies ahead). Waited for
+            # only now: the routing's and the CPU's inputs' read-backs queued before it do not wait behind them
+            # (the box, 2026-12-03: a layer's routing came back 2.6-4.9 ms late, after the copies ahead)
+            self.cache.ready()
         in_rounds = self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills,
                                      pending is not None, topk_ids)
         if ahead and len(ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
