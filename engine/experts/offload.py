@@ -176,6 +176,13 @@ class OffloadBackend:
             self._ahead = self._use_weights(num_tokens * q, span) + REFILL_USES * self._touch
         self._span = max(1, int(span))
         self.cache.table.tokens_passed(self._span - 1)
+        if self._looking_ahead():
+            # the first MoE layer's likely misses copy in while the layers before its experts run (after a
+            # streamed prompt the slots hold the last layers' and the first's experts: the copy engine else
+            # waits for the first routing to start on the second layer's)
+            first = self._plan_row(0)
+            if first is not None:
+                self._copy_ahead(first[0], first[1], with_cpu=False, after=None)
 
     def end_forward(self) -> None:
         self._held = False
@@ -286,9 +293,11 @@ class OffloadBackend:
         """For a routed prompt forward with `lookahead`: (the next MoE layer, its likely misses to copy in
         while this layer runs, most likely first, the slots they and this layer's fills may take: unlocked and
         not _kept) or None."""
-        if not self._looking_ahead():
-            return None
-        i = self.pool.row[layer] + 1
+        return self._plan_row(self.pool.row[layer] + 1) if self._looking_ahead() else None
+
+    def _plan_row(self, i: int):
+        """_ahead_plan for pool row i, the rows before it run (none: i = 0, copied before the forward's first
+        layer)."""
         if i == len(self.pool.layers):
             return None
         nxt, t = self.pool.layers[i], self.cache.table

@@ -541,6 +541,38 @@ def test_a_wrong_copy_ahead_shows_as_ahead_not_used():
     b.close()
 
 
+@pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
+def test_the_first_layers_likely_misses_copy_in_at_the_forwards_start(cls):
+    """begin_forward of a routed prompt with lookahead copies the first MoE layer's likely misses (its hot
+    experts, not resident) before any layer runs: counted as that layer's fills and `ahead`, read as hits
+    there (ahead_used, no miss); outputs equal the reference's. Without lookahead nothing moves before."""
+    src, deep = _deep_pool(layers=2)
+    est = BandwidthEstimate(bp=1e9, bh=1e9, frozen=True)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(40, H, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:K] for _ in range(40)])  # experts 0-3 only
+    w = torch.softmax(torch.randn(40, K, generator=g), -1)
+    for look in ("off", "on"):
+        b = cls(deep, 2 * E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", lookahead=look)
+        b.cache.table.note_use(0, np.arange(4), weights=np.full(4, 1000.0))
+        b.begin_forward(40, K, hold=True, span=40)
+        before = b.stats()["layers"][0]
+        for layer in range(2):
+            torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                       rtol=1e-5, atol=1e-5)
+        b.end_forward()
+        st = b.stats()["layers"][0]
+        if look == "on":
+            assert before["ahead"] == before["fills"] > 0
+            assert st["ahead_used"] == st["ahead"] == before["ahead"] and st["hits"] >= st["ahead"]
+            if cls is OffloadBackend:
+                assert st["ahead"] == 4 and st["misses"] == 0
+        else:
+            assert before["fills"] == 0 and st["ahead"] == 0 and st["misses"] == 4
+        check_table(b)
+        b.close()
+
+
 def test_a_copy_ahead_takes_cold_residents_and_those_of_a_layer_done():
     """All slots full (layers 0 and 2): the copy ahead for layer 1's likely experts 0-3 takes slots whose
     experts the prompt will likely not read, here layer 0's untouched ones once its only piece ran and layer
