@@ -36,6 +36,7 @@ class EngineOptions:
     moe_decode: str = "auto"  # fast-path decode through the expert cache: mapped | host | auto (offload.py)
     moe_prefetch: str = "auto"  # on: a mapped decode copies each layer's likely expert in while its mixer runs
     moe_lookahead: str = "auto"  # on: a routed prompt copies the next layer's likely misses while a layer runs
+    moe_refresh: str = "auto"  # on: idle time moves the hottest experts not in a slot into the coldest slots
     fast_path: bool = True  # CUDA: Triton kernels, static state slots, decode steps as CUDA graphs
     overlap: bool = True  # CUDA: queue the next decode step from the last one's tokens still on the device
     # (False: each step's tokens read first; the CPU never overlaps, a queued step runs at once there)
@@ -111,6 +112,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "layer runs, into slots of experts the prompt will likely not read, so PCIe does not "
                         "wait for each layer's routing (default auto: on CUDA; H200, 256-token extends: 1.07-1.08x, "
                         "docs/PERF.md; counted as fills and as `ahead` / `ahead_used` in the expert stats)")
+    g.add_argument("--moe-refresh", default="auto", choices=["auto", "on", "off"],
+                   help="while no request runs or waits, move the hottest experts not in a slot (by the cache's "
+                        "recent routing) into the coldest slots, 32 at a time (a few ms each on PCIe gen5: what a "
+                        "request arriving meanwhile waits at most): a long prompt streamed through the slots leaves "
+                        "whole layers there, and an agent's next turn routes to every layer's hottest experts "
+                        "(default auto: on CUDA; counted as fills and as `refreshed` in the expert stats)")
     g.add_argument("--expert-threads", type=int,
                    help="CPU threads running experts for cpu/hybrid (default: every core on a CPU engine; on "
                         "CUDA half the cores: host DRAM bounds the experts, and the engine thread keeps a core)")
@@ -286,7 +293,8 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     return {"experts": experts_factory(name, device=opts.device, slots=opts.moe_slots, progress=progress,
                                        reserve_bytes=reserve, profile=profile or {},
                                        slot_policy=opts.slot_policy, decode=opts.moe_decode,
-                                       prefetch=opts.moe_prefetch, lookahead=opts.moe_lookahead),
+                                       prefetch=opts.moe_prefetch, lookahead=opts.moe_lookahead,
+                                       refresh=opts.moe_refresh),
             "expert_device": "cpu"}
 
 

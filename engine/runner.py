@@ -79,6 +79,12 @@ class ModelRunner:
     def step(self, work: list[Work]) -> list[int | None]:
         return self.launch(work).tokens()
 
+    def idle(self) -> bool:
+        """Background work while no request runs or waits (EngineCore calls it between requests, a bounded
+        piece at a time): the expert cache's refresh (OffloadBackend.refresh). -> whether more remains."""
+        refresh = getattr(getattr(self.model, "experts", None), "refresh", None)
+        return refresh is not None and refresh() > 0
+
     @torch.inference_mode()
     def launch(self, work: list[Work]) -> "Launched":
         """Queue one step (forward, checkpoints, sampling) on the device; its tokens are read by tokens()."""

@@ -43,6 +43,7 @@ class Runner(Protocol):
     def release(self, seq: Sequence) -> None: ...  # cache what is worth keeping, free the rest
 
     def stats(self) -> dict: ...
+    # optional: def idle(self) -> bool  (bounded background work while nothing runs or waits; True: more to do)
 
 
 class EngineCore:
@@ -71,6 +72,10 @@ class EngineCore:
                        "decode_steps": 0, "decode_step_seconds": 0.0, "decode_runner_seconds": 0.0}
         self._decode_end: float | None = None  # when the last decode step ended, if nothing came between
         self._ahead = None  # a decode step queued after the last one published, its tokens not read yet
+        # the runner's background work for idle time (ModelRunner.idle: the expert cache's refresh), called
+        # while no request runs or waits, outside the lock, until it says it is done; due again after a step
+        self._idle_work = getattr(runner, "idle", None)
+        self._idle_due = False
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "EngineCore":
@@ -138,13 +143,25 @@ class EngineCore:
     # -- engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
+            idle = False
             with self._lock:
                 while (not self._stopping and not self._inbox and not self._calls and self.scheduler.idle
                        and self._ahead is None):
                     self._decode_end = None  # an idle wait is no part of a decode step
+                    if self._idle_due:
+                        idle = True
+                        break
                     self._lock.wait(0.5)
                 if self._stopping:
                     break
+            if idle:  # one bounded piece (a few ms: what a request arriving now waits), then look again
+                more = _try(self._idle_work)
+                if isinstance(more, BaseException):
+                    log.warning("idle work failed, not retried until the next request: %r", more)
+                    more = False
+                self._idle_due = bool(more)
+                continue
+            with self._lock:
                 inbox, self._inbox = list(self._inbox), deque()
                 calls, self._calls = list(self._calls), deque()
                 aborts, self._aborts = self._aborts, set()
@@ -158,6 +175,7 @@ class EngineCore:
             self._apply_aborts(aborts)
             if not self.scheduler.idle or self._ahead is not None:
                 self._step()
+                self._idle_due = self._idle_work is not None
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._finish(seq, "abort", error=None)
 

@@ -73,6 +73,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-runs", type=int, default=3,
                    help="fresh long prompts timed after a warm-up one; the row is their median (default 3)")
     p.add_argument("--extend", type=int, default=256, help="tokens appended after the cached prompt (default 256)")
+    p.add_argument("--extend-idle-ms", type=float, default=0.0,
+                   help="milliseconds the engine idles between the cached prompt's end and the extend's arrival, as "
+                        "an agent's tool call between two turns (idle time the expert cache's --moe-refresh uses; "
+                        "default 0: back to back)")
     p.add_argument("--text-prompts", action="store_true",
                    help="prompts of the text `python -m engine.bench.serve` sends, tokenized with the checkpoint's "
                         "tokenizer (--model DIR), instead of uniform random ids: experts routed as a serve "
@@ -104,6 +108,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-lookahead", default="auto", choices=["auto", "on", "off"],
                    help="a routed prompt copies the next layer's likely missing experts while a layer runs (as "
                         "serve's --moe-lookahead; default auto: on CUDA)")
+    p.add_argument("--moe-refresh", default="auto", choices=["auto", "on", "off"],
+                   help="idle time moves the hottest experts not in a slot in (as serve's --moe-refresh; default "
+                        "auto: on CUDA)")
     p.add_argument("--moe-decode", default="auto", choices=["auto", "mapped", "host"],
                    help="how decode goes through the expert cache (as serve; default auto)")
     p.add_argument("--expert-threads", type=int,

@@ -183,8 +183,8 @@ def bench_decode(core, prompt, batch: int, args, seed: int, probe=None) -> tuple
 
 def bench_prefill(core, draw, args, seed: int, cache: "ExpertTraffic") -> tuple:
     """-> (prefill seconds of the long prompt: the median of --prefill-runs fresh prompts, each run's seconds,
-    TTFT of the extend, tokens the extend reused, the expert counters before the last prompt and between it
-    and the extend)."""
+    TTFT of the extend, tokens the extend reused, the expert counters before the last prompt, after it, and
+    when the extend arrives: --extend-idle-ms later)."""
     run_requests(core, [draw(args.prefill, seed)], 1)  # warm-up at the same size
     times = []
     for i in range(max(1, args.prefill_runs)):  # one run alone varied by 25% between machines (H200 box)
@@ -194,9 +194,12 @@ def bench_prefill(core, draw, args, seed: int, cache: "ExpertTraffic") -> tuple:
         times.append(first.final[first.order[0]].usage.ttft_s)
     prefill_s = statistics.median(times)
     between = cache.mark()
+    if args.extend_idle_ms > 0:
+        time.sleep(args.extend_idle_ms / 1e3)
+    arrival = cache.mark()
     ext = run_requests(core, [prompt + draw(args.extend, seed + 2)], 1)
     usage = ext.final[ext.order[0]].usage
-    return prefill_s, times, usage.ttft_s, usage.reused_tokens, before, between
+    return prefill_s, times, usage.ttft_s, usage.reused_tokens, before, between, arrival
 
 
 def build(args):
@@ -217,7 +220,7 @@ def build(args):
     where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
                                          slot_policy=args.slot_policy, decode=args.moe_decode,
                                          prefetch=args.moe_prefetch, lookahead=args.moe_lookahead,
-                                         stream_prefill=args.prefill_stream),
+                                         refresh=args.moe_refresh, stream_prefill=args.prefill_stream),
                  expert_device="cpu") if cached else {}
     if args.model:
         if zipf:
@@ -270,14 +273,17 @@ def run(args) -> dict:
                          **cache.row_keys()})
             done(f"decode_b{b}")
         if args.prefill:
-            prefill_s, runs, ttft, reused, mark, between = bench_prefill(core, draw, args, seed=7, cache=cache)
+            prefill_s, runs, ttft, reused, mark, between, arrival = bench_prefill(core, draw, args, seed=7,
+                                                                                  cache=cache)
             rows.append({"name": f"prefill_{args.prefill}", "placement": placement, "tok_s": args.prefill / prefill_s,
                          "seconds": prefill_s, "runs_s": runs, **cache.since(mark, upto=between),
                          **cache.stream_bound(prefill_s),
                          **cache.row_keys()})
-            moved = cache.since(between)
+            moved = cache.since(arrival)
+            idle = cache.since(between, upto=arrival).get("experts", {})
             rows.append({"name": f"extend_{args.extend}", "placement": placement, "ttft_ms": ttft * 1e3,
-                         "reused_tokens": reused, "tok_s": args.extend / ttft, **moved,
+                         "reused_tokens": reused, "tok_s": args.extend / ttft, "idle_ms": args.extend_idle_ms,
+                         "idle_refreshed": idle.get("refreshed", 0), **moved,
                          **cache.stream_bound(ttft), **cache.dram_bound(moved, ttft), **cache.row_keys()})
             done("prefill and extend")
     finally:
@@ -390,11 +396,12 @@ class ExpertTraffic:
 
     def dram_bound(self, moved: dict, seconds: float) -> dict:
         """A routed prompt's seconds against its misses' bytes (filled or run on the CPU, each read from host
-        DRAM once) at the host's read rate: 1.0 is the floor for those misses, however they are split."""
+        DRAM once) at the host's read rate: 1.0 is the floor for those misses, however they are split. Copies of
+    the idle refresh (a call under way when the prompt arrived) are not its misses."""
         if not self.cached or not self.host_read or "experts" not in moved:
             return {}
         ex = moved["experts"]
-        nbytes = (ex["fills"] + ex["cpu_runs"]) * self.backend.pool.expert_bytes
+        nbytes = (ex["fills"] - ex["refreshed"] + ex["cpu_runs"]) * self.backend.pool.expert_bytes
         return {"host_read_gbs": self.host_read / 1e9, "dram_bound_s": nbytes / self.host_read,
                 "of_dram_bound": nbytes / self.host_read / seconds}
 
@@ -474,6 +481,8 @@ def print_table(res: dict) -> None:
                 note += f"; pool once at B_P {r['stream_bound_s']:.3f} s ({r['of_stream_bound']:.2f} of it)"
         if r["name"].startswith("extend"):
             note = f"TTFT {r['ttft_ms']:.1f} ms, {r['reused_tokens']} tokens reused"
+            if r.get("idle_ms"):  # --extend-idle-ms: the agent's tool time, which the idle refresh uses
+                note += f", arrived {r['idle_ms']:.0f} ms after the prompt ({r['idle_refreshed']} experts refreshed)"
             if "stream_bound_s" in r:  # issue 17 asks an extend to be 3x faster than streaming every expert
                 note += f"; {r['of_stream_bound']:.2f}x faster than the pool once at B_P ({r['stream_bound_s']:.3f} s)"
             if "dram_bound_s" in r:  # its misses read once from host DRAM: the floor of any split

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from engine.experts import admission
 from engine.experts.compute import Routing, combine, run_expert
 from engine.experts.cpu_runner import layer_table, run_on_cpu
 from engine.experts.host_pool import HostPool
@@ -41,6 +42,14 @@ PREFETCH_MODES = ("auto", "on", "off")
 # into slots of experts it will likely not read (_kept). Else PCIe waits for each layer's routing to return.
 AHEAD_TOUCHED = 0.9
 LOOKAHEAD_MODES = ("auto", "on", "off")
+# idle time (no request running or waiting) moves the hottest experts not in a slot into the slots the policy
+# evicts first (`refresh`): a streamed prompt leaves whole layers in the slots, the first and the last ones, and
+# an agent's next turn (a short extend of the same context) routes to the hottest experts of every layer.
+# REFRESH_FILLS a call at most (~4 ms of PCIe gen5 at the Qwen3.6-35B-A3B width: what a request that arrives
+# meanwhile waits at most); a newcomer takes an occupied slot when REFRESH_RATIO x hotter than its expert.
+REFRESH_MODES = ("auto", "on", "off")
+REFRESH_FILLS = 32
+REFRESH_RATIO = 1.25
 HANDOFF_ALPHA = 0.3  # weight of a new sample in the handoff's running estimate
 
 
@@ -50,7 +59,8 @@ class OffloadBackend:
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str = "cpu", *,
                  estimate: BandwidthEstimate | None = None, stream_prefill: bool | str = True,
                  slot_policy: str = "lru", grouped: bool | None = None, decode: str = "auto",
-                 prefetch: bool | str = False, lookahead: bool | str = "auto") -> None:
+                 prefetch: bool | str = False, lookahead: bool | str = "auto",
+                 refresh: bool | str = "auto") -> None:
         self.pool, self.device = pool, torch.device(device)
         self.cache = SlotCache(pool, num_slots, self.device, slot_policy)
         self.stats_ = ExpertStats(pool.layers)
@@ -81,6 +91,11 @@ class OffloadBackend:
             raise ValueError(f"--moe-lookahead must be one of {', '.join(LOOKAHEAD_MODES)}, got {lookahead!r}")
         # auto: where copies overlap compute (CUDA); on a CPU device a fill is a copy in line, nothing to overlap
         self.lookahead = lookahead == "on" or (lookahead == "auto" and self.device.type == "cuda")
+        refresh = {True: "on", False: "off"}.get(refresh, refresh)
+        if refresh not in REFRESH_MODES:
+            raise ValueError(f"--moe-refresh must be one of {', '.join(REFRESH_MODES)}, got {refresh!r}")
+        # auto: on CUDA, whose copies run on the copy engine; a CPU engine's idle time is its cores'
+        self.refresh_idle = refresh == "on" or (refresh == "auto" and self.device.type == "cuda")
         # seconds a routed prompt's layer call leaves the CPU idle besides its expert runs: the device's work
         # between two MoE layers (CUDA events) and the host's before the CPU job starts; hybrid's split with
         # copies ahead gives the copy engine that much more (EMA, HANDOFF_ALPHA)
@@ -189,6 +204,36 @@ class OffloadBackend:
         self._ahead = self._touch = None
         self._looked = {}
         self.settle()
+
+    def refresh(self, budget: int = REFRESH_FILLS) -> int:
+        """Idle time (EngineCore between requests, through ModelRunner.idle; never inside a forward): the
+        hottest experts not in a slot move into the slots the policy evicts first, while a slot is free or the
+        newcomer is REFRESH_RATIO x hotter than its expert (admission.admissions, the mapped decode's rule), at
+        most `budget` a call, and the call waits for their copies. -> experts moved (0: the slots hold what
+        the heat asks for, or refresh is off). Counted as fills and as `refreshed`."""
+        if not self.refresh_idle or self._held or budget <= 0:
+            return 0
+        self.settle()
+        t = self.cache.table
+        rows, experts = np.nonzero((t.resident < 0) & (t.heat > 0))
+        if not len(rows):
+            return 0
+        top = np.argsort(-t.heat[rows, experts], kind="stable")[:budget]
+        candidates = [(float(t.heat[r, e]), int(r), int(e)) for r, e in zip(rows[top], experts[top])]
+        by_row: dict[int, list[tuple[int, int]]] = {}
+        for row, e, slot in admission.admissions(t, candidates, max_fills=budget, ratio=REFRESH_RATIO):
+            by_row.setdefault(row, []).append((e, slot))
+        done = None
+        for row, pairs in sorted(by_row.items()):
+            layer = self.pool.layers[row]
+            done = self.cache.place(layer, [e for e, _ in pairs], [s for _, s in pairs]) or done
+            st = self.stats_[layer]
+            st.fills += len(pairs)
+            st.refreshed += len(pairs)
+            st.bytes_moved += len(pairs) * self.pool.expert_bytes
+        if done is not None:
+            done.synchronize()  # the copy stream is FIFO: the last layer's copies end after the others
+        return sum(len(p) for p in by_row.values())
 
     def keep_bonus(self, layer: int) -> np.ndarray | None:
         """[S] uses to add to each slot's heat for the fills' victims (SlotTable.victims) in a routed prompt

@@ -44,7 +44,7 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
                     reserve_bytes: int = 0, profile: dict | None = None, estimate=None,
                     stream_prefill: bool | str = True, progress=None, background: bool = False, checkpoint=None,
                     slot_policy: str = "lfu", decode: str = "auto", prefetch: bool | str = "auto",
-                    lookahead: bool | str = "auto"):
+                    lookahead: bool | str = "auto", refresh: bool | str = "auto"):
     """`load_model(path, experts=experts_factory(...), expert_device="cpu")`: ExpertWeights -> backend.
 
     device: where the slots live (the model's device). slots: `--moe-slots` (N, "N%" or None = all the
@@ -59,7 +59,8 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
     (offload.DECODE_MODES). prefetch: a mapped decode copies each layer's likely expert in while the layer's
     mixer runs (mapped.py), auto (on CUDA with a mapped decode) | on (True) | off (False). lookahead: a routed
     prompt copies the next layer's likely misses while a layer runs (offload.AHEAD_TOUCHED), auto (on CUDA) |
-    on | off."""
+    on | off. refresh: idle time moves the hottest experts not in a slot in (OffloadBackend.refresh), auto (on
+    CUDA) | on | off."""
 
     def build(source):
         import torch
@@ -92,7 +93,7 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
             pool = pool_from_source(source, progress=progress, background=background)
         return create_slot_backend(chosen, pool, n, device, estimate=est, stream_prefill=stream_prefill,
                                    slot_policy=slot_policy, decode=decode, prefetch=prefetch,
-                                   lookahead=lookahead)
+                                   lookahead=lookahead, refresh=refresh)
 
     return build
 

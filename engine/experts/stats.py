@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 FIELDS = ("hits", "misses", "fills", "cpu_runs", "bytes_moved", "direct_reads", "bytes_read", "guesses",
-          "guesses_right", "bytes_guessed", "ahead", "ahead_used")
+          "guesses_right", "bytes_guessed", "ahead", "ahead_used",
+          "refreshed")
 
 
 @dataclass
@@ -21,6 +22,7 @@ class LayerStats:
     bytes_guessed: int = 0  # host bytes the guesses copied (a wrong one's are PCIe traffic the misses did not need)
     ahead: int = 0  # experts a routed prompt copied in before the layer's routing was known (counted in fills)
     ahead_used: int = 0  # of those, the ones the layer then routed to (the others are fills it did not need)
+    refreshed: int = 0  # experts idle time moved into slots (OffloadBackend.refresh; counted in fills)
 
     def add(self, other: "LayerStats") -> None:
         for f in FIELDS:

@@ -620,3 +620,47 @@ def test_cpu_outputs_through_the_reused_buffers_equal_the_reference_in_inference
             b.end_forward()
     assert b.stats()["total"]["cpu_runs"] > 0 and b._cpu_out
     b.close()
+
+
+@pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
+def test_idle_refresh_moves_the_hottest_experts_into_the_coldest_slots(cls):
+    """OffloadBackend.refresh (idle time): slots full of layer 0's cold experts, the heat says layer 1's experts
+    0-3 are hot: 2 calls of budget 2 move them in (into layer 0's coldest slots), a third finds nothing to move;
+    each is counted as a fill and as `refreshed`; the copies hold the pool's weights (a prompt then finds
+    them as hits and its output is the reference's). A newcomer only slightly hotter than every resident
+    (under REFRESH_RATIO) stays out; with refresh off nothing moves."""
+    src, deep = _deep_pool(layers=2)
+    est = BandwidthEstimate(bp=1e9, bh=1e9, frozen=True)
+    b = cls(deep, E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", refresh="on")
+    t = b.cache.table
+    b.cache.admit(0, list(range(E)))
+    t.unlock_all()
+    t.note_use(0, np.arange(E), weights=np.arange(1.0, E + 1))  # layer 0's expert e: heat e + 1
+    t.note_use(1, np.arange(4), weights=np.full(4, 1000.0))
+    assert [b.refresh(2), b.refresh(2), b.refresh(2)] == [2, 2, 0]
+    assert (t.resident[1, :4] >= 0).all() and (t.resident[0, :4] < 0).all() and (t.resident[0, 4:] >= 0).all()
+    st = b.stats()["layers"][1]
+    assert st["refreshed"] == st["fills"] == 4 and b.stats()["layers"][0]["refreshed"] == 0
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(40, H, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:K] for _ in range(40)])  # experts 0-3 only
+    w = torch.softmax(torch.randn(40, K, generator=g), -1)
+    b.begin_forward(40, K, hold=True, span=40)
+    torch.testing.assert_close(b.forward(1, x, ids, w), reference(src, 1, x, ids, w), rtol=1e-5, atol=1e-5)
+    b.end_forward()
+    assert b.stats()["layers"][1]["misses"] == 0
+    check_table(b)
+    b.close()
+    for refresh, hot in (("on", 1.2 * E), ("off", 1000.0)):  # 1.2 x the hottest resident's heat: under 1.25
+        b = cls(deep, E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", refresh=refresh)
+        b.cache.admit(0, list(range(E)))
+        b.cache.table.unlock_all()
+        b.cache.table.note_use(0, np.arange(E), weights=np.full(E, float(E)))
+        b.cache.table.note_use(1, np.arange(4), weights=np.full(4, hot))
+        assert b.refresh() == 0 and b.stats()["total"]["refreshed"] == 0 and (b.cache.table.resident[1] < 0).all()
+        b.close()
+
+
+def test_the_refresh_mode_is_checked():
+    with pytest.raises(ValueError, match="--moe-refresh must be one of auto, on, off"):
+        OffloadBackend(_deep_pool(layers=1)[1], E, "cpu", refresh="sometimes")

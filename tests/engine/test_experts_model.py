@@ -66,3 +66,25 @@ def test_pool_filled_straight_from_safetensors(checkpoints, engine_for, layout):
     assert all(torch.equal(a, b) for a, b in zip(direct.buffers, loaded.buffers))
     assert eng.generate(PROMPT, NEW) == engine_for("qwen3_moe").generate(PROMPT, NEW)
     eng.model.experts.close()
+
+
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_greedy_identical_after_the_idle_refresh(checkpoints, engine_for, backend):
+    """--moe-refresh on: idle time between two requests moves the hottest experts into the slots (lru kept the
+    latest ones there); the next request's greedy tokens are the reference's (what the slots hold never
+    changes the output)."""
+    ref = engine_for("qwen3_5_moe").generate(PROMPT, NEW)
+    source = load_checkpoint(checkpoints["qwen3_5_moe", "fused"])[2]
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+    eng = Engine.from_pretrained(checkpoints["qwen3_5_moe", "fused"], experts=experts_factory(
+        backend, slots=source.num_experts, estimate=est, refresh="on", slot_policy="lru"), expert_device="cpu")
+    assert eng.generate(PROMPT, NEW) == ref
+    moved = 0
+    for _ in range(100):  # bounded: each call moves up to REFRESH_FILLS experts, or none once the slots settled
+        n = eng.model.experts.refresh()
+        moved += n
+        if n == 0:
+            break
+    assert moved > 0 and eng.model.experts.stats()["total"]["refreshed"] == moved
+    assert eng.generate(PROMPT, NEW) == ref
+    eng.model.experts.close()

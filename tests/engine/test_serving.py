@@ -129,3 +129,63 @@ def test_decode_steps_are_timed_back_to_back_and_prefill_is_not():
         stats = core.stats()
     assert stats["decode_steps"] == 4  # the first decode step follows a prefill chunk: no period yet
     assert 4 * 0.002 <= stats["decode_runner_seconds"] <= stats["decode_step_seconds"]
+
+
+class IdleRunner(CountingRunner):
+    """Records what ran when: its idle work has `pieces` pieces after each step (each a few ms), or raises."""
+
+    def __init__(self, pieces=3, fail=False):
+        super().__init__()
+        self.pieces, self.fail, self.left, self.log = pieces, fail, 0, []
+
+    def step(self, work):
+        self.log.append("step")
+        self.left = self.pieces
+        return super().step(work)
+
+    def idle(self):
+        self.log.append("idle")
+        if self.fail:
+            raise RuntimeError("idle boom")
+        time.sleep(0.002)
+        self.left -= 1
+        return self.left > 0
+
+
+def _wait_for(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+def test_idle_work_runs_between_requests_until_done_and_never_inside_one():
+    """The runner's idle() (the expert cache's refresh) runs once nothing runs or waits, piece after piece
+    until it says it is done, then not again before the next request; a request never waits for more than the
+    piece under way, and its steps are never interleaved with idle pieces."""
+    runner = IdleRunner(pieces=3)
+    with EngineCore(runner, max_step_tokens=4) as core:
+        time.sleep(0.05)
+        assert runner.log == []  # nothing ran yet: nothing to do
+        first = collect(core, GenerateRequest([1, 2, 3, 4, 5, 6], 3))
+        assert _wait_for(lambda: runner.log.count("idle") == 3)
+        time.sleep(0.05)
+        assert runner.log.count("idle") == 3
+        second = collect(core, GenerateRequest([7], 2))
+        assert _wait_for(lambda: runner.log.count("idle") == 6)
+    steps_of_first = runner.log.index("idle")
+    assert runner.log[:steps_of_first] == ["step"] * steps_of_first
+    assert runner.log[steps_of_first:steps_of_first + 3] == ["idle"] * 3
+    assert [t for e in first for t in e.token_ids] == [7, 8, 9] and [t for e in second for t in e.token_ids] == [8, 9]
+
+
+def test_failing_idle_work_is_logged_and_the_engine_keeps_serving(caplog):
+    runner = IdleRunner(fail=True)
+    with EngineCore(runner) as core:
+        collect(core, GenerateRequest([1], 2))
+        assert _wait_for(lambda: "idle" in runner.log)
+        time.sleep(0.05)
+        assert runner.log.count("idle") == 1  # not retried in a loop
+        evs = collect(core, GenerateRequest([5], 2))
+    assert [t for e in evs for t in e.token_ids] == [6, 7]
+    assert any("idle work failed" in r.getMessage() for r in caplog.records)

@@ -144,3 +144,23 @@ def test_lookup_table_is_not_overwritten_by_compute_still_queued(ckpt):
         cache.ready()
         assert table.tolist() == slots.tolist() + [-1]
     eng.model.experts.close()
+
+
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_cuda_idle_refresh_keeps_greedy_output(ckpt, backend):
+    """The idle refresh on CUDA (copies on the copy stream, waited for): the next request, graphed decode
+    included, reads the moved experts from their new slots and its greedy tokens equal the fused reference's."""
+    ref = Engine.from_pretrained(ckpt, device="cuda").generate(PROMPT, 10)
+    eng = Engine.from_pretrained(ckpt, device="cuda", expert_device="cpu", experts=experts_factory(
+        backend, device="cuda", slots=16, estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True),
+        slot_policy="lru", refresh="on"))
+    assert eng.generate(PROMPT, 10) == ref
+    b, moved = eng.model.experts, 0
+    for _ in range(100):
+        n = b.refresh()
+        moved += n
+        if n == 0:
+            break
+    assert moved > 0
+    assert eng.generate(PROMPT, 10) == ref
+    b.close()
