@@ -114,7 +114,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "docs/PERF.md; counted as fills and as `ahead` / `ahead_used` in the expert stats)")
     g.add_argument("--moe-refresh", default="auto", choices=["auto", "on", "off"],
                    help="while no request runs or waits, move the hottest experts not in a slot (by the cache's "
-                        "recent routing) into the coldest slots, 32 at a time (a few ms each on PCIe gen5: what a "
+                        "recent routing) into the coldest slots, 16 at a time (~2 ms each on PCIe gen5: what a "
                         "request arriving meanwhile waits at most): a long prompt streamed through the slots leaves "
                         "whole layers there, and an agent's next turn routes to every layer's hottest experts "
                         "(default auto: on CUDA; counted as fills and as `refreshed` in the expert stats)")

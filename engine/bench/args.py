@@ -73,6 +73,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-runs", type=int, default=3,
                    help="fresh long prompts timed after a warm-up one; the row is their median (default 3)")
     p.add_argument("--extend", type=int, default=256, help="tokens appended after the cached prompt (default 256)")
+    p.add_argument("--extend-runs", type=int, default=1,
+                   help="extends timed, each after a long prompt of its own (the first after the last timed one, "
+                        "the others after an untimed one); the row is their median (default 1)")
     p.add_argument("--extend-idle-ms", type=float, default=0.0,
                    help="milliseconds the engine idles between the cached prompt's end and the extend's arrival, as "
                         "an agent's tool call between two turns (idle time the expert cache's --moe-refresh uses; "

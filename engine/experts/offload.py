@@ -45,10 +45,10 @@ LOOKAHEAD_MODES = ("auto", "on", "off")
 # idle time (no request running or waiting) moves the hottest experts not in a slot into the slots the policy
 # evicts first (`refresh`): a streamed prompt leaves whole layers in the slots, the first and the last ones, and
 # an agent's next turn (a short extend of the same context) routes to the hottest experts of every layer.
-# REFRESH_FILLS a call at most (~4 ms of PCIe gen5 at the Qwen3.6-35B-A3B width: what a request that arrives
+# REFRESH_FILLS a call at most (~2 ms of PCIe gen5 at the Qwen3.6-35B-A3B width: what a request that arrives
 # meanwhile waits at most); a newcomer takes an occupied slot when REFRESH_RATIO x hotter than its expert.
 REFRESH_MODES = ("auto", "on", "off")
-REFRESH_FILLS = 32
+REFRESH_FILLS = 16
 REFRESH_RATIO = 1.25
 HANDOFF_ALPHA = 0.3  # weight of a new sample in the handoff's running estimate
 
@@ -209,7 +209,8 @@ class OffloadBackend:
         """Idle time (EngineCore between requests, through ModelRunner.idle; never inside a forward): the
         hottest experts not in a slot move into the slots the policy evicts first, while a slot is free or the
         newcomer is REFRESH_RATIO x hotter than its expert (admission.admissions, the mapped decode's rule), at
-        most `budget` a call, and the call waits for their copies. -> experts moved (0: the slots hold what
+        most `budget` a call, and the call waits for their copies. The windows a streamed prompt keeps for its
+        first layers (PrefillStreamer.kept_windows) are left alone. -> experts moved (0: the slots hold what
         the heat asks for, or refresh is off). Counted as fills and as `refreshed`."""
         if not self.refresh_idle or self._held or budget <= 0:
             return 0
@@ -220,8 +221,17 @@ class OffloadBackend:
             return 0
         top = np.argsort(-t.heat[rows, experts], kind="stable")[:budget]
         candidates = [(float(t.heat[r, e]), int(r), int(e)) for r, e in zip(rows[top], experts[top])]
+        # the windows a streamed prompt keeps for its first layers stay as they are: taken, the next long prompt
+        # copied those layers whole again (H200 box: its prefill 0.87x)
+        locked = t.locked.copy()
+        if self.streamer is not None:
+            t.lock(self.streamer.kept_windows())
+        try:
+            chosen = admission.admissions(t, candidates, max_fills=budget, ratio=REFRESH_RATIO)
+        finally:
+            t.locked[:] = locked
         by_row: dict[int, list[tuple[int, int]]] = {}
-        for row, e, slot in admission.admissions(t, candidates, max_fills=budget, ratio=REFRESH_RATIO):
+        for row, e, slot in chosen:
             by_row.setdefault(row, []).append((e, slot))
         done = None
         for row, pairs in sorted(by_row.items()):

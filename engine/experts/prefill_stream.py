@@ -222,6 +222,13 @@ class PrefillStreamer:
                 best, pick = key, k
         return pick
 
+    def kept_windows(self) -> np.ndarray:
+        """Slots of the windows the first W - 2 layers keep from one streamed prompt to the next (window_for;
+        none with fewer than 3 windows): moving anything else in there makes the next streamed prompt copy
+        those layers whole again."""
+        w, e = self.b.cache.windows(), self.b.pool.num_experts
+        return np.arange(2 * e, w * e) if w >= 3 else np.arange(0)
+
     def _prefetch(self, layer: int, after=None) -> list[int]:
         cache, e = self.b.cache, self.b.pool.num_experts
         st = self.b.stats_[layer]

@@ -664,3 +664,24 @@ def test_idle_refresh_moves_the_hottest_experts_into_the_coldest_slots(cls):
 def test_the_refresh_mode_is_checked():
     with pytest.raises(ValueError, match="--moe-refresh must be one of auto, on, off"):
         OffloadBackend(_deep_pool(layers=1)[1], E, "cpu", refresh="sometimes")
+
+
+def test_idle_refresh_leaves_the_windows_a_streamed_prompt_keeps():
+    """With 3 windows a streamed prompt keeps window 2 for its first layer (PrefillStreamer.window_for): the
+    refresh never takes a slot there, however cold its experts, so the next streamed prompt still finds that
+    layer in place; the hot experts go to windows 0 and 1."""
+    src, deep = _deep_pool(layers=4)
+    b = OffloadBackend(deep, 3 * E, "cpu", stream_prefill="auto", slot_policy="lfu", refresh="on")
+    t = b.cache.table
+    b.cache.place(0, list(range(E)), list(range(2 * E, 3 * E)))  # layer 0 in its kept window, cold
+    b.cache.place(1, list(range(E)), list(range(E)))
+    b.cache.place(2, list(range(E)), list(range(E, 2 * E)))
+    t.note_use(0, np.arange(E), weights=np.full(E, 1.0))
+    t.note_use(1, np.arange(E), weights=np.full(E, 5.0))
+    t.note_use(2, np.arange(E), weights=np.full(E, 5.0))
+    t.note_use(3, np.arange(E), weights=np.full(E, 100.0))
+    assert b.refresh(2 * E) == E and (t.resident[3] >= 0).all() and b.refresh() == 0
+    assert (t.resident[3] < 2 * E).all() and (t.resident[0] == np.arange(2 * E, 3 * E)).all()
+    assert not t.locked.any()
+    check_table(b)
+    b.close()
