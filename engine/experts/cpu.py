@@ -9,10 +9,10 @@ from engine.experts.offload import OffloadBackend
 class CpuBackend(OffloadBackend):
     name = "cpu"
 
-    def split(self, m: int, busy: int = 0) -> int:
+    def split(self, m: int, busy: int = 0, per: float = 1.0) -> int:
         return 0
 
-    def ahead_fills(self, expected: float, likely: int) -> int:
+    def ahead_fills(self, expected: float, likely: int, per: float = 1.0) -> int:
         return 0  # nothing is filled
 
     def cpu_share(self) -> float:

@@ -18,21 +18,21 @@ class HybridBackend(OffloadBackend):
         super().__init__(pool, num_slots, device, **kw)
         self.policy = SplitPolicy(self.estimate, pool.expert_bytes)
 
-    def split(self, m: int, busy: int = 0) -> int:
+    def split(self, m: int, busy: int = 0, per: float = 1.0) -> int:
         # with copies ahead the copy engine runs through the layer's handoff, and the CPU waits it out
-        return self.policy.choose(m, busy, self.handoff if busy else 0.0).q
+        return self.policy.choose(m, busy, self.handoff if busy else 0.0, per).q
 
-    def ahead_fills(self, expected: float, likely: int) -> int:
+    def ahead_fills(self, expected: float, likely: int, per: float = 1.0) -> int:
         """The fill share of the next layer's expected misses, the CPU's handoff counted: copied ahead, they
         leave that layer's CPU the rest, and this layer's split counts them as the copy stream's (split's busy)."""
-        return min(likely, self.policy.best(round(expected), cpu_extra=self.handoff).q)
+        return min(likely, self.policy.best(round(expected), cpu_extra=self.handoff, per=per).q)
 
     def cpu_share(self) -> float:
         return self.policy.cpu_share()
 
-    def observe(self, path: str, nbytes: int, seconds: float, together: bool) -> None:
-        super().observe(path, nbytes, seconds, together)
-        self.policy.observe(path, nbytes, seconds, together)
+    def observe(self, path: str, nbytes: int, seconds: float, together: bool, per: float = 1.0) -> None:
+        super().observe(path, nbytes, seconds, together, per)
+        self.policy.observe(path, nbytes, seconds, together, per)
 
     def stats(self) -> dict:
         return {**super().stats(), "split": self.policy.stats()}

@@ -85,7 +85,7 @@ class OffloadBackend:
         self._touch = None  # [L, E]: the probability a routed prompt forward's tokens touch each expert (begin_forward)
         self._looked: dict[int, np.ndarray] = {}  # layer -> experts copied in ahead of its routing, not yet counted
         self._seen: dict[int, int] = {}  # pool row -> tokens its calls have run in this forward
-        self._tokens = 0  # tokens of the forward (begin_forward)
+        self._tokens = self._top_k = 0  # tokens and experts per token of the forward (begin_forward)
         lookahead = {True: "on", False: "off"}.get(lookahead, lookahead)
         if lookahead not in LOOKAHEAD_MODES:
             raise ValueError(f"--moe-lookahead must be one of {', '.join(LOOKAHEAD_MODES)}, got {lookahead!r}")
@@ -129,12 +129,12 @@ class OffloadBackend:
         self.mapped = None  # MappedExperts, made by mapped_decode() for a fast path
 
     # --- policy hooks, overridden by cpu / hybrid
-    def split(self, m: int, busy: int = 0) -> int:
+    def split(self, m: int, busy: int = 0, per: float = 1.0) -> int:
         """How many of m misses to fill (the rest run on the CPU); busy: experts the copy stream moves besides
-        (the next layer's, copied ahead)."""
+        (the next layer's, copied ahead); per: (token, expert) pairs per miss (a CPU run's rate depends on it)."""
         return m
 
-    def ahead_fills(self, expected: float, likely: int) -> int:
+    def ahead_fills(self, expected: float, likely: int, per: float = 1.0) -> int:
         """How many of the next layer's `likely` misses (expected: its misses the heat predicts) to copy in
         ahead of its routing: all of them here (every miss is filled)."""
         return likely
@@ -142,9 +142,9 @@ class OffloadBackend:
     def cpu_share(self) -> float:
         return 0.0
 
-    def observe(self, path: str, nbytes: int, seconds: float, together: bool) -> None:
+    def observe(self, path: str, nbytes: int, seconds: float, together: bool, per: float = 1.0) -> None:
         """The time the fill path ("fill") or the CPU path ("cpu") took for nbytes of experts; together:
-        the other path ran alongside. Only hybrid chooses by it."""
+        the other path ran alongside; per: (token, expert) pairs per expert. Only hybrid chooses by it."""
 
     def mapped_decode(self):
         """For a fast path's decode: MappedExperts (mapped.py; the step's kernels read misses in place from the
@@ -185,7 +185,7 @@ class OffloadBackend:
         if self.streamer is not None:
             self.streamer.begin(num_tokens, top_k, q)
         self._ahead = self._touch = self._last_exit = None
-        self._looked, self._seen, self._tokens = {}, {}, num_tokens
+        self._looked, self._seen, self._tokens, self._top_k = {}, {}, num_tokens, top_k
         if span > 1 and not (self.streamer is not None and self.streamer.active):
             self._touch = 1.0 - (1.0 - q) ** num_tokens
             self._ahead = self._use_weights(num_tokens * q, span) + REFILL_USES * self._touch
@@ -316,7 +316,8 @@ class OffloadBackend:
         table.touch(slots[hits])
         table.lock(slots[hits])
         ahead = None if streaming else self._ahead_plan(layer)
-        q = len(misses) if streaming else self.split(len(misses), busy=len(ahead[1]) if ahead else 0)
+        per = sum(routing.counts[i] for i in misses) / len(misses) if misses else 1.0
+        q = len(misses) if streaming else self.split(len(misses), busy=len(ahead[1]) if ahead else 0, per=per)
         fills, on_cpu = misses[:q], misses[q:]
         if ahead:  # the fills of this layer take spare slots first
             ahead = ahead[0], ahead[1][: max(0, ahead[2] - q)]
@@ -336,7 +337,8 @@ class OffloadBackend:
             pos, vals, seconds, started = pending.result()
             self._place_cpu(y, pos, vals)
             self.estimate.observe_cpu(len(on_cpu) * self.pool.expert_bytes, seconds)
-            self.observe("cpu", len(on_cpu) * self.pool.expert_bytes, seconds, together=bool(fills))
+            self.observe("cpu", len(on_cpu) * self.pool.expert_bytes, seconds, together=bool(fills),
+                         per=sum(routing.counts[i] for i in on_cpu) / len(on_cpu))
             self._observe_handoff(started - routed_at)
         self._unlock()
         self._count(layer, len(hits), len(misses), len(fills), len(on_cpu))
@@ -359,7 +361,9 @@ class OffloadBackend:
         p, missing = self._touch[i], t.resident[i] < 0
         likely = np.flatnonzero(missing & (p >= AHEAD_TOUCHED))
         spare = int((~t.locked & ~self._kept(i - 1)).sum())
-        want = min(self.ahead_fills(float(p[missing].sum()), len(likely)), spare)
+        # pairs per touched expert of that layer, as its CPU share will run them
+        per = self._tokens * self._top_k / max(1.0, float(p.sum()))
+        want = min(self.ahead_fills(float(p[missing].sum()), len(likely), per), spare)
         if want <= 0:
             return None
         heat = t.heat[i]

@@ -101,6 +101,16 @@ class Rate:
 
 ARMS = ("split", "fill", "cpu")
 CPU_SHARE_M = 64  # the miss count cpu_share() reports for (a full decode step of a large MoE layer)
+# A CPU run's rate depends on the (token, expert) pairs each expert takes: one a decode token, reading the
+# weights bounds it; a prompt's ~8 (uniform routing, 256 tokens, top 8 of 256) make it compute-bound (H200 box:
+# 28-31 GB/s where decode-sized runs read 46). The CPU path keeps one rate per bucket of pairs per expert:
+# 1, 2-3, 4-7, 8-15, 16+; fills move bytes whatever the tokens.
+PER_BUCKETS = 5
+
+
+def per_bucket(per: float) -> int:
+    """The bucket of `per` (token, expert) pairs per expert (bucket k: 2^k to 2^(k+1) - 1; the last open)."""
+    return min(PER_BUCKETS - 1, int(math.log2(max(1.0, per))))
 
 
 class SplitPolicy:
@@ -121,19 +131,34 @@ class SplitPolicy:
         # (path, together) -> rate; path "fill" or "cpu", together: the other path ran alongside
         seeds = {"fill": estimate.bp, "cpu": estimate.bh}
         self.rates = {(path, t): Rate(seed, estimate.alpha) for path, seed in seeds.items() for t in (False, True)}
+        # ("cpu", together, bucket) for buckets >= 1 (bucket 0 is ("cpu", together)), made at first use
+        self._per_rates: dict[tuple[str, bool, int], Rate] = {}
         self.counts = dict.fromkeys(ARMS, 0)
         self.explored = 0
         self._last_used = dict.fromkeys(ARMS, 0)  # decision number an arm was last taken at
         self._decisions = 0
 
-    def options(self, m: int, busy: int = 0, cpu_extra: float = 0.0) -> list[Choice]:
+    def _rate(self, path: str, together: bool, per: float = 1.0) -> Rate:
+        """The rate of `path` (alone or together) for runs of `per` pairs per expert (CPU: by per_bucket; a
+        bucket not measured yet starts at the nearest lower one's rate)."""
+        b = per_bucket(per) if path == "cpu" else 0
+        if b == 0:
+            return self.rates[path, together]
+        rate = self._per_rates.get((path, together, b))
+        if rate is None:
+            rate = self._per_rates[path, together, b] = Rate(self._rate(path, together, 2 ** (b - 1)).value,
+                                                            self.estimate.alpha)
+        return rate
+
+    def options(self, m: int, busy: int = 0, cpu_extra: float = 0.0, per: float = 1.0) -> list[Choice]:
         """The choices for m >= 1 misses with their predicted seconds; "split" only where both paths get work.
         busy: experts the fill path copies besides (a routed prompt's next layer, copied ahead while this one
         runs): they add to the fills' time, and with them "cpu" runs alongside the copies. cpu_extra: seconds
         the CPU path loses per call besides its runs (with copies ahead the copy engine works through a layer's
-        handoff, the routing's return and the next attention, while the CPU waits for its next input)."""
-        fill, cpu = self.rates["fill", False].value, self.rates["cpu", False].value
-        bp, bh = self.rates["fill", True].value, self.rates["cpu", True].value
+        handoff, the routing's return and the next attention, while the CPU waits for its next input). per:
+        (token, expert) pairs per missed expert (the CPU's rate for that many, PER_BUCKETS)."""
+        fill, cpu = self.rates["fill", False].value, self._rate("cpu", False, per).value
+        bp, bh = self.rates["fill", True].value, self._rate("cpu", True, per).value
 
         def on_cpu(n: int, rate: float) -> float:
             return self._seconds(n, rate) + cpu_extra if n else 0.0
@@ -146,18 +171,18 @@ class SplitPolicy:
             out.insert(0, Choice("split", q, max(self._seconds(q + busy, bp), on_cpu(m - q, bh))))
         return out
 
-    def best(self, m: int, busy: int = 0, cpu_extra: float = 0.0) -> Choice:
+    def best(self, m: int, busy: int = 0, cpu_extra: float = 0.0, per: float = 1.0) -> Choice:
         """The fastest predicted choice for m misses; no side effects."""
         if m <= 0:
             return Choice("none", 0, 0.0)
-        return _fastest(self.options(m, busy, cpu_extra))
+        return _fastest(self.options(m, busy, cpu_extra, per))
 
-    def choose(self, m: int, busy: int = 0, cpu_extra: float = 0.0) -> Choice:
+    def choose(self, m: int, busy: int = 0, cpu_extra: float = 0.0, per: float = 1.0) -> Choice:
         """The split for this call's m misses (busy, cpu_extra: as in options): the fastest predicted, or on
         schedule one due for re-measuring."""
         if m <= 0:
             return Choice("none", 0, 0.0)
-        options = self.options(m, busy, cpu_extra)
+        options = self.options(m, busy, cpu_extra, per)
         pick = _fastest(options)
         due = self._due(options, pick) if m >= self.explore_min and not self.estimate.frozen else []
         if due:
@@ -179,10 +204,11 @@ class SplitPolicy:
         return [c for c in options if c.arm != best.arm and (self.counts[c.arm] < self.explore_first or
                 self._decisions - self._last_used[c.arm] >= self.explore_every * c.seconds / best.seconds)]
 
-    def observe(self, path: str, nbytes: int, seconds: float, together: bool) -> None:
-        """A measured fill ("fill") or CPU run ("cpu") of nbytes; together: the other path ran alongside."""
+    def observe(self, path: str, nbytes: int, seconds: float, together: bool, per: float = 1.0) -> None:
+        """A measured fill ("fill") or CPU run ("cpu") of nbytes; together: the other path ran alongside; per:
+        (token, expert) pairs per expert of a CPU run."""
         if not self.estimate.frozen:
-            self.rates[path, together].add(nbytes, seconds, self._decisions)
+            self._rate(path, together, per).add(nbytes, seconds, self._decisions)
 
     def cpu_share(self, m: int = CPU_SHARE_M) -> float:
         """Fraction of m misses the current rates would run on the CPU."""
@@ -190,6 +216,8 @@ class SplitPolicy:
 
     def stats(self) -> dict:
         rates = {f"{path}_{'together' if t else 'alone'}": r.value for (path, t), r in self.rates.items()}
+        rates.update({f"{path}_{'together' if t else 'alone'}_per{2 ** b}": r.value
+                      for (path, t, b), r in sorted(self._per_rates.items()) if r.samples})
         return {"arms": dict(self.counts), "explored": self.explored, "rates": rates}
 
     def _seconds(self, n: int, rate: float) -> float:

@@ -94,8 +94,8 @@ def test_hybrid_measurements_reach_the_policy_tagged_as_issued(pool):
     chosen, copies, issued, seen = [], [], [], []  # choices; with_cpu of each admit that copied; observations
     admit, take, observe = b.cache.admit, b.cache.take_fill_timing, b.policy.observe
 
-    def cycle(m, busy=0, cpu_extra=0.0):  # every choice in turn, whatever the measured rates say
-        options = b.policy.options(m, busy, cpu_extra) if m else [b.policy.best(m)]
+    def cycle(m, busy=0, cpu_extra=0.0, per=1.0):  # every choice in turn, whatever the measured rates say
+        options = b.policy.options(m, busy, cpu_extra, per) if m else [b.policy.best(m)]
         chosen.append(options[len(chosen) % len(options)])
         return chosen[-1]
 
@@ -106,9 +106,9 @@ def test_hybrid_measurements_reach_the_policy_tagged_as_issued(pool):
             issued.append(kw["with_cpu"] == (chosen[-1].arm == "split"))  # CPU runs alongside: a split
         return slots
 
-    def spy_observe(path, nbytes, seconds, together):
+    def spy_observe(path, nbytes, seconds, together, per=1.0):
         seen.append((path, together, copies[-1] if copies else None, chosen[-1].arm))
-        observe(path, nbytes, seconds, together)
+        observe(path, nbytes, seconds, together, per)
 
     b.policy.choose, b.cache.admit, b.policy.observe = cycle, spy_admit, spy_observe
     b.cache.take_fill_timing = lambda: take() if len(chosen) % 2 else None

@@ -188,3 +188,20 @@ def test_busy_copies_move_the_split_to_the_cpu(seed):
         c = p.best(m, busy, extra)
         assert c.seconds <= best + EB / min(bp, bh) + 1e-12
         assert c.q >= p.best(m, busy).q
+
+def test_cpu_rates_are_kept_per_pairs_per_expert():
+    """A prompt's CPU runs take several tokens per expert and run slower per byte than a decode's one: their
+    rate is learned apart (PER_BUCKETS), so it moves the split for prompts-sized runs only. A bucket not
+    measured yet starts at the nearest lower one's rate; stats name the measured ones."""
+    p = make(bp=10e9, bh=10e9)
+    for _ in range(5):
+        p.observe("cpu", 10 * EB, 10 * EB / 10e9, True, per=1.0)
+        p.observe("fill", 10 * EB, 10 * EB / 10e9, True)
+    assert p.best(64, per=8.0).q == p.best(64, per=1.0).q == q_balanced(64, 10e9, 10e9)  # seeded from below
+    for _ in range(5):
+        p.observe("cpu", 10 * EB, 10 * EB / 4e9, True, per=9.0)  # 8-15 pairs per expert: 4 GB/s
+    assert p.best(64, per=12.0).q == q_balanced(64, 10e9, 4e9) > p.best(64, per=1.0).q
+    assert p.best(64, per=1.0).q == q_balanced(64, 10e9, 10e9)  # the decode-sized rate is untouched
+    assert p.best(64, per=40.0).q == q_balanced(64, 10e9, 4e9)  # 16+: seeded from 8-15
+    rates = p.stats()["rates"]
+    assert rates["cpu_together_per8"] == pytest.approx(4e9) and "cpu_together_per16" not in rates
