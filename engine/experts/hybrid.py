@@ -13,6 +13,7 @@ from engine.experts.policy import SplitPolicy
 
 class HybridBackend(OffloadBackend):
     name = "hybrid"
+    uses_handoff = True
 
     def __init__(self, pool, num_slots: int, device="cpu", **kw) -> None:
         super().__init__(pool, num_slots, device, **kw)

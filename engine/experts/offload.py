@@ -55,6 +55,7 @@ HANDOFF_ALPHA = 0.3  # weight of a new sample in the handoff's running estimate
 
 class OffloadBackend:
     name = "offload"
+    uses_handoff = False  # whether split / ahead_fills read self.handoff (the CPU's idle time per layer call)
 
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str = "cpu", *,
                  estimate: BandwidthEstimate | None = None, stream_prefill: bool | str = True,
@@ -413,7 +414,7 @@ class OffloadBackend:
     def _mark_enter(self, layer: int) -> None:
         """A routed prompt's MoE layer call begins (CUDA, lookahead): the device's time since the last one ended,
         the layers' attention and the rest, is CPU idle time (read at _read_gaps, once the events are done)."""
-        if not (self._looking_ahead() and self.device.type == "cuda"):
+        if not self._timing_gaps():
             return
         last, self._last_exit = self._last_exit, None
         if last is not None and last[0] == self.pool.row[layer] - 1:
@@ -422,7 +423,7 @@ class OffloadBackend:
             self._gaps.append((last[1], enter))
 
     def _mark_exit(self, layer: int) -> None:
-        if self._looking_ahead() and self.device.type == "cuda":
+        if self._timing_gaps():
             done = torch.cuda.Event(enable_timing=True)
             done.record()
             self._last_exit = (self.pool.row[layer], done)
@@ -431,6 +432,11 @@ class OffloadBackend:
         while self._gaps and self._gaps[0][1].query():
             a, b = self._gaps.pop(0)
             self._gap_s = a.elapsed_time(b) / 1e3
+
+    def _timing_gaps(self) -> bool:
+        """Whether this layer call times the device's gap between MoE layers: a routed prompt with lookahead on
+        CUDA, for a backend whose split reads the handoff (uses_handoff: hybrid)."""
+        return self.uses_handoff and self._looking_ahead() and self.device.type == "cuda"
 
     def _observe_handoff(self, host_s: float) -> None:
         """A layer call's CPU idle time: the host's from the routing's return to the CPU job's start, plus the
