@@ -14,13 +14,43 @@ DEADLINE=${DEADLINE:-100000}
 left() { echo $(( DEADLINE - SECONDS )); }
 upto() { local l; l=$(left); echo $(( $1 < l ? $1 : (l > 1 ? l : 1) )); }
 status() { echo "$1 rc=$2 at ${SECONDS}s" | tee -a "$OUT/summary.txt"; }
-pack() { [ -n "${PACK:-}" ] && tar czf "$PACK.part" -C "$OUT" . 2>/dev/null && mv -f "$PACK.part" "$PACK"; true; }
+pack() { [ -n "${PACK:-}" ] && tar czf "$PACK.part" --exclude=./box-cache.tgz -C "$OUT" . 2>/dev/null &&
+         mv -f "$PACK.part" "$PACK"; true; }
+# What a fresh machine spends before the first measurement, kept from one call for the next: the native CPU
+# kernels' build (75-91 s on the box) and Triton's compiled kernels with their autotuning results (the first
+# process compiles and autotunes them all: past 80 s). A call that carries .box-cache.tgz (repo root, ignored
+# by git: copy it there from the last call's $OUT) starts with both; every call leaves $OUT/box-cache.tgz (the
+# Triton part only when the whole stays under BOX_CACHE_MIB, default 48: a call carries 64 MiB at most).
+# The native build is reused only while native/src and setup.py hash the same; Triton keys its own cache.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/killick-triton-cache} TRITON_CACHE_AUTOTUNING=1
+NATIVE_HASH=$(cat setup.py native/build.py native/src/* 2>/dev/null | sha1sum | cut -c1-16)
+if [ -f .box-cache.tgz ]; then
+    mkdir -p "$TRITON_CACHE_DIR" /tmp/killick-box-cache
+    tar xzf .box-cache.tgz -C /tmp/killick-box-cache 2>/dev/null
+    [ -d /tmp/killick-box-cache/triton ] && cp -rn /tmp/killick-box-cache/triton/. "$TRITON_CACHE_DIR"/
+    if [ "$(cat /tmp/killick-box-cache/native/hash 2>/dev/null)" = "$NATIVE_HASH" ]; then
+        cp /tmp/killick-box-cache/native/*.so native/ 2>/dev/null
+    fi
+fi
+box_cache() {  # $OUT/box-cache.tgz: this machine's native build and Triton cache, for the next call to carry
+    local d=/tmp/killick-box-cache-out
+    rm -rf "$d" && mkdir -p "$d/native"
+    cp native/_cpu_experts*.so "$d/native/" 2>/dev/null && echo "$NATIVE_HASH" > "$d/native/hash"
+    [ -d "$TRITON_CACHE_DIR" ] && cp -r "$TRITON_CACHE_DIR" "$d/triton"
+    tar czf "$OUT/box-cache.tgz" -C "$d" . 2>/dev/null
+    if [ "$(stat -c %s "$OUT/box-cache.tgz" 2>/dev/null || echo 0)" -gt $(( ${BOX_CACHE_MIB:-48} << 20 )) ]; then
+        tar czf "$OUT/box-cache.tgz" -C "$d" native 2>/dev/null  # too big to carry: the native build alone
+    fi
+    rm -rf "$d"
+}
 if [ -n "${PACK:-}" ]; then
     # the loop ends with the script: left running (it holds the script's stdout), a call piping the script into
     # `tail` waited for it until its time limit (2026-12-03: 250 device seconds after the script had finished)
     ( while sleep 15; do pack; done ) > /dev/null 2>&1 &
     PACKER=$!
-    trap 'kill $PACKER 2>/dev/null; pack' EXIT
+    trap 'kill $PACKER 2>/dev/null; box_cache; pack' EXIT
+else
+    trap 'box_cache' EXIT
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -29,7 +59,7 @@ fi
 # and bench bw run torch's path (the fourteenth session's hybrid rows did: a third of the native CPU rate). In
 # parallel: one file at a time it ran past 90 s on the box (2026-12-01).
 build_native() {
-    $PY -c "from native import _cpu_experts" 2>/dev/null && return 0
+    $PY -c "from native import _cpu_experts" 2>/dev/null && { status "build_native (kept)" 0; return 0; }
     timeout "$(upto 240)" $PY setup.py build_ext --inplace -j "$(nproc)" > "$OUT/build_native.log" 2>&1
     status build_native $?
 }
