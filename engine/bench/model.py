@@ -376,11 +376,15 @@ class ExpertTraffic:
 
     def since(self, mark: dict | None, upto: dict | None = None) -> dict:
         """Expert counters moved from `mark` to `upto` (default: now), how many pools' worth of bytes, and
-        how many forwards streamed whole layers (the others moved their routed experts alone)."""
+        how many forwards streamed whole layers (the others moved their routed experts alone). The idle
+        refresh's copies (--moe-refresh: between requests, so also just after the row's last one) are the
+        requests' own traffic in no row: counted as `refreshed` alone, not in fills or bytes_moved."""
         if mark is None:
             return {}
         now = upto or self.mark()
         moved = {k: now[k] - mark[k] for k in FIELDS}
+        moved["fills"] -= moved["refreshed"]
+        moved["bytes_moved"] -= moved["refreshed"] * self.backend.pool.expert_bytes
         return {"experts": moved, "pool_passes": moved["bytes_moved"] / self.pool_bytes,
                 "streamed_forwards": now["streamed"] - mark["streamed"]}
 
@@ -406,12 +410,11 @@ class ExpertTraffic:
 
     def dram_bound(self, moved: dict, seconds: float) -> dict:
         """A routed prompt's seconds against its misses' bytes (filled or run on the CPU, each read from host
-        DRAM once) at the host's read rate: 1.0 is the floor for those misses, however they are split. Copies of
-    the idle refresh (a call under way when the prompt arrived) are not its misses."""
+        DRAM once) at the host's read rate: 1.0 is the floor for those misses, however they are split."""
         if not self.cached or not self.host_read or "experts" not in moved:
             return {}
         ex = moved["experts"]
-        nbytes = (ex["fills"] - ex["refreshed"] + ex["cpu_runs"]) * self.backend.pool.expert_bytes
+        nbytes = (ex["fills"] + ex["cpu_runs"]) * self.backend.pool.expert_bytes
         return {"host_read_gbs": self.host_read / 1e9, "dram_bound_s": nbytes / self.host_read,
                 "of_dram_bound": nbytes / self.host_read / seconds}
 
