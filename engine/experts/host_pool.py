@@ -121,6 +121,10 @@ class HostPool:
             raise RuntimeError("loading the expert pool failed") from self._error
         return self.buffers[i]
 
+    def layer_ready(self, layer: int) -> bool:
+        """Whether the background loader has filled `layer` (wait_layer would not block)."""
+        return self._ready[self.row[layer]].is_set()
+
     def wait(self) -> "HostPool":
         for layer in self.layers:
             self.wait_layer(layer)

@@ -217,7 +217,8 @@ class OffloadBackend:
             return 0
         self.settle()
         t = self.cache.table
-        rows, experts = np.nonzero((t.resident < 0) & (t.heat > 0))
+        loaded = np.array([self.pool.layer_ready(layer) for layer in self.pool.layers])[:, None]
+        rows, experts = np.nonzero((t.resident < 0) & (t.heat > 0) & loaded)  # never waits for the pool's loader
         if not len(rows):
             return 0
         top = np.argsort(-t.heat[rows, experts], kind="stable")[:budget]

@@ -685,3 +685,24 @@ def test_idle_refresh_leaves_the_windows_a_streamed_prompt_keeps():
     assert not t.locked.any()
     check_table(b)
     b.close()
+
+
+def test_idle_refresh_never_waits_for_the_pools_loader():
+    """A layer the background loader has not filled yet is left out of the refresh (it would block the engine
+    thread, and a request arriving meanwhile, until the load): its experts move once the layer is loaded."""
+    import threading
+
+    src, deep = _deep_pool(layers=2)
+    b = OffloadBackend(deep, E, "cpu", stream_prefill="off", slot_policy="lfu", refresh="on")
+    b.cache.table.note_use(1, np.arange(4), weights=np.full(4, 100.0))
+    deep._ready[1].clear()  # as while the loader is still on layer 1
+    try:
+        moved = []
+        worker = threading.Thread(target=lambda: moved.append(b.refresh()))
+        worker.start()
+        worker.join(5)
+        assert not worker.is_alive() and moved == [0] and not deep.layer_ready(1)
+    finally:
+        deep._ready[1].set()
+    assert b.refresh() == 4 and (b.cache.table.resident[1, :4] >= 0).all()
+    b.close()
