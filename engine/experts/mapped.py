@@ -234,16 +234,9 @@ class MappedExperts:
                 st.guesses_right += bool((routes[row] == staged[row]).any())
                 st.bytes_guessed += gate_up_bytes
             candidates += step.candidates
-        by_row: dict[int, list[tuple[int, int]]] = {}
-        for row, e, s in admission.admissions(b.cache.table, candidates):
-            by_row.setdefault(row, []).append((e, s))
-        for row, pairs in by_row.items():
-            layer = b.pool.layers[row]
-            done = b.cache.place(layer, [e for e, _ in pairs], [s for _, s in pairs])  # None: landed (CPU)
-            self._own += 1
-            b.stats_[layer].fills += len(pairs)
-            b.stats_[layer].bytes_moved += len(pairs) * b.pool.expert_bytes
-            self._pending.append((done, [(row, e, s) for e, s in pairs]))
+        placed = b.place_admitted(admission.admissions(b.cache.table, candidates))
+        self._own += len(placed)
+        self._pending += placed
 
     def _commit(self) -> None:
         """Fills whose copies landed become readable from their slots (the next push says so)."""

@@ -232,20 +232,29 @@ class OffloadBackend:
             chosen = admission.admissions(t, candidates, max_fills=budget, ratio=REFRESH_RATIO)
         finally:
             t.locked[:] = locked
+        placed = self.place_admitted(chosen)
+        for _, fills in placed:
+            self.stats_[self.pool.layers[fills[0][0]]].refreshed += len(fills)
+        if placed and placed[-1][0] is not None:
+            placed[-1][0].synchronize()  # the copy stream is FIFO: the last layer's copies end after the others
+        return len(chosen)
+
+    def place_admitted(self, chosen) -> list[tuple[object, list[tuple[int, int, int]]]]:
+        """Copy admissions (row, expert, slot) (admission.admissions) into their slots, one place() a layer in
+        the order they come, counted as fills -> per layer (the event after its copies, None where they landed
+        already: a CPU device; its (row, expert, slot))."""
         by_row: dict[int, list[tuple[int, int]]] = {}
         for row, e, slot in chosen:
             by_row.setdefault(row, []).append((e, slot))
-        done = None
-        for row, pairs in sorted(by_row.items()):
+        out = []
+        for row, pairs in by_row.items():
             layer = self.pool.layers[row]
-            done = self.cache.place(layer, [e for e, _ in pairs], [s for _, s in pairs]) or done
+            done = self.cache.place(layer, [e for e, _ in pairs], [s for _, s in pairs])
             st = self.stats_[layer]
             st.fills += len(pairs)
-            st.refreshed += len(pairs)
             st.bytes_moved += len(pairs) * self.pool.expert_bytes
-        if done is not None:
-            done.synchronize()  # the copy stream is FIFO: the last layer's copies end after the others
-        return sum(len(p) for p in by_row.values())
+            out.append((done, [(row, e, s) for e, s in pairs]))
+        return out
 
     def keep_bonus(self, layer: int) -> np.ndarray | None:
         """[S] uses to add to each slot's heat for the fills' victims (SlotTable.victims) in a routed prompt
@@ -442,7 +451,7 @@ class OffloadBackend:
     def _observe_handoff(self, host_s: float) -> None:
         """A layer call's CPU idle time: the host's from the routing's return to the CPU job's start, plus the
         device's last gap between MoE layers (CUDA)."""
-        if not self._looking_ahead():
+        if not (self.uses_handoff and self._looking_ahead()):
             return
         sample = max(0.0, host_s) + self._gap_s
         self._handoff_n += 1
