@@ -32,6 +32,7 @@ class EngineOptions:
     moe_slots: str | None = None  # N, N% of all experts, or None: all the device memory left
     max_prefill_tokens: int | None = None  # None: the context with an expert cache, else max_step_tokens
     expert_threads: int | None = None  # CPU expert workers (cpu/hybrid); None: see expert_threads()
+    prompt_expert_threads: int | None = None  # the same for a prompt's experts; None: expert_threads
     slot_policy: str = "lfu"  # which expert slot a fill evicts: lfu (popularity, decayed) or lru
     moe_decode: str = "auto"  # fast-path decode through the expert cache: mapped | host | auto (offload.py)
     moe_prefetch: str = "auto"  # on: a mapped decode copies each layer's likely expert in while its mixer runs
@@ -52,7 +53,8 @@ class EngineOptions:
                 and self.max_prefill_tokens < self.max_step_tokens):
             raise ValueError(f"--max-prefill-tokens ({self.max_prefill_tokens}) must be at least "
                              f"--max-step-tokens ({self.max_step_tokens})")
-        for name in ("context_length", "cache_device_mb", "cache_host_mb", "max_prefill_tokens", "expert_threads"):
+        for name in ("context_length", "cache_device_mb", "cache_host_mb", "max_prefill_tokens", "expert_threads",
+                     "prompt_expert_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -121,6 +123,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-threads", type=int,
                    help="CPU threads running experts for cpu/hybrid (default: every core on a CPU engine; on "
                         "CUDA half the cores: host DRAM bounds the experts, and the engine thread keeps a core)")
+    g.add_argument("--prompt-expert-threads", type=int,
+                   help="CPU threads running a prompt's experts for cpu/hybrid (a layer call of 32 tokens or more: "
+                        "several tokens an expert, compute-bound kernels that more cores speed up; default: on "
+                        "CUDA every physical core but two, else --expert-threads)")
 
 
 def options_from_args(args: argparse.Namespace) -> EngineOptions:
@@ -289,7 +295,8 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     from engine.experts import cpu_runner
 
     cpu_runner.set_threads(threads)
-    log.info("%s experts: %d CPU expert threads", name, threads)
+    cpu_runner.set_prompt_threads(prompt_expert_threads(opts, device))
+    log.info("%s experts: %d CPU expert threads (%d for a prompt)", name, threads, cpu_runner.prompt_threads())
     return {"experts": experts_factory(name, device=opts.device, slots=opts.moe_slots, progress=progress,
                                        reserve_bytes=reserve, profile=profile or {},
                                        slot_policy=opts.slot_policy, decode=opts.moe_decode,
@@ -315,6 +322,24 @@ def expert_threads(opts: EngineOptions, device) -> int:
         return torch.get_num_threads()
     cores = len(os.sched_getaffinity(0))
     return max(1, min(cores - 2, cores // 2))
+
+
+def prompt_expert_threads(opts: EngineOptions, device) -> int:
+    """--prompt-expert-threads, else on CUDA every physical core but two (at least expert_threads): a prompt's
+    CPU experts take several tokens each and the kernels run compute-bound, where more workers help (H200 box,
+    hybrid, 256-token extend after an 8k prompt at 37.5% in slots: 14 workers 136.8 ms against 147.5-156.5 with
+    8 under uniform routing, 119.0 against 121.2 under Zipf 1.0; docs/PERF.md eighteenth session); the engine
+    thread and the job's waiting thread keep the other two. Elsewhere expert_threads."""
+    import os
+
+    if opts.prompt_expert_threads is not None:
+        return opts.prompt_expert_threads
+    threads = expert_threads(opts, device)
+    if device.type != "cuda":
+        return threads
+    from engine.experts.cpu_kernels import physical_cores
+
+    return max(threads, min(physical_cores(), len(os.sched_getaffinity(0))) - 2)
 
 
 def _pool_progress(p) -> None:

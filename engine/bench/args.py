@@ -118,6 +118,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="how decode goes through the expert cache (as serve; default auto)")
     p.add_argument("--expert-threads", type=int,
                    help="CPU expert workers for cpu / hybrid (default as serve: half the cores on CUDA)")
+    p.add_argument("--prompt-expert-threads", type=_at_least(1),
+                   help="CPU expert workers for a prompt's layer calls (32 tokens or more; default as serve: "
+                        "every physical core but two on CUDA)")
     p.add_argument("--cpu-share", type=float,
                    help="hybrid mapped decode: this share of the non-resident experts runs on the CPU, fixed "
                         "(default: searched for the shortest measured step, per batch size)")

@@ -220,11 +220,13 @@ def build(args):
     zipf = args.router_zipf
     cached = args.moe_backend != "fused"
     if cached:  # as serve: --expert-threads, else half the cores on CUDA (engine/build.py expert_threads)
-        from engine.build import expert_threads
+        from engine.build import expert_threads, prompt_expert_threads
         from engine.experts import cpu_runner
 
-        cpu_runner.set_threads(expert_threads(EngineOptions(device=args.device, expert_threads=args.expert_threads),
-                                              torch.device(args.device)))
+        opts = EngineOptions(device=args.device, expert_threads=args.expert_threads,
+                             prompt_expert_threads=args.prompt_expert_threads)
+        cpu_runner.set_threads(expert_threads(opts, torch.device(args.device)))
+        cpu_runner.set_prompt_threads(prompt_expert_threads(opts, torch.device(args.device)))
     where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
                                          slot_policy=args.slot_policy, decode=args.moe_decode,
                                          prefetch=args.moe_prefetch, lookahead=args.moe_lookahead,
@@ -449,7 +451,9 @@ def _cpu_path() -> str:
     from engine.experts import cpu_runner
 
     path = "native" if cpu_runner.NATIVE else "torch (native kernels not built)"
-    return f"{path} with {cpu_runner.expert_threads()} threads"
+    prompt = cpu_runner.prompt_threads()
+    return f"{path} with {cpu_runner.expert_threads()} threads" + (f" ({prompt} for a prompt)" if prompt !=
+                                                                    cpu_runner.expert_threads() else "")
 
 
 def print_buckets(res: dict) -> None:

@@ -1,12 +1,12 @@
 """Run experts on the CPU straight from the host pool: the one function the backends call.
 
-run_on_cpu(x, host, jobs, layout, top_k, table=None, out=None): host is one layer's blocks [E, numel] (HostPool
+run_on_cpu(x, host, jobs, layout, top_k, table=None, out=None, prompt=False): host is one layer's blocks [E, numel] (HostPool
 .wait_layer), jobs = [(positions LongTensor [n_e], expert id)]. With the native kernels
 (engine/experts/cpu_kernels.py, extension built) they run the experts on a table of the layer (layer_table:
 build it once per layer and pass it, so a decode step's call checks nothing per expert); otherwise a torch
 CPU path does. The choice is the single assignment at the bottom of this file. out: a buffer [>= N, H] of x's
 dtype (e.g. page-locked, for the device to read in place) the outputs are written into; its first N rows come
-back.
+back. prompt: the call runs a prompt's experts (several tokens each), on the prompt_threads() runner.
 
 The native runner's worker count is its own setting (set_threads), not torch's intra-op thread count read on
 every call: the engine's torch threads and the expert workers are separate pools, and asking torch each call
@@ -24,7 +24,7 @@ Result = tuple[torch.Tensor, torch.Tensor]  # (positions [N], outputs [N, H])
 
 
 def _torch_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertLayout, top_k: int,
-                      table=None, out: torch.Tensor | None = None) -> Result:
+                      table=None, out: torch.Tensor | None = None, prompt: bool = False) -> Result:
     """x [T, H] (CPU); jobs = [(pos LongTensor [n_e], expert id)] -> (pos [N], y [N, H]) on the CPU."""
     outs, poss = [], []
     for pos, e in jobs:
@@ -41,6 +41,7 @@ def _torch_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertL
 
 _runners: dict = {}
 _threads: list = [None]  # set_threads' count; None: torch.get_num_threads() at the next call
+_prompt_threads: list = [None]  # set_prompt_threads' count; None: expert_threads()
 
 
 def set_threads(threads: int | None) -> None:
@@ -57,6 +58,20 @@ def expert_threads() -> int:
     return _threads[0]
 
 
+def set_prompt_threads(threads: int | None) -> None:
+    """Worker count for a prompt's CPU experts (run_on_cpu(..., prompt=True); None: expert_threads()). Each
+    of a prompt's experts takes several tokens and the kernels run compute-bound there (H200 box's Xeon, 8
+    tokens an expert: 16 workers 1.6x the rate of 8), where a decode step's one token an expert is bound by host
+    DRAM, which half the cores already read at full rate."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"CPU expert threads must be >= 1, got {threads}")
+    _prompt_threads[0] = threads
+
+
+def prompt_threads() -> int:
+    return _prompt_threads[0] or expert_threads()
+
+
 def layer_table(host: torch.Tensor, layout: ExpertLayout):
     """The native kernels' table of one layer's blocks [E, numel] (checked once; keep it with the layer), or
     None without the extension or for a dtype the kernels do not take (the torch path runs those)."""
@@ -67,11 +82,11 @@ def layer_table(host: torch.Tensor, layout: ExpertLayout):
 
 
 def _native_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertLayout, top_k: int,
-                       table=None, out: torch.Tensor | None = None) -> Result:
+                       table=None, out: torch.Tensor | None = None, prompt: bool = False) -> Result:
     """Same contract on the native runner, one native call (CpuExpertRunner.run_gather: gather, kernels,
     conversion). A handful of torch calls on purpose: each costs 20-100 us with caches emptied by the previous
     call's streaming (dev box: 400-530 us a call of 8 experts outside the kernels before, 170-300 after; docs/
-    PERF.md Issue 17). The runner has expert_threads() workers."""
+    PERF.md Issue 17). The runner has expert_threads() workers, prompt_threads() with prompt=True."""
     if not jobs:
         return torch.empty(0, dtype=torch.long), x.new_empty(0, x.shape[1])
     table = table if table is not None else layer_table(host, layout)
@@ -85,7 +100,8 @@ def _native_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: Expert
         y = out[: len(flat)]  # [N, H], overwritten
     else:
         y = torch.empty(len(flat), layout.hidden, dtype=x.dtype if native else torch.float32)
-    native_runner(_threads[0] or expert_threads()).run_gather(table, experts, [q // top_k for q in flat],
+    threads = prompt_threads() if prompt else _threads[0] or expert_threads()
+    native_runner(threads).run_gather(table, experts, [q // top_k for q in flat],
                                                       x if native else x.float(), y)
     if not native:
         y = y.to(x.dtype) if out is None else out[: len(flat)].copy_(y)

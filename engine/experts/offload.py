@@ -51,6 +51,8 @@ REFRESH_MODES = ("auto", "on", "off")
 REFRESH_FILLS = 16
 REFRESH_RATIO = 1.25
 HANDOFF_ALPHA = 0.3  # weight of a new sample in the handoff's running estimate
+# a layer call of at least this many tokens (a prompt's) runs its CPU experts on cpu_runner.prompt_threads()
+PROMPT_TOKENS = 32
 
 
 class OffloadBackend:
@@ -568,16 +570,18 @@ class OffloadBackend:
             self._cpu_tables[layer] = layer_table(host, self.pool.layout)
         jobs = [(routing.position(i), routing.experts[i]) for i in on_cpu]
         out = self._out_buffers(x.dtype, sum(routing.counts[i] for i in on_cpu)) if self._zero_copy else None
-        return self._cpu.submit(self._cpu_job, x.to("cpu"), host, jobs, routing.top_k, self._cpu_tables[layer], out)
+        return self._cpu.submit(self._cpu_job, x.to("cpu"), host, jobs, routing.top_k, self._cpu_tables[layer], out,
+                                x.shape[0] >= PROMPT_TOKENS)
 
-    def _cpu_job(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs, top_k: int, table, out=None):
+    def _cpu_job(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs, top_k: int, table, out=None,
+                 prompt: bool = False):
         """-> (positions, outputs, seconds, when it started): into `out` (positions, outputs) when given. In
         inference mode, as the engine's thread that made `out` (a worker thread starts outside it, and writing
-        an inference tensor there raises)."""
+        an inference tensor there raises). prompt: a prompt's layer call (cpu_runner.prompt_threads)."""
         t0 = time.perf_counter()
         with torch.inference_mode():
             pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table,
-                                   out=None if out is None else out[1])
+                                   out=None if out is None else out[1], prompt=prompt)
             if out is not None:
                 pos = out[0][: len(pos)].copy_(pos)
         return pos, vals, time.perf_counter() - t0, t0

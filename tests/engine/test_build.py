@@ -52,25 +52,36 @@ def test_serve_context_defaults_to_the_declared_window(checkpoints, caplog):
 
 
 def test_expert_threads_are_the_engines_own_setting(checkpoints):
-    """--expert-threads sets the native CPU expert workers; without it a CPU engine gives them every core."""
+    """--expert-threads sets the native CPU expert workers; without it a CPU engine gives them every core.
+    --prompt-expert-threads sets a prompt's (default: the same on a CPU engine, all cores but two on CUDA)."""
     import torch
 
-    from engine.build import expert_threads
+    from engine.build import expert_threads, prompt_expert_threads
     from engine.experts import cpu_runner
+    from engine.experts.cpu_kernels import physical_cores
 
     path = checkpoints["qwen3_5_moe", "fused"]
-    before = cpu_runner._threads[0]
+    before, before_prompt = cpu_runner._threads[0], cpu_runner._prompt_threads[0]
     try:
         core = build_core(path, EngineOptions(moe_backend="hybrid", moe_slots="25%", expert_threads=1))
-        assert cpu_runner.expert_threads() == 1
+        assert cpu_runner.expert_threads() == 1 and cpu_runner.prompt_threads() == 1  # CPU: the same by default
+        core.runner.model.experts.close()
+        core = build_core(path, EngineOptions(moe_backend="hybrid", moe_slots="25%", expert_threads=1,
+                                              prompt_expert_threads=2))
+        assert cpu_runner.expert_threads() == 1 and cpu_runner.prompt_threads() == 2
         core.runner.model.experts.close()
         assert expert_threads(EngineOptions(), torch.device("cpu")) == torch.get_num_threads()
         cores, on_cuda = len(os.sched_getaffinity(0)), expert_threads(EngineOptions(), torch.device("cuda"))
         assert 1 <= on_cuda <= max(1, cores // 2) and (on_cuda <= cores - 2 or on_cuda == 1)
+        prompt_on_cuda = prompt_expert_threads(EngineOptions(), torch.device("cuda"))
+        assert prompt_on_cuda == max(on_cuda, min(physical_cores(), cores) - 2)  # all but two cores, >= decode's
     finally:
         cpu_runner.set_threads(before)
+        cpu_runner.set_prompt_threads(before_prompt)
     with pytest.raises(ValueError, match="--expert-threads"):
         EngineOptions(expert_threads=0)
+    with pytest.raises(ValueError, match="--prompt-expert-threads"):
+        EngineOptions(prompt_expert_threads=0)
 
 
 def test_overlap_is_on_by_default_on_cuda_only_and_no_overlap_turns_it_off(checkpoints):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine.experts import cpu_runner, offload
+from engine.experts.block_layout import ExpertLayout
 from engine.experts.compute import expert_mlp
 from engine.experts.cpu import CpuBackend
 from engine.experts.host_pool import pool_from_source
@@ -706,3 +707,41 @@ def test_idle_refresh_never_waits_for_the_pools_loader():
         deep._ready[1].set()
     assert b.refresh() == 4 and (b.cache.table.resident[1, :4] >= 0).all()
     b.close()
+
+
+def test_a_prompts_cpu_experts_run_on_the_prompt_threads(pool, src, monkeypatch):
+    """A layer call of PROMPT_TOKENS tokens or more runs its CPU share with prompt=True (the runner of
+    cpu_runner.prompt_threads()), a decode-sized one without; outputs equal the reference either way."""
+    seen = []
+    real = offload.run_on_cpu
+
+    def spy(*a, prompt=False, **kw):
+        seen.append(prompt)
+        return real(*a, prompt=prompt, **kw)
+
+    monkeypatch.setattr(offload, "run_on_cpu", spy)
+    b = CpuBackend(pool, 1, "cpu")
+    for T in (offload.PROMPT_TOKENS, 3):
+        x, ids, w = routing(T, seed=T)
+        torch.testing.assert_close(b.forward(0, x, ids, w), reference(src, 0, x, ids, w), rtol=1e-5, atol=1e-5)
+    assert seen == [True, False]
+    b.close()
+
+
+def test_prompt_threads_default_to_the_expert_threads_and_take_their_own_runner(monkeypatch):
+    monkeypatch.setattr(cpu_runner, "_threads", [3])
+    monkeypatch.setattr(cpu_runner, "_prompt_threads", [None])
+    assert cpu_runner.prompt_threads() == 3
+    cpu_runner.set_prompt_threads(2)
+    assert cpu_runner.prompt_threads() == 2 and cpu_runner.expert_threads() == 3
+    with pytest.raises(ValueError, match=">= 1"):
+        cpu_runner.set_prompt_threads(0)
+    if cpu_runner.NATIVE:
+        host = (torch.randn(2, 3 * I * H) * 0.3).bfloat16()
+        layout = ExpertLayout(H, I, 2)
+        x = torch.randn(4, H).bfloat16()
+        jobs = [(torch.tensor([0, 4]), 0), (torch.tensor([1]), 1)]
+        pos, y = cpu_runner.run_on_cpu(x, host, jobs, layout, 2, prompt=True)
+        ref_pos, ref = cpu_runner._torch_run_on_cpu(x, host, jobs, layout, 2)
+        assert torch.equal(pos, ref_pos) and 2 in cpu_runner._runners
+        torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
