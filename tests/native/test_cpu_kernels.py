@@ -118,6 +118,29 @@ def test_many_tokens_on_one_expert_and_untouched_rows(isa, threads, row_block):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("row_block", [0, 3])
+def test_experts_with_many_tokens_in_any_task_order(isa, threads, row_block):
+    """Three experts with 11 tokens each (three passes of <= 4 tokens apiece): tasks given token by token (each
+    expert's groups formed apart) add the same y, bit for bit, as the same tasks given expert by expert (each
+    token meets its experts in the same order either way), and match the reference."""
+    gen = torch.Generator().manual_seed(29 + threads)
+    experts = make_experts(3, 130, 45, torch.bfloat16, gen)
+    x = torch.randn(12, 130, generator=gen)
+    token_major = [(*experts[e], t, 0.3 + 0.1 * e) for t in range(11) for e in range(3)]
+    expert_major = [(*experts[e], t, 0.3 + 0.1 * e) for e in range(3) for t in range(11)]
+    y0 = torch.randn(12, 130, generator=gen)
+    ys = []
+    for tasks in (token_major, expert_major):
+        y = y0.clone()
+        CpuExpertRunner(threads=threads, isa=isa, row_block=row_block).run(tasks, x, y)
+        ys.append(y)
+    assert torch.equal(ys[0], ys[1])
+    assert torch.equal(ys[0][11], y0[11])
+    assert rel_err(ys[0], y0, reference_experts(expert_major, x)) < tolerance(isa, torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_expert_block_layout_and_strided_x(isa):
     gen = torch.Generator().manual_seed(7)
     hidden, inter = 64, 33
