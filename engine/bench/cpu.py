@@ -16,6 +16,10 @@ not hold up the pass. "best" = the kernel against the fastest of the three reads
 before it (a lent VM's read rate jumps between windows, and the best of each side can come from different
 rounds).
 Torch GB/s = the fallback (torch matmuls in the weight dtype) on the same calls with torch.set_num_threads(n).
+GFLOP/s = the kernel's compute rate (6 H I flops per token and expert): with `--tokens` past 4 (a prompt's
+experts) the kernels walk an expert's weights once per 4 tokens and run compute-bound (docs/PERF.md, issue 17,
+eighteenth session), so its weight GB/s falls below the read while this column says how far from the core's
+arithmetic peak they run.
 
 A second table says where the best kernel window's time went (the pool's profile, CpuExpertRunner.profile):
 per call and worker, the share of the window spent in the Python wrapper (outside submit..wait), waiting to
@@ -39,6 +43,7 @@ from engine.experts.cpu_kernels import (PREFETCH_HINTS, CpuExpertRunner, ExpertT
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CALLER_JOINS = {"auto": None, "yes": True, "no": False}
+TOKENS = (1, 2, 3, 4, 8, 16, 32, 64)  # --tokens: per expert and call
 DYN_CHUNK = 2 << 20  # read dyn: pieces the workers claim in turn
 WALKS = ("four rows side by side", "one row at a time", "two row streams", "four row streams")
 # --sweep: (label, overrides) measured after the default configuration, same pool, same process.
@@ -156,6 +161,8 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
            "read_gbs": max(reads), "kernel_runs": kernel, "read_runs": reads,
            "read_fastest_pass_gbs": max(passes), "where": where}
     row["ratio"] = row["kernel_gbs"] / row["read_gbs"]
+    # each token does 6 H I flops on the expert's 3 H I weights: GFLOP/s = weight GB/s x tokens x 2 / itemsize
+    row["kernel_gflops"] = row["kernel_gbs"] * cfg["tokens"] * 2 / pool.element_size()
     if reads4:
         row.update(read4_gbs=max(reads4), read4_runs=reads4, ratio4=row["kernel_gbs"] / max(reads4))
     if reads_dyn:
@@ -176,12 +183,12 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
 def print_table(title: str, rows: list[dict]) -> None:
     print(title)
     print(f"{'threads':>7} {'isa':>10} {'kernel GB/s':>12} {'read GB/s':>10} {'ratio':>6} {'paired':>7} {'read x4':>8} "
-          f"{'read dyn':>9} {'best':>5} {'paired':>7} {'torch GB/s':>11}")
+          f"{'read dyn':>9} {'best':>5} {'paired':>7} {'torch GB/s':>11} {'GFLOP/s':>8}")
     for r in rows:
         cols = [f"{r[k]:.1f}" if k in r else "-" for k in ("read4_gbs", "read_dyn_gbs", "torch_gbs")]
         print(f"{r['threads']:>7} {r['isa']:>10} {r['kernel_gbs']:>12.1f} {r['read_gbs']:>10.1f} "
               f"{r['ratio']:>6.2f} {r['ratio_rounds']:>7.2f} {cols[0]:>8} {cols[1]:>9} {r['ratio_best']:>5.2f} "
-              f"{r['ratio_best_rounds']:>7.2f} {cols[2]:>11}")
+              f"{r['ratio_best_rounds']:>7.2f} {cols[2]:>11} {r['kernel_gflops']:>8.0f}")
     print("where the best kernel window's time went (% of threads x window):")
     print(f"{'threads':>7} {'ms/call':>8} {'wrapper':>8} {'dispatch':>9} {'gate/up':>8} {'down':>6} {'barrier':>8} "
           f"{'tail':>6} {'wake':>6} {'GB/s running':>13}")
@@ -201,7 +208,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inter", type=int, default=512)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--experts-per-call", type=int, default=8, help="distinct experts per MoE-layer call")
-    p.add_argument("--tokens", type=int, default=1, choices=[1, 2, 3, 4], help="tokens routed to each expert")
+    p.add_argument("--tokens", type=int, default=1, choices=TOKENS,
+                   help="tokens routed to each expert (1-4: decode, one pass over its weights; more: a prompt's, "
+                        "passes of up to 4, where the kernels run compute-bound: see GFLOP/s)")
     p.add_argument("--isa", default=None, help=f"force a kernel path, one of {supported_isas()}")
     p.add_argument("--prefetch", type=int, default=None,
                    help="software prefetch distance in bytes (0: off; default: this CPU's, see default_walk)")

@@ -37,3 +37,15 @@ def test_bench_reports_kernel_read_and_torch(tmp_path, capsys):
     assert where["running_gbs"] >= row["kernel_gbs"]  # the loops alone run at least as fast as whole calls
     printed = capsys.readouterr().out
     assert out.exists() and "kernel GB/s" in printed and "GB/s running" in printed
+
+
+def test_bench_takes_a_prompts_tokens_per_expert_and_reports_gflops(capsys):
+    """--tokens past 4 (a prompt's experts, passes of up to 4 tokens): GFLOP/s = weight GB/s x tokens x 2 / 2
+    bytes (bf16), and a token count the bench does not take is one usage error."""
+    res = bench_cpu.main(["--threads", "1", "--pool-gb", "0.1", "--seconds", "0.03", "--repeats", "1",
+                          "--tokens", "8", "--no-read4", "--no-read-dyn"])
+    (row,) = res["configs"]["default"]
+    assert row["kernel_gflops"] == pytest.approx(row["kernel_gbs"] * 8) and row["torch_gbs"] > 0
+    assert "GFLOP/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_cpu.main(["--tokens", "5"])
