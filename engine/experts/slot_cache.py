@@ -46,6 +46,12 @@ def copy_runs(experts: list[int], slots: list[int]) -> list[tuple[int, int, int]
     return runs
 
 
+def window_runs(todo: np.ndarray) -> int:
+    """len(copy_runs(todo, base + todo)) for ascending experts `todo` copied to the same offsets of a window:
+    one run per stretch of consecutive ids, counted without building the runs (_copy builds them once)."""
+    return int(len(todo) > 0) + int((np.diff(todo) != 1).sum())
+
+
 # a layer mostly in place in its streaming window copies the experts missing there in at most this many copies
 # (runs of consecutive slots); more, and it copies the whole layer in one (stream_layer)
 PARTIAL_RUNS = 8
@@ -161,7 +167,7 @@ class SlotCache:
         stay = t.resident[row] >= self.windows() * e_count
         placed = t.owner[base: base + e_count] == row * e_count + np.arange(e_count)
         todo = np.flatnonzero(~placed & ~stay)
-        return stay, todo, len(copy_runs(todo.tolist(), (base + todo).tolist())) > PARTIAL_RUNS
+        return stay, todo, window_runs(todo) > PARTIAL_RUNS
 
     def stream_copies(self, layer: int, window: int) -> int:
         """Experts stream_layer(layer, window) would copy now."""

@@ -1,11 +1,12 @@
 """SlotCache's copies: coalesced runs against one copy per expert, on fresh random experts and victims."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from engine.experts.host_pool import pool_from_source
-from engine.experts.slot_cache import SlotCache, copy_runs, pair_sorted
+from engine.experts.slot_cache import SlotCache, copy_runs, pair_sorted, window_runs
 from engine.experts.source import ExpertWeights
 
 
@@ -33,6 +34,17 @@ def test_copy_runs_cover_each_pair_once_and_merge_only_where_both_step_by_one():
         for (e0, s0, c0), (e1, s1, _) in zip(runs, runs[1:]):
             assert not (e0 + c0 == e1 and s0 + c0 == s1)  # a mergeable neighbour would have been merged
     assert copy_runs(list(range(10, 20)), list(range(5, 15))) == [(10, 5, 10)]
+
+
+def test_window_runs_counts_the_copy_runs_of_a_window():
+    """stream_layer's decision counts runs without building them: as many as copy_runs builds for ascending
+    experts copied to the same offsets of a window."""
+    rng = random.Random()
+    for _ in range(200):
+        todo = np.array(sorted(rng.sample(range(64), rng.randint(0, 40))), dtype=np.int64)
+        base = 64 * rng.randint(0, 3)
+        assert window_runs(todo) == len(copy_runs(todo.tolist(), (base + todo).tolist()))
+    assert window_runs(np.arange(64)) == 1 and window_runs(np.array([], dtype=np.int64)) == 0
 
 
 def _cache(slots: int, E: int = 16, H: int = 8, I: int = 4, seed: int | None = None, layers: int = 2) -> SlotCache:
