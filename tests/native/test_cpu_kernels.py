@@ -141,6 +141,23 @@ def test_experts_with_many_tokens_in_any_task_order(isa, threads, row_block):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("row_block", [0, 1, 2, 3])
+def test_worker_count_and_claim_size_leave_y_bit_identical(isa, row_block):
+    """Every output row is one worker's, its sums in a fixed order: any worker count and claim size give the
+    same bits (a prompt's experts run on more workers than decode's, cpu_runner.prompt_threads)."""
+    gen = torch.Generator().manual_seed(41 + row_block)
+    experts = make_experts(5, 130, 45, torch.bfloat16, gen)
+    x = torch.randn(12, 130, generator=gen)
+    tasks = [(*experts[e], t, 0.3 + 0.05 * t) for e in range(5) for t in range(0, 12, 1 + e % 3)]
+    ys = []
+    for threads, claim_rows in ((1, 64), (2, 7), (3, 32), (5, 16)):
+        y = torch.zeros(12, 130)
+        CpuExpertRunner(threads=threads, isa=isa, row_block=row_block, claim_rows=claim_rows).run(tasks, x, y)
+        ys.append(y)
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_expert_block_layout_and_strided_x(isa):
     gen = torch.Generator().manual_seed(7)
     hidden, inter = 64, 33
