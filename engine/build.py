@@ -294,8 +294,7 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     reserve = slots * ((context + 1) * per_token + per_sequence) if opts.fast_path and device.type == "cuda" else 0
     from engine.experts import cpu_runner
 
-    cpu_runner.set_threads(threads)
-    cpu_runner.set_prompt_threads(prompt_expert_threads(opts, device))
+    set_expert_threads(opts, device)
     log.info("%s experts: %d CPU expert threads (%d for a prompt)", name, threads, cpu_runner.prompt_threads())
     return {"experts": experts_factory(name, device=opts.device, slots=opts.moe_slots, progress=progress,
                                        reserve_bytes=reserve, profile=profile or {},
@@ -322,6 +321,15 @@ def expert_threads(opts: EngineOptions, device) -> int:
         return torch.get_num_threads()
     cores = len(os.sched_getaffinity(0))
     return max(1, min(cores - 2, cores // 2))
+
+
+def set_expert_threads(opts: EngineOptions, device) -> None:
+    """The CPU expert runner's worker counts from `opts` (expert_threads, prompt_expert_threads), as serve and
+    bench model use them."""
+    from engine.experts import cpu_runner
+
+    cpu_runner.set_threads(expert_threads(opts, device))
+    cpu_runner.set_prompt_threads(prompt_expert_threads(opts, device))
 
 
 def prompt_expert_threads(opts: EngineOptions, device) -> int:

@@ -220,13 +220,10 @@ def build(args):
     zipf = args.router_zipf
     cached = args.moe_backend != "fused"
     if cached:  # as serve: --expert-threads, else half the cores on CUDA (engine/build.py expert_threads)
-        from engine.build import expert_threads, prompt_expert_threads
-        from engine.experts import cpu_runner
+        from engine.build import set_expert_threads
 
-        opts = EngineOptions(device=args.device, expert_threads=args.expert_threads,
-                             prompt_expert_threads=args.prompt_expert_threads)
-        cpu_runner.set_threads(expert_threads(opts, torch.device(args.device)))
-        cpu_runner.set_prompt_threads(prompt_expert_threads(opts, torch.device(args.device)))
+        set_expert_threads(EngineOptions(device=args.device, expert_threads=args.expert_threads,
+                                         prompt_expert_threads=args.prompt_expert_threads), torch.device(args.device))
     where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
                                          slot_policy=args.slot_policy, decode=args.moe_decode,
                                          prefetch=args.moe_prefetch, lookahead=args.moe_lookahead,
