@@ -33,6 +33,7 @@ class EngineOptions:
     max_prefill_tokens: int | None = None  # None: the context with an expert cache, else max_step_tokens
     expert_threads: int | None = None  # CPU expert workers (cpu/hybrid); None: see expert_threads()
     prompt_expert_threads: int | None = None  # the same for a prompt's experts; None: expert_threads
+    expert_tile_tokens: int | None = None  # CPU experts' tile path from this many tokens an expert; None: ISA's
     slot_policy: str = "lfu"  # which expert slot a fill evicts: lfu (popularity, decayed) or lru
     moe_decode: str = "auto"  # fast-path decode through the expert cache: mapped | host | auto (offload.py)
     moe_prefetch: str = "auto"  # on: a mapped decode copies each layer's likely expert in while its mixer runs
@@ -58,6 +59,8 @@ class EngineOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if self.expert_tile_tokens is not None and self.expert_tile_tokens < 0:
+            raise ValueError(f"--expert-tile-tokens must be >= 0 (0: never), got {self.expert_tile_tokens}")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +130,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="CPU threads running a prompt's experts for cpu/hybrid (a layer call of 32 tokens or more: "
                         "several tokens an expert, compute-bound kernels that more cores speed up; default: on "
                         "CUDA every physical core but two, else --expert-threads)")
+    g.add_argument("--expert-tile-tokens", type=int,
+                   help="a layer call whose CPU experts average this many tokens or more runs on the CPU's matrix "
+                        "tiles (AMX-BF16: 16 tokens a pass over an expert's weights, where the vector kernels take "
+                        "4); 0: never (default: 5 where the CPU has AMX)")
 
 
 def options_from_args(args: argparse.Namespace) -> EngineOptions:
@@ -324,12 +331,13 @@ def expert_threads(opts: EngineOptions, device) -> int:
 
 
 def set_expert_threads(opts: EngineOptions, device) -> None:
-    """The CPU expert runner's worker counts from `opts` (expert_threads, prompt_expert_threads), as serve and
-    bench model use them."""
+    """The CPU expert runner's worker counts from `opts` (expert_threads, prompt_expert_threads) and its tile
+    setting (expert_tile_tokens), as serve and bench model use them."""
     from engine.experts import cpu_runner
 
     cpu_runner.set_threads(expert_threads(opts, device))
     cpu_runner.set_prompt_threads(prompt_expert_threads(opts, device))
+    cpu_runner.set_tile_tokens(opts.expert_tile_tokens)
 
 
 def prompt_expert_threads(opts: EngineOptions, device) -> int:

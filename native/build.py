@@ -26,6 +26,9 @@ ISA_UNITS = [
     ("avx512", "kernel_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"]),
     ("avx512bf16", "kernel_avx512bf16.cpp",
      ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mavx2"]),
+    ("amx", "kernel_amx.cpp",
+     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mavx2", "-mamx-tile",
+      "-mamx-bf16"]),
 ]
 
 

@@ -121,6 +121,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-expert-threads", type=_at_least(1),
                    help="CPU expert workers for a prompt's layer calls (32 tokens or more; default as serve: "
                         "every physical core but two on CUDA)")
+    p.add_argument("--expert-tile-tokens", type=_at_least(0),
+                   help="CPU expert layer calls averaging this many tokens an expert run on the CPU's matrix tiles "
+                        "(as serve; 0: never; default 5 where the CPU has AMX)")
     p.add_argument("--cpu-share", type=float,
                    help="hybrid mapped decode: this share of the non-resident experts runs on the CPU, fixed "
                         "(default: searched for the shortest measured step, per batch size)")

@@ -127,7 +127,10 @@ def breakdown(prof: dict, threads: int, nbytes: float, seconds: float) -> dict:
            "wrapper": 1 - prof["wall_s"] / core_s}
     for key in ("dispatch", "run", "barrier", "tail", "wake"):
         out[key] = prof[key + "_s"] / core_s
-    out["gate_up_run"], out["down_run"] = (v / core_s for v in prof["run_phase_s"][:2])
+    phases = prof["run_phase_s"]
+    tiles = len(phases) > 2 and phases[2] > 0  # the tile path: pack, gate/up, down
+    out["pack_run"] = phases[0] / core_s if tiles else 0.0
+    out["gate_up_run"], out["down_run"] = (v / core_s for v in (phases[1:3] if tiles else phases[:2]))
     out["running_gbs"] = nbytes / (prof["run_s"] / threads) / 1e9 if prof["run_s"] else 0.0
     return out
 
@@ -138,7 +141,7 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
     runner = CpuExpertRunner(threads=n, isa=cfg["isa"], prefetch_bytes=cfg["prefetch"], spin_us=cfg["spin_us"],
                              row_block=cfg["row_block"], claim_rows=cfg["claim_rows"], guided=cfg["guided"],
                              prefetch_hint=cfg["prefetch_hint"], caller_joins=CALLER_JOINS[cfg["caller_joins"]],
-                             least_rows=cfg["least_rows"])
+                             least_rows=cfg["least_rows"], tile_tokens=cfg["tile_tokens"])
     io = RoutedIO(x, y)
     reads, passes, reads4, reads_dyn, kernel = [], [], [], [], []
     plan = lambda: call_plan(table.num_experts, cfg["experts_per_call"], cfg["tokens"], gen)  # noqa: E731
@@ -156,8 +159,9 @@ def bench_threads(n: int, pool, table, cfg: dict, gen, with_torch: bool) -> dict
             where = breakdown(runner.profile(), n, nbytes, seconds)
         kernel.append(gbs)
     runner.set_profile(False)
+    runner_isa, tiles = runner.isa, runner.last_call_tiles
     del runner  # parks and joins its workers before torch's threads start
-    row = {"threads": n, "isa": cfg["isa"] or supported_isas()[0], "kernel_gbs": max(kernel),
+    row = {"threads": n, "isa": runner_isa, "tiles": tiles, "kernel_gbs": max(kernel),
            "read_gbs": max(reads), "kernel_runs": kernel, "read_runs": reads,
            "read_fastest_pass_gbs": max(passes), "where": where}
     row["ratio"] = row["kernel_gbs"] / row["read_gbs"]
@@ -186,7 +190,8 @@ def print_table(title: str, rows: list[dict]) -> None:
           f"{'read dyn':>9} {'best':>5} {'paired':>7} {'torch GB/s':>11} {'GFLOP/s':>8}")
     for r in rows:
         cols = [f"{r[k]:.1f}" if k in r else "-" for k in ("read4_gbs", "read_dyn_gbs", "torch_gbs")]
-        print(f"{r['threads']:>7} {r['isa']:>10} {r['kernel_gbs']:>12.1f} {r['read_gbs']:>10.1f} "
+        isa = r["isa"] + ("+tiles" if r.get("tiles") else "")
+        print(f"{r['threads']:>7} {isa:>10} {r['kernel_gbs']:>12.1f} {r['read_gbs']:>10.1f} "
               f"{r['ratio']:>6.2f} {r['ratio_rounds']:>7.2f} {cols[0]:>8} {cols[1]:>9} {r['ratio_best']:>5.2f} "
               f"{r['ratio_best_rounds']:>7.2f} {cols[2]:>11} {r['kernel_gflops']:>8.0f}")
     print("where the best kernel window's time went (% of threads x window):")
@@ -212,6 +217,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens routed to each expert (1-4: decode, one pass over its weights; more: a prompt's, "
                         "passes of up to 4, where the kernels run compute-bound: see GFLOP/s)")
     p.add_argument("--isa", default=None, help=f"force a kernel path, one of {supported_isas()}")
+    p.add_argument("--tile-tokens", type=int, default=None,
+                   help="calls averaging this many tokens an expert take the ISA's tile path (AMX: 16 tokens a "
+                        "pass; 0: never; default: 5 on amx)")
     p.add_argument("--prefetch", type=int, default=None,
                    help="software prefetch distance in bytes (0: off; default: this CPU's, see default_walk)")
     p.add_argument("--prefetch-hint", default="t0", choices=sorted(PREFETCH_HINTS),

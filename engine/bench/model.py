@@ -223,7 +223,8 @@ def build(args):
         from engine.build import set_expert_threads
 
         set_expert_threads(EngineOptions(device=args.device, expert_threads=args.expert_threads,
-                                         prompt_expert_threads=args.prompt_expert_threads), torch.device(args.device))
+                                         prompt_expert_threads=args.prompt_expert_threads,
+                                         expert_tile_tokens=args.expert_tile_tokens), torch.device(args.device))
     where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
                                          slot_policy=args.slot_policy, decode=args.moe_decode,
                                          prefetch=args.moe_prefetch, lookahead=args.moe_lookahead,
@@ -447,7 +448,11 @@ def _cpu_path() -> str:
     extension is not built (several times slower: a hybrid row on the torch path says little)."""
     from engine.experts import cpu_runner
 
-    path = "native" if cpu_runner.NATIVE else "torch (native kernels not built)"
+    path = "torch (native kernels not built)"
+    if cpu_runner.NATIVE:
+        runner = cpu_runner.native_runner(cpu_runner.prompt_threads())
+        tiles = f", tiles from {runner.tile_tokens} tokens an expert" if runner.tile_tokens else ""
+        path = f"native ({runner.isa}{tiles})"
     prompt = cpu_runner.prompt_threads()
     return f"{path} with {cpu_runner.expert_threads()} threads" + (f" ({prompt} for a prompt)" if prompt !=
                                                                     cpu_runner.expert_threads() else "")

@@ -32,6 +32,10 @@ _FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 _warned = False
 PREFETCH_BYTES = 512  # software prefetch distance along each weight row stream (default walk)
 PREFETCH_HINTS = {"t0": 3, "t1": 2, "t2": 1, "nta": 0}  # -> __builtin_prefetch locality (native/src/kernels.h)
+# A call whose tasks average this many tokens an expert or more runs on the tile path where the ISA has one
+# (AMX: up to 16 tokens in one pass over an expert's weights; the vector kernels take 4 a pass and run
+# compute-bound past that, docs/PERF.md eighteenth session).
+TILE_TOKENS = 5
 
 
 @functools.lru_cache(maxsize=1)
@@ -205,7 +209,7 @@ class CpuExpertRunner:
     """Runs routed experts on the CPU. One batch in flight at a time; submit() returns at once.
 
     threads: worker count (default: physical cores - 1, at least 1); isa: force a kernel path
-    ('avx512bf16', 'avx512', 'avx2', 'scalar'; default the best supported); backend: 'auto', 'native'
+    ('amx', 'avx512bf16', 'avx512', 'avx2', 'scalar'; default the best supported); backend: 'auto', 'native'
     or 'torch'; pin: one worker per physical core; spin_us: how long idle workers spin before parking;
     row_block: kernel walk order (0: four rows side by side, 1: one row at a time, 2: two row streams side by
     side: an expert's gate and up rows, then two experts' down rows; 3: four streams: both halves of the gate
@@ -219,12 +223,17 @@ class CpuExpertRunner:
     caller_joins: the calling thread is worker 0 and runs its share inside wait(), so a job finishes only
     once waited on (done() stays False until then); None: when threads >= the physical cores, where no core
     is left for a parked caller to wake on.
+    tile_tokens: a call whose tasks average this many tokens an expert or more (bf16 weights, hidden and
+    intermediate sizes multiples of 32) runs on the ISA's tile path, up to 16 tokens a pass over an expert's
+    weights; 0: never. None: TILE_TOKENS where the ISA is 'amx', else 0 ('scalar' has a reference tile path,
+    for tests).
     """
 
     def __init__(self, threads: int | None = None, isa: str | None = None, backend: str = "auto",
                  pin: bool = True, spin_us: int = 2000, prefetch_bytes: int | None = None,
                  row_block: int | None = None, claim_rows: int | None = None, guided: bool = True,
-                 prefetch_hint: str = "t0", caller_joins: bool | None = None, least_rows: int = 8):
+                 prefetch_hint: str = "t0", caller_joins: bool | None = None, least_rows: int = 8,
+                 tile_tokens: int | None = None):
         walk = default_walk()
         row_block = walk[0] if row_block is None else row_block
         prefetch_bytes = walk[1] if prefetch_bytes is None else prefetch_bytes
@@ -235,6 +244,8 @@ class CpuExpertRunner:
             raise ValueError(f"least_rows must be 1-64, not {least_rows!r}")
         if prefetch_hint not in PREFETCH_HINTS:
             raise ValueError(f"prefetch_hint must be one of {sorted(PREFETCH_HINTS)}, not {prefetch_hint!r}")
+        if tile_tokens is not None and (type(tile_tokens) is not int or tile_tokens < 0):
+            raise ValueError(f"tile_tokens must be an int >= 0 (0: never), not {tile_tokens!r}")
         if backend not in ("auto", "native", "torch"):
             raise ValueError(f"backend must be 'auto', 'native' or 'torch', not {backend!r}")
         if backend == "native" and _native is None:
@@ -252,7 +263,7 @@ class CpuExpertRunner:
         if backend == "torch" or _native is None:
             if backend == "auto":
                 _warn_fallback_once()
-            self.backend, self.isa, self.caller_joins = "torch", "torch", False
+            self.backend, self.isa, self.caller_joins, self.tile_tokens = "torch", "torch", False, 0
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
             return
         isas = supported_isas()
@@ -268,6 +279,15 @@ class CpuExpertRunner:
         self._pool.guided = self.guided
         self._pool.least_claim = self.least_rows
         self._pool.prefetch_hint = PREFETCH_HINTS[prefetch_hint]
+        if tile_tokens is None:
+            tile_tokens = TILE_TOKENS if self.isa == "amx" else 0
+        self.tile_tokens = tile_tokens if self._pool.has_tiles else 0
+        self._pool.tile_tokens = self.tile_tokens
+
+    @property
+    def last_call_tiles(self) -> bool:
+        """Did the last call take the tile path?"""
+        return self.backend == "native" and self._pool.last_tiles
 
     def run(self, tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> None:
         self.submit(tasks, x, y).wait()

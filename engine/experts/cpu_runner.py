@@ -42,6 +42,7 @@ def _torch_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertL
 _runners: dict = {}
 _threads: list = [None]  # set_threads' count; None: torch.get_num_threads() at the next call
 _prompt_threads: list = [None]  # set_prompt_threads' count; None: expert_threads()
+_tile_tokens: list = [None]  # set_tile_tokens' setting; None: the runner's default (cpu_kernels.TILE_TOKENS on AMX)
 
 
 def set_threads(threads: int | None) -> None:
@@ -70,6 +71,16 @@ def set_prompt_threads(threads: int | None) -> None:
 
 def prompt_threads() -> int:
     return _prompt_threads[0] or expert_threads()
+
+
+def set_tile_tokens(tokens: int | None) -> None:
+    """Layer calls whose experts average this many tokens or more run on the CPU's tile path where it has
+    one (CpuExpertRunner tile_tokens; 0: never; None: the runner's default). Runners made before are dropped."""
+    if tokens is not None and tokens < 0:
+        raise ValueError(f"CPU expert tile tokens must be >= 0, got {tokens}")
+    if tokens != _tile_tokens[0]:
+        _tile_tokens[0] = tokens
+        _runners.clear()
 
 
 def layer_table(host: torch.Tensor, layout: ExpertLayout):
@@ -116,7 +127,7 @@ def native_runner(threads: int):
     if cpu_kernels is None or not cpu_kernels.native_available():
         return None
     if threads not in _runners:
-        _runners[threads] = cpu_kernels.CpuExpertRunner(threads=threads)
+        _runners[threads] = cpu_kernels.CpuExpertRunner(threads=threads, tile_tokens=_tile_tokens[0])
     return _runners[threads]
 
 

@@ -101,7 +101,7 @@ struct ReadAvx2 {
 };
 
 const KernelTable kTable = {"avx2", {dot_rows<Avx2>, dot_rows<Avx2Bf>}, {dot_streams<Avx2>, dot_streams<Avx2Bf>},
-                            {false, true}, read_streams<ReadAvx2, read_avx2>};
+                            {false, true}, read_streams<ReadAvx2, read_avx2>, nullptr};
 }  // namespace
 
 const KernelTable* table_avx2() { return &kTable; }

@@ -1,5 +1,6 @@
 // AVX-512 (F + BW) path: bf16 weights widened to fp32 in registers, fp32 activations.
-// With -DKILLICK_BF16_DOT (kernel_avx512bf16.cpp) the bf16 table uses VDPBF16PS on bf16 activations.
+// With -DKILLICK_BF16_DOT (kernel_avx512bf16.cpp) the bf16 table uses VDPBF16PS on bf16 activations; with
+// -DKILLICK_AMX as well (kernel_amx.cpp) it also has the AMX tile path.
 #include <immintrin.h>
 
 #include <type_traits>
@@ -103,18 +104,116 @@ struct ReadAvx512 {
   }
 };
 
-#ifdef KILLICK_BF16_DOT
+#ifdef KILLICK_AMX
+// AMX tiles (DotTileFn): TDPBF16PS multiplies a tile of m weight rows x 32 bf16 (read in place, the rows ld
+// apart) by a tile of 16 activation pairs x T tokens (xp) into m x T fp32 sums. Tiles 0 and 1 accumulate (the
+// gate and the up rows, or one matrix's even and odd 32-column steps: two independent chains), 2 and 3 hold
+// weights, 4 and 5 activations. The configuration is loaded at each call (another library may have used the
+// tiles on this thread since) and released at its end.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void configure_tiles(int m, int T) {
+  TileConfig c;
+  for (int i = 0; i < 2; ++i) {
+    c.rows[i] = uint8_t(m);
+    c.colsb[i] = uint16_t(T * 4);
+    c.rows[2 + i] = uint8_t(m);
+    c.colsb[2 + i] = 64;
+    c.rows[4 + i] = 16;
+    c.colsb[4 + i] = uint16_t(T * 4);
+  }
+  _tile_loadconfig(&c);
+}
+
+inline void prefetch_rows(const uint16_t* w, int64_t ld, int m, int pf) {
+  for (int i = 0; i < m; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * ld) + pf, _MM_HINT_T0);
+}
+
+void dot_tiles(int S, const void* const* W, int64_t ld, int K, int rows, const uint32_t* xp, int T,
+               float* const* out, int os, int pf) {
+  alignas(64) float c0[16 * 16], c1[16 * 16];
+  const int64_t stride = ld * 2;  // bytes from one weight row to the next
+  const int xs = T * 4;           // bytes from one activation pair row to the next
+  int configured = 0;
+  for (int r0 = 0; r0 < rows; r0 += 16) {
+    const int m = rows - r0 < 16 ? rows - r0 : 16;
+    if (m != configured) {
+      configure_tiles(m, T);
+      configured = m;
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    const uint16_t* a = static_cast<const uint16_t*>(W[0]) + r0 * ld;
+    if (S == 2) {
+      const uint16_t* b = static_cast<const uint16_t*>(W[1]) + r0 * ld;
+      for (int k = 0; k < K; k += 32) {
+        if (pf > 0) {
+          prefetch_rows(a + k, ld, m, pf);
+          prefetch_rows(b + k, ld, m, pf);
+        }
+        _tile_loadd(4, xp + (k / 2) * T, xs);
+        _tile_loadd(2, a + k, stride);
+        _tile_loadd(3, b + k, stride);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 4);
+      }
+    } else {
+      int k = 0;
+      for (; k + 64 <= K; k += 64) {
+        if (pf > 0) prefetch_rows(a + k, ld, m, pf);  // one line of each row covers both steps
+        _tile_loadd(4, xp + (k / 2) * T, xs);
+        _tile_loadd(5, xp + (k / 2 + 16) * T, xs);
+        _tile_loadd(2, a + k, stride);
+        _tile_loadd(3, a + k + 32, stride);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 5);
+      }
+      if (k < K) {
+        _tile_loadd(4, xp + (k / 2) * T, xs);
+        _tile_loadd(2, a + k, stride);
+        _tile_dpbf16ps(0, 2, 4);
+      }
+    }
+    _tile_stored(0, c0, xs);
+    _tile_stored(1, c1, xs);
+    for (int i = 0; i < m; ++i)
+      for (int t = 0; t < T; ++t) {
+        if (S == 2) {
+          out[0][t * os + r0 + i] = c0[i * T + t];
+          out[1][t * os + r0 + i] = c1[i * T + t];
+        } else {
+          out[0][t * os + r0 + i] = c0[i * T + t] + c1[i * T + t];
+        }
+      }
+  }
+  _tile_release();
+}
+#endif
+
+#if defined(KILLICK_AMX)
+const KernelTable kTable = {"amx", {dot_rows<Avx512<float>>, dot_rows<Avx512Dp>},
+                            {dot_streams<Avx512<float>>, dot_streams<Avx512Dp>}, {false, true},
+                            read_streams<ReadAvx512, read_avx512>, dot_tiles};
+#elif defined(KILLICK_BF16_DOT)
 const KernelTable kTable = {"avx512bf16", {dot_rows<Avx512<float>>, dot_rows<Avx512Dp>},
                             {dot_streams<Avx512<float>>, dot_streams<Avx512Dp>}, {false, true},
-                            read_streams<ReadAvx512, read_avx512>};
+                            read_streams<ReadAvx512, read_avx512>, nullptr};
 #else
 const KernelTable kTable = {"avx512", {dot_rows<Avx512<float>>, dot_rows<Avx512<uint16_t>>},
                             {dot_streams<Avx512<float>>, dot_streams<Avx512<uint16_t>>}, {false, false},
-                            read_streams<ReadAvx512, read_avx512>};
+                            read_streams<ReadAvx512, read_avx512>, nullptr};
 #endif
 }  // namespace
 
-#ifdef KILLICK_BF16_DOT
+#if defined(KILLICK_AMX)
+const KernelTable* table_amx() { return &kTable; }
+#elif defined(KILLICK_BF16_DOT)
 const KernelTable* table_avx512bf16() { return &kTable; }
 #else
 const KernelTable* table_avx512() { return &kTable; }

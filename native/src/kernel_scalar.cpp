@@ -50,9 +50,28 @@ struct ReadScalar {
   static uint64_t fold(V a) { return a; }
 };
 
+// The tile path's reference (DotTileFn): the same packed activations, one product at a time. Only used where
+// a caller asks for tiles on this table (tests of the tile-mode job on machines without tile hardware).
+void dot_tiles_ref(int S, const void* const* W, int64_t ld, int K, int rows, const uint32_t* xp, int T,
+                   float* const* out, int os, int) {
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < rows; ++r) {
+      const uint16_t* w = static_cast<const uint16_t*>(W[s]) + r * ld;
+      for (int t = 0; t < T; ++t) {
+        float acc = 0.f;
+        for (int p = 0; p < K / 2; ++p) {
+          const uint32_t v = xp[p * T + t];
+          acc += bf16_to_f32(w[2 * p]) * bf16_to_f32(uint16_t(v & 0xffffu)) +
+                 bf16_to_f32(w[2 * p + 1]) * bf16_to_f32(uint16_t(v >> 16));
+        }
+        out[s][t * os + r] = acc;
+      }
+    }
+}
+
 const KernelTable kTable = {"scalar", {dot_rows<Scalar<float>>, dot_rows<Scalar<uint16_t>>},
                             {dot_streams<Scalar<float>>, dot_streams<Scalar<uint16_t>>}, {false, false},
-                            read_streams<ReadScalar, read_scalar>};
+                            read_streams<ReadScalar, read_scalar>, dot_tiles_ref};
 }  // namespace
 
 const KernelTable* table_scalar() { return &kTable; }

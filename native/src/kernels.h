@@ -10,7 +10,7 @@ namespace killick {
 // Weight format tag. Dequantising formats (fp8, 4-bit blocks) get new tags and new dot functions.
 enum Format : int { kF32 = 0, kBF16 = 1 };
 
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
 // out[t * out_stride + r] = sum_k W[r * ld + k] * x[t][k] for r < rows, t < T (1..4), fp32 accumulation.
 // W is `rows` rows of K elements in the table's format; x points at fp32 vectors or, when the table's
@@ -31,6 +31,13 @@ using DotStreamsFn = void (*)(int S, const void* const* W, int64_t ld, int K, in
 // XOR of every 8-byte word in [p, p + nbytes): a read-only pass the compiler cannot drop. streams 1: one
 // sequential pass (STREAM read); 2 or 4: that many equal parts read side by side.
 using ReadFn = uint64_t (*)(const void* p, size_t nbytes, int streams);
+// The tile path, bf16 weights only, 1 to kMaxTileTokens (16) tokens in one pass over the rows: out[s][t *
+// out_stride + r] = sum_k W[s][r * ld + k] * x_t[k] for s < S (1 or 2 matrices sharing the activations: an
+// expert's gate and up rows), r < rows, t < T; K a multiple of 32. The activations come packed in pairs,
+// token-minor: word xp[p * T + t] holds x_t[2p] (low half) and x_t[2p + 1] (high half) as bf16, the layout a
+// tile multiply reads as its right-hand operand. prefetch_bytes ahead along each weight row (0: none).
+using DotTileFn = void (*)(int S, const void* const* W, int64_t ld, int K, int rows, const uint32_t* xp, int T,
+                           float* const* out, int out_stride, int prefetch_bytes);
 
 struct KernelTable {
   const char* name;
@@ -38,11 +45,13 @@ struct KernelTable {
   DotStreamsFn dots[2];  // indexed by Format
   bool x_bf16[2];        // per Format: do dot[] and dots[] want bf16 activations?
   ReadFn read;
+  DotTileFn tile;  // null: no tile path (the vector kernels take up to 4 tokens a pass)
 };
 
 const KernelTable* table_scalar();
 const KernelTable* table_avx2();
 const KernelTable* table_avx512();
 const KernelTable* table_avx512bf16();
+const KernelTable* table_amx();
 
 }  // namespace killick

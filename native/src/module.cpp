@@ -2,6 +2,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -31,12 +39,32 @@ struct IsaEntry {
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
 bool has_avx512bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+// AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24 and 22), and the tile data state granted to this process: Linux
+// gives it only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, kernel 5.16 on), once for
+// every thread. Asked once; a refusal leaves the ISA off.
+bool has_amx() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!has_avx512bf16() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    constexpr int kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
 #endif
 bool always() { return true; }
 
 // Best first. An ISA appears only if its translation unit was compiled (build.py defines the macros).
 std::vector<IsaEntry> isa_entries() {
   std::vector<IsaEntry> out;
+#ifdef KILLICK_HAVE_AMX
+  out.push_back({"amx", table_amx, has_amx});
+#endif
 #ifdef KILLICK_HAVE_AVX512BF16
   out.push_back({"avx512bf16", table_avx512bf16, has_avx512bf16});
 #endif
@@ -93,6 +121,7 @@ struct Runner {
   int least_claim = 8;  // to this many rows (two four-row blocks)
   int prefetch_hint = 3;  // __builtin_prefetch locality of the software prefetches (3: prefetcht0)
   int prefetch_bytes = 512;  // software prefetch distance along each weight row stream (0: none)
+  int tile_tokens = 0;  // calls averaging this many tokens an expert take the tile path, where isa has one
   Runner(int threads, bool pin, int spin_us, int caller_joins)
       : pool_(std::make_unique<Pool>(threads, pin, spin_us, caller_joins)), pool(*pool_),
         isa(supported_isas().front()), kernels(table_for(isa)) {}
@@ -107,7 +136,7 @@ struct Runner {
                   const std::vector<uint64_t>& down, const std::vector<int64_t>& tokens,
                   const std::vector<float>& weights, uint64_t x, int64_t x_stride, uint64_t y, int64_t y_stride,
                   int T) {
-    MoeArgs a = args(Table::check_format(fmt), H, I, ld_gu, ld_dn, x, x_stride, y, y_stride, T);
+    MoeArgs a = args(Table::check_format(fmt), H, I, ld_gu, ld_dn, x, kF32, x_stride, y, kF32, y_stride, T);
     size_t n = gate_up.size();
     if (down.size() != n || tokens.size() != n || weights.size() != n)
       throw std::invalid_argument("task arrays differ in length");
@@ -122,7 +151,7 @@ struct Runner {
   void submit_table(const Table& t, const std::vector<int64_t>& experts, const std::vector<int64_t>& tokens,
                     const std::vector<float>& weights, uint64_t x, int64_t x_stride, uint64_t y, int64_t y_stride,
                     int T, bool wait) {
-    MoeArgs a = args(t.fmt, t.H, t.I, t.ld_gu, t.ld_dn, x, x_stride, y, y_stride, T);
+    MoeArgs a = args(t.fmt, t.H, t.I, t.ld_gu, t.ld_dn, x, kF32, x_stride, y, kF32, y_stride, T);
     size_t n = experts.size();
     if (tokens.size() != n || weights.size() != n)
       throw std::invalid_argument("experts, tokens and weights must have one entry per task");
@@ -148,29 +177,28 @@ struct Runner {
     check_experts(t, experts);
     py::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(mu_);
-    gather(t, n, experts.data(), rows.data(), x, xf, x_stride, out, of, out_stride, nullptr);
+    gather(t, n, experts.data(), rows.data(), x, xf, x_stride, T, out, of, out_stride, nullptr);
   }
 
   // run_gather's work on checked tasks, mu_ held, no GIL needed: task i's output lands in out row
-  // out_rows[i] (row i when out_rows is null). The graph mailbox (Mailbox below) calls it from its thread.
+  // out_rows[i] (row i when out_rows is null). The job reads x's rows and writes out's in their own formats
+  // (its workers, not this thread, convert). The graph mailbox (Mailbox below) calls it from its thread.
   void gather(const Table& t, size_t n, const int64_t* experts, const int64_t* rows, uint64_t x, Format xf,
-              int64_t x_stride, uint64_t out, Format of, int64_t out_stride, const int64_t* out_rows) {
-    pool.wait();  // the planner's job and the staging buffers below may still be in use
-    const size_t H = size_t(t.H);
-    xg_.resize(n * H);
-    yg_.assign(n * H, 0.f);
-    for (size_t i = 0; i < n; ++i) to_f32(x, xf, rows[i] * x_stride, H, xg_.data() + i * H);
-    if (iota_.size() < n) {
+              int64_t x_stride, int T, uint64_t out, Format of, int64_t out_stride, const int64_t* out_rows) {
+    pool.wait();  // the planner's job and the addresses below may still be in use
+    if (!out_rows) {
       for (size_t i = iota_.size(); i < n; ++i) iota_.push_back(int64_t(i));
-      ones_.assign(iota_.size(), 1.f);
+      out_rows = iota_.data();
     }
     addresses(t, experts, n);
-    MoeArgs a = args(t.fmt, t.H, t.I, t.ld_gu, t.ld_dn, reinterpret_cast<uint64_t>(xg_.data()), t.H,
-                     reinterpret_cast<uint64_t>(yg_.data()), t.H, int(n));
-    pool.submit(planner_.plan(a, n, gu_.data(), dn_.data(), iota_.data(), ones_.data()));
+    MoeArgs a = args(t.fmt, t.H, t.I, t.ld_gu, t.ld_dn, x, xf, x_stride, out, of, out_stride, T);
+    pool.submit(planner_.plan(a, n, gu_.data(), dn_.data(), rows, nullptr, out_rows));
     pool.wait();
-    for (size_t i = 0; i < n; ++i)
-      from_f32(yg_.data() + i * H, H, out, of, (out_rows ? out_rows[i] : int64_t(i)) * out_stride);
+  }
+
+  bool planner_last_tiles() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return planner_.last_tiles();
   }
 
   std::mutex mu_;  // one submitting thread at a time: the planner's job and gu_/dn_ are shared
@@ -186,11 +214,11 @@ struct Runner {
   }
 
  private:
-  MoeArgs args(Format fmt, int H, int I, int64_t ld_gu, int64_t ld_dn, uint64_t x, int64_t x_stride, uint64_t y,
-               int64_t y_stride, int T) const {
-    return MoeArgs{kernels, fmt, H, I, ld_gu, ld_dn, reinterpret_cast<const float*>(x), x_stride,
-                   reinterpret_cast<float*>(y), y_stride, T, prefetch_bytes, prefetch_hint, row_block,
-                   claim_rows, guided, least_claim};
+  MoeArgs args(Format fmt, int H, int I, int64_t ld_gu, int64_t ld_dn, uint64_t x, Format xf, int64_t x_stride,
+               uint64_t y, Format yf, int64_t y_stride, int T) const {
+    return MoeArgs{kernels, fmt, H, I, ld_gu, ld_dn, reinterpret_cast<const void*>(x), xf, x_stride,
+                   reinterpret_cast<void*>(y), yf, y_stride, T, prefetch_bytes, prefetch_hint, row_block,
+                   claim_rows, guided, least_claim, tile_tokens};
   }
   static void check_experts(const Table& t, const std::vector<int64_t>& experts) {
     for (int64_t e : experts)
@@ -207,35 +235,6 @@ struct Runner {
     for (size_t i = 0; i < n; ++i) {
       gu_[i] = t.gu + uint64_t(experts[i] * t.gu_estride * es);
       dn_[i] = t.dn + uint64_t(experts[i] * t.dn_estride * es);
-    }
-  }
-  // n values at element offset `at` of p (f32 or bf16) as f32, and back (bf16 rounded to nearest even).
-  static void to_f32(uint64_t p, Format f, int64_t at, size_t n, float* dst) {
-    if (f == kF32) {
-      std::memcpy(dst, reinterpret_cast<const float*>(p) + at, n * 4);
-      return;
-    }
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(p) + at;
-    for (size_t i = 0; i < n; ++i) {
-      uint32_t u = uint32_t(src[i]) << 16;
-      std::memcpy(dst + i, &u, 4);
-    }
-  }
-  static void from_f32(const float* src, size_t n, uint64_t p, Format f, int64_t at) {
-    if (f == kF32) {
-      std::memcpy(reinterpret_cast<float*>(p) + at, src, n * 4);
-      return;
-    }
-    uint16_t* dst = reinterpret_cast<uint16_t*>(p) + at;
-    for (size_t i = 0; i < n; ++i) {
-      uint32_t u;
-      std::memcpy(&u, src + i, 4);
-      if ((u & 0x7fffffffu) > 0x7f800000u) {
-        dst[i] = uint16_t((u >> 16) | 0x40);  // quiet NaN
-        continue;
-      }
-      u += 0x7fffu + ((u >> 16) & 1u);
-      dst[i] = uint16_t(u >> 16);
     }
   }
   static void check_tokens(const std::vector<int64_t>& tokens, int T) {
@@ -255,9 +254,7 @@ struct Runner {
 
   MoePlanner planner_;
   std::vector<uint64_t> gu_, dn_;  // submit_table's and run_gather's addresses, kept across calls
-  std::vector<float> xg_, yg_;     // run_gather's rows of x and its sums, [n, H] f32 each, kept across calls
   std::vector<int64_t> iota_;      // 0, 1, ...: run_gather's output rows
-  std::vector<float> ones_;        // and its weights
 };
 
 
@@ -354,7 +351,7 @@ class Mailbox {
         const int64_t t0 = now();
         {
           std::lock_guard<std::mutex> lock(r_.mu_);
-          r_.gather(tables_[row], experts.size(), experts.data(), rows.data(), x_, xf_, H_, out_, of_, H_,
+          r_.gather(tables_[row], experts.size(), experts.data(), rows.data(), x_, xf_, H_, n, out_, of_, H_,
                     outs.data());
         }
         busy_ns_.fetch_add(now() - t0);
@@ -396,6 +393,7 @@ PYBIND11_MODULE(_cpu_experts, m) {
   m.attr("FORMAT_F32") = int(kF32);
   m.attr("FORMAT_BF16") = int(kBF16);
   m.attr("MAX_TOKENS_PER_PASS") = kMaxTokens;
+  m.attr("MAX_TILE_TOKENS") = kMaxTileTokens;
   py::class_<Table>(m, "Table")
       .def(py::init<int, int, int, uint64_t, int64_t, int64_t, uint64_t, int64_t, int64_t, int64_t>(),
            py::arg("fmt"), py::arg("H"), py::arg("I"), py::arg("gu_ptr"), py::arg("gu_expert_stride"),
@@ -414,6 +412,9 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def_readwrite("least_claim", &Runner::least_claim)
       .def_readwrite("prefetch_hint", &Runner::prefetch_hint)
       .def_readwrite("prefetch_bytes", &Runner::prefetch_bytes)
+      .def_readwrite("tile_tokens", &Runner::tile_tokens)
+      .def_property_readonly("has_tiles", [](Runner& r) { return r.kernels->tile != nullptr; })
+      .def_property_readonly("last_tiles", [](Runner& r) { return r.planner_last_tiles(); })
       .def("submit_moe", &Runner::submit_moe)
       .def("run_gather", &Runner::run_gather, py::arg("table"), py::arg("experts"), py::arg("rows"), py::arg("x"),
            py::arg("x_fmt"), py::arg("x_stride"), py::arg("T"), py::arg("out"), py::arg("out_fmt"),

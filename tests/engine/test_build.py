@@ -75,13 +75,24 @@ def test_expert_threads_are_the_engines_own_setting(checkpoints):
         assert 1 <= on_cuda <= max(1, cores // 2) and (on_cuda <= cores - 2 or on_cuda == 1)
         prompt_on_cuda = prompt_expert_threads(EngineOptions(), torch.device("cuda"))
         assert prompt_on_cuda == max(on_cuda, min(physical_cores(), cores) - 2)  # all but two cores, >= decode's
+        # --expert-tile-tokens reaches the runners (0: never; they ignore it where the ISA has no tiles)
+        core = build_core(path, EngineOptions(moe_backend="hybrid", moe_slots="25%", expert_threads=1,
+                                              expert_tile_tokens=0))
+        if cpu_runner.NATIVE:
+            assert cpu_runner._tile_tokens[0] == 0 and cpu_runner.native_runner(1).tile_tokens == 0
+        core.runner.model.experts.close()
     finally:
         cpu_runner.set_threads(before)
         cpu_runner.set_prompt_threads(before_prompt)
+        cpu_runner.set_tile_tokens(None)
     with pytest.raises(ValueError, match="--expert-threads"):
         EngineOptions(expert_threads=0)
     with pytest.raises(ValueError, match="--prompt-expert-threads"):
         EngineOptions(prompt_expert_threads=0)
+    with pytest.raises(ValueError, match="--expert-tile-tokens"):
+        EngineOptions(expert_tile_tokens=-1)
+    with pytest.raises(ValueError, match="tile tokens"):
+        cpu_runner.set_tile_tokens(-2)
 
 
 def test_overlap_is_on_by_default_on_cuda_only_and_no_overlap_turns_it_off(checkpoints):
