@@ -603,6 +603,19 @@ def test_a_copy_ahead_takes_cold_residents_and_those_of_a_layer_done():
     b.close()
 
 
+def prompts_match_reference(b, src, lengths, seed):
+    """Prompts of these lengths through b's 3 layers, one held forward each in inference mode (as the engine
+    runs them): every layer's output equals the reference's."""
+    with torch.inference_mode():
+        for step, T in enumerate(lengths):
+            x, ids, w = routing(T, seed=seed + step)
+            b.begin_forward(T, K, hold=True, span=T)
+            for layer in range(3):
+                torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                           rtol=1e-5, atol=1e-5)
+            b.end_forward()
+
+
 def test_cpu_outputs_through_the_reused_buffers_equal_the_reference_in_inference_mode():
     """The CPU job writes a routed prompt's outputs and positions into buffers the backend keeps (page-locked
     on CUDA, read in place by scatter_rows): made by the engine's thread in inference mode, written by the
@@ -611,14 +624,8 @@ def test_cpu_outputs_through_the_reused_buffers_equal_the_reference_in_inference
     est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
     b = HybridBackend(deep, 4, "cpu", estimate=est, stream_prefill="off", lookahead="on")
     b._zero_copy = True  # the buffers as on CUDA (the scatter itself: tests/kernels/test_mailbox.py)
-    with torch.inference_mode():
-        for step, T in enumerate((40, 7, 40)):
-            x, ids, w = routing(T, seed=50 + step)
-            b.begin_forward(T, K, hold=True, span=T)
-            for layer in range(3):
-                torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
-                                           rtol=1e-5, atol=1e-5)
-            b.end_forward()
+    b._defer_cpu = False  # the host waits for each job (deferred: the next test)
+    prompts_match_reference(b, src, (40, 7, 40), seed=50)
     assert b.stats()["total"]["cpu_runs"] > 0 and b._cpu_out
     b.close()
 
@@ -635,14 +642,7 @@ def test_deferred_cpu_jobs_are_waited_for_by_the_device_and_their_errors_raise(m
     b._zero_copy = b._defer_cpu = True
     observed = []
     monkeypatch.setattr(b, "observe", lambda path, *a, **k: observed.append(path))
-    with torch.inference_mode():
-        for step, T in enumerate((40, 33)):
-            x, ids, w = routing(T, seed=70 + step)
-            b.begin_forward(T, K, hold=True, span=T)
-            for layer in range(3):
-                torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
-                                           rtol=1e-5, atol=1e-5)
-            b.end_forward()
+    prompts_match_reference(b, src, (40, 33), seed=70)
     assert b._cpu_seq >= 2 and int(b._cpu_flag[0][0]) == b._cpu_seq and not b._deferred
     assert observed.count("cpu") >= b._cpu_seq  # the deferred jobs' timings too
 
