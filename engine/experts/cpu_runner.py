@@ -94,8 +94,8 @@ def layer_table(host: torch.Tensor, layout: ExpertLayout):
 
 def _native_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertLayout, top_k: int,
                        table=None, out: torch.Tensor | None = None, prompt: bool = False) -> Result:
-    """Same contract on the native runner, one native call (CpuExpertRunner.run_gather: gather, kernels,
-    conversion). A handful of torch calls on purpose: each costs 20-100 us with caches emptied by the previous
+    """Same contract on the native runner, one native call (CpuExpertRunner.run_gather: the job reads x's rows
+    and writes the outputs in their own formats). A handful of torch calls on purpose: each costs 20-100 us with caches emptied by the previous
     call's streaming (dev box: 400-530 us a call of 8 experts outside the kernels before, 170-300 after; docs/
     PERF.md Issue 17). The runner has expert_threads() workers, prompt_threads() with prompt=True."""
     if not jobs:

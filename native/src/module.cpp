@@ -165,9 +165,9 @@ struct Runner {
 
   // The engine's call for one MoE layer's CPU experts (engine/experts/cpu_runner.py), in one crossing: task i
   // runs expert experts[i] of the table on x row rows[i] into output row i, weight 1. x [T, H] and out [n, H]
-  // are f32 or bf16 (x_fmt, out_fmt) with unit inner stride; out is overwritten. The rows are gathered as f32
-  // and the f32 sums kept here, so the caller needs no gather, no zeroed buffer and no conversion, each a
-  // torch op that costs 20-100 us with caches emptied by the previous call's streaming.
+  // are f32 or bf16 (x_fmt, out_fmt) with unit inner stride; out is overwritten. The job's workers read x's
+  // rows and write out's in their own formats, so the caller needs no gather, no zeroed buffer and no
+  // conversion, each a torch op that costs 20-100 us with caches emptied by the previous call's streaming.
   void run_gather(const Table& t, const std::vector<int64_t>& experts, const std::vector<int64_t>& rows,
                   uint64_t x, int x_fmt, int64_t x_stride, int T, uint64_t out, int out_fmt, int64_t out_stride) {
     const size_t n = experts.size();
