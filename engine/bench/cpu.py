@@ -222,8 +222,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "pass; 0: never; default: 5 on amx)")
     p.add_argument("--prefetch", type=int, default=None,
                    help="software prefetch distance in bytes (0: off; default: this CPU's, see default_walk)")
-    p.add_argument("--prefetch-hint", default="t0", choices=sorted(PREFETCH_HINTS),
-                   help="software prefetch instruction: t0 (into L1), t1, t2, nta")
+    p.add_argument("--prefetch-hint", default=None, choices=sorted(PREFETCH_HINTS),
+                   help="software prefetch instruction: t0 (into L1), t1, t2, nta (default: this CPU's, see "
+                        "default_walk)")
     p.add_argument("--spin-us", type=int, default=2000, help="how long idle workers spin before parking")
     p.add_argument("--claim-rows", type=int, default=None,
                    help="rows a worker claims at a time, 1-64 (default: this CPU's, see default_walk)")
@@ -260,6 +261,7 @@ def main(argv=None) -> dict:
     args.row_block = walk[0] if args.row_block is None else args.row_block
     args.prefetch = walk[1] if args.prefetch is None else args.prefetch
     args.claim_rows = walk[2] if args.claim_rows is None else args.claim_rows
+    args.prefetch_hint = walk[3] if args.prefetch_hint is None else args.prefetch_hint
     base = vars(args)
     configs = [("default", {})] + (SWEEP if args.sweep else [])
     results = {"machine": platform.processor() or platform.machine(), "args": base, "isas": supported_isas(),

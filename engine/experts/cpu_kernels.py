@@ -39,18 +39,21 @@ TILE_TOKENS = 5
 
 
 @functools.lru_cache(maxsize=1)
-def default_walk() -> tuple[int, int, int]:
-    """(row_block, prefetch_bytes, claim_rows) that measured best on this CPU vendor (docs/PERF.md):
+def default_walk() -> tuple[int, int, int, str]:
+    """(row_block, prefetch_bytes, claim_rows, prefetch_hint) that measured best on this CPU vendor (docs/PERF.md):
     AMD Zen wants several long sequential streams per core (the four-stream walk: both halves of a claim's
     gate and up rows, four experts' down rows; 512 B prefetch, 64-row claims); four short rows side by side
-    are its worst walk (kernel/read 0.57). The GPU box's Xeon streams four rows side by side best (the two-
-    stream walk measured no better there), with 32-row claims."""
+    are its worst walk (kernel/read 0.57). Its software prefetches go out as prefetchnta: each weight line is
+    read once a call, and on the 2-core Zen dev box (EPYC 7001) one token an expert read 1.05-1.07x the rate
+    of prefetcht0 at 1 and 2 workers (kernel/read 0.95-1.00 against 0.86-0.95), with no loss at 4 or 8 tokens.
+    The GPU box's Xeon streams four rows side by side best (the two-stream walk measured no better there),
+    with 32-row claims and prefetcht0 (prefetchnta read 0.58-0.66 of the read rate there)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
             amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in fh)
     except OSError:
         amd = False
-    return (3, 512, 64) if amd else (0, PREFETCH_BYTES, 32)
+    return (3, 512, 64, "nta") if amd else (0, PREFETCH_BYTES, 32, "t0")
 
 
 def native_available() -> bool:
@@ -219,7 +222,7 @@ class CpuExpertRunner:
     ones stream longer runs). None: default_walk's. guided: claims shrink from claim_rows to least_rows
     (1-64, default 8: two four-row blocks) as each phase runs out, so the workers finish a phase together
     (False: every claim is claim_rows long).
-    prefetch_hint: which software prefetch instruction ('t0': into L1, 't1', 't2', 'nta').
+    prefetch_hint: which software prefetch instruction ('t0': into L1, 't1', 't2', 'nta'); None: default_walk's.
     caller_joins: the calling thread is worker 0 and runs its share inside wait(), so a job finishes only
     once waited on (done() stays False until then); None: when threads >= the physical cores, where no core
     is left for a parked caller to wake on.
@@ -232,12 +235,13 @@ class CpuExpertRunner:
     def __init__(self, threads: int | None = None, isa: str | None = None, backend: str = "auto",
                  pin: bool = True, spin_us: int = 2000, prefetch_bytes: int | None = None,
                  row_block: int | None = None, claim_rows: int | None = None, guided: bool = True,
-                 prefetch_hint: str = "t0", caller_joins: bool | None = None, least_rows: int = 8,
+                 prefetch_hint: str | None = None, caller_joins: bool | None = None, least_rows: int = 8,
                  tile_tokens: int | None = None):
         walk = default_walk()
         row_block = walk[0] if row_block is None else row_block
         prefetch_bytes = walk[1] if prefetch_bytes is None else prefetch_bytes
         claim_rows = walk[2] if claim_rows is None else claim_rows
+        prefetch_hint = walk[3] if prefetch_hint is None else prefetch_hint
         if row_block not in (0, 1, 2, 3):
             raise ValueError(f"row_block must be 0, 1, 2 or 3, not {row_block!r}")
         if not 1 <= least_rows <= 64:

@@ -89,9 +89,21 @@ def test_prefetch_hint_does_not_change_results(isa, hint, row_block):
     experts = make_experts(3, 300, 70, torch.bfloat16, gen)
     x = torch.randn(2, 300, generator=gen)
     tasks = [(*experts[e], t, 0.5) for t in range(2) for e in range(3)]
-    y = torch.zeros(2, 300)
+    y, y0 = torch.zeros(2, 300), torch.zeros(2, 300)
     CpuExpertRunner(threads=2, isa=isa, row_block=row_block, prefetch_bytes=256, prefetch_hint=hint).run(tasks, x, y)
+    CpuExpertRunner(threads=2, isa=isa, row_block=row_block, prefetch_bytes=256, prefetch_hint="t0").run(tasks, x, y0)
+    assert torch.equal(y, y0)  # a hint moves lines earlier, never changes what is computed
     assert rel_err(y, torch.zeros(2, 300), reference_experts(tasks, x)) < tolerance(isa, torch.bfloat16)
+
+
+def test_the_runner_takes_its_prefetch_hint_from_the_cpus_walk(monkeypatch):
+    walk = ck.default_walk()
+    assert walk[3] in ck.PREFETCH_HINTS
+    assert CpuExpertRunner(threads=1).prefetch_hint == walk[3]
+    other = "t0" if walk[3] != "t0" else "nta"
+    monkeypatch.setattr(ck, "default_walk", lambda: (*walk[:3], other))
+    assert CpuExpertRunner(threads=1).prefetch_hint == other
+    assert CpuExpertRunner(threads=1, prefetch_hint="t2").prefetch_hint == "t2"
 
 
 def test_unknown_prefetch_hint_and_least_claim_are_refused():
