@@ -2,6 +2,7 @@
 
     python -m engine.bench.profile_decode --layers 8 --batch 1 [--json out.json]
     python -m engine.bench.profile_decode --moe-backend offload --moe-slots 37.5%     (an expert cache)
+    ... --decode-trace steps.json     (the profiled steps on one time line, every stream: chrome://tracing)
 
 Builds the synthetic Qwen3.6-35B-A3B shape on the device, fills a prompt per sequence, then profiles
 `--steps` decode steps launched directly (the same kernels a graph replays) and prints, per kernel name,
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
                    help="a mapped decode copies each layer's likely expert in while its mixer runs (as serve)")
     p.add_argument("--trace", help="with --prefill: write the profiled prompt's Chrome trace here (copy and "
                                   "compute streams on one time line: does the stream hide under the compute?)")
+    p.add_argument("--decode-trace", help="write the profiled decode steps' Chrome trace here (every stream's "
+                                         "kernels and copies on one time line: what the PCIe link waits for)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     from engine.synth import synth_model
@@ -88,11 +91,14 @@ def main(argv=None) -> int:
     host = {}
     if cached:
         host = _host_side(model, step, args.steps, sync)
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU] if cached else [ProfilerActivity.CUDA]
-                 ) as prof:
+    on_cpu = model.device.type != "cuda"  # a CPU run checks the script: its ops are what there is to profile
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU] if cached or on_cpu
+                 else [ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             step()
         sync()
+    if args.decode_trace:
+        prof.export_chrome_trace(args.decode_trace)
     per = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:

@@ -20,14 +20,15 @@ The table is derived from the slot table each begin (plus the fills still in fli
 own fills and evictions (OffloadBackend.forward) need no bookkeeping here. With a hybrid backend a share of
 the non-resident experts is marked LOC_CPU: a native thread runs those inside the step (graph_cpu.py).
 
-With prefetch (--moe-prefetch on) the step guesses, at the end of each layer, the next layer's likely expert
-among those read in place (its router on the hidden state before the next layer's mixer) and copies part of
-that expert's gate/up weights (stage_rows) to the device on a side stream while the mixer runs: the PCIe link
-idles through a layer's attention or DeltaNet (~68 us of ~680 at 8 layers, offload b1 on the H200), and a
-right guess spends that time on bytes the layer needs (`stage`, moe_triton.stage_guess). The first cache
-layer is never guessed. Guesses, right ones and their bytes are counted per layer. Off by default: on the
-H200 (offload b1, 8 layers) the guesses were 86% right, yet with the whole gate/up staged the step ran 0.98x
-as fast (docs/PERF.md, thirteenth session); half the rows, which fit the mixer's time, are not measured yet.
+With prefetch (--moe-prefetch, on by default for a mapped decode on CUDA) the step guesses, at the end of each
+layer, the next layer's likely expert among those read in place (its router on the hidden state before the next
+layer's mixer) and copies part of that expert's gate/up weights (stage_rows) to the device on a side stream
+while the mixer runs: the PCIe link idles through a layer's attention or DeltaNet, and a right guess spends
+that time on bytes the layer needs (`stage`, moe_triton.stage_guess). The layer's experts wait for the pick
+only; a staged gate/up tile waits inside the kernel for the copy's done count (stage_done), so a copy that
+outlasts the mixer overlaps the layer's other reads instead of holding them back. The first cache layer is
+never guessed. Guesses, right ones and their bytes are counted per layer (docs/PERF.md: fourteenth and
+twentieth sessions).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 from engine.experts import admission
-from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap, stage_guess
+from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap, stage_guess, stage_programs
 
 
 def stage_rows(inter: int) -> int:
@@ -71,6 +72,7 @@ class MappedExperts:
         # guess is copied after the layer before has read its own), the pinned pair its ids come back through
         self.prefetch = bool(getattr(backend, "prefetch", False))
         self.stage_ids = torch.full((self.L,), -1, dtype=torch.int32, device=cache.device)
+        self.stage_done = torch.zeros(self.L, dtype=torch.int32, device=cache.device)  # the copies' done counts
         self.stage_gate_up = None
         self._stage_host: list[torch.Tensor] = []
         self._stage_flip = 0
@@ -123,8 +125,9 @@ class MappedExperts:
             lay, pool = self.b.pool.layout, self.b.pool
             host = pool.wait_layer(layer)  # [E, numel]
             row = pool.row[layer]
-            stage = (self.stage_ids[row: row + 1], self.stage_gate_up, self.stage_rows) if self.staged(layer) \
-                else (None, None, None)
+            stage = (self.stage_ids[row: row + 1], self.stage_gate_up, self.stage_rows,
+                     self.stage_done[row: row + 1], stage_programs(lay.inter, lay.hidden, self.stage_rows)) \
+                if self.staged(layer) else (None, None, None, None, 0)
             self._maps[layer] = ExpertMap(self.loc[row], self._gate_up(layer),
                                           host[:, lay.gate_up_numel:].view(-1, lay.hidden, lay.inter),
                                           shared_gate_up, shared_down, *stage)
@@ -138,12 +141,13 @@ class MappedExperts:
             self._host_gate_up[layer] = host[:, : lay.gate_up_numel].view(-1, 2 * lay.inter, lay.hidden)
         return self._host_gate_up[layer]
 
-    def stage(self, layer: int, logits: torch.Tensor, valid: torch.Tensor) -> None:
+    def stage(self, layer: int, logits: torch.Tensor, valid: torch.Tensor, picked=None) -> None:
         """Inside the step, before `layer` runs: its likely expert read in place (by logits [N, E], a guess at
-        its routing) copied to the device for its gate/up kernel (moe_triton.stage_guess)."""
+        its routing) copied to the device for its gate/up kernel (moe_triton.stage_guess; picked() runs
+        between the pick and the copy)."""
         row = self.row(layer)
         stage_guess(logits, valid, self.loc[row], self._gate_up(layer), self.stage_ids[row: row + 1],
-                    self.stage_gate_up, self.stage_rows)
+                    self.stage_gate_up, self.stage_rows, self.stage_done[row: row + 1], picked)
 
     # --- around each step
     def begin(self, rows: int | None = None) -> None:

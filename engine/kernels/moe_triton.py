@@ -204,11 +204,11 @@ def _pair_route(logits_ptr, b, lstride, E, valid_ptr, KP, K: tl.constexpr, SHARE
 @triton.jit
 def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, KP,
                       logits_ptr, lstride, E, valid_ptr, pw_ptr, loc_ptr, h_ptr, h_stride, sh_ptr,
-                      stage_ptr, stage_w_ptr, stage_rows,
+                      stage_ptr, stage_w_ptr, stage_rows, done_ptr, done_target,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
                       ROUTE: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, MAPPED: tl.constexpr, STAGED: tl.constexpr,
-                      PDL: tl.constexpr):
+                      WAIT: tl.constexpr, SPIN: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0)
     if ROUTE:  # one pair per block (the decode mapping): route its token here, no top-k launch before
@@ -228,7 +228,17 @@ def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, 
         base = _expert_base(w_ptr, w_stride, e, loc_ptr, h_ptr, h_stride, sh_ptr, MAPPED)
         if STAGED:  # the gate/up rows prefetched for this layer (stage_guess): read from the device copy
             if (e == tl.load(stage_ptr)) & ((tl.program_id(1) + 1) * BN <= stage_rows):
-                base = stage_w_ptr
+                if WAIT:  # the copy may still run on its stream: wait for it (bounded), else read the host's
+                    got = tl.atomic_add(done_ptr, 0, sem="acquire")
+                    n = 0
+                    while (got < done_target) & (n < SPIN):
+                        got = tl.atomic_add(done_ptr, 0, sem="acquire")
+                        n += 1
+                    tl.debug_barrier()
+                    if got >= done_target:
+                        base = stage_w_ptr
+                else:
+                    base = stage_w_ptr
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -313,6 +323,11 @@ class ExpertMap:
     stage_id: torch.Tensor | None = None
     stage_gate_up: torch.Tensor | None = None
     stage_rows: int | None = None
+    # stage_done [1] int32: the copy's programs that finished (stage_guess); given, the gate/up kernel does not
+    # need the copy done before it starts: a staged tile waits (bounded by STAGE_SPIN polls) until stage_done
+    # reaches stage_programs, and reads the host's copy of its rows if it never does. None: the copy is done.
+    stage_done: torch.Tensor | None = None
+    stage_programs: int = 0
 
     def args(self, up: bool) -> tuple:
         """(loc, host weights, their expert stride, shared weights) of the gate/up or the down kernel."""
@@ -411,15 +426,18 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
     down_map = mapped.args(up=False) if mapped else (blocks.expert, down, 0, down)
     staged = mapped is not None and mapped.stage_id is not None
     rows = I if not staged or mapped.stage_rows is None else mapped.stage_rows
+    wait = staged and mapped.stage_done is not None
     stage = (mapped.stage_id, mapped.stage_gate_up, rows) if staged else (blocks.expert, gate_up, 0)  # placeholders
-    # a staged layer's gate/up waits for the prefetch on another stream: plain stream order, no PDL edge
+    stage += (mapped.stage_done, mapped.stage_programs) if wait else (blocks.expert, 0)
+    # a staged layer's gate/up waits for the prefetch's pick on another stream: plain stream order, no PDL edge
     pdl = {"PDL": False, "launch_pdl": False} if staged else pdl_args(x)
     bn, bk, warps, stages = tiles[0] if tiles else _tiles(bm, I, H, N, up=True)
     _expert_up_kernel[(nb, triton.cdiv(I, bn))](
         x, gate_up, gate_up.stride(0), blocks.rows, blocks.expert, act, H, I, KP, logits, lstride, E, valid, weights,
         *up_map, *stage, BM=bm, BN=bn, BK=bk, PREC=prec, ROUTE=route is not None, K=top_k, SHARED=shared,
         NORM=norm, BLOCK_E=triton.next_power_of_2(max(E, 2)), BLOCK_K=triton.next_power_of_2(max(KP, 2)),
-        MAPPED=mapped is not None, STAGED=staged, num_warps=warps, num_stages=stages, **pdl)
+        MAPPED=mapped is not None, STAGED=staged, WAIT=wait, SPIN=STAGE_SPIN, num_warps=warps, num_stages=stages,
+        **pdl)
     bn, bk, warps, stages = tiles[1] if tiles else _tiles(bm, H, I, N, up=False)
     _expert_down_kernel[(nb, triton.cdiv(H, bn))](
         act, down, down.stride(0), blocks.rows, blocks.expert, weights, y, H, I, *down_map,
@@ -467,7 +485,7 @@ def guess_logits(x: torch.Tensor, norm_w: torch.Tensor, eps: float, zero_centere
         raise ValueError("guess_logits: x [N, H] contiguous, norm_w [H], router_w [E, H] with unit column stride")
     if out is None:
         out = torch.empty(N, E, dtype=torch.float32, device=x.device)
-    BLOCK_E = 16
+    BLOCK_E = 4  # 64 programs for 256 experts: with 16 rows a program, 16 of them took 11-14 us on the H200
     _guess_logits_kernel[(triton.cdiv(E, BLOCK_E),)](
         x, H, norm_w, float(eps), router_w, router_w.stride(0), E, out, N=N, ZC=bool(zero_centered),
         BLOCK_E=BLOCK_E, BLOCK_H=min(512, triton.next_power_of_2(H)))
@@ -493,16 +511,21 @@ def _stage_pick(logits_ptr, lstride, valid_ptr, N: tl.constexpr, E, loc_ptr, BLO
 
 
 @triton.jit
-def _stage_copy_kernel(logits_ptr, lstride, valid_ptr, E, loc_ptr, stage_ptr, host_ptr, host_stride, out_ptr,
-                       half, up_at, N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
+def _stage_pick_kernel(logits_ptr, lstride, valid_ptr, E, loc_ptr, stage_ptr, done_ptr, N: tl.constexpr,
+                       BLOCK_E: tl.constexpr):
+    """One program: the expert to prefetch (_stage_pick) into stage, and the copy's done count back to 0."""
+    tl.store(stage_ptr, _stage_pick(logits_ptr, lstride, valid_ptr, N, E, loc_ptr, BLOCK_E).to(tl.int32))
+    tl.store(done_ptr, 0)
+
+
+@triton.jit
+def _stage_copy_kernel(stage_ptr, host_ptr, host_stride, out_ptr, done_ptr, half, up_at, BLOCK: tl.constexpr,
                        ITERS: tl.constexpr):
-    """Every program picks the expert (_stage_pick: a few hundred logits, no launch between the pick and the
-    copy), the first records it in stage, and each copies its share of that expert's gate rows [0, R) and up
-    rows [I, I + R): elements [0, half) and [up_at, up_at + half) of its [2I, H] block (half = R * H,
-    up_at = I * H), at the same offsets in the stage."""
-    e = _stage_pick(logits_ptr, lstride, valid_ptr, N, E, loc_ptr, BLOCK_E)
-    if tl.program_id(0) == 0:
-        tl.store(stage_ptr, e.to(tl.int32))
+    """Each program copies its share of the picked expert's gate rows [0, R) and up rows [I, I + R): elements
+    [0, half) and [up_at, up_at + half) of its [2I, H] block (half = R * H, up_at = I * H), at the same offsets
+    in the stage; then, once all of its threads stored, adds one to done (release: a reader that sees done at
+    the program count sees every row)."""
+    e = tl.load(stage_ptr)
     if e >= 0:
         src = host_ptr + e.to(tl.int64) * host_stride
         for i in range(ITERS):
@@ -510,32 +533,54 @@ def _stage_copy_kernel(logits_ptr, lstride, valid_ptr, E, loc_ptr, stage_ptr, ho
             m = q < 2 * half
             off = tl.where(q < half, q, q - half + up_at)
             tl.store(out_ptr + off, tl.load(src + off, mask=m), mask=m)
+    tl.debug_barrier()
+    tl.atomic_add(done_ptr, 1, sem="release")
 
 
 STAGE_BLOCK, STAGE_ITERS = 2048, 4  # elements a program copies per iteration, iterations: 16 KB a program at bf16
+# polls of the copy's done count a staged gate/up tile makes before it reads its rows from the host instead
+# (each an L2 atomic, under a microsecond: a bound of milliseconds, far beyond a copy's ~50 us)
+STAGE_SPIN = 8192
+
+
+def stage_programs(inter: int, hidden: int, rows: int | None = None) -> int:
+    """Programs of stage_guess's copy for experts of this width staging `rows` (None: all) of the gate and of
+    the up rows: the done count at which every staged row has landed."""
+    return triton.cdiv(2 * (inter if rows is None else rows) * hidden, STAGE_BLOCK * STAGE_ITERS)
 
 
 def stage_guess(logits: torch.Tensor, valid: torch.Tensor, loc: torch.Tensor, host_gate_up: torch.Tensor,
-                stage_id: torch.Tensor, stage_gate_up: torch.Tensor, rows: int | None = None) -> None:
+                stage_id: torch.Tensor, stage_gate_up: torch.Tensor, rows: int | None = None,
+                done: torch.Tensor | None = None, picked=None) -> None:
     """Prefetch one expert's gate/up weights for a layer whose routing is not known yet, all on the device.
 
     logits [N, E]: a guess at the layer's router logits (its router applied to the hidden state entering the
     layer, before its mixer); valid [N] int8; loc [E (+1)] int32: the layer's ExpertMap.loc. Of the experts
     read in place (LOC_HOST), the one the valid rows' softmax weighs most goes to stage_id [1] int32 and its
     gate and up rows [0, rows) (None: all I) from host_gate_up [E, 2I, H] (pinned, read over PCIe) into the
-    same rows of stage_gate_up; stage_id is -1 where every expert sits in a slot. Graph-safe: no host sync,
-    fixed grid, one launch."""
+    same rows of stage_gate_up; stage_id is -1 where every expert sits in a slot. Two launches: the pick
+    (which also sets done [1] int32 to 0), then the copy, whose programs each add one to done when their rows
+    have landed (stage_programs of them). picked(): called between the two launches (on CUDA, to record an
+    event the layer's kernels wait for: they need the pick, not the copy). Graph-safe: no host sync, fixed
+    grids."""
     N, E = logits.shape
     if logits.stride(1) != 1 or valid.shape != (N,) or stage_gate_up.shape != host_gate_up.shape[1:] \
             or not stage_gate_up.is_contiguous() or host_gate_up.stride(2) != 1 \
-            or host_gate_up.stride(1) != host_gate_up.shape[2] or stage_id.dtype != torch.int32:
+            or host_gate_up.stride(1) != host_gate_up.shape[2] or stage_id.dtype != torch.int32 \
+            or (done is not None and (done.dtype != torch.int32 or done.numel() != 1)):
         raise ValueError("stage_guess: logits [N, E] row-major, valid [N], host gate/up packed per expert and a "
-                         "contiguous [2I, H] stage of the same shape, stage_id int32")
+                         "contiguous [2I, H] stage of the same shape, stage_id and done int32 [1]")
     I, H = stage_gate_up.shape[0] // 2, stage_gate_up.shape[1]
     half = (I if rows is None else rows) * H
-    _stage_copy_kernel[(triton.cdiv(2 * half, STAGE_BLOCK * STAGE_ITERS),)](
-        logits, logits.stride(0), valid, E, loc, stage_id, host_gate_up, host_gate_up.stride(0), stage_gate_up,
-        half, I * H, N=N, BLOCK_E=triton.next_power_of_2(max(E, 2)), BLOCK=STAGE_BLOCK, ITERS=STAGE_ITERS)
+    if done is None:
+        done = torch.zeros(1, dtype=torch.int32, device=logits.device)
+    _stage_pick_kernel[(1,)](logits, logits.stride(0), valid, E, loc, stage_id, done, N=N,
+                             BLOCK_E=triton.next_power_of_2(max(E, 2)))
+    if picked is not None:
+        picked()
+    _stage_copy_kernel[(stage_programs(I, H, rows),)](
+        stage_id, host_gate_up, host_gate_up.stride(0), stage_gate_up, done, half, I * H, BLOCK=STAGE_BLOCK,
+        ITERS=STAGE_ITERS)
 
 
 def stage_guess_ref(logits, valid, loc, host_gate_up):

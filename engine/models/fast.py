@@ -113,6 +113,7 @@ class FastPath:
             self.routes = torch.empty(self.mapped.L, ids.shape[0], self._route_width, dtype=torch.int32,
                                       device=ids.device)
         guess = None  # the prefetch for the next cache layer, issued at the end of the layer before it
+        joins: list = []  # what the guess stream reads, kept until the step waits for that stream (below)
         for i, layer in enumerate(model.layers):
             m, state = self.mixers[i], self.pool.layers[i]
             if isinstance(m, FusedAttention):
@@ -138,30 +139,37 @@ class FastPath:
             nxt = self.mlps[i + 1] if i + 1 < len(self.mlps) else None
             if self.mapped is not None and isinstance(nxt, CachedMoE) and self.mapped.staged(nxt.layer):
                 guess = self._guess(i + 1, x, valid)
+                joins.append(guess[1])
+        if any(joins):  # the last copies ran beside the layers' kernels: the step ends with both streams done
+            torch.cuda.current_stream(h.device).wait_stream(self._guess_stream)
         return _decode_linear(h, model.lm_head, torch.float32)
 
     def _guess(self, j: int, x: torch.Tensor, valid: torch.Tensor | None):
         """Layer j's router on the residual entering it (its mixer not yet added), and the likely expert that
         gives copied in for its gate/up kernel (MappedExperts.stage): on the guess stream beside the mixer on
-        CUDA, inline elsewhere. -> (event the layer's experts wait for, or None; the tensors to keep alive
-        until then)."""
+        CUDA, inline elsewhere. -> (event after the pick, which the layer's experts wait for, or None; the
+        tensors the guess stream reads, kept until the step waits for that stream). The layer's experts do not
+        wait for the copy: a staged tile waits for its rows inside the gate/up kernel, so a copy longer than
+        the mixer no longer holds the whole layer back (H200 box, offload decode b1: the mixer leaves ~37 us,
+        the guess and a 2 MB copy took ~60)."""
         mlp, E = self.mlps[j], self.mapped.E
         if valid is None:
             valid = torch.ones(x.shape[0], dtype=torch.int8, device=x.device)
         side = self._guess_stream
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            # two launches without PDL (a programmatic edge across streams would hang): the norm and the router
-            # in one, the pick and the copy in the other, so the copy starts soon after the layer before ends
+        if side is None:
+            logits = guess_logits(x, self.norms[j][0], self.cfg.rms_norm_eps, self.cfg.zero_centered_norm,
+                                  mlp.router_w[:E])
+            self.mapped.stage(mlp.layer, logits, valid)
+            return None, ()
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        picked = torch.cuda.Event()
+        with torch.cuda.stream(side):
+            # launches without PDL (a programmatic edge across streams would hang): the norm and the router in
+            # one, the pick in the next, then the copy
             logits = guess_logits(x, self.norms[j][0], self.cfg.rms_norm_eps, self.cfg.zero_centered_norm,
                                   mlp.router_w[:E])  # [N, E] fp32
-            self.mapped.stage(mlp.layer, logits, valid)
-        if side is None:
-            return None, ()
-        done = torch.cuda.Event()
-        done.record(side)
-        return done, (x, logits, valid)  # x too: the main stream must not reuse its block while this reads it
+            self.mapped.stage(mlp.layer, logits, valid, picked=lambda: picked.record(side))
+        return picked, (x, logits, valid)  # x too: the main stream must not reuse its block while this reads it
 
     def _decode_mlp(self, i: int, x: torch.Tensor, mix: torch.Tensor, valid: torch.Tensor | None):
         """The post-mixer add+norm and the MLP of one decode step -> (residual, rows to add to it)."""

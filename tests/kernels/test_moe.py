@@ -4,7 +4,7 @@ import torch
 
 from engine.kernels.moe_triton import (LOC_CPU, LOC_HOST, LOC_SHARED, ExpertMap, expert_blocks, pair_blocks,
                                        route_topk, route_topk_ref, run_experts, run_experts_ref, run_experts_routed,
-                                       stage_guess, stage_guess_ref, guess_logits)
+                                       stage_guess, stage_guess_ref, guess_logits, stage_programs)
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 
@@ -260,8 +260,13 @@ def test_stage_guess_picks_the_likeliest_expert_read_in_place(dev):
         sid = torch.full((1,), -7, dtype=torch.int32, device=dev)
         buf = torch.zeros(2 * I, H, dtype=torch.bfloat16, device=dev)
         rows = (None, 3, I)[trial % 3]  # all rows, or the first R of the gate and of the up projection
-        stage_guess(logits.to(dev), valid.to(dev), loc.to(dev), host, sid, buf, rows)
+        done = torch.full((1,), 99, dtype=torch.int32, device=dev)  # the pick sets it back to 0 first
+        order = []
+        stage_guess(logits.to(dev), valid.to(dev), loc.to(dev), host, sid, buf, rows, done,
+                    picked=lambda: order.append((int(sid), int(done))))
+        assert order == [(want, 0)]  # picked() runs after the pick, before the copy
         assert int(sid) == want
+        assert int(done) == stage_programs(I, H, rows)  # every copy program counted itself done
         expect = torch.zeros(2 * I, H, dtype=torch.bfloat16)
         if weights is not None:
             r = rows or I
@@ -345,3 +350,46 @@ def test_the_gate_up_kernel_reads_a_staged_expert_from_its_device_copy(dev):
     ref = run_experts_ref(x, *split(mixed), ids, w)
     assert rel_err(half.cpu(), ref.cpu()) < 3 * tol(torch.float32)
     assert not torch.equal(half[hit], changed[hit]) and not torch.equal(half[hit], plain[hit])
+
+
+def test_a_staged_tile_reads_the_stage_only_once_the_copy_counted_itself_done(dev, monkeypatch):
+    """With the copy's done count given (the engine's case: the layer's kernels do not wait for the copy), a
+    staged tile reads the stage once the count reaches the copy's programs, and the host's rows when it never
+    does within its polls (a late copy costs time, never a wrong row): with other weights staged, the first
+    gives the staged weights' rows, the second the plain kernels' rows exactly."""
+    from engine.kernels import moe_triton
+
+    monkeypatch.setattr(moe_triton, "STAGE_SPIN", 3)  # few polls: the interpreter runs them one by one
+    g = torch.Generator().manual_seed(13)
+    N, E, K, H, I = 3, 8, 2, 32, 16
+    numel = 3 * I * H
+    host = torch.randn(E, numel, generator=g) * 0.2
+    if dev == "cuda":
+        host = host.pin_memory()
+
+    def split(buf):
+        return buf[..., : 2 * I * H].unflatten(-1, (2 * I, H)), buf[..., 2 * I * H:].unflatten(-1, (H, I))
+
+    slots = torch.zeros(1, numel, device=dev)
+    loc = torch.full((E,), LOC_HOST, dtype=torch.int32, device=dev)
+    x = (torch.randn(N, H, generator=g) * 0.5).to(dev)
+    logits = torch.randn(N, E, generator=g).to(dev)
+    valid = torch.ones(N, dtype=torch.int8, device=dev)
+
+    def run(emap):
+        ids = torch.empty(N, K, dtype=torch.int32, device=dev)
+        w = torch.empty(N, K, device=dev)
+        return run_experts_routed(x, *split(slots), logits, K, True, False, valid, ids, w, mapped=emap), ids
+
+    plain, ids = run(ExpertMap(loc, *split(host)))
+    staged = int(ids[0, 0])
+    sid = torch.tensor([staged], dtype=torch.int32, device=dev)
+    other = (torch.randn(2 * I, H, generator=g) * 0.2).to(dev)
+    programs = stage_programs(I, H)
+    for count, lands in ((programs, True), (programs - 1, False), (0, False)):
+        done = torch.tensor([count], dtype=torch.int32, device=dev)
+        y, _ = run(ExpertMap(loc, *split(host), stage_id=sid, stage_gate_up=other, stage_done=done,
+                             stage_programs=programs))
+        hit = ids == staged
+        assert torch.equal(y[~hit], plain[~hit])
+        assert torch.equal(y[hit], plain[hit]) != lands, count
