@@ -299,6 +299,18 @@ def test_guess_logits_is_the_router_on_the_normed_rows(dev, zero_centered):
         assert ((got - engine).abs() <= scale * 2 ** -8).all()
 
 
+def _host_experts(g, E: int, H: int, I: int, dev: str):
+    """E random expert blocks [E, 3IH] in host memory (page-locked on CUDA: the kernels read them in place) and
+    the split of any such blocks into their gate/up [.., 2I, H] and down [.., H, I] views."""
+    host = torch.randn(E, 3 * I * H, generator=g) * 0.2
+    if dev == "cuda":
+        host = host.pin_memory()
+
+    def split(buf):
+        return buf[..., : 2 * I * H].unflatten(-1, (2 * I, H)), buf[..., 2 * I * H:].unflatten(-1, (H, I))
+    return host, split
+
+
 def test_the_gate_up_kernel_reads_a_staged_expert_from_its_device_copy(dev):
     """A staged expert's pairs take its gate/up from the stage buffer, the others from slots and the host: with
     the true weights staged the rows equal the unstaged kernels', with other weights staged only that expert's
@@ -306,13 +318,7 @@ def test_the_gate_up_kernel_reads_a_staged_expert_from_its_device_copy(dev):
     g = torch.Generator().manual_seed(9)
     N, E, K, H, I = 4, 8, 3, 32, 16
     numel = 3 * I * H
-    host = torch.randn(E, numel, generator=g) * 0.2
-    if dev == "cuda":
-        host = host.pin_memory()
-
-    def split(buf):
-        return buf[..., : 2 * I * H].unflatten(-1, (2 * I, H)), buf[..., 2 * I * H:].unflatten(-1, (H, I))
-
+    host, split = _host_experts(g, E, H, I, dev)
     slots = torch.zeros(2, numel, device=dev)
     loc = torch.full((E,), LOC_HOST, dtype=torch.int32)
     slots[0], loc[3] = host[3].to(dev), 0
@@ -362,15 +368,8 @@ def test_a_staged_tile_reads_the_stage_only_once_the_copy_counted_itself_done(de
     monkeypatch.setattr(moe_triton, "STAGE_SPIN", 3)  # few polls: the interpreter runs them one by one
     g = torch.Generator().manual_seed(13)
     N, E, K, H, I = 3, 8, 2, 32, 16
-    numel = 3 * I * H
-    host = torch.randn(E, numel, generator=g) * 0.2
-    if dev == "cuda":
-        host = host.pin_memory()
-
-    def split(buf):
-        return buf[..., : 2 * I * H].unflatten(-1, (2 * I, H)), buf[..., 2 * I * H:].unflatten(-1, (H, I))
-
-    slots = torch.zeros(1, numel, device=dev)
+    host, split = _host_experts(g, E, H, I, dev)
+    slots = torch.zeros(1, 3 * I * H, device=dev)
     loc = torch.full((E,), LOC_HOST, dtype=torch.int32, device=dev)
     x = (torch.randn(N, H, generator=g) * 0.5).to(dev)
     logits = torch.randn(N, E, generator=g).to(dev)
