@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from engine.experts import admission
-from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap, stage_guess, stage_programs
+from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap, stage_guess
 
 
 def stage_rows(inter: int) -> int:
@@ -125,9 +125,8 @@ class MappedExperts:
             lay, pool = self.b.pool.layout, self.b.pool
             host = pool.wait_layer(layer)  # [E, numel]
             row = pool.row[layer]
-            stage = (self.stage_ids[row: row + 1], self.stage_gate_up, self.stage_rows,
-                     self.stage_done[row: row + 1], stage_programs(lay.inter, lay.hidden, self.stage_rows)) \
-                if self.staged(layer) else (None, None, None, None, 0)
+            stage = (self.stage_ids[row: row + 1], self.stage_gate_up, self.stage_rows, self.stage_done[row: row + 1]) \
+                if self.staged(layer) else (None, None, None, None)
             self._maps[layer] = ExpertMap(self.loc[row], self._gate_up(layer),
                                           host[:, lay.gate_up_numel:].view(-1, lay.hidden, lay.inter),
                                           shared_gate_up, shared_down, *stage)

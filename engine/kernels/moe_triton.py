@@ -325,9 +325,9 @@ class ExpertMap:
     stage_rows: int | None = None
     # stage_done [1] int32: the copy's programs that finished (stage_guess); given, the gate/up kernel does not
     # need the copy done before it starts: a staged tile waits (bounded by STAGE_SPIN polls) until stage_done
-    # reaches stage_programs, and reads the host's copy of its rows if it never does. None: the copy is done.
+    # reaches the copy's program count (stage_programs of the staged rows), and reads the host's copy of its
+    # rows if it never does. None: the copy is done.
     stage_done: torch.Tensor | None = None
-    stage_programs: int = 0
 
     def args(self, up: bool) -> tuple:
         """(loc, host weights, their expert stride, shared weights) of the gate/up or the down kernel."""
@@ -428,7 +428,7 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
     rows = I if not staged or mapped.stage_rows is None else mapped.stage_rows
     wait = staged and mapped.stage_done is not None
     stage = (mapped.stage_id, mapped.stage_gate_up, rows) if staged else (blocks.expert, gate_up, 0)  # placeholders
-    stage += (mapped.stage_done, mapped.stage_programs) if wait else (blocks.expert, 0)
+    stage += (mapped.stage_done, stage_programs(I, H, rows)) if wait else (blocks.expert, 0)
     # a staged layer's gate/up waits for the prefetch's pick on another stream: plain stream order, no PDL edge
     pdl = {"PDL": False, "launch_pdl": False} if staged else pdl_args(x)
     bn, bk, warps, stages = tiles[0] if tiles else _tiles(bm, I, H, N, up=True)
@@ -485,7 +485,7 @@ def guess_logits(x: torch.Tensor, norm_w: torch.Tensor, eps: float, zero_centere
         raise ValueError("guess_logits: x [N, H] contiguous, norm_w [H], router_w [E, H] with unit column stride")
     if out is None:
         out = torch.empty(N, E, dtype=torch.float32, device=x.device)
-    BLOCK_E = 4  # 64 programs for 256 experts: with 16 rows a program, 16 of them took 11-14 us on the H200
+    BLOCK_E = 16
     _guess_logits_kernel[(triton.cdiv(E, BLOCK_E),)](
         x, H, norm_w, float(eps), router_w, router_w.stride(0), E, out, N=N, ZC=bool(zero_centered),
         BLOCK_E=BLOCK_E, BLOCK_H=min(512, triton.next_power_of_2(H)))

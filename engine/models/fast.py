@@ -156,19 +156,19 @@ class FastPath:
         if valid is None:
             valid = torch.ones(x.shape[0], dtype=torch.int8, device=x.device)
         side = self._guess_stream
-        if side is None:
-            logits = guess_logits(x, self.norms[j][0], self.cfg.rms_norm_eps, self.cfg.zero_centered_norm,
-                                  mlp.router_w[:E])
-            self.mapped.stage(mlp.layer, logits, valid)
-            return None, ()
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        picked = torch.cuda.Event()
-        with torch.cuda.stream(side):
+        picked = None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            picked = torch.cuda.Event()
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             # launches without PDL (a programmatic edge across streams would hang): the norm and the router in
             # one, the pick in the next, then the copy
             logits = guess_logits(x, self.norms[j][0], self.cfg.rms_norm_eps, self.cfg.zero_centered_norm,
                                   mlp.router_w[:E])  # [N, E] fp32
-            self.mapped.stage(mlp.layer, logits, valid, picked=lambda: picked.record(side))
+            after_pick = None if picked is None else (lambda: picked.record(side))
+            self.mapped.stage(mlp.layer, logits, valid, picked=after_pick)
+        if side is None:
+            return None, ()
         return picked, (x, logits, valid)  # x too: the main stream must not reuse its block while this reads it
 
     def _decode_mlp(self, i: int, x: torch.Tensor, mix: torch.Tensor, valid: torch.Tensor | None):

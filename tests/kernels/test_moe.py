@@ -387,8 +387,7 @@ def test_a_staged_tile_reads_the_stage_only_once_the_copy_counted_itself_done(de
     programs = stage_programs(I, H)
     for count, lands in ((programs, True), (programs - 1, False), (0, False)):
         done = torch.tensor([count], dtype=torch.int32, device=dev)
-        y, _ = run(ExpertMap(loc, *split(host), stage_id=sid, stage_gate_up=other, stage_done=done,
-                             stage_programs=programs))
+        y, _ = run(ExpertMap(loc, *split(host), stage_id=sid, stage_gate_up=other, stage_done=done))
         hit = ids == staged
         assert torch.equal(y[~hit], plain[~hit])
         assert torch.equal(y[hit], plain[hit]) != lands, count
