@@ -537,16 +537,29 @@ def _stage_copy_kernel(stage_ptr, host_ptr, host_stride, out_ptr, done_ptr, half
     tl.atomic_add(done_ptr, 1, sem="release")
 
 
-STAGE_BLOCK, STAGE_ITERS = 2048, 4  # elements a program copies per iteration, iterations: 16 KB a program at bf16
+# The copy's grid: at most STAGE_PROGRAMS programs, each moving STAGE_BLOCK elements a load (STAGE_WARPS warps)
+# as many times as its share needs. It runs beside the mixer's last kernels and a program holds its SM while
+# its loads cross PCIe: 128 programs of 4 KB loads stretched the mixer's last projection from 12-18 us to
+# 25-48 us. H200 box, offload decode b1 (8 layers, 37.5% slots, 2 MB staged), two runs an arm: 128 x 4 KB
+# 200.4 / 200.6 tok/s, 64 x 4 KB 201.7 / 201.9, 32 x 8 KB 201.7 / 202.3, 16 x 16 KB (8 warps) 201.7 / 201.8,
+# 8 x 32 KB 200.7 / 200.9 (too few to keep the link busy).
+STAGE_BLOCK, STAGE_PROGRAMS, STAGE_WARPS = 4096, 32, 4
 # polls of the copy's done count a staged gate/up tile makes before it reads its rows from the host instead
 # (each an L2 atomic, under a microsecond: a bound of milliseconds, far beyond a copy's ~50 us)
 STAGE_SPIN = 8192
 
 
+def stage_grid(inter: int, hidden: int, rows: int | None = None) -> tuple[int, int]:
+    """(programs, loads each) of stage_guess's copy for experts of this width staging `rows` (None: all) of the
+    gate and of the up rows. The programs are the done count at which every staged row has landed."""
+    loads = triton.cdiv(2 * (inter if rows is None else rows) * hidden, STAGE_BLOCK)
+    programs = min(STAGE_PROGRAMS, loads)
+    return programs, triton.cdiv(loads, programs)
+
+
 def stage_programs(inter: int, hidden: int, rows: int | None = None) -> int:
-    """Programs of stage_guess's copy for experts of this width staging `rows` (None: all) of the gate and of
-    the up rows: the done count at which every staged row has landed."""
-    return triton.cdiv(2 * (inter if rows is None else rows) * hidden, STAGE_BLOCK * STAGE_ITERS)
+    """The copy's program count (stage_grid): the done count a staged tile waits for."""
+    return stage_grid(inter, hidden, rows)[0]
 
 
 def stage_guess(logits: torch.Tensor, valid: torch.Tensor, loc: torch.Tensor, host_gate_up: torch.Tensor,
@@ -578,9 +591,10 @@ def stage_guess(logits: torch.Tensor, valid: torch.Tensor, loc: torch.Tensor, ho
                              BLOCK_E=triton.next_power_of_2(max(E, 2)))
     if picked is not None:
         picked()
-    _stage_copy_kernel[(stage_programs(I, H, rows),)](
+    programs, loads = stage_grid(I, H, rows)
+    _stage_copy_kernel[(programs,)](
         stage_id, host_gate_up, host_gate_up.stride(0), stage_gate_up, done, half, I * H, BLOCK=STAGE_BLOCK,
-        ITERS=STAGE_ITERS)
+        ITERS=loads, num_warps=STAGE_WARPS)
 
 
 def stage_guess_ref(logits, valid, loc, host_gate_up):
