@@ -13,9 +13,9 @@ the paper's q*).
 Which experts: a fixed random order per layer (seeded), the first `share` of the experts in it (among those
 not in a slot): under uniform routing the CPU gets that share of the misses. The share starts from the
 measured rates (BandwidthEstimate.cpu_share: PCIe at 0.9 of B_P, the kernels' in-place rate, the CPU at what
-the host's DRAM leaves beside it) and follows the measured step time (policy.ShareSearch, a hill climb). The
-wait kernel's spins say how often the device waited for the CPU (stats); the best share has it wait a little
-in most steps, so that is not the signal.
+the host's DRAM leaves beside it) and follows the measured step time (policy.ShareSearch: a hill climb on
+paired steps). The wait kernel's spins say how often the device waited for the CPU (stats); the best share
+has it wait a little in most steps, so that is not the signal.
 """
 from __future__ import annotations
 

@@ -270,57 +270,88 @@ class ShareSearch:
 
     Inside one CUDA graph the host cannot time the two paths separately, only whole steps; the step is
     fastest where the CPU's share finishes about when the device's does, which contention for the host's
-    DRAM and the device's fixed per-layer work move away from B_H / (B_H + B_P) (H200 box, 8 layers at
-    Qwen3.6-35B-A3B widths, 8 threads: 5.46 / 4.76 / 5.11 ms a token at shares 0.25 / 0.40 / 0.55; a rule
-    that avoided every wait for the CPU settled at 0.18-0.32). A hill climb: the median step time of
-    `window` steps at the current share, then of a probe `step` away; the better one is kept and the climb
-    goes on that way (its step doubling back up to the first), else it measures the best again, turns and
-    halves its step (down to `min_step`), so it keeps tracking as the cache warms or the load changes. Step
-    times of a different batch size, or over `outlier` times the last median (a prefill in between), restart
-    the window."""
+    DRAM and the device's fixed per-layer work move away from B_H / (B_H + B_P). Step times drift by more than
+    the differences between nearby shares (H200 box, 8 layers, b1: one share pinned per run, 277-341 tok/s
+    in no order across shares 0.45-0.80; a climb on medians of 8-step windows ended anywhere in 0.30-0.67), so
+    the search compares in pairs: it runs the best share and a probe `step` away in turn, step by step, in
+    the order best, probe, probe, best (a drift weighs on both alike), and after `pairs` pairs takes the
+    median of the probe's relative difference. Faster by more than `margin`: the probe becomes the best and
+    the climb goes on that way, its step doubling back up to the first. Else it turns; with both sides
+    tried it halves its step (down to `min_step`), and once both sides failed at the smallest step it rests
+    at the best for `rest` steps before probing again, so it keeps tracking as the cache warms or the load
+    changes at a small cost. A pair whose slower step took over `outlier` times the faster (a prefill in
+    between) is left out; a step of a different batch size starts the comparison over at the best."""
 
     def __init__(self, start: float, *, lo: float = 0.0, hi: float = 0.9, step: float = 0.08,
-                 min_step: float = 0.03, window: int = 8, outlier: float = 3.0) -> None:
+                 min_step: float = 0.03, pairs: int = 12, margin: float = 0.01, rest: int = 96,
+                 outlier: float = 3.0) -> None:
+        if pairs < 1 or not 0 < min_step <= step:
+            raise ValueError("ShareSearch: pairs >= 1 and 0 < min_step <= step")
         self.lo, self.hi = lo, hi
-        self.share = self.best = min(hi, max(lo, start))
-        self.best_time: float | None = None
-        self.step, self.min_step, self.max_step, self.window, self.outlier = step, min_step, step, window, outlier
+        self.best = min(hi, max(lo, start))
+        self.step, self.min_step, self.max_step = step, min_step, step
+        self.pairs, self.margin, self.rest, self.outlier = pairs, margin, rest, outlier
         self.direction = -1  # contention makes the optimum lower than the rates' balance more often than not
-        self.probing = False
-        self._samples: list[float] = []
-        self._rows: int | None = None
-        self._last: float | None = None
         self.moves = 0
+        self._rows: int | None = None
+        self._failed = 0  # sides that lost at this step size
+        self._resting = 0
+        self._begin()
+
+    @property
+    def share(self) -> float:
+        """The share the next step runs at."""
+        return self.probe if self.probe is not None and self._k % 4 in (1, 2) else self.best
 
     def observe(self, seconds: float, rows: int) -> float:
-        """One decode step of `rows` sequences took `seconds`; -> the share for the next step."""
+        """One decode step of `rows` sequences took `seconds` (at the share this gave for it); -> the share for
+        the next step."""
         if rows != self._rows:
-            self._rows, self._samples, self.best_time, self.probing, self._last = rows, [], None, False, None
-            self.share = self.best
-        if self._last is not None and seconds > self.outlier * self._last:
+            self._rows = rows
+            self._begin()
             return self.share
-        self._samples.append(seconds)
-        if len(self._samples) < self.window:
+        if self.probe is None:
+            self._resting -= 1
+            if self._resting <= 0:
+                self._begin()
             return self.share
-        t = sorted(self._samples)[len(self._samples) // 2]
-        self._samples, self._last = [], t
-        if self.probing and t >= self.best_time:  # worse: back to the best, measured afresh, then the other way
-            self.direction, self.step = -self.direction, max(self.min_step, self.step / 2)
-            self.share, self.probing = self.best, False
-            return self.share
-        if self.probing:  # better: move there and go on the same way, in longer strides while it pays
-            self.best = self.share
-            self.moves += 1
-            self.step = min(self.max_step, 2 * self.step)
-        self.best_time = t
-        self.share = self._probe()
-        self.probing = self.share != self.best
+        pos, self._k = self._k % 4, self._k + 1
+        if pos in (0, 2):
+            self._first = seconds
+        else:
+            best, probe = (self._first, seconds) if pos == 1 else (seconds, self._first)
+            if max(best, probe) <= self.outlier * min(best, probe):
+                self._diffs.append(probe / best - 1)
+            if len(self._diffs) >= self.pairs:
+                self._decide(sorted(self._diffs)[len(self._diffs) // 2])
         return self.share
 
-    def _probe(self) -> float:
+    def _decide(self, diff: float) -> None:
+        if diff < -self.margin:  # the probe is faster: move there, and on the same way in longer strides
+            self.best, self._failed = self.probe, 0
+            self.moves += 1
+            self.step = min(self.max_step, 2 * self.step)
+        else:
+            self.direction, self._failed = -self.direction, self._failed + 1
+            if self._failed >= 2:
+                self._failed = 0
+                if self.step > self.min_step:
+                    self.step = max(self.min_step, self.step / 2)
+                else:
+                    self._resting = self.rest
+        self._begin()
+
+    def _begin(self) -> None:
+        """A fresh comparison of the best and the next probe (none while resting or with nowhere to go)."""
+        self._k, self._first, self._diffs = 0, 0.0, []
+        self.probe = None if self._resting > 0 else self._next()
+        if self.probe is None and self._resting <= 0:
+            self._resting = self.rest
+
+    def _next(self) -> float | None:
         for d in (self.direction, -self.direction):
-            nxt = min(self.hi, max(self.lo, self.best + d * self.step))
+            nxt = round(min(self.hi, max(self.lo, self.best + d * self.step)), 4)
             if nxt != self.best:
                 self.direction = d
                 return nxt
-        return self.best
+        return None

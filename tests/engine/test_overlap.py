@@ -188,7 +188,7 @@ def test_mapped_expert_cache_decode_overlapped(checkpoints):
         cpu = eng.model.fast.mapped.cpu
         if cpu is not None:  # a short window: the share moves (and the thread's table with it) within the run
             cpu.share = 0.5
-            cpu.searches[2] = ShareSearch(0.5, window=2)
+            cpu.searches[2] = ShareSearch(0.5, pairs=1)
             tables = []
             mark = cpu.mark
             cpu.mark = lambda table: tables.append(mark(table)) or tables[-1]
