@@ -238,10 +238,18 @@ def test_mapped_decode_kernels_match_the_reference_in_any_down_tiling(dev, route
         assert torch.isnan(y[~ran]).all()
 
 
-def test_stage_guess_picks_the_likeliest_expert_read_in_place(dev):
+@pytest.mark.parametrize("grid", [None, (32, 3)])
+def test_stage_guess_picks_the_likeliest_expert_read_in_place(dev, grid, monkeypatch):
     """The prefetch's pick (the valid rows' summed softmax, over the experts read in place only) and its copy
     of that expert's gate/up, against the reference, on fresh random inputs; -1 and nothing copied when every
-    expert sits in a slot."""
+    expert sits in a slot. grid (elements a load, most programs): the copy in a few programs of several loads
+    each, the last ones partly or wholly past the staged rows (these shapes fit one load of the default's)."""
+    if grid is not None:
+        from engine.kernels import moe_triton
+
+        monkeypatch.setattr(moe_triton, "STAGE_BLOCK", grid[0])
+        monkeypatch.setattr(moe_triton, "STAGE_PROGRAMS", grid[1])
+        assert moe_triton.stage_grid(8, 24) == (3, 4) and moe_triton.stage_grid(8, 24, 3) == (3, 2)
     g = torch.Generator().manual_seed(5)
     N, E, I, H = 3, 16, 8, 24
     for trial in range(6):
