@@ -139,7 +139,7 @@ def test_share_search_finds_the_fastest_share_under_noise_and_drift(start):
     """ShareSearch (a graphed hybrid step's CPU share) climbs to the share with the shortest step time from
     either side, through 2% noise, prefill-sized outliers and a machine whose speed drifts by +-15% and
     jumps by 10% (larger than the differences between nearby shares), then stays near it at a small cost
-    (200 seeds, starts and optima: at most 2.2% of the step time lost to probing, 0.8% on average)."""
+    (300 seeds, starts and optima: at most 2.2% of the step time lost to probing, 1.0% on average)."""
     import math
 
     from engine.experts.policy import ShareSearch
@@ -192,6 +192,25 @@ def test_share_search_pairs_the_steps_it_times():
         search.observe(1.0, rows=1)  # 0.5 fails too, at the smallest step: rest at the best
     assert search.probe is None and [search.observe(1.0, rows=1) for _ in range(3)] == [0.4, 0.4, 0.4]
     assert search.probe is not None  # rested: probing again
+
+
+def test_share_search_decides_sooner_on_long_strides_and_reprobes_from_them():
+    """While its step is longer than the smallest, a third of the pairs decide (the differences are larger
+    there); after a rest it probes again from its first step."""
+    from engine.experts.policy import ShareSearch
+
+    search = ShareSearch(0.5, step=0.2, min_step=0.05, pairs=6, rest=2)
+    search.observe(1.0, rows=1)
+    for t in (1.0, 0.9, 0.9, 1.0):  # two pairs at step 0.2: the probe 0.3 wins
+        search.observe(t, rows=1)
+    assert search.best == 0.3 and search.moves == 1
+    for _ in range(500):  # equal times: every probe fails and the step halves, down to the rest
+        if search.probe is None:
+            break
+        search.observe(1.0, rows=1)
+    assert search.probe is None and search.step == 0.05 and search.best == 0.3
+    search.observe(1.0, rows=1), search.observe(1.0, rows=1)  # the rest
+    assert search.step == 0.2 and search.probe in (0.1, 0.5)
 
 
 def test_cpu_share_leaves_the_cpu_what_dram_has_beside_pcie():
