@@ -276,7 +276,7 @@ class ShareSearch:
     the search compares in pairs: it runs the best share and a probe `step` away in turn, step by step, in
     the order best, probe, probe, best (a drift weighs on both alike), and after `pairs` pairs (`coarse_pairs`,
     default a third of them, while the step is longer than `min_step`: far from the optimum the differences
-    are larger, and a session's first hundred steps are spent nearer it) takes the median of the probe's
+    are larger, and a session reaches it in fewer steps) takes the median of the probe's
     relative difference. Faster by more than `margin`: the probe becomes the best and the climb goes on that
     way, its step doubling back up to the first. Else it turns; with both sides tried it halves its step
     (down to `min_step`), and once both sides failed at the smallest step it rests at the best for `rest`
@@ -297,7 +297,10 @@ class ShareSearch:
         self.step, self.min_step, self.max_step = step, min_step, step
         self.pairs, self.margin, self.rest, self.outlier = pairs, margin, rest, outlier
         self.coarse_pairs = max(1, pairs // 3) if coarse_pairs is None else coarse_pairs
-        self.direction = -1  # contention makes the optimum lower than the rates' balance more often than not
+        # the first probe goes below the start: the rates' balance, which contention can leave too high (H200
+        # box, 8 threads: 0.40 best from a start of 0.45); with 16 threads the optimum lay above it (0.65-0.85
+        # from 0.47): one comparison's cost either way
+        self.direction = -1
         self.moves = 0
         self._rows: int | None = None
         self._failed = 0  # sides that lost at this step size
