@@ -274,16 +274,17 @@ class ShareSearch:
     the differences between nearby shares (H200 box, 8 layers, b1: one share pinned per run, 277-341 tok/s
     in no order across shares 0.45-0.80; a climb on medians of 8-step windows ended anywhere in 0.30-0.67), so
     the search compares in pairs: it runs the best share and a probe `step` away in turn, step by step, in
-    the order best, probe, probe, best (a drift weighs on both alike), and after `pairs` pairs (`coarse_pairs`,
-    default a third of them, while the step is longer than `min_step`: far from the optimum the differences
-    are larger, and a session reaches it in fewer steps) takes the median of the probe's
+    the order best, probe, probe, best (a drift weighs on both alike), and after `pairs` pairs (`coarse_pairs`
+    while the step is longer than `min_step`; by default as many: with 4 the box's short runs lost 8-9% at b1
+    and b4 to early moves on noise, docs/PERF.md twenty-second session) takes the median of the probe's
     relative difference. Faster by more than `margin`: the probe becomes the best and the climb goes on that
     way, its step doubling back up to the first. Else it turns; with both sides tried it halves its step
     (down to `min_step`), and once both sides failed at the smallest step it rests at the best for `rest`
     steps, then probes again from the first step (near a far optimum a short step's difference hides under
     the margin), so it keeps tracking as the cache warms or the load changes at a small cost. Simulated with
-    the box's slopes (tests/engine/test_experts_split_policy.py, 300 seeds): within 0.035 of the optimum
-    after 1,200 steps, 1% of the step time lost to probing once there. A pair whose slower step took over
+    the box's slopes (as tests/engine/test_experts_split_policy.py; 300 seeds, optima 0.3-0.8, starts
+    0.05-0.8, 1,200 steps): with 2% noise a step, within 0.04 of the optimum, 1.3% of the step time lost to
+    probing over the last 300 steps; with 8%, within 0.16 (4 coarse pairs: up to 0.48, some runs stuck). A pair whose slower step took over
     `outlier` times the faster (a prefill in between) is left out; a step of a different batch size starts
     the comparison over at the best."""
 
@@ -296,7 +297,7 @@ class ShareSearch:
         self.best = min(hi, max(lo, start))
         self.step, self.min_step, self.max_step = step, min_step, step
         self.pairs, self.margin, self.rest, self.outlier = pairs, margin, rest, outlier
-        self.coarse_pairs = max(1, pairs // 3) if coarse_pairs is None else coarse_pairs
+        self.coarse_pairs = pairs if coarse_pairs is None else coarse_pairs
         # the first probe goes below the start: the rates' balance, which contention can leave too high (H200
         # box, 8 threads: 0.40 best from a start of 0.45); with 16 threads the optimum lay above it (0.65-0.85
         # from 0.47): one comparison's cost either way

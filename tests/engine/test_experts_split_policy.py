@@ -195,11 +195,12 @@ def test_share_search_pairs_the_steps_it_times():
 
 
 def test_share_search_decides_sooner_on_long_strides_and_reprobes_from_them():
-    """While its step is longer than the smallest, a third of the pairs decide (the differences are larger
-    there); after a rest it probes again from its first step."""
+    """With coarse_pairs, while its step is longer than the smallest, fewer pairs decide; after a rest it
+    probes again from its first step."""
     from engine.experts.policy import ShareSearch
 
-    search = ShareSearch(0.5, step=0.2, min_step=0.05, pairs=6, rest=2)
+    assert ShareSearch(0.5, pairs=6).coarse_pairs == 6  # by default every stride takes all the pairs
+    search = ShareSearch(0.5, step=0.2, min_step=0.05, pairs=6, coarse_pairs=2, rest=2)
     search.observe(1.0, rows=1)
     for t in (1.0, 0.9, 0.9, 1.0):  # two pairs at step 0.2: the probe 0.3 wins
         search.observe(t, rows=1)
