@@ -34,6 +34,9 @@ def random_state(g, num_layers, num_experts, num_slots):
 def test_route_kernel_matches_reference(tokens, top_k, num_experts, num_slots, ratio):
     from engine.kernels.route_triton import route_triton
 
+    if DEV == "cpu" and num_slots > 1000 and ratio != 0.4:
+        pytest.skip("under the interpreter the 3,789-slot shape (~40 s a run) runs at ratio 0.4 alone; CUDA runs "
+                    "every ratio")
     g = torch.Generator().manual_seed(tokens * 1000 + num_slots + int(ratio * 10))
     num_layers, layer = 6, 3
     state = random_state(g, num_layers, num_experts, num_slots)
