@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml setup.py Makefile native/build.py $(wildcard native/src
 demo: $(STAMP)
 	$(PY) -m proxy.cli demo
 
+# pytest-xdist workers, each taking a whole file at a time (module fixtures built once); 1 runs them in turn
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 
 bench-bw: $(STAMP)
 	$(PY) -m proxy.cli bench bw
