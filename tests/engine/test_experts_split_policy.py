@@ -139,7 +139,8 @@ def test_share_search_finds_the_fastest_share_under_noise_and_drift(start):
     """ShareSearch (a graphed hybrid step's CPU share) climbs to the share with the shortest step time from
     either side, through 2% noise, prefill-sized outliers and a machine whose speed drifts by +-15% and
     jumps by 10% (larger than the differences between nearby shares), then stays near it at a small cost
-    (300 seeds, starts and optima: at most 2.2% of the step time lost to probing, 1.0% on average)."""
+    (300 seeds, starts and optima, 2% noise: at most 2.5% of the step time lost to probing, 1.3% on average;
+    notes in ShareSearch)."""
     import math
 
     from engine.experts.policy import ShareSearch
