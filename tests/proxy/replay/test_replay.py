@@ -125,7 +125,7 @@ def test_replay_accepts_bare_lines_and_unknown_fields(tmp_path):
 VOLATILE_BLOCK = 256  # tokens: Claude Code's git status block (the turn after /compact, a new status line)
 SLOW = {"claude", "openclaw"}  # 16-17 requests of 16-27k tokens
 # Later turns replayed with the cache off, evenly spaced, the last among them: each prefills its whole prompt
-# (8-27k tokens), and all of them took ~10 of the suite's minutes on the 2-core CI box.
+# (8-27k tokens): all of them took ~15 of the suite's 51 minutes on the 2-core box (2026-12-04).
 OFF_SAMPLE = 5
 
 
