@@ -284,9 +284,9 @@ class ShareSearch:
     the margin), so it keeps tracking as the cache warms or the load changes at a small cost. Simulated with
     the box's slopes (as tests/engine/test_experts_split_policy.py; 300 seeds, optima 0.3-0.8, starts
     0.05-0.8, 1,200 steps): with 2% noise a step, within 0.04 of the optimum, 1.3% of the step time lost to
-    probing over the last 300 steps; with 8%, within 0.16 (4 coarse pairs: up to 0.48, some runs stuck). A pair whose slower step took over
-    `outlier` times the faster (a prefill in between) is left out; a step of a different batch size starts
-    the comparison over at the best."""
+    probing over the last 300 steps; with 8%, within 0.16 (4 coarse pairs: up to 0.48, some runs stuck). A
+    pair whose slower step took over `outlier` times the faster (a prefill in between) is left out; a step of
+    a different batch size starts the comparison over at the best."""
 
     def __init__(self, start: float, *, lo: float = 0.0, hi: float = 0.9, step: float = 0.08,
                  min_step: float = 0.03, pairs: int = 12, coarse_pairs: int | None = None, margin: float = 0.01,
