@@ -3,9 +3,10 @@
 A decode step is a chain of ~10 small kernels a layer, each waiting for the one before; between two of them
 the GPU drains one grid and only then starts the next. Launched with PDL, a kernel's programs may be put on
 the SMs while its predecessor's last programs still run, and wait there (`griddepcontrol.wait`) until the
-predecessor has finished and its writes are visible. Each kernel calls `pdl_enter(PDL)` first thing, before
-it reads or writes any memory, so the order of every read and write is the one the stream gives; only the
-launch gap overlaps. Kernels launched without PDL (cuBLAS, torch ops) and graphs captured with it keep
+predecessor has finished and its writes are visible. Each kernel calls `pdl_enter(PDL)` before it reads or
+writes memory that a kernel writes (constant weights may be read first: norm_triton's add_norm_router takes its
+router rows so), so the order of every such read and write is the one the stream gives; only the launch gap
+and those weight reads overlap. Kernels launched without PDL (cuBLAS, torch ops) and graphs captured with it keep
 ordinary stream order around them.
 
     on = pdl_on(x)                                # for the device x lives on

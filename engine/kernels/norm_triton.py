@@ -94,18 +94,20 @@ def add_rms_norm_ref(x, delta, weight, eps, zero_centered):
 def _add_norm_router_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, rw_ptr, lg_ptr, eps, H, E,
                             R: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_H: tl.constexpr,
                             BE: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
     live = cols < H
+    re = blk * BE + tl.arange(0, BE)
+    # the router's rows before the wait: weights, which no kernel writes, so their reads need not wait for the
+    # predecessor (H200 box: the kernel's time after the out projection 3.8 -> 2.4 us, docs/PERF.md)
+    rw = tl.load(rw_ptr + re[:, None] * H + cols[None, :], mask=(re < E)[:, None] & live[None, :], other=0.0)
+    pdl_enter(PDL)
     x, y = _add_norm_row(x_ptr, d_ptr, w_ptr, xo_ptr, eps, row, H, cols, live, R, ZERO_CENTERED, True, BLOCK_H)
     h = y.to(h_ptr.dtype.element_ty)
     if blk == 0:
         tl.store(xo_ptr + row * H + cols, x.to(xo_ptr.dtype.element_ty), mask=live)
         tl.store(h_ptr + row * H + cols, h, mask=live)
-    re = blk * BE + tl.arange(0, BE)
-    rw = tl.load(rw_ptr + re[:, None] * H + cols[None, :], mask=(re < E)[:, None] & live[None, :], other=0.0)
     logit = tl.sum(rw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
     tl.store(lg_ptr + row * E + re, logit.to(lg_ptr.dtype.element_ty), mask=re < E)
 
