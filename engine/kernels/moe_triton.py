@@ -447,52 +447,6 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
 
 
 @triton.jit
-def _guess_logits_kernel(x_ptr, H, nw_ptr, eps, rw_ptr, rstride, E, out_ptr, N: tl.constexpr,
-                         ZC: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Experts [BLOCK_E * pid, ...) of a router applied to the RMS-normed rows of x [N, H] -> out [N, E] fp32:
-    the norm and the router in one launch, for a guess (the normed row stays fp32: no rounding to x's dtype).
-    N is a constant (Triton 3.6's interpreter cannot loop to a runtime bound)."""
-    re = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    emask = re < E
-    for t in range(N):
-        ss = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_H):
-            rk = k0 + tl.arange(0, BLOCK_H)
-            v = tl.load(x_ptr + t * H + rk, mask=rk < H, other=0.0).to(tl.float32)
-            ss += v * v
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
-        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_H):
-            rk = k0 + tl.arange(0, BLOCK_H)
-            kmask = rk < H
-            v = tl.load(x_ptr + t * H + rk, mask=kmask, other=0.0)
-            nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0)
-            h = v.to(tl.float32) * rstd * ((1.0 + nw.to(tl.float32)) if ZC else nw.to(tl.float32))
-            w = tl.load(rw_ptr + re[:, None].to(tl.int64) * rstride + rk[None, :],
-                        mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * h[None, :], axis=1)
-        tl.store(out_ptr + t * E + re, acc, mask=emask)
-
-
-def guess_logits(x: torch.Tensor, norm_w: torch.Tensor, eps: float, zero_centered: bool,
-                 router_w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, H] (the residual entering a layer), norm_w [H] (its post-attention norm), router_w [>= E, H]
-    (its router; rows past E, a shared gate, are left out by the caller's slice) -> logits [N, E] fp32:
-    rms_norm(x) @ router_w.T in fp32 in one launch, no PDL (it runs on the guess's own stream)."""
-    N, H = x.shape
-    E = router_w.shape[0]
-    if not x.is_contiguous() or router_w.stride(1) != 1 or norm_w.shape != (H,) or router_w.shape[1] != H:
-        raise ValueError("guess_logits: x [N, H] contiguous, norm_w [H], router_w [E, H] with unit column stride")
-    if out is None:
-        out = torch.empty(N, E, dtype=torch.float32, device=x.device)
-    BLOCK_E = 16
-    _guess_logits_kernel[(triton.cdiv(E, BLOCK_E),)](
-        x, H, norm_w, float(eps), router_w, router_w.stride(0), E, out, N=N, ZC=bool(zero_centered),
-        BLOCK_E=BLOCK_E, BLOCK_H=min(512, triton.next_power_of_2(H)))
-    return out
-
-
-@triton.jit
 def _stage_pick(logits_ptr, lstride, valid_ptr, N: tl.constexpr, E, loc_ptr, BLOCK_E: tl.constexpr):
     """The expert read in place (LOC_HOST) that the rows' softmax puts most weight on, or -1.
     N (a decode bucket's rows) is a constant: Triton 3.6's interpreter cannot loop to a runtime bound."""

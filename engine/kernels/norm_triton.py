@@ -12,6 +12,14 @@ eager path's arithmetic (engine/layers/norm.py). N = tokens, H = hidden, R = row
 The decode step's seam before a MoE block: the same add + norm, and the router's logits h @ router_w.T
 [N, E] in the same launch (each program normalises its token's row again and takes BE router rows), so
 the router costs no launch of its own. E = router rows.
+
+    x_out, h, guess = add_rms_norm_guess(x, delta, weight, eps, zero_centered, guess_w, router_w)
+
+The seam after a MoE block, where the next layer's experts are prefetched (engine/experts/mapped.py): the
+same add + norm, and in the same launch the next layer's guess, router_w @ rms_norm(x_out, guess_w) in fp32
+(the normed row not rounded; guess_w is that layer's post-attention norm): the guess is ready when the seam
+is. As a launch of its own on the guess stream it waited 10-14 us for SMs behind the next layer's input
+projection, and the PCIe link idled meanwhile (H200 box, docs/PERF.md twenty-third session).
 """
 from __future__ import annotations
 
@@ -128,4 +136,51 @@ def add_rms_norm_router(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     _add_norm_router_kernel[(N, triton.cdiv(E, be))](x, delta, weight, x_out, h, router_w, logits, eps, H, E,
                                                      R=delta.shape[1], ZERO_CENTERED=zero_centered,
                                                      BLOCK_H=block_h, BE=be, num_warps=4, **pdl_args(x))
+    return x_out, h, logits
+
+
+@triton.jit
+def _add_norm_guess_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, gw_ptr, rw_ptr, rstride, lg_ptr, eps, H, E,
+                           R: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BE: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_H)
+    live = cols < H
+    re = blk * BE + tl.arange(0, BE)
+    # weights before the wait, as add_norm_router's
+    rw = tl.load(rw_ptr + re[:, None].to(tl.int64) * rstride + cols[None, :], mask=(re < E)[:, None] & live[None, :],
+                 other=0.0)
+    gw = tl.load(gw_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        gw = gw + 1.0
+    pdl_enter(PDL)
+    x, y = _add_norm_row(x_ptr, d_ptr, w_ptr, xo_ptr, eps, row, H, cols, live, R, ZERO_CENTERED, True, BLOCK_H)
+    if blk == 0:
+        tl.store(xo_ptr + row * H + cols, x.to(xo_ptr.dtype.element_ty), mask=live)
+        tl.store(h_ptr + row * H + cols, y.to(h_ptr.dtype.element_ty), mask=live)
+    g = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)) * gw  # the guess's row: fp32, not rounded
+    logit = tl.sum(rw.to(tl.float32) * g[None, :], axis=1)
+    tl.store(lg_ptr + row * E + re, logit, mask=re < E)
+
+
+def add_rms_norm_guess(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                       zero_centered: bool, guess_w: torch.Tensor, router_w: torch.Tensor,
+                       out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """-> (x_out, h, guess [N, E] fp32): add_rms_norm(x, delta, weight, ...) and router_w @ rms_norm(x_out,
+    guess_w) at once; router_w [E, H] may be a row slice (unit column stride)."""
+    delta = _check_rows(x, delta, weight, "add_rms_norm_guess")
+    N, H = x.shape
+    if router_w.dim() != 2 or router_w.shape[1] != H or router_w.stride(1) != 1 or guess_w.shape != (H,):
+        raise ValueError(f"add_rms_norm_guess: router {tuple(router_w.shape)} or guess norm "
+                         f"{tuple(guess_w.shape)} does not match hidden size {H}")
+    E = router_w.shape[0]
+    x_out, h, logits = out if out is not None else (
+        torch.empty_like(x), torch.empty_like(x), torch.empty(N, E, dtype=torch.float32, device=x.device))
+    block_h = triton.next_power_of_2(H)
+    be = max(1, min(16, 8192 // block_h))
+    _add_norm_guess_kernel[(N, triton.cdiv(E, be))](x, delta, weight, x_out, h, guess_w, router_w, router_w.stride(0),
+                                                    logits, eps, H, E, R=delta.shape[1],
+                                                    ZERO_CENTERED=zero_centered, BLOCK_H=block_h, BE=be,
+                                                    num_warps=4, **pdl_args(x))
     return x_out, h, logits

@@ -31,9 +31,9 @@ from engine.kernels.attention_triton import (decode_attention, decode_splits, pr
 from engine.kernels.deltanet_triton import TAIL_TOKENS, conv_step, rule_step
 from engine.kernels.linear_triton import SKINNY_ROWS, skinny_linear
 from engine.kernels.mailbox_triton import join, publish
-from engine.kernels.moe_triton import (GROUP_PAIRS, blocks_for, guess_logits, route_topk, run_experts,
+from engine.kernels.moe_triton import (GROUP_PAIRS, blocks_for, route_topk, run_experts,
                                        run_experts_routed)
-from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_router
+from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_guess, add_rms_norm_router
 from engine.layers.mlp import swiglu_fused
 from engine.layers.moe import MoE
 from engine.models.fused import (CachedMoE, FusedAttention, FusedMoE, fuse_attention, fuse_cached_moe, fuse_deltanet,
@@ -135,41 +135,43 @@ class FastPath:
                 rows = call.finish((yield call))
             else:
                 x, rows = self._decode_mlp(i, x, mix, valid)
-            x, h = add_rms_norm(x, rows, self.norms[i][1], eps, zc)
             nxt = self.mlps[i + 1] if i + 1 < len(self.mlps) else None
             if self.mapped is not None and isinstance(nxt, CachedMoE) and self.mapped.staged(nxt.layer):
-                guess = self._guess(i + 1, x, valid)
+                # the seam computes the next layer's guess too: the pick and the copy follow on the guess stream
+                x, h, logits = add_rms_norm_guess(x, rows, self.norms[i][1], eps, zc, self.norms[i + 1][0],
+                                                  nxt.router_w[: self.mapped.E])
+                guess = self._guess(i + 1, logits, valid)
                 joins.append(guess[1])
+            else:
+                x, h = add_rms_norm(x, rows, self.norms[i][1], eps, zc)
         if any(joins):  # the last copies ran beside the layers' kernels: the step ends with both streams done
             torch.cuda.current_stream(h.device).wait_stream(self._guess_stream)
         return _decode_linear(h, model.lm_head, torch.float32)
 
-    def _guess(self, j: int, x: torch.Tensor, valid: torch.Tensor | None):
-        """Layer j's router on the residual entering it (its mixer not yet added), and the likely expert that
-        gives copied in for its gate/up kernel (MappedExperts.stage): on the guess stream beside the mixer on
-        CUDA, inline elsewhere. -> (event after the pick, which the layer's experts wait for, or None; the
-        tensors the guess stream reads, kept until the step waits for that stream). The layer's experts do not
-        wait for the copy: a staged tile waits for its rows inside the gate/up kernel, so a copy longer than
-        the mixer no longer holds the whole layer back (H200 box, offload decode b1: the mixer leaves ~37 us,
-        the guess and a 2 MB copy took ~60)."""
-        mlp, E = self.mlps[j], self.mapped.E
+    def _guess(self, j: int, logits: torch.Tensor, valid: torch.Tensor | None):
+        """logits [N, E] fp32: layer j's router on the residual entering it (its mixer not yet added), from the
+        seam before it (norm_triton.add_rms_norm_guess). The likely expert they give is copied in for its
+        gate/up kernel (MappedExperts.stage): on the guess stream beside the mixer on CUDA, inline elsewhere.
+        -> (event after the pick, which the layer's experts wait for, or None; the tensors the guess stream
+        reads, kept until the step waits for that stream). The layer's experts do not wait for the copy: a
+        staged tile waits for its rows inside the gate/up kernel, so a copy longer than the mixer no longer
+        holds the whole layer back (H200 box, offload decode b1: the mixer leaves ~37 us, the guess and a 2 MB
+        copy took ~60)."""
+        mlp = self.mlps[j]
         if valid is None:
-            valid = torch.ones(x.shape[0], dtype=torch.int8, device=x.device)
+            valid = torch.ones(logits.shape[0], dtype=torch.int8, device=logits.device)
         side = self._guess_stream
         picked = None
         if side is not None:
-            side.wait_stream(torch.cuda.current_stream(x.device))
+            side.wait_stream(torch.cuda.current_stream(logits.device))
             picked = torch.cuda.Event()
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            # launches without PDL (a programmatic edge across streams would hang): the norm and the router in
-            # one, the pick in the next, then the copy
-            logits = guess_logits(x, self.norms[j][0], self.cfg.rms_norm_eps, self.cfg.zero_centered_norm,
-                                  mlp.router_w[:E])  # [N, E] fp32
+            # launches without PDL (a programmatic edge across streams would hang): the pick, then the copy
             after_pick = None if picked is None else (lambda: picked.record(side))
             self.mapped.stage(mlp.layer, logits, valid, picked=after_pick)
         if side is None:
             return None, ()
-        return picked, (x, logits, valid)  # x too: the main stream must not reuse its block while this reads it
+        return picked, (logits, valid)  # the main stream must not reuse their blocks while this reads them
 
     def _decode_mlp(self, i: int, x: torch.Tensor, mix: torch.Tensor, valid: torch.Tensor | None):
         """The post-mixer add+norm and the MLP of one decode step -> (residual, rows to add to it)."""

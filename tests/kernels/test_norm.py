@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_ref, add_rms_norm_router
+from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_guess, add_rms_norm_ref, add_rms_norm_router
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 
@@ -49,3 +49,35 @@ def test_add_rms_norm_router_names_a_bad_router(dev):
     x = torch.randn(2, 8, device=dev)
     with pytest.raises(ValueError, match="router"):
         add_rms_norm_router(x, x, torch.ones(8, device=dev), 1e-6, True, torch.ones(4, 6, device=dev))
+
+
+@pytest.mark.parametrize("zero_centered", [True, False])
+@pytest.mark.parametrize("N", [1, 3])
+def test_add_rms_norm_guess_is_the_seam_and_the_next_layers_router(dev, zero_centered, N):
+    """The seam after a MoE block with the next layer's guess in one launch: x_out and h exactly add_rms_norm's,
+    the guess the next router on rms_norm(x_out, guess_w) in fp32 (within a bf16 rounding of the engine's own
+    norm then matmul), for a router sliced from one with a further row (stride) and a width that is not a
+    tile; fresh random inputs."""
+    from engine.layers.norm import rms_norm
+
+    g = torch.Generator().manual_seed(60 + 2 * N + zero_centered)
+    H, E, R = 600, 40, 9
+    x = (torch.randn(N, H, generator=g) * 3).to(dev, torch.bfloat16)
+    delta = torch.randn(N, R, H, generator=g).to(dev, torch.bfloat16)
+    w = (torch.randn(H, generator=g) * 0.3).to(dev, torch.bfloat16)
+    gw = (torch.randn(H, generator=g) * 0.1).to(dev, torch.bfloat16)
+    router = torch.randn(E + 1, H, generator=g).to(dev, torch.bfloat16)
+    got_x, got_h, got = add_rms_norm_guess(x, delta, w, 1e-6, zero_centered, gw, router[:E])
+    want_x, want_h = add_rms_norm(x, delta, w, 1e-6, zero_centered)
+    assert torch.equal(got_x, want_x) and torch.equal(got_h, want_h)
+    assert got.shape == (N, E) and got.dtype == torch.float32
+    xf = want_x.float().cpu()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    ref = (normed * ((1 + gw.float().cpu()) if zero_centered else gw.float().cpu())) @ router[:E].float().cpu().T
+    assert torch.allclose(got.cpu(), ref, rtol=1e-4, atol=1e-3)
+    hb = rms_norm(want_x, gw, 1e-6, zero_centered).float().cpu()
+    engine = hb @ router[:E].float().cpu().T
+    scale = hb.abs() @ router[:E].float().cpu().abs().T
+    assert ((got.cpu() - engine).abs() <= scale * 2 ** -8).all()
+    with pytest.raises(ValueError, match="does not match hidden size"):
+        add_rms_norm_guess(x, delta, w, 1e-6, zero_centered, gw[:8], router[:E])
