@@ -14,8 +14,10 @@ Which experts: a fixed random order per layer (seeded), the first `share` of the
 not in a slot): under uniform routing the CPU gets that share of the misses. The share starts from the
 measured rates (BandwidthEstimate.cpu_share: PCIe at 0.9 of B_P, the kernels' in-place rate, the CPU at what
 the host's DRAM leaves beside it) and follows the measured step time (policy.ShareSearch: a hill climb on
-paired steps). The wait kernel's spins say how often the device waited for the CPU (stats); the best share
-has it wait a little in most steps, so that is not the signal.
+paired steps). Where the search settles, the share is kept in this machine's profile directory (profile.py:
+save_shares), per batch size, and a later process with the same model shape, slots and threads starts there.
+The wait kernel's spins say how often the device waited for the CPU (stats); the best share has it wait a
+little in most steps, so that is not the signal.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import time
 import numpy as np
 import torch
 
+from engine.experts import profile
 from engine.experts.policy import ShareSearch
 from engine.kernels.moe_triton import LOC_CPU
 
@@ -73,11 +76,17 @@ class CpuShare:
         self.order = rng.permuted(np.broadcast_to(np.arange(self.E), (self.L, self.E)), axis=1)
         self.start = share if share is not None else backend.estimate.cpu_share()
         self.searches: dict[int, ShareSearch] = {}  # per batch size: its best share differs (misses per layer)
-        self.share = self.start
+        self.starts: dict[int, float] = {}  # where each batch size's search started (stats: a benchmark says it)
         self.adapt = share is None
         self.waited_steps = self.steps = 0
         self._began: float | None = None
         runner = cpu_runner.native_runner(cpu_runner.expert_threads())
+        # settled shares of earlier processes on this machine and model shape (profile.ShareMemory)
+        self.memory = profile.ShareMemory(profile.share_key(pool.layout, pool.dtype, runner.threads, self.L,
+                                                            backend.cache.num_slots) if self.adapt else None)
+        self._rests: dict[int, int] = {}  # per batch size: the search's settlements already kept
+        self._warned = False  # about a share that could not be written
+        self.share = self.memory.start(1, {}, self.start) if self.adapt else self.start
         self.tables = [cpu_runner.layer_table(pool.wait_layer(layer), pool.layout) for layer in pool.layers]
         fmt = cpu_kernels._FORMATS
         self.box = cpu_kernels._native.Mailbox(
@@ -86,8 +95,14 @@ class CpuShare:
             fmt[torch.float32], H, kp, n_max, self.loc.data_ptr(), self.E)
         self._runner = runner  # the thread uses its pool: keep it
         self.box.start()
+        if not self.adapt:
+            origin = "fixed"
+        elif self.memory.shares:
+            origin = "settled before here: " + ", ".join(f"b{r} {v:.2f}" for r, v in sorted(self.memory.shares.items()))
+        else:
+            origin = f"the rates' balance {self.start:.2f}"
         log.info("hybrid decode: the CPU runs a %.0f%% share of the missing experts inside the step's graph "
-                 "(%d threads)", 100 * self.share, runner.threads)
+                 "(%d threads; start: %s)", 100 * self.share, runner.threads, origin)
 
     def mark(self, table: np.ndarray) -> np.ndarray:
         """table [L, E] (slot or -1) -> the same with the CPU's share of the non-resident experts LOC_CPU; the
@@ -108,7 +123,15 @@ class CpuShare:
         self.steps += 1
         self.waited_steps += int(self.spins.sum()) > WAIT_SPINS
         if self.adapt and self._began is not None:
-            self._search(rows).observe(now - self._began, rows)
+            search = self._search(rows)
+            search.observe(now - self._began, rows)
+            if search.rests > self._rests.get(rows, 0):  # it settled: what the next process starts from
+                self._rests[rows] = search.rests
+                self.memory.settle(rows, search.best)
+                if self.memory.error is not None and not self._warned:
+                    self._warned = True
+                    log.warning("hybrid decode: the settled CPU share cannot be kept (%s); each start searches "
+                                "anew", self.memory.error)
         self._began = now
 
     def before_step(self, rows: int) -> None:
@@ -117,15 +140,19 @@ class CpuShare:
             self.share = self._search(rows).share
 
     def _search(self, rows: int) -> ShareSearch:
-        if rows not in self.searches:  # a new batch size starts from the nearest one's best, else the rates'
-            near = min(self.searches, key=lambda r: abs(r - rows), default=None)
-            self.searches[rows] = ShareSearch(self.start if near is None else self.searches[near].best, hi=MAX_SHARE)
+        """A batch size's search, made on its first step where profile.ShareMemory.start says."""
+        if rows not in self.searches:
+            running = {r: sr.best for r, sr in self.searches.items()}
+            self.starts[rows] = self.memory.start(rows, running, self.start)
+            self.searches[rows] = ShareSearch(self.starts[rows], hi=MAX_SHARE)
         return self.searches[rows]
 
     def stats(self) -> dict:
         st = dict(self.box.stats())
         st.update(share=self.share, steps=self.steps, waited_steps=self.waited_steps,
                   best={rows: round(sr.best, 3) for rows, sr in sorted(self.searches.items())},
+                  start={rows: round(v, 3) for rows, v in sorted(self.starts.items())},
+                  settled={rows: round(v, 3) for rows, v in sorted(self.memory.shares.items())},
                   moves=sum(sr.moves for sr in self.searches.values()))
         return st
 

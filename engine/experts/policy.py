@@ -303,6 +303,7 @@ class ShareSearch:
         # from 0.47): one comparison's cost either way
         self.direction = -1
         self.moves = 0
+        self.rests = 0  # times it settled (both sides lost at the smallest step): its best is then worth keeping
         self._rows: int | None = None
         self._failed = 0  # sides that lost at this step size
         self._resting = 0
@@ -349,15 +350,19 @@ class ShareSearch:
                 if self.step > self.min_step:
                     self.step = max(self.min_step, self.step / 2)
                 else:
-                    self._resting = self.rest
+                    self._rest()
         self._begin()
+
+    def _rest(self) -> None:
+        self._resting = self.rest
+        self.rests += 1
 
     def _begin(self) -> None:
         """A fresh comparison of the best and the next probe (none while resting or with nowhere to go)."""
         self._k, self._first, self._diffs = 0, 0.0, []
         self.probe = None if self._resting > 0 else self._next()
         if self.probe is None and self._resting <= 0:
-            self._resting = self.rest
+            self._rest()
 
     def _next(self) -> float | None:
         for d in (self.direction, -self.direction):

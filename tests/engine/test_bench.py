@@ -26,6 +26,43 @@ def test_bench_bw_profile_is_keyed_on_machine_and_format(tmp_path, monkeypatch):
     assert load_profile(layout, torch.float32, 1) is None
 
 
+def test_settled_cpu_shares_are_kept_per_machine_and_model_shape(tmp_path, monkeypatch):
+    """profile.ShareMemory: a hybrid decode's settled CPU share per batch size, written for the next process
+    under its key (machine, format, threads, layers, slots); another key's file, a broken one or out-of-range
+    shares read as nothing; a batch size without its own share starts at the nearest one searching in this
+    process, else the nearest settled one, else the default; an unwritable cache keeps the share in memory
+    and says why."""
+    from engine.experts.profile import ShareMemory, share_key, share_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    layout = get_shape("qwen3.6-35b-a3b", scale_down=True).layout
+    key = share_key(layout, torch.bfloat16, 8, 40, 3840)
+    mem = ShareMemory(key)
+    assert mem.shares == {} and mem.start(1, {}, 0.47) == 0.47
+    assert mem.settle(1, 0.71) and mem.settle(4, 0.62)
+    again = ShareMemory(key)
+    assert again.shares == {1: 0.71, 4: 0.62}
+    assert again.start(1, {8: 0.5}, 0.47) == 0.71  # its own
+    assert again.start(8, {2: 0.55}, 0.47) == 0.55  # the nearest searching here
+    assert again.start(8, {}, 0.47) == 0.62  # the nearest settled
+    assert ShareMemory(share_key(layout, torch.bfloat16, 8, 40, 2560)).shares == {}  # other slots
+    assert ShareMemory(share_key(layout, torch.bfloat16, 14, 40, 3840)).shares == {}  # other threads
+    path = share_path(key)
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(doc, key=dict(key, gpu="NVIDIA H200"))))  # copied from another machine
+    assert ShareMemory(key).shares == {}
+    path.write_text(json.dumps({"key": key, "shares": {"1": 7.0, "2": 0.4}}))
+    assert ShareMemory(key).shares == {2: 0.4}
+    path.write_text("{not json")
+    assert ShareMemory(key).shares == {}
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # the cache directory cannot be made
+    mem = ShareMemory(key)
+    assert not mem.settle(1, 0.6) and mem.shares == {1: 0.6} and "file" in mem.error
+    assert not ShareMemory(None).settle(1, 0.6)  # nothing kept without a key (a fixed share)
+
+
 def test_bench_decode_smoke(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert bench_decode.main(["--small", "--threads", "1", "--steps", "2", "--warmup", "1",

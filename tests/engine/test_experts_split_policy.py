@@ -195,6 +195,23 @@ def test_share_search_pairs_the_steps_it_times():
     assert search.probe is not None  # rested: probing again
 
 
+def test_share_search_counts_its_settlements():
+    """`rests` counts the times the search settled (both sides lost at its smallest step): what a hybrid
+    decode keeps for the next process (graph_cpu.CpuShare, profile.ShareMemory)."""
+    from engine.experts.policy import ShareSearch
+
+    search = ShareSearch(0.5, step=0.1, min_step=0.1, pairs=1, rest=2)
+    search.observe(1.0, rows=1)  # a batch size's first step is left out
+    for n in range(1, 20):  # equal times: 0.4 fails, then 0.6 fails: settled at 0.5
+        search.observe(1.0, rows=1)
+        if search.rests:
+            break
+    assert n == 4 and search.rests == 1 and search.probe is None and search.best == 0.5  # two pairs of two steps
+    for _ in range(2 + 4):  # the rest, then both sides fail again
+        search.observe(1.0, rows=1)
+    assert search.rests == 2 and search.best == 0.5 and search.moves == 0
+
+
 def test_share_search_decides_sooner_on_long_strides_and_reprobes_from_them():
     """With coarse_pairs, while its step is longer than the smallest, fewer pairs decide; after a rest it
     probes again from its first step."""

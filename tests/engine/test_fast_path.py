@@ -315,6 +315,55 @@ def test_hybrid_mapped_decode_runs_a_cpu_share_inside_the_step(checkpoints):
     assert not cpu.box.running
 
 
+def test_hybrid_decode_keeps_its_settled_share_for_the_next_start(checkpoints, tmp_path, monkeypatch, caplog):
+    """A hybrid mapped decode whose share search settles writes the share to the profile directory; the next
+    engine on the same machine, model and slots starts its search there (and says so), one with other slots
+    does not."""
+    import logging
+
+    from engine.experts import cpu_runner
+    from engine.experts.policy import BandwidthEstimate
+    from engine.experts.registry import experts_factory
+
+    if not cpu_runner.NATIVE:
+        pytest.skip("the CPU share runs on the native kernels")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ckpt = checkpoints["qwen3_5_moe", "fused"]
+
+    def engine(slots: int):
+        est = BandwidthEstimate(bp=1e9, bh=1e3, frozen=True)
+        eng = Engine.from_pretrained(ckpt, device=DEV, fast=False, expert_device="cpu",
+                                     experts=experts_factory("hybrid", device=DEV, slots=slots, estimate=est,
+                                                             decode="mapped"))
+        eng.model.enable_fast(slots=3, capacity=64)
+        return eng
+
+    first = engine(5)
+    cpu = first.model.fast.mapped.cpu
+    assert cpu.adapt and cpu.memory.shares == {}
+    search = cpu._search(1)
+    search.best = 0.66  # as if it had climbed there
+    cpu.after_step(1)
+    while search.rests == 0:  # equal step times: both sides lose down to the smallest step, then it rests
+        search.observe(1.0, rows=1)
+    cpu.after_step(1)  # the engine's hook sees the settlement and keeps it
+    assert cpu.stats()["settled"] == {1: 0.66}
+    first.model.experts.close()
+    with caplog.at_level(logging.INFO, logger="killick.experts"):
+        second = engine(5)
+    assert second.model.fast.mapped.cpu.memory.shares == {1: 0.66}
+    assert second.model.fast.mapped.cpu._search(1).best == 0.66
+    assert second.model.fast.mapped.cpu.stats()["start"] == {1: 0.66}
+    assert "settled before here: b1 0.66" in caplog.text
+    ids = prompt(12, 9)
+    fused = Engine.from_pretrained(ckpt, device=DEV, fast=False)
+    assert second.generate(ids, max_new_tokens=4) == fused.generate(ids, max_new_tokens=4)  # greedy unchanged
+    other = engine(6)
+    assert other.model.fast.mapped.cpu.memory.shares == {}
+    for eng in (second, other):
+        eng.model.experts.close()
+
+
 def test_resizing_the_cache_under_a_mapped_decode(checkpoints):
     """`ctl cache --moe N` between steps: the slots are reallocated, the decode buckets (whose graphs read
     them in place) are dropped and the location table is rebuilt; greedy output stays the fused engine's."""
