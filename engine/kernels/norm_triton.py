@@ -99,9 +99,11 @@ def add_rms_norm_ref(x, delta, weight, eps, zero_centered):
 
 
 @triton.jit
-def _add_norm_router_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, rw_ptr, lg_ptr, eps, H, E,
+def _add_norm_router_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, gw_ptr, rw_ptr, rstride, lg_ptr, eps, H, E,
                             R: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BE: tl.constexpr, PDL: tl.constexpr):
+                            BE: tl.constexpr, GUESS: tl.constexpr, PDL: tl.constexpr):
+    """add_rms_norm_router (GUESS False: the router on h, logits in h's dtype) or add_rms_norm_guess (GUESS:
+    the router on the row normed with gw_ptr's weight, in fp32 and not rounded)."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
@@ -109,15 +111,23 @@ def _add_norm_router_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, rw_ptr, lg_ptr, 
     re = blk * BE + tl.arange(0, BE)
     # the router's rows before the wait: weights, which no kernel writes, so their reads need not wait for the
     # predecessor (H200 box: the kernel's time after the out projection 3.8 -> 2.4 us, docs/PERF.md)
-    rw = tl.load(rw_ptr + re[:, None] * H + cols[None, :], mask=(re < E)[:, None] & live[None, :], other=0.0)
+    rw = tl.load(rw_ptr + re[:, None] * rstride + cols[None, :], mask=(re < E)[:, None] & live[None, :], other=0.0)
+    if GUESS:
+        gw = tl.load(gw_ptr + cols, mask=live, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            gw = gw + 1.0
     pdl_enter(PDL)
     x, y = _add_norm_row(x_ptr, d_ptr, w_ptr, xo_ptr, eps, row, H, cols, live, R, ZERO_CENTERED, True, BLOCK_H)
     h = y.to(h_ptr.dtype.element_ty)
     if blk == 0:
         tl.store(xo_ptr + row * H + cols, x.to(xo_ptr.dtype.element_ty), mask=live)
         tl.store(h_ptr + row * H + cols, h, mask=live)
-    logit = tl.sum(rw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
-    tl.store(lg_ptr + row * E + re, logit.to(lg_ptr.dtype.element_ty), mask=re < E)
+    if GUESS:
+        g = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)) * gw
+        tl.store(lg_ptr + row * E + re, tl.sum(rw.to(tl.float32) * g[None, :], axis=1), mask=re < E)
+    else:
+        logit = tl.sum(rw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+        tl.store(lg_ptr + row * E + re, logit.to(lg_ptr.dtype.element_ty), mask=re < E)
 
 
 def add_rms_norm_router(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -133,35 +143,11 @@ def add_rms_norm_router(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
         torch.empty_like(x), torch.empty_like(x), torch.empty(N, E, dtype=x.dtype, device=x.device))
     block_h = triton.next_power_of_2(H)
     be = max(1, min(16, 8192 // block_h))  # a [BE, H] router tile of at most 8k values per program
-    _add_norm_router_kernel[(N, triton.cdiv(E, be))](x, delta, weight, x_out, h, router_w, logits, eps, H, E,
-                                                     R=delta.shape[1], ZERO_CENTERED=zero_centered,
-                                                     BLOCK_H=block_h, BE=be, num_warps=4, **pdl_args(x))
+    _add_norm_router_kernel[(N, triton.cdiv(E, be))](x, delta, weight, x_out, h, weight, router_w, H, logits, eps,
+                                                     H, E, R=delta.shape[1], ZERO_CENTERED=zero_centered,
+                                                     BLOCK_H=block_h, BE=be, GUESS=False, num_warps=4,
+                                                     **pdl_args(x))
     return x_out, h, logits
-
-
-@triton.jit
-def _add_norm_guess_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, gw_ptr, rw_ptr, rstride, lg_ptr, eps, H, E,
-                           R: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_H: tl.constexpr,
-                           BE: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
-    cols = tl.arange(0, BLOCK_H)
-    live = cols < H
-    re = blk * BE + tl.arange(0, BE)
-    # weights before the wait, as add_norm_router's
-    rw = tl.load(rw_ptr + re[:, None].to(tl.int64) * rstride + cols[None, :], mask=(re < E)[:, None] & live[None, :],
-                 other=0.0)
-    gw = tl.load(gw_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        gw = gw + 1.0
-    pdl_enter(PDL)
-    x, y = _add_norm_row(x_ptr, d_ptr, w_ptr, xo_ptr, eps, row, H, cols, live, R, ZERO_CENTERED, True, BLOCK_H)
-    if blk == 0:
-        tl.store(xo_ptr + row * H + cols, x.to(xo_ptr.dtype.element_ty), mask=live)
-        tl.store(h_ptr + row * H + cols, y.to(h_ptr.dtype.element_ty), mask=live)
-    g = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)) * gw  # the guess's row: fp32, not rounded
-    logit = tl.sum(rw.to(tl.float32) * g[None, :], axis=1)
-    tl.store(lg_ptr + row * E + re, logit, mask=re < E)
 
 
 def add_rms_norm_guess(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -179,8 +165,8 @@ def add_rms_norm_guess(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
         torch.empty_like(x), torch.empty_like(x), torch.empty(N, E, dtype=torch.float32, device=x.device))
     block_h = triton.next_power_of_2(H)
     be = max(1, min(16, 8192 // block_h))
-    _add_norm_guess_kernel[(N, triton.cdiv(E, be))](x, delta, weight, x_out, h, guess_w, router_w, router_w.stride(0),
-                                                    logits, eps, H, E, R=delta.shape[1],
-                                                    ZERO_CENTERED=zero_centered, BLOCK_H=block_h, BE=be,
-                                                    num_warps=4, **pdl_args(x))
+    _add_norm_router_kernel[(N, triton.cdiv(E, be))](x, delta, weight, x_out, h, guess_w, router_w,
+                                                     router_w.stride(0), logits, eps, H, E, R=delta.shape[1],
+                                                     ZERO_CENTERED=zero_centered, BLOCK_H=block_h, BE=be,
+                                                     GUESS=True, num_warps=4, **pdl_args(x))
     return x_out, h, logits
