@@ -15,7 +15,7 @@ not in a slot): under uniform routing the CPU gets that share of the misses. The
 measured rates (BandwidthEstimate.cpu_share: PCIe at 0.9 of B_P, the kernels' in-place rate, the CPU at what
 the host's DRAM leaves beside it) and follows the measured step time (policy.ShareSearch: a hill climb on
 paired steps). Where the search settles, the share is kept in this machine's profile directory (profile.py:
-save_shares), per batch size, and a later process with the same model shape, slots and threads starts there.
+save_shares), per batch size, and a later process with the same model, slots and threads starts there.
 The wait kernel's spins say how often the device waited for the CPU (stats); the best share has it wait a
 little in most steps, so that is not the signal.
 """
@@ -52,7 +52,7 @@ def available(backend, dtype: torch.dtype) -> str | None:
 
 class CpuShare:
     def __init__(self, backend, n_max: int, kp: int, dtype: torch.dtype, share: float | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, tag: str = "") -> None:
         from engine.experts import cpu_kernels, cpu_runner
 
         pool = backend.pool
@@ -83,7 +83,7 @@ class CpuShare:
         runner = cpu_runner.native_runner(cpu_runner.expert_threads())
         # settled shares of earlier processes on this machine and model shape (profile.ShareMemory)
         self.memory = profile.ShareMemory(profile.share_key(pool.layout, pool.dtype, runner.threads, self.L,
-                                                            backend.cache.num_slots) if self.adapt else None)
+                                                            backend.cache.num_slots, tag) if self.adapt else None)
         self._rests: dict[int, int] = {}  # per batch size: the search's settlements already kept
         self._warned = False  # about a share that could not be written
         self.share = self.memory.start(1, {}, self.start) if self.adapt else self.start

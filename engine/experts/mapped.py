@@ -84,10 +84,11 @@ class MappedExperts:
             self.stage_gate_up = torch.empty(2 * lay.inter, lay.hidden, dtype=pool.dtype, device=cache.device)
             self.stage_rows = stage_rows(lay.inter)
 
-    def enable_cpu(self, n_max: int, kp: int, dtype: torch.dtype, share: float | None = None):
+    def enable_cpu(self, n_max: int, kp: int, dtype: torch.dtype, share: float | None = None, tag: str = ""):
         """A hybrid backend: run a share of the misses on the CPU inside the step's graph (graph_cpu.py) for
-        steps of up to n_max tokens with kp pairs each. Returns the CpuShare, or None (and one log line) where
-        it cannot run here: the step then reads every miss over PCIe, as offload does."""
+        steps of up to n_max tokens with kp pairs each (tag: the model's, for the settled shares' key). Returns
+        the CpuShare, or None (and one log line) where it cannot run here: the step then reads every miss over
+        PCIe, as offload does."""
         from engine.experts import graph_cpu
 
         why = graph_cpu.available(self.b, dtype)
@@ -96,7 +97,7 @@ class MappedExperts:
                 graph_cpu.log.warning("hybrid decode without its CPU share (%s): misses go over PCIe", why)
             return None
         if self.cpu is None:
-            self.cpu = graph_cpu.CpuShare(self.b, n_max, kp, dtype, share)
+            self.cpu = graph_cpu.CpuShare(self.b, n_max, kp, dtype, share, tag=tag)
             self._pushed = None  # the next push marks the CPU's experts
         return self.cpu
 

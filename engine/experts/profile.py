@@ -7,12 +7,13 @@ $XDG_CACHE_HOME/killick (or ~/.cache/killick), one JSON file per (expert format,
 planner.
 
 Beside it, the hybrid decode's settled CPU shares (graph_cpu.CpuShare): per batch size, the share its search
-(policy.ShareSearch) last settled at, for one (expert format, GPU, CPU threads, layers, device slots); the next
-process's search starts there instead of at the rates' balance, which lay 0.1-0.3 below the shares the search
-settles at on the H200 box (docs/PERF.md, twenty-first and twenty-second sessions).
+(policy.ShareSearch) last settled at, for one (expert format, GPU, CPU threads, layers, device slots, model);
+the next process's search starts there instead of at the rates' balance, which lay 0.1-0.3 below the shares
+the search settles at on the H200 box (docs/PERF.md, twenty-first and twenty-second sessions).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -56,15 +57,18 @@ def save_profile(prof: dict) -> Path:
     return path
 
 
-def share_key(layout: ExpertLayout, dtype: torch.dtype, threads: int, layers: int, slots: int) -> dict:
+def share_key(layout: ExpertLayout, dtype: torch.dtype, threads: int, layers: int, slots: int,
+              model: str = "") -> dict:
     """What a settled CPU share holds for: this machine and expert format (machine_key), the CPU expert
-    threads, and the model's cache layers and device slots (the misses a step has)."""
-    return {**machine_key(layout, dtype, threads), "layers": layers, "slots": slots}
+    threads, the model's cache layers and device slots (the misses a step has) and `model`, a tag of its
+    weights (FastModel: its first cache layer's router; models of one shape route differently)."""
+    return {**machine_key(layout, dtype, threads), "layers": layers, "slots": slots, "model": model}
 
 
 def share_path(key: dict) -> Path:
+    tag = hashlib.sha1(key["model"].encode()).hexdigest()[:10]
     name = re.sub(r"[^A-Za-z0-9.-]+", "_",
-                  f"share-{key['format']}-{key['gpu']}-t{key['threads']}-l{key['layers']}-s{key['slots']}")
+                  f"share-{key['format']}-{key['gpu']}-t{key['threads']}-l{key['layers']}-s{key['slots']}-{tag}")
     return cache_dir() / f"{name}.json"
 
 

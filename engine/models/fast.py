@@ -71,8 +71,11 @@ class FastPath:
         if self.mapped is not None:
             first = next(m for m in self.mlps if isinstance(m, CachedMoE))
             self._route_width = first.top_k + self.mapped.folds(first)  # KP of a step's routes
-            # hybrid: the CPU's share of the misses runs inside the step (engine/experts/graph_cpu.py)
-            self.mapped.enable_cpu(pool.slots + 1, self._route_width, model.dtype)  # a step: <= slots + 1 rows
+            # hybrid: the CPU's share of the misses runs inside the step (engine/experts/graph_cpu.py); the
+            # router's fingerprint keeps one model's settled share from another's of the same shape
+            router = first.router_w.float()
+            tag = f"router {router.abs().sum().item():.6e} {router.sum().item():.6e}"
+            self.mapped.enable_cpu(pool.slots + 1, self._route_width, model.dtype, tag=tag)  # <= slots + 1 rows
         norms = [layer.input_norm for layer in model.layers] + [model.final_norm]
         self.norms = [(layer.post_norm, norms[i + 1]) for i, layer in enumerate(model.layers)]
         self.splits = decode_splits(pool.capacity)

@@ -28,7 +28,7 @@ def test_bench_bw_profile_is_keyed_on_machine_and_format(tmp_path, monkeypatch):
 
 def test_settled_cpu_shares_are_kept_per_machine_and_model_shape(tmp_path, monkeypatch):
     """profile.ShareMemory: a hybrid decode's settled CPU share per batch size, written for the next process
-    under its key (machine, format, threads, layers, slots); another key's file, a broken one or out-of-range
+    under its key (machine, format, threads, layers, slots, model); another key's file, a broken one or out-of-range
     shares read as nothing; a batch size without its own share starts at the nearest one searching in this
     process, else the nearest settled one, else the default; an unwritable cache keeps the share in memory
     and says why."""
@@ -47,6 +47,7 @@ def test_settled_cpu_shares_are_kept_per_machine_and_model_shape(tmp_path, monke
     assert again.start(8, {}, 0.47) == 0.62  # the nearest settled
     assert ShareMemory(share_key(layout, torch.bfloat16, 8, 40, 2560)).shares == {}  # other slots
     assert ShareMemory(share_key(layout, torch.bfloat16, 14, 40, 3840)).shares == {}  # other threads
+    assert ShareMemory(share_key(layout, torch.bfloat16, 8, 40, 3840, "router 1.5e3")).shares == {}  # model
     path = share_path(key)
     doc = json.loads(path.read_text())
     path.write_text(json.dumps(dict(doc, key=dict(key, gpu="NVIDIA H200"))))  # copied from another machine

@@ -318,7 +318,7 @@ def test_hybrid_mapped_decode_runs_a_cpu_share_inside_the_step(checkpoints):
 def test_hybrid_decode_keeps_its_settled_share_for_the_next_start(checkpoints, tmp_path, monkeypatch, caplog):
     """A hybrid mapped decode whose share search settles writes the share to the profile directory; the next
     engine on the same machine, model and slots starts its search there (and says so), one with other slots
-    does not."""
+    does not; the key carries the model's router fingerprint."""
     import logging
 
     from engine.experts import cpu_runner
@@ -340,7 +340,7 @@ def test_hybrid_decode_keeps_its_settled_share_for_the_next_start(checkpoints, t
 
     first = engine(5)
     cpu = first.model.fast.mapped.cpu
-    assert cpu.adapt and cpu.memory.shares == {}
+    assert cpu.adapt and cpu.memory.shares == {} and cpu.memory.key["model"].startswith("router ")
     search = cpu._search(1)
     search.best = 0.66  # as if it had climbed there
     cpu.after_step(1)
