@@ -85,6 +85,7 @@ class CpuShare:
         self.memory = profile.ShareMemory(profile.share_key(pool.layout, pool.dtype, runner.threads, self.L,
                                                             backend.cache.num_slots, tag) if self.adapt else None)
         self._rests: dict[int, int] = {}  # per batch size: the search's settlements already kept
+        self._backend = backend  # its cache's slot count is the key's (a resize changes it)
         self._warned = False  # about a share that could not be written
         self.share = self.memory.start(1, {}, self.start) if self.adapt else self.start
         self.tables = [cpu_runner.layer_table(pool.wait_layer(layer), pool.layout) for layer in pool.layers]
@@ -127,6 +128,9 @@ class CpuShare:
             search.observe(now - self._began, rows)
             if search.rests > self._rests.get(rows, 0):  # it settled: what the next process starts from
                 self._rests[rows] = search.rests
+                slots = self._backend.cache.num_slots
+                if self.memory.key is not None and self.memory.key["slots"] != slots:  # resized (ctl cache)
+                    self.memory = profile.ShareMemory(dict(self.memory.key, slots=slots))
                 self.memory.settle(rows, search.best)
                 if self.memory.error is not None and not self._warned:
                     self._warned = True

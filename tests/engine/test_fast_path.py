@@ -324,6 +324,7 @@ def test_hybrid_decode_keeps_its_settled_share_for_the_next_start(checkpoints, t
     from engine.experts import cpu_runner
     from engine.experts.policy import BandwidthEstimate
     from engine.experts.registry import experts_factory
+    from engine.runner import ModelRunner
 
     if not cpu_runner.NATIVE:
         pytest.skip("the CPU share runs on the native kernels")
@@ -348,6 +349,11 @@ def test_hybrid_decode_keeps_its_settled_share_for_the_next_start(checkpoints, t
         search.observe(1.0, rows=1)
     cpu.after_step(1)  # the engine's hook sees the settlement and keeps it
     assert cpu.stats()["settled"] == {1: 0.66}
+    ModelRunner(first.model).reconfigure(moe_slots=4)  # `ctl cache --moe 4`: later shares kept under 4 slots
+    assert first.model.fast.mapped.cpu is cpu
+    search.rests += 1
+    cpu.after_step(1)
+    assert cpu.memory.key["slots"] == 4 and cpu.memory.shares == {1: 0.66}
     first.model.experts.close()
     with caplog.at_level(logging.INFO, logger="killick.experts"):
         second = engine(5)
