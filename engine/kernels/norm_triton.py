@@ -135,19 +135,10 @@ def add_rms_norm_router(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """-> (x_out, h, logits [N, E] in x's dtype): add_rms_norm(x, delta, ...) and h @ router_w.T at once."""
     delta = _check_rows(x, delta, weight, "add_rms_norm_router")
-    N, H = x.shape
+    H = x.shape[1]
     if router_w.dim() != 2 or router_w.shape[1] != H or not router_w.is_contiguous():
         raise ValueError(f"add_rms_norm_router: router {tuple(router_w.shape)} does not match hidden size {H}")
-    E = router_w.shape[0]
-    x_out, h, logits = out if out is not None else (
-        torch.empty_like(x), torch.empty_like(x), torch.empty(N, E, dtype=x.dtype, device=x.device))
-    block_h = triton.next_power_of_2(H)
-    be = max(1, min(16, 8192 // block_h))  # a [BE, H] router tile of at most 8k values per program
-    _add_norm_router_kernel[(N, triton.cdiv(E, be))](x, delta, weight, x_out, h, weight, router_w, H, logits, eps,
-                                                     H, E, R=delta.shape[1], ZERO_CENTERED=zero_centered,
-                                                     BLOCK_H=block_h, BE=be, GUESS=False, num_warps=4,
-                                                     **pdl_args(x))
-    return x_out, h, logits
+    return _router_seam(x, delta, weight, eps, zero_centered, None, router_w, out)
 
 
 def add_rms_norm_guess(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -156,17 +147,26 @@ def add_rms_norm_guess(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
     """-> (x_out, h, guess [N, E] fp32): add_rms_norm(x, delta, weight, ...) and router_w @ rms_norm(x_out,
     guess_w) at once; router_w [E, H] may be a row slice (unit column stride)."""
     delta = _check_rows(x, delta, weight, "add_rms_norm_guess")
-    N, H = x.shape
+    H = x.shape[1]
     if router_w.dim() != 2 or router_w.shape[1] != H or router_w.stride(1) != 1 or guess_w.shape != (H,):
         raise ValueError(f"add_rms_norm_guess: router {tuple(router_w.shape)} or guess norm "
                          f"{tuple(guess_w.shape)} does not match hidden size {H}")
+    return _router_seam(x, delta, weight, eps, zero_centered, guess_w, router_w, out)
+
+
+def _router_seam(x, delta, weight, eps, zero_centered, guess_w, router_w, out):
+    """The launch of both seams, their arguments checked: guess_w None -> the router on h, logits in x's dtype;
+    else the guess, in fp32."""
+    N, H = x.shape
     E = router_w.shape[0]
     x_out, h, logits = out if out is not None else (
-        torch.empty_like(x), torch.empty_like(x), torch.empty(N, E, dtype=torch.float32, device=x.device))
+        torch.empty_like(x), torch.empty_like(x),
+        torch.empty(N, E, dtype=x.dtype if guess_w is None else torch.float32, device=x.device))
     block_h = triton.next_power_of_2(H)
-    be = max(1, min(16, 8192 // block_h))
-    _add_norm_router_kernel[(N, triton.cdiv(E, be))](x, delta, weight, x_out, h, guess_w, router_w,
+    be = max(1, min(16, 8192 // block_h))  # a [BE, H] router tile of at most 8k values per program
+    _add_norm_router_kernel[(N, triton.cdiv(E, be))](x, delta, weight, x_out, h,
+                                                     weight if guess_w is None else guess_w, router_w,
                                                      router_w.stride(0), logits, eps, H, E, R=delta.shape[1],
                                                      ZERO_CENTERED=zero_centered, BLOCK_H=block_h, BE=be,
-                                                     GUESS=True, num_warps=4, **pdl_args(x))
+                                                     GUESS=guess_w is not None, num_warps=4, **pdl_args(x))
     return x_out, h, logits
