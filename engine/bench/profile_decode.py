@@ -3,6 +3,7 @@
     python -m engine.bench.profile_decode --layers 8 --batch 1 [--json out.json]
     python -m engine.bench.profile_decode --moe-backend offload --moe-slots 37.5%     (an expert cache)
     ... --decode-trace steps.json     (the profiled steps on one time line, every stream: chrome://tracing)
+    ... --moe-backend hybrid --prefill 8192 --extend 256 [--extend-trace ext.json]   (an agent turn's extend)
 
 Builds the synthetic Qwen3.6-35B-A3B shape on the device, fills a prompt per sequence, then profiles
 `--steps` decode steps launched directly (the same kernels a graph replays) and prints, per kernel name,
@@ -12,6 +13,11 @@ launched directly and as graphs between the cache's layers (what serving runs, a
 Each step feeds fresh random tokens, so an expert cache sees a step's routing change as in serving. With an
 expert cache it also prints the host side: torch ops by self CPU time, and the Python functions by their own time
 (cProfile over the same steps), with the expert counters of the profiled steps.
+
+With --extend N (after --prefill P), a short prompt of N tokens on a state holding a P-token prompt, as an agent's
+tool result extends its cached context: its wall time, and under the profiler where the compute stream waited
+(its idle gaps over the extend, and the engine thread's torch ops inside them: what the host was doing while the
+device had nothing queued), then the Python functions by their own and cumulative time (cProfile, another run).
 """
 from __future__ import annotations
 
@@ -46,8 +52,14 @@ def main(argv=None) -> int:
                                   "compute streams on one time line: does the stream hide under the compute?)")
     p.add_argument("--decode-trace", help="write the profiled decode steps' Chrome trace here (every stream's "
                                          "kernels and copies on one time line: what the PCIe link waits for)")
+    p.add_argument("--extend", type=int, default=0,
+                   help="with --prefill: also time and profile an extend of this many tokens after the prompt")
+    p.add_argument("--extend-runs", type=int, default=3, help="timed extends, each after a prompt of its own")
+    p.add_argument("--extend-trace", help="with --extend: write the profiled extend's Chrome trace here")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.extend and not args.prefill:
+        p.error("--extend needs --prefill (the cached prompt it extends)")
     from engine.synth import synth_model
 
     cached = args.moe_backend != "fused"
@@ -62,7 +74,7 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     if model.device.type == "cuda":
         model.enable_fast(slots=args.batch + (1 if args.prefill else 0), graphs=True,
-                          capacity=max(args.context + args.steps * 8 + 64, args.prefill + 64))
+                          capacity=max(args.context + args.steps * 8 + 64, args.prefill + args.extend + 64))
     states = [model.new_state() for _ in range(args.batch)]
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -131,10 +143,12 @@ def main(argv=None) -> int:
         for name, calls, us in host["functions"][:30]:
             print(f"{name[:71]:<72}{calls:>7.0f}{us:>10.1f}")
     prefill = _prefill(model, args, sync, g) if args.prefill else {}
+    extend = _extend(model, args, sync, g) if args.extend else {}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"walls_us": walls, "kernels": rows, "layers": args.layers, "batch": args.batch,
-                       "moe_backend": args.moe_backend, "cpu_ops": cpu_ops, **host, "prefill": prefill}, f, indent=1)
+                       "moe_backend": args.moe_backend, "cpu_ops": cpu_ops, **host, "prefill": prefill,
+                       "extend": extend}, f, indent=1)
     return 0
 
 
@@ -200,6 +214,118 @@ def _prefill(model, args, sync, g) -> dict:
     for name, count, us in prof_rows[:15]:
         print(f"  host {name[:60]:<60}{count:>7}{us / 1e3:>10.1f} ms")
     return out
+
+
+def _extend(model, args, sync, g) -> dict:
+    """args.extend tokens after a cached prompt of args.prefill, each run on a prompt of its own (as bench model's
+    extend rows): wall times, then one extend under torch.profiler (the compute stream's idle gaps and the engine
+    thread's ops inside them) and one under cProfile."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    model.piece_tokens = args.piece_tokens if args.prefill > args.piece_tokens else None
+    vocab = model.config.vocab_size
+
+    def once(wrap=None) -> float:
+        st = model.new_state(args.prefill + args.extend + 8)
+        model.forward([(torch.randint(0, vocab, (args.prefill,), generator=g), st)], logits="last")
+        ext = torch.randint(0, vocab, (args.extend,), generator=g)
+        sync()
+        t = time.perf_counter()
+        if wrap is None:
+            model.forward([(ext, st)], logits="last")
+        else:
+            with wrap:
+                model.forward([(ext, st)], logits="last")
+                sync()
+        sync()
+        wall = time.perf_counter() - t
+        _release(st)
+        return wall
+
+    once()  # compiles this size's kernels
+    walls = [once() for _ in range(max(1, args.extend_runs))]
+    prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
+    profiled_wall = once(prof)
+    if args.extend_trace:
+        prof.export_chrome_trace(args.extend_trace)
+    gaps = _compute_gaps(prof)
+    cp = cProfile.Profile()
+
+    class _On:
+        def __enter__(self):
+            cp.enable()
+
+        def __exit__(self, *exc):
+            cp.disable()
+
+    cprofile_wall = once(_On())
+    st = pstats.Stats(cp)
+    funcs = [("/".join(fn[0].split("/")[-2:]) + f":{fn[1]} {fn[2]}", v[1], v[2] * 1e3, v[3] * 1e3, "/engine/" in fn[0])
+             for fn, v in st.stats.items()]
+    own = [r[:4] for r in sorted(funcs, key=lambda r: -r[2])[:25]]
+    cumulative = [r[:4] for r in sorted((r for r in funcs if r[4]), key=lambda r: -r[3])[:25]]
+    walls_ms = sorted(w * 1e3 for w in walls)
+    print(f"\nextend {args.extend} tokens after a cached {args.prefill}: wall {walls_ms[len(walls_ms) // 2]:.1f} ms "
+          f"(median of {', '.join(f'{w:.1f}' for w in walls_ms)}); under the profiler {profiled_wall * 1e3:.1f} ms, "
+          f"under cProfile {cprofile_wall * 1e3:.1f}")
+    print(f"compute stream: busy {gaps['busy_ms']:.1f} ms of {gaps['span_ms']:.1f} from its first kernel to its last; "
+          f"idle {gaps['idle_ms']:.1f} ms in {len(gaps['gaps'])} gaps of {GAP_US} us or more")
+    print(f"{'gap start (ms)':>14}{'length':>8}  the engine thread's ops inside it (ms)")
+    for gap in gaps["gaps"][:60]:
+        ops = ", ".join(f"{n} {ms:.2f}" for n, ms in gap["ops"][:5])
+        print(f"{gap['start_ms']:>14.2f}{gap['ms']:>8.2f}  {ops}")
+    print(f"\n{'python function (cProfile, one extend)':<72}{'calls':>7}{'own ms':>9}{'cum ms':>9}")
+    for name, calls, own_ms, cum_ms in own:
+        print(f"{name[:71]:<72}{calls:>7}{own_ms:>9.2f}{cum_ms:>9.2f}")
+    print(f"\n{'engine function by cumulative time':<72}{'calls':>7}{'own ms':>9}{'cum ms':>9}")
+    for name, calls, own_ms, cum_ms in cumulative:
+        print(f"{name[:71]:<72}{calls:>7}{own_ms:>9.2f}{cum_ms:>9.2f}")
+    return {"tokens": args.extend, "after": args.prefill, "walls_ms": walls_ms, "profiled_ms": profiled_wall * 1e3,
+            "cprofile_ms": cprofile_wall * 1e3, "compute_stream": gaps, "functions_own": own,
+            "functions_cumulative": cumulative}
+
+
+GAP_US = 100  # compute-stream gaps shorter than this are launch spacing, not the host holding the device up
+
+
+def _compute_gaps(prof) -> dict:
+    """The stream with the most kernel time ("compute"): its busy time, and its gaps of GAP_US or more between
+    consecutive kernels or copies in time order, each with the top-level torch ops (clipped to the gap) of the
+    thread with the most of them (the engine thread)."""
+    dev, cpu = defaultdict(list), defaultdict(list)
+    for ev in prof.events():
+        if ev.time_range is None:
+            continue
+        span = (ev.time_range.start, ev.time_range.end)
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            dev[ev.device_resource_id].append(span)
+        elif ev.cpu_parent is None:
+            cpu[ev.thread].append((*span, ev.name))
+    if not dev:
+        return {"busy_ms": 0.0, "span_ms": 0.0, "idle_ms": 0.0, "gaps": []}
+    stream = max(dev, key=lambda s: sum(b - a for a, b in dev[s]))
+    spans = sorted(dev[stream])
+    thread = max(cpu, key=lambda t: len(cpu[t])) if cpu else None
+    ops = sorted(cpu.get(thread, []))
+    origin = spans[0][0]
+    gaps, reach = [], spans[0][1]
+    for a, b in spans[1:]:
+        if a - reach >= GAP_US:
+            inside = defaultdict(float)
+            for oa, ob, name in ops:
+                if ob > reach and oa < a:
+                    inside[name] += min(ob, a) - max(oa, reach)
+            covered = sum(inside.values())
+            inside["(no torch op: Python)"] = max(0.0, (a - reach) - covered)
+            gaps.append({"start_ms": (reach - origin) / 1e3, "ms": (a - reach) / 1e3,
+                         "ops": sorted(((n, us / 1e3) for n, us in inside.items()), key=lambda r: -r[1])})
+        reach = max(reach, b)
+    busy = _union_us(spans)
+    return {"stream": stream, "busy_ms": busy / 1e3, "span_ms": (reach - origin) / 1e3,
+            "idle_ms": sum(x["ms"] for x in gaps), "gaps": gaps}
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:
