@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One GPU-box call: does a hybrid decode that starts from the kept CPU share (graph_cpu.CpuShare keeps where its
-# search settled: profile.ShareMemory, in $XDG_CACHE_HOME/killick) beat one that starts from the rates' balance,
+# search settled or stands after KEEP_STEPS steps: profile.ShareMemory, in $XDG_CACHE_HOME/killick) beat one that
+# starts from the rates' balance,
 # over a short run (the search's first steps are where the two differ)?
 #   1. the native CPU kernels (the CPU share runs on them)
-#   2. settle: one run with a long warm-up in a cache directory of its own, so that its search settles and keeps
-#      the share there (its JSON's graph_cpu.settled says it did)
+#   2. settle: one run with a long warm-up in a cache directory of its own, so that its search settles or runs
+#      past KEEP_STEPS and keeps its best share there (its JSON's graph_cpu.settled says it did)
 #   3. ROUNDS (default 3) pairs of short runs, alternated: cold (a fresh, empty cache directory each: the search
 #      starts at the rates' balance) and warm (the settle run's directory: it starts at the kept share)
 # Neither side has a `bench bw` profile (both cache directories are new), so the cold start is the rates'

@@ -467,7 +467,7 @@ def print_split(res: dict) -> None:
     if "graph_cpu" in res:
         g = res["graph_cpu"]
         print(f"hybrid decode, CPU share inside the graph: share {g['share']:.2f} at the end (best by batch size "
-              f"{g.get('best', {})} from {g.get('start', {})}, {g.get('moves', 0)} moves; settled shares kept "
+              f"{g.get('best', {})} from {g.get('start', {})}, {g.get('moves', 0)} moves; shares kept "
               f"for the next start {g.get('settled', {})}), the device waited "
               f"for the CPU in {g['waited_steps']} of {g['steps']} steps; {g['pairs']} pairs in {g['layers_run']} "
               f"layer runs, {g['busy_s'] * 1e3:.1f} ms busy, {g['skipped']} torn reads retried")

@@ -14,8 +14,10 @@ Which experts: a fixed random order per layer (seeded), the first `share` of the
 not in a slot): under uniform routing the CPU gets that share of the misses. The share starts from the
 measured rates (BandwidthEstimate.cpu_share: PCIe at 0.9 of B_P, the kernels' in-place rate, the CPU at what
 the host's DRAM leaves beside it) and follows the measured step time (policy.ShareSearch: a hill climb on
-paired steps). Where the search settles, the share is kept in this machine's profile directory (profile.py:
-save_shares), per batch size, and a later process with the same model, slots and threads starts there.
+paired steps). Where the search settles, and where its best stands every KEEP_STEPS steps of a batch size (with
+the box's step noise it may climb for hundreds of steps without settling), the share is kept in this machine's
+profile directory (profile.py: save_shares), per batch size, and a later process with the same model, slots and
+threads starts there.
 The wait kernel's spins say how often the device waited for the CPU (stats); the best share has it wait a
 little in most steps, so that is not the signal.
 """
@@ -35,6 +37,11 @@ log = logging.getLogger("killick.experts")
 
 WAIT_SPINS = 16  # spins (~1 us each on the GPU box) over a step's layers that count as waiting (stats)
 MAX_SHARE = 0.9
+# a batch size's best share is kept every this many of its steps, settled or not: on the H200 box a 600-step run
+# (8 layers, b1) climbed from the rates' 0.47 to 0.83 in 16 moves without resting once (both sides losing at the
+# smallest stride, which the step noise rarely allows), ran 335 tok/s against 280-290 for short runs from 0.47,
+# and kept nothing (docs/PERF.md, twenty-fourth session). A move needs at least 12 pairs of steps (48 steps).
+KEEP_STEPS = 256
 
 
 def available(backend, dtype: torch.dtype) -> str | None:
@@ -85,6 +92,7 @@ class CpuShare:
         self.memory = profile.ShareMemory(profile.share_key(pool.layout, pool.dtype, runner.threads, self.L,
                                                             backend.cache.num_slots, tag) if self.adapt else None)
         self._rests: dict[int, int] = {}  # per batch size: the search's settlements already kept
+        self._unkept: dict[int, int] = {}  # per batch size: its steps since its best was last kept
         self._backend = backend  # its cache's slot count is the key's (a resize changes it)
         self._warned = False  # about a share that could not be written
         self.share = self.memory.start(1, {}, self.start) if self.adapt else self.start
@@ -126,8 +134,11 @@ class CpuShare:
         if self.adapt and self._began is not None:
             search = self._search(rows)
             search.observe(now - self._began, rows)
-            if search.rests > self._rests.get(rows, 0):  # it settled: what the next process starts from
-                self._rests[rows] = search.rests
+            self._unkept[rows] = self._unkept.get(rows, 0) + 1
+            settled = search.rests > self._rests.get(rows, 0)
+            # it settled, or has run long enough for its best to beat where the next process would start
+            if settled or (self._unkept[rows] >= KEEP_STEPS and self.memory.shares.get(rows) != search.best):
+                self._rests[rows], self._unkept[rows] = search.rests, 0
                 slots = self._backend.cache.num_slots
                 if self.memory.key is not None and self.memory.key["slots"] != slots:  # resized (ctl cache)
                     self.memory = profile.ShareMemory(dict(self.memory.key, slots=slots))

@@ -316,12 +316,13 @@ def test_hybrid_mapped_decode_runs_a_cpu_share_inside_the_step(checkpoints):
 
 
 def test_hybrid_decode_keeps_its_settled_share_for_the_next_start(checkpoints, tmp_path, monkeypatch, caplog):
-    """A hybrid mapped decode whose share search settles writes the share to the profile directory; the next
-    engine on the same machine, model and slots starts its search there (and says so), one with other slots
-    does not; the key carries the model's router fingerprint."""
+    """A hybrid mapped decode whose share search settles, or has run KEEP_STEPS steps, writes its best share to the
+    profile directory; the next engine on the same machine, model and slots starts its search there (and says
+    so), one with other slots does not; the key carries the model's router fingerprint."""
     import logging
 
     from engine.experts import cpu_runner
+    from engine.experts.graph_cpu import KEEP_STEPS
     from engine.experts.policy import BandwidthEstimate
     from engine.experts.registry import experts_factory
     from engine.runner import ModelRunner
@@ -343,8 +344,16 @@ def test_hybrid_decode_keeps_its_settled_share_for_the_next_start(checkpoints, t
     cpu = first.model.fast.mapped.cpu
     assert cpu.adapt and cpu.memory.shares == {} and cpu.memory.key["model"].startswith("router ")
     search = cpu._search(1)
-    search.best = 0.66  # as if it had climbed there
-    cpu.after_step(1)
+    observe, search.observe = search.observe, lambda seconds, rows: search.share  # the search held still
+    search.best = 0.58  # climbed there without settling (the box's step noise rarely lets it rest)
+    cpu.after_step(1)  # the first step starts the clock
+    for _ in range(KEEP_STEPS - 1):
+        cpu.after_step(1)
+    assert cpu.stats()["settled"] == {}
+    cpu.after_step(1)  # KEEP_STEPS steps: its best is kept though it never rested
+    assert cpu.stats()["settled"] == {1: 0.58}
+    search.observe = observe
+    search.best = 0.66  # as if it had climbed on
     while search.rests == 0:  # equal step times: both sides lose down to the smallest step, then it rests
         search.observe(1.0, rows=1)
     cpu.after_step(1)  # the engine's hook sees the settlement and keeps it
