@@ -272,7 +272,9 @@ def _extend(model, args, sync, g) -> dict:
           f"(median of {', '.join(f'{w:.1f}' for w in walls_ms)}); under the profiler {profiled_wall * 1e3:.1f} ms, "
           f"under cProfile {cprofile_wall * 1e3:.1f}")
     print(f"compute stream: busy {gaps['busy_ms']:.1f} ms of {gaps['span_ms']:.1f} from its first kernel to its last; "
-          f"idle {gaps['idle_ms']:.1f} ms in {len(gaps['gaps'])} gaps of {GAP_US} us or more")
+          f"idle {gaps['idle_ms']:.1f} ms in {len(gaps['gaps'])} gaps of {GAP_US} us or more; every stream busy "
+          + ", ".join(f"{s} {ms:.1f} ms" for s, ms in gaps["streams"].items()) + " (compute: "
+          + str(gaps.get("stream")) + ")")
     print(f"{'gap start (ms)':>14}{'length':>8}  the engine thread's ops inside it (ms)")
     for gap in gaps["gaps"][:60]:
         ops = ", ".join(f"{n} {ms:.2f}" for n, ms in gap["ops"][:5])
@@ -292,21 +294,24 @@ GAP_US = 100  # compute-stream gaps shorter than this are launch spacing, not th
 
 
 def _compute_gaps(prof) -> dict:
-    """The stream with the most kernel time ("compute"): its busy time, and its gaps of GAP_US or more between
-    consecutive kernels or copies in time order, each with the top-level torch ops (clipped to the gap) of the
-    thread with the most of them (the engine thread)."""
-    dev, cpu = defaultdict(list), defaultdict(list)
+    """The stream with the most kernel time ("compute"; not copies: an extend's copy stream is busier): its busy
+    time, and its gaps of GAP_US or more between consecutive kernels or copies in time order, each with the
+    top-level torch ops (clipped to the gap) of the thread with the most of them (the engine thread); and each
+    stream's busy time, copies included ("streams")."""
+    dev, kernel_us, cpu = defaultdict(list), defaultdict(float), defaultdict(list)
     for ev in prof.events():
         if ev.time_range is None:
             continue
         span = (ev.time_range.start, ev.time_range.end)
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             dev[ev.device_resource_id].append(span)
+            if not ev.name.lower().startswith(("memcpy", "memset")):
+                kernel_us[ev.device_resource_id] += span[1] - span[0]
         elif ev.cpu_parent is None:
             cpu[ev.thread].append((*span, ev.name))
     if not dev:
-        return {"busy_ms": 0.0, "span_ms": 0.0, "idle_ms": 0.0, "gaps": []}
-    stream = max(dev, key=lambda s: sum(b - a for a, b in dev[s]))
+        return {"busy_ms": 0.0, "span_ms": 0.0, "idle_ms": 0.0, "gaps": [], "streams": {}}
+    stream = max(dev, key=lambda s: kernel_us.get(s, 0.0))
     spans = sorted(dev[stream])
     thread = max(cpu, key=lambda t: len(cpu[t])) if cpu else None
     ops = sorted(cpu.get(thread, []))
@@ -325,7 +330,8 @@ def _compute_gaps(prof) -> dict:
         reach = max(reach, b)
     busy = _union_us(spans)
     return {"stream": stream, "busy_ms": busy / 1e3, "span_ms": (reach - origin) / 1e3,
-            "idle_ms": sum(x["ms"] for x in gaps), "gaps": gaps}
+            "idle_ms": sum(x["ms"] for x in gaps), "gaps": gaps,
+            "streams": {str(s): _union_us(v) / 1e3 for s, v in dev.items()}}
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:

@@ -198,7 +198,7 @@ def test_profile_decode_counts_overlapping_spans_once():
 
 
 def test_profile_decode_extend_gaps_name_the_engine_threads_ops_inside_them():
-    """The extend's compute stream (the one with the most kernel time): gaps of GAP_US or more between its
+    """The extend's compute stream (the one with the most kernel time, not copies): gaps of GAP_US or more between its
     kernels, in time order, each with the top-level ops of the thread with the most of them, clipped to the gap,
     and the rest of the gap as Python time; a nested op and another stream's or thread's work are not counted."""
     from types import SimpleNamespace as NS
@@ -215,13 +215,14 @@ def test_profile_decode_extend_gaps_name_the_engine_threads_ops_inside_them():
 
     top = ev(1000, 1300, "aten::linear")
     events = [ev(0, 1000, "k0", cuda, 7), ev(1050, 1060, "k1", cuda, 7),  # 50 us: launch spacing
-              ev(1060 + GAP_US + 400, 3000, "k2", cuda, 7), ev(1100, 2900, "copy", cuda, 9),  # the copy stream
+              ev(1060 + GAP_US + 400, 3000, "k2", cuda, 7), ev(0, 2900, "Memcpy HtoD", cuda, 9),  # busier, copies
               top, ev(1010, 1200, "aten::mm", parent=top),  # nested: inside its parent's time already
               ev(1300, 1400, "aten::add"), ev(1400, 1450, "fla::chunk"), ev(1500, 1700, "aten::zeros", thread=2),
               ev(2000, 2100, "other thread", thread=2), ev(5, 6, "no span", cuda, 7)]
     events[-1].time_range = None
     gaps = _compute_gaps(NS(events=lambda: events))
     assert gaps["stream"] == 7 and gaps["busy_ms"] == (1000 + 10 + 3000 - 1560) / 1e3
+    assert gaps["streams"] == {"7": gaps["busy_ms"], "9": 2.9}
     (gap,) = gaps["gaps"]
     assert gap["start_ms"] == 1.06 and gap["ms"] == (GAP_US + 400) / 1e3 == gaps["idle_ms"]
     ops = dict(gap["ops"])
