@@ -84,7 +84,8 @@ class OffloadBackend:
         self._held = False  # a forward announced by begin_forward(hold=True) runs until end_forward
         self._unsettled: list[tuple] = []  # streamed layer calls not yet counted: (layer, topk_ids, moment, span)
         self._span = 1  # the longest sequence's tokens in the running forward (begin_forward)
-        self._ahead = None  # [L, E]: heat a routed prompt forward will add to each expert, plus a refill (begin_forward)
+        # [L, E]: heat a routed prompt forward will add to each expert, plus a refill (begin_forward)
+        self._ahead = None
         self._touch = None  # [L, E]: the probability a routed prompt forward's tokens touch each expert (begin_forward)
         self._looked: dict[int, np.ndarray] = {}  # layer -> experts copied in ahead of its routing, not yet counted
         self._seen: dict[int, int] = {}  # pool row -> tokens its calls have run in this forward
@@ -200,13 +201,13 @@ class OffloadBackend:
             # waits for the first routing to start on the second layer's)
             first = self._plan_row(0)
             if first is not None:
-                self._copy_ahead(first[0], first[1], with_cpu=False, after=None)
+                self._copy_ahead(first[0], first[1], with_cpu=False, after=None, then=False)
 
     def end_forward(self) -> None:
         self._held = False
+        self.settle()  # before _looked goes: a resident layer's copies ahead are counted there
         self._ahead = self._touch = None
         self._looked = {}
-        self.settle()
 
     def refresh(self, budget: int = REFRESH_FILLS) -> int:
         """Idle time (EngineCore between requests, through ModelRunner.idle; never inside a forward): the
@@ -277,10 +278,10 @@ class OffloadBackend:
         return out
 
     def settle(self) -> None:
-        """Count the layer calls a streamed forward ran without reading their routing back (heat, recency,
-        hits): one host sync for all of them, after the forward's work is queued. On the engine's thread only
-        (it changes the slot table): end_forward, the next begin_forward, the last layer of a forward that
-        was not held."""
+        """Count the layer calls a streamed forward, or a wholly resident layer, ran without reading their routing
+        back (heat, recency, hits): one host sync for all of them, after the forward's work is queued. On the
+        engine's thread only (it changes the slot table): end_forward, the next begin_forward, the last layer of
+        a forward that was not held."""
         pending, self._unsettled = self._unsettled, []
         if not pending:
             return
@@ -298,6 +299,7 @@ class OffloadBackend:
             slots = self.cache.lookup(layer, experts)
             table.touch(slots[slots >= 0], clock=at[0])  # (a later layer's window may have taken some since)
             self._count(layer, len(experts), 0, 0, 0)
+            self._count_looked(layer, experts)  # copies ahead into a layer that ran wholly resident
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, K], topk_w [T, K] -> [T, H] (routed experts only)."""
@@ -313,6 +315,8 @@ class OffloadBackend:
                 return self._forward_streamed(layer, x, topk_ids, topk_w)
         else:
             self._seen[self.pool.row[layer]] = self._seen.get(self.pool.row[layer], 0) + x.shape[0]
+            if self.grouped and x.dtype == self.pool.dtype and (table.resident[self.pool.row[layer]] >= 0).all():
+                return self._forward_resident(layer, x, topk_ids, topk_w)
             self._mark_enter(layer)
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
@@ -332,8 +336,8 @@ class OffloadBackend:
         per = sum(routing.counts[i] for i in misses) / len(misses) if misses else 1.0
         q = len(misses) if streaming else self.split(len(misses), busy=len(ahead[1]) if ahead else 0, per=per)
         fills, on_cpu = misses[:q], misses[q:]
-        if ahead:  # the fills of this layer take spare slots first
-            ahead = ahead[0], ahead[1][: max(0, ahead[2] - q)]
+        if ahead:  # the fills of this layer take spare slots first; their slots count again after its kernels
+            ahead = ahead[0], ahead[1][: ahead[2]]
         y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
         pending = self._start_cpu(layer, x, routing, on_cpu)
         read = self.cache.mark() if ahead else None  # the last reader of an unlocked slot is queued before this...
@@ -345,7 +349,8 @@ class OffloadBackend:
         in_rounds = self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills,
                                      pending is not None, topk_ids)
         if ahead and len(ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
-            self._copy_ahead(*ahead, with_cpu=pending is not None, after=None if in_rounds else read)
+            self._copy_ahead(*ahead, with_cpu=pending is not None, after=None if in_rounds else read,
+                             then=not in_rounds)
         if pending is not None:
             pos, vals, seconds, started = pending.result()
             self._place_cpu(y, pos, vals)
@@ -373,7 +378,8 @@ class OffloadBackend:
         nxt, t = self.pool.layers[i], self.cache.table
         p, missing = self._touch[i], t.resident[i] < 0
         likely = np.flatnonzero(missing & (p >= AHEAD_TOUCHED))
-        spare = int((~t.locked & ~self._kept(i - 1)).sum())
+        # the running row's own slots count: the copies may take them once its kernels have read them (_copy_ahead)
+        spare = int(((~t.locked | self._running_slots(i - 1)) & ~self._kept(i - 1)).sum())
         # pairs per touched expert of that layer, as its CPU share will run them
         per = self._tokens * self._top_k / max(1.0, float(p.sum()))
         want = min(self.ahead_fills(float(p[missing].sum()), len(likely), per), spare)
@@ -381,6 +387,11 @@ class OffloadBackend:
             return None
         heat = t.heat[i]
         return nxt, likely[np.lexsort((-heat[likely], -p[likely]))][:want], spare
+
+    def _running_slots(self, row: int) -> np.ndarray:
+        """[S] slots holding pool row `row`'s experts (none for row -1)."""
+        owner = self.cache.table.owner
+        return (owner >= 0) & (owner // self.pool.num_experts == row) if row >= 0 else np.zeros(len(owner), bool)
 
     def _kept(self, running: int) -> np.ndarray:
         """[S] slots a copy ahead leaves alone while pool row `running` runs: those holding an expert that a
@@ -398,21 +409,37 @@ class OffloadBackend:
         fall short of the forward's)."""
         return self._held and self._seen.get(row, 0) < self._tokens
 
-    def _copy_ahead(self, layer: int, experts: np.ndarray, *, with_cpu: bool, after) -> None:
+    def _copy_ahead(self, layer: int, experts: np.ndarray, *, with_cpu: bool, after, then: bool = True) -> None:
         """Copy `experts` of `layer` (the next MoE layer) into unlocked slots _kept leaves, on the copy stream
-        behind this layer's fills; counted as fills of `layer` and as `ahead` (a wrong guess shows as
-        ahead - ahead_used)."""
+        behind this layer's fills (after `after`: the last reader of those slots is queued before it); then, with
+        `then`, the rest into the running layer's own slots, unlocked for it, after an event recorded now (its
+        kernels, queued before this, read them first). Without the second batch the copy engine idled through a
+        layer's CPU share whenever the layers still to run held every other slot (H200 box, 8 layers, 37.5% in
+        slots: the first layer's copies waited for the second's routing). Counted as fills of `layer` and as
+        `ahead` (a wrong guess shows as ahead - ahead_used)."""
+        t = self.cache.table
         bonus = np.where(self._kept(self.pool.row[layer] - 1), np.inf, 0.0)  # never taken
-        want = experts[: int((~self.cache.table.locked & (bonus == 0)).sum())].tolist()
-        placed = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=len(want) > COALESCE_FILLS,
-                                  after=after, bonus=bonus)
+        looked, placed = [], 0
+        for batch in range(2 if then else 1):
+            if batch:
+                t.locked[self._running_slots(self.pool.row[layer] - 1)] = False
+                after = self.cache.mark()
+            want = experts[placed: placed + int((~t.locked & (bonus == 0)).sum())].tolist()
+            if not want:
+                continue
+            got = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=len(want) > COALESCE_FILLS,
+                                   after=after, bonus=bonus)
+            looked += want[: len(got)]
+            placed += len(got)
+            if placed == len(experts):
+                break
         if not placed:
             return
-        self._looked[layer] = np.asarray(want[: len(placed)])
+        self._looked[layer] = np.asarray(looked)
         st = self.stats_[layer]
-        st.fills += len(placed)
-        st.ahead += len(placed)
-        st.bytes_moved += len(placed) * self.pool.expert_bytes
+        st.fills += placed
+        st.ahead += placed
+        st.bytes_moved += placed * self.pool.expert_bytes
 
     def _count_looked(self, layer: int, experts: list[int]) -> None:
         looked = self._looked.pop(layer, None)
@@ -496,6 +523,30 @@ class OffloadBackend:
         self._launch_slots(x, y, self.streamer.tables[layer][topk_ids])  # id -1 (padding) looks up -1
         self._unsettled.append((layer, topk_ids, self.cache.table.moment(), self._span))
         self._unlock()
+        if layer == self.pool.layers[-1] and not self._held:
+            self.settle()
+        return combine(y, topk_w)
+
+    def _forward_resident(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor):
+        """A layer with every expert in a slot (after a streamed prompt: the layers of the windows it keeps and its
+        last two) has nothing to fill or run on the CPU, so, as a streamed layer, its routing need not come back
+        to the host: the pairs look their slots up on the device, the call is counted at settle(), and the host
+        goes on to queue the next layer while the device works. A routed prompt's copies ahead of the next layer
+        may then take this layer's slots, behind its kernels: the first layer of an extend after a streamed
+        prompt is one such, and its locked slots left the copy engine idle until the second layer's routing
+        (H200 box, docs/PERF.md twenty-fourth session)."""
+        T, K = topk_ids.shape
+        row = self.pool.row[layer]
+        lut = np.append(self.cache.table.resident[row], -1).astype(np.int32)  # id -1 (padding) looks up -1
+        y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
+        lut = torch.from_numpy(lut).to(self.device, non_blocking=True)[topk_ids]
+        self.cache.ready()  # the last layer's copies ahead may still be filling some of these slots
+        self._launch_slots(x, y, lut)
+        self._unsettled.append((layer, topk_ids, self.cache.table.moment(), self._span))
+        ahead = self._ahead_plan(layer)
+        if ahead and len(ahead[1]):
+            self._copy_ahead(ahead[0], ahead[1], with_cpu=False, after=self.cache.mark())  # after this layer's reads
+        self._unlock()  # as a layer call ends: the copies' slots are the next layer's to plan with
         if layer == self.pool.layers[-1] and not self._held:
             self.settle()
         return combine(y, topk_w)

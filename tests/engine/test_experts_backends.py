@@ -496,6 +496,60 @@ def test_a_routed_prompt_copies_the_next_layers_likely_misses_ahead(cls):
         assert on["cpu_runs"] > 0 and on["misses"] + on["ahead"] == off["misses"]
 
 
+@pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
+def test_a_wholly_resident_layer_runs_without_its_routing_and_the_next_layers_copies_take_its_slots(
+        cls, monkeypatch):
+    """Grouped (the CUDA path, here under Triton's interpreter): in a routed prompt a layer with every expert in a
+    slot (layers 0, 4 and 5, as a streamed prompt leaves them, and any its copies ahead made so) never reads its
+    routing back (the host queues the next layer meanwhile; it is counted at settle). Either path: the copies
+    ahead of the next layer may take the running layer's slots, queued after its kernels: with every slot full,
+    layer 1's likely misses are copied ahead during layer 0, where its locked hits left no room before. Outputs
+    equal the reference's and one expert at a time's (the torch path, which reads every layer's routing back);
+    hits, misses and ahead_used are counted as before."""
+    pytest.importorskip("triton")
+    from engine.experts import compute
+
+    src, deep = _deep_pool()
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+    read_back, of = [], compute.Routing.of
+    monkeypatch.setattr(compute.Routing, "of", staticmethod(lambda ids: read_back.append(ids.shape) or of(ids)))
+    seed = int(torch.randint(1 << 30, ()))
+    got = {}
+    for grouped in (True, False):
+        b = cls(deep, 3 * E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", lookahead="on",
+                grouped=grouped)
+        for layer in (0, 4, 5):
+            b.cache.admit(layer, list(range(E)))
+            b.cache.table.unlock_all()
+        kept = {s: b.cache.table.owner[s] for s in range(3 * E) if b.cache.table.owner[s] // E in (4, 5)}
+        x, ids, w = routing(40, seed=seed)  # 120 picks of 8 experts: every expert is routed to
+        read_back.clear()
+        b.begin_forward(40, K, hold=True, span=40)
+        outs, resident = [], []
+        for layer in range(6):
+            resident.append(bool((b.cache.table.resident[layer] >= 0).all()))
+            outs.append(b.forward(layer, x, ids, w))
+            torch.testing.assert_close(outs[-1], reference(src, layer, x, ids, w), rtol=1e-5, atol=1e-5,
+                                       msg=f"seed {seed}")
+            assert all(b.cache.table.owner[s] == o for s, o in kept.items())  # later layers' residents stay
+        b.end_forward()
+        got[grouped] = outs
+        st = b.stats()["layers"]
+        for layer in (0, 4, 5):
+            assert st[layer]["hits"] == E and st[layer]["misses"] == 0
+        # layer 1's likely misses were copied ahead into layer 0's slots (no other slot was free)
+        assert st[1]["ahead"] > 0 and st[1]["ahead_used"] == st[1]["ahead"]
+        if grouped:  # (offload copies all of a layer's misses ahead, so every layer finds itself resident)
+            assert resident[0] and resident[4] and resident[5]
+            assert len(read_back) == resident.count(False)
+        else:
+            assert len(read_back) == 6
+        check_table(b)
+        b.close()
+    for a, z in zip(got[True], got[False]):
+        torch.testing.assert_close(a, z, rtol=1e-5, atol=1e-5)
+
+
 def test_the_cpus_handoff_moves_hybrids_copies_ahead_and_its_split_to_the_copy_engine(pool):
     """With copies ahead the copy engine works through a layer's handoff while the CPU waits: the longer the
     handoff (measured per routed prompt layer call, an EMA), the more of the next layer's misses hybrid copies
