@@ -312,11 +312,14 @@ class OffloadBackend:
         if streaming:
             self.streamer.before_layer(layer)  # waits for this layer's copy, issues the next layer's
             if self.grouped and x.dtype == self.pool.dtype and layer in self.streamer.tables:
-                return self._forward_streamed(layer, x, topk_ids, topk_w)
+                return self._forward_unread(layer, x, topk_ids, topk_w, self.streamer.tables[layer])
         else:
-            self._seen[self.pool.row[layer]] = self._seen.get(self.pool.row[layer], 0) + x.shape[0]
-            if self.grouped and x.dtype == self.pool.dtype and (table.resident[self.pool.row[layer]] >= 0).all():
-                return self._forward_resident(layer, x, topk_ids, topk_w)
+            row = self.pool.row[layer]
+            self._seen[row] = self._seen.get(row, 0) + x.shape[0]
+            if self.grouped and x.dtype == self.pool.dtype and (table.resident[row] >= 0).all():
+                slots = self.cache.lookup_table(table.resident[row])
+                self.cache.ready()  # the table, and the last layer's copies ahead into some of these slots
+                return self._forward_unread(layer, x, topk_ids, topk_w, slots)
             self._mark_enter(layer)
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
@@ -512,38 +515,23 @@ class OffloadBackend:
                                           torch.empty(cap, self.pool.layout.hidden, dtype=dtype, pin_memory=pin))
         return buf
 
-    def _forward_streamed(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor):
-        """A streamed layer is wholly resident, so its routing need not come back to the host: the pairs look
-        their slots up on the device (the streamer's table of the layer) and run in one launch pair of the
-        grouped kernels, and the call is counted at settle(). Reading each piece's routing back made the host
-        wait for that piece's compute, so it could not queue the next piece, and a layer of an 8k prompt took
-        several times its GPU time (H200 box, docs/PERF.md issue 17)."""
+    def _forward_unread(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+                        slots: torch.Tensor):
+        """A layer with every expert in a slot — streamed, or in a routed prompt wholly resident (after a streamed
+        prompt: the layers of the windows it keeps and its last two) — has nothing to fill or run on the CPU, so
+        its routing need not come back to the host: the pairs look their slots up on the device (slots: the
+        layer's expert -> slot table [E + 1], entry E -1 for padding) and run in one launch pair of the grouped
+        kernels, the call is counted at settle(), and the host goes on to queue the next layer while the device
+        works. Reading each piece's routing back made the host wait for that piece's compute, so it could not
+        queue the next piece, and a layer of an 8k prompt took several times its GPU time (H200 box, docs/PERF.md
+        issue 17). In a routed prompt the next layer's copies ahead may then take this layer's slots, behind its
+        kernels: the first layer of an extend after a streamed prompt is one such, and its locked slots left the
+        copy engine idle until the second layer's routing (H200 box, docs/PERF.md twenty-fourth session)."""
         T, K = topk_ids.shape
         y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
-        self._launch_slots(x, y, self.streamer.tables[layer][topk_ids])  # id -1 (padding) looks up -1
+        self._launch_slots(x, y, slots[topk_ids])  # id -1 (padding) looks up -1
         self._unsettled.append((layer, topk_ids, self.cache.table.moment(), self._span))
-        self._unlock()
-        if layer == self.pool.layers[-1] and not self._held:
-            self.settle()
-        return combine(y, topk_w)
-
-    def _forward_resident(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor):
-        """A layer with every expert in a slot (after a streamed prompt: the layers of the windows it keeps and its
-        last two) has nothing to fill or run on the CPU, so, as a streamed layer, its routing need not come back
-        to the host: the pairs look their slots up on the device, the call is counted at settle(), and the host
-        goes on to queue the next layer while the device works. A routed prompt's copies ahead of the next layer
-        may then take this layer's slots, behind its kernels: the first layer of an extend after a streamed
-        prompt is one such, and its locked slots left the copy engine idle until the second layer's routing
-        (H200 box, docs/PERF.md twenty-fourth session)."""
-        T, K = topk_ids.shape
-        row = self.pool.row[layer]
-        lut = np.append(self.cache.table.resident[row], -1).astype(np.int32)  # id -1 (padding) looks up -1
-        y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
-        lut = torch.from_numpy(lut).to(self.device, non_blocking=True)[topk_ids]
-        self.cache.ready()  # the last layer's copies ahead may still be filling some of these slots
-        self._launch_slots(x, y, lut)
-        self._unsettled.append((layer, topk_ids, self.cache.table.moment(), self._span))
-        ahead = self._ahead_plan(layer)
+        ahead = self._ahead_plan(layer)  # None in a streamed forward
         if ahead and len(ahead[1]):
             self._copy_ahead(ahead[0], ahead[1], with_cpu=False, after=self.cache.mark())  # after this layer's reads
         self._unlock()  # as a layer call ends: the copies' slots are the next layer's to plan with
