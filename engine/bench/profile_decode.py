@@ -252,16 +252,8 @@ def _extend(model, args, sync, g) -> dict:
     if args.extend_trace:
         prof.export_chrome_trace(args.extend_trace)
     gaps = _compute_gaps(prof)
-    cp = cProfile.Profile()
-
-    class _On:
-        def __enter__(self):
-            cp.enable()
-
-        def __exit__(self, *exc):
-            cp.disable()
-
-    cprofile_wall = once(_On())
+    cp = cProfile.Profile()  # a context manager: enabled inside once()'s `with`
+    cprofile_wall = once(cp)
     st = pstats.Stats(cp)
     funcs = [("/".join(fn[0].split("/")[-2:]) + f":{fn[1]} {fn[2]}", v[1], v[2] * 1e3, v[3] * 1e3, "/engine/" in fn[0])
              for fn, v in st.stats.items()]
