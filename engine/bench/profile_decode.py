@@ -228,11 +228,16 @@ def _extend(model, args, sync, g) -> dict:
     model.piece_tokens = args.piece_tokens if args.prefill > args.piece_tokens else None
     vocab = model.config.vocab_size
 
-    def once(wrap=None) -> float:
+    experts = model.experts if hasattr(model.experts, "call_log") else None  # an expert cache's layer calls
+    layer_calls: list = []  # the last logged extend's (OffloadBackend.call_log)
+
+    def once(wrap=None, log: bool = False) -> float:
         st = model.new_state(args.prefill + args.extend + 8)
         model.forward([(torch.randint(0, vocab, (args.prefill,), generator=g), st)], logits="last")
         ext = torch.randint(0, vocab, (args.extend,), generator=g)
         sync()
+        if log and experts is not None:
+            experts.call_log = []
         t = time.perf_counter()
         if wrap is None:
             model.forward([(ext, st)], logits="last")
@@ -242,11 +247,13 @@ def _extend(model, args, sync, g) -> dict:
                 sync()
         sync()
         wall = time.perf_counter() - t
+        if log and experts is not None:
+            layer_calls[:], experts.call_log = experts.call_log, None
         _release(st)
         return wall
 
     once()  # compiles this size's kernels
-    walls = [once() for _ in range(max(1, args.extend_runs))]
+    walls = [once(log=True) for _ in range(max(1, args.extend_runs))]
     prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
     profiled_wall = once(prof)
     if args.extend_trace:
@@ -267,6 +274,8 @@ def _extend(model, args, sync, g) -> dict:
           f"idle {gaps['idle_ms']:.1f} ms in {len(gaps['gaps'])} gaps of {GAP_US} us or more; every stream busy "
           + ", ".join(f"{s} {ms:.1f} ms" for s, ms in gaps["streams"].items()) + " (compute: "
           + str(gaps.get("stream")) + ")")
+    if layer_calls:
+        _print_calls(layer_calls)
     print(f"{'gap start (ms)':>14}{'length':>8}  the engine thread's ops inside it (ms)")
     for gap in gaps["gaps"][:60]:
         ops = ", ".join(f"{n} {ms:.2f}" for n, ms in gap["ops"][:5])
@@ -278,8 +287,25 @@ def _extend(model, args, sync, g) -> dict:
     for name, calls, own_ms, cum_ms in cumulative:
         print(f"{name[:71]:<72}{calls:>7}{own_ms:>9.2f}{cum_ms:>9.2f}")
     return {"tokens": args.extend, "after": args.prefill, "walls_ms": walls_ms, "profiled_ms": profiled_wall * 1e3,
-            "cprofile_ms": cprofile_wall * 1e3, "compute_stream": gaps, "functions_own": own,
+            "cprofile_ms": cprofile_wall * 1e3, "layer_calls": [c._asdict() for c in layer_calls],
+            "compute_stream": gaps, "functions_own": own,
             "functions_cumulative": cumulative}
+
+
+def _print_calls(calls) -> None:
+    """The last timed extend's MoE layer calls (OffloadBackend.call_log): what each planned, and when (ms from the
+    first call's start) its routing came back, its CPU job ran and it returned."""
+    print(f"\nthe last timed extend's MoE layer calls (ms; 'unread': every expert in a slot, routing not read back)")
+    head = ("layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "handoff", "routed", "cpu at",
+            "cpu run", "waited", "end")
+    print("".join(f"{h:>8}" for h in head))
+    t0 = calls[0].at
+    for c in calls:
+        cpu = (f"{c.cpu_start_ms:>8.2f}{c.cpu_ms:>8.2f}{c.cpu_wait_ms:>8.2f}" if c.cpu_start_ms >= 0
+               else f"{'-':>8}" * 3)
+        routed = f"{c.routed_ms:>8.2f}" if c.routed_ms >= 0 else f"{'-':>8}"
+        print(f"{c.layer:>8}{c.kind:>8}{(c.at - t0) * 1e3:>8.2f}{c.hits:>8}{c.misses:>8}{c.fills:>8}{c.cpu:>8}"
+              f"{c.ahead:>8}{c.handoff_ms:>8.2f}{routed}{cpu}{c.end_ms:>8.2f}")
 
 
 GAP_US = 100  # compute-stream gaps shorter than this are launch spacing, not the host holding the device up

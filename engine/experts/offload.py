@@ -26,7 +26,7 @@ from engine.experts.policy import BandwidthEstimate
 from engine.experts.prefill_stream import (KEEP_RATIO, LIKELY_READ, REFILL_USES, STREAM_MODES, PrefillStreamer,
                                           pick_probability)
 from engine.experts.slot_cache import SlotCache
-from engine.experts.stats import ExpertStats
+from engine.experts.stats import ExpertStats, LayerCall
 
 # More fills than this in one layer call (a prompt's tokens routing to most of a layer) pair experts and slots
 # in sorted order so runs of both copy at once (SlotCache.admit's coalesce); decode's few fills keep theirs.
@@ -131,6 +131,7 @@ class OffloadBackend:
         # a mapped decode copies each layer's likely expert in ahead (mapped.py); auto where it overlaps PCIe
         self.prefetch = prefetch == "on" or (prefetch == "auto" and not host_decode and self.device.type == "cuda")
         self.mapped = None  # MappedExperts, made by mapped_decode() for a fast path
+        self.call_log: list[LayerCall] | None = None  # a list: every layer call appends its LayerCall
 
     # --- policy hooks, overridden by cpu / hybrid
     def split(self, m: int, busy: int = 0, per: float = 1.0) -> int:
@@ -303,6 +304,7 @@ class OffloadBackend:
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, K], topk_w [T, K] -> [T, H] (routed experts only)."""
+        t_in = time.perf_counter()
         if layer == self.pool.layers[0] and not self._held:  # the first MoE layer sees all its tokens
             self.begin_forward(x.shape[0], topk_ids.shape[1])
         self._observe_fill()
@@ -312,14 +314,14 @@ class OffloadBackend:
         if streaming:
             self.streamer.before_layer(layer)  # waits for this layer's copy, issues the next layer's
             if self.grouped and x.dtype == self.pool.dtype and layer in self.streamer.tables:
-                return self._forward_unread(layer, x, topk_ids, topk_w, self.streamer.tables[layer])
+                return self._forward_unread(layer, x, topk_ids, topk_w, self.streamer.tables[layer], t_in)
         else:
             row = self.pool.row[layer]
             self._seen[row] = self._seen.get(row, 0) + x.shape[0]
             if self.grouped and x.dtype == self.pool.dtype and (table.resident[row] >= 0).all():
                 slots = self.cache.lookup_table(table.resident[row])
                 self.cache.ready()  # the table, and the last layer's copies ahead into some of these slots
-                return self._forward_unread(layer, x, topk_ids, topk_w, slots)
+                return self._forward_unread(layer, x, topk_ids, topk_w, slots, t_in)
             self._mark_enter(layer)
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
@@ -354,8 +356,11 @@ class OffloadBackend:
         if ahead and len(ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
             self._copy_ahead(*ahead, with_cpu=pending is not None, after=None if in_rounds else read,
                              then=not in_rounds)
+        started = seconds = waited = None
         if pending is not None:
+            waited = time.perf_counter()
             pos, vals, seconds, started = pending.result()
+            waited = time.perf_counter() - waited
             self._place_cpu(y, pos, vals)
             self.estimate.observe_cpu(len(on_cpu) * self.pool.expert_bytes, seconds)
             self.observe("cpu", len(on_cpu) * self.pool.expert_bytes, seconds, together=bool(fills),
@@ -365,7 +370,18 @@ class OffloadBackend:
         self._count(layer, len(hits), len(misses), len(fills), len(on_cpu))
         out = combine(y, topk_w)
         self._mark_exit(layer)
+        if self.call_log is not None:
+            self._log_call(layer, "routed", t_in, len(hits), len(misses), len(fills), len(on_cpu),
+                           len(self._looked.get(ahead[0], ())) if ahead else 0, routed_at, started, seconds, waited)
         return out
+
+    def _log_call(self, layer: int, kind: str, t_in: float, hits: int, misses: int, fills: int, cpu: int,
+                  ahead: int, routed_at: float | None = None, started: float | None = None,
+                  seconds: float | None = None, waited: float | None = None) -> None:
+        ms = lambda t: (t - t_in) * 1e3 if t is not None else -1.0  # noqa: E731
+        self.call_log.append(LayerCall(layer, kind, hits, misses, fills, cpu, ahead, self.handoff * 1e3, t_in,
+                                       ms(routed_at), ms(started), (seconds or 0.0) * 1e3, (waited or 0.0) * 1e3,
+                                       ms(time.perf_counter())))
 
     def _ahead_plan(self, layer: int):
         """For a routed prompt forward with `lookahead`: (the next MoE layer, its likely misses to copy in
@@ -516,7 +532,7 @@ class OffloadBackend:
         return buf
 
     def _forward_unread(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
-                        slots: torch.Tensor):
+                        slots: torch.Tensor, t_in: float):
         """A layer with every expert in a slot — streamed, or in a routed prompt wholly resident (after a streamed
         prompt: the layers of the windows it keeps and its last two) — has nothing to fill or run on the CPU, so
         its routing need not come back to the host: the pairs look their slots up on the device (slots: the
@@ -537,6 +553,8 @@ class OffloadBackend:
         self._unlock()  # as a layer call ends: the copies' slots are the next layer's to plan with
         if layer == self.pool.layers[-1] and not self._held:
             self.settle()
+        if self.call_log is not None:
+            self._log_call(layer, "unread", t_in, -1, 0, 0, 0, len(self._looked.get(ahead[0], ())) if ahead else 0)
         return combine(y, topk_w)
 
     def _run_device(self, layer, x, y, routing: Routing, hit_slots, hits, fills, with_cpu: bool,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 FIELDS = ("hits", "misses", "fills", "cpu_runs", "bytes_moved", "direct_reads", "bytes_read", "guesses",
           "guesses_right", "bytes_guessed", "ahead", "ahead_used",
@@ -53,3 +54,23 @@ class ExpertStats:
     def reset(self) -> None:
         for k in self.layers:
             self.layers[k] = LayerStats()
+
+
+class LayerCall(NamedTuple):
+    """One MoE layer call of an expert cache, as OffloadBackend.call_log records it (profile_decode --extend):
+    its plan and where the host's time went, in ms from the call's start."""
+
+    layer: int
+    kind: str  # "routed" (its routing read back: fills and CPU runs planned) or "unread" (every expert in a slot)
+    hits: int  # -1: not read back (unread)
+    misses: int
+    fills: int  # of the misses, copied in now
+    cpu: int  # of the misses, run on the CPU
+    ahead: int  # the next layer's experts copied in while this one runs
+    handoff_ms: float  # the CPU's idle time per call the split counted (hybrid)
+    at: float  # perf_counter seconds when the call started
+    routed_ms: float  # when the routing was back on the host
+    cpu_start_ms: float  # when the CPU job started (-1: none)
+    cpu_ms: float  # its run
+    cpu_wait_ms: float  # the engine thread's wait for it
+    end_ms: float  # when the call returned

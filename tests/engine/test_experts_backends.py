@@ -466,12 +466,15 @@ def test_a_routed_prompt_copies_the_next_layers_likely_misses_ahead(cls):
     into slots no layer still to run holds (here the one free layer of slots, then the slots of the layers
     already run), so the layers between the resident first and last two find them in place. Outputs equal the
     reference's with and without it; the residents of the last two layers are never taken; every copy ahead is
-    counted as a fill and as `ahead`, the ones the layer then read as `ahead_used`."""
+    counted as a fill and as `ahead`, the ones the layer then read as `ahead_used`. The call log (profile_decode
+    --extend) has each layer call's plan: its misses filled or run on the CPU (none in the wholly resident
+    layers), the copies ahead as the stats count them."""
     src, deep = _deep_pool()
     est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
     got = {}
     for look in ("off", "on"):
         b = cls(deep, 4 * E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", lookahead=look)
+        b.call_log = []
         for layer in (0, 4, 5):
             b.cache.admit(layer, list(range(E)))
             b.cache.table.unlock_all()
@@ -484,6 +487,15 @@ def test_a_routed_prompt_copies_the_next_layers_likely_misses_ahead(cls):
             assert all(b.cache.table.owner[s] == o for s, o in kept.items())
         b.end_forward()
         got[look] = b.stats()["total"]
+        calls = b.call_log
+        assert [c.layer for c in calls] == list(range(6))
+        routed = [c for c in calls if c.kind == "routed"]  # all (the unread path is the grouped kernels')
+        assert len(routed) == 6 and [c.misses for c in calls if c.layer in (0, 4, 5)] == [0, 0, 0]
+        assert all(c.fills + c.cpu == c.misses and 0 <= c.routed_ms <= c.end_ms for c in routed)
+        assert sum(c.misses for c in routed) == got[look]["misses"]
+        assert sum(c.cpu for c in routed) == got[look]["cpu_runs"]
+        assert all((c.cpu_start_ms >= c.routed_ms) == (c.cpu > 0) for c in routed)
+        assert sum(c.ahead for c in calls) == got[look]["ahead"]
         check_table(b)
         b.close()
     off, on = got["off"], got["on"]
@@ -518,6 +530,7 @@ def test_a_wholly_resident_layer_runs_without_its_routing_and_the_next_layers_co
     for grouped in (True, False):
         b = cls(deep, 3 * E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", lookahead="on",
                 grouped=grouped)
+        b.call_log = []
         for layer in (0, 4, 5):
             b.cache.admit(layer, list(range(E)))
             b.cache.table.unlock_all()
@@ -542,6 +555,8 @@ def test_a_wholly_resident_layer_runs_without_its_routing_and_the_next_layers_co
         if grouped:  # (offload copies all of a layer's misses ahead, so every layer finds itself resident)
             assert resident[0] and resident[4] and resident[5]
             assert len(read_back) == resident.count(False)
+            assert [c.kind == "unread" for c in b.call_log] == resident  # the call log says which ran unread
+            assert b.call_log[0].ahead == st[1]["ahead"] and b.call_log[0].hits == -1
         else:
             assert len(read_back) == 6
         check_table(b)
