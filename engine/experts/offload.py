@@ -363,7 +363,9 @@ class OffloadBackend:
             waited = time.perf_counter() - waited
             self._place_cpu(y, pos, vals)
             self.estimate.observe_cpu(len(on_cpu) * self.pool.expert_bytes, seconds)
-            self.observe("cpu", len(on_cpu) * self.pool.expert_bytes, seconds, together=bool(fills),
+            # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too
+            copying = bool(fills) or (ahead is not None and len(ahead[1]) > 0)
+            self.observe("cpu", len(on_cpu) * self.pool.expert_bytes, seconds, together=copying,
                          per=sum(routing.counts[i] for i in on_cpu) / len(on_cpu))
             self._observe_handoff(started - routed_at)
         self._unlock()

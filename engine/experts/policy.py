@@ -83,20 +83,21 @@ class Rate:
     """A running bytes/s: the seed until the first sample, then an EMA of weight `alpha` per call, so a
     sample after k calls without one weighs 1 - (1 - alpha)^k: a rate measured only now and then (a choice
     being explored) follows the machine within a few samples. Early on the weight is at least 1/samples
-    (a mean of the samples: one measurement outweighs the profile)."""
+    (a mean of the samples: one measurement outweighs the profile). A sample of `weight` < 1 (a small run,
+    mostly its fixed cost) moves the rate that much less and counts as that fraction of a sample."""
 
     value: float
     alpha: float
-    samples: int = 0
+    samples: float = 0.0  # the samples' weights
     last: int = 0  # call number of the last sample
 
-    def add(self, nbytes: int, seconds: float, call: int) -> None:
-        if nbytes <= 0 or seconds <= 0:
+    def add(self, nbytes: int, seconds: float, call: int, weight: float = 1.0) -> None:
+        if nbytes <= 0 or seconds <= 0 or weight <= 0:
             return
         stale = 1.0 - (1.0 - self.alpha) ** max(1, call - self.last)
-        w = max(stale, 1.0 / (self.samples + 1))
-        self.value = (1 - w) * self.value + w * nbytes / seconds if self.samples else nbytes / seconds
-        self.samples, self.last = self.samples + 1, call
+        w = min(1.0, weight) * max(stale, 1.0 / (self.samples + 1))
+        self.value = (1 - w) * self.value + w * nbytes / seconds
+        self.samples, self.last = self.samples + min(1.0, weight), call
 
 
 ARMS = ("split", "fill", "cpu")
@@ -106,6 +107,10 @@ CPU_SHARE_M = 64  # the miss count cpu_share() reports for (a full decode step o
 # 28-31 GB/s where decode-sized runs read 46). The CPU path keeps one rate per bucket of pairs per expert:
 # 1, 2-3, 4-7, 8-15, 16+; fills move bytes whatever the tokens.
 PER_BUCKETS = 5
+# A run of fewer experts than this is mostly its fixed cost, not its rate (a CPU job of 1-3 experts on the box's
+# 14 workers ran at 2.5 GB/s where 60 experts ran at 42): its sample weighs n / FULL_SAMPLE_EXPERTS of a full one,
+# so the few misses of a prompt's last layers do not drag down the rate its large layer calls split by.
+FULL_SAMPLE_EXPERTS = 16
 
 
 def per_bucket(per: float) -> int:
@@ -139,16 +144,25 @@ class SplitPolicy:
         self._decisions = 0
 
     def _rate(self, path: str, together: bool, per: float = 1.0) -> Rate:
-        """The rate of `path` (alone or together) for runs of `per` pairs per expert (CPU: by per_bucket; a
-        bucket not measured yet starts at the nearest lower one's rate)."""
+        """The Rate a sample of `path` (alone or together) for runs of `per` pairs per expert goes to (CPU: by
+        per_bucket; a bucket starts at _value's rate for it)."""
         b = per_bucket(per) if path == "cpu" else 0
         if b == 0:
             return self.rates[path, together]
         rate = self._per_rates.get((path, together, b))
         if rate is None:
-            rate = self._per_rates[path, together, b] = Rate(self._rate(path, together, 2 ** (b - 1)).value,
-                                                            self.estimate.alpha)
+            rate = self._per_rates[path, together, b] = Rate(self._value(path, together, per), self.estimate.alpha)
         return rate
+
+    def _value(self, path: str, together: bool, per: float = 1.0) -> float:
+        """The rate a choice predicts by: the bucket's own once it holds a full sample, else the current rate of
+        the nearest lower bucket that does. (A copy of it taken when the bucket is made goes stale: an extend's
+        CPU runs of ~7 pairs an expert feed the 4-7 bucket while its copies ahead are planned at 8.)"""
+        for b in range(per_bucket(per) if path == "cpu" else 0, 0, -1):
+            rate = self._per_rates.get((path, together, b))
+            if rate is not None and rate.samples >= 1:
+                return rate.value
+        return self.rates[path, together].value
 
     def options(self, m: int, busy: int = 0, cpu_extra: float = 0.0, per: float = 1.0) -> list[Choice]:
         """The choices for m >= 1 misses with their predicted seconds; "split" only where both paths get work.
@@ -157,8 +171,8 @@ class SplitPolicy:
         the CPU path loses per call besides its runs (with copies ahead the copy engine works through a layer's
         handoff, the routing's return and the next attention, while the CPU waits for its next input). per:
         (token, expert) pairs per missed expert (the CPU's rate for that many, PER_BUCKETS)."""
-        fill, cpu = self.rates["fill", False].value, self._rate("cpu", False, per).value
-        bp, bh = self.rates["fill", True].value, self._rate("cpu", True, per).value
+        fill, cpu = self._value("fill", False), self._value("cpu", False, per)
+        bp, bh = self._value("fill", True), self._value("cpu", True, per)
 
         def on_cpu(n: int, rate: float) -> float:
             return self._seconds(n, rate) + cpu_extra if n else 0.0
@@ -208,7 +222,8 @@ class SplitPolicy:
         """A measured fill ("fill") or CPU run ("cpu") of nbytes; together: the other path ran alongside; per:
         (token, expert) pairs per expert of a CPU run."""
         if not self.estimate.frozen:
-            self._rate(path, together, per).add(nbytes, seconds, self._decisions)
+            weight = nbytes / (FULL_SAMPLE_EXPERTS * self.expert_bytes)
+            self._rate(path, together, per).add(nbytes, seconds, self._decisions, weight)
 
     def cpu_share(self, m: int = CPU_SHARE_M) -> float:
         """Fraction of m misses the current rates would run on the CPU."""

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.experts.policy import BandwidthEstimate, SplitPolicy, q_balanced
+from engine.experts.policy import FULL_SAMPLE_EXPERTS, BandwidthEstimate, SplitPolicy, q_balanced
 
 EB = 6 << 20  # bytes of one expert
 
@@ -270,17 +270,38 @@ def test_busy_copies_move_the_split_to_the_cpu(seed):
 
 def test_cpu_rates_are_kept_per_pairs_per_expert():
     """A prompt's CPU runs take several tokens per expert and run slower per byte than a decode's one: their
-    rate is learned apart (PER_BUCKETS), so it moves the split for prompts-sized runs only. A bucket not
-    measured yet starts at the nearest lower one's rate; stats name the measured ones."""
+    rate is learned apart (PER_BUCKETS), so it moves the split for prompts-sized runs only. A bucket without a
+    full sample predicts by the nearest lower one's rate as it is now (an extend plans its copies ahead at 8
+    pairs an expert and runs its CPU share at ~7); stats name the measured ones."""
     p = make(bp=10e9, bh=10e9)
+    full = FULL_SAMPLE_EXPERTS * EB
     for _ in range(5):
-        p.observe("cpu", 10 * EB, 10 * EB / 10e9, True, per=1.0)
-        p.observe("fill", 10 * EB, 10 * EB / 10e9, True)
-    assert p.best(64, per=8.0).q == p.best(64, per=1.0).q == q_balanced(64, 10e9, 10e9)  # seeded from below
+        p.observe("cpu", full, full / 10e9, True, per=1.0)
+        p.observe("fill", full, full / 10e9, True)
+    assert p.best(64, per=8.0).q == p.best(64, per=1.0).q == q_balanced(64, 10e9, 10e9)  # as the one below
     for _ in range(5):
-        p.observe("cpu", 10 * EB, 10 * EB / 4e9, True, per=9.0)  # 8-15 pairs per expert: 4 GB/s
+        p.observe("cpu", full, full / 4e9, True, per=9.0)  # 8-15 pairs per expert: 4 GB/s
     assert p.best(64, per=12.0).q == q_balanced(64, 10e9, 4e9) > p.best(64, per=1.0).q
     assert p.best(64, per=1.0).q == q_balanced(64, 10e9, 10e9)  # the decode-sized rate is untouched
-    assert p.best(64, per=40.0).q == q_balanced(64, 10e9, 4e9)  # 16+: seeded from 8-15
+    assert p.best(64, per=40.0).q == q_balanced(64, 10e9, 4e9)  # 16+: as 8-15
+    for _ in range(20):
+        p.observe("cpu", full, full / 8e9, True, per=9.0)  # 8-15 gets faster: 16+, never measured, follows
+    assert p.best(64, per=40.0).q == p.best(64, per=12.0).q == q_balanced(64, 10e9, 8e9)
     rates = p.stats()["rates"]
-    assert rates["cpu_together_per8"] == pytest.approx(4e9) and "cpu_together_per16" not in rates
+    assert rates["cpu_together_per8"] == pytest.approx(8e9, rel=0.02) and "cpu_together_per16" not in rates
+
+
+def test_a_small_run_moves_the_rate_by_its_share_of_a_full_sample():
+    """A run of a few experts is mostly its fixed cost (the box: one expert on the CPU at 2.5 GB/s where 60 ran
+    at 42): it weighs n / FULL_SAMPLE_EXPERTS of a sample, so the few misses of a prompt's last layers leave the
+    rate its large layer calls split by nearly as it was."""
+    p = make(bp=10e9, bh=10e9)
+    full = FULL_SAMPLE_EXPERTS * EB
+    for _ in range(5):
+        p.observe("cpu", full, full / 10e9, True)
+    for _ in range(5):
+        p.observe("cpu", EB, EB / 1e9, True)  # one expert a run, ten times slower
+    small = p.stats()["rates"]["cpu_together"]
+    for _ in range(5):
+        p.observe("cpu", full, full / 1e9, True)  # the same rate in full-size runs
+    assert 9e9 < small and p.stats()["rates"]["cpu_together"] < 5e9
