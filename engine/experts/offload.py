@@ -117,15 +117,6 @@ class OffloadBackend:
         # CUDA: a routed prompt's CPU outputs and their positions go to page-locked buffers that the device reads
         # in place (mailbox_triton.scatter_rows); an H2D copy of them queued behind the copies ahead
         self._zero_copy = self.grouped and self.device.type == "cuda"
-        # and the device waits for them in stream order: the CPU job raises a page-locked flag once its outputs
-        # are in place, a kernel spins on it before their scatter (mailbox_triton.wait_flag), and the engine's
-        # thread goes on to queue the next layer (its attention or DeltaNet, 2-5 ms of host time an extend layer
-        # on the H200 box) while the CPU runs, instead of waiting for the job first. All but a forward's last
-        # MoE layer: its job's result (and error) is taken before the forward's output is used.
-        self._defer_cpu = self._zero_copy
-        self._cpu_flag = None  # (flag [1] int64, err [1] int32), page-locked: made on first use
-        self._cpu_seq = 0  # the flag value the last deferred job raises it to
-        self._deferred: list = []  # CPU jobs the device waits for: (future, bytes, together, per, routed_at)
         if decode not in DECODE_MODES:
             raise ValueError(f"--moe-decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
         self.decode_mode = decode
@@ -292,7 +283,6 @@ class OffloadBackend:
         back (heat, recency, hits): one host sync for all of them, after the forward's work is queued. On the
         engine's thread only (it changes the slot table): end_forward, the next begin_forward, the last layer of
         a forward that was not held."""
-        self._settle_cpu()
         pending, self._unsettled = self._unsettled, []
         if not pending:
             return
@@ -336,7 +326,6 @@ class OffloadBackend:
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
         self._read_gaps()  # the routing's read-back waited for the device: earlier gaps' events are done
-        self._settle_cpu()  # and for the CPU jobs it waited for: their timings, and their errors raise here
         table.note_use(self.pool.row[layer], routing.experts, weights=self._use_weights(routing.counts, self._span))
         slots = self.cache.lookup(layer, routing.experts)
         hits = [i for i, s in enumerate(slots) if s >= 0]
@@ -355,8 +344,7 @@ class OffloadBackend:
         if ahead:  # the fills of this layer take spare slots first; their slots count again after its kernels
             ahead = ahead[0], ahead[1][: ahead[2]]
         y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
-        defer = self._defer_cpu and bool(on_cpu) and layer != self.pool.layers[-1]
-        pending = self._start_cpu(layer, x, routing, on_cpu, signal=defer)
+        pending = self._start_cpu(layer, x, routing, on_cpu)
         read = self.cache.mark() if ahead else None  # the last reader of an unlocked slot is queued before this...
         if not streaming:
             # hits may sit in slots that copies still in flight fill (the last layer's copies ahead). Waited for
@@ -370,22 +358,16 @@ class OffloadBackend:
                              then=not in_rounds)
         started = seconds = waited = None
         if pending is not None:
-            future, out = pending
-            nbytes = len(on_cpu) * self.pool.expert_bytes
-            per_cpu = sum(routing.counts[i] for i in on_cpu) / len(on_cpu)
+            waited = time.perf_counter()
+            pos, vals, seconds, started = pending.result()
+            waited = time.perf_counter() - waited
+            self._place_cpu(y, pos, vals)
+            self.estimate.observe_cpu(len(on_cpu) * self.pool.expert_bytes, seconds)
             # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too
             copying = bool(fills) or (ahead is not None and len(ahead[1]) > 0)
-            if defer:
-                self._place_cpu_later(y, out, sum(routing.counts[i] for i in on_cpu))
-                logged = len(self.call_log) if self.call_log is not None else None
-                self._deferred.append((future, nbytes, copying, per_cpu, routed_at, logged))
-            else:
-                self._settle_cpu()
-                waited = time.perf_counter()
-                pos, vals, seconds, started = future.result()
-                waited = time.perf_counter() - waited
-                self._place_cpu(y, pos, vals)
-                self._observe_cpu(nbytes, seconds, copying, per_cpu, started - routed_at)
+            self.observe("cpu", len(on_cpu) * self.pool.expert_bytes, seconds, together=copying,
+                         per=sum(routing.counts[i] for i in on_cpu) / len(on_cpu))
+            self._observe_handoff(started - routed_at)
         self._unlock()
         self._count(layer, len(hits), len(misses), len(fills), len(on_cpu))
         out = combine(y, topk_w)
@@ -538,46 +520,6 @@ class OffloadBackend:
         else:
             y[pos.to(self.device)] = vals.to(self.device, y.dtype)
 
-    def _place_cpu_later(self, y: torch.Tensor, out, rows: int) -> None:
-        """_place_cpu of a deferred CPU job's `rows` outputs (in `out`, the buffers it writes): queued behind a
-        wait for its flag, so the engine's thread does not wait for the job."""
-        from engine.kernels.mailbox_triton import scatter_rows, wait_flag
-
-        flag, err = self._cpu_flags()
-        wait_flag(flag, self._cpu_seq, err)
-        scatter_rows(y, out[0][:rows], out[1][:rows])
-        if self.device.type == "cuda":
-            self._scatter_done = torch.cuda.Event()
-            self._scatter_done.record()
-
-    def _cpu_flags(self):
-        if self._cpu_flag is None:
-            pin = self.device.type == "cuda"
-            self._cpu_flag = (torch.zeros(1, dtype=torch.long, pin_memory=pin),
-                              torch.zeros(1, dtype=torch.int32, pin_memory=pin))
-        return self._cpu_flag
-
-    def _settle_cpu(self) -> None:
-        """Take the deferred CPU jobs' results (done: the device waited for their flags before anything the
-        caller read back): their timings feed the estimates, a job's error raises here, and so does a device
-        that stopped waiting (mailbox_triton.WAIT_LIMIT)."""
-        deferred, self._deferred = self._deferred, []
-        for future, nbytes, together, per, routed_at, logged in deferred:
-            _, _, seconds, started = future.result()
-            self._observe_cpu(nbytes, seconds, together, per, started - routed_at)
-            if logged is not None and self.call_log is not None and logged < len(self.call_log):
-                c = self.call_log[logged]  # its CPU job's times, known now (cpu_wait_ms stays 0: nobody waited)
-                self.call_log[logged] = c._replace(cpu_start_ms=(started - c.at) * 1e3, cpu_ms=seconds * 1e3)
-        if deferred and int(self._cpu_flags()[1][0]):
-            self._cpu_flags()[1].zero_()
-            raise RuntimeError("the device stopped waiting for a CPU expert job's results (the job was stuck past "
-                               "mailbox_triton.WAIT_LIMIT): that forward's output is wrong")
-
-    def _observe_cpu(self, nbytes: int, seconds: float, together: bool, per: float, handoff_s: float) -> None:
-        self.estimate.observe_cpu(nbytes, seconds)
-        self.observe("cpu", nbytes, seconds, together=together, per=per)
-        self._observe_handoff(handoff_s)
-
     def _out_buffers(self, dtype: torch.dtype, rows: int):
         """(positions [>= rows] int64, outputs [>= rows, H]) for a CPU job to write, page-locked on CUDA; the
         last scatter_rows that read them has run (normally long since: the routing's read-back waited for it)."""
@@ -679,9 +621,7 @@ class OffloadBackend:
         pos = routing.position(i).to(self.device, non_blocking=True)
         run_expert(y, x, pos, routing.top_k, *self.cache.weights(slot))
 
-    def _start_cpu(self, layer: int, x: torch.Tensor, routing: Routing, on_cpu: list[int], signal: bool = False):
-        """-> (the job's future, the buffers it writes or None), or None without CPU experts. signal: the job
-        raises the flag to the next sequence number when done (_place_cpu_later waits for it)."""
+    def _start_cpu(self, layer: int, x: torch.Tensor, routing: Routing, on_cpu: list[int]):
         if not on_cpu:
             return None
         host = self.pool.wait_layer(layer)
@@ -689,35 +629,20 @@ class OffloadBackend:
             self._cpu_tables[layer] = layer_table(host, self.pool.layout)
         jobs = [(routing.position(i), routing.experts[i]) for i in on_cpu]
         out = self._out_buffers(x.dtype, sum(routing.counts[i] for i in on_cpu)) if self._zero_copy else None
-        flag = None
-        if signal:
-            self._cpu_seq += 1
-            flag = self._cpu_flags()[0]
         return self._cpu.submit(self._cpu_job, x.to("cpu"), host, jobs, routing.top_k, self._cpu_tables[layer], out,
-                                x.shape[0] >= PROMPT_TOKENS, flag, self._cpu_seq), out
+                                x.shape[0] >= PROMPT_TOKENS)
 
     def _cpu_job(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs, top_k: int, table, out=None,
-                 prompt: bool = False, flag: torch.Tensor | None = None, seq: int = 0):
+                 prompt: bool = False):
         """-> (positions, outputs, seconds, when it started): into `out` (positions, outputs) when given. In
         inference mode, as the engine's thread that made `out` (a worker thread starts outside it, and writing
-        an inference tensor there raises). prompt: a prompt's layer call (cpu_runner.prompt_threads). flag:
-        raised to seq at the end, whatever happened (a device waits for it; an error raises at _settle_cpu)."""
+        an inference tensor there raises). prompt: a prompt's layer call (cpu_runner.prompt_threads)."""
         t0 = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table,
-                                       out=None if out is None else out[1], prompt=prompt)
-                if out is not None:
-                    pos = out[0][: len(pos)].copy_(pos)
-        except BaseException:
-            if out is not None:  # a scatter may wait for this job: it must find no position to write
-                with torch.inference_mode():
-                    out[0][: sum(len(p) for p, _ in jobs)].fill_(-1)
-            raise
-        finally:
-            if flag is not None:
-                with torch.inference_mode():  # made by the engine's thread, maybe in inference mode
-                    flag[0] = seq
+        with torch.inference_mode():
+            pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table,
+                                   out=None if out is None else out[1], prompt=prompt)
+            if out is not None:
+                pos = out[0][: len(pos)].copy_(pos)
         return pos, vals, time.perf_counter() - t0, t0
 
     def _unlock(self) -> None:

@@ -122,44 +122,24 @@ def join_ref(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, loc: tor
     return y
 
 
-@triton.jit(do_not_specialize=["want"])
-def _wait_flag_kernel(flag_ptr, want, err_ptr, LIMIT):
-    d = tl.load(flag_ptr, volatile=True)
-    i = 0
-    while (d < want) & (i < LIMIT):
-        d = tl.load(flag_ptr, volatile=True)
-        i += 1
-    if d < want:
-        tl.store(err_ptr, 1)
-
-
-def wait_flag(flag: torch.Tensor, want: int, err: torch.Tensor) -> None:
-    """The current stream waits until flag[0] >= want: flag [1] int64 in page-locked host memory that a CPU
-    thread raises once its results are in place, so the kernels queued behind this one (scatter_rows of those
-    results, the next layer) need no wait on the host. Bounded (WAIT_LIMIT reads): past it err[0] <- 1 and
-    the stream goes on with whatever the buffers hold; the host checks err once it syncs."""
-    _wait_flag_kernel[(1,)](flag, want, err, WAIT_LIMIT, num_warps=1)
-
-
 @triton.jit
-def _scatter_rows_kernel(pos_ptr, src_ptr, y_ptr, R, H, BLOCK_H: tl.constexpr):
+def _scatter_rows_kernel(pos_ptr, src_ptr, y_ptr, H, BLOCK_H: tl.constexpr):
     i = tl.program_id(0)
     p = tl.load(pos_ptr + i, cache_modifier=".cv").to(tl.int64)
-    if (p >= 0) & (p < R):  # a failed CPU job leaves -1 (offload._cpu_job): nothing written
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            m = cols < H
-            v = tl.load(src_ptr + i.to(tl.int64) * H + cols, mask=m, other=0.0, cache_modifier=".cv")
-            tl.store(y_ptr + p * H + cols, v.to(y_ptr.dtype.element_ty), mask=m)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        m = cols < H
+        v = tl.load(src_ptr + i.to(tl.int64) * H + cols, mask=m, other=0.0, cache_modifier=".cv")
+        tl.store(y_ptr + p * H + cols, v.to(y_ptr.dtype.element_ty), mask=m)
 
 
 def scatter_rows(y: torch.Tensor, pos: torch.Tensor, src: torch.Tensor) -> None:
     """y[pos[i]] = src[i] for the n rows of src [n, H], read in place from page-locked host memory (pos [n]
     int64 too) by a kernel on y's stream: a routed prompt's CPU expert outputs reach the device without a copy
     queued on a copy engine, where an H2D copy waited behind the next layer's experts copied ahead (H200 box,
-    2026-12-03: 2-4 ms a layer). y [R, H] on the device, contiguous. A position outside [0, R) is skipped."""
+    2026-12-03: 2-4 ms a layer). y [R, H] on the device, contiguous."""
     n, H = src.shape
     if not (y.is_contiguous() and src.is_contiguous() and y.shape[1] == H and pos.shape == (n,)):
         raise ValueError(f"scatter_rows: y [R, {H}] and src [{n}, {H}] contiguous, pos [{n}]")
     if n:
-        _scatter_rows_kernel[(n,)](pos, src, y, y.shape[0], H, BLOCK_H=1024, num_warps=4)
+        _scatter_rows_kernel[(n,)](pos, src, y, H, BLOCK_H=1024, num_warps=4)

@@ -672,19 +672,6 @@ def test_a_copy_ahead_takes_cold_residents_and_those_of_a_layer_done():
     b.close()
 
 
-def prompts_match_reference(b, src, lengths, seed):
-    """Prompts of these lengths through b's 3 layers, one held forward each in inference mode (as the engine
-    runs them): every layer's output equals the reference's."""
-    with torch.inference_mode():
-        for step, T in enumerate(lengths):
-            x, ids, w = routing(T, seed=seed + step)
-            b.begin_forward(T, K, hold=True, span=T)
-            for layer in range(3):
-                torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
-                                           rtol=1e-5, atol=1e-5)
-            b.end_forward()
-
-
 def test_cpu_outputs_through_the_reused_buffers_equal_the_reference_in_inference_mode():
     """The CPU job writes a routed prompt's outputs and positions into buffers the backend keeps (page-locked
     on CUDA, read in place by scatter_rows): made by the engine's thread in inference mode, written by the
@@ -693,44 +680,15 @@ def test_cpu_outputs_through_the_reused_buffers_equal_the_reference_in_inference
     est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
     b = HybridBackend(deep, 4, "cpu", estimate=est, stream_prefill="off", lookahead="on")
     b._zero_copy = True  # the buffers as on CUDA (the scatter itself: tests/kernels/test_mailbox.py)
-    b._defer_cpu = False  # the host waits for each job (deferred: the next test)
-    prompts_match_reference(b, src, (40, 7, 40), seed=50)
-    assert b.stats()["total"]["cpu_runs"] > 0 and b._cpu_out
-    b.close()
-
-
-def test_deferred_cpu_jobs_are_waited_for_by_the_device_and_their_errors_raise(monkeypatch):
-    """As on CUDA (_defer_cpu): each MoE layer's CPU job but the last layer's raises a flag the device waits on
-    before scattering the job's outputs (Triton's interpreter here), so the engine's thread does not wait for
-    the job; outputs equal the reference's, the flag ends at the last job's number, the timings still reach
-    the estimates. A job that fails still raises the flag (nothing waits forever), and its error raises at the
-    next layer call."""
-    src, deep = _deep_pool(layers=3)
-    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
-    b = HybridBackend(deep, 4, "cpu", estimate=est, stream_prefill="off", lookahead="on")
-    b._zero_copy = b._defer_cpu = True
-    observed = []
-    monkeypatch.setattr(b, "observe", lambda path, *a, **k: observed.append(path))
-    b.call_log = []
-    prompts_match_reference(b, src, (40, 33), seed=70)
-    assert b._cpu_seq >= 2 and int(b._cpu_flag[0][0]) == b._cpu_seq and not b._deferred
-    assert observed.count("cpu") >= b._cpu_seq  # the deferred jobs' timings too
-    ran = [c for c in b.call_log if c.cpu]  # and the call log's, filled in when taken
-    assert len(ran) >= b._cpu_seq and all(c.cpu_start_ms >= c.routed_ms >= 0 and c.cpu_ms > 0 for c in ran)
-
-    def broken(*a, **k):
-        raise OSError("host pool page gone")
-
-    monkeypatch.setattr(offload, "run_on_cpu", broken)
-    x, ids, w = routing(40, seed=80)
     with torch.inference_mode():
-        b.begin_forward(40, K, hold=True, span=40)
-        seq = b._cpu_seq
-        b.forward(0, x, ids, w)  # deferred: returns before the job failed
-        assert b._cpu_seq == seq + 1
-        with pytest.raises(OSError, match="page gone"):
-            b.forward(1, x, ids, w)
-    assert int(b._cpu_flag[0][0]) == b._cpu_seq  # raised all the same
+        for step, T in enumerate((40, 7, 40)):
+            x, ids, w = routing(T, seed=50 + step)
+            b.begin_forward(T, K, hold=True, span=T)
+            for layer in range(3):
+                torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                           rtol=1e-5, atol=1e-5)
+            b.end_forward()
+    assert b.stats()["total"]["cpu_runs"] > 0 and b._cpu_out
     b.close()
 
 
