@@ -232,6 +232,23 @@ def test_profile_decode_extend_gaps_name_the_engine_threads_ops_inside_them():
     assert _compute_gaps(NS(events=lambda: [top]))["gaps"] == []  # no device work: nothing to say
 
 
+def test_profile_decode_prints_an_extends_layer_calls(capsys):
+    """One row a MoE layer call: when it started (from the first call), its plan, and its times; a call that read
+    no routing back or ran nothing on the CPU shows '-' there."""
+    from engine.bench.profile_decode import _print_calls
+    from engine.experts.stats import LayerCall
+
+    calls = [LayerCall(0, "unread", -1, 0, 0, 0, 115, 2.84, 10.0, -1.0, -1.0, 0.0, 0.0, 3.0),
+             LayerCall(1, "routed", 115, 141, 0, 141, 113, 2.47, 10.00541, 0.29, 1.55, 10.45, 7.86, 12.63)]
+    _print_calls(calls)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[1].split() == ["layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "handoff",
+                                "routed", "cpu", "at", "cpu", "run", "waited", "end"]
+    assert lines[2].split() == ["0", "unread", "0.00", "-1", "0", "0", "0", "115", "2.84", "-", "-", "-", "-", "3.00"]
+    assert lines[3].split() == ["1", "routed", "5.41", "115", "141", "0", "141", "113", "2.47", "0.29", "1.55",
+                                "10.45", "7.86", "12.63"]
+
+
 def test_spy_top_counts_each_thread_self_and_inclusive_frames():
     from engine.bench.spy_top import tables
 
