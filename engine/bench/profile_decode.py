@@ -15,9 +15,11 @@ expert cache it also prints the host side: torch ops by self CPU time, and the P
 (cProfile over the same steps), with the expert counters of the profiled steps.
 
 With --extend N (after --prefill P), a short prompt of N tokens on a state holding a P-token prompt, as an agent's
-tool result extends its cached context: its wall time, and under the profiler where the compute stream waited
-(its idle gaps over the extend, and the engine thread's torch ops inside them: what the host was doing while the
-device had nothing queued), then the Python functions by their own and cumulative time (cProfile, another run).
+tool result extends its cached context: its wall time; with an expert cache, each MoE layer call of the last timed
+extend (its misses filled, run on the CPU or copied ahead for the next layer, and when its routing came back and its
+CPU job ran: OffloadBackend.call_log); under the profiler where the compute stream waited (its idle gaps over the
+extend, and the engine thread's torch ops inside them: what the host was doing while the device had nothing
+queued), then the Python functions by their own and cumulative time (cProfile, another run).
 """
 from __future__ import annotations
 
