@@ -131,7 +131,9 @@ def test_hybrid_measurements_reach_the_policy_tagged_as_issued(pool):
 def test_grouped_device_experts_match_one_at_a_time(pool, cls, slots):
     """The grouped Triton kernels reading the slots in place (the CUDA default; here under Triton's
     interpreter) against one expert at a time through torch, on fresh routing: same outputs to fp32 rounding,
-    same hits, fills and CPU runs. With 3 slots a 40-token step fills in rounds and takes the torch path."""
+    the same experts counted, every miss served. With 3 slots a 40-token step fills in rounds and takes the torch
+    path. (Hits may differ: a wholly resident layer's grouped call counts its experts' use only at the forward's
+    end, settle(), so a later layer's fills in the same forward may evict other slots than the torch path's.)"""
     pytest.importorskip("triton")
     est = dict(estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True))
     grouped, single = cls(pool, slots, "cpu", grouped=True, **est), cls(pool, slots, "cpu", grouped=False, **est)
@@ -143,7 +145,13 @@ def test_grouped_device_experts_match_one_at_a_time(pool, cls, slots):
             x, ids, w = routing(T, seed=seed + step * 10 + layer)
             torch.testing.assert_close(grouped.forward(layer, x, ids, w), single.forward(layer, x, ids, w),
                                        rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
-    assert grouped.stats()["total"] == single.stats()["total"]
+    for b in (grouped, single):
+        b.settle()
+        check_table(b)
+    got, want = grouped.stats()["total"], single.stats()["total"]
+    assert got["hits"] + got["misses"] == want["hits"] + want["misses"]
+    for tot in (got, want):
+        assert tot["fills"] + tot["cpu_runs"] >= tot["misses"] > 0
     for b in (grouped, single):
         b.close()
 
