@@ -28,6 +28,9 @@ class HybridBackend(OffloadBackend):
         leave that layer's CPU the rest, and this layer's split counts them as the copy stream's (split's busy)."""
         return min(likely, self.policy.best(round(expected), cpu_extra=self.handoff, per=per).q)
 
+    def fill_rate(self) -> float:
+        return self.policy.fill_rate()
+
     def cpu_share(self) -> float:
         return self.policy.cpu_share()
 

@@ -136,7 +136,8 @@ class OffloadBackend:
     # --- policy hooks, overridden by cpu / hybrid
     def split(self, m: int, busy: int = 0, per: float = 1.0) -> int:
         """How many of m misses to fill (the rest run on the CPU); busy: experts the copy stream moves besides
-        (the next layer's, copied ahead); per: (token, expert) pairs per miss (a CPU run's rate depends on it)."""
+        (the next layer's, copied ahead, and earlier copies still in flight: _behind); per: (token, expert) pairs
+        per miss (a CPU run's rate depends on it)."""
         return m
 
     def ahead_fills(self, expected: float, likely: int, per: float = 1.0) -> int:
@@ -339,7 +340,8 @@ class OffloadBackend:
         table.lock(slots[hits])
         ahead = None if streaming else self._ahead_plan(layer)
         per = sum(routing.counts[i] for i in misses) / len(misses) if misses else 1.0
-        q = len(misses) if streaming else self.split(len(misses), busy=len(ahead[1]) if ahead else 0, per=per)
+        busy = (len(ahead[1]) if ahead else 0) + (self._behind() if misses else 0)
+        q = len(misses) if streaming else self.split(len(misses), busy=busy, per=per)
         fills, on_cpu = misses[:q], misses[q:]
         if ahead:  # the fills of this layer take spare slots first; their slots count again after its kernels
             ahead = ahead[0], ahead[1][: ahead[2]]
@@ -651,13 +653,22 @@ class OffloadBackend:
             self.cache.table.lock(self.streamer.reserved)
 
     def _observe_fill(self) -> None:
-        timing = self.cache.take_fill_timing()  # on CUDA, a fill of an earlier call
-        if timing is None:
-            return
-        self.estimate.observe_fill(timing.nbytes, timing.seconds)
-        # the fill path: copies, and on a CPU "device" also running the filled experts, on the same cores
-        # and in line (on CUDA a decode fill is its copy; the expert kernels queue behind it)
-        self.observe("fill", timing.nbytes, timing.seconds + self._fill_run_s, together=timing.with_cpu)
+        for timing in self.cache.take_fill_timings():  # on CUDA, copies of earlier calls
+            self.estimate.observe_fill(timing.nbytes, timing.seconds)
+            # the fill path: copies, and on a CPU "device" also running the filled experts, on the same cores
+            # and in line (on CUDA a decode fill is its copy; the expert kernels queue behind it)
+            self.observe("fill", timing.nbytes, timing.seconds + self._fill_run_s, together=timing.with_cpu)
+
+    def fill_rate(self) -> float:
+        """Bytes/s the copy engine is taken to move experts at while the CPU runs beside it (the estimate's B_P
+        here; hybrid's split policy measures its own)."""
+        return self.estimate.bp
+
+    def _behind(self) -> int:
+        """Experts' worth of earlier copies the copy stream is still moving (SlotCache.copy_backlog): a layer
+        call's fills queue behind them. An extend's copies ahead ran behind the layers by ~10 ms at the last
+        routed layer, whose fills then held the next layer's routing that long (H200 box)."""
+        return round(self.cache.copy_backlog(self.fill_rate()) / self.pool.expert_bytes)
 
     def _use_weights(self, counts, span: int):
         """Heat per routed expert of a layer call: one use each in a decode (None), the tokens routed to it

@@ -225,6 +225,10 @@ class SplitPolicy:
             weight = nbytes / (FULL_SAMPLE_EXPERTS * self.expert_bytes)
             self._rate(path, together, per).add(nbytes, seconds, self._decisions, weight)
 
+    def fill_rate(self) -> float:
+        """Bytes/s the fills reach while the CPU runs beside them."""
+        return self._value("fill", True)
+
     def cpu_share(self, m: int = CPU_SHARE_M) -> float:
         """Fraction of m misses the current rates would run on the CPU."""
         return 1.0 - self.best(m).q / m

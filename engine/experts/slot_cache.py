@@ -7,6 +7,7 @@ and a fill is a plain copy, so every piece of bookkeeping runs in CI exactly as 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import NamedTuple
 
 import numpy as np
@@ -21,6 +22,21 @@ class FillTiming(NamedTuple):
     nbytes: int
     seconds: float
     with_cpu: bool  # CPU expert runs were in flight alongside (both read host DRAM)
+
+
+# copy batches SlotCache keeps timing until read (take_fill_timings); older ones drop unread
+MAX_TIMED_COPIES = 256
+
+
+def copy_backlog(batches, rate: float, now: float) -> float:
+    """Bytes the copy stream still has to move of `batches` [(host time issued, bytes)], FIFO and not yet done,
+    at `rate` bytes/s: each starts when issued or when the one before it ends, whichever is later."""
+    if rate <= 0:
+        return float(sum(n for _, n in batches))
+    end = -float("inf")
+    for issued, nbytes in batches:
+        end = max(end, issued) + nbytes / rate
+    return min(float(sum(n for _, n in batches)), max(0.0, end - now) * rate)
 
 
 def pair_sorted(experts: list[int], victims) -> list[int]:
@@ -67,9 +83,13 @@ class SlotCache:
         self.buf = self._alloc(num_slots)  # [S, numel]
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        # (start event, end event, bytes, with_cpu) or (None, seconds, bytes, with_cpu); with_cpu is kept
-        # with the fill because on CUDA its timing is read a layer call or more after it was issued
-        self.last_fill: tuple | None = None
+        # every copy batch not yet read (take_fill_timings), oldest first: (start event, end event, bytes, with_cpu,
+        # host time issued) on CUDA, read once done; on a CPU device only the last, (None, seconds, bytes, with_cpu,
+        # None), the one whose experts the backend ran after it (_fill_run_s). with_cpu is kept with the copy
+        # because on CUDA its timing is read a layer call or more after it was issued. Only the last batch used to
+        # be kept: a routed prompt's copies ahead were still in flight at the next layer call, so only those that
+        # ended early were ever timed, and the split took the copy engine for faster than it ran (H200 box)
+        self._copies: deque = deque(maxlen=MAX_TIMED_COPIES)
         self.placements = 0  # calls that copied experts into slots (a mapped decode checks it, mapped.py)
 
     @property
@@ -101,7 +121,7 @@ class SlotCache:
               with_cpu: bool = False, coalesce: bool = False, after=None, bonus=None) -> list[int]:
         """Copy as many of `experts` (of `layer`) as unlocked slots in [lo, hi) allow; lock and return
         their slots (a prefix of `experts`). On CUDA the copies run on the copy stream; call `ready()`.
-        with_cpu: CPU expert runs go on alongside these copies (reported back by `take_fill_timing`).
+        with_cpu: CPU expert runs go on alongside these copies (reported back by `take_fill_timings`).
         coalesce: pair experts and victims in sorted order (pair_sorted) so runs of both copy at once — for a
         layer streamed whole; otherwise the first victim goes to the first expert (fills come hottest first,
         and under lru that decides which of them a tie evicts next). after: a CUDA event after the last work
@@ -201,7 +221,8 @@ class SlotCache:
             t0 = time.perf_counter()
             for e, s, n in copy_runs(list(experts), list(slots)):
                 self.buf[s: s + n].copy_(host[e: e + n])
-            self.last_fill = (None, time.perf_counter() - t0, len(slots) * self.pool.expert_bytes, with_cpu)
+            self._copies.clear()
+            self._copies.append((None, time.perf_counter() - t0, len(slots) * self.pool.expert_bytes, with_cpu, None))
             return None
         return self._copy_async(host, list(experts), list(slots), with_cpu, after)
 
@@ -215,7 +236,7 @@ class SlotCache:
             for e, s, n in copy_runs(experts, slots):
                 self.buf[s: s + n].copy_(host[e: e + n], non_blocking=True)
             end.record()
-        self.last_fill = (start, end, len(slots) * self.pool.expert_bytes, with_cpu)
+        self._copies.append((start, end, len(slots) * self.pool.expert_bytes, with_cpu, time.perf_counter()))
         return end
 
     def mark(self):
@@ -232,18 +253,25 @@ class SlotCache:
         if self.copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
-    def take_fill_timing(self) -> FillTiming | None:
-        """The last fill's timing once it has finished, without blocking; else None."""
-        if self.last_fill is None:
-            return None
-        start, end, nbytes, with_cpu = self.last_fill
-        if start is None:
-            self.last_fill = None
-            return FillTiming(nbytes, end, with_cpu)
-        if not end.query():
-            return None
-        self.last_fill = None
-        return FillTiming(nbytes, start.elapsed_time(end) / 1e3, with_cpu)
+    def take_fill_timings(self) -> list[FillTiming]:
+        """The timings of the copy batches finished since the last call, oldest first, without blocking (on CUDA
+        the stream runs them in order: reading stops at the first still in flight)."""
+        out = []
+        while self._copies:
+            start, end, nbytes, with_cpu, _ = self._copies[0]
+            if start is not None and not end.query():
+                break
+            self._copies.popleft()
+            out.append(FillTiming(nbytes, end if start is None else start.elapsed_time(end) / 1e3, with_cpu))
+        return out
+
+    def copy_backlog(self, rate: float) -> float:
+        """Bytes the copy stream is estimated still to move of the batches issued so far (copy_backlog at `rate`
+        bytes/s from their issue times; 0 on a CPU device, whose copies run in line). Left unread: their timings
+        wait for take_fill_timings."""
+        pending = [(issued, nbytes) for start, end, nbytes, _, issued in self._copies
+                   if start is not None and not end.query()]
+        return copy_backlog(pending, rate, time.perf_counter()) if pending else 0.0
 
     def resident_count(self, layer: int) -> int:
         return self.table.resident_count(self.pool.row[layer])

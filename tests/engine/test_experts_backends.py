@@ -93,7 +93,7 @@ def test_hybrid_measurements_reach_the_policy_tagged_as_issued(pool):
     call): it reaches the split policy marked with whether CPU runs went alongside when it was issued."""
     b = HybridBackend(pool, 3, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, min_bytes=0))
     chosen, copies, issued, seen = [], [], [], []  # choices; with_cpu of each admit that copied; observations
-    admit, take, observe = b.cache.admit, b.cache.take_fill_timing, b.policy.observe
+    admit, take, observe = b.cache.admit, b.cache.take_fill_timings, b.policy.observe
 
     def cycle(m, busy=0, cpu_extra=0.0, per=1.0):  # every choice in turn, whatever the measured rates say
         options = b.policy.options(m, busy, cpu_extra, per) if m else [b.policy.best(m)]
@@ -112,7 +112,7 @@ def test_hybrid_measurements_reach_the_policy_tagged_as_issued(pool):
         observe(path, nbytes, seconds, together, per)
 
     b.policy.choose, b.cache.admit, b.policy.observe = cycle, spy_admit, spy_observe
-    b.cache.take_fill_timing = lambda: take() if len(chosen) % 2 else None
+    b.cache.take_fill_timings = lambda: take() if len(chosen) % 2 else []
     for step in range(20):
         for layer in L_IDS:
             b.forward(layer, *routing(4, seed=300 + 10 * step + layer))
@@ -124,6 +124,19 @@ def test_hybrid_measurements_reach_the_policy_tagged_as_issued(pool):
     cpu = [(together, arm) for path, together, _, arm in seen if path == "cpu"]
     assert all(together == (arm == "split") for together, arm in cpu)  # measured in the call that chose
     assert all(arm != "fill" for _, arm in cpu)
+
+
+def test_the_split_counts_copies_still_in_flight_as_busy(pool):
+    """A layer call's fills queue behind the copies the copy stream is still moving: the split gets them as
+    busy, in experts, estimated at the rate the split policy measured for fills beside the CPU."""
+    b = HybridBackend(pool, 3, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, min_bytes=0))
+    rates, calls = [], []
+    b.cache.copy_backlog = lambda rate: rates.append(rate) or 5.4 * pool.expert_bytes
+    split = b.split
+    b.split = lambda m, busy=0, per=1.0: calls.append((m, busy)) or split(m, busy, per)
+    b.forward(L_IDS[0], *routing(6, seed=11))
+    b.close()
+    assert calls and all(busy == 5 for m, busy in calls if m) and rates == [b.policy.fill_rate()] * len(rates)
 
 
 @pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.experts.host_pool import pool_from_source
-from engine.experts.slot_cache import SlotCache, copy_runs, pair_sorted, window_runs
+from engine.experts.slot_cache import SlotCache, copy_backlog, copy_runs, pair_sorted, window_runs
 from engine.experts.source import ExpertWeights
 
 
@@ -150,3 +150,32 @@ def test_stream_layer_refuses_a_window_in_use():
     with pytest.raises(ValueError, match="window 2"):
         cache.stream_layer(0, 2)
     cache.stream_layer(0, 0)
+
+
+def test_copy_backlog_runs_the_batches_in_order_from_their_issue_times():
+    """Bytes still to copy: each batch starts when issued or when the one before ends, at the rate given."""
+    assert copy_backlog([(0.0, 100)], rate=100.0, now=0.5) == pytest.approx(50)
+    assert copy_backlog([(0.0, 100)], rate=100.0, now=2.0) == 0  # done by the clock (its event not yet read)
+    # the second waits for the first (ends at 2.0), not its own issue time: 100 bytes left at 1.0
+    assert copy_backlog([(0.0, 100), (0.5, 100)], rate=100.0, now=1.0) == pytest.approx(100)
+    # issued after an idle gap: it starts at its issue time
+    assert copy_backlog([(0.0, 100), (3.0, 100)], rate=100.0, now=3.5) == pytest.approx(50)
+    assert copy_backlog([(0.0, 100), (0.0, 50)], rate=0.0, now=9.0) == 150  # no rate known: all of it
+    rng = random.Random()
+    for _ in range(200):  # never more than was issued, never less than zero, shrinking as time passes
+        batches = sorted((rng.uniform(0, 1), rng.randint(1, 100)) for _ in range(rng.randint(1, 6)))
+        now = rng.uniform(0, 3)
+        left = copy_backlog(batches, 100.0, now)
+        assert 0 <= left <= sum(n for _, n in batches) + 1e-9
+        assert copy_backlog(batches, 100.0, now + 0.1) <= left + 1e-9
+
+
+def test_a_cpu_device_times_its_last_copy_and_has_no_backlog():
+    """On a CPU device copies run in line: the backend ran the last batch's experts after it (its run time is
+    added to that one), so only the last batch is read back; nothing is ever still in flight."""
+    cache = _cache(8)
+    cache.admit(0, [1, 2])
+    cache.admit(0, [3])
+    timings = cache.take_fill_timings()
+    assert len(timings) == 1 and timings[0].nbytes == cache.pool.expert_bytes and timings[0].seconds > 0
+    assert cache.take_fill_timings() == [] and cache.copy_backlog(1e9) == 0

@@ -146,6 +146,30 @@ def test_lookup_table_is_not_overwritten_by_compute_still_queued(ckpt):
     eng.model.experts.close()
 
 
+def test_every_copy_batch_is_timed_and_counted_as_backlog_until_done(ckpt):
+    """Each copy batch on the copy stream is timed (take_fill_timings reads every finished one, in order, not
+    only the last) and counts in copy_backlog while in flight: a batch queued behind a ~10 ms sleep of the copy
+    stream is backlog, and none is once the stream has drained."""
+    eng = Engine.from_pretrained(ckpt, device="cuda", expert_device="cpu",
+                                 experts=experts_factory("offload", device="cuda", slots=16,
+                                                         estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)))
+    cache = eng.model.experts.cache
+    layer = eng.model.experts.pool.layers[0]
+    torch.cuda.synchronize()
+    cache.take_fill_timings()
+    with torch.cuda.stream(cache.copy_stream):
+        torch.cuda._sleep(20_000_000)
+    cache.admit(layer, [0, 1])
+    cache.admit(layer, [2])
+    nbytes = cache.pool.expert_bytes
+    assert cache.copy_backlog(1e3) == 3 * nbytes  # at 1 KB/s all of it is still to move
+    torch.cuda.synchronize()
+    assert cache.copy_backlog(1e3) == 0
+    timings = cache.take_fill_timings()
+    assert [t.nbytes for t in timings] == [2 * nbytes, nbytes] and all(t.seconds > 0 for t in timings)
+    eng.model.experts.close()
+
+
 @pytest.mark.parametrize("backend", ["offload", "hybrid"])
 def test_cuda_idle_refresh_keeps_greedy_output(ckpt, backend):
     """The idle refresh on CUDA (copies on the copy stream, waited for): the next request, graphed decode
