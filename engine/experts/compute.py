@@ -49,6 +49,15 @@ class Routing:
             experts, starts, counts = experts[1:], starts[1:], counts[1:]
         return Routing(topk_ids.shape[1], experts, counts, order, starts, unrouted)
 
+    def pairs(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """(flat positions [N] int64, expert id of each [N] int64) of experts[i] for i in `indices`, expert by
+        expert: a CPU job's pairs in two arrays (cpu_runner.Pairs), with no tensor an expert."""
+        if not len(indices):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        pos = np.concatenate([self._order[self._starts[i]: self._starts[i] + self.counts[i]] for i in indices])
+        experts = np.repeat([self.experts[i] for i in indices], [self.counts[i] for i in indices])
+        return pos.astype(np.int64, copy=False), experts.astype(np.int64, copy=False)
+
     def rows(self, e_index: int) -> torch.Tensor:
         return self.position(e_index) // self.top_k  # token of each routed position
 

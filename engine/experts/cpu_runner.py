@@ -1,7 +1,8 @@
 """Run experts on the CPU straight from the host pool: the one function the backends call.
 
 run_on_cpu(x, host, jobs, layout, top_k, table=None, out=None, prompt=False): host is one layer's blocks [E, numel] (HostPool
-.wait_layer), jobs = [(positions LongTensor [n_e], expert id)]. With the native kernels
+.wait_layer), jobs = [(positions LongTensor [n_e], expert id)], or Pairs (the same as two flat arrays, one entry a
+(token, k) pair: what a prompt's layer call builds, Routing.pairs). With the native kernels
 (engine/experts/cpu_kernels.py, extension built) they run the experts on a table of the layer (layer_table:
 build it once per layer and pass it, so a decode step's call checks nothing per expert); otherwise a torch
 CPU path does. The choice is the single assignment at the bottom of this file. out: a buffer [>= N, H] of x's
@@ -14,6 +15,9 @@ cost ~10 us with cold caches. Until set, it is torch.get_num_threads() at first 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from engine.experts.block_layout import ExpertLayout, split_block
@@ -23,9 +27,26 @@ from engine.experts.compute import expert_mlp
 Result = tuple[torch.Tensor, torch.Tensor]  # (positions [N], outputs [N, H])
 
 
+class Pairs(NamedTuple):
+    """A CPU job as flat arrays, expert by expert: pair i is flat position pos[i] (token pos[i] // top_k) run by
+    expert experts[i]. A prompt's layer call has ~2,000 pairs: a tensor an expert and lists built pair by pair in
+    the job cost ~0.5 ms of Python on the dev box, in the CPU's time between layers."""
+
+    pos: np.ndarray  # [N] int64
+    experts: np.ndarray  # [N] int64
+
+    def jobs(self) -> list:
+        """The same as [(positions LongTensor [n_e], expert id)], one entry an expert."""
+        cut = np.flatnonzero(np.diff(self.experts)) + 1
+        return [(torch.from_numpy(p), int(e[0])) for p, e in zip(np.split(self.pos, cut), np.split(self.experts, cut))
+                if len(p)]
+
+
 def _torch_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertLayout, top_k: int,
                       table=None, out: torch.Tensor | None = None, prompt: bool = False) -> Result:
-    """x [T, H] (CPU); jobs = [(pos LongTensor [n_e], expert id)] -> (pos [N], y [N, H]) on the CPU."""
+    """x [T, H] (CPU); jobs = [(pos LongTensor [n_e], expert id)] or Pairs -> (pos [N], y [N, H]) on the CPU."""
+    if isinstance(jobs, Pairs):
+        jobs = jobs.jobs()
     outs, poss = [], []
     for pos, e in jobs:
         gate_up, down = split_block(host[e], layout)
@@ -98,22 +119,26 @@ def _native_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: Expert
     and writes the outputs in their own formats). A handful of torch calls on purpose: each costs 20-100 us with caches emptied by the previous
     call's streaming (dev box: 400-530 us a call of 8 experts outside the kernels before, 170-300 after; docs/
     PERF.md Issue 17). The runner has expert_threads() workers, prompt_threads() with prompt=True."""
-    if not jobs:
+    if not len(jobs) or isinstance(jobs, Pairs) and not len(jobs.pos):
         return torch.empty(0, dtype=torch.long), x.new_empty(0, x.shape[1])
     table = table if table is not None else layer_table(host, layout)
     if table is None:
         return _torch_run_on_cpu(x, host, jobs, layout, top_k, out=out)
-    pos = torch.cat([p for p, _ in jobs]) if len(jobs) > 1 else jobs[0][0]  # [N]
-    flat = pos.tolist()
-    experts = [e for _, e in jobs] if len(flat) == len(jobs) else [e for p, e in jobs for _ in range(len(p))]
+    if isinstance(jobs, Pairs):
+        pos, flat, experts = torch.from_numpy(jobs.pos), jobs.pos, jobs.experts.tolist()
+        rows = (flat // top_k).tolist()
+    else:
+        pos = torch.cat([p for p, _ in jobs]) if len(jobs) > 1 else jobs[0][0]  # [N]
+        flat = pos.tolist()
+        experts = [e for _, e in jobs] if len(flat) == len(jobs) else [e for p, e in jobs for _ in range(len(p))]
+        rows = [q // top_k for q in flat]
     native = x.dtype in _GATHER_DTYPES  # else (fp16) through f32, two more torch calls
     if native and out is not None:
         y = out[: len(flat)]  # [N, H], overwritten
     else:
         y = torch.empty(len(flat), layout.hidden, dtype=x.dtype if native else torch.float32)
     threads = prompt_threads() if prompt else _threads[0] or expert_threads()
-    native_runner(threads).run_gather(table, experts, [q // top_k for q in flat],
-                                                      x if native else x.float(), y)
+    native_runner(threads).run_gather(table, experts, rows, x if native else x.float(), y)
     if not native:
         y = y.to(x.dtype) if out is None else out[: len(flat)].copy_(y)
     return pos, y

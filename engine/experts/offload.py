@@ -19,7 +19,7 @@ import torch
 
 from engine.experts import admission
 from engine.experts.compute import Routing, combine, run_expert
-from engine.experts.cpu_runner import layer_table, run_on_cpu
+from engine.experts.cpu_runner import Pairs, layer_table, run_on_cpu
 from engine.experts.host_pool import HostPool
 from engine.experts.lru import prompt_use_weights
 from engine.experts.policy import BandwidthEstimate
@@ -629,8 +629,8 @@ class OffloadBackend:
         host = self.pool.wait_layer(layer)
         if layer not in self._cpu_tables:
             self._cpu_tables[layer] = layer_table(host, self.pool.layout)
-        jobs = [(routing.position(i), routing.experts[i]) for i in on_cpu]
-        out = self._out_buffers(x.dtype, sum(routing.counts[i] for i in on_cpu)) if self._zero_copy else None
+        jobs = Pairs(*routing.pairs(on_cpu))
+        out = self._out_buffers(x.dtype, len(jobs.pos)) if self._zero_copy else None
         return self._cpu.submit(self._cpu_job, x.to("cpu"), host, jobs, routing.top_k, self._cpu_tables[layer], out,
                                 x.shape[0] >= PROMPT_TOKENS)
 

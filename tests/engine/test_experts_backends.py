@@ -5,7 +5,7 @@ import torch
 
 from engine.experts import cpu_runner, offload
 from engine.experts.block_layout import ExpertLayout
-from engine.experts.compute import expert_mlp
+from engine.experts.compute import Routing, expert_mlp
 from engine.experts.cpu import CpuBackend
 from engine.experts.host_pool import pool_from_source
 from engine.experts.hybrid import HybridBackend
@@ -219,6 +219,26 @@ def test_backends_bit_identical(dtype, monkeypatch):
         b.close()
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
+
+
+def test_a_job_as_flat_pairs_runs_as_its_per_expert_jobs(pool):
+    """Routing.pairs (a prompt's CPU job as two flat arrays) against [(positions, expert)] built one expert at a
+    time, on fresh routing with padding pairs and a random subset of the experts: the same positions and outputs
+    on the runner the engine uses and on the torch reference; Pairs.jobs gives the per-expert form back."""
+    T = 9
+    x, ids, _ = routing(T, seed=int(torch.randint(1 << 30, ())))
+    ids[0, 1] = -1  # a padding pair: never an expert's
+    r = Routing.of(ids)
+    pick = sorted(np.random.default_rng().choice(len(r.experts), size=len(r.experts) // 2 + 1, replace=False))
+    pairs = cpu_runner.Pairs(*r.pairs(pick))
+    jobs = [(r.position(i), r.experts[i]) for i in pick]
+    assert [(p.tolist(), e) for p, e in pairs.jobs()] == [(p.tolist(), e) for p, e in jobs]
+    host = pool.wait_layer(0)
+    for run in (cpu_runner.run_on_cpu, cpu_runner._torch_run_on_cpu):
+        (pos_p, y_p), (pos_j, y_j) = run(x, host, pairs, pool.layout, K), run(x, host, jobs, pool.layout, K)
+        assert torch.equal(pos_p, pos_j) and torch.equal(y_p, y_j)
+    empty = cpu_runner.Pairs(*r.pairs([]))
+    assert len(cpu_runner.run_on_cpu(x, host, empty, pool.layout, K)[0]) == 0
 
 
 @pytest.mark.skipif(not cpu_runner.NATIVE, reason="native CPU kernels not built")
