@@ -22,7 +22,7 @@ from engine.experts.compute import Routing, combine, run_expert
 from engine.experts.cpu_runner import Pairs, layer_table, run_on_cpu
 from engine.experts.host_pool import HostPool
 from engine.experts.lru import prompt_use_weights
-from engine.experts.policy import BandwidthEstimate
+from engine.experts.policy import FULL_SAMPLE_EXPERTS, BandwidthEstimate
 from engine.experts.prefill_stream import (KEEP_RATIO, LIKELY_READ, REFILL_USES, STREAM_MODES, PrefillStreamer,
                                           pick_probability)
 from engine.experts.slot_cache import SlotCache
@@ -364,7 +364,7 @@ class OffloadBackend:
             pos, vals, seconds, started = pending.result()
             waited = time.perf_counter() - waited
             self._place_cpu(y, pos, vals)
-            self.estimate.observe_cpu(len(on_cpu) * self.pool.expert_bytes, seconds)
+            self.estimate.observe_cpu(len(on_cpu) * self.pool.expert_bytes, seconds, len(on_cpu) / FULL_SAMPLE_EXPERTS)
             # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too
             copying = bool(fills) or (ahead is not None and len(ahead[1]) > 0)
             self.observe("cpu", len(on_cpu) * self.pool.expert_bytes, seconds, together=copying,

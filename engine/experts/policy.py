@@ -43,13 +43,16 @@ class BandwidthEstimate:
     def observe_fill(self, nbytes: int, seconds: float) -> None:
         self.bp = self._update(self.bp, nbytes, seconds)
 
-    def observe_cpu(self, nbytes: int, seconds: float) -> None:
-        self.bh = self._update(self.bh, nbytes, seconds)
+    def observe_cpu(self, nbytes: int, seconds: float, weight: float = 1.0) -> None:
+        """weight: the sample's share of a full one (a run of n experts: n / FULL_SAMPLE_EXPERTS, capped at 1), as
+        SplitPolicy's rates weigh it: a run of a few experts is mostly its fixed cost, not B_H."""
+        self.bh = self._update(self.bh, nbytes, seconds, weight)
 
-    def _update(self, current: float, nbytes: int, seconds: float) -> float:
-        if self.frozen or nbytes < self.min_bytes or seconds <= 0:
+    def _update(self, current: float, nbytes: int, seconds: float, weight: float = 1.0) -> float:
+        if self.frozen or nbytes < self.min_bytes or seconds <= 0 or weight <= 0:
             return current
-        return (1 - self.alpha) * current + self.alpha * (nbytes / seconds)
+        w = self.alpha * min(1.0, weight)
+        return (1 - w) * current + w * (nbytes / seconds)
 
     def q(self, m: int) -> int:
         return q_star(m, self.bp, self.bh)

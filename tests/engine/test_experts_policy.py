@@ -37,6 +37,11 @@ def test_estimate_follows_measurements_unless_frozen():
     est.observe_fill(100, 1e-6)  # too small to be a bandwidth sample
     assert est.bp == 10e9
     assert est.q(10) > 10 * 10e9 / 10e9 - 1  # CPU slower -> more fills
+    small = BandwidthEstimate(bp=10e9, bh=10e9, alpha=0.5)
+    small.observe_cpu(1 << 30, 1.0, weight=0.25)  # a run of a few experts: a quarter of a sample
+    assert small.bh == pytest.approx(0.875 * 10e9 + 0.125 * (1 << 30))
+    small.observe_cpu(5 << 30, 1.0, weight=3.0)  # a large run counts as one sample, no more
+    assert small.bh == pytest.approx(0.5 * (0.875 * 10e9 + 0.125 * (1 << 30)) + 0.5 * (5 << 30))
     frozen = BandwidthEstimate(bp=10e9, bh=10e9, frozen=True)
     frozen.observe_cpu(5 << 30, 1.0)
     assert frozen.bh == 10e9
