@@ -666,8 +666,8 @@ class OffloadBackend:
 
     def _behind(self) -> int:
         """Experts' worth of earlier copies the copy stream is still moving (SlotCache.copy_backlog): a layer
-        call's fills queue behind them. An extend's copies ahead ran behind the layers by ~10 ms at the last
-        routed layer, whose fills then held the next layer's routing that long (H200 box)."""
+        call's fills queue behind them, and the next layer's routing waits for those fills (H200 box, an extend's
+        last routed layer: ~9 ms behind copies ahead that ran slower than the split had counted)."""
         return round(self.cache.copy_backlog(self.fill_rate()) / self.pool.expert_bytes)
 
     def _use_weights(self, counts, span: int):

@@ -24,7 +24,17 @@ class FillTiming(NamedTuple):
     with_cpu: bool  # CPU expert runs were in flight alongside (both read host DRAM)
 
 
-# copy batches SlotCache keeps timing until read (take_fill_timings); older ones drop unread
+class CopyBatch(NamedTuple):
+    """One batch of copies on the copy stream, kept until its timing is read (take_fill_timings)."""
+
+    start: object  # CUDA event before it; None on a CPU device, whose copies ran in line
+    end: object  # CUDA event after it; on a CPU device the seconds it took
+    nbytes: int
+    with_cpu: bool
+    issued: float | None  # host time it was issued (perf_counter; CUDA)
+
+
+# copy batches SlotCache keeps until read (take_fill_timings); older ones drop unread
 MAX_TIMED_COPIES = 256
 
 
@@ -83,13 +93,12 @@ class SlotCache:
         self.buf = self._alloc(num_slots)  # [S, numel]
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        # every copy batch not yet read (take_fill_timings), oldest first: (start event, end event, bytes, with_cpu,
-        # host time issued) on CUDA, read once done; on a CPU device only the last, (None, seconds, bytes, with_cpu,
-        # None), the one whose experts the backend ran after it (_fill_run_s). with_cpu is kept with the copy
-        # because on CUDA its timing is read a layer call or more after it was issued. Only the last batch used to
-        # be kept: a routed prompt's copies ahead were still in flight at the next layer call, so only those that
-        # ended early were ever timed, and the split took the copy engine for faster than it ran (H200 box)
-        self._copies: deque = deque(maxlen=MAX_TIMED_COPIES)
+        # the copy batches not yet read (take_fill_timings), oldest first. Every one on CUDA: a routed prompt's
+        # copies ahead are still in flight at the next layer call, and timing only the last batch once done times
+        # only those that end early (the split then takes the copy engine for faster than it runs). On a CPU
+        # device only the last: the backend ran its experts after it (_fill_run_s). with_cpu is kept with the
+        # batch because on CUDA its timing is read a layer call or more after it was issued
+        self._copies: deque[CopyBatch] = deque(maxlen=MAX_TIMED_COPIES)
         self.placements = 0  # calls that copied experts into slots (a mapped decode checks it, mapped.py)
 
     @property
@@ -222,7 +231,8 @@ class SlotCache:
             for e, s, n in copy_runs(list(experts), list(slots)):
                 self.buf[s: s + n].copy_(host[e: e + n])
             self._copies.clear()
-            self._copies.append((None, time.perf_counter() - t0, len(slots) * self.pool.expert_bytes, with_cpu, None))
+            self._copies.append(CopyBatch(None, time.perf_counter() - t0, len(slots) * self.pool.expert_bytes,
+                                          with_cpu, None))
             return None
         return self._copy_async(host, list(experts), list(slots), with_cpu, after)
 
@@ -236,7 +246,7 @@ class SlotCache:
             for e, s, n in copy_runs(experts, slots):
                 self.buf[s: s + n].copy_(host[e: e + n], non_blocking=True)
             end.record()
-        self._copies.append((start, end, len(slots) * self.pool.expert_bytes, with_cpu, time.perf_counter()))
+        self._copies.append(CopyBatch(start, end, len(slots) * self.pool.expert_bytes, with_cpu, time.perf_counter()))
         return end
 
     def mark(self):
@@ -257,21 +267,22 @@ class SlotCache:
         """The timings of the copy batches finished since the last call, oldest first, without blocking (on CUDA
         the stream runs them in order: reading stops at the first still in flight)."""
         out = []
-        while self._copies:
-            start, end, nbytes, with_cpu, _ = self._copies[0]
-            if start is not None and not end.query():
-                break
-            self._copies.popleft()
-            out.append(FillTiming(nbytes, end if start is None else start.elapsed_time(end) / 1e3, with_cpu))
+        while self._copies and not self._in_flight(self._copies[0]):
+            c = self._copies.popleft()
+            out.append(FillTiming(c.nbytes, c.end if c.start is None else c.start.elapsed_time(c.end) / 1e3,
+                                  c.with_cpu))
         return out
 
     def copy_backlog(self, rate: float) -> float:
         """Bytes the copy stream is estimated still to move of the batches issued so far (copy_backlog at `rate`
         bytes/s from their issue times; 0 on a CPU device, whose copies run in line). Left unread: their timings
         wait for take_fill_timings."""
-        pending = [(issued, nbytes) for start, end, nbytes, _, issued in self._copies
-                   if start is not None and not end.query()]
+        pending = [(c.issued, c.nbytes) for c in self._copies if self._in_flight(c)]
         return copy_backlog(pending, rate, time.perf_counter()) if pending else 0.0
+
+    @staticmethod
+    def _in_flight(c: CopyBatch) -> bool:
+        return c.start is not None and not c.end.query()
 
     def resident_count(self, layer: int) -> int:
         return self.table.resident_count(self.pool.row[layer])
