@@ -20,6 +20,7 @@ import torch
 from engine.experts import admission
 from engine.experts.compute import Routing, combine, run_expert
 from engine.experts.cpu_runner import Pairs, layer_table, run_on_cpu
+from engine.experts.handoff import HandoffClock
 from engine.experts.host_pool import HostPool
 from engine.experts.lru import prompt_use_weights
 from engine.experts.policy import FULL_SAMPLE_EXPERTS, BandwidthEstimate
@@ -50,7 +51,6 @@ LOOKAHEAD_MODES = ("auto", "on", "off")
 REFRESH_MODES = ("auto", "on", "off")
 REFRESH_FILLS = 16
 REFRESH_RATIO = 1.25
-HANDOFF_ALPHA = 0.3  # weight of a new sample in the handoff's running estimate
 # a layer call of at least this many tokens (a prompt's) runs its CPU experts on cpu_runner.prompt_threads()
 PROMPT_TOKENS = 32
 
@@ -100,14 +100,8 @@ class OffloadBackend:
             raise ValueError(f"--moe-refresh must be one of {', '.join(REFRESH_MODES)}, got {refresh!r}")
         # auto: on CUDA, whose copies run on the copy engine; a CPU engine's idle time is its cores'
         self.refresh_idle = refresh == "on" or (refresh == "auto" and self.device.type == "cuda")
-        # seconds a routed prompt's layer call leaves the CPU idle besides its expert runs: the device's work
-        # between two MoE layers (CUDA events) and the host's before the CPU job starts; hybrid's split with
-        # copies ahead gives the copy engine that much more (EMA, HANDOFF_ALPHA)
-        self.handoff = 0.0
-        self._handoff_n = 0
-        self._last_exit = None  # (pool row, CUDA event after that MoE layer call) in this forward
-        self._gaps: list = []  # (event, event): the device's time between two MoE layer calls, not yet read
-        self._gap_s = 0.0  # the last of them read
+        # the CPU's idle time per routed prompt layer call besides its runs (handoff.py), CUDA events on the device
+        self.handoff_clock = HandoffClock(_timing_event if self.device.type == "cuda" else None)
         self._cpu_out: dict = {}  # dtype -> (positions [cap] int64, outputs [cap, H]), page-locked
         self._scatter_done = None  # CUDA event after the last scatter_rows, their reader
         # device experts in one launch pair of the grouped Triton kernels, reading the slots in place (default
@@ -190,7 +184,8 @@ class OffloadBackend:
             span > 1 or self.streamer is not None) else None
         if self.streamer is not None:
             self.streamer.begin(num_tokens, top_k, q)
-        self._ahead = self._touch = self._last_exit = None
+        self._ahead = self._touch = None
+        self.handoff_clock.begin()
         self._looked, self._seen, self._tokens, self._top_k = {}, {}, num_tokens, top_k
         if span > 1 and not (self.streamer is not None and self.streamer.active):
             self._touch = 1.0 - (1.0 - q) ** num_tokens
@@ -326,7 +321,7 @@ class OffloadBackend:
             self._mark_enter(layer)
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
-        self._read_gaps()  # the routing's read-back waited for the device: earlier gaps' events are done
+        self.handoff_clock.read_gaps()  # the routing's read-back waited for the device: earlier gaps' are done
         table.note_use(self.pool.row[layer], routing.experts, weights=self._use_weights(routing.counts, self._span))
         slots = self.cache.lookup(layer, routing.experts)
         hits = [i for i, s in enumerate(slots) if s >= 0]
@@ -369,7 +364,8 @@ class OffloadBackend:
             copying = bool(fills) or (ahead is not None and len(ahead[1]) > 0)
             self.observe("cpu", len(on_cpu) * self.pool.expert_bytes, seconds, together=copying,
                          per=sum(routing.counts[i] for i in on_cpu) / len(on_cpu))
-            self._observe_handoff(started - routed_at)
+            if self._timing_handoff():
+                self.handoff_clock.observe(started - routed_at)
         self._unlock()
         self._count(layer, len(hits), len(misses), len(fills), len(on_cpu))
         out = combine(y, topk_w)
@@ -474,41 +470,24 @@ class OffloadBackend:
         return self.lookahead and self._touch is not None
 
     def _mark_enter(self, layer: int) -> None:
-        """A routed prompt's MoE layer call begins (CUDA, lookahead): the device's time since the last one ended,
-        the layers' attention and the rest, is CPU idle time (read at _read_gaps, once the events are done)."""
-        if not self._timing_gaps():
-            return
-        last, self._last_exit = self._last_exit, None
-        if last is not None and last[0] == self.pool.row[layer] - 1:
-            enter = torch.cuda.Event(enable_timing=True)
-            enter.record()
-            self._gaps.append((last[1], enter))
+        """A routed prompt's MoE layer call begins: the device's time since the last one ended, the layers'
+        attention and the rest, is CPU idle time (HandoffClock)."""
+        if self._timing_handoff():
+            self.handoff_clock.enter(self.pool.row[layer])
 
     def _mark_exit(self, layer: int) -> None:
-        if self._timing_gaps():
-            done = torch.cuda.Event(enable_timing=True)
-            done.record()
-            self._last_exit = (self.pool.row[layer], done)
+        if self._timing_handoff():
+            self.handoff_clock.exit(self.pool.row[layer])
 
-    def _read_gaps(self) -> None:
-        while self._gaps and self._gaps[0][1].query():
-            a, b = self._gaps.pop(0)
-            self._gap_s = a.elapsed_time(b) / 1e3
+    def _timing_handoff(self) -> bool:
+        """Whether this layer call times the CPU's handoff: a routed prompt with lookahead, for a backend whose
+        split reads it (uses_handoff: hybrid)."""
+        return self.uses_handoff and self._looking_ahead()
 
-    def _timing_gaps(self) -> bool:
-        """Whether this layer call times the device's gap between MoE layers: a routed prompt with lookahead on
-        CUDA, for a backend whose split reads the handoff (uses_handoff: hybrid)."""
-        return self.uses_handoff and self._looking_ahead() and self.device.type == "cuda"
-
-    def _observe_handoff(self, host_s: float) -> None:
-        """A layer call's CPU idle time: the host's from the routing's return to the CPU job's start, plus the
-        device's last gap between MoE layers (CUDA)."""
-        if not (self.uses_handoff and self._looking_ahead()):
-            return
-        sample = max(0.0, host_s) + self._gap_s
-        self._handoff_n += 1
-        w = max(HANDOFF_ALPHA, 1.0 / self._handoff_n)
-        self.handoff = (1 - w) * self.handoff + w * sample
+    @property
+    def handoff(self) -> float:
+        """Seconds a routed prompt's layer call leaves the CPU idle besides its runs (HandoffClock's estimate)."""
+        return self.handoff_clock.seconds
 
     def _place_cpu(self, y: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
         """y [T*K, H] at pos <- the CPU's outputs: read in place from page-locked memory by a kernel on CUDA,
@@ -706,3 +685,10 @@ class OffloadBackend:
             self.mapped.cpu.close()
         self._cpu.shutdown(wait=True)
         self._cpu_tables.clear()
+
+
+def _timing_event() -> torch.cuda.Event:
+    """A timing event recorded now on the current CUDA stream (HandoffClock's)."""
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev

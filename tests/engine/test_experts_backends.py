@@ -614,14 +614,14 @@ def test_the_cpus_handoff_moves_hybrids_copies_ahead_and_its_split_to_the_copy_e
     b = HybridBackend(pool, 3, "cpu", estimate=est, stream_prefill="off", lookahead="on")
     ahead, fills = [], []
     for h in (0.0, 0.002, 0.004, 0.05):
-        b.handoff = h
+        b.handoff_clock.seconds = h
         ahead.append(b.ahead_fills(200.0, 1000))
         # a layer whose copies ahead came (200 - ahead[-1] misses left) copying the next one's: all on the CPU
         assert b.split(200 - ahead[-1], busy=ahead[-1]) == 0 or ahead[-1] == 200
         fills.append(b.split(200, busy=50))
     assert ahead[0] == 100 and ahead == sorted(ahead) and ahead[-1] == 200  # half, then more, then all
     assert fills == sorted(fills) and fills[-1] > fills[0]
-    b.handoff = 0.0
+    b.handoff_clock.seconds = 0.0
     x, ids, w = routing(40, seed=3)
     b.begin_forward(40, K, hold=True, span=40)
     for layer in L_IDS:
