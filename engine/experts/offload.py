@@ -6,7 +6,9 @@ route (host grouping) -> hits run from their slots; of the m misses, split(m) ar
 and run on the device, the rest run on the CPU concurrently from the host pool -> outputs land in
 y [T*K, H] by (token, k) position -> `compute.combine` sums over k. On CUDA the device experts run in
 two launch pairs of the grouped Triton kernels reading the slots in place (hits while the copies land,
-then the fills); elsewhere, and when fills go in rounds, one expert at a time through torch.
+then the fills); elsewhere, and when fills go in rounds, one expert at a time through torch. A routed prompt's
+copies ahead of the next layer are planned in lookahead.py (CopiesAhead), the CPU's idle time between its jobs
+is timed in handoff.py (HandoffClock).
 """
 from __future__ import annotations
 
@@ -24,25 +26,17 @@ from engine.experts.handoff import HandoffClock
 from engine.experts.host_pool import HostPool
 from engine.experts.lru import prompt_use_weights
 from engine.experts.policy import FULL_SAMPLE_EXPERTS, BandwidthEstimate
-from engine.experts.prefill_stream import (KEEP_RATIO, LIKELY_READ, REFILL_USES, STREAM_MODES, PrefillStreamer,
-                                          pick_probability)
-from engine.experts.slot_cache import SlotCache
+from engine.experts.lookahead import LOOKAHEAD_MODES, CopiesAhead
+from engine.experts.prefill_stream import REFILL_USES, STREAM_MODES, PrefillStreamer, pick_probability
+from engine.experts.slot_cache import COALESCE_FILLS, SlotCache
 from engine.experts.stats import ExpertStats, LayerCall
 
-# More fills than this in one layer call (a prompt's tokens routing to most of a layer) pair experts and slots
-# in sorted order so runs of both copy at once (SlotCache.admit's coalesce); decode's few fills keep theirs.
-COALESCE_FILLS = 16
 # how a fast path decodes through the cache: mapped (misses read in place, one graph a step), host (each cache
 # layer's fills and CPU runs decided by the host between graphs), auto (mapped unless the backend is cpu)
 DECODE_MODES = ("auto", "mapped", "host")
 # whether a mapped decode prefetches each layer's likely expert (mapped.py): auto = on CUDA with a mapped decode
 # (H200 box, 8 layers at 37.5% in slots: offload 1.013x and hybrid 1.019x decode b1, Zipf routing even; docs/PERF.md)
 PREFETCH_MODES = ("auto", "on", "off")
-# a routed prompt forward copies the next MoE layer's likely misses while a layer runs (`lookahead`): the
-# experts its tokens touch with at least this probability by the slot table's heat (prefill_stream.touched),
-# into slots of experts it will likely not read (_kept). Else PCIe waits for each layer's routing to return.
-AHEAD_TOUCHED = 0.9
-LOOKAHEAD_MODES = ("auto", "on", "off")
 # idle time (no request running or waiting) moves the hottest experts not in a slot into the slots the policy
 # evicts first (`refresh`): a streamed prompt leaves whole layers in the slots, the first and the last ones, and
 # an agent's next turn (a short extend of the same context) routes to the hottest experts of every layer.
@@ -55,7 +49,7 @@ REFRESH_RATIO = 1.25
 PROMPT_TOKENS = 32
 
 
-class OffloadBackend:
+class OffloadBackend(CopiesAhead):
     name = "offload"
     uses_handoff = False  # whether split / ahead_fills read self.handoff (the CPU's idle time per layer call)
 
@@ -256,24 +250,6 @@ class OffloadBackend:
             out.append((done, [(row, e, s) for e, s in pairs]))
         return out
 
-    def keep_bonus(self, layer: int) -> np.ndarray | None:
-        """[S] uses to add to each slot's heat for the fills' victims (SlotTable.victims) in a routed prompt
-        forward: a resident of a layer after `layer` (or of `layer` itself, for its later pieces in a held
-        forward) counts as KEEP_RATIO x its heat at the forward's end (what the prompt's tokens will add, and
-        the refill its eviction would cost: REFILL_USES). So a layer's fills land where the layers before it
-        worked, unless a resident there is several times hotter than what a later layer will read. None
-        outside a routed prompt forward."""
-        if self._ahead is None:
-            return None
-        t, e = self.cache.table, self.pool.num_experts
-        owner = t.owner
-        rows, row = owner // e, self.pool.row[layer]
-        later = (owner >= 0) & ((rows > row) | ((rows == row) & self._held))
-        out = np.zeros(len(owner))
-        heat = t.slot_heat[later] / t.moment()[1]  # uses now; victims adds it back: KEEP_RATIO x (heat + ahead)
-        out[later] = (KEEP_RATIO - 1) * heat + KEEP_RATIO * self._ahead[rows[later], owner[later] % e]
-        return out
-
     def settle(self) -> None:
         """Count the layer calls a streamed forward, or a wholly resident layer, ran without reading their routing
         back (heat, recency, hits): one host sync for all of them, after the forward's work is queued. On the
@@ -382,92 +358,6 @@ class OffloadBackend:
         self.call_log.append(LayerCall(layer, kind, hits, misses, fills, cpu, ahead, self.handoff * 1e3, t_in,
                                        ms(routed_at), ms(started), (seconds or 0.0) * 1e3, (waited or 0.0) * 1e3,
                                        ms(time.perf_counter())))
-
-    def _ahead_plan(self, layer: int):
-        """For a routed prompt forward with `lookahead`: (the next MoE layer, its likely misses to copy in
-        while this layer runs, most likely first, the slots they and this layer's fills may take: unlocked and
-        not _kept) or None."""
-        return self._plan_row(self.pool.row[layer] + 1) if self._looking_ahead() else None
-
-    def _plan_row(self, i: int):
-        """_ahead_plan for pool row i, the rows before it run (none: i = 0, copied before the forward's first
-        layer)."""
-        if i == len(self.pool.layers):
-            return None
-        nxt, t = self.pool.layers[i], self.cache.table
-        p, missing = self._touch[i], t.resident[i] < 0
-        likely = np.flatnonzero(missing & (p >= AHEAD_TOUCHED))
-        # the running row's own slots count: the copies may take them once its kernels have read them (_copy_ahead)
-        spare = int(((~t.locked | self._running_slots(i - 1)) & ~self._kept(i - 1)).sum())
-        # pairs per touched expert of that layer, as its CPU share will run them
-        per = self._tokens * self._top_k / max(1.0, float(p.sum()))
-        want = min(self.ahead_fills(float(p[missing].sum()), len(likely), per), spare)
-        if want <= 0:
-            return None
-        heat = t.heat[i]
-        return nxt, likely[np.lexsort((-heat[likely], -p[likely]))][:want], spare
-
-    def _running_slots(self, row: int) -> np.ndarray:
-        """[S] slots holding pool row `row`'s experts (none for row -1)."""
-        owner = self.cache.table.owner
-        return (owner >= 0) & (owner // self.pool.num_experts == row) if row >= 0 else np.zeros(len(owner), bool)
-
-    def _kept(self, running: int) -> np.ndarray:
-        """[S] slots a copy ahead leaves alone while pool row `running` runs: those holding an expert that a
-        layer still to run (or this one, when more of its pieces follow) will likely read (touched with p >=
-        LIKELY_READ). A cold resident of a later layer goes for a likely miss of the next."""
-        owner, e = self.cache.table.owner, self.pool.num_experts
-        rows = owner // e
-        later = (owner >= 0) & ((rows > running) | ((rows == running) & self._more_pieces(running)))
-        out = np.zeros(len(owner), dtype=bool)
-        out[later] = self._touch[rows[later], owner[later] % e] >= LIKELY_READ
-        return out
-
-    def _more_pieces(self, row: int) -> bool:
-        """Whether the held forward runs more pieces of pool row `row` after the one running (its tokens so far
-        fall short of the forward's)."""
-        return self._held and self._seen.get(row, 0) < self._tokens
-
-    def _copy_ahead(self, layer: int, experts: np.ndarray, *, with_cpu: bool, after, then: bool = True) -> None:
-        """Copy `experts` of `layer` (the next MoE layer) into unlocked slots _kept leaves, on the copy stream
-        behind this layer's fills (after `after`: the last reader of those slots is queued before it); then, with
-        `then`, the rest into the running layer's own slots, unlocked for it, after an event recorded now (its
-        kernels, queued before this, read them first). Without the second batch the copy engine idled through a
-        layer's CPU share whenever the layers still to run held every other slot (H200 box, 8 layers, 37.5% in
-        slots: the first layer's copies waited for the second's routing). Counted as fills of `layer` and as
-        `ahead` (a wrong guess shows as ahead - ahead_used)."""
-        t = self.cache.table
-        bonus = np.where(self._kept(self.pool.row[layer] - 1), np.inf, 0.0)  # never taken
-        looked, placed = [], 0
-        for batch in range(2 if then else 1):
-            if batch:
-                t.locked[self._running_slots(self.pool.row[layer] - 1)] = False
-                after = self.cache.mark()
-            want = experts[placed: placed + int((~t.locked & (bonus == 0)).sum())].tolist()
-            if not want:
-                continue
-            got = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=len(want) > COALESCE_FILLS,
-                                   after=after, bonus=bonus)
-            looked += want[: len(got)]
-            placed += len(got)
-            if placed == len(experts):
-                break
-        if not placed:
-            return
-        self._looked[layer] = np.asarray(looked)
-        st = self.stats_[layer]
-        st.fills += placed
-        st.ahead += placed
-        st.bytes_moved += placed * self.pool.expert_bytes
-
-    def _count_looked(self, layer: int, experts: list[int]) -> None:
-        looked = self._looked.pop(layer, None)
-        if looked is not None:
-            self.stats_[layer].ahead_used += int(np.isin(looked, experts).sum())
-
-    def _looking_ahead(self) -> bool:
-        """A routed prompt forward runs with `lookahead` (its touch probabilities known)."""
-        return self.lookahead and self._touch is not None
 
     def _mark_enter(self, layer: int) -> None:
         """A routed prompt's MoE layer call begins: the device's time since the last one ended, the layers'

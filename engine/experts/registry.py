@@ -58,7 +58,7 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
     (engine/experts/lru.py). decode: how a fast path decodes through the cache, auto | mapped | host
     (offload.DECODE_MODES). prefetch: a mapped decode copies each layer's likely expert in while the layer's
     mixer runs (mapped.py), auto (on CUDA with a mapped decode) | on (True) | off (False). lookahead: a routed
-    prompt copies the next layer's likely misses while a layer runs (offload.AHEAD_TOUCHED), auto (on CUDA) |
+    prompt copies the next layer's likely misses while a layer runs (lookahead.AHEAD_TOUCHED), auto (on CUDA) |
     on | off. refresh: idle time moves the hottest experts not in a slot in (OffloadBackend.refresh), auto (on
     CUDA) | on | off."""
 

@@ -78,6 +78,9 @@ def window_runs(todo: np.ndarray) -> int:
     return int(len(todo) > 0) + int((np.diff(todo) != 1).sum())
 
 
+# More fills than this in one layer call (a prompt's tokens routing to most of a layer) pair experts and slots
+# in sorted order so runs of both copy at once (SlotCache.admit's coalesce); decode's few fills keep theirs.
+COALESCE_FILLS = 16
 # a layer mostly in place in its streaming window copies the experts missing there in at most this many copies
 # (runs of consecutive slots); more, and it copies the whole layer in one (stream_layer)
 PARTIAL_RUNS = 8

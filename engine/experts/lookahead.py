@@ -1,0 +1,128 @@
+"""Copies ahead: while a routed prompt's MoE layer runs, the next layer's likely misses copy into the slots.
+
+Without them PCIe waits for each layer's routing to come back before it starts on that layer's fills. The
+experts copied are those the prompt's tokens touch with probability AHEAD_TOUCHED or more by the slot table's
+heat (prefill_stream.pick_probability, made per forward in OffloadBackend.begin_forward), as many as the
+backend's ahead_fills asks for (offload: all, hybrid: the fill share of the next layer's expected misses),
+into slots holding experts no later layer will likely read (_kept). A layer's own fills place by keep_bonus.
+
+CopiesAhead is the part of OffloadBackend that plans them; it reads the backend's cache, pool, stats_,
+lookahead and ahead_fills, and the forward's _touch, _ahead, _looked, _seen, _tokens, _top_k and _held.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.experts.prefill_stream import KEEP_RATIO, LIKELY_READ
+from engine.experts.slot_cache import COALESCE_FILLS
+
+# a routed prompt forward copies the next MoE layer's likely misses while a layer runs (`lookahead`): the
+# experts its tokens touch with at least this probability by the slot table's heat
+AHEAD_TOUCHED = 0.9
+LOOKAHEAD_MODES = ("auto", "on", "off")
+
+
+class CopiesAhead:
+    def keep_bonus(self, layer: int) -> np.ndarray | None:
+        """[S] uses to add to each slot's heat for the fills' victims (SlotTable.victims) in a routed prompt
+        forward: a resident of a layer after `layer` (or of `layer` itself, for its later pieces in a held
+        forward) counts as KEEP_RATIO x its heat at the forward's end (what the prompt's tokens will add, and
+        the refill its eviction would cost: REFILL_USES). So a layer's fills land where the layers before it
+        worked, unless a resident there is several times hotter than what a later layer will read. None
+        outside a routed prompt forward."""
+        if self._ahead is None:
+            return None
+        t, e = self.cache.table, self.pool.num_experts
+        owner = t.owner
+        rows, row = owner // e, self.pool.row[layer]
+        later = (owner >= 0) & ((rows > row) | ((rows == row) & self._held))
+        out = np.zeros(len(owner))
+        heat = t.slot_heat[later] / t.moment()[1]  # uses now; victims adds it back: KEEP_RATIO x (heat + ahead)
+        out[later] = (KEEP_RATIO - 1) * heat + KEEP_RATIO * self._ahead[rows[later], owner[later] % e]
+        return out
+
+    def _ahead_plan(self, layer: int):
+        """For a routed prompt forward with `lookahead`: (the next MoE layer, its likely misses to copy in
+        while this layer runs, most likely first, the slots they and this layer's fills may take: unlocked and
+        not _kept) or None."""
+        return self._plan_row(self.pool.row[layer] + 1) if self._looking_ahead() else None
+
+    def _plan_row(self, i: int):
+        """_ahead_plan for pool row i, the rows before it run (none: i = 0, copied before the forward's first
+        layer)."""
+        if i == len(self.pool.layers):
+            return None
+        nxt, t = self.pool.layers[i], self.cache.table
+        p, missing = self._touch[i], t.resident[i] < 0
+        likely = np.flatnonzero(missing & (p >= AHEAD_TOUCHED))
+        # the running row's own slots count: the copies may take them once its kernels have read them (_copy_ahead)
+        spare = int(((~t.locked | self._running_slots(i - 1)) & ~self._kept(i - 1)).sum())
+        # pairs per touched expert of that layer, as its CPU share will run them
+        per = self._tokens * self._top_k / max(1.0, float(p.sum()))
+        want = min(self.ahead_fills(float(p[missing].sum()), len(likely), per), spare)
+        if want <= 0:
+            return None
+        heat = t.heat[i]
+        return nxt, likely[np.lexsort((-heat[likely], -p[likely]))][:want], spare
+
+    def _running_slots(self, row: int) -> np.ndarray:
+        """[S] slots holding pool row `row`'s experts (none for row -1)."""
+        owner = self.cache.table.owner
+        return (owner >= 0) & (owner // self.pool.num_experts == row) if row >= 0 else np.zeros(len(owner), bool)
+
+    def _kept(self, running: int) -> np.ndarray:
+        """[S] slots a copy ahead leaves alone while pool row `running` runs: those holding an expert that a
+        layer still to run (or this one, when more of its pieces follow) will likely read (touched with p >=
+        LIKELY_READ). A cold resident of a later layer goes for a likely miss of the next."""
+        owner, e = self.cache.table.owner, self.pool.num_experts
+        rows = owner // e
+        later = (owner >= 0) & ((rows > running) | ((rows == running) & self._more_pieces(running)))
+        out = np.zeros(len(owner), dtype=bool)
+        out[later] = self._touch[rows[later], owner[later] % e] >= LIKELY_READ
+        return out
+
+    def _more_pieces(self, row: int) -> bool:
+        """Whether the held forward runs more pieces of pool row `row` after the one running (its tokens so far
+        fall short of the forward's)."""
+        return self._held and self._seen.get(row, 0) < self._tokens
+
+    def _copy_ahead(self, layer: int, experts: np.ndarray, *, with_cpu: bool, after, then: bool = True) -> None:
+        """Copy `experts` of `layer` (the next MoE layer) into unlocked slots _kept leaves, on the copy stream
+        behind this layer's fills (after `after`: the last reader of those slots is queued before it); then, with
+        `then`, the rest into the running layer's own slots, unlocked for it, after an event recorded now (its
+        kernels, queued before this, read them first). Without the second batch the copy engine idled through a
+        layer's CPU share whenever the layers still to run held every other slot (H200 box, 8 layers, 37.5% in
+        slots: the first layer's copies waited for the second's routing). Counted as fills of `layer` and as
+        `ahead` (a wrong guess shows as ahead - ahead_used)."""
+        t = self.cache.table
+        bonus = np.where(self._kept(self.pool.row[layer] - 1), np.inf, 0.0)  # never taken
+        looked, placed = [], 0
+        for batch in range(2 if then else 1):
+            if batch:
+                t.locked[self._running_slots(self.pool.row[layer] - 1)] = False
+                after = self.cache.mark()
+            want = experts[placed: placed + int((~t.locked & (bonus == 0)).sum())].tolist()
+            if not want:
+                continue
+            got = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=len(want) > COALESCE_FILLS,
+                                   after=after, bonus=bonus)
+            looked += want[: len(got)]
+            placed += len(got)
+            if placed == len(experts):
+                break
+        if not placed:
+            return
+        self._looked[layer] = np.asarray(looked)
+        st = self.stats_[layer]
+        st.fills += placed
+        st.ahead += placed
+        st.bytes_moved += placed * self.pool.expert_bytes
+
+    def _count_looked(self, layer: int, experts: list[int]) -> None:
+        looked = self._looked.pop(layer, None)
+        if looked is not None:
+            self.stats_[layer].ahead_used += int(np.isin(looked, experts).sum())
+
+    def _looking_ahead(self) -> bool:
+        """A routed prompt forward runs with `lookahead` (its touch probabilities known)."""
+        return self.lookahead and self._touch is not None
