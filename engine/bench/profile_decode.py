@@ -19,7 +19,8 @@ tool result extends its cached context: its wall time; with an expert cache, eac
 extend (its misses filled, run on the CPU or copied ahead for the next layer, and when its routing came back and its
 CPU job ran: OffloadBackend.call_log); under the profiler where the compute stream waited (its idle gaps over the
 extend, and the engine thread's torch ops inside them: what the host was doing while the device had nothing
-queued), then the Python functions by their own and cumulative time (cProfile, another run).
+queued), then the Python functions by their own and cumulative time (cProfile, another run), and on CUDA the host
+syncs of one more extend by the engine line that made each (syncs.SyncSites).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from collections import defaultdict
 import torch
 
 from engine.bench.model import ExpertTraffic
+from engine.bench.syncs import SyncSites
 
 
 def main(argv=None) -> int:
@@ -263,6 +265,8 @@ def _extend(model, args, sync, g) -> dict:
     gaps = _compute_gaps(prof)
     cp = cProfile.Profile()  # a context manager: enabled inside once()'s `with`
     cprofile_wall = once(cp)
+    syncs = SyncSites()
+    once(syncs)
     st = pstats.Stats(cp)
     funcs = [("/".join(fn[0].split("/")[-2:]) + f":{fn[1]} {fn[2]}", v[1], v[2] * 1e3, v[3] * 1e3, "/engine/" in fn[0])
              for fn, v in st.stats.items()]
@@ -288,10 +292,14 @@ def _extend(model, args, sync, g) -> dict:
     print(f"\n{'engine function by cumulative time':<72}{'calls':>7}{'own ms':>9}{'cum ms':>9}")
     for name, calls, own_ms, cum_ms in cumulative:
         print(f"{name[:71]:<72}{calls:>7}{own_ms:>9.2f}{cum_ms:>9.2f}")
+    if syncs.counts:  # CUDA
+        print(f"\n{'host syncs in one more extend, by engine line (sync debug mode)':<72}{'syncs':>7}")
+        for site, n in syncs.sites():
+            print(f"{site[:71]:<72}{n:>7}")
     return {"tokens": args.extend, "after": args.prefill, "walls_ms": walls_ms, "profiled_ms": profiled_wall * 1e3,
             "cprofile_ms": cprofile_wall * 1e3, "layer_calls": [c._asdict() for c in layer_calls],
             "compute_stream": gaps, "functions_own": own,
-            "functions_cumulative": cumulative}
+            "functions_cumulative": cumulative, "syncs": syncs.sites()}
 
 
 def _print_calls(calls) -> None:

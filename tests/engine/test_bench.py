@@ -280,3 +280,26 @@ def test_bench_model_text_prompts_are_the_serve_benchs_text_cut_to_length(tmp_pa
     assert len(Prompts(1000)(17, 1)) == 17 and max(Prompts(1000)(64, 1)) < 1000
     with pytest.raises(ValueError, match="no tokenizer.json in"):
         Prompts.of_text(1000, str(tmp_path))
+
+
+def test_a_sync_counts_at_the_engine_line_that_made_it():
+    """SyncSites counts each synchronizing call torch reports at the innermost engine frame outside engine/bench
+    (else the innermost frame); other warnings are dropped; on a machine without CUDA it counts nothing."""
+    import traceback
+
+    from engine.bench.syncs import SyncSites, engine_site
+
+    F = traceback.FrameSummary
+    stack = [F("/r/engine/bench/profile_decode.py", 240, "once"), F("/r/engine/experts/offload.py", 310, "forward"),
+             F("/r/engine/experts/compute.py", 44, "of"), F("/usr/lib/torch/_tensor.py", 9, "to")]
+    assert engine_site(stack) == "experts/compute.py:44 of"
+    assert engine_site(stack[:1]) == "bench/profile_decode.py:240 once"  # only the bench: its frame
+    assert engine_site([F("C:\\r\\engine\\experts\\lru.py", 5, "tick")]) == "experts/lru.py:5 tick"
+    with SyncSites() as syncs:
+        torch.zeros(4).sum().item()
+    if not torch.cuda.is_available():
+        assert syncs.sites() == []
+    for message in ("called a synchronizing CUDA operation", "something else") * 2:
+        syncs.saw(message, UserWarning, "x.py", 1)
+    ((site, n),) = syncs.sites()
+    assert n == 2 and site.startswith("engine/test_bench.py:")  # no engine frame: the innermost, this test
