@@ -305,7 +305,7 @@ def _extend(model, args, sync, g) -> dict:
 def _print_calls(calls) -> None:
     """The last timed extend's MoE layer calls (OffloadBackend.call_log): what each planned, and when (ms from the
     first call's start) its routing came back, its CPU job ran and it returned."""
-    print(f"\nthe last timed extend's MoE layer calls (ms; 'unread': every expert in a slot, routing not read back)")
+    print("\nthe last timed extend's MoE layer calls (ms; 'unread': every expert in a slot, routing not read back)")
     head = ("layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "handoff", "routed", "cpu at",
             "cpu run", "waited", "end")
     print("".join(f"{h:>8}" for h in head))
