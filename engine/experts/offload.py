@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from engine.experts import admission
 from engine.experts.compute import Routing, combine, run_expert
-from engine.experts.cpu_runner import Pairs, layer_table, run_on_cpu
+from engine.experts.cpu_jobs import CpuJobs
 from engine.experts.handoff import HandoffClock
 from engine.experts.host_pool import HostPool
 from engine.experts.lru import prompt_use_weights
@@ -45,8 +44,6 @@ PREFETCH_MODES = ("auto", "on", "off")
 REFRESH_MODES = ("auto", "on", "off")
 REFRESH_FILLS = 16
 REFRESH_RATIO = 1.25
-# a layer call of at least this many tokens (a prompt's) runs its CPU experts on cpu_runner.prompt_threads()
-PROMPT_TOKENS = 32
 
 
 class OffloadBackend(CopiesAhead):
@@ -63,12 +60,8 @@ class OffloadBackend(CopiesAhead):
         self.stats_ = ExpertStats(pool.layers)
         self.estimate = estimate or BandwidthEstimate()
         # prompts stream whole layers: auto (True) when predicted faster, on always, off (False) never
-        mode = {True: "auto", False: "off"}.get(stream_prefill, stream_prefill)
-        if mode not in STREAM_MODES:
-            raise ValueError(f"--prefill-stream must be one of {', '.join(STREAM_MODES)}, got {stream_prefill!r}")
+        mode = _mode(stream_prefill, STREAM_MODES, "--prefill-stream", true="auto")
         self.streamer = PrefillStreamer(self, mode) if mode != "off" else None
-        self._cpu = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu")
-        self._cpu_tables: dict = {}  # layer -> cpu_runner.layer_table of its host blocks, built on first use
         self._ones: dict = {}  # (T, K) -> unit weights for the grouped kernels (combine weighs afterwards)
         self._fill_run_s = 0.0  # CPU device: seconds the experts of the last fill round took to run
         # a prompt's compute for the prefill choice, as flop/s of its routed experts alone: an 8k prompt through
@@ -84,33 +77,23 @@ class OffloadBackend(CopiesAhead):
         self._looked: dict[int, np.ndarray] = {}  # layer -> experts copied in ahead of its routing, not yet counted
         self._seen: dict[int, int] = {}  # pool row -> tokens its calls have run in this forward
         self._tokens = self._top_k = 0  # tokens and experts per token of the forward (begin_forward)
-        lookahead = {True: "on", False: "off"}.get(lookahead, lookahead)
-        if lookahead not in LOOKAHEAD_MODES:
-            raise ValueError(f"--moe-lookahead must be one of {', '.join(LOOKAHEAD_MODES)}, got {lookahead!r}")
+        lookahead = _mode(lookahead, LOOKAHEAD_MODES, "--moe-lookahead")
         # auto: where copies overlap compute (CUDA); on a CPU device a fill is a copy in line, nothing to overlap
         self.lookahead = lookahead == "on" or (lookahead == "auto" and self.device.type == "cuda")
-        refresh = {True: "on", False: "off"}.get(refresh, refresh)
-        if refresh not in REFRESH_MODES:
-            raise ValueError(f"--moe-refresh must be one of {', '.join(REFRESH_MODES)}, got {refresh!r}")
+        refresh = _mode(refresh, REFRESH_MODES, "--moe-refresh")
         # auto: on CUDA, whose copies run on the copy engine; a CPU engine's idle time is its cores'
         self.refresh_idle = refresh == "on" or (refresh == "auto" and self.device.type == "cuda")
         # the CPU's idle time per routed prompt layer call besides its runs (handoff.py), CUDA events on the device
         self.handoff_clock = HandoffClock(_timing_event if self.device.type == "cuda" else None)
-        self._cpu_out: dict = {}  # dtype -> (positions [cap] int64, outputs [cap, H]), page-locked
-        self._scatter_done = None  # CUDA event after the last scatter_rows, their reader
         # device experts in one launch pair of the grouped Triton kernels, reading the slots in place (default
         # on CUDA); else one expert at a time through torch (the reference, and the path on a CPU device)
         self.grouped = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None \
             if grouped is None else grouped
         # CUDA: a routed prompt's CPU outputs and their positions go to page-locked buffers that the device reads
         # in place (mailbox_triton.scatter_rows); an H2D copy of them queued behind the copies ahead
-        self._zero_copy = self.grouped and self.device.type == "cuda"
-        if decode not in DECODE_MODES:
-            raise ValueError(f"--moe-decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
-        self.decode_mode = decode
-        prefetch = {True: "on", False: "off"}.get(prefetch, prefetch)
-        if prefetch not in PREFETCH_MODES:
-            raise ValueError(f"--moe-prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
+        self.cpu_jobs = CpuJobs(pool, self.device, zero_copy=self.grouped and self.device.type == "cuda")
+        self.decode_mode = _mode(decode, DECODE_MODES, "--moe-decode")
+        prefetch = _mode(prefetch, PREFETCH_MODES, "--moe-prefetch")
         host_decode = decode == "host" or (decode == "auto" and self.name == "cpu")
         if prefetch == "on" and host_decode:
             raise ValueError("--moe-prefetch on works inside the mapped decode, and this one decodes on the host "
@@ -317,7 +300,7 @@ class OffloadBackend(CopiesAhead):
         if ahead:  # the fills of this layer take spare slots first; their slots count again after its kernels
             ahead = ahead[0], ahead[1][: ahead[2]]
         y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
-        pending = self._start_cpu(layer, x, routing, on_cpu)
+        pending = self.cpu_jobs.start(layer, x, routing, on_cpu)
         read = self.cache.mark() if ahead else None  # the last reader of an unlocked slot is queued before this...
         if not streaming:
             # hits may sit in slots that copies still in flight fill (the last layer's copies ahead). Waited for
@@ -334,7 +317,7 @@ class OffloadBackend(CopiesAhead):
             waited = time.perf_counter()
             pos, vals, seconds, started = pending.result()
             waited = time.perf_counter() - waited
-            self._place_cpu(y, pos, vals)
+            self.cpu_jobs.place(y, pos, vals)
             self.estimate.observe_cpu(len(on_cpu) * self.pool.expert_bytes, seconds, len(on_cpu) / FULL_SAMPLE_EXPERTS)
             # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too
             copying = bool(fills) or (ahead is not None and len(ahead[1]) > 0)
@@ -378,31 +361,6 @@ class OffloadBackend(CopiesAhead):
     def handoff(self) -> float:
         """Seconds a routed prompt's layer call leaves the CPU idle besides its runs (HandoffClock's estimate)."""
         return self.handoff_clock.seconds
-
-    def _place_cpu(self, y: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
-        """y [T*K, H] at pos <- the CPU's outputs: read in place from page-locked memory by a kernel on CUDA,
-        else copied."""
-        if self._zero_copy and vals.is_pinned() and pos.is_pinned():
-            from engine.kernels.mailbox_triton import scatter_rows
-
-            scatter_rows(y, pos, vals)
-            self._scatter_done = torch.cuda.Event()
-            self._scatter_done.record()
-        else:
-            y[pos.to(self.device)] = vals.to(self.device, y.dtype)
-
-    def _out_buffers(self, dtype: torch.dtype, rows: int):
-        """(positions [>= rows] int64, outputs [>= rows, H]) for a CPU job to write, page-locked on CUDA; the
-        last scatter_rows that read them has run (normally long since: the routing's read-back waited for it)."""
-        if self._scatter_done is not None:
-            self._scatter_done.synchronize()
-        buf = self._cpu_out.get(dtype)
-        if buf is None or buf[0].shape[0] < rows:
-            cap = 1 << max(10, (rows - 1).bit_length())
-            pin = self.device.type == "cuda"
-            buf = self._cpu_out[dtype] = (torch.empty(cap, dtype=torch.long, pin_memory=pin),
-                                          torch.empty(cap, self.pool.layout.hidden, dtype=dtype, pin_memory=pin))
-        return buf
 
     def _forward_unread(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                         slots: torch.Tensor, t_in: float):
@@ -492,30 +450,6 @@ class OffloadBackend(CopiesAhead):
         pos = routing.position(i).to(self.device, non_blocking=True)
         run_expert(y, x, pos, routing.top_k, *self.cache.weights(slot))
 
-    def _start_cpu(self, layer: int, x: torch.Tensor, routing: Routing, on_cpu: list[int]):
-        if not on_cpu:
-            return None
-        host = self.pool.wait_layer(layer)
-        if layer not in self._cpu_tables:
-            self._cpu_tables[layer] = layer_table(host, self.pool.layout)
-        jobs = Pairs(*routing.pairs(on_cpu))
-        out = self._out_buffers(x.dtype, len(jobs.pos)) if self._zero_copy else None
-        return self._cpu.submit(self._cpu_job, x.to("cpu"), host, jobs, routing.top_k, self._cpu_tables[layer], out,
-                                x.shape[0] >= PROMPT_TOKENS)
-
-    def _cpu_job(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs, top_k: int, table, out=None,
-                 prompt: bool = False):
-        """-> (positions, outputs, seconds, when it started): into `out` (positions, outputs) when given. In
-        inference mode, as the engine's thread that made `out` (a worker thread starts outside it, and writing
-        an inference tensor there raises). prompt: a prompt's layer call (cpu_runner.prompt_threads)."""
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table,
-                                   out=None if out is None else out[1], prompt=prompt)
-            if out is not None:
-                pos = out[0][: len(pos)].copy_(pos)
-        return pos, vals, time.perf_counter() - t0, t0
-
     def _unlock(self) -> None:
         self.cache.table.unlock_all()
         if self.streamer is not None and self.streamer.active and self.streamer.reserved:
@@ -573,8 +507,16 @@ class OffloadBackend(CopiesAhead):
     def close(self) -> None:
         if self.mapped is not None and self.mapped.cpu is not None:
             self.mapped.cpu.close()
-        self._cpu.shutdown(wait=True)
-        self._cpu_tables.clear()
+        self.cpu_jobs.close()
+
+
+def _mode(value, modes: tuple[str, ...], flag: str, true: str = "on") -> str:
+    """An option given as one of `modes` or as a bool (True: `true`, False: "off"); else ValueError naming
+    `flag` and what it takes."""
+    mode = {True: true, False: "off"}.get(value, value) if isinstance(value, bool) else value
+    if mode not in modes:
+        raise ValueError(f"{flag} must be one of {', '.join(modes)}, got {value!r}")
+    return mode
 
 
 def _timing_event() -> torch.cuda.Event:

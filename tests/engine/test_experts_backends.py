@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.experts import cpu_runner, offload
+from engine.experts import cpu_jobs, cpu_runner
 from engine.experts.block_layout import ExpertLayout
 from engine.experts.compute import Routing, expert_mlp
 from engine.experts.cpu import CpuBackend
@@ -204,7 +204,7 @@ def test_pairs_routed_to_no_expert_read_zero_and_never_reach_the_cache(pool, src
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backends_bit_identical(dtype, monkeypatch):
     """With one expert implementation on both sides, where an expert runs changes no bit of the output."""
-    monkeypatch.setattr(offload, "run_on_cpu", cpu_runner._torch_run_on_cpu)
+    monkeypatch.setattr(cpu_jobs, "run_on_cpu", cpu_runner._torch_run_on_cpu)
     pool = pool_from_source(make_source(dtype=dtype))
     outs = []
     for cls, slots in [(OffloadBackend, 2), (CpuBackend, 5), (HybridBackend, 17), (OffloadBackend, 24)]:
@@ -397,6 +397,13 @@ def test_bad_streaming_and_prefetch_options_name_the_fix(pool):
     b.close()
     with pytest.raises(ValueError, match="--moe-prefetch must be one of auto, on, off"):
         OffloadBackend(pool, 2 * E, "cpu", prefetch="always")
+    with pytest.raises(ValueError, match="--moe-lookahead must be one of auto, on, off, got 'ahead'"):
+        OffloadBackend(pool, 2 * E, "cpu", lookahead="ahead")
+    with pytest.raises(ValueError, match="--moe-decode must be one of auto, mapped, host, got True"):
+        OffloadBackend(pool, 2 * E, "cpu", decode=True)
+    b = OffloadBackend(pool, 2 * E, "cpu", stream_prefill=False, lookahead=True, refresh=False)
+    assert b.streamer is None and b.lookahead and not b.refresh_idle
+    b.close()
     # auto (the default): on where a mapped decode overlaps PCIe (CUDA), never with a host decode, off on a CPU
     for cls, decode, device in ((OffloadBackend, "auto", "cpu"), (OffloadBackend, "host", "cuda"),
                                 (CpuBackend, "auto", "cuda"), (HybridBackend, "mapped", "cuda")):
@@ -720,7 +727,7 @@ def test_cpu_outputs_through_the_reused_buffers_equal_the_reference_in_inference
     src, deep = _deep_pool(layers=3)
     est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
     b = HybridBackend(deep, 4, "cpu", estimate=est, stream_prefill="off", lookahead="on")
-    b._zero_copy = True  # the buffers as on CUDA (the scatter itself: tests/kernels/test_mailbox.py)
+    b.cpu_jobs.zero_copy = True  # the buffers as on CUDA (the scatter itself: tests/kernels/test_mailbox.py)
     with torch.inference_mode():
         for step, T in enumerate((40, 7, 40)):
             x, ids, w = routing(T, seed=50 + step)
@@ -729,7 +736,7 @@ def test_cpu_outputs_through_the_reused_buffers_equal_the_reference_in_inference
                 torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
                                            rtol=1e-5, atol=1e-5)
             b.end_forward()
-    assert b.stats()["total"]["cpu_runs"] > 0 and b._cpu_out
+    assert b.stats()["total"]["cpu_runs"] > 0 and b.cpu_jobs._out
     b.close()
 
 
@@ -823,15 +830,15 @@ def test_a_prompts_cpu_experts_run_on_the_prompt_threads(pool, src, monkeypatch)
     """A layer call of PROMPT_TOKENS tokens or more runs its CPU share with prompt=True (the runner of
     cpu_runner.prompt_threads()), a decode-sized one without; outputs equal the reference either way."""
     seen = []
-    real = offload.run_on_cpu
+    real = cpu_jobs.run_on_cpu
 
     def spy(*a, prompt=False, **kw):
         seen.append(prompt)
         return real(*a, prompt=prompt, **kw)
 
-    monkeypatch.setattr(offload, "run_on_cpu", spy)
+    monkeypatch.setattr(cpu_jobs, "run_on_cpu", spy)
     b = CpuBackend(pool, 1, "cpu")
-    for T in (offload.PROMPT_TOKENS, 3):
+    for T in (cpu_jobs.PROMPT_TOKENS, 3):
         x, ids, w = routing(T, seed=T)
         torch.testing.assert_close(b.forward(0, x, ids, w), reference(src, 0, x, ids, w), rtol=1e-5, atol=1e-5)
     assert seen == [True, False]

@@ -1,0 +1,89 @@
+"""A slot backend's CPU share of one layer call: its missing experts run from the host pool on a worker thread
+while the device runs the rest, their outputs then placed into the layer's rows (OffloadBackend.forward).
+
+    jobs = CpuJobs(pool, device, zero_copy)
+    pending = jobs.start(layer, x, routing, on_cpu)      # None without CPU work; else a Future of
+    pos, vals, seconds, started = pending.result()       #   (positions, outputs, seconds it ran, when it began)
+    jobs.place(y, pos, vals)                             # y [T*K, H] at pos <- vals
+
+T = tokens, K = experts per token, H = hidden. zero_copy (CUDA, grouped kernels): the job writes its positions
+and outputs into page-locked buffers kept for the next call, which the device reads in place
+(mailbox_triton.scatter_rows); else they are copied to the device.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from engine.experts.compute import Routing
+from engine.experts.cpu_runner import Pairs, layer_table, run_on_cpu
+from engine.experts.host_pool import HostPool
+
+# a layer call of at least this many tokens (a prompt's) runs its CPU experts on cpu_runner.prompt_threads()
+PROMPT_TOKENS = 32
+
+
+class CpuJobs:
+    def __init__(self, pool: HostPool, device: torch.device, zero_copy: bool) -> None:
+        self.pool, self.device, self.zero_copy = pool, device, zero_copy
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu")
+        self._tables: dict = {}  # layer -> cpu_runner.layer_table of its host blocks, built on first use
+        self._out: dict = {}  # dtype -> (positions [cap] int64, outputs [cap, H]), page-locked on CUDA
+        self._scatter_done = None  # CUDA event after the last scatter_rows, their reader
+
+    def start(self, layer: int, x: torch.Tensor, routing: Routing, on_cpu: list[int]) -> Future | None:
+        """Run Routing.experts[i] for i in on_cpu on the CPU over their tokens of x [T, H] (a prompt's layer call,
+        PROMPT_TOKENS or more, on the prompt runner)."""
+        if not on_cpu:
+            return None
+        host = self.pool.wait_layer(layer)
+        if layer not in self._tables:
+            self._tables[layer] = layer_table(host, self.pool.layout)
+        jobs = Pairs(*routing.pairs(on_cpu))
+        out = self._buffers(x.dtype, len(jobs.pos)) if self.zero_copy else None
+        return self._worker.submit(self._run, x.to("cpu"), host, jobs, routing.top_k, self._tables[layer], out,
+                                   x.shape[0] >= PROMPT_TOKENS)
+
+    def place(self, y: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
+        """y [T*K, H] at pos <- the CPU's outputs: read in place from page-locked memory by a kernel on CUDA,
+        else copied."""
+        if self.zero_copy and vals.is_pinned() and pos.is_pinned():
+            from engine.kernels.mailbox_triton import scatter_rows
+
+            scatter_rows(y, pos, vals)
+            self._scatter_done = torch.cuda.Event()
+            self._scatter_done.record()
+        else:
+            y[pos.to(self.device)] = vals.to(self.device, y.dtype)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+        self._tables.clear()
+
+    def _run(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs: Pairs, top_k: int, table, out=None,
+             prompt: bool = False):
+        """-> (positions, outputs, seconds, when it started): into `out` (positions, outputs) when given. In
+        inference mode, as the engine's thread that made `out` (a worker thread starts outside it, and writing
+        an inference tensor there raises). prompt: a prompt's layer call (cpu_runner.prompt_threads)."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table,
+                                   out=None if out is None else out[1], prompt=prompt)
+            if out is not None:
+                pos = out[0][: len(pos)].copy_(pos)
+        return pos, vals, time.perf_counter() - t0, t0
+
+    def _buffers(self, dtype: torch.dtype, rows: int):
+        """(positions [>= rows] int64, outputs [>= rows, H]) for a job to write, page-locked on CUDA; the last
+        scatter_rows that read them has run (normally long since: the routing's read-back waited for it)."""
+        if self._scatter_done is not None:
+            self._scatter_done.synchronize()
+        buf = self._out.get(dtype)
+        if buf is None or buf[0].shape[0] < rows:
+            cap = 1 << max(10, (rows - 1).bit_length())
+            pin = self.device.type == "cuda"
+            buf = self._out[dtype] = (torch.empty(cap, dtype=torch.long, pin_memory=pin),
+                                      torch.empty(cap, self.pool.layout.hidden, dtype=dtype, pin_memory=pin))
+        return buf
