@@ -34,8 +34,9 @@ class CopyBatch(NamedTuple):
     issued: float | None  # host time it was issued (perf_counter; CUDA)
 
 
-# copy batches SlotCache keeps until read (take_fill_timings); older ones drop unread
-MAX_TIMED_COPIES = 256
+# copy batches SlotCache keeps until read (take_fill_timings, at a routed layer call); older ones drop unread. A
+# mapped decode's admissions are read at the next prompt, at most this many of them (~2-5 us of host time each)
+MAX_TIMED_COPIES = 64
 
 
 def copy_backlog(batches, rate: float, now: float) -> float:
