@@ -41,13 +41,16 @@ MAX_TIMED_COPIES = 64
 
 def copy_backlog(batches, rate: float, now: float) -> float:
     """Bytes the copy stream still has to move of `batches` [(host time issued, bytes)], FIFO and not yet done,
-    at `rate` bytes/s: each starts when issued or when the one before it ends, whichever is later."""
-    if rate <= 0:
-        return float(sum(n for _, n in batches))
+    at `rate` bytes/s: each starts when issued or when the one before it ends, whichever is later. At least every
+    batch after the first: one stream runs them in turn, so none of them has started while the first runs (a
+    rate taken too high must not clear a backlog the batches' events still show)."""
+    total = float(sum(n for _, n in batches))
+    if rate <= 0 or not batches:
+        return total
     end = -float("inf")
     for issued, nbytes in batches:
         end = max(end, issued) + nbytes / rate
-    return min(float(sum(n for _, n in batches)), max(0.0, end - now) * rate)
+    return min(total, max(total - batches[0][1], (end - now) * rate))
 
 
 def pair_sorted(experts: list[int], victims) -> list[int]:

@@ -153,14 +153,17 @@ def test_stream_layer_refuses_a_window_in_use():
 
 
 def test_copy_backlog_runs_the_batches_in_order_from_their_issue_times():
-    """Bytes still to copy: each batch starts when issued or when the one before ends, at the rate given."""
+    """Bytes still to copy: each batch starts when issued or when the one before ends, at the rate given; every
+    batch after the first is still to copy whatever the clock says (the first, not done, holds them)."""
     assert copy_backlog([(0.0, 100)], rate=100.0, now=0.5) == pytest.approx(50)
     assert copy_backlog([(0.0, 100)], rate=100.0, now=2.0) == 0  # done by the clock (its event not yet read)
-    # the second waits for the first (ends at 2.0), not its own issue time: 100 bytes left at 1.0
-    assert copy_backlog([(0.0, 100), (0.5, 100)], rate=100.0, now=1.0) == pytest.approx(100)
-    # issued after an idle gap: it starts at its issue time
-    assert copy_backlog([(0.0, 100), (3.0, 100)], rate=100.0, now=3.5) == pytest.approx(50)
+    # the second waits for the first (ends at 1.0), not its own issue time: 150 bytes left at 0.5
+    assert copy_backlog([(0.0, 100), (0.5, 100)], rate=100.0, now=0.5) == pytest.approx(150)
+    # issued after an idle gap: it starts at its issue time, by the clock; the first's event says it runs still
+    assert copy_backlog([(0.0, 100), (3.0, 100)], rate=100.0, now=3.5) == pytest.approx(100)
+    assert copy_backlog([(0.0, 100), (0.0, 80)], rate=100.0, now=9.0) == 80  # a rate too high: the second at least
     assert copy_backlog([(0.0, 100), (0.0, 50)], rate=0.0, now=9.0) == 150  # no rate known: all of it
+    assert copy_backlog([], rate=100.0, now=0.0) == 0
     rng = random.Random()
     for _ in range(200):  # never more than was issued, never less than zero, shrinking as time passes
         batches = sorted((rng.uniform(0, 1), rng.randint(1, 100)) for _ in range(rng.randint(1, 6)))
