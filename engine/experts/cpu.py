@@ -12,7 +12,7 @@ class CpuBackend(OffloadBackend):
     def split(self, m: int, busy: int = 0, per: float = 1.0) -> int:
         return 0
 
-    def ahead_fills(self, expected: float, likely: int, per: float = 1.0) -> int:
+    def ahead_fills(self, expected: float, likely: int, per: float = 1.0, behind: int = 0) -> int:
         return 0  # nothing is filled
 
     def cpu_share(self) -> float:

@@ -23,10 +23,11 @@ class HybridBackend(OffloadBackend):
         # with copies ahead the copy engine runs through the layer's handoff, and the CPU waits it out
         return self.policy.choose(m, busy, self.handoff if busy else 0.0, per).q
 
-    def ahead_fills(self, expected: float, likely: int, per: float = 1.0) -> int:
-        """The fill share of the next layer's expected misses, the CPU's handoff counted: copied ahead, they
-        leave that layer's CPU the rest, and this layer's split counts them as the copy stream's (split's busy)."""
-        return min(likely, self.policy.best(round(expected), cpu_extra=self.handoff, per=per).q)
+    def ahead_fills(self, expected: float, likely: int, per: float = 1.0, behind: int = 0) -> int:
+        """The fill share of the next layer's expected misses, the CPU's handoff and the copies still in flight
+        counted: copied ahead, they leave that layer's CPU the rest, and this layer's split counts them as the
+        copy stream's (split's busy)."""
+        return min(likely, self.policy.best(round(expected), busy=behind, cpu_extra=self.handoff, per=per).q)
 
     def fill_rate(self) -> float:
         return self.policy.fill_rate()

@@ -41,13 +41,13 @@ class CopiesAhead:
         out[later] = (KEEP_RATIO - 1) * heat + KEEP_RATIO * self._ahead[rows[later], owner[later] % e]
         return out
 
-    def _ahead_plan(self, layer: int):
+    def _ahead_plan(self, layer: int, behind: int = 0):
         """For a routed prompt forward with `lookahead`: (the next MoE layer, its likely misses to copy in
         while this layer runs, most likely first, the slots they and this layer's fills may take: unlocked and
-        not _kept) or None."""
-        return self._plan_row(self.pool.row[layer] + 1) if self._looking_ahead() else None
+        not _kept) or None. behind: experts' worth of copies still in flight, that these queue behind."""
+        return self._plan_row(self.pool.row[layer] + 1, behind) if self._looking_ahead() else None
 
-    def _plan_row(self, i: int):
+    def _plan_row(self, i: int, behind: int = 0):
         """_ahead_plan for pool row i, the rows before it run (none: i = 0, copied before the forward's first
         layer)."""
         if i == len(self.pool.layers):
@@ -59,7 +59,7 @@ class CopiesAhead:
         spare = int(((~t.locked | self._running_slots(i - 1)) & ~self._kept(i - 1)).sum())
         # pairs per touched expert of that layer, as its CPU share will run them
         per = self._tokens * self._top_k / max(1.0, float(p.sum()))
-        want = min(self.ahead_fills(float(p[missing].sum()), len(likely), per), spare)
+        want = min(self.ahead_fills(float(p[missing].sum()), len(likely), per, behind), spare)
         if want <= 0:
             return None
         heat = t.heat[i]

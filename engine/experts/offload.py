@@ -111,9 +111,10 @@ class OffloadBackend(CopiesAhead):
         per miss (a CPU run's rate depends on it)."""
         return m
 
-    def ahead_fills(self, expected: float, likely: int, per: float = 1.0) -> int:
+    def ahead_fills(self, expected: float, likely: int, per: float = 1.0, behind: int = 0) -> int:
         """How many of the next layer's `likely` misses (expected: its misses the heat predicts) to copy in
-        ahead of its routing: all of them here (every miss is filled)."""
+        ahead of its routing, behind `behind` experts' worth of copies still in flight: all of them here (every
+        miss is filled)."""
         return likely
 
     def cpu_share(self) -> float:
@@ -173,7 +174,7 @@ class OffloadBackend(CopiesAhead):
             # the first MoE layer's likely misses copy in while the layers before its experts run (after a
             # streamed prompt the slots hold the last layers' and the first's experts: the copy engine else
             # waits for the first routing to start on the second layer's)
-            first = self._plan_row(0)
+            first = self._plan_row(0, self._behind())
             if first is not None:
                 self._copy_ahead(first[0], first[1], with_cpu=False, after=None, then=False)
 
@@ -292,10 +293,11 @@ class OffloadBackend(CopiesAhead):
                         key=lambda i: (-routing.counts[i], -heat[routing.experts[i]]))
         table.touch(slots[hits])
         table.lock(slots[hits])
-        ahead = None if streaming else self._ahead_plan(layer)
+        behind = 0 if streaming else self._behind()
+        ahead = None if streaming else self._ahead_plan(layer, behind)
         per = sum(routing.counts[i] for i in misses) / len(misses) if misses else 1.0
-        busy = (len(ahead[1]) if ahead else 0) + (self._behind() if misses else 0)
-        q = len(misses) if streaming else self.split(len(misses), busy=busy, per=per)
+        q = len(misses) if streaming else self.split(len(misses), busy=(len(ahead[1]) if ahead else 0) + behind,
+                                                     per=per)
         fills, on_cpu = misses[:q], misses[q:]
         if ahead:  # the fills of this layer take spare slots first; their slots count again after its kernels
             ahead = ahead[0], ahead[1][: ahead[2]]
@@ -378,7 +380,7 @@ class OffloadBackend(CopiesAhead):
         y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
         self._launch_slots(x, y, slots[topk_ids])  # id -1 (padding) looks up -1
         self._unsettled.append((layer, topk_ids, self.cache.table.moment(), self._span))
-        ahead = self._ahead_plan(layer)  # None in a streamed forward
+        ahead = self._ahead_plan(layer, self._behind())  # None in a streamed forward
         if ahead and len(ahead[1]):
             self._copy_ahead(ahead[0], ahead[1], with_cpu=False, after=self.cache.mark())  # after this layer's reads
         self._unlock()  # as a layer call ends: the copies' slots are the next layer's to plan with
@@ -461,6 +463,7 @@ class OffloadBackend(CopiesAhead):
             # the fill path: copies, and on a CPU "device" also running the filled experts, on the same cores
             # and in line (on CUDA a decode fill is its copy; the expert kernels queue behind it)
             self.observe("fill", timing.nbytes, timing.seconds + self._fill_run_s, together=timing.with_cpu)
+        self.cache.copy_rate = self.fill_rate()  # when the copies issued from now on will have run
 
     def fill_rate(self) -> float:
         """Bytes/s the copy engine is taken to move experts at while the CPU runs beside it (the estimate's B_P
@@ -469,8 +472,9 @@ class OffloadBackend(CopiesAhead):
 
     def _behind(self) -> int:
         """Experts' worth of earlier copies the copy stream is still moving (SlotCache.copy_backlog): a layer
-        call's fills queue behind them, and the next layer's routing waits for those fills (H200 box, an extend's
-        last routed layer: ~9 ms behind copies ahead that ran slower than the split had counted)."""
+        call's fills and the next layer's copies ahead queue behind them, and the next layers' routing waits for
+        those (H200 box, an extend's last routed layer: ~9 ms behind copies ahead that ran slower than the split
+        had counted; modelled in tests/engine/test_experts_split_policy.py)."""
         return round(self.cache.copy_backlog(self.fill_rate()) / self.pool.expert_bytes)
 
     def _use_weights(self, counts, span: int):

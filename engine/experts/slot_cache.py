@@ -31,7 +31,7 @@ class CopyBatch(NamedTuple):
     end: object  # CUDA event after it; on a CPU device the seconds it took
     nbytes: int
     with_cpu: bool
-    issued: float | None  # host time it was issued (perf_counter; CUDA)
+    ready: float | None  # host time the stream is taken to start it (CUDA): issued, or the batches before it done
 
 
 # copy batches SlotCache keeps until read (take_fill_timings, at a routed layer call); older ones drop unread. A
@@ -40,16 +40,16 @@ MAX_TIMED_COPIES = 64
 
 
 def copy_backlog(batches, rate: float, now: float) -> float:
-    """Bytes the copy stream still has to move of `batches` [(host time issued, bytes)], FIFO and not yet done,
-    at `rate` bytes/s: each starts when issued or when the one before it ends, whichever is later. At least every
+    """Bytes the copy stream still has to move of `batches` [(host time it may start, bytes)], FIFO and not yet
+    done, at `rate` bytes/s: each starts then or when the one before it ends, whichever is later. At least every
     batch after the first: one stream runs them in turn, so none of them has started while the first runs (a
     rate taken too high must not clear a backlog the batches' events still show)."""
     total = float(sum(n for _, n in batches))
     if rate <= 0 or not batches:
         return total
     end = -float("inf")
-    for issued, nbytes in batches:
-        end = max(end, issued) + nbytes / rate
+    for ready, nbytes in batches:
+        end = max(end, ready) + nbytes / rate
     return min(total, max(total - batches[0][1], (end - now) * rate))
 
 
@@ -106,6 +106,10 @@ class SlotCache:
         # device only the last: the backend ran its experts after it (_fill_run_s). with_cpu is kept with the
         # batch because on CUDA its timing is read a layer call or more after it was issued
         self._copies: deque[CopyBatch] = deque(maxlen=MAX_TIMED_COPIES)
+        # bytes/s the owner takes the copy stream to run at (0: unknown): from it, when the stream will have done
+        # what it has been given (_drained), so a batch queued behind others counts as starting after them
+        self.copy_rate = 0.0
+        self._drained = 0.0  # host time
         self.placements = 0  # calls that copied experts into slots (a mapped decode checks it, mapped.py)
 
     @property
@@ -253,7 +257,11 @@ class SlotCache:
             for e, s, n in copy_runs(experts, slots):
                 self.buf[s: s + n].copy_(host[e: e + n], non_blocking=True)
             end.record()
-        self._copies.append(CopyBatch(start, end, len(slots) * self.pool.expert_bytes, with_cpu, time.perf_counter()))
+        nbytes, now = len(slots) * self.pool.expert_bytes, time.perf_counter()
+        # behind the batches still in flight (the stream runs them in turn: the last one done, all are)
+        ready = max(now, self._drained) if self._copies and self._in_flight(self._copies[-1]) else now
+        self._drained = ready + nbytes / self.copy_rate if self.copy_rate > 0 else now
+        self._copies.append(CopyBatch(start, end, nbytes, with_cpu, ready))
         return end
 
     def mark(self):
@@ -282,9 +290,9 @@ class SlotCache:
 
     def copy_backlog(self, rate: float) -> float:
         """Bytes the copy stream is estimated still to move of the batches issued so far (copy_backlog at `rate`
-        bytes/s from their issue times; 0 on a CPU device, whose copies run in line). Left unread: their timings
-        wait for take_fill_timings."""
-        pending = [(c.issued, c.nbytes) for c in self._copies if self._in_flight(c)]
+        bytes/s from when each was taken to start; 0 on a CPU device, whose copies run in line). Left unread:
+        their timings wait for take_fill_timings."""
+        pending = [(c.ready, c.nbytes) for c in self._copies if self._in_flight(c)]
         return copy_backlog(pending, rate, time.perf_counter()) if pending else 0.0
 
     @staticmethod

@@ -139,6 +139,27 @@ def test_the_split_counts_copies_still_in_flight_as_busy(pool):
     assert calls and all(busy == 5 for m, busy in calls if m) and rates == [b.policy.fill_rate()] * len(rates)
 
 
+def test_copies_ahead_leave_the_cpu_more_behind_copies_in_flight(pool):
+    """The next layer's copies ahead queue behind the copies in flight too: hybrid copies fewer of its misses
+    ahead the longer that queue, down to none; a routed prompt's plan passes the queue it measured."""
+    b = HybridBackend(pool, 3, "cpu", estimate=BandwidthEstimate(bp=50e9, bh=50e9, frozen=True),
+                      stream_prefill="off", lookahead="on")
+    counts = [b.ahead_fills(200.0, 1000, behind=n) for n in (0, 50, 100, 400)]
+    assert counts[0] == 100 and counts == sorted(counts, reverse=True) and counts[-1] == 0
+    seen = []
+    fills = b.ahead_fills
+    b.ahead_fills = lambda expected, likely, per=1.0, behind=0: seen.append(behind) or fills(expected, likely, per,
+                                                                                             behind)
+    b.cache.copy_backlog = lambda rate: 7 * pool.expert_bytes
+    x, ids, w = routing(40, seed=5)
+    b.begin_forward(40, K, hold=True, span=40)
+    for layer in L_IDS:
+        b.forward(layer, x, ids, w)
+    b.end_forward()
+    b.close()
+    assert seen and set(seen) == {7}
+
+
 @pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
 @pytest.mark.parametrize("slots", [3, 2 * E, len(L_IDS) * E])
 def test_grouped_device_experts_match_one_at_a_time(pool, cls, slots):
