@@ -30,7 +30,7 @@ Result = tuple[torch.Tensor, torch.Tensor]  # (positions [N], outputs [N, H])
 class Pairs(NamedTuple):
     """A CPU job as flat arrays, expert by expert: pair i is flat position pos[i] (token pos[i] // top_k) run by
     expert experts[i]. A prompt's layer call has ~2,000 pairs: a tensor an expert and lists built pair by pair in
-    the job cost ~0.5 ms of Python on the dev box, in the CPU's time between layers."""
+    the job cost 0.18 ms more a call of 140 experts on the dev box, in the CPU's time between layers."""
 
     pos: np.ndarray  # [N] int64
     experts: np.ndarray  # [N] int64
