@@ -23,9 +23,9 @@ from engine.experts.compute import Routing, combine, run_expert
 from engine.experts.cpu_jobs import CpuJobs
 from engine.experts.handoff import HandoffClock
 from engine.experts.host_pool import HostPool
+from engine.experts.lookahead import LOOKAHEAD_MODES, CopiesAhead
 from engine.experts.lru import prompt_use_weights
 from engine.experts.policy import FULL_SAMPLE_EXPERTS, BandwidthEstimate
-from engine.experts.lookahead import LOOKAHEAD_MODES, CopiesAhead
 from engine.experts.prefill_stream import REFILL_USES, STREAM_MODES, PrefillStreamer, pick_probability
 from engine.experts.slot_cache import COALESCE_FILLS, SlotCache
 from engine.experts.stats import ExpertStats, LayerCall
