@@ -293,7 +293,8 @@ class OffloadBackend(CopiesAhead):
                         key=lambda i: (-routing.counts[i], -heat[routing.experts[i]]))
         table.touch(slots[hits])
         table.lock(slots[hits])
-        behind = 0 if streaming else self._behind()
+        # copies still in flight: this call's fills and the next layer's copies ahead queue behind them
+        behind = self._behind() if not streaming and (misses or self._looking_ahead()) else 0
         ahead = None if streaming else self._ahead_plan(layer, behind)
         per = sum(routing.counts[i] for i in misses) / len(misses) if misses else 1.0
         q = len(misses) if streaming else self.split(len(misses), busy=(len(ahead[1]) if ahead else 0) + behind,
@@ -380,7 +381,7 @@ class OffloadBackend(CopiesAhead):
         y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
         self._launch_slots(x, y, slots[topk_ids])  # id -1 (padding) looks up -1
         self._unsettled.append((layer, topk_ids, self.cache.table.moment(), self._span))
-        ahead = self._ahead_plan(layer, self._behind())  # None in a streamed forward
+        ahead = self._ahead_plan(layer)  # None in a streamed forward
         if ahead and len(ahead[1]):
             self._copy_ahead(ahead[0], ahead[1], with_cpu=False, after=self.cache.mark())  # after this layer's reads
         self._unlock()  # as a layer call ends: the copies' slots are the next layer's to plan with
