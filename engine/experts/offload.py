@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.experts import admission
-from engine.experts.compute import Routing, combine, run_expert
+from engine.experts.compute import Routing, combine
 from engine.experts.cpu_jobs import CpuJobs
 from engine.experts.handoff import HandoffClock
 from engine.experts.host_pool import HostPool
@@ -28,6 +28,7 @@ from engine.experts.lru import prompt_use_weights
 from engine.experts.policy import FULL_SAMPLE_EXPERTS, BandwidthEstimate
 from engine.experts.prefill_stream import REFILL_USES, STREAM_MODES, PrefillStreamer, pick_probability
 from engine.experts.slot_cache import COALESCE_FILLS, SlotCache
+from engine.experts.slot_runner import SlotRunner
 from engine.experts.stats import ExpertStats, LayerCall
 
 # how a fast path decodes through the cache: mapped (misses read in place, one graph a step), host (each cache
@@ -57,12 +58,12 @@ class OffloadBackend(CopiesAhead):
                  refresh: bool | str = "auto") -> None:
         self.pool, self.device = pool, torch.device(device)
         self.cache = SlotCache(pool, num_slots, self.device, slot_policy)
+        self.runner = SlotRunner(self.cache)  # the experts in slots, run in place
         self.stats_ = ExpertStats(pool.layers)
         self.estimate = estimate or BandwidthEstimate()
         # prompts stream whole layers: auto (True) when predicted faster, on always, off (False) never
         mode = _mode(stream_prefill, STREAM_MODES, "--prefill-stream", true="auto")
         self.streamer = PrefillStreamer(self, mode) if mode != "off" else None
-        self._ones: dict = {}  # (T, K) -> unit weights for the grouped kernels (combine weighs afterwards)
         self._fill_run_s = 0.0  # CPU device: seconds the experts of the last fill round took to run
         # a prompt's compute for the prefill choice, as flop/s of its routed experts alone: an 8k prompt through
         # 8 resident layers at the Qwen3.6-35B-A3B widths took 88 ms on the H200 (2 x 8 x 8192 x 8 x 3.1M
@@ -379,7 +380,7 @@ class OffloadBackend(CopiesAhead):
         copy engine idle until the second layer's routing (H200 box, docs/PERF.md twenty-fourth session)."""
         T, K = topk_ids.shape
         y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
-        self._launch_slots(x, y, slots[topk_ids])  # id -1 (padding) looks up -1
+        self.runner.launch(x, y, slots[topk_ids])  # id -1 (padding) looks up -1
         self._unsettled.append((layer, topk_ids, self.cache.table.moment(), self._span))
         ahead = self._ahead_plan(layer)  # None in a streamed forward
         if ahead and len(ahead[1]):
@@ -401,18 +402,18 @@ class OffloadBackend(CopiesAhead):
         coalesce = len(want) > COALESCE_FILLS
         admitted = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=coalesce, bonus=self.keep_bonus(layer))
         if self.grouped and len(admitted) == len(fills) and x.dtype == self.pool.dtype:
-            self._run_grouped(x, y, routing, hits, hit_slots, topk_ids)  # overlapping the copies
+            self.runner.run_grouped(x, y, routing, hits, hit_slots, topk_ids)  # overlapping the copies
             self.cache.ready()
-            self._run_grouped(x, y, routing, fills, admitted, topk_ids)
+            self.runner.run_grouped(x, y, routing, fills, admitted, topk_ids)
             return False
         for i, s in zip(hits, hit_slots):
-            self._run_slot(x, y, routing, i, s)
+            self.runner.run_one(x, y, routing, i, s)
         done = 0
         while True:
             self.cache.ready()
             t0 = time.perf_counter()
             for j, s in enumerate(admitted):
-                self._run_slot(x, y, routing, fills[done + j], s)
+                self.runner.run_one(x, y, routing, fills[done + j], s)
             self._fill_run_s = time.perf_counter() - t0 if self.cache.copy_stream is None else 0.0
             done += len(admitted)
             if done == len(fills):
@@ -422,36 +423,6 @@ class OffloadBackend(CopiesAhead):
                                         bonus=self.keep_bonus(layer))
             if not admitted:
                 raise RuntimeError("no unlocked expert slot left for a fill")
-
-    def _run_grouped(self, x, y, routing: Routing, experts: list[int], slots: list[int],
-                     topk_ids: torch.Tensor) -> None:
-        """Routing.experts[experts] from their `slots` in one launch pair: their (token, k) rows of y
-        [T*K, H] get the unweighted expert outputs (combine weighs them, as for the other paths). Each pair's
-        slot is looked up on the device from the layer's expert -> slot table of this group (-1: not in it),
-        so the host sends E int32s, not a gathered copy of the routing."""
-        if not experts:
-            return
-        lut = np.full(self.pool.num_experts + 1, -1, dtype=np.int32)  # id -1 (routed nowhere) reads the extra -1
-        lut[[routing.experts[i] for i in experts]] = slots
-        self._launch_slots(x, y, torch.from_numpy(lut).to(self.device, non_blocking=True)[topk_ids])
-
-    def _launch_slots(self, x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor) -> None:
-        """The grouped kernels over the slots: ids [T, K] int32, each pair's slot (-1: not run here) -> the
-        unweighted expert outputs into those pairs' rows of y [T*K, H] (combine weighs them)."""
-        from engine.kernels.moe_triton import blocks_for, run_experts
-
-        T, K = ids.shape
-        ones = self._ones.get((T, K))
-        if ones is None:
-            ones = self._ones[T, K] = torch.ones(T, K, dtype=torch.float32, device=self.device)
-        act = torch.empty(T * K, self.pool.layout.inter, dtype=x.dtype, device=self.device)
-        gate_up, down = self.cache.all_weights()
-        run_experts(x.contiguous(), gate_up, down, ids, ones, blocks_for(ids, self.cache.num_slots),
-                    out=(act, y.view(T, K, -1)))
-
-    def _run_slot(self, x, y, routing: Routing, i: int, slot: int) -> None:
-        pos = routing.position(i).to(self.device, non_blocking=True)
-        run_expert(y, x, pos, routing.top_k, *self.cache.weights(slot))
 
     def _unlock(self) -> None:
         self.cache.table.unlock_all()
