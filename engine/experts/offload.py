@@ -6,9 +6,9 @@ route (host grouping) -> hits run from their slots; of the m misses, split(m) ar
 and run on the device, the rest run on the CPU concurrently from the host pool -> outputs land in
 y [T*K, H] by (token, k) position -> `compute.combine` sums over k. On CUDA the device experts run in
 two launch pairs of the grouped Triton kernels reading the slots in place (hits while the copies land,
-then the fills); elsewhere, and when fills go in rounds, one expert at a time through torch. A routed prompt's
-copies ahead of the next layer are planned in lookahead.py (CopiesAhead), the CPU's idle time between its jobs
-is timed in handoff.py (HandoffClock).
+then the fills); elsewhere, and when fills go in rounds, one expert at a time through torch (slot_runner.py). The
+CPU share runs in cpu_jobs.py; a routed prompt's copies ahead of the next layer are planned in lookahead.py
+(CopiesAhead), the CPU's idle time between its jobs is timed in handoff.py (HandoffClock).
 """
 from __future__ import annotations
 
