@@ -3,11 +3,12 @@
 Without them PCIe waits for each layer's routing to come back before it starts on that layer's fills. The
 experts copied are those the prompt's tokens touch with probability AHEAD_TOUCHED or more by the slot table's
 heat (prefill_stream.pick_probability, made per forward in OffloadBackend.begin_forward), as many as the
-backend's ahead_fills asks for (offload: all, hybrid: the fill share of the next layer's expected misses),
-into slots holding experts no later layer will likely read (_kept). A layer's own fills place by keep_bonus.
+backend's ahead_fills asks for (offload: all, hybrid: the fill share of the next layer's expected misses, with
+the copies still in flight ahead of them counted), into slots holding experts no later layer will likely read
+(_kept). A layer's own fills place by keep_bonus.
 
 CopiesAhead is the part of OffloadBackend that plans them; it reads the backend's cache, pool, stats_,
-lookahead and ahead_fills, and the forward's _touch, _ahead, _looked, _seen, _tokens, _top_k and _held.
+lookahead, ahead_fills and _behind, and the forward's _touch, _ahead, _looked, _seen, _tokens, _top_k and _held.
 """
 from __future__ import annotations
 
