@@ -306,8 +306,8 @@ def _print_calls(calls) -> None:
     """The last timed extend's MoE layer calls (OffloadBackend.call_log): what each planned, and when (ms from the
     first call's start) its routing came back, its CPU job ran and it returned."""
     print("\nthe last timed extend's MoE layer calls (ms; 'unread': every expert in a slot, routing not read back)")
-    head = ("layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "handoff", "routed", "cpu at",
-            "cpu run", "waited", "end")
+    head = ("layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "behind", "handoff", "routed",
+            "cpu at", "cpu run", "waited", "end")
     print("".join(f"{h:>8}" for h in head))
     t0 = calls[0].at
     for c in calls:
@@ -315,7 +315,7 @@ def _print_calls(calls) -> None:
                else f"{'-':>8}" * 3)
         routed = f"{c.routed_ms:>8.2f}" if c.routed_ms >= 0 else f"{'-':>8}"
         print(f"{c.layer:>8}{c.kind:>8}{(c.at - t0) * 1e3:>8.2f}{c.hits:>8}{c.misses:>8}{c.fills:>8}{c.cpu:>8}"
-              f"{c.ahead:>8}{c.handoff_ms:>8.2f}{routed}{cpu}{c.end_ms:>8.2f}")
+              f"{c.ahead:>8}{c.behind:>8}{c.handoff_ms:>8.2f}{routed}{cpu}{c.end_ms:>8.2f}")
 
 
 GAP_US = 100  # compute-stream gaps shorter than this are launch spacing, not the host holding the device up

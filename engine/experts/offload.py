@@ -293,14 +293,15 @@ class OffloadBackend(CopiesAhead, IdleRefresh):
         self._mark_exit(layer)
         if self.call_log is not None:
             self._log_call(layer, "routed", t_in, len(hits), len(misses), len(fills), len(on_cpu),
-                           len(self._looked.get(ahead[0], ())) if ahead else 0, routed_at, started, seconds, waited)
+                           len(self._looked.get(ahead[0], ())) if ahead else 0, behind, routed_at, started, seconds,
+                           waited)
         return out
 
     def _log_call(self, layer: int, kind: str, t_in: float, hits: int, misses: int, fills: int, cpu: int,
-                  ahead: int, routed_at: float | None = None, started: float | None = None,
+                  ahead: int, behind: int, routed_at: float | None = None, started: float | None = None,
                   seconds: float | None = None, waited: float | None = None) -> None:
         ms = lambda t: (t - t_in) * 1e3 if t is not None else -1.0  # noqa: E731
-        self.call_log.append(LayerCall(layer, kind, hits, misses, fills, cpu, ahead, self.handoff * 1e3, t_in,
+        self.call_log.append(LayerCall(layer, kind, hits, misses, fills, cpu, ahead, behind, self.handoff * 1e3, t_in,
                                        ms(routed_at), ms(started), (seconds or 0.0) * 1e3, (waited or 0.0) * 1e3,
                                        ms(time.perf_counter())))
 
@@ -340,14 +341,16 @@ class OffloadBackend(CopiesAhead, IdleRefresh):
         y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
         self.runner.launch(x, y, slots[topk_ids])  # id -1 (padding) looks up -1
         self._unsettled.append((layer, topk_ids, self.cache.table.moment(), self._span))
-        ahead = self._ahead_plan(layer)  # None in a streamed forward
+        behind = self._behind() if self._looking_ahead() else 0
+        ahead = self._ahead_plan(layer, behind)  # None in a streamed forward
         if ahead and len(ahead[1]):
             self._copy_ahead(ahead[0], ahead[1], with_cpu=False, after=self.cache.mark())  # after this layer's reads
         self._unlock()  # as a layer call ends: the copies' slots are the next layer's to plan with
         if layer == self.pool.layers[-1] and not self._held:
             self.settle()
         if self.call_log is not None:
-            self._log_call(layer, "unread", t_in, -1, 0, 0, 0, len(self._looked.get(ahead[0], ())) if ahead else 0)
+            self._log_call(layer, "unread", t_in, -1, 0, 0, 0, len(self._looked.get(ahead[0], ())) if ahead else 0,
+                           behind)
         return combine(y, topk_w)
 
     def _run_device(self, layer, x, y, routing: Routing, hit_slots, hits, fills, with_cpu: bool,

@@ -67,6 +67,7 @@ class LayerCall(NamedTuple):
     fills: int  # of the misses, copied in now
     cpu: int  # of the misses, run on the CPU
     ahead: int  # the next layer's experts copied in while this one runs
+    behind: int  # experts' worth of copies still in flight that this call's plan counted (SlotCache.copy_backlog)
     handoff_ms: float  # the CPU's idle time per call the split counted (hybrid)
     at: float  # perf_counter seconds when the call started
     routed_ms: float  # when the routing was back on the host

@@ -151,6 +151,7 @@ def test_copies_ahead_leave_the_cpu_more_behind_copies_in_flight(pool):
     b.ahead_fills = lambda expected, likely, per=1.0, behind=0: seen.append(behind) or fills(expected, likely, per,
                                                                                              behind)
     b.cache.copy_backlog = lambda rate: 7 * pool.expert_bytes
+    b.call_log = []
     x, ids, w = routing(40, seed=5)
     b.begin_forward(40, K, hold=True, span=40)
     for layer in L_IDS:
@@ -158,6 +159,7 @@ def test_copies_ahead_leave_the_cpu_more_behind_copies_in_flight(pool):
     b.end_forward()
     b.close()
     assert seen and set(seen) == {7}
+    assert b.call_log and {c.behind for c in b.call_log} == {7}  # the layer-call log shows what the plan counted
 
 
 @pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
@@ -565,6 +567,7 @@ def test_a_routed_prompt_copies_the_next_layers_likely_misses_ahead(cls):
         assert sum(c.cpu for c in routed) == got[look]["cpu_runs"]
         assert all((c.cpu_start_ms >= c.routed_ms) == (c.cpu > 0) for c in routed)
         assert sum(c.ahead for c in calls) == got[look]["ahead"]
+        assert all(c.behind == 0 for c in calls)  # a CPU device copies in line: nothing is ever in flight
         check_table(b)
         b.close()
     off, on = got["off"], got["on"]
