@@ -20,10 +20,12 @@ import torch
 def engine_site(stack) -> str:
     """'dir/file.py:line function' of the innermost frame of `stack` (outermost first, traceback.extract_stack)
     in the engine outside engine/bench; the innermost frame when there is none."""
-    frames = [f for f in stack if "/engine/" in f.filename.replace("\\", "/")
-              and "/engine/bench/" not in f.filename.replace("\\", "/")] or list(stack)
+    def path(f) -> str:
+        return f.filename.replace("\\", "/")
+
+    frames = [f for f in stack if "/engine/" in path(f) and "/engine/bench/" not in path(f)] or list(stack)
     f = frames[-1]
-    return f"{'/'.join(f.filename.replace(chr(92), '/').split('/')[-2:])}:{f.lineno} {f.name}"
+    return f"{'/'.join(path(f).split('/')[-2:])}:{f.lineno} {f.name}"
 
 
 class SyncSites:

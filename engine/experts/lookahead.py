@@ -42,16 +42,13 @@ class CopiesAhead:
         out[later] = (KEEP_RATIO - 1) * heat + KEEP_RATIO * self._ahead[rows[later], owner[later] % e]
         return out
 
-    def _ahead_plan(self, layer: int, behind: int | None = None):
+    def _ahead_plan(self, layer: int, behind: int):
         """For a routed prompt forward with `lookahead`: (the next MoE layer, its likely misses to copy in
         while this layer runs, most likely first, the slots they and this layer's fills may take: unlocked and
-        not _kept) or None. behind: experts' worth of copies still in flight, that these queue behind (None: the
-        backend's _behind())."""
-        if not self._looking_ahead():
-            return None
-        return self._plan_row(self.pool.row[layer] + 1, self._behind() if behind is None else behind)
+        not _kept) or None. behind: experts' worth of copies still in flight, that these queue behind."""
+        return self._plan_row(self.pool.row[layer] + 1, behind) if self._looking_ahead() else None
 
-    def _plan_row(self, i: int, behind: int = 0):
+    def _plan_row(self, i: int, behind: int):
         """_ahead_plan for pool row i, the rows before it run (none: i = 0, copied before the forward's first
         layer)."""
         if i == len(self.pool.layers):

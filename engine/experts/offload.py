@@ -24,7 +24,7 @@ from engine.experts.handoff import HandoffClock
 from engine.experts.host_pool import HostPool
 from engine.experts.lookahead import LOOKAHEAD_MODES, CopiesAhead
 from engine.experts.lru import prompt_use_weights
-from engine.experts.policy import FULL_SAMPLE_EXPERTS, BandwidthEstimate
+from engine.experts.policy import BandwidthEstimate, sample_weight
 from engine.experts.prefill_stream import REFILL_USES, STREAM_MODES, PrefillStreamer, pick_probability
 from engine.experts.refresh import REFRESH_MODES, IdleRefresh
 from engine.experts.slot_cache import COALESCE_FILLS, SlotCache
@@ -280,10 +280,11 @@ class OffloadBackend(CopiesAhead, IdleRefresh):
             pos, vals, seconds, started = pending.result()
             waited = time.perf_counter() - waited
             self.cpu_jobs.place(y, pos, vals)
-            self.estimate.observe_cpu(len(on_cpu) * self.pool.expert_bytes, seconds, len(on_cpu) / FULL_SAMPLE_EXPERTS)
+            nbytes = len(on_cpu) * self.pool.expert_bytes
+            self.estimate.observe_cpu(nbytes, seconds, sample_weight(nbytes, self.pool.expert_bytes))
             # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too
             copying = bool(fills) or (ahead is not None and len(ahead[1]) > 0)
-            self.observe("cpu", len(on_cpu) * self.pool.expert_bytes, seconds, together=copying,
+            self.observe("cpu", nbytes, seconds, together=copying,
                          per=sum(routing.counts[i] for i in on_cpu) / len(on_cpu))
             if self._timing_handoff():
                 self.handoff_clock.observe(started - routed_at)
@@ -450,7 +451,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh):
 def _mode(value, modes: tuple[str, ...], flag: str, true: str = "on") -> str:
     """An option given as one of `modes` or as a bool (True: `true`, False: "off"); else ValueError naming
     `flag` and what it takes."""
-    mode = {True: true, False: "off"}.get(value, value) if isinstance(value, bool) else value
+    mode = (true if value else "off") if isinstance(value, bool) else value
     if mode not in modes:
         raise ValueError(f"{flag} must be one of {', '.join(modes)}, got {value!r}")
     return mode

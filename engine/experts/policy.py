@@ -116,6 +116,12 @@ PER_BUCKETS = 5
 FULL_SAMPLE_EXPERTS = 16
 
 
+def sample_weight(nbytes: int, expert_bytes: int) -> float:
+    """A run of nbytes of experts as a rate sample: n experts weigh n / FULL_SAMPLE_EXPERTS of a full one (the
+    rates take at most one)."""
+    return nbytes / (FULL_SAMPLE_EXPERTS * expert_bytes)
+
+
 def per_bucket(per: float) -> int:
     """The bucket of `per` (token, expert) pairs per expert (bucket k: 2^k to 2^(k+1) - 1; the last open)."""
     return min(PER_BUCKETS - 1, int(math.log2(max(1.0, per))))
@@ -225,8 +231,8 @@ class SplitPolicy:
         """A measured fill ("fill") or CPU run ("cpu") of nbytes; together: the other path ran alongside; per:
         (token, expert) pairs per expert of a CPU run."""
         if not self.estimate.frozen:
-            weight = nbytes / (FULL_SAMPLE_EXPERTS * self.expert_bytes)
-            self._rate(path, together, per).add(nbytes, seconds, self._decisions, weight)
+            self._rate(path, together, per).add(nbytes, seconds, self._decisions,
+                                                sample_weight(nbytes, self.expert_bytes))
 
     def fill_rate(self) -> float:
         """Bytes/s the fills reach while the CPU runs beside them."""
