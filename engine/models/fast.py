@@ -45,6 +45,7 @@ class FastPath:
     def __init__(self, model, pool, chunked_rule=None, tail_rule=None):
         cfg = model.config
         self.model, self.pool, self.cfg = model, pool, cfg
+        self.chunked_rule = chunked_rule  # None: the eager layers' own
         self.mixers, self.mlps = [], []
         # an expert cache keeps the routed experts (host pool + device slots): its layers route here and run
         # the experts through it; a decode step is graphs between those layers (graphs.py)
@@ -79,6 +80,12 @@ class FastPath:
         norms = [layer.input_norm for layer in model.layers] + [model.final_norm]
         self.norms = [(layer.post_norm, norms[i + 1]) for i, layer in enumerate(model.layers)]
         self.splits = decode_splits(pool.capacity)
+
+    def rule_modes(self) -> dict[int, str]:
+        """How the chunked delta rule runs each token bucket made so far (rule_graphs.BucketedRule.modes): graph
+        or direct; {} when it runs every run as it comes."""
+        modes = getattr(self.chunked_rule, "modes", None)
+        return modes() if modes is not None else {}
 
     # -- one token per sequence -----------------------------------------------------------------------
     def decode(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
