@@ -19,13 +19,14 @@ class Routing:
     backend calls this once per MoE layer per step. An expert's positions are a view made when asked for
     (the grouped device kernels never ask)."""
 
-    __slots__ = ("top_k", "experts", "counts", "unrouted", "_order", "_starts")
+    __slots__ = ("top_k", "experts", "counts", "unrouted", "expert_ids", "pair_counts", "_order", "_starts")
 
-    def __init__(self, top_k: int, experts: list[int], counts: list[int], order: np.ndarray,
-                 starts: list[int], unrouted: int = 0) -> None:
+    def __init__(self, top_k: int, experts: np.ndarray, counts: np.ndarray, order: np.ndarray,
+                 starts: np.ndarray, unrouted: int = 0) -> None:
         self.top_k = top_k
-        self.experts = experts  # distinct experts, ascending
-        self.counts = counts  # (token, k) pairs per expert
+        self.expert_ids, self.pair_counts = experts, counts  # as int64 arrays, for the planning's numpy
+        self.experts = experts.tolist()  # distinct experts, ascending
+        self.counts = counts.tolist()  # (token, k) pairs per expert
         self.unrouted = unrouted  # pairs with id -1 (a padding row's): no expert, their rows of y read zero
         self._order, self._starts = order, starts
 
@@ -42,21 +43,22 @@ class Routing:
         cut = np.flatnonzero(np.diff(ids)) + 1
         starts = np.concatenate(([0], cut)) if len(ids) else cut
         counts = np.diff(np.concatenate((starts, [len(ids)])))
-        experts, starts, counts = ids[starts].tolist(), starts.tolist(), counts.tolist()
+        experts = ids[starts]
         unrouted = 0
-        if experts and experts[0] < 0:  # sorted first; an expert id of its own would index the last expert
-            unrouted = counts[0]
+        if len(experts) and experts[0] < 0:  # sorted first; an expert id of its own would index the last expert
+            unrouted = int(counts[0])
             experts, starts, counts = experts[1:], starts[1:], counts[1:]
         return Routing(topk_ids.shape[1], experts, counts, order, starts, unrouted)
 
     def pairs(self, indices) -> tuple[np.ndarray, np.ndarray]:
         """(flat positions [N] int64, expert id of each [N] int64) of experts[i] for i in `indices`, expert by
         expert: a CPU job's pairs in two arrays (cpu_runner.Pairs), with no tensor an expert."""
-        if not len(indices):
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        pos = np.concatenate([self._order[self._starts[i]: self._starts[i] + self.counts[i]] for i in indices])
-        experts = np.repeat([self.experts[i] for i in indices], [self.counts[i] for i in indices])
-        return pos.astype(np.int64, copy=False), experts.astype(np.int64, copy=False)
+        indices = np.asarray(indices, dtype=np.int64)
+        counts = self.pair_counts[indices]
+        # pair j of the run: the expert's first place in the sort order, plus j less the pairs before its expert
+        ends = np.cumsum(counts)
+        at = np.repeat(self._starts[indices] - (ends - counts), counts) + np.arange(ends[-1] if len(ends) else 0)
+        return self._order[at].astype(np.int64, copy=False), np.repeat(self.expert_ids[indices], counts)
 
     def rows(self, e_index: int) -> torch.Tensor:
         return self.position(e_index) // self.top_k  # token of each routed position

@@ -119,10 +119,13 @@ class CopiesAhead:
         st.ahead += placed
         st.bytes_moved += placed * self.pool.expert_bytes
 
-    def _count_looked(self, layer: int, experts: list[int]) -> None:
+    def _count_looked(self, layer: int, experts: np.ndarray) -> None:
+        """The copies ahead into `layer` that its routing used (experts: the distinct experts it routed to)."""
         looked = self._looked.pop(layer, None)
         if looked is not None:
-            self.stats_[layer].ahead_used += int(np.isin(looked, experts).sum())
+            routed = np.zeros(self.pool.num_experts, dtype=bool)
+            routed[experts] = True
+            self.stats_[layer].ahead_used += int(routed[looked].sum())
 
     def _looking_ahead(self) -> bool:
         """A routed prompt forward runs with `lookahead` (its touch probabilities known)."""

@@ -241,35 +241,36 @@ class OffloadBackend(CopiesAhead, IdleRefresh):
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
         self.handoff_clock.read_gaps()  # the routing's read-back waited for the device: earlier gaps' are done
-        table.note_use(self.pool.row[layer], routing.experts, weights=self._use_weights(routing.counts, self._span))
-        slots = self.cache.lookup(layer, routing.experts)
-        hits = [i for i, s in enumerate(slots) if s >= 0]
-        self._count_looked(layer, routing.experts)
+        table.note_use(self.pool.row[layer], routing.expert_ids,
+                       weights=self._use_weights(routing.pair_counts, self._span))
+        slots = self.cache.lookup(layer, routing.expert_ids)
+        hit = np.flatnonzero(slots >= 0)
         # fills take the misses with the most tokens, then the hottest (the ones a slot will serve again);
         # the CPU runs the rest from the host pool
         heat = table.heat[self.pool.row[layer]]
-        misses = sorted((i for i, s in enumerate(slots) if s < 0),
-                        key=lambda i: (-routing.counts[i], -heat[routing.experts[i]]))
-        table.touch(slots[hits])
-        table.lock(slots[hits])
+        miss = np.flatnonzero(slots < 0)
+        miss = miss[np.lexsort((-heat[routing.expert_ids[miss]], -routing.pair_counts[miss]))]
+        table.touch(slots[hit])
+        table.lock(slots[hit])
         # copies still in flight: this call's fills and the next layer's copies ahead queue behind them
-        behind = self._behind() if not streaming and (misses or self._looking_ahead()) else 0
+        behind = self._behind() if not streaming and (len(miss) or self._looking_ahead()) else 0
         ahead = None if streaming else self._ahead_plan(layer, behind)
-        per = sum(routing.counts[i] for i in misses) / len(misses) if misses else 1.0
-        q = len(misses) if streaming else self.split(len(misses), busy=(len(ahead[1]) if ahead else 0) + behind,
-                                                     per=per)
+        per = float(routing.pair_counts[miss].mean()) if len(miss) else 1.0
+        q = len(miss) if streaming else self.split(len(miss), busy=(len(ahead[1]) if ahead else 0) + behind, per=per)
+        hits, misses = hit.tolist(), miss.tolist()
         fills, on_cpu = misses[:q], misses[q:]
         if ahead:  # the fills of this layer take spare slots first; their slots count again after its kernels
             ahead = ahead[0], ahead[1][: ahead[2]]
         y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
         pending = self.cpu_jobs.start(layer, x, routing, on_cpu)
+        self._count_looked(layer, routing.expert_ids)  # (a count alone: after the CPU's job is under way)
         read = self.cache.mark() if ahead else None  # the last reader of an unlocked slot is queued before this...
         if not streaming:
             # hits may sit in slots that copies still in flight fill (the last layer's copies ahead). Waited for
             # only now: the routing's and the CPU's inputs' read-backs queued before it do not wait behind them
             # (the box, 2026-12-03: a layer's routing came back 2.6-4.9 ms late, after the copies ahead)
             self.cache.ready()
-        in_rounds = self._run_device(layer, x, y, routing, [int(slots[i]) for i in hits], hits, fills,
+        in_rounds = self._run_device(layer, x, y, routing, slots[hit].tolist(), hits, fills,
                                      pending is not None, topk_ids)
         if ahead and len(ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
             self._copy_ahead(*ahead, with_cpu=pending is not None, after=None if in_rounds else read,
@@ -285,7 +286,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh):
             # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too
             copying = bool(fills) or (ahead is not None and len(ahead[1]) > 0)
             self.observe("cpu", nbytes, seconds, together=copying,
-                         per=sum(routing.counts[i] for i in on_cpu) / len(on_cpu))
+                         per=float(routing.pair_counts[on_cpu].mean()))
             if self._timing_handoff():
                 self.handoff_clock.observe(started - routed_at)
         self._unlock()

@@ -1,6 +1,7 @@
 """compute.Routing.of (numpy grouping) against a plain per-expert reference, on fresh random routing."""
 import random
 
+import numpy as np
 import torch
 
 from engine.experts.compute import Routing
@@ -27,8 +28,17 @@ def test_routing_groups_pairs_by_expert_in_position_order():
         for i, want in enumerate(positions):
             assert r.position(i).tolist() == want and r.position(i).dtype == torch.long
             assert r.rows(i).tolist() == [p // K for p in want]
+        assert r.expert_ids.tolist() == experts and r.pair_counts.tolist() == r.counts
+        # a CPU job's pairs: any subset of the experts, in the order asked for
+        pick = rng.sample(range(len(experts)), rng.randint(0, len(experts)))
+        pos, ids_of = r.pairs(pick)
+        assert pos.tolist() == [p for i in pick for p in positions[i]]
+        assert ids_of.tolist() == [experts[i] for i in pick for _ in positions[i]]
+        assert pos.dtype == ids_of.dtype == np.int64
 
 
 def test_routing_of_nothing_routed():
     r = Routing.of(torch.full((3, 2), -1))
     assert r.experts == [] and r.counts == [] and r.unrouted == 6
+    pos, ids_of = r.pairs([])
+    assert len(pos) == len(ids_of) == 0 and pos.dtype == ids_of.dtype == np.int64
