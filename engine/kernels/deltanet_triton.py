@@ -173,9 +173,25 @@ def rule_step(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, sl
         return out
     o = torch.empty(B, values, dtype=torch.float32, device=qkv.device)
     _rule(qkv, proj, rec_state, slots, c, o, norm=False)
-    bh = max(1, min(c.value_heads, 4096 // c.value_dim))
-    _gated_norm_kernel[(B, triton.cdiv(c.value_heads, bh))](o, proj, proj.stride(0), C, c.norm_w, out, c.eps,
-                                                            c.value_heads, DV=c.value_dim, BH=bh, num_warps=4, **pdl_args(o))
+    return gated_norm(o, proj, C, c, out)
+
+
+def gated_norm(o: torch.Tensor, proj: torch.Tensor, z_off: int, consts: RuleConsts,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated RMSNorm of the rule's output in one launch: o [N, Hv*dv] (contiguous, fp32 or the model
+    dtype), z from proj [N, P] at column z_off (unit column stride) -> [N, Hv*dv] in out's dtype (default
+    proj's). A decode step's rows or a prompt's (FastPath's DeltaNet prefill), norm.gated_rms_norm's arithmetic
+    except that weight x normalised stays fp32 until the gate's product is rounded."""
+    c = consts
+    N = o.shape[0]
+    values = c.value_heads * c.value_dim
+    if not o.is_contiguous() or o.shape != (N, values) or proj.stride(1) != 1 or proj.shape[1] < z_off + values:
+        raise ValueError(f"gated_norm: o must be contiguous [N, {values}] and proj hold z at column {z_off}")
+    out = out if out is not None else torch.empty(N, values, dtype=proj.dtype, device=o.device)
+    bh = min(triton.next_power_of_2(c.value_heads), max(1, 4096 // c.value_dim))  # heads a program (masked)
+    _gated_norm_kernel[(N, triton.cdiv(c.value_heads, bh))](o, proj, proj.stride(0), z_off, c.norm_w, out, c.eps,
+                                                            c.value_heads, DV=c.value_dim, BH=bh, num_warps=4,
+                                                            **pdl_args(o))
     return out
 
 

@@ -4,9 +4,10 @@ kept at marked steps) against the eager recurrence."""
 import pytest
 import torch
 
-from engine.kernels.deltanet_triton import (RuleConsts, conv_step, conv_step_ref, rule_step, rule_step_ref,
+from engine.kernels.deltanet_triton import (RuleConsts, conv_step, conv_step_ref, gated_norm, rule_step, rule_step_ref,
                                            rule_tail)
 from engine.layers.delta_rule import recurrent_gated_delta_rule
+from engine.layers.norm import gated_rms_norm
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 
@@ -80,3 +81,22 @@ def test_rule_tail_runs_the_recurrence_and_keeps_the_marked_states(dev, dtype):
     assert rel_err(after, s) < 1e-5
     with pytest.raises(ValueError, match="marks"):
         rule_tail(q, k, v, gate, beta, state, [4, 2])
+
+
+@pytest.mark.parametrize("dtype", float_dtypes())
+def test_gated_norm_over_prompt_rows_matches_the_eager_norm(dev, dtype):
+    """A prompt's rows of the rule's output (the fast path's DeltaNet prefill), z read from the fused projection
+    at its column offset: the eager layer's gated_rms_norm."""
+    seed = int(torch.randint(1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    c = consts(g, dev, hv=6, dv=32)
+    N, z_off, values = 37, 19, c.value_heads * c.value_dim
+    proj = torch.randn(N, z_off + values + 5, generator=g).to(dev, dtype)
+    o = torch.randn(N, values, generator=g).to(dev, dtype)
+    got = gated_norm(o, proj, z_off, c)
+    z = proj[:, z_off : z_off + values].reshape(N, c.value_heads, c.value_dim)
+    ref = gated_rms_norm(o.view(N, c.value_heads, c.value_dim), z, c.norm_w.to(dtype), c.eps).reshape(N, -1)
+    assert got.dtype == dtype and got.shape == ref.shape
+    assert rel_err(got, ref) < tol(dtype), seed
+    with pytest.raises(ValueError, match="contiguous"):
+        gated_norm(o.t().contiguous().t(), proj, z_off, c)
