@@ -27,6 +27,9 @@ class GatedDeltaNet:
         # kernel on CUDA (deltanet_triton.rule_tail) for a prompt's last tail_tokens when checkpoints fall there
         self.tail_rule = None
         self.tail_tokens = 0
+        # (x [T, C], state.conv [C, K-1] updated in place) -> _conv's output: the fast path's one-launch kernel
+        # (deltanet_prefill_triton.conv_prefill)
+        self.prefill_conv = None
 
     def __call__(self, x: torch.Tensor, spans: list) -> torch.Tensor:
         """x [N, H]; spans: a Span per sequence (its state a LinearState) -> [N, H]."""
@@ -86,6 +89,8 @@ class GatedDeltaNet:
 
     def _conv(self, x: torch.Tensor, state) -> torch.Tensor:
         """x [T, C] -> silu(causal depthwise conv) [T, C]; state.conv keeps the last K-1 inputs [C, K-1]."""
+        if self.prefill_conv is not None:
+            return self.prefill_conv(x, state.conv)
         full = torch.cat([state.conv, x.t()], dim=-1)  # [C, K-1+T]
         state.conv = full[:, full.shape[1] - state.conv.shape[1] :].contiguous()
         windows = full.unfold(1, self.conv_w.shape[-1], 1)  # [C, T, K]: the K inputs each output sees

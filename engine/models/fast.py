@@ -18,6 +18,7 @@ N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from collections.abc import Generator
 from typing import NamedTuple
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from engine.experts.registry import is_expert_cache
 from engine.kernels.attention_triton import (decode_attention, decode_splits, prefill_attention, prefill_block,
                                              prefill_tiles, qk_rope_store)
+from engine.kernels.deltanet_prefill_triton import conv_prefill
 from engine.kernels.deltanet_triton import TAIL_TOKENS, conv_step, gated_norm, rule_step
 from engine.kernels.linear_triton import SKINNY_ROWS, skinny_linear
 from engine.kernels.mailbox_triton import join, publish
@@ -61,6 +63,7 @@ class FastPath:
             self.mixers.append(mixer)
             self.mlps.append(fuse_mlp(layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp)
             if not layer.is_attention:
+                layer.mixer.prefill_conv = functools.partial(conv_prefill, conv_w=mixer.conv_w)
                 if chunked_rule is not None:
                     layer.mixer.chunked_rule = chunked_rule
                 if tail_rule is not None:

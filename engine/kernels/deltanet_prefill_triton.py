@@ -1,0 +1,72 @@
+"""A prompt's DeltaNet causal conv in one launch: one sequence's T inputs, its conv state updated in place.
+
+    out = conv_prefill(x, conv_state, conv_w)      # x [T, C] -> silu(causal depthwise conv) [T, C]
+
+The eager layer (engine/layers/deltanet.py GatedDeltaNet._conv) builds the windows with a concatenation, an
+unfold, a product and a sum, then a silu and a transpose that the split heads copy back: about eight launches
+the host queues in each DeltaNet layer of an extend, between two MoE layer calls (FastPath hands this kernel to
+the layer instead). Programs tile (tokens, channels); an output at step t reads inputs t-K+1..t, those before
+the sequence from the state. The program of the first token block, the only one that reads the state, then
+writes the new one: the last K-1 inputs of state and x together. Products and sums in fp32, as conv_step (the
+decode step's kernel) does. T = tokens, C = conv channels, K = conv width.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_T, BLOCK_C = 32, 128
+
+
+@triton.jit
+def _conv_prefill_kernel(x_ptr, x_stride, state_ptr, w_ptr, out_ptr, T, C,
+                         KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr):
+    pt = tl.program_id(0)
+    t = pt * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    tm, cm = t < T, c < C
+    acc = tl.zeros((BT, BC), dtype=tl.float32)
+    for j in tl.static_range(KW):
+        s = t - (KW - 1) + j  # the input step output t reads at tap j; before 0: the state's column K-1+s
+        xv = tl.load(x_ptr + s[:, None] * x_stride + c[None, :], mask=(tm & (s >= 0))[:, None] & cm[None, :],
+                     other=0.0)
+        sv = tl.load(state_ptr + c[None, :] * (KW - 1) + (KW - 1 + s)[:, None],
+                     mask=(tm & (s < 0))[:, None] & cm[None, :], other=0.0)
+        w = tl.load(w_ptr + c * KW + j, mask=cm, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w[None, :]
+    y = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + t[:, None] * C + c[None, :], y.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+    if pt == 0:
+        i = tl.arange(0, BW)
+        im = i < KW - 1
+        s = T - (KW - 1) + i  # the input step that becomes state column i
+        xv = tl.load(x_ptr + s[None, :] * x_stride + c[:, None], mask=cm[:, None] & (im & (s >= 0))[None, :],
+                     other=0.0)
+        sv = tl.load(state_ptr + c[:, None] * (KW - 1) + (KW - 1 + s)[None, :],
+                     mask=cm[:, None] & (im & (s < 0))[None, :], other=0.0)
+        new = tl.where((s >= 0)[None, :], xv.to(state_ptr.dtype.element_ty), sv)
+        tl.debug_barrier()  # every thread's reads of the old state above come before any write
+        tl.store(state_ptr + c[:, None] * (KW - 1) + i[None, :], new, mask=cm[:, None] & im[None, :])
+
+
+def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor) -> torch.Tensor:
+    """x [T, C] one sequence's conv inputs (row stride free, unit column stride); conv_state [C, K-1]
+    (contiguous, x's dtype), left holding the last K-1 inputs; conv_w [C, K] -> silu(conv) [T, C] in x's dtype,
+    contiguous (its column slices reshape into heads without a copy)."""
+    T, C = x.shape
+    km1 = conv_state.shape[1]
+    if conv_w.shape != (C, km1 + 1) or conv_state.shape[0] != C or x.stride(1) != 1:
+        raise ValueError(f"conv_prefill: x {tuple(x.shape)}, state {tuple(conv_state.shape)} and conv_w "
+                         f"{tuple(conv_w.shape)} must agree on C and K, x with unit column stride")
+    if km1 > BLOCK_T:  # the first token block must hold every output that reads the state
+        raise ValueError(f"conv_prefill: conv width {km1 + 1} is wider than {BLOCK_T + 1}")
+    if not conv_state.is_contiguous() or conv_state.dtype != x.dtype:
+        raise ValueError("conv_prefill: the conv state must be contiguous, in x's dtype")
+    out = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C))
+    _conv_prefill_kernel[grid](x, x.stride(0), conv_state, conv_w.contiguous(), out, T, C, KW=km1 + 1,
+                               BT=BLOCK_T, BC=BLOCK_C, BW=triton.next_power_of_2(max(km1, 2)), num_warps=4)
+    return out

@@ -1,0 +1,38 @@
+"""A prompt's DeltaNet conv in one launch (conv_prefill) against the eager layer's (GatedDeltaNet._conv): outputs
+and the state it leaves, runs shorter than the conv's window among them, inputs as rows of a wider projection."""
+import pytest
+import torch
+
+from engine.kernels.deltanet_prefill_triton import conv_prefill
+from engine.layers.deltanet import GatedDeltaNet
+from engine.models.state import LinearState
+from tests.kernels.conftest import float_dtypes, rel_err, tol
+
+
+@pytest.mark.parametrize("dtype", float_dtypes())
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 33, 100])
+def test_conv_prefill_matches_the_eager_conv(dev, dtype, T):
+    seed = int(torch.randint(1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    C, K, P = 200, 4, 237  # C not a multiple of the channel block; rows of a wider projection
+    proj = torch.randn(T, P, generator=g).to(dev, dtype)
+    x = proj[:, 5 : 5 + C]
+    w = (torch.randn(C, K, generator=g) * 0.5).to(dev, dtype)
+    state = torch.randn(C, K - 1, generator=g).to(dev, dtype)
+    net = GatedDeltaNet.__new__(GatedDeltaNet)  # the eager conv alone: it reads conv_w [C, 1, K]
+    net.conv_w, net.prefill_conv = w[:, None, :], None
+    ref_state = LinearState(state.clone(), None)
+    ref = net._conv(x, ref_state)
+    got_state = state.clone()
+    got = conv_prefill(x, got_state, w)
+    assert got.is_contiguous() and got.dtype == dtype
+    assert rel_err(got, ref) < tol(dtype), seed
+    assert torch.equal(got_state, ref_state.conv), seed  # the state holds inputs: copied, never rounded
+
+
+def test_conv_prefill_names_a_mismatch(dev):
+    x = torch.zeros(4, 8, device=dev)
+    with pytest.raises(ValueError, match="agree on C and K"):
+        conv_prefill(x, torch.zeros(8, 3, device=dev), torch.zeros(8, 3, device=dev))
+    with pytest.raises(ValueError, match="contiguous"):
+        conv_prefill(x, torch.zeros(3, 8, device=dev).t(), torch.zeros(8, 4, device=dev))
