@@ -2,9 +2,9 @@
 while the device runs the rest, their outputs then placed into the layer's rows (OffloadBackend.forward).
 
     jobs = CpuJobs(pool, device, zero_copy)
-    pending = jobs.start(layer, x, routing, on_cpu)      # None without CPU work; else a Future of
-    pos, vals, seconds, started = pending.result()       #   (positions, outputs, seconds it ran, when it began)
-    jobs.place(y, pos, vals)                             # y [T*K, H] at pos <- vals
+    pending = jobs.start(layer, x, routing, on_cpu)      # None without CPU work; else a Future of a CpuResult
+    done = pending.result()
+    jobs.place(y, done)                                  # y [T*K, H] at done.pos <- done.vals
 
 T = tokens, K = experts per token, H = hidden. zero_copy (CUDA, grouped kernels): the job writes its positions
 and outputs into page-locked buffers kept for the next call, which the device reads in place
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +24,16 @@ from engine.experts.host_pool import HostPool
 
 # a layer call of at least this many tokens (a prompt's) runs its CPU experts on cpu_runner.prompt_threads()
 PROMPT_TOKENS = 32
+
+
+class CpuResult(NamedTuple):
+    """A layer call's CPU share, done."""
+
+    pos: torch.Tensor  # [N] int64: the (token, k) positions of y it ran
+    vals: torch.Tensor  # [N, H]: their outputs
+    seconds: float  # how long it ran
+    started: float  # perf_counter when it began
+    pinned: bool  # pos and vals are the page-locked buffers the device reads in place (zero_copy)
 
 
 class CpuJobs:
@@ -46,34 +57,37 @@ class CpuJobs:
         return self._worker.submit(self._run, x.to("cpu"), host, jobs, routing.top_k, self._tables[layer], out,
                                    x.shape[0] >= PROMPT_TOKENS)
 
-    def place(self, y: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
-        """y [T*K, H] at pos <- the CPU's outputs: read in place from page-locked memory by a kernel on CUDA,
-        else copied."""
-        if self.zero_copy and vals.is_pinned() and pos.is_pinned():
+    def place(self, y: torch.Tensor, done: CpuResult) -> None:
+        """y [T*K, H] at done.pos <- done.vals: read in place from page-locked memory by a kernel on CUDA, else
+        copied."""
+        if done.pinned:
             from engine.kernels.mailbox_triton import scatter_rows
 
-            scatter_rows(y, pos, vals)
+            scatter_rows(y, done.pos, done.vals)
             self._scatter_done = torch.cuda.Event()
             self._scatter_done.record()
         else:
-            y[pos.to(self.device)] = vals.to(self.device, y.dtype)
+            y[done.pos.to(self.device)] = done.vals.to(self.device, y.dtype)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
         self._tables.clear()
 
     def _run(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs: Pairs, top_k: int, table, out=None,
-             prompt: bool = False):
-        """-> (positions, outputs, seconds, when it started): into `out` (positions, outputs) when given. In
-        inference mode, as the engine's thread that made `out` (a worker thread starts outside it, and writing
-        an inference tensor there raises). prompt: a prompt's layer call (cpu_runner.prompt_threads)."""
+             prompt: bool = False) -> CpuResult:
+        """Into `out` (positions, outputs: _buffers') when given. In inference mode, as the engine's thread that
+        made `out` (a worker thread starts outside it, and writing an inference tensor there raises). prompt: a
+        prompt's layer call (cpu_runner.prompt_threads)."""
         t0 = time.perf_counter()
         with torch.inference_mode():
             pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table,
                                    out=None if out is None else out[1], prompt=prompt)
             if out is not None:
                 pos = out[0][: len(pos)].copy_(pos)
-        return pos, vals, time.perf_counter() - t0, t0
+        # whether the outputs landed in out's rows, page-locked on CUDA (a path that cannot write there returns
+        # its own)
+        pinned = out is not None and self.device.type == "cuda" and vals.data_ptr() == out[1].data_ptr()
+        return CpuResult(pos, vals, time.perf_counter() - t0, t0, pinned)
 
     def _buffers(self, dtype: torch.dtype, rows: int):
         """(positions [>= rows] int64, outputs [>= rows, H]) for a job to write, page-locked on CUDA; the last

@@ -278,9 +278,10 @@ class OffloadBackend(CopiesAhead, IdleRefresh):
         started = seconds = waited = None
         if pending is not None:
             waited = time.perf_counter()
-            pos, vals, seconds, started = pending.result()
+            done = pending.result()
+            seconds, started = done.seconds, done.started
             waited = time.perf_counter() - waited
-            self.cpu_jobs.place(y, pos, vals)
+            self.cpu_jobs.place(y, done)
             nbytes = len(on_cpu) * self.pool.expert_bytes
             self.estimate.observe_cpu(nbytes, seconds, sample_weight(nbytes, self.pool.expert_bytes))
             # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too
