@@ -96,19 +96,22 @@ def test_fp32_fast_matches_eager_on_cuda(demo_ckpt):
     assert fast.generate(ids[:50], 16) == eager.generate(ids[:50], 16)
 
 
-def test_fla_chunked_rule_matches_reference():
-    pytest.importorskip("fla")
-    from engine.kernels.delta_rule_fla import chunked_gated_delta_rule_fla
-    from engine.layers.delta_rule import chunked_gated_delta_rule
-
-    g = torch.Generator(device="cuda").manual_seed(5)
-    T, Hk, Hv, dk, dv = 333, 4, 8, 128, 128
+def rule_inputs(T: int, g: torch.Generator, Hk: int = 4, Hv: int = 8, dk: int = 128, dv: int = 128):
+    """Random q, k, v (bf16), log decay g, beta and a state for the chunked rule on CUDA."""
     q = torch.randn(T, Hk, dk, device="cuda", generator=g, dtype=torch.bfloat16)
     k = torch.randn(T, Hk, dk, device="cuda", generator=g, dtype=torch.bfloat16)
     v = torch.randn(T, Hv, dv, device="cuda", generator=g, dtype=torch.bfloat16)
     gl = -torch.rand(T, Hv, device="cuda", generator=g) * 0.5
     beta = torch.rand(T, Hv, device="cuda", generator=g).to(torch.bfloat16)
-    s0 = torch.randn(Hv, dk, dv, device="cuda", generator=g) * 0.1
+    return q, k, v, gl, beta, torch.randn(Hv, dk, dv, device="cuda", generator=g) * 0.1
+
+
+def test_fla_chunked_rule_matches_reference():
+    pytest.importorskip("fla")
+    from engine.kernels.delta_rule_fla import chunked_gated_delta_rule_fla
+    from engine.layers.delta_rule import chunked_gated_delta_rule
+
+    q, k, v, gl, beta, s0 = rule_inputs(333, torch.Generator(device="cuda").manual_seed(5))
     o_ref, s_ref = chunked_gated_delta_rule(q.float(), k.float(), v.float(), gl, beta.float(), s0)
     o, s = chunked_gated_delta_rule_fla(q, k, v, gl, beta, s0)
     assert rel(o, o_ref) < 2e-2 and rel(s, s_ref) < 2e-2
@@ -125,14 +128,8 @@ def test_rule_graphs_equal_the_padded_rule_launched_directly():
     graphed, direct = BucketedRule(fla, capture=True), BucketedRule(fla, capture=False)
     seed = int(torch.randint(1 << 30, ()))
     g = torch.Generator(device="cuda").manual_seed(seed)
-    Hk, Hv, dk, dv = 4, 8, 128, 128
     for T in (256, 200, 256, 1, 64, 100, 700, 1500):
-        q = torch.randn(T, Hk, dk, device="cuda", generator=g, dtype=torch.bfloat16)
-        k = torch.randn(T, Hk, dk, device="cuda", generator=g, dtype=torch.bfloat16)
-        v = torch.randn(T, Hv, dv, device="cuda", generator=g, dtype=torch.bfloat16)
-        gl = -torch.rand(T, Hv, device="cuda", generator=g) * 0.5
-        beta = torch.rand(T, Hv, device="cuda", generator=g).to(torch.bfloat16)
-        s0 = torch.randn(Hv, dk, dv, device="cuda", generator=g) * 0.1
+        q, k, v, gl, beta, s0 = rule_inputs(T, g)
         o1, s1 = graphed(q, k, v, gl, beta, s0)
         o2, s2 = direct(q, k, v, gl, beta, s0)
         o3, s3 = fla(q, k, v, gl, beta, s0)
