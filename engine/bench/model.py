@@ -301,7 +301,7 @@ def run(args) -> dict:
     return {"what": "whole engine: EngineCore -> scheduler -> ModelRunner -> Model", "model": name,
             **cache.split(), "path": "fast" if model.fast is not None else "eager",
             "decode_buckets": model.decode_steps.modes() if model.fast is not None else {},
-            "rule_buckets": model.fast.rule_modes() if model.fast is not None else {},
+            "prompt_buckets": model.fast.bucket_modes() if model.fast is not None else {},
             "overlap": core.runner.overlap, "temperature": args.temperature,
             "device": _device_name(model.device), "dtype": args.dtype,
             "prompts": "text (engine.bench.serve's)" if args.text_prompts else "random ids",
@@ -462,8 +462,8 @@ def _cpu_path() -> str:
 def print_buckets(res: dict) -> None:
     if res.get("decode_buckets"):
         print("decode steps by batch size: " + ", ".join(f"{b} {m}" for b, m in res["decode_buckets"].items()))
-    if res.get("rule_buckets"):
-        print("DeltaNet rule by token bucket: " + ", ".join(f"{b} {m}" for b, m in res["rule_buckets"].items()))
+    for name, modes in res.get("prompt_buckets", {}).items():  # (JSON keys are strings)
+        print(f"a prompt's {name} by token bucket: " + ", ".join(f"{b} {m}" for b, m in modes.items()))
 
 
 def print_split(res: dict) -> None:

@@ -41,13 +41,16 @@ from engine.layers.moe import MoE
 from engine.models.fused import (CachedMoE, FusedAttention, FusedMoE, fuse_attention, fuse_cached_moe, fuse_deltanet,
                                  fuse_moe)
 from engine.models.pieces import one_expert_pass, piece_rows, piece_spans, row_pieces
+from engine.models.token_graphs import BucketedRoute, BucketedRule
 
 
 class FastPath:
-    def __init__(self, model, pool, chunked_rule=None, tail_rule=None):
+    def __init__(self, model, pool, chunked_rule=None, tail_rule=None, capture: bool = False):
+        """capture: a prompt's short runs (token_graphs.py) replay CUDA graphs, else launch the same shapes."""
         cfg = model.config
         self.model, self.pool, self.cfg = model, pool, cfg
         self.chunked_rule = chunked_rule  # None: the eager layers' own
+        self.prompt_route = BucketedRoute(route_cached, capture)  # an expert-cache layer's routing of a prompt
         self.mixers, self.mlps = [], []
         # an expert cache keeps the routed experts (host pool + device slots): its layers route here and run
         # the experts through it; a decode step is graphs between those layers (graphs.py)
@@ -84,11 +87,11 @@ class FastPath:
         self.norms = [(layer.post_norm, norms[i + 1]) for i, layer in enumerate(model.layers)]
         self.splits = decode_splits(pool.capacity)
 
-    def rule_modes(self) -> dict[int, str]:
-        """How the chunked delta rule runs each token bucket made so far (rule_graphs.BucketedRule.modes): graph
-        or direct; {} when it runs every run as it comes."""
-        modes = getattr(self.chunked_rule, "modes", None)
-        return modes() if modes is not None else {}
+    def bucket_modes(self) -> dict[str, dict[int, str]]:
+        """How a prompt's short runs went by token bucket so far (token_graphs.py: graph or direct): the chunked
+        delta rule's (when it is a BucketedRule) and the expert-cache layers' routing."""
+        rule = self.chunked_rule.modes() if isinstance(self.chunked_rule, BucketedRule) else {}
+        return {name: modes for name, modes in (("rule", rule), ("route", self.prompt_route.modes())) if modes}
 
     # -- one token per sequence -----------------------------------------------------------------------
     def decode(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
@@ -310,8 +313,9 @@ class FastPath:
     def _mlp(self, i: int, h: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """-> rows to add to the residual: [N, KP, H] expert outputs (already weighted), or [N, 1, H]."""
         mlp = self.mlps[i]
-        if isinstance(mlp, CachedMoE):
-            return _cached_experts(mlp, h, valid)
+        if isinstance(mlp, CachedMoE):  # route on the device, the routed experts through the cache
+            call = self.prompt_route(mlp, h) if valid is None else route_cached(mlp, h, valid)
+            return call.finish(call.run())
         if not isinstance(mlp, FusedMoE):
             return mlp(h)[:, None]
         ids, w = route_topk(F.linear(h, mlp.router_w), mlp.top_k, mlp.norm_topk, mlp.shared_folded, valid)
@@ -347,13 +351,6 @@ def route_cached(mlp: CachedMoE, h: torch.Tensor, valid: torch.Tensor | None) ->
     K = mlp.top_k
     shared = w[:, K:].to(h.dtype) * swiglu_fused(h, mlp.shared_gate_up, mlp.shared_down) if has_shared else None
     return ExpertCall(mlp, h, ids[:, :K].long(), w[:, :K].to(h.dtype), shared)
-
-
-def _cached_experts(mlp: CachedMoE, h: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """Route on the device, run the routed experts through the expert cache (which groups them on the host),
-    add the gated shared expert -> [N, 1, H]."""
-    call = route_cached(mlp, h, valid)
-    return call.finish(call.run())
 
 
 def _decode_linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -45,19 +45,19 @@ def make_fast_path(model, slots: int, capacity: int, graphs: bool | None):
         raise ValueError(f"the fast path is not available: {reason}")
     from engine.kernels import delta_rule_fla
     from engine.kernels.deltanet_triton import rule_tail
-    from engine.kernels.rule_graphs import BucketedRule
+    from engine.models.token_graphs import BucketedRule
     from engine.models.fast import FastPath
     from engine.models.graphs import DecodeSteps
     from engine.models.slots import StatePool
 
     capture = model.device.type == "cuda" if graphs is None else graphs
     # fla computes in TF32 inside: fp32 models (the verification dtype) keep the exact torch rule. Short runs (an
-    # extend's) pad to a token bucket, replayed as one graph each when decode steps are (rule_graphs.py)
+    # extend's) pad to a token bucket, replayed as one graph each when decode steps are (token_graphs.py)
     use_fla = delta_rule_fla.available() and model.dtype != torch.float32
     rule = BucketedRule(delta_rule_fla.chunked_gated_delta_rule_fla, capture) if use_fla else None
     # a prompt's last tokens past its first checkpoint: one launch, not a pass of the rule per checkpoint
     tail = rule_tail if model.device.type == "cuda" else None
-    fast = FastPath(model, StatePool(model, slots, capacity), chunked_rule=rule, tail_rule=tail)
+    fast = FastPath(model, StatePool(model, slots, capacity), chunked_rule=rule, tail_rule=tail, capture=capture)
     if fast.cached_experts and fast.mapped is None:  # the host picks fills and CPU runs between graphs
         return fast, DecodeSteps(fast, slots, capture=capture, pad=False)
     return fast, DecodeSteps(fast, slots, capture)

@@ -136,3 +136,28 @@ def test_rule_graphs_equal_the_padded_rule_launched_directly():
         assert torch.equal(o1, o2) and torch.equal(s1, s2), (T, seed)
         assert rel(o1, o3) < 1e-3 and rel(s1, s3) < 1e-3, (T, seed)
     assert graphed.modes() == {64: "graph", 128: "graph", 256: "graph", 1024: "graph"}
+
+
+def test_route_graphs_equal_the_padded_routing_launched_directly():
+    """An expert-cache layer's routing of a prompt's rows (router, top-k, shared expert): replayed graphs equal
+    the same bucket shapes launched directly bit for bit, layer by layer, and route the real rows as route_cached
+    does alone."""
+    from engine.models.fast import route_cached
+    from engine.models.fused import CachedMoE
+    from engine.models.token_graphs import BucketedRoute
+
+    seed = int(torch.randint(1 << 30, ()))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    H, E, Is = 2048, 256, 512
+    layers = [CachedMoE(torch.randn(E + 1, H, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02, 8, True,
+                        None, i, torch.randn(2 * Is, H, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02,
+                        torch.randn(H, Is, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
+              for i in range(2)]
+    graphed, direct = BucketedRoute(route_cached, capture=True), BucketedRoute(route_cached, capture=False)
+    for T in (256, 200, 256, 64, 1500):
+        h = torch.randn(T, H, device="cuda", generator=g, dtype=torch.bfloat16)
+        for mlp in layers:
+            a, b, alone = graphed(mlp, h), direct(mlp, h), route_cached(mlp, h, None)
+            assert torch.equal(a.ids, b.ids) and torch.equal(a.w, b.w) and torch.equal(a.shared, b.shared), (T, seed)
+            assert (a.ids == alone.ids).float().mean() > 0.99 and rel(a.shared, alone.shared) < 1e-2, (T, seed)
+    assert graphed.modes() == {64: "graph", 256: "graph"}

@@ -1,13 +1,15 @@
-"""The delta rule over runs padded to a token bucket (engine/kernels/rule_graphs.py) equals the rule over the run
-as it comes, on fresh random inputs: outputs of the real rows and the state after them; padding left by a
-longer run of the same bucket changes nothing; what it returns is the caller's own. (The graphs themselves:
-tests/gpu/test_fast_cuda.py.)"""
+"""A prompt's short runs padded to a token bucket (engine/models/token_graphs.py), on fresh random inputs: the
+delta rule equals the rule over the run as it comes (outputs of the real rows, the state after them), padding
+left by a longer run of the same bucket changes nothing, what it returns is the caller's own; an expert-cache
+layer's routing equals route_cached's on the real rows. (The graphs themselves: tests/gpu/test_fast_cuda.py.)"""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from engine.kernels.rule_graphs import BucketedRule
+from engine.models.token_graphs import BucketedRoute, BucketedRule
 from engine.layers.delta_rule import chunked_gated_delta_rule
 
 HK, HV, DK, DV = 2, 4, 16, 8
@@ -110,3 +112,38 @@ def test_modes_name_each_bucket():
     rule(*inputs(10, 2))
     rule(*inputs(500, 3))  # past the buckets: no bucket made
     assert rule.modes() == {64: "direct", 128: "direct"}
+
+
+def cached_moe(seed: int, H: int = 32, E: int = 16, shared: bool = True):
+    from engine.models.fused import CachedMoE
+
+    g = torch.Generator().manual_seed(seed)
+    router = torch.randn(E + shared, H, generator=g)
+    gate_up = torch.randn(2 * 8, H, generator=g) * 0.3 if shared else None
+    down = torch.randn(H, 8, generator=g) * 0.3 if shared else None
+    return CachedMoE(router, 4, True, None, 3, gate_up, down)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="route_topk runs under Triton's interpreter")
+@pytest.mark.parametrize("shared", [True, False])
+def test_bucketed_routing_equals_the_rows_routed_as_they_come(shared):
+    """Every row is routed on its own: the real rows of a padded bucket route as they do alone, across buckets,
+    a shorter run after a longer one in the same bucket, and runs past the last bucket."""
+    pytest.importorskip("triton")
+    from engine.models.fast import route_cached
+
+    s = seed()
+    mlp = cached_moe(s, shared=shared)
+    route = BucketedRoute(route_cached, capture=False, buckets=(16, 64))
+    g = torch.Generator().manual_seed(s + 1)
+    for T in (40, 9, 30, 64, 100):
+        h = torch.randn(T, 32, generator=g)
+        got, ref = route(mlp, h), route_cached(mlp, h, None)
+        assert got.h is h and got.mlp is mlp
+        assert torch.equal(got.ids, ref.ids), (T, s)
+        torch.testing.assert_close(got.w, ref.w, rtol=1e-5, atol=1e-6, msg=f"seed {s}")
+        if shared:
+            torch.testing.assert_close(got.shared, ref.shared, rtol=1e-5, atol=1e-5, msg=f"seed {s}")
+        else:
+            assert got.shared is None
+    assert route.modes() == {16: "direct", 64: "direct"}

@@ -1,0 +1,185 @@
+"""A prompt's short runs (an extend's) padded to a token bucket, the work on them one CUDA graph a bucket.
+
+    rule = BucketedRule(chunked_gated_delta_rule_fla, capture=True)
+    o, state = rule(q, k, v, g, beta, state)        # the chunked rule's contract (engine/layers/delta_rule.py)
+    route = BucketedRoute(route_cached, capture=True)
+    call = route(mlp, h)                            # route_cached(mlp, h, None)'s ExpertCall (models/fast.py)
+
+A 256-token extend after a cached prompt is host-bound between its MoE layer calls: the CPU's share of the next
+layer waits while the host queues the layer's launches (an extend's DeltaNet layers took 2.2-2.4 ms of host time
+between two calls on the H200 box, its attention layers 1.0; docs/PERF.md, issue 17). Two pieces of every layer
+take many launches and hold no state a graph would have to know: fla's chunked rule (~10 Triton launches through
+Python wrappers) and an expert-cache layer's routing with its shared expert (~10). A run of at most BUCKETS[-1]
+tokens is copied into static buffers of the next bucket's size and the work runs there: as a graph captured on
+the bucket's first use (capture=True, CUDA) or launched directly (capture=False: the same shapes, so the two give
+the same bits). Longer runs go as they come: their launches are a small part of their time.
+
+Padding rows: the rule's carry beta = 0 and g = 0, steps that leave the state as it is (decay exp(0) = 1, a
+delta times 0), appended after the real rows, which no later row influences; the routing's are routed and
+dropped (every row is routed on its own). The rule holds no weights: one graph a bucket serves every DeltaNet
+layer; the routing's graphs are one a (layer, bucket).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+log = logging.getLogger("killick.engine")
+
+BUCKETS = (64, 128, 256, 512, 1024)  # tokens a short run is padded to: the smallest bucket that holds it
+
+
+def bucket_for(tokens: int, buckets: tuple[int, ...]) -> int | None:
+    return next((b for b in buckets if b >= tokens), None)
+
+
+def capture(fn, args: tuple, pool, what: str):
+    """Warm fn(*args) up on a side stream (Triton compiles and autotunes outside the capture), then capture it
+    -> (graph, its outputs), or None when capture failed (logged: the caller launches fn directly)."""
+    dev = args[0].device
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn(*args)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    gc.collect()
+    gc.disable()  # no finalizer (a freed pinned buffer) may run inside the capture
+    try:
+        # thread_local: an expert cache's CPU workers may touch CUDA meanwhile; that must not void it
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = fn(*args)
+    except RuntimeError as exc:
+        log.warning("%s could not be captured as a graph (%s); launching it directly", what, exc)
+        return None
+    finally:
+        gc.enable()
+    return graph, out
+
+
+class _Graphs:
+    """Graphs (or direct launches) by key, all in one memory pool (replayed one at a time, in stream order)."""
+
+    def __init__(self, capture: bool, buckets: tuple[int, ...]):
+        self.capture, self.buckets = capture, tuple(sorted(buckets))
+        self._runs: dict[tuple, object] = {}
+        self._pool = None
+
+    def bucket(self, x: torch.Tensor) -> int | None:
+        """The bucket for x's rows, None when they go as they come (too many, or inside another capture)."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        return bucket_for(x.shape[0], self.buckets)
+
+    def _capture(self, run, fn, args: tuple, what: str) -> None:
+        got = capture(fn, args, self._pool, what) if self.capture else None
+        if got is not None:
+            run.graph, run.out = got
+            self._pool = self._pool or run.graph.pool()
+
+    def modes(self) -> dict[int, str]:
+        """How each bucket made so far runs: "graph", or "direct" (capture off, or it failed and was logged);
+        a bucket with several keys (layers) reads "graph" only when all of them do."""
+        out: dict[int, str] = {}
+        for key, run in sorted(self._runs.items(), key=lambda item: item[0][0]):
+            mode = "graph" if run.graph is not None else "direct"
+            out[key[0]] = mode if out.get(key[0], mode) == mode else "direct"
+        return out
+
+
+class _RuleRun:
+    """One bucket's static inputs, and its graph's outputs once captured."""
+
+    def __init__(self, size: int, q, k, v, g, beta, state):
+        dev = q.device
+        self.q = torch.zeros(size, *q.shape[1:], dtype=q.dtype, device=dev)
+        self.k = torch.zeros(size, *k.shape[1:], dtype=k.dtype, device=dev)
+        self.v = torch.zeros(size, *v.shape[1:], dtype=v.dtype, device=dev)
+        self.g = torch.zeros(size, g.shape[1], dtype=torch.float32, device=dev)
+        self.beta = torch.zeros(size, beta.shape[1], dtype=beta.dtype, device=dev)
+        self.state = torch.zeros(state.shape, dtype=torch.float32, device=dev)
+        self.filled = 0  # rows of g and beta the last call wrote: padding past a shorter call must be zeroed
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: tuple[torch.Tensor, torch.Tensor] | None = None  # the graph's (o, state)
+
+    def load(self, q, k, v, g, beta, state) -> None:
+        T = q.shape[0]
+        for buf, x in ((self.q, q), (self.k, k), (self.v, v), (self.g, g), (self.beta, beta)):
+            buf[:T].copy_(x)
+        if self.filled > T:
+            self.g[T : self.filled].zero_()
+            self.beta[T : self.filled].zero_()
+        self.filled = T
+        self.state.copy_(state)
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.k, self.v, self.g, self.beta, self.state
+
+
+class BucketedRule(_Graphs):
+    """rule: (q, k, v, g, beta, state) -> (o, state), the chunked rule's contract. capture: graphs (CUDA)."""
+
+    def __init__(self, rule, capture: bool, buckets: tuple[int, ...] = BUCKETS):
+        super().__init__(capture, buckets)
+        self.rule = rule
+
+    def __call__(self, q, k, v, g, beta, state):
+        T, size = q.shape[0], self.bucket(q)
+        if size is None:
+            return self.rule(q, k, v, g, beta, state)
+        key = (size, q.device, q.shape[1:], v.shape[1:], q.dtype, k.dtype, v.dtype, beta.dtype)
+        run = self._runs.get(key)
+        if run is None:
+            run = self._runs[key] = _RuleRun(size, q, k, v, g, beta, state)
+            run.load(q, k, v, g, beta, state)
+            self._capture(run, self.rule, run.inputs, f"the delta rule over {size} tokens")
+        else:
+            run.load(q, k, v, g, beta, state)
+        if run.graph is not None:
+            run.graph.replay()
+            o, new = run.out
+        else:
+            o, new = self.rule(*run.inputs)
+        # copies: the graph's buffers are the next call's, and a caller may keep the state it is handed
+        return o[:T].clone(), new.clone()
+
+
+class _RouteRun:
+    def __init__(self, size: int, h: torch.Tensor):
+        self.h = torch.zeros(size, h.shape[1], dtype=h.dtype, device=h.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out = None  # the graph's ExpertCall
+
+
+class BucketedRoute(_Graphs):
+    """route: (mlp, h, valid) -> ExpertCall (fast.route_cached); called with every row real (a prompt's)."""
+
+    def __init__(self, route, capture: bool, buckets: tuple[int, ...] = BUCKETS):
+        super().__init__(capture, buckets)
+        self.route = route
+
+    def __call__(self, mlp, h: torch.Tensor):
+        """-> the ExpertCall of h's rows; its ids, w and shared stay valid until this layer's next call."""
+        T, size = h.shape[0], self.bucket(h)
+        if size is None:
+            return self.route(mlp, h, None)
+        key = (size, mlp.layer, h.device, h.dtype)
+        run = self._runs.get(key)
+        if run is None:
+            run = self._runs[key] = _RouteRun(size, h)
+            run.h[:T].copy_(h)
+            self._capture(run, lambda x: self.route(mlp, x, None), (run.h,),
+                          f"layer {mlp.layer}'s routing of {size} tokens")
+        else:
+            run.h[:T].copy_(h)
+        if run.graph is not None:
+            run.graph.replay()
+            call = run.out
+        else:
+            call = self.route(mlp, run.h, None)
+        shared = None if call.shared is None else call.shared[:T]
+        return call._replace(h=h, ids=call.ids[:T], w=call.w[:T], shared=shared)
