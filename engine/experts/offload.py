@@ -343,7 +343,9 @@ class OffloadBackend(CopiesAhead, IdleRefresh):
         T, K = topk_ids.shape
         y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
         self.runner.launch(x, y, slots[topk_ids])  # id -1 (padding) looks up -1
-        self._unsettled.append((layer, topk_ids, self.cache.table.moment(), self._span))
+        # a copy: read at settle(), after the caller may have reused its tensor (token_graphs.BucketedRoute's
+        # graph writes a layer's routing of every piece of a prompt into the same buffer)
+        self._unsettled.append((layer, topk_ids.clone(), self.cache.table.moment(), self._span))
         behind = self._behind() if self._looking_ahead() else 0
         ahead = self._ahead_plan(layer, behind)  # None in a streamed forward
         if ahead and len(ahead[1]):

@@ -886,3 +886,24 @@ def test_prompt_threads_default_to_the_expert_threads_and_take_their_own_runner(
         ref_pos, ref = cpu_runner._torch_run_on_cpu(x, host, jobs, layout, 2)
         assert torch.equal(pos, ref_pos) and 2 in cpu_runner._runners
         torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_an_unread_layer_counts_its_routing_as_it_was_when_called():
+    """A wholly resident layer's routing is counted at settle(), after the call: a caller that writes the next
+    piece's routing into the same tensor meanwhile (the fast path's bucket graphs do) changes nothing there."""
+    pytest.importorskip("triton")
+    src, deep = _deep_pool(layers=2)
+    b = OffloadBackend(deep, 2 * E, "cpu", stream_prefill="off", slot_policy="lfu", lookahead="off", grouped=True)
+    b.cache.admit(0, list(range(E)))
+    b.cache.table.unlock_all()
+    x, ids, w = routing(6, seed=int(torch.randint(1 << 30, ())))
+    routed, kept = sorted(set(ids.reshape(-1).tolist())), ids.clone()
+    b.begin_forward(6, K, hold=True, span=6)
+    out = b.forward(0, x, ids, w)
+    ids.fill_(0)  # the caller's buffer, reused before the forward ends
+    b.end_forward()
+    torch.testing.assert_close(out, reference(src, 0, x, kept, w), rtol=1e-5, atol=1e-5)
+    assert b.stats()["layers"][0]["hits"] == len(routed)
+    heat = b.cache.table.heat[b.pool.row[0]]
+    assert np.flatnonzero(heat).tolist() == routed
+    b.close()
