@@ -1,6 +1,7 @@
-"""A prompt's DeltaNet causal conv in one launch: one sequence's T inputs, its conv state updated in place.
+"""A prompt's DeltaNet conv and gates, one launch each: what the eager layer does in a dozen torch ops.
 
     out = conv_prefill(x, conv_state, conv_w)      # x [T, C] -> silu(causal depthwise conv) [T, C]
+    beta, g = prefill_gates(proj, b_off, a_off, neg_A, dt_bias)     # GatedDeltaNet.gates of proj's b, a columns
 
 The eager layer (engine/layers/deltanet.py GatedDeltaNet._conv) builds the windows with a concatenation, an
 unfold, a product and a sum, then a silu and a transpose that the split heads copy back: about eight launches
@@ -70,3 +71,38 @@ def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor
     _conv_prefill_kernel[grid](x, x.stride(0), conv_state, conv_w.contiguous(), out, T, C, KW=km1 + 1,
                                BT=BLOCK_T, BC=BLOCK_C, BW=triton.next_power_of_2(max(km1, 2)), num_warps=4)
     return out
+
+
+@triton.jit
+def _gates_kernel(proj_ptr, proj_stride, b_off, a_off, nega_ptr, dtb_ptr, beta_ptr, g_ptr, T, HV,
+                  BT: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    h = tl.arange(0, BH)
+    m = (t < T)[:, None] & (h < HV)[None, :]
+    row = proj_ptr + t[:, None] * proj_stride
+    b = tl.load(row + b_off + h[None, :], mask=m, other=0.0).to(tl.float32)
+    a = tl.load(row + a_off + h[None, :], mask=m, other=0.0).to(tl.float32)
+    a = a + tl.load(dtb_ptr + h, mask=h < HV, other=0.0).to(tl.float32)[None, :]
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # torch's softplus (threshold 20)
+    g = tl.load(nega_ptr + h, mask=h < HV, other=0.0)[None, :] * softplus
+    at = t[:, None] * HV + h[None, :]
+    tl.store(beta_ptr + at, (1.0 / (1.0 + tl.exp(-b))).to(beta_ptr.dtype.element_ty), mask=m)
+    tl.store(g_ptr + at, g, mask=m)
+
+
+def prefill_gates(proj: torch.Tensor, b_off: int, a_off: int, neg_A: torch.Tensor,
+                  dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """proj [T, P] (unit column stride) with b at columns b_off.. and a at a_off.. (Hv each); neg_A [Hv] fp32;
+    dt_bias [Hv] -> (beta = sigmoid(b) [T, Hv] in proj's dtype, g = neg_A * softplus(a + dt_bias) [T, Hv] fp32),
+    GatedDeltaNet.gates' arithmetic (the decode rule's too)."""
+    T, Hv = proj.shape[0], neg_A.shape[0]
+    if proj.stride(1) != 1 or proj.shape[1] < max(b_off, a_off) + Hv or neg_A.dtype != torch.float32:
+        raise ValueError(f"prefill_gates: proj {tuple(proj.shape)} must hold b at {b_off} and a at {a_off} "
+                         f"({Hv} columns each, unit column stride), neg_A fp32")
+    beta = torch.empty(T, Hv, dtype=proj.dtype, device=proj.device)
+    g = torch.empty(T, Hv, dtype=torch.float32, device=proj.device)
+    if T:
+        bt = 32
+        _gates_kernel[(triton.cdiv(T, bt),)](proj, proj.stride(0), b_off, a_off, neg_A.contiguous(), dt_bias, beta,
+                                             g, T, Hv, BT=bt, BH=triton.next_power_of_2(Hv), num_warps=4)
+    return beta, g

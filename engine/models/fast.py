@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from engine.experts.registry import is_expert_cache
 from engine.kernels.attention_triton import (decode_attention, decode_splits, prefill_attention, prefill_block,
                                              prefill_tiles, qk_rope_store)
-from engine.kernels.deltanet_prefill_triton import conv_prefill
+from engine.kernels.deltanet_prefill_triton import conv_prefill, prefill_gates
 from engine.kernels.deltanet_triton import TAIL_TOKENS, conv_step, gated_norm, rule_step
 from engine.kernels.linear_triton import SKINNY_ROWS, skinny_linear
 from engine.kernels.mailbox_triton import join, publish
@@ -299,12 +299,13 @@ class FastPath:
 
     def _deltanet_prefill(self, net, m, h, spans):
         """The eager layer's per-sequence conv + chunked rule (with checkpoints), on one fused projection; the
-        gated norm in one launch (a dozen torch ops in the eager layer's)."""
+        gates, the conv (the layer's prefill_conv) and the gated norm one launch each (a dozen torch ops apiece in
+        the eager layer's)."""
         c = m.consts
         C = 2 * c.key_heads * c.key_dim + c.value_heads * c.value_dim
         values = c.value_heads * c.value_dim
         proj = F.linear(h, m.in_w)
-        beta, g = net.gates(proj[:, C + values : C + values + c.value_heads], proj[:, C + values + c.value_heads :])
+        beta, g = prefill_gates(proj, C + values, C + values + c.value_heads, c.neg_A, c.dt_bias)
         out = torch.empty(h.shape[0], c.value_heads, c.value_dim, dtype=h.dtype, device=h.device)
         for span in spans:
             net.run_sequence(proj[:, :C], g, beta, span, out)

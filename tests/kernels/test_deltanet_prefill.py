@@ -1,9 +1,10 @@
 """A prompt's DeltaNet conv in one launch (conv_prefill) against the eager layer's (GatedDeltaNet._conv): outputs
-and the state it leaves, runs shorter than the conv's window among them, inputs as rows of a wider projection."""
+and the state it leaves, runs shorter than the conv's window among them, inputs as rows of a wider projection;
+its gates (prefill_gates) against GatedDeltaNet.gates."""
 import pytest
 import torch
 
-from engine.kernels.deltanet_prefill_triton import conv_prefill
+from engine.kernels.deltanet_prefill_triton import conv_prefill, prefill_gates
 from engine.layers.deltanet import GatedDeltaNet
 from engine.models.state import LinearState
 from tests.kernels.conftest import float_dtypes, rel_err, tol
@@ -36,3 +37,19 @@ def test_conv_prefill_names_a_mismatch(dev):
         conv_prefill(x, torch.zeros(8, 3, device=dev), torch.zeros(8, 3, device=dev))
     with pytest.raises(ValueError, match="contiguous"):
         conv_prefill(x, torch.zeros(3, 8, device=dev).t(), torch.zeros(8, 4, device=dev))
+
+
+@pytest.mark.parametrize("dtype", float_dtypes())
+def test_prefill_gates_match_the_eager_gates(dev, dtype):
+    seed = int(torch.randint(1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    T, Hv, P, b_off, a_off = 45, 6, 40, 7, 20
+    proj = (torch.randn(T, P, generator=g) * 8).to(dev, dtype)  # some a + dt_bias past softplus' threshold
+    net = GatedDeltaNet.__new__(GatedDeltaNet)
+    net.neg_A = -torch.rand(Hv, generator=g).to(dev) * 2
+    net.dt_bias = torch.randn(Hv, generator=g).to(dev, dtype)
+    beta, gl = prefill_gates(proj, b_off, a_off, net.neg_A, net.dt_bias)
+    ref_beta, ref_g = net.gates(proj[:, b_off : b_off + Hv], proj[:, a_off : a_off + Hv])
+    assert beta.dtype == ref_beta.dtype == dtype and gl.dtype == ref_g.dtype == torch.float32
+    assert rel_err(beta, ref_beta) < tol(dtype), seed
+    assert rel_err(gl, ref_g) < 1e-5, seed
