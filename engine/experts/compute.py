@@ -70,7 +70,12 @@ def run_expert(y: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, top_k: int, 
 
 
 def combine(y: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-    """y [T*K, H], topk_w [T, K] -> [T, H]: weighted sum over k in fp32, in k order."""
+    """y [T*K, H], topk_w [T, K] -> [T, H]: weighted sum over k in fp32, in k order. On CUDA one Triton launch
+    (engine/kernels/combine_triton.py) for torch's five, each queued by the host in every layer call."""
+    if y.is_cuda:
+        from engine.kernels.combine_triton import combine_rows
+
+        return combine_rows(y, topk_w)
     t, k = topk_w.shape
     out = y.view(t, k, -1).float() * topk_w.float().unsqueeze(-1)
     return out.sum(dim=1).to(y.dtype)
