@@ -17,7 +17,8 @@ the same bits). Longer runs go as they come: their launches are a small part of 
 Padding rows: the rule's carry beta = 0 and g = 0, steps that leave the state as it is (decay exp(0) = 1, a
 delta times 0), appended after the real rows, which no later row influences; the routing's are routed and
 dropped (every row is routed on its own). The rule holds no weights: one graph a bucket serves every DeltaNet
-layer; the routing's graphs are one a (layer, bucket).
+layer; the routing's graphs are one a (layer, bucket), all of a bucket writing into one set of buffers (a layer's
+routing is read within its call), so their memory does not grow with the layers.
 """
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ def capture(fn, args: tuple, pool, what: str):
             fn(*args)
     torch.cuda.current_stream(dev).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    gc.collect()
-    gc.disable()  # no finalizer (a freed pinned buffer) may run inside the capture
+    # no finalizer (a freed pinned buffer) may run inside the capture; no gc.collect() first (decode graphs do,
+    # once each at warm-up): a prompt's first run at a bucket captures a graph a layer, each a full collection
+    gc.disable()
     try:
         # thread_local: an expert cache's CPU workers may touch CUDA meanwhile; that must not void it
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
@@ -148,11 +150,19 @@ class BucketedRule(_Graphs):
         return o[:T].clone(), new.clone()
 
 
-class _RouteRun:
+class _RouteIO:
+    """One bucket's static rows and the routing's outputs, shared by every layer's graph at that bucket (a
+    layer's routing is read within its call, before the next layer's replays)."""
+
     def __init__(self, size: int, h: torch.Tensor):
         self.h = torch.zeros(size, h.shape[1], dtype=h.dtype, device=h.device)
+        self.out = None  # (ids, w, shared or None): made like the first routing's outputs
+
+
+class _RouteRun:
+    def __init__(self):
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out = None  # the graph's ExpertCall
+        self.out = None  # the graph's ExpertCall, its tensors dropped (copied into _RouteIO.out inside the graph)
 
 
 class BucketedRoute(_Graphs):
@@ -161,25 +171,42 @@ class BucketedRoute(_Graphs):
     def __init__(self, route, capture: bool, buckets: tuple[int, ...] = BUCKETS):
         super().__init__(capture, buckets)
         self.route = route
+        self._io: dict[tuple, _RouteIO] = {}
 
     def __call__(self, mlp, h: torch.Tensor):
-        """-> the ExpertCall of h's rows; its ids, w and shared stay valid until this layer's next call."""
+        """-> the ExpertCall of h's rows; its ids, w and shared stay valid until the next call at this bucket."""
         T, size = h.shape[0], self.bucket(h)
         if size is None:
             return self.route(mlp, h, None)
+        io = self._io.get((size, h.device, h.dtype))
+        if io is None:
+            io = self._io[(size, h.device, h.dtype)] = _RouteIO(size, h)
+        io.h[:T].copy_(h)
         key = (size, mlp.layer, h.device, h.dtype)
         run = self._runs.get(key)
         if run is None:
-            run = self._runs[key] = _RouteRun(size, h)
-            run.h[:T].copy_(h)
-            self._capture(run, lambda x: self.route(mlp, x, None), (run.h,),
-                          f"layer {mlp.layer}'s routing of {size} tokens")
-        else:
-            run.h[:T].copy_(h)
+            run = self._runs[key] = _RouteRun()
+            if self.capture:
+                if io.out is None:
+                    call = self.route(mlp, io.h, None)
+                    io.out = tuple(None if t is None else torch.empty_like(t) for t in (call.ids, call.w, call.shared))
+                self._capture(run, lambda x: _route_into(self.route(mlp, x, None), io.out), (io.h,),
+                              f"layer {mlp.layer}'s routing of {size} tokens")
+                if run.graph is not None:  # the graph's own outputs go back to its pool for later captures
+                    run.out = run.out._replace(h=None, ids=None, w=None, shared=None)
         if run.graph is not None:
             run.graph.replay()
-            call = run.out
+            ids, w, shared = io.out
+            call = run.out._replace(ids=ids, w=w, shared=shared)
         else:
-            call = self.route(mlp, run.h, None)
+            call = self.route(mlp, io.h, None)
         shared = None if call.shared is None else call.shared[:T]
         return call._replace(h=h, ids=call.ids[:T], w=call.w[:T], shared=shared)
+
+
+def _route_into(call, out: tuple):
+    """Inside a route graph: the routing's outputs copied into the bucket's shared buffers."""
+    for buf, t in zip(out, (call.ids, call.w, call.shared)):
+        if buf is not None:
+            buf.copy_(t)
+    return call
