@@ -140,13 +140,17 @@ class Model:
     @torch.inference_mode()
     def warm_up(self, chunk: int) -> None:
         """Run the fast path once through what serving hits — prefill chunks of full and odd lengths with
-        checkpoints inside, then a decode step at every batch bucket — so Triton compiles its kernel
-        variants and each decode graph is captured before the first request instead of during it."""
+        checkpoints inside, a prompt in each token bucket of a short run (token_graphs.BUCKETS), then a decode
+        step at every batch bucket — so Triton compiles its kernel variants and each decode graph and each
+        bucket's graphs are captured before the first request instead of during it."""
         if self.fast is None:
             return
+        from engine.models.token_graphs import BUCKETS
+
         g = torch.Generator().manual_seed(0)
         chunk = max(min(chunk, self.fast.pool.capacity - 1), 16)  # a slot holds capacity tokens, no more
-        for n, inside in ((chunk, ()), (chunk // 2 + 7, (chunk // 4 + 3,)), (13, (5,))):
+        buckets = [(b - 1, ()) for b in BUCKETS if b - 1 <= chunk]
+        for n, inside in ((chunk, ()), (chunk // 2 + 7, (chunk // 4 + 3,)), (13, (5,)), *buckets):
             state = self.fast.pool.new_state()
             if state is None:
                 return
