@@ -16,7 +16,7 @@ BLOCK_H = 512
 
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BH: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # (t * K + k) * H passes 2^31 for long pieces of wide models
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     m = h < H
     acc = tl.zeros((BH,), dtype=tl.float32)

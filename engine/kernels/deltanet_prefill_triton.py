@@ -24,7 +24,7 @@ BLOCK_T, BLOCK_C = 32, 128
 def _conv_prefill_kernel(x_ptr, x_stride, state_ptr, w_ptr, out_ptr, T, C,
                          KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr):
     pt = tl.program_id(0)
-    t = pt * BT + tl.arange(0, BT)
+    t = (pt * BT + tl.arange(0, BT)).to(tl.int64)  # row offsets t * x_stride pass 2^31 for long pieces
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     tm, cm = t < T, c < C
     acc = tl.zeros((BT, BC), dtype=tl.float32)
