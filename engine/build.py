@@ -94,8 +94,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="CUDA: read each decode step's tokens before the next step is queued (for comparisons; by "
                         "default the next step starts from the tokens still on the device, so the host's work "
                         "between steps runs while the device computes)")
-    g.add_argument("--moe-slots", metavar="N|P%", help="device expert slots for offload/cpu/hybrid: a count or "
-                                                      "a percentage of all experts (default: memory left)")
+    g.add_argument("--moe-slots", metavar="N|P%",
+                   help="device expert slots for offload/cpu/hybrid: a count or a percentage of all experts (default: "
+                        "the device memory left after the state slots and a prefill step's room)")
     g.add_argument("--slot-policy", default="lfu", choices=["lfu", "lru"],
                    help="which cached expert a fill evicts: lfu, the least used lately (uses halve in weight every "
                         "256 tokens), or lru, the least recently used (default lfu: at batch 1 the layers cycle and "
@@ -227,6 +228,25 @@ def state_bytes(cfg, itemsize: int) -> tuple[int, int]:
     return per_token, per_sequence
 
 
+# a prefill step's transient device tensors a token, per unit of hidden size (projections, the experts' rows,
+# fla's chunk states, the token graphs' buffers, the allocator's slack), and their least
+ACTIVATION_BYTES_PER_HIDDEN = 128
+ACTIVATION_FLOOR = 1 << 30
+
+
+def device_reserve(cfg, opts: EngineOptions, device, context: int, itemsize: int) -> int:
+    """Device bytes an expert cache leaves free when it takes "the memory left" (--moe-slots unset), on CUDA:
+    the fast path's state slots (max_running + 1 of `context` tokens), and room for a prefill step's transient
+    tensors, without which a model larger than the device filled it with slots and its first prompt ran out of
+    memory."""
+    if device.type != "cuda":
+        return 0
+    per_token, per_sequence = state_bytes(cfg, itemsize)
+    states = (opts.max_running + 1) * ((context + 1) * per_token + per_sequence) if opts.fast_path else 0
+    step = step_tokens(opts, device)
+    return states + max(ACTIVATION_FLOOR, step * cfg.hidden_size * ACTIVATION_BYTES_PER_HIDDEN)
+
+
 def step_tokens(opts: EngineOptions, device) -> int:
     """Tokens per engine step: a GPU runs long prefill chunks at the same cost per token as short ones."""
     if opts.max_step_tokens is not None:
@@ -273,7 +293,8 @@ def _enable_fast(model, max_running: int, context: int, chunk: int) -> None:
 
 def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     """load_model keywords for the chosen expert backend ('auto' settled here, before any weight loads).
-    On CUDA the fast path's state slots (max_running + 1 of `context` tokens) are kept out of the slot cache."""
+    On CUDA the fast path's state slots and a prefill step's transient tensors are kept out of the slot cache
+    (device_reserve)."""
     import torch
 
     from engine.config import load_config
@@ -296,9 +317,7 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     if name == "fused":
         return {}
     progress = _pool_progress if pool_bytes > 1 << 30 else None  # a 64 GB pool takes a minute or more
-    per_token, per_sequence = state_bytes(cfg, dtype.itemsize)
-    slots = opts.max_running + 1
-    reserve = slots * ((context + 1) * per_token + per_sequence) if opts.fast_path and device.type == "cuda" else 0
+    reserve = device_reserve(cfg, opts, device, context, dtype.itemsize)
     from engine.experts import cpu_runner
 
     set_expert_threads(opts, device)

@@ -40,6 +40,26 @@ def test_context_window_follows_the_config_within_memory():
     assert context_window(0, 1024, 0, 5, 1 << 40)[0] == DEFAULT_CONTEXT       # nothing declared
 
 
+def test_an_expert_cache_leaves_room_for_states_and_a_prefill_step_on_cuda():
+    """--moe-slots unset takes the device memory left after device_reserve: the fast path's state slots and a
+    prefill step's transient tensors (a model larger than the device filled it with slots before)."""
+    import torch
+
+    from engine.build import ACTIVATION_BYTES_PER_HIDDEN, ACTIVATION_FLOOR, device_reserve, state_bytes
+    from engine.config import config_from_dict
+    from engine.synth import synth_config
+
+    cfg = config_from_dict(synth_config("qwen3_5_moe", "qwen3.6-35b-a3b", layers=8))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    per_token, per_sequence = state_bytes(cfg, 2)
+    opts = EngineOptions(max_running=3, max_step_tokens=16384)
+    states = 4 * (1001 * per_token + per_sequence)
+    assert device_reserve(cfg, opts, cuda, 1000, 2) == states + 16384 * cfg.hidden_size * ACTIVATION_BYTES_PER_HIDDEN
+    assert device_reserve(cfg, EngineOptions(max_running=3), cuda, 1000, 2) == states + ACTIVATION_FLOOR  # 2048
+    assert device_reserve(cfg, EngineOptions(max_running=3, fast_path=False), cuda, 1000, 2) == ACTIVATION_FLOOR
+    assert device_reserve(cfg, opts, cpu, 1000, 2) == 0  # a CPU engine's slots are host memory
+
+
 def test_serve_context_defaults_to_the_declared_window(checkpoints, caplog):
     import logging
 
