@@ -11,8 +11,9 @@ o/out projection, add+norm with the router's logits in the same launch, then two
 routing each pair's token itself (top-k without a launch of its own); the next add+norm sums the experts'
 rows into the residual. With an expert cache a step is segments of device work around each MoE layer's
 routed experts, which the cache runs on the host's schedule (decode_segments). Prefill chunks run the same
-projections with the prefill attention kernel, the chunked delta rule (fla's kernels on CUDA) and experts
-grouped per expert.
+projections with the prefill attention kernel, the DeltaNet gates, conv and gated norm one launch each, the
+chunked delta rule (fla's kernels on CUDA) and experts grouped per expert; a short run's rule and, with an expert
+cache, its routing are padded to a token bucket and replayed as graphs (token_graphs.py).
 N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
 """
 from __future__ import annotations
