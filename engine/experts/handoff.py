@@ -4,11 +4,17 @@ Torch-free. Between two MoE layers the CPU waits while the device runs the rest 
 DeltaNet, the router) and the host reads the routing back and plans the split; with copies ahead the copy
 engine works on through it. HandoffClock keeps that time per layer call as an EMA: the device's part from a
 pair of timing events around the gap between two consecutive MoE layers (CUDA), the host's as measured. hybrid's
-split and its copies ahead give the copy engine that much more (policy.SplitPolicy's cpu_extra).
+split and its copies ahead give the copy engine that much more (policy.SplitPolicy's cpu_extra). CallTiming is the
+part of OffloadBackend that runs the clock and keeps the call log (stats.LayerCall) around each layer call; it
+reads the backend's handoff_clock, uses_handoff, call_log, pool and _looking_ahead.
 """
 from __future__ import annotations
 
+import time
+
 from typing import Callable
+
+from engine.experts.stats import LayerCall
 
 HANDOFF_ALPHA = 0.3  # weight of a new sample in the running estimate
 
@@ -55,3 +61,35 @@ class HandoffClock:
         self._samples += 1
         w = max(HANDOFF_ALPHA, 1.0 / self._samples)
         self.seconds = (1 - w) * self.seconds + w * sample
+
+
+class CallTiming:
+    """Around each layer call: the handoff clock's marks and the call log's entry (OffloadBackend's part)."""
+
+    def _log_call(self, layer: int, kind: str, t_in: float, hits: int, misses: int, fills: int, cpu: int,
+                  ahead: int, behind: int, routed_at: float | None = None, started: float | None = None,
+                  seconds: float | None = None, waited: float | None = None) -> None:
+        ms = lambda t: (t - t_in) * 1e3 if t is not None else -1.0  # noqa: E731
+        self.call_log.append(LayerCall(layer, kind, hits, misses, fills, cpu, ahead, behind, self.handoff * 1e3,
+                                       t_in, ms(routed_at), ms(started), (seconds or 0.0) * 1e3,
+                                       (waited or 0.0) * 1e3, ms(time.perf_counter())))
+
+    def _mark_enter(self, layer: int) -> None:
+        """A routed prompt's MoE layer call begins: the device's time since the last one ended, the layers'
+        attention and the rest, is CPU idle time (HandoffClock)."""
+        if self._timing_handoff():
+            self.handoff_clock.enter(self.pool.row[layer])
+
+    def _mark_exit(self, layer: int) -> None:
+        if self._timing_handoff():
+            self.handoff_clock.exit(self.pool.row[layer])
+
+    def _timing_handoff(self) -> bool:
+        """Whether this layer call times the CPU's handoff: a routed prompt with lookahead, for a backend whose
+        split reads it (uses_handoff: hybrid)."""
+        return self.uses_handoff and self._looking_ahead()
+
+    @property
+    def handoff(self) -> float:
+        """Seconds a routed prompt's layer call leaves the CPU idle besides its runs (HandoffClock's estimate)."""
+        return self.handoff_clock.seconds

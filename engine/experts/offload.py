@@ -20,7 +20,7 @@ import torch
 
 from engine.experts.compute import Routing, combine
 from engine.experts.cpu_jobs import CpuJobs
-from engine.experts.handoff import HandoffClock
+from engine.experts.handoff import CallTiming, HandoffClock
 from engine.experts.host_pool import HostPool
 from engine.experts.lookahead import LOOKAHEAD_MODES, CopiesAhead
 from engine.experts.lru import prompt_use_weights
@@ -38,7 +38,7 @@ DECODE_MODES = ("auto", "mapped", "host")
 # (H200 box, 8 layers at 37.5% in slots: offload 1.013x and hybrid 1.019x decode b1, Zipf routing even; docs/PERF.md)
 PREFETCH_MODES = ("auto", "on", "off")
 
-class OffloadBackend(CopiesAhead, IdleRefresh):
+class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
     name = "offload"
     uses_handoff = False  # whether split / ahead_fills read self.handoff (the CPU's idle time per layer call)
 
@@ -299,34 +299,6 @@ class OffloadBackend(CopiesAhead, IdleRefresh):
                            len(self._looked.get(ahead[0], ())) if ahead else 0, behind, routed_at, started, seconds,
                            waited)
         return out
-
-    def _log_call(self, layer: int, kind: str, t_in: float, hits: int, misses: int, fills: int, cpu: int,
-                  ahead: int, behind: int, routed_at: float | None = None, started: float | None = None,
-                  seconds: float | None = None, waited: float | None = None) -> None:
-        ms = lambda t: (t - t_in) * 1e3 if t is not None else -1.0  # noqa: E731
-        self.call_log.append(LayerCall(layer, kind, hits, misses, fills, cpu, ahead, behind, self.handoff * 1e3, t_in,
-                                       ms(routed_at), ms(started), (seconds or 0.0) * 1e3, (waited or 0.0) * 1e3,
-                                       ms(time.perf_counter())))
-
-    def _mark_enter(self, layer: int) -> None:
-        """A routed prompt's MoE layer call begins: the device's time since the last one ended, the layers'
-        attention and the rest, is CPU idle time (HandoffClock)."""
-        if self._timing_handoff():
-            self.handoff_clock.enter(self.pool.row[layer])
-
-    def _mark_exit(self, layer: int) -> None:
-        if self._timing_handoff():
-            self.handoff_clock.exit(self.pool.row[layer])
-
-    def _timing_handoff(self) -> bool:
-        """Whether this layer call times the CPU's handoff: a routed prompt with lookahead, for a backend whose
-        split reads it (uses_handoff: hybrid)."""
-        return self.uses_handoff and self._looking_ahead()
-
-    @property
-    def handoff(self) -> float:
-        """Seconds a routed prompt's layer call leaves the CPU idle besides its runs (HandoffClock's estimate)."""
-        return self.handoff_clock.seconds
 
     def _forward_unread(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                         slots: torch.Tensor, t_in: float):
