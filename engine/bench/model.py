@@ -7,7 +7,8 @@ on a checkpoint directory or a synthetic model of a real model's widths drawn on
 Rows: decode at each batch size (concurrent requests through the real scheduler, greedy, steady state),
 prefill of one long prompt, and the time to first token of a short extend after that prompt is cached.
 Beside each decode row, an in-process bound: the bytes one decode step must read (non-expert weights,
-the experts a batch routes to under uniform routing, the KV it attends over) at the device-to-device copy
+the experts a batch routes to under uniform routing, or under the Zipf law a synthetic router was scaled to with
+--router-zipf, the KV it attends over) at the device-to-device copy
 rate measured in the same process. Prints a table; --json writes it (engine/bench/peers/compare.py reads it).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 
 from engine.experts.registry import is_expert_cache
@@ -42,10 +44,12 @@ def hbm_rate(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
     return nbytes / sorted(times)[len(times) // 2]
 
 
-def step_bytes(cfg, itemsize: int, batch: int, context: int) -> dict:
+def step_bytes(cfg, itemsize: int, batch: int, context: int, popularity=None) -> dict:
     """Bytes one decode step of `batch` sequences at `context` tokens must read, by part (from the config:
-    every projection, router and shared expert once, the lm_head once, the experts the batch routes to
-    under uniform routing, and the KV of every sequence)."""
+    every projection, router and shared expert once, the lm_head once, the experts the batch routes to, and the
+    KV of every sequence). popularity: [E] each expert's chance to be among a token's top-k (summing to top-k;
+    a synthetic router's Zipf law, zipf.zipf_popularity), else uniform: a layer's distinct experts are
+    sum over e of 1 - (1 - p_e)^batch."""
     H = cfg.hidden_size
     weights = 0
     for layer, kind in enumerate(cfg.layer_types):
@@ -61,7 +65,8 @@ def step_bytes(cfg, itemsize: int, batch: int, context: int) -> dict:
             weights += cfg.num_experts * H + (H + 3 * cfg.shared_expert_intermediate_size * H
                                               if cfg.shared_expert_intermediate_size else 0)
     E, K = cfg.num_experts, cfg.top_k
-    active = E * (1 - (1 - K / E) ** batch)  # expected distinct experts per layer under uniform routing
+    p = np.full(E, K / E) if popularity is None else np.asarray(popularity, dtype=np.float64)
+    active = float((1 - (1 - p) ** batch).sum())  # expected distinct experts a layer
     experts = active * 3 * cfg.moe_intermediate_size * H * len(cfg.moe_layers)
     attn_layers = sum(1 for t in cfg.layer_types if t == "full_attention")
     kv = attn_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * 2
@@ -260,6 +265,11 @@ def run(args) -> dict:
     vocab = model.config.vocab_size
     draw = Prompts.of_text(vocab, args.model) if args.text_prompts else Prompts(vocab)
     rate = hbm_rate(model.device) if model.device.type == "cuda" else float("nan")
+    popularity = None  # the decode bound's routing: uniform, or the law a synthetic router was scaled to
+    if args.router_zipf and model.config.num_experts:
+        from engine.experts.zipf import zipf_popularity
+
+        popularity = zipf_popularity(model.config.num_experts, model.config.top_k, args.router_zipf)
     cache = ExpertTraffic(model)
     placement = cache.placement()
     rows = []
@@ -273,7 +283,8 @@ def run(args) -> dict:
         for b in batches:
             step, (start, end), split = bench_decode(core, draw, b, args, seed=1000 * b,
                                                      probe=cache.mark if cache.cached else None)
-            need = step_bytes(model.config, model.dtype.itemsize, b, args.prompt + args.warmup + args.steps // 2)
+            need = step_bytes(model.config, model.dtype.itemsize, b, args.prompt + args.warmup + args.steps // 2,
+                              popularity)
             bound = b * rate / need["total"]
             rows.append({"name": f"decode_b{b}", "placement": placement, "tok_s": b / step, "ms_per_step": step * 1e3,
                          "bound_tok_s": bound, "of_bound": (b / step) / bound, "step_bytes": need, **split,

@@ -305,3 +305,26 @@ def test_a_sync_counts_at_the_engine_line_that_made_it():
         syncs.saw(message, UserWarning, "x.py", 1)
     ((site, n),) = syncs.sites()
     assert n == 2 and site.startswith("engine/test_bench.py:")  # no engine frame: the innermost, this test
+
+
+def test_decode_bound_counts_the_experts_a_batch_routes_to_under_its_routing():
+    """step_bytes: a layer's distinct experts are sum_e 1 - (1 - p_e)^batch; uniform p_e = K/E by default. One
+    token reads K experts under any law; a batch of 8 reads fewer under a Zipf router than under uniform routing
+    (#20's batch-8 line is measured against the bound of the routing that ran)."""
+    from engine.bench.model import step_bytes
+    from engine.config import config_from_dict
+    from engine.experts.zipf import zipf_popularity
+    from engine.synth import synth_config
+
+    cfg = config_from_dict(synth_config("qwen3_5_moe", "qwen3.6-35b-a3b", layers=8))
+    E, K = cfg.num_experts, cfg.top_k
+    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2 * len(cfg.moe_layers)
+    zipf = zipf_popularity(E, K, 1.0)
+    for b in (1, 8):
+        uniform = step_bytes(cfg, 2, b, 100)
+        assert uniform["experts"] == pytest.approx(E * (1 - (1 - K / E) ** b) * per_expert)
+        skewed = step_bytes(cfg, 2, b, 100, zipf)
+        assert skewed["experts"] == pytest.approx(float((1 - (1 - zipf) ** b).sum()) * per_expert)
+        assert skewed["weights"] == uniform["weights"] and skewed["kv"] == uniform["kv"]
+    assert step_bytes(cfg, 2, 1, 100, zipf)["experts"] == pytest.approx(K * per_expert)
+    assert step_bytes(cfg, 2, 8, 100, zipf)["experts"] < 0.8 * step_bytes(cfg, 2, 8, 100)["experts"]
