@@ -38,7 +38,8 @@ class Routing:
     @staticmethod
     def of(topk_ids: torch.Tensor) -> "Routing":
         flat = topk_ids.reshape(-1).to("cpu", torch.long).numpy()  # [T*K]
-        order = np.argsort(flat, kind="stable")
+        # stable: each expert's positions in order; as int16 (ids < 32768) numpy sorts by radix, ~4x faster
+        order = np.argsort(flat.astype(np.int16) if len(flat) and flat.max() < 1 << 15 else flat, kind="stable")
         ids = flat[order]
         cut = np.flatnonzero(np.diff(ids)) + 1
         starts = np.concatenate(([0], cut)) if len(ids) else cut
