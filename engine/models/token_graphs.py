@@ -97,9 +97,15 @@ class _RuleRun:
 
     def __init__(self, size: int, q, k, v, g, beta, state):
         dev = q.device
-        self.q = torch.zeros(size, *q.shape[1:], dtype=q.dtype, device=dev)
-        self.k = torch.zeros(size, *k.shape[1:], dtype=k.dtype, device=dev)
-        self.v = torch.zeros(size, *v.shape[1:], dtype=v.dtype, device=dev)
+        # q | k | v side by side in one buffer, as the DeltaNet conv leaves them: one copy loads all three
+        keys, values = q[0].numel(), v[0].numel()
+        self.qkv = torch.zeros(size, 2 * keys + values, dtype=q.dtype, device=dev) if q.dtype == k.dtype == v.dtype \
+            else None
+        if self.qkv is not None:
+            self.q, self.k, self.v = (t.view(size, *x.shape[1:]) for t, x in zip(
+                self.qkv.split([keys, keys, values], dim=1), (q, k, v)))
+        else:
+            self.q, self.k, self.v = (torch.zeros(size, *x.shape[1:], dtype=x.dtype, device=dev) for x in (q, k, v))
         self.g = torch.zeros(size, g.shape[1], dtype=torch.float32, device=dev)
         self.beta = torch.zeros(size, beta.shape[1], dtype=beta.dtype, device=dev)
         self.state = torch.zeros(state.shape, dtype=torch.float32, device=dev)
@@ -109,7 +115,13 @@ class _RuleRun:
 
     def load(self, q, k, v, g, beta, state) -> None:
         T = q.shape[0]
-        for buf, x in ((self.q, q), (self.k, k), (self.v, v), (self.g, g), (self.beta, beta)):
+        rows = _side_by_side(q, k, v) if self.qkv is not None else None
+        if rows is not None:
+            self.qkv[:T].copy_(rows)
+        else:
+            for buf, x in ((self.q, q), (self.k, k), (self.v, v)):
+                buf[:T].copy_(x)
+        for buf, x in ((self.g, g), (self.beta, beta)):
             buf[:T].copy_(x)
         if self.filled > T:
             self.g[T : self.filled].zero_()
@@ -120,6 +132,18 @@ class _RuleRun:
     @property
     def inputs(self) -> tuple[torch.Tensor, ...]:
         return self.q, self.k, self.v, self.g, self.beta, self.state
+
+
+def _side_by_side(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """The rows [T, 2*keys + values] that q, k and v are column slices of, in that order (the conv's output
+    split into heads), or None when they are not."""
+    T, keys, values = q.shape[0], q[0].numel(), v[0].numel()
+    size = q.element_size()
+    flat = all(x.stride(-1) == 1 and x[0].is_contiguous() for x in (q, k, v))
+    if not (T and flat and q.stride(0) == k.stride(0) == v.stride(0) >= 2 * keys + values
+            and k.data_ptr() == q.data_ptr() + keys * size and v.data_ptr() == k.data_ptr() + keys * size):
+        return None
+    return q.as_strided((T, 2 * keys + values), (q.stride(0), 1))
 
 
 class BucketedRule(_Graphs):

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from engine.models.token_graphs import BucketedRoute, BucketedRule
+from engine.models.token_graphs import BucketedRoute, BucketedRule, _side_by_side
 from engine.layers.delta_rule import chunked_gated_delta_rule
 
 HK, HV, DK, DV = 2, 4, 16, 8
@@ -99,6 +99,8 @@ def test_strided_views_and_half_precision():
     q, k, v = conv.split([HK * DK, HK * DK, HV * DV], dim=-1)
     q, k, v = q.reshape(T, HK, DK), k.reshape(T, HK, DK), v.reshape(T, HV, DV)
     _, _, _, gl, beta, state = inputs(T, s + 1, torch.bfloat16)
+    assert _side_by_side(q, k, v) is not None and _side_by_side(k, q, v) is None  # loaded in one copy
+    assert _side_by_side(*inputs(T, s)[:3]) is None
     o, new = BucketedRule(chunked_gated_delta_rule, capture=False)(q, k, v, gl, beta, state)
     o_ref, new_ref = chunked_gated_delta_rule(q, k, v, gl, beta, state)
     assert o.dtype == torch.bfloat16 and new.dtype == torch.float32
@@ -147,3 +149,18 @@ def test_bucketed_routing_equals_the_rows_routed_as_they_come(shared):
         else:
             assert got.shared is None
     assert route.modes() == {16: "direct", 64: "direct"}
+
+
+def test_a_bucket_takes_side_by_side_heads_and_separate_ones_alike():
+    """q | k | v as column slices of one conv output load in one copy, separate tensors one by one, into the
+    same bucket's buffers: each call equals the rule over its run."""
+    s = seed()
+    rule = BucketedRule(chunked_gated_delta_rule, capture=False, buckets=(256,))
+    g = torch.Generator().manual_seed(s)
+    conv = torch.randn(240, 2 * HK * DK + HV * DV, generator=g)
+    q, k, v = (x.reshape(240, -1, d) for x, d in zip(conv.split([HK * DK, HK * DK, HV * DV], dim=-1), (DK, DK, DV)))
+    for args in ((q, k, v, *inputs(240, s + 1)[3:]), inputs(150, s + 2), (q[:99], k[:99], v[:99], *inputs(99, s)[3:])):
+        o, state = rule(*args)
+        o_ref, state_ref = chunked_gated_delta_rule(*args)
+        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5, msg=f"seed {s}")
+        torch.testing.assert_close(state, state_ref, rtol=1e-5, atol=1e-5, msg=f"seed {s}")
