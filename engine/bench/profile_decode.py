@@ -280,6 +280,9 @@ def _extend(model, args, sync, g) -> dict:
           f"idle {gaps['idle_ms']:.1f} ms in {len(gaps['gaps'])} gaps of {GAP_US} us or more; every stream busy "
           + ", ".join(f"{s} {ms:.1f} ms" for s, ms in gaps["streams"].items()) + " (compute: "
           + str(gaps.get("stream")) + ")")
+    buckets = model.fast.bucket_modes() if model.fast is not None else {}
+    for name, modes in buckets.items():  # whether the short runs replayed graphs (token_graphs.py)
+        print(f"a prompt's {name} by token bucket: " + ", ".join(f"{b} {m}" for b, m in modes.items()))
     if layer_calls:
         _print_calls(layer_calls)
     print(f"{'gap start (ms)':>14}{'length':>8}  the engine thread's ops inside it (ms)")
@@ -298,6 +301,7 @@ def _extend(model, args, sync, g) -> dict:
             print(f"{site[:71]:<72}{n:>7}")
     return {"tokens": args.extend, "after": args.prefill, "walls_ms": walls_ms, "profiled_ms": profiled_wall * 1e3,
             "cprofile_ms": cprofile_wall * 1e3, "layer_calls": [c._asdict() for c in layer_calls],
+            "prompt_buckets": buckets,
             "compute_stream": gaps, "functions_own": own,
             "functions_cumulative": cumulative, "syncs": syncs.sites()}
 
