@@ -237,8 +237,8 @@ ACTIVATION_FLOOR = 1 << 30
 def device_reserve(cfg, opts: EngineOptions, device, context: int, itemsize: int) -> int:
     """Device bytes an expert cache leaves free when it takes "the memory left" (--moe-slots unset), on CUDA:
     the fast path's state slots (max_running + 1 of `context` tokens), and room for a prefill step's transient
-    tensors, without which a model larger than the device filled it with slots and its first prompt ran out of
-    memory."""
+    tensors (without it a model larger than the device fills it with slots and runs out of memory at its first
+    prompt)."""
     if device.type != "cuda":
         return 0
     per_token, per_sequence = state_bytes(cfg, itemsize)
