@@ -42,7 +42,7 @@ def test_context_window_follows_the_config_within_memory():
 
 def test_an_expert_cache_leaves_room_for_states_and_a_prefill_step_on_cuda():
     """--moe-slots unset takes the device memory left after device_reserve: the fast path's state slots and a
-    prefill step's transient tensors (a model larger than the device filled it with slots before)."""
+    prefill step's transient tensors (else a model larger than the device fills it with slots)."""
     import torch
 
     from engine.build import ACTIVATION_BYTES_PER_HIDDEN, ACTIVATION_FLOOR, device_reserve, state_bytes
