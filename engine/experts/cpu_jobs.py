@@ -42,6 +42,7 @@ class CpuJobs:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu")
         self._tables: dict = {}  # layer -> cpu_runner.layer_table of its host blocks, built on first use
         self._out: dict = {}  # dtype -> (positions [cap] int64, outputs [cap, H]), page-locked on CUDA
+        self._x_host: dict = {}  # dtype -> [cap, H] page-locked: a CUDA call's rows for its job (_host_rows)
         self._scatter_done = None  # CUDA event after the last scatter_rows, their reader
 
     def start(self, layer: int, x: torch.Tensor, routing: Routing, on_cpu: list[int]) -> Future | None:
@@ -54,8 +55,26 @@ class CpuJobs:
             self._tables[layer] = layer_table(host, self.pool.layout)
         jobs = Pairs(*routing.pairs(on_cpu))
         out = self._buffers(x.dtype, len(jobs.pos)) if self.zero_copy else None
-        return self._worker.submit(self._run, x.to("cpu"), host, jobs, routing.top_k, self._tables[layer], out,
-                                   x.shape[0] >= PROMPT_TOKENS)
+        rows, copied = self._host_rows(x)
+        return self._worker.submit(self._run, rows, host, jobs, routing.top_k, self._tables[layer], out,
+                                   x.shape[0] >= PROMPT_TOKENS, copied)
+
+    def _host_rows(self, x: torch.Tensor):
+        """-> (x's rows where the job reads them, the CUDA event after their copy or None). On CUDA a copy into
+        page-locked memory queued on the stream, which the job waits for (a pageable copy held the engine thread
+        until done, at half the rate); the buffer is reused, the last call's job having ended before this one."""
+        if x.device.type != "cuda":
+            return x.to("cpu"), None
+        T, H = x.shape
+        buf = self._x_host.get(x.dtype)
+        if buf is None or buf.shape[0] < T or buf.shape[1] != H:
+            buf = self._x_host[x.dtype] = torch.empty(1 << max(10, (T - 1).bit_length()), H, dtype=x.dtype,
+                                                       pin_memory=True)
+        rows = buf[:T]
+        rows.copy_(x, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return rows, copied
 
     def place(self, y: torch.Tensor, done: CpuResult) -> None:
         """y [T*K, H] at done.pos <- done.vals: read in place from page-locked memory by a kernel on CUDA, else
@@ -74,10 +93,12 @@ class CpuJobs:
         self._tables.clear()
 
     def _run(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs: Pairs, top_k: int, table, out=None,
-             prompt: bool = False) -> CpuResult:
+             prompt: bool = False, copied=None) -> CpuResult:
         """Into `out` (positions, outputs: _buffers') when given. In inference mode, as the engine's thread that
         made `out` (a worker thread starts outside it, and writing an inference tensor there raises). prompt: a
-        prompt's layer call (cpu_runner.prompt_threads)."""
+        prompt's layer call (cpu_runner.prompt_threads); copied: the event after x_cpu's copy (_host_rows)."""
+        if copied is not None:
+            copied.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
             pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table,
