@@ -214,8 +214,9 @@ def decode_attention(q: torch.Tensor, proj: torch.Tensor, k_slab: torch.Tensor, 
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, tiles_ptr, out_ptr, scale, cap, HQ, HKV,
-                    G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, tiles_ptr, out_ptr, scale, cap, HQ, HKV, gate_ptr, gate_stride, QW,
+                    G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+                    GATED: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     j = h // G
@@ -247,8 +248,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tiles_ptr, out_ptr, scale, cap, HQ, HKV
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    o = acc / l_i[:, None]
-    tl.store(out_ptr + (rows * HQ + h)[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=qm[:, None])
+    dt = out_ptr.dtype.element_ty
+    o = (acc / l_i[:, None]).to(dt)
+    if GATED:  # the output gate (proj's q columns past D): the eager path's product of two values in dt
+        gate = tl.load(gate_ptr + rows[:, None] * gate_stride + h * QW + D + d[None, :], mask=qm[:, None],
+                       other=0.0).to(tl.float32)
+        o = (o.to(tl.float32) * (1.0 / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)).to(dt)
+    tl.store(out_ptr + (rows * HQ + h)[:, None] * D + d[None, :], o, mask=qm[:, None])
 
 
 def prefill_block(head_dim: int) -> tuple[int, int, int]:
@@ -265,18 +271,18 @@ def prefill_tiles(spans: list[tuple[int, int, int, int]], bm: int, device) -> to
 
 def prefill_attention(q: torch.Tensor, proj: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor,
                       tiles: torch.Tensor, c: AttnConsts) -> torch.Tensor:
-    """q [N, h, D] (keys of these tokens already stored) -> gated output [N, h*D]."""
+    """q [N, h, D] (keys of these tokens already stored) -> gated output [N, h*D] (the gate read from proj's q
+    columns inside the kernel: attention_ref's three more launches)."""
     N, D = q.shape[0], c.head_dim
     bm, bn, warps = prefill_block(D)
+    if c.gated and proj.stride(1) != 1:
+        raise ValueError("prefill_attention: proj must have unit column stride (the gate is read from it)")
     out = torch.empty(N, c.heads, D, dtype=q.dtype, device=q.device)
     _prefill_kernel[(tiles.shape[0], c.heads)](q, k_slab, v_slab, tiles, out, D ** -0.5, k_slab.shape[2], c.heads,
-                                               c.kv_heads, G=c.heads // c.kv_heads, D=D, BM=bm, BN=bn,
-                                               PREC=_precision(q), num_warps=warps)
-    out = out.reshape(N, -1)
-    if c.gated:
-        gate = proj[:, : c.heads * c.q_width].reshape(N, c.heads, c.q_width)[..., D:].reshape(N, -1)
-        out = out * torch.sigmoid(gate)
-    return out
+                                               c.kv_heads, proj, proj.stride(0), c.q_width, G=c.heads // c.kv_heads,
+                                               D=D, BM=bm, BN=bn, PREC=_precision(q), GATED=c.gated,
+                                               num_warps=warps)
+    return out.reshape(N, -1)
 
 
 def attention_ref(q, proj, k_slab, v_slab, spans, c: AttnConsts):

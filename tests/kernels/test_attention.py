@@ -57,9 +57,10 @@ def test_decode_attention(dev, dtype, splits):
 
 
 @pytest.mark.parametrize("dtype", float_dtypes())
-def test_prefill_attention(dev, dtype):
+@pytest.mark.parametrize("gated", [True, False])
+def test_prefill_attention(dev, dtype, gated):
     g = torch.Generator().manual_seed(51)
-    c, ks, vs = setup(g, dev, dtype, cap=200)
+    c, ks, vs = setup(g, dev, dtype, gated, cap=200)
     spans = [(0, 70, 0, 1), (70, 5, 33, 3), (75, 130, 60, 0)]  # fresh, short extend, long extend
     N = 205
     proj = proj_for(g, c, N, dev, dtype)
