@@ -243,7 +243,8 @@ def build(args):
     else:
         model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=dtype, router_zipf=zipf,
                                **where)
-        name = f"synthetic {args.synthetic}, {model.config.num_layers} layers" + (f", router Zipf a={zipf}" if zipf else "")
+        name = f"synthetic {args.synthetic}, {model.config.num_layers} layers" + (
+            f", router Zipf a={zipf}" if zipf else "")
     batches = [int(b) for b in args.batches.split(",")]
     context = args.prefill + args.extend + 64 if args.prefill else args.prompt + args.warmup + args.steps + 64
     given = {k: getattr(args, k) for k in ("max_step_tokens", "max_prefill_tokens") if getattr(args, k)}
@@ -502,8 +503,9 @@ def print_table(res: dict) -> None:
     overlap = ", decode steps overlapped" if res.get("overlap") else ", decode steps one at a time"
     if res.get("temperature"):
         overlap += f", decode sampled at temperature {res['temperature']}"
-    print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path{overlap}, {res['device']}, "
-          f"prompts of {res.get('prompts', 'random ids')}, HBM copy {res['hbm_copy_gbs']:.0f} GB/s{cached}, commit {res['commit']}")
+    print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path{overlap}, "
+          f"{res['device']}, prompts of {res.get('prompts', 'random ids')}, HBM copy {res['hbm_copy_gbs']:.0f} GB/s"
+          f"{cached}, commit {res['commit']}")
     print(f"{'row':<16}{'tok/s':>12}{'ms/step':>10}{'bound tok/s':>13}{'of bound':>10}  note")
     for r in res["rows"]:
         note = ""

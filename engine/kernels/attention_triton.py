@@ -205,7 +205,8 @@ def decode_attention(q: torch.Tensor, proj: torch.Tensor, k_slab: torch.Tensor, 
     lse = torch.empty(B, c.heads, splits, dtype=torch.float32, device=q.device)
     bn = 64 if D <= 128 else 32
     _decode_split_kernel[(B, c.kv_heads, splits)](q, k_slab, v_slab, slots, positions, o_part, lse, D ** -0.5, cap,
-                                                  c.heads, c.kv_heads, splits, G=G, GP=max(16, triton.next_power_of_2(G)),
+                                                  c.heads, c.kv_heads, splits, G=G,
+                                                  GP=max(16, triton.next_power_of_2(G)),
                                                   D=D, BN=bn, PREC=_precision(q), num_warps=4, **pdl_args(q))
     out = out if out is not None else torch.empty(B, c.heads * D, dtype=q.dtype, device=q.device)
     _combine_kernel[(B, c.heads)](o_part, lse, proj, proj.stride(0), out, c.heads, splits, c.q_width, D=D,

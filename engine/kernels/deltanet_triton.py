@@ -68,7 +68,8 @@ def conv_step(proj: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
     block_c = 256
     _conv_step_kernel[(B, triton.cdiv(C, block_c))](proj, proj.stride(0), conv_state, slots, conv_w.contiguous(),
                                                     out, C, KW=km1 + 1, BLOCK_C=block_c,
-                                                    BLOCK_W=triton.next_power_of_2(max(km1, 2)), num_warps=4, **pdl_args(proj))
+                                                    BLOCK_W=triton.next_power_of_2(max(km1, 2)), num_warps=4,
+                                                    **pdl_args(proj))
     return out
 
 

@@ -13,7 +13,8 @@ from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 def consts(g, dev, hk=2, hv=4, dk=16, dv=16):
     return RuleConsts(hk, hv, dk, dv, neg_A=-torch.rand(hv, generator=g).to(dev) * 2,
-                      dt_bias=torch.randn(hv, generator=g).to(dev), norm_w=(1 + 0.3 * torch.randn(dv, generator=g)).to(dev),
+                      dt_bias=torch.randn(hv, generator=g).to(dev),
+                      norm_w=(1 + 0.3 * torch.randn(dv, generator=g)).to(dev),
                       eps=1e-6)
 
 
