@@ -31,7 +31,7 @@ from collections import defaultdict
 
 import torch
 
-from engine.bench.model import ExpertTraffic
+from engine.bench.model import ExpertTraffic, print_buckets
 from engine.bench.syncs import SyncSites
 
 
@@ -281,8 +281,7 @@ def _extend(model, args, sync, g) -> dict:
           + ", ".join(f"{s} {ms:.1f} ms" for s, ms in gaps["streams"].items()) + " (compute: "
           + str(gaps.get("stream")) + ")")
     buckets = model.fast.bucket_modes() if model.fast is not None else {}
-    for name, modes in buckets.items():  # whether the short runs replayed graphs (token_graphs.py)
-        print(f"a prompt's {name} by token bucket: " + ", ".join(f"{b} {m}" for b, m in modes.items()))
+    print_buckets({"prompt_buckets": buckets})  # whether the short runs replayed graphs (token_graphs.py)
     if layer_calls:
         _print_calls(layer_calls)
     print(f"{'gap start (ms)':>14}{'length':>8}  the engine thread's ops inside it (ms)")

@@ -68,8 +68,7 @@ class CpuJobs:
         T, H = x.shape
         buf = self._x_host.get(x.dtype)
         if buf is None or buf.shape[0] < T or buf.shape[1] != H:
-            buf = self._x_host[x.dtype] = torch.empty(1 << max(10, (T - 1).bit_length()), H, dtype=x.dtype,
-                                                       pin_memory=True)
+            buf = self._x_host[x.dtype] = torch.empty(_capacity(T), H, dtype=x.dtype, pin_memory=True)
         rows = buf[:T]
         rows.copy_(x, non_blocking=True)
         copied = torch.cuda.Event()
@@ -117,8 +116,13 @@ class CpuJobs:
             self._scatter_done.synchronize()
         buf = self._out.get(dtype)
         if buf is None or buf[0].shape[0] < rows:
-            cap = 1 << max(10, (rows - 1).bit_length())
+            cap = _capacity(rows)
             pin = self.device.type == "cuda"
             buf = self._out[dtype] = (torch.empty(cap, dtype=torch.long, pin_memory=pin),
                                       torch.empty(cap, self.pool.layout.hidden, dtype=dtype, pin_memory=pin))
         return buf
+
+
+def _capacity(rows: int) -> int:
+    """Rows of a reused buffer that must hold `rows`: the next power of two, at least 1024 (few regrowths)."""
+    return 1 << max(10, (rows - 1).bit_length())
