@@ -162,7 +162,7 @@ def test_every_copy_batch_is_timed_and_counted_as_backlog_until_done(ckpt):
     missing = [int(e) for e in (cache.table.resident[cache.pool.row[layer]] < 0).nonzero()[0][:3]]
     assert cache.admit(layer, missing[:2]) and cache.admit(layer, missing[2:])
     nbytes = cache.pool.expert_bytes
-    assert cache.copy_backlog(1e3) == 3 * nbytes  # at 1 KB/s all of it is still to move
+    assert cache.copy_backlog(1e3) == pytest.approx(3 * nbytes, rel=1e-3)  # at 1 KB/s nearly all still to move
     torch.cuda.synchronize()
     assert cache.copy_backlog(1e3) == 0
     timings = cache.take_fill_timings()

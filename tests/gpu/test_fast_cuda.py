@@ -123,7 +123,7 @@ def test_rule_graphs_equal_the_padded_rule_launched_directly():
     and runs past the last bucket; and stay close to fla over the run as it comes."""
     pytest.importorskip("fla")
     from engine.kernels.delta_rule_fla import chunked_gated_delta_rule_fla as fla
-    from engine.kernels.rule_graphs import BucketedRule
+    from engine.models.token_graphs import BucketedRule
 
     graphed, direct = BucketedRule(fla, capture=True), BucketedRule(fla, capture=False)
     seed = int(torch.randint(1 << 30, ()))
