@@ -42,11 +42,11 @@ def _conv_prefill_kernel(x_ptr, x_stride, state_ptr, w_ptr, out_ptr, T, C,
         i = tl.arange(0, BW)
         im = i < KW - 1
         src = (T - (KW - 1) + i).to(tl.int64)  # the input step that becomes state column i
-        xv = tl.load(x_ptr + src[None, :] * x_stride + c[:, None], mask=cm[:, None] & (im & (src >= 0))[None, :],
+        x_tail = tl.load(x_ptr + src[None, :] * x_stride + c[:, None], mask=cm[:, None] & (im & (src >= 0))[None, :],
                      other=0.0)
-        sv = tl.load(state_ptr + c[:, None] * (KW - 1) + (KW - 1 + src)[None, :],
+        s_tail = tl.load(state_ptr + c[:, None] * (KW - 1) + (KW - 1 + src)[None, :],
                      mask=cm[:, None] & (im & (src < 0))[None, :], other=0.0)
-        new = tl.where((src >= 0)[None, :], xv.to(state_ptr.dtype.element_ty), sv)
+        new = tl.where((src >= 0)[None, :], x_tail.to(state_ptr.dtype.element_ty), s_tail)
         tl.debug_barrier()  # every thread's reads of the old state above come before any write
         tl.store(state_ptr + c[:, None] * (KW - 1) + i[None, :], new, mask=cm[:, None] & im[None, :])
 
