@@ -1,7 +1,7 @@
 """Which tiles stream a decode step's weights fastest: the expert kernels and the skinny projections, on
 weights read from HBM (a part of the engine, not the engine: `bench model` times the whole step).
 
-    python -m engine.bench.tiles [--copies 8] [--batch 1,8] [--json out.json]
+    python -m engine.bench.tiles [--copies 8] [--batch 1,8] [--only experts|projections] [--json out.json]
 
 Every candidate runs inside a CUDA graph over `--copies` distinct weight sets (different layers' experts,
 different projection matrices), so each replay reads its bytes from HBM, not from the 50 MB L2 that a
@@ -64,7 +64,7 @@ def _routes(batch: int, copies: int, gen: torch.Generator, device) -> list[torch
 
 
 def sweep_experts(batches: list[int], copies: int, device) -> list[dict]:
-    from engine.kernels.moe_triton import _tiles, pair_blocks, run_experts
+    from engine.kernels.moe_triton import _tiles, blocks_for, pair_blocks, run_experts
 
     gen = torch.Generator().manual_seed(0)
     gate_up = [torch.randn(E + 1, 2 * I, H, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -74,21 +74,24 @@ def sweep_experts(batches: list[int], copies: int, device) -> list[dict]:
         x = torch.randn(batch, H, device=device, dtype=torch.bfloat16)
         ids = _routes(batch, copies, gen, device)
         w = [torch.rand(batch, TOP_K + 1, device=device) for _ in range(copies)]
-        blocks = [pair_blocks(t) for t in ids]
+        blocks = [blocks_for(t, E + 1) for t in ids]  # as the decode step maps them (each expert read once)
         outs = [(torch.empty(t.numel(), I, device=device, dtype=torch.bfloat16),
                  torch.empty(batch, TOP_K + 1, H, device=device, dtype=torch.bfloat16)) for t in ids]
         distinct = sum(t.unique().numel() for t in ids) / copies
         nbytes = distinct * 3 * I * H * 2
 
-        def layer_us(tiles):
+        def layer_us(tiles, mapping=blocks):
             def run():
                 for c in range(copies):
-                    run_experts(x, gate_up[c], down[c], ids[c], w[c], blocks[c], out=outs[c], tiles=tiles)
+                    run_experts(x, gate_up[c], down[c], ids[c], w[c], mapping[c], out=outs[c], tiles=tiles)
             return graph_us(run) / copies
 
         base = (_tiles(16, I, H, batch, up=True), _tiles(16, H, I, batch, up=False))
         best_up, best_us = base[0], layer_us(base)
         rows.append(dict(kind="experts", batch=batch, up=base[0], down=base[1], us=best_us, what="current"))
+        if any(b.group for b in blocks):  # the same tiles with every pair reading its expert on its own
+            rows.append(dict(kind="experts", batch=batch, up=base[0], down=base[1], what="a block a pair",
+                             us=layer_us(base, [pair_blocks(t) for t in ids])))
         for up in UP_TILES:
             us = layer_us((up, base[1]))
             rows.append(dict(kind="experts", batch=batch, up=up, down=base[1], us=us, what="up sweep"))
@@ -143,6 +146,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench.tiles", description=__doc__.split("\n\n")[0])
     p.add_argument("--copies", type=int, default=8, help="distinct expert weight sets (layers) a replay reads")
     p.add_argument("--batch", default="1,8", help="decode batch sizes (rows of x)")
+    p.add_argument("--only", choices=("experts", "projections"), help="sweep one kind of kernel")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -152,7 +156,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     batches = [int(b) for b in args.batch.split(",")]
     rate = hbm_rate(device)
-    rows = sweep_projections(batches, device) + sweep_experts(batches, args.copies, device)
+    rows = ([] if args.only == "experts" else sweep_projections(batches, device)) \
+        + ([] if args.only == "projections" else sweep_experts(batches, args.copies, device))
     print(f"HBM copy rate {rate / 1e12:.2f} TB/s (read + write)")
     print(f"{'kind':<11}{'what':<14}{'batch':>6}  {'tiles (BN, BK, warps, stages)':<44}{'us':>8}{'TB/s':>7}")
     for r in rows:
@@ -160,12 +165,14 @@ def main(argv=None) -> int:
         what = r.get("what") or r["name"]
         print(f"{r['kind']:<11}{what:<14}{r['batch']:>6}  {tiles:<44}{r['us']:>8.2f}{r['tbs']:>7.2f}")
     for batch in batches:
-        for name, *_ in PROJECTIONS:
+        for name, *_ in PROJECTIONS if args.only != "experts" else ():
             cand = [r for r in rows if r["kind"] == "projection" and r["name"] == name and r["batch"] == batch]
             best = min(cand, key=lambda r: r["us"])
             cub = next(r for r in cand if r["tiles"] == "cublas")
             print(f"best {name:<12} b{batch}: {best['tiles']} {best['us']:.2f} us vs cublas {cub['us']:.2f}")
-        exp = [r for r in rows if r["kind"] == "experts" and r["batch"] == batch]
+        exp = [r for r in rows if r["kind"] == "experts" and r["batch"] == batch and r["what"] != "a block a pair"]
+        if not exp:
+            continue
         best = min(exp, key=lambda r: r["us"])
         print(f"best experts b{batch}: up {best['up']} down {best['down']} {best['us']:.2f} us "
               f"({best['tbs']:.2f} TB/s) vs current {exp[0]['us']:.2f}")

@@ -100,21 +100,31 @@ def route_topk_ref(logits, top_k, norm_topk, shared, valid=None):
     return ids, w
 
 
+# a decode batch of at least this many tokens routes in its own launch before the experts, which then read each
+# expert once for all the pairs routed to it (group_blocks); a single token routes inside the gate/up kernel
+ROUTE_GROUP_TOKENS = 2
 GROUP_PAIRS = 128  # from this many (token, expert) pairs on, experts run grouped per expert, not per pair
 GROUP_BLOCK = 64  # pairs per block when grouped
 
 
 def blocks_for(ids: torch.Tensor, num_experts: int) -> "Blocks":
-    """The block mapping a batch of pairs runs best in: one block per pair for a few, grouped per expert."""
-    return pair_blocks(ids) if ids.numel() < GROUP_PAIRS else expert_blocks(ids, num_experts, GROUP_BLOCK)
+    """The block mapping a batch of pairs runs best in: a block per pair for a few (each expert read once when
+    the tokens fit a block), grouped per expert for many."""
+    if ids.numel() >= GROUP_PAIRS:
+        return expert_blocks(ids, num_experts, GROUP_BLOCK)
+    return group_blocks(ids) if ids.shape[0] <= PAIR_ROWS else pair_blocks(ids)
 
 
 @dataclass(frozen=True)
 class Blocks:
-    """rows [NB, BM] int32: pair index per block row (-1: empty); expert [NB] int32 (-1: idle block)."""
+    """rows [NB, BM] int32: pair index per block row (-1: empty); expert [NB] int32 (-1: idle block).
+    group: one block per pair whose kernels run, in the block of each expert's first pair, every pair of that
+    expert (the kernels find them in `expert`; rows is not read) and leave the other blocks idle, so an expert
+    that several tokens of a decode batch route to is read once (group_blocks)."""
 
     rows: torch.Tensor
     expert: torch.Tensor
+    group: bool = False
 
     @property
     def bm(self) -> int:
@@ -124,7 +134,10 @@ class Blocks:
 _PAIR_ROWS: dict = {}
 
 
-def pair_blocks(ids: torch.Tensor, bm: int = 16) -> Blocks:
+PAIR_ROWS = 16  # rows of a decode block: the matrix units' smallest tile
+
+
+def pair_blocks(ids: torch.Tensor, bm: int = PAIR_ROWS) -> Blocks:
     """One block per pair: no sorting, shapes fixed by the pair count (the decode mapping)."""
     P = ids.numel()
     key = (P, bm, ids.device)
@@ -133,6 +146,15 @@ def pair_blocks(ids: torch.Tensor, bm: int = 16) -> Blocks:
         rows[:, 0] = torch.arange(P, dtype=torch.int32, device=ids.device)
         _PAIR_ROWS[key] = rows
     return Blocks(_PAIR_ROWS[key], ids.reshape(-1))
+
+
+def group_blocks(ids: torch.Tensor) -> Blocks:
+    """pair_blocks' grid, each expert's pairs run together in the block of its first pair (Blocks.group): the
+    decode mapping for ids [N, KP] of at most PAIR_ROWS tokens (a token routes to an expert at most once, so
+    an expert has at most N pairs), still without sorting or a host sync."""
+    if ids.shape[0] > PAIR_ROWS:
+        raise ValueError(f"group_blocks takes at most {PAIR_ROWS} tokens, got {ids.shape[0]}: use pair_blocks")
+    return Blocks(pair_blocks(ids).rows, ids.reshape(-1), group=True)
 
 
 def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
@@ -161,6 +183,23 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
     expert = torch.full((nb + 1,), -1, dtype=torch.int32, device=dev)
     expert[block] = torch.where(routed, e_sorted, -1).int()
     return Blocks(rows[:nb], expert[:nb])
+
+
+@triton.jit
+def _block_rows(rows_ptr, exp_ptr, b, e, P, BM: tl.constexpr, GROUP: tl.constexpr, BLOCK_P: tl.constexpr):
+    """(pair index of each of the block's BM rows, -1 empty; whether the block runs). GROUP (group_blocks): the
+    block of expert e's first pair takes all of e's pairs in pair order, the others none."""
+    rm = tl.arange(0, BM)
+    if GROUP:
+        rp = tl.arange(0, BLOCK_P)
+        same = (tl.load(exp_ptr + rp, mask=rp < P, other=-1) == e) & (rp < P)
+        lead = tl.min(tl.where(same, rp, BLOCK_P), axis=0) == b
+        at = tl.cumsum(same.to(tl.int32), axis=0) - 1  # each of e's pairs' row in the block
+        rows = tl.max(tl.where(same[None, :] & (at[None, :] == rm[:, None]), rp[None, :], -1), axis=1)
+    else:
+        lead = b >= 0
+        rows = tl.load(rows_ptr + b * BM + rm)
+    return rows, lead
 
 
 @triton.jit
@@ -202,13 +241,14 @@ def _pair_route(logits_ptr, b, lstride, E, valid_ptr, KP, K: tl.constexpr, SHARE
 
 
 @triton.jit
-def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, KP,
+def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, KP, P,
                       logits_ptr, lstride, E, valid_ptr, pw_ptr, loc_ptr, h_ptr, h_stride, sh_ptr,
                       stage_ptr, stage_w_ptr, stage_rows, done_ptr, done_target,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
                       ROUTE: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, MAPPED: tl.constexpr, STAGED: tl.constexpr,
-                      WAIT: tl.constexpr, SPIN: tl.constexpr, PDL: tl.constexpr):
+                      WAIT: tl.constexpr, SPIN: tl.constexpr, GROUP: tl.constexpr, BLOCK_P: tl.constexpr,
+                      PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0)
     if ROUTE:  # one pair per block (the decode mapping): route its token here, no top-k launch before
@@ -218,9 +258,8 @@ def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, 
             tl.store(pw_ptr + b, pw)
     else:
         e = tl.load(exp_ptr + b)
-    if _runs_here(e, loc_ptr, MAPPED):
-        rm = tl.arange(0, BM)
-        rows = tl.load(rows_ptr + b * BM + rm)
+    rows, lead = _block_rows(rows_ptr, exp_ptr, b, e, P, BM, GROUP, BLOCK_P)
+    if _runs_here(e, loc_ptr, MAPPED) & lead:
         valid = rows >= 0
         tok = tl.where(valid, rows // KP, 0).to(tl.int64)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -256,18 +295,17 @@ def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, 
 
 
 @triton.jit
-def _expert_down_kernel(act_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I,
+def _expert_down_kernel(act_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I, P,
                         loc_ptr, h_ptr, h_stride, sh_ptr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                        MAPPED: tl.constexpr, PDL: tl.constexpr):
+                        MAPPED: tl.constexpr, GROUP: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = rn < H
-    rm = tl.arange(0, BM)
     pdl_enter(PDL)
     e = tl.load(exp_ptr + b)
-    if _runs_here(e, loc_ptr, MAPPED):
-        rows = tl.load(rows_ptr + b * BM + rm)
+    rows, lead = _block_rows(rows_ptr, exp_ptr, b, e, P, BM, GROUP, BLOCK_P)
+    if _runs_here(e, loc_ptr, MAPPED) & lead:
         valid = rows >= 0
         r64 = tl.where(valid, rows, 0).to(tl.int64)
         base = _expert_base(w_ptr, w_stride, e, loc_ptr, h_ptr, h_stride, sh_ptr, MAPPED)
@@ -356,11 +394,13 @@ def run_experts_routed(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
                        out: tuple[torch.Tensor, torch.Tensor] | None = None,
                        tiles: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None,
                        mapped: ExpertMap | None = None):
-    """The decode step's MoE in two launches: route_topk's routing done inside the gate/up kernel.
+    """The decode step's MoE: one token in two launches, route_topk's routing done inside the gate/up kernel
+    (one block per pair, pair_blocks); ROUTE_GROUP_TOKENS to PAIR_ROWS tokens in three, route_topk first and
+    then each expert read once for all its pairs (group_blocks).
 
     logits [N, E (+1 shared gate)] and valid [N] int8 as route_topk takes them; ids / weights [N, KP]
-    (int32 / fp32) are written with what route_topk would return (the down kernel reads them); one block
-    per pair (pair_blocks) -> y [N, KP, H] as run_experts; mapped as run_experts."""
+    (int32 / fp32) are written with what route_topk would return (the down kernel reads them) -> y [N, KP, H]
+    as run_experts; mapped as run_experts."""
     _check(x, gate_up, down, ids, weights, mapped)
     E = logits.shape[1] - (1 if shared else 0)
     kp = top_k + (1 if shared else 0)
@@ -368,6 +408,9 @@ def run_experts_routed(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
             or not weights.is_contiguous() or valid.shape != (x.shape[0],):
         raise ValueError(f"run_experts_routed: ids / weights must be contiguous [N, {kp}], valid [N], "
                          "logits row-major")
+    if ROUTE_GROUP_TOKENS <= x.shape[0] <= PAIR_ROWS:  # the routing first, then each expert read once
+        route_topk(logits, top_k, norm_topk, shared, valid, out=(ids, weights))
+        return _launch(x, gate_up, down, group_blocks(ids), weights, out, tiles, None, mapped)
     route = (logits, logits.stride(0), E, valid, top_k, shared, norm_topk)
     return _launch(x, gate_up, down, pair_blocks(ids), weights, out, tiles, route, mapped)
 
@@ -416,6 +459,7 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
     else:
         act, y = out
     nb, bm = blocks.rows.shape
+    group = {"GROUP": blocks.group, "BLOCK_P": triton.next_power_of_2(nb) if blocks.group else 1}
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 exact; 16-bit inputs ignore it
     if route is None:
         logits, lstride, E, valid, top_k, shared, norm = x, 0, 0, blocks.expert, 1, False, False
@@ -433,15 +477,16 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
     pdl = {"PDL": False, "launch_pdl": False} if staged else pdl_args(x)
     bn, bk, warps, stages = tiles[0] if tiles else _tiles(bm, I, H, N, up=True)
     _expert_up_kernel[(nb, triton.cdiv(I, bn))](
-        x, gate_up, gate_up.stride(0), blocks.rows, blocks.expert, act, H, I, KP, logits, lstride, E, valid, weights,
+        x, gate_up, gate_up.stride(0), blocks.rows, blocks.expert, act, H, I, KP, nb, logits, lstride, E, valid,
+        weights,
         *up_map, *stage, BM=bm, BN=bn, BK=bk, PREC=prec, ROUTE=route is not None, K=top_k, SHARED=shared,
         NORM=norm, BLOCK_E=triton.next_power_of_2(max(E, 2)), BLOCK_K=triton.next_power_of_2(max(KP, 2)),
-        MAPPED=mapped is not None, STAGED=staged, WAIT=wait, SPIN=STAGE_SPIN, num_warps=warps, num_stages=stages,
-        **pdl)
+        MAPPED=mapped is not None, STAGED=staged, WAIT=wait, SPIN=STAGE_SPIN, **group, num_warps=warps,
+        num_stages=stages, **pdl)
     bn, bk, warps, stages = tiles[1] if tiles else _tiles(bm, H, I, N, up=False)
     _expert_down_kernel[(nb, triton.cdiv(H, bn))](
-        act, down, down.stride(0), blocks.rows, blocks.expert, weights, y, H, I, *down_map,
-        BM=bm, BN=bn, BK=bk, PREC=prec, MAPPED=mapped is not None, num_warps=warps, num_stages=stages,
+        act, down, down.stride(0), blocks.rows, blocks.expert, weights, y, H, I, nb, *down_map,
+        BM=bm, BN=bn, BK=bk, PREC=prec, MAPPED=mapped is not None, **group, num_warps=warps, num_stages=stages,
         **pdl_args(act))
     return y
 

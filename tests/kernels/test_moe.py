@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine.kernels.moe_triton import (LOC_CPU, LOC_HOST, LOC_SHARED, ExpertMap, expert_blocks, pair_blocks,
-                                       route_topk, route_topk_ref, run_experts, run_experts_ref, run_experts_routed,
+from engine.kernels.moe_triton import (LOC_CPU, LOC_HOST, LOC_SHARED, PAIR_ROWS, ExpertMap, expert_blocks,
+                                       group_blocks, pair_blocks, route_topk, route_topk_ref, run_experts, run_experts_ref, run_experts_routed,
                                        stage_guess, stage_guess_ref, stage_programs)
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
@@ -90,6 +90,47 @@ def test_run_experts_names_a_dtype_mismatch(dev):
     with pytest.raises(ValueError, match="experts are"):
         run_experts(x, gu, dn, ids, torch.ones(2, 1, device=dev), pair_blocks(ids))
 
+
+
+@pytest.mark.parametrize("N", [2, 5, PAIR_ROWS])
+def test_group_blocks_equal_a_block_a_pair(dev, N):
+    """group_blocks (every pair of an expert in the block of its first pair, one read of the expert) computes
+    what pair_blocks does, bit for bit, on fresh random routing where most experts serve several tokens (the
+    shared one all of them), with a padding token, and mapped with experts in slots, read in place and run by
+    the CPU (whose rows stay unwritten); more tokens than a block has rows are refused."""
+    seed = int(torch.randint(1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    E, K, H, I, S = 6, 3, 40, 24, 3
+    numel = 3 * I * H
+    host = torch.randn(E + 1, numel, generator=g) * 0.2  # expert E: the shared one
+    if dev == "cuda":
+        host = host.pin_memory()
+
+    def split(buf):
+        return buf[..., : 2 * I * H].unflatten(-1, (2 * I, H)), buf[..., 2 * I * H:].unflatten(-1, (H, I))
+
+    ids = torch.stack([torch.cat([torch.randperm(E, generator=g)[:K], torch.tensor([E])]) for _ in range(N)]).int()
+    ids[N // 2] = -1  # a padding token
+    ids, w = ids.to(dev), torch.rand(N, K + 1, generator=g).to(dev)
+    x = (torch.randn(N, H, generator=g) * 0.5).to(dev)
+    loc = torch.full((E + 1,), LOC_HOST, dtype=torch.int32)
+    slots = torch.zeros(S, numel, device=dev)
+    for s, e in enumerate((1, 4)):
+        slots[s], loc[e] = host[e].to(dev), s
+    loc[E], loc[2] = LOC_SHARED, LOC_CPU
+    hg, hd = split(host[:E])
+    emap = ExpertMap(loc.to(dev), hg, hd, *(t.to(dev) for t in split(host[E])))
+    for weights, mapped in ((split(host.to(dev)), None), (split(slots), emap)):
+        ys = []
+        for blocks in (pair_blocks(ids), group_blocks(ids)):
+            y = torch.full((N, K + 1, H), float("nan"), device=dev)
+            run_experts(x, *weights, ids, w, blocks, out=(torch.empty(N * (K + 1), I, device=dev), y), mapped=mapped)
+            ys.append(y.cpu())
+        assert torch.equal(ys[0].nan_to_num(7.0), ys[1].nan_to_num(7.0)), (seed, mapped is not None)
+        ran = (ids >= 0) & ((ids != 2) if mapped is not None else True)
+        assert not ys[1][ran.cpu()].isnan().any() and ys[1][~ran.cpu()].isnan().all(), seed
+    with pytest.raises(ValueError, match="at most"):
+        group_blocks(torch.zeros(PAIR_ROWS + 1, K, dtype=torch.int32, device=dev))
 
 
 @pytest.mark.parametrize("shared", [True, False])
