@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from engine.kernels.moe_triton import (LOC_CPU, LOC_HOST, LOC_SHARED, PAIR_ROWS, ExpertMap, expert_blocks,
-                                       group_blocks, pair_blocks, route_topk, route_topk_ref, run_experts, run_experts_ref, run_experts_routed,
-                                       stage_guess, stage_guess_ref, stage_programs)
+                                       group_blocks, pair_blocks, route_topk, route_topk_ref, run_experts,
+                                       run_experts_ref, run_experts_routed, stage_guess, stage_guess_ref,
+                                       stage_programs)
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 
@@ -85,7 +86,8 @@ def test_run_experts_reads_slot_blocks_in_place(dev, mapping):
 
 def test_run_experts_names_a_dtype_mismatch(dev):
     x = torch.randn(2, 16, device=dev)
-    gu, dn = torch.randn(3, 32, 16, device=dev, dtype=torch.float16), torch.randn(3, 16, 16, device=dev, dtype=torch.float16)
+    gu = torch.randn(3, 32, 16, device=dev, dtype=torch.float16)
+    dn = torch.randn(3, 16, 16, device=dev, dtype=torch.float16)
     ids = torch.zeros(2, 1, dtype=torch.int32, device=dev)
     with pytest.raises(ValueError, match="experts are"):
         run_experts(x, gu, dn, ids, torch.ones(2, 1, device=dev), pair_blocks(ids))
