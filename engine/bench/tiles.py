@@ -86,7 +86,7 @@ def sweep_experts(batches: list[int], copies: int, device) -> list[dict]:
                     run_experts(x, gate_up[c], down[c], ids[c], w[c], mapping[c], out=outs[c], tiles=tiles)
             return graph_us(run) / copies
 
-        base = (_tiles(16, I, H, batch, up=True), _tiles(16, H, I, batch, up=False))
+        base = (_tiles(16, I, H, up=True), _tiles(16, H, I, up=False))
         best_up, best_us = base[0], layer_us(base)
         rows.append(dict(kind="experts", batch=batch, up=base[0], down=base[1], us=best_us, what="current"))
         if any(b.group for b in blocks):  # the same tiles with every pair reading its expert on its own

@@ -321,19 +321,18 @@ def _expert_down_kernel(act_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, pw_ptr, y_p
                  mask=valid[:, None] & nmask[None, :])
 
 
-def _tiles(bm: int, n: int, k: int, tokens: int, up: bool) -> tuple[int, int, int, int]:
+def _tiles(bm: int, n: int, k: int, up: bool) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages): decode blocks (BM 16) stream weights in wide K tiles, prefill blocks use
     square-ish tiles. Decode tiles from `python -m engine.bench.tiles` on the H200 (weights read from HBM,
-    docs/PERF.md issue 20): the gate/up kernel of one token's pairs runs best in 64-row tiles 4 deep (20.8
-    against 22.4 us a layer with 3), of eight tokens' in 32-row tiles (92.9 against 97.6); the down kernel's
-    candidates were within the noise of (64, 128, 4, 3). Triton's autotuner, timing on weights that stayed
-    in L2, picked tiles that ran 7-11% slower in the step. The down kernel loops over K for every expert: its
-    whole [BN, I] tile read before the PDL wait runs 17 us a layer against 7.5 on resident experts and gains
-    nothing over PCIe in the offload decode (docs/PERF.md, twelfth session)."""
+    docs/PERF.md issue 20): the gate/up kernel runs best in 64-row tiles 4 deep, for one token's pairs (20.8
+    against 22.4 us a layer with 3) and for four or eight tokens' grouped per expert (group_blocks: 54.6 / 93.2
+    us against 57.8 / 94.7 in 32-row tiles, 2026-12-05); the down kernel's candidates were within the noise of
+    (64, 128, 4, 3). Triton's autotuner, timing on weights that stayed in L2, picked tiles that ran 7-11% slower
+    in the step. The down kernel loops over K for every expert: its whole [BN, I] tile read before the PDL wait
+    runs 17 us a layer against 7.5 on resident experts and gains nothing over PCIe in the offload decode
+    (docs/PERF.md, twelfth session)."""
     if bm <= 16:
-        if up:
-            return min(64 if tokens <= 2 else 32, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(k)), 4, 4
-        return min(64, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(k)), 4, 3
+        return min(64, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(k)), 4, 4 if up else 3
     return min(64, triton.next_power_of_2(n)), min(64, triton.next_power_of_2(k)), 4, 3
 
 
@@ -475,7 +474,7 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
     stage += (mapped.stage_done, stage_programs(I, H, rows)) if wait else (blocks.expert, 0)
     # a staged layer's gate/up waits for the prefetch's pick on another stream: plain stream order, no PDL edge
     pdl = {"PDL": False, "launch_pdl": False} if staged else pdl_args(x)
-    bn, bk, warps, stages = tiles[0] if tiles else _tiles(bm, I, H, N, up=True)
+    bn, bk, warps, stages = tiles[0] if tiles else _tiles(bm, I, H, up=True)
     _expert_up_kernel[(nb, triton.cdiv(I, bn))](
         x, gate_up, gate_up.stride(0), blocks.rows, blocks.expert, act, H, I, KP, nb, logits, lstride, E, valid,
         weights,
@@ -483,7 +482,7 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
         NORM=norm, BLOCK_E=triton.next_power_of_2(max(E, 2)), BLOCK_K=triton.next_power_of_2(max(KP, 2)),
         MAPPED=mapped is not None, STAGED=staged, WAIT=wait, SPIN=STAGE_SPIN, **group, num_warps=warps,
         num_stages=stages, **pdl)
-    bn, bk, warps, stages = tiles[1] if tiles else _tiles(bm, H, I, N, up=False)
+    bn, bk, warps, stages = tiles[1] if tiles else _tiles(bm, H, I, up=False)
     _expert_down_kernel[(nb, triton.cdiv(H, bn))](
         act, down, down.stride(0), blocks.rows, blocks.expert, weights, y, H, I, nb, *down_map,
         BM=bm, BN=bn, BK=bk, PREC=prec, MAPPED=mapped is not None, **group, num_warps=warps, num_stages=stages,
