@@ -31,7 +31,7 @@ from collections import defaultdict
 
 import torch
 
-from engine.bench.model import ExpertTraffic, print_buckets
+from engine.bench.model import ExpertTraffic, print_buckets, print_split
 from engine.bench.syncs import SyncSites
 
 
@@ -257,6 +257,9 @@ def _extend(model, args, sync, g) -> dict:
         return wall
 
     once()  # compiles this size's kernels
+    # hybrid: the split's choices and rates as the timed extends begin, which their plans go by (learned in this
+    # process, under the profiled decode steps and prompt too; bench model's may differ)
+    policy = ExpertTraffic(model, measure_bp=False).split()
     walls = [once(log=True) for _ in range(max(1, args.extend_runs))]
     prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
     profiled_wall = once(prof)
@@ -282,6 +285,9 @@ def _extend(model, args, sync, g) -> dict:
           + str(gaps.get("stream")) + ")")
     buckets = model.fast.bucket_modes() if model.fast is not None else {}
     print_buckets({"prompt_buckets": buckets})  # whether the short runs replayed graphs (token_graphs.py)
+    if policy:
+        print("\nas the timed extends began:")
+        print_split(policy)
     if layer_calls:
         _print_calls(layer_calls)
     print(f"{'gap start (ms)':>14}{'length':>8}  the engine thread's ops inside it (ms)")
@@ -300,7 +306,7 @@ def _extend(model, args, sync, g) -> dict:
             print(f"{site[:71]:<72}{n:>7}")
     return {"tokens": args.extend, "after": args.prefill, "walls_ms": walls_ms, "profiled_ms": profiled_wall * 1e3,
             "cprofile_ms": cprofile_wall * 1e3, "layer_calls": [c._asdict() for c in layer_calls],
-            "prompt_buckets": buckets,
+            "prompt_buckets": buckets, "policy_at_start": policy,
             "compute_stream": gaps, "functions_own": own,
             "functions_cumulative": cumulative, "syncs": syncs.sites()}
 
