@@ -2,14 +2,15 @@
 two grouped GEMM kernels that read each expert's weights once per block of pairs.
 
     ids, w = route_topk(logits, top_k, norm_topk, shared)       # [N, KP] int32 / fp32, KP = K (+1 shared)
-    blocks = pair_blocks(ids) | expert_blocks(ids, E, BM)       # which pairs each program runs, on device
+    blocks = pair_blocks(ids) | group_blocks(ids) | expert_blocks(ids, E, BM)   # which pairs each program runs
     y = run_experts(x, gate_up, down, ids, w, blocks)           # [N, KP, H]: weighted output of each pair
 
 The shared expert rides along as expert E (weights stacked after the routed ones) with weight
 sigmoid(shared gate), so one launch pair serves the whole block; the caller sums the KP rows of a token
 (kernels/norm_triton.add_rms_norm does it with the residual add). A block is BM pairs of one expert:
-`pair_blocks` gives each pair its own block (decode: a few pairs, static shapes, graph-safe), `expert_blocks`
-groups the pairs of each expert (prefill: hundreds of tokens per expert, real GEMM tiles).
+`pair_blocks` gives each pair its own block (static shapes, graph-safe), `group_blocks` runs all pairs of an
+expert in the block of its first pair over the same grid (decode: up to 16 tokens, each expert read once),
+`expert_blocks` groups the pairs of each expert (prefill: hundreds of tokens per expert, real GEMM tiles).
 N = tokens, E = experts (+1 with the shared one), K = top-k, KP = pairs per token, H = hidden, I = expert
 intermediate, P = N * KP pairs, NB = blocks, BM = pairs per block.
 """
@@ -131,21 +132,19 @@ class Blocks:
         return self.rows.shape[1]
 
 
-_PAIR_ROWS: dict = {}
-
-
 PAIR_ROWS = 16  # rows of a decode block: the matrix units' smallest tile
+_PAIR_TABLES: dict = {}  # pair_blocks' rows by (pairs, rows a block, device)
 
 
 def pair_blocks(ids: torch.Tensor, bm: int = PAIR_ROWS) -> Blocks:
     """One block per pair: no sorting, shapes fixed by the pair count (the decode mapping)."""
     P = ids.numel()
     key = (P, bm, ids.device)
-    if key not in _PAIR_ROWS:
+    if key not in _PAIR_TABLES:
         rows = torch.full((P, bm), -1, dtype=torch.int32, device=ids.device)
         rows[:, 0] = torch.arange(P, dtype=torch.int32, device=ids.device)
-        _PAIR_ROWS[key] = rows
-    return Blocks(_PAIR_ROWS[key], ids.reshape(-1))
+        _PAIR_TABLES[key] = rows
+    return Blocks(_PAIR_TABLES[key], ids.reshape(-1))
 
 
 def group_blocks(ids: torch.Tensor) -> Blocks:
