@@ -1,7 +1,8 @@
 """Which tiles stream a decode step's weights fastest: the expert kernels and the skinny projections, on
-weights read from HBM (a part of the engine, not the engine: `bench model` times the whole step).
+weights read from HBM (a part of the engine, not the engine: `bench model` times the whole step), and whether the
+DeltaNet rule runs its gated norm in the same program (fused) or after it (split), on states read from HBM.
 
-    python -m engine.bench.tiles [--copies 8] [--batch 1,8] [--only experts|projections] [--json out.json]
+    python -m engine.bench.tiles [--copies 8] [--batch 1,8] [--only experts|projections|rule] [--json out.json]
 
 Every candidate runs inside a CUDA graph over `--copies` distinct weight sets (different layers' experts,
 different projection matrices), so each replay reads its bytes from HBM, not from the 50 MB L2 that a
@@ -107,6 +108,40 @@ def sweep_experts(batches: list[int], copies: int, device) -> list[dict]:
     return rows
 
 
+# DeltaNet decode widths (Qwen3.6-35B-A3B): key / value heads, head dim; the fused projection's width
+HK, HV, DH = 16, 32, 128
+DELTANET_C, DELTANET_P = 2 * HK * DH + HV * DH, 2 * HK * DH + 2 * HV * DH + 2 * HV
+
+
+def sweep_rule(batches: list[int], copies: int, device) -> list[dict]:
+    """The decode step's DeltaNet rule, fused (rule and gated norm in one program a sequence and head) against
+    split (a program a 32-column slice of each head's state, then gated_norm's launch), over `copies` layers'
+    states (fp32 [B, Hv, dk, dv] each, read and written once a step). Rate: state bytes read + written a second."""
+    from engine.kernels.deltanet_triton import RuleConsts, rule_step
+
+    gen = torch.Generator().manual_seed(1)
+    consts = [RuleConsts(HK, HV, DH, DH, neg_A=-torch.rand(HV, generator=gen).to(device),
+                         dt_bias=torch.randn(HV, generator=gen).to(device),
+                         norm_w=(1 + 0.1 * torch.randn(DH, generator=gen)).to(device), eps=1e-6)
+              for _ in range(copies)]
+    rows = []
+    for batch in batches:
+        states = [torch.randn(batch, HV, DH, DH, device=device) * 0.01 for _ in range(copies)]
+        qkv = torch.randn(batch, DELTANET_C, device=device, dtype=torch.bfloat16)
+        proj = torch.randn(batch, DELTANET_P, device=device, dtype=torch.bfloat16)
+        slots = torch.arange(batch, dtype=torch.int32, device=device)
+        outs = [torch.empty(batch, HV * DH, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        nbytes = 2 * batch * HV * DH * DH * 4
+        for fused in (True, False):
+            def run(fused=fused):
+                for c in range(copies):
+                    rule_step(qkv, proj, states[c], slots, consts[c], out=outs[c], fused=fused)
+            us = graph_us(run) / copies
+            rows.append(dict(kind="rule", batch=batch, what="fused" if fused else "split", us=us,
+                             tbs=nbytes / us / 1e6))
+    return rows
+
+
 def sweep_projections(batches: list[int], device) -> list[dict]:
     from engine.kernels.linear_triton import skinny_linear
 
@@ -146,7 +181,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench.tiles", description=__doc__.split("\n\n")[0])
     p.add_argument("--copies", type=int, default=8, help="distinct expert weight sets (layers) a replay reads")
     p.add_argument("--batch", default="1,8", help="decode batch sizes (rows of x)")
-    p.add_argument("--only", choices=("experts", "projections"), help="sweep one kind of kernel")
+    p.add_argument("--only", choices=("experts", "projections", "rule"), help="sweep one kind of kernel")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -156,16 +191,19 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     batches = [int(b) for b in args.batch.split(",")]
     rate = hbm_rate(device)
-    rows = ([] if args.only == "experts" else sweep_projections(batches, device)) \
-        + ([] if args.only == "projections" else sweep_experts(batches, args.copies, device))
+    kinds = {"projections": lambda: sweep_projections(batches, device),
+             "experts": lambda: sweep_experts(batches, args.copies, device),
+             "rule": lambda: sweep_rule(batches, args.copies, device)}
+    rows = [r for kind, sweep in kinds.items() if args.only in (None, kind) for r in sweep()]
     print(f"HBM copy rate {rate / 1e12:.2f} TB/s (read + write)")
     print(f"{'kind':<11}{'what':<14}{'batch':>6}  {'tiles (BN, BK, warps, stages)':<44}{'us':>8}{'TB/s':>7}")
     for r in rows:
-        tiles = f"up {r['up']} down {r['down']}" if r["kind"] == "experts" else str(r["tiles"])
+        tiles = {"experts": lambda: f"up {r['up']} down {r['down']}", "rule": lambda: "",
+                 "projection": lambda: str(r["tiles"])}[r["kind"]]()
         what = r.get("what") or r["name"]
         print(f"{r['kind']:<11}{what:<14}{r['batch']:>6}  {tiles:<44}{r['us']:>8.2f}{r['tbs']:>7.2f}")
     for batch in batches:
-        for name, *_ in PROJECTIONS if args.only != "experts" else ():
+        for name, *_ in PROJECTIONS if args.only in (None, "projections") else ():
             cand = [r for r in rows if r["kind"] == "projection" and r["name"] == name and r["batch"] == batch]
             best = min(cand, key=lambda r: r["us"])
             cub = next(r for r in cand if r["tiles"] == "cublas")
