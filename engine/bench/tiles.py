@@ -65,7 +65,7 @@ def _routes(batch: int, copies: int, gen: torch.Generator, device) -> list[torch
 
 
 def sweep_experts(batches: list[int], copies: int, device) -> list[dict]:
-    from engine.kernels.moe_triton import _tiles, blocks_for, pair_blocks, run_experts
+    from engine.kernels.moe_triton import _tiles, blocks_for, pair_blocks, run_experts, run_experts_routed
 
     gen = torch.Generator().manual_seed(0)
     gate_up = [torch.randn(E + 1, 2 * I, H, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -93,6 +93,18 @@ def sweep_experts(batches: list[int], copies: int, device) -> list[dict]:
         if any(b.group for b in blocks):  # the same tiles with every pair reading its expert on its own
             rows.append(dict(kind="experts", batch=batch, up=base[0], down=base[1], what="a block a pair",
                              us=layer_us(base, [pair_blocks(t) for t in ids])))
+        # the decode step's MoE as it runs, routing included (inside the gate/up kernel for one token, its own
+        # launch before for more), on router logits of the same law (uniform): what the routing costs
+        logits = [torch.randn(batch, E + 1, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        valid = torch.ones(batch, dtype=torch.int8, device=device)
+        routes = [(torch.empty_like(t), torch.empty(t.shape, device=device)) for t in ids]
+
+        def routed():
+            for c in range(copies):
+                run_experts_routed(x, gate_up[c], down[c], logits[c], TOP_K, True, True, valid, *routes[c],
+                                   out=outs[c])
+        rows.append(dict(kind="experts", batch=batch, up=base[0], down=base[1], what="routing too",
+                         us=graph_us(routed) / copies))
         for up in UP_TILES:
             us = layer_us((up, base[1]))
             rows.append(dict(kind="experts", batch=batch, up=up, down=base[1], us=us, what="up sweep"))
@@ -208,7 +220,8 @@ def main(argv=None) -> int:
             best = min(cand, key=lambda r: r["us"])
             cub = next(r for r in cand if r["tiles"] == "cublas")
             print(f"best {name:<12} b{batch}: {best['tiles']} {best['us']:.2f} us vs cublas {cub['us']:.2f}")
-        exp = [r for r in rows if r["kind"] == "experts" and r["batch"] == batch and r["what"] != "a block a pair"]
+        exp = [r for r in rows if r["kind"] == "experts" and r["batch"] == batch
+               and r["what"] not in ("a block a pair", "routing too")]
         if not exp:
             continue
         best = min(exp, key=lambda r: r["us"])

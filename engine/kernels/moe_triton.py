@@ -110,10 +110,10 @@ GROUP_BLOCK = 64  # pairs per block when grouped
 
 def blocks_for(ids: torch.Tensor, num_experts: int) -> "Blocks":
     """The block mapping a batch of pairs runs best in: a block per pair for a few (each expert read once when
-    the tokens fit a block), grouped per expert for many."""
+    the tokens fit a block: as a decode step of that many tokens runs), grouped per expert for many."""
     if ids.numel() >= GROUP_PAIRS:
         return expert_blocks(ids, num_experts, GROUP_BLOCK)
-    return group_blocks(ids) if ids.shape[0] <= PAIR_ROWS else pair_blocks(ids)
+    return group_blocks(ids) if ROUTE_GROUP_TOKENS <= ids.shape[0] <= PAIR_ROWS else pair_blocks(ids)
 
 
 @dataclass(frozen=True)
