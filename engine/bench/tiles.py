@@ -210,8 +210,7 @@ def main(argv=None) -> int:
     print(f"HBM copy rate {rate / 1e12:.2f} TB/s (read + write)")
     print(f"{'kind':<11}{'what':<14}{'batch':>6}  {'tiles (BN, BK, warps, stages)':<44}{'us':>8}{'TB/s':>7}")
     for r in rows:
-        tiles = {"experts": lambda: f"up {r['up']} down {r['down']}", "rule": lambda: "",
-                 "projection": lambda: str(r["tiles"])}[r["kind"]]()
+        tiles = f"up {r['up']} down {r['down']}" if r["kind"] == "experts" else str(r.get("tiles", ""))
         what = r.get("what") or r["name"]
         print(f"{r['kind']:<11}{what:<14}{r['batch']:>6}  {tiles:<44}{r['us']:>8.2f}{r['tbs']:>7.2f}")
     for batch in batches:
