@@ -6,6 +6,7 @@ broke every fast-path test on the box and passed every CPU test). `recording()` 
 interpreter (kernel, argument types, constexpr values, warps, stages); `compile_all()` compiles each distinct
 one with the real compiler for sm_90 in a fresh process (the interpreter's environment variable rewrites
 every kernel at import), ptxas included, which needs no device. PDL is compiled on, as the box runs it.
+tests/conftest.py does both around every test module that runs under the interpreter.
 
     python -m tests.kernels.sm90 < launches.json    # prints one line per kernel that does not compile
 """
