@@ -19,14 +19,13 @@ class Routing:
     backend calls this once per MoE layer per step. An expert's positions are a view made when asked for
     (the grouped device kernels never ask)."""
 
-    __slots__ = ("top_k", "experts", "counts", "unrouted", "expert_ids", "pair_counts", "_order", "_starts")
+    __slots__ = ("top_k", "experts", "counts", "unrouted", "_order", "_starts")
 
     def __init__(self, top_k: int, experts: np.ndarray, counts: np.ndarray, order: np.ndarray,
                  starts: np.ndarray, unrouted: int = 0) -> None:
         self.top_k = top_k
-        self.expert_ids, self.pair_counts = experts, counts  # as int64 arrays, for the planning's numpy
-        self.experts = experts.tolist()  # distinct experts, ascending
-        self.counts = counts.tolist()  # (token, k) pairs per expert
+        self.experts = experts  # [n] int64: the distinct experts, ascending
+        self.counts = counts  # [n] int64: (token, k) pairs per expert
         self.unrouted = unrouted  # pairs with id -1 (a padding row's): no expert, their rows of y read zero
         self._order, self._starts = order, starts
 
@@ -55,11 +54,11 @@ class Routing:
         """(flat positions [N] int64, expert id of each [N] int64) of experts[i] for i in `indices`, expert by
         expert: a CPU job's pairs in two arrays (cpu_runner.Pairs), with no tensor an expert."""
         indices = np.asarray(indices, dtype=np.int64)
-        counts = self.pair_counts[indices]
+        counts = self.counts[indices]
         # pair j of the run: the expert's first place in the sort order, plus j less the pairs before its expert
         ends = np.cumsum(counts)
         at = np.repeat(self._starts[indices] - (ends - counts), counts) + np.arange(ends[-1] if len(ends) else 0)
-        return self._order[at].astype(np.int64, copy=False), np.repeat(self.expert_ids[indices], counts)
+        return self._order[at].astype(np.int64, copy=False), np.repeat(self.experts[indices], counts)
 
     def rows(self, e_index: int) -> torch.Tensor:
         return self.position(e_index) // self.top_k  # token of each routed position

@@ -241,21 +241,20 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
         self.handoff_clock.read_gaps()  # the routing's read-back waited for the device: earlier gaps' are done
-        table.note_use(self.pool.row[layer], routing.expert_ids,
-                       weights=self._use_weights(routing.pair_counts, self._span))
-        slots = self.cache.lookup(layer, routing.expert_ids)
+        table.note_use(self.pool.row[layer], routing.experts, weights=self._use_weights(routing.counts, self._span))
+        slots = self.cache.lookup(layer, routing.experts)
         hit = np.flatnonzero(slots >= 0)
         # fills take the misses with the most tokens, then the hottest (the ones a slot will serve again);
         # the CPU runs the rest from the host pool
         heat = table.heat[self.pool.row[layer]]
         miss = np.flatnonzero(slots < 0)
-        miss = miss[np.lexsort((-heat[routing.expert_ids[miss]], -routing.pair_counts[miss]))]
+        miss = miss[np.lexsort((-heat[routing.experts[miss]], -routing.counts[miss]))]
         table.touch(slots[hit])
         table.lock(slots[hit])
         # copies still in flight: this call's fills and the next layer's copies ahead queue behind them
         behind = self._behind() if not streaming and (len(miss) or self._looking_ahead()) else 0
         ahead = None if streaming else self._ahead_plan(layer, behind)
-        per = float(routing.pair_counts[miss].mean()) if len(miss) else 1.0
+        per = float(routing.counts[miss].mean()) if len(miss) else 1.0
         q = len(miss) if streaming else self.split(len(miss), busy=(len(ahead[1]) if ahead else 0) + behind, per=per)
         hits, misses = hit.tolist(), miss.tolist()
         fills, on_cpu = misses[:q], misses[q:]
@@ -263,7 +262,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
             ahead = ahead[0], ahead[1][: ahead[2]]
         y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
         pending = self.cpu_jobs.start(layer, x, routing, on_cpu)
-        self._count_looked(layer, routing.expert_ids)  # (a count alone: after the CPU's job is under way)
+        self._count_looked(layer, routing.experts)  # (a count alone: after the CPU's job is under way)
         read = self.cache.mark() if ahead else None  # the last reader of an unlocked slot is queued before this...
         if not streaming:
             # hits may sit in slots that copies still in flight fill (the last layer's copies ahead). Waited for
@@ -287,7 +286,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
             # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too
             copying = bool(fills) or (ahead is not None and len(ahead[1]) > 0)
             self.observe("cpu", nbytes, seconds, together=copying,
-                         per=float(routing.pair_counts[on_cpu].mean()))
+                         per=float(routing.counts[on_cpu].mean()))
             if self._timing_handoff():
                 self.handoff_clock.observe(started - routed_at)
         self._unlock()
@@ -335,7 +334,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
         """Hits from their slots; fills copied (overlapping the hits' compute) then run. When the cache
         is smaller than one step's experts, fills go in rounds, each reusing the slots of the last (-> True).
         with_cpu: this call's CPU runs go on alongside the copies (kept with their timing)."""
-        want = [routing.experts[i] for i in fills]
+        want = routing.experts[fills].tolist()
         # before the hits run: copies overlap them; many fills (an extend's tokens) copy in sorted runs
         coalesce = len(want) > COALESCE_FILLS
         admitted = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=coalesce, bonus=self.keep_bonus(layer))

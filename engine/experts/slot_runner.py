@@ -31,7 +31,7 @@ class SlotRunner:
         if not experts:
             return
         lut = np.full(self.cache.pool.num_experts + 1, -1, dtype=np.int32)  # id -1 (routed nowhere): the extra -1
-        lut[[routing.experts[i] for i in experts]] = slots
+        lut[routing.experts[experts]] = slots
         self.launch(x, y, torch.from_numpy(lut).to(self.cache.device, non_blocking=True)[topk_ids])
 
     def launch(self, x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor) -> None:
