@@ -123,15 +123,16 @@ def bench_prefill(b, shape, router, device, tokens: int, bw) -> dict:
 
 
 def configs(args, total: int, slots: int):
-    """(label, backend, slots, stream_prefill, kind, threads, routing): every configuration of one run."""
+    """(label, backend, slots, stream_prefill mode, kind, threads, routing): every configuration of one run."""
     t0, r0 = args.threads[0], args.routing[0]
-    out = [(f"decode {n} t{t0}", n, slots, True, "decode", t0, r0) for n in args.backends]
-    out.append(("decode fused (all resident)", "offload", total, True, "fused", t0, r0))
-    out.append((f"prefill {args.prefill_tokens} stream", "offload", slots, True, "prefill", t0, r0))
-    out.append((f"prefill {args.prefill_tokens} on-demand", "offload", slots, False, "prefill", t0, r0))
-    out += [(f"decode {n} t{t}", n, slots, True, "decode", t, r0) for t in args.threads[1:]
+    out = [(f"decode {n} t{t0}", n, slots, "auto", "decode", t0, r0) for n in args.backends]
+    out.append(("decode fused (all resident)", "offload", total, "auto", "fused", t0, r0))
+    # the two ways to serve a prompt, each forced: whether `auto` would stream depends on measured bandwidths
+    out.append((f"prefill {args.prefill_tokens} stream", "offload", slots, "on", "prefill", t0, r0))
+    out.append((f"prefill {args.prefill_tokens} on-demand", "offload", slots, "off", "prefill", t0, r0))
+    out += [(f"decode {n} t{t}", n, slots, "auto", "decode", t, r0) for t in args.threads[1:]
             for n in args.backends if n != "offload"]
-    out += [(f"decode {n} t{t0} {r}", n, slots, True, "decode", t0, r) for r in args.routing[1:]
+    out += [(f"decode {n} t{t0} {r}", n, slots, "auto", "decode", t0, r) for r in args.routing[1:]
             for n in args.backends]
     return out  # most important first: a session cut short still has them
 
