@@ -48,7 +48,8 @@ def run(args) -> dict:
     import triton
     import triton.language as tl
 
-    from engine.kernels.moe_triton import pair_blocks, run_experts
+    from engine.kernels.moe_pairs_triton import pair_blocks
+    from engine.kernels.moe_triton import run_experts
 
     @triton.jit
     def _sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
@@ -182,7 +183,8 @@ DOWN_TILES = [(64, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3), (16, 512, 4, 3)
 def _rounds(x, gate_up, down, w, ids_sets, tiles=None):
     """-> a function running one token's experts once per id set (every round other experts: nothing is read
     twice, nothing stays in L2)."""
-    from engine.kernels.moe_triton import pair_blocks, run_experts
+    from engine.kernels.moe_pairs_triton import pair_blocks
+    from engine.kernels.moe_triton import run_experts
 
     def fn():
         for ids in ids_sets:

@@ -65,7 +65,8 @@ def _routes(batch: int, copies: int, gen: torch.Generator, device) -> list[torch
 
 
 def sweep_experts(batches: list[int], copies: int, device) -> list[dict]:
-    from engine.kernels.moe_triton import _tiles, blocks_for, pair_blocks, run_experts, run_experts_routed
+    from engine.kernels.moe_pairs_triton import blocks_for, pair_blocks
+    from engine.kernels.moe_triton import _tiles, run_experts, run_experts_routed
 
     gen = torch.Generator().manual_seed(0)
     gate_up = [torch.randn(E + 1, 2 * I, H, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]

@@ -17,7 +17,7 @@ from engine.experts.lru import SlotTable
 
 ADMIT_RATIO = 2.0  # a missed expert replaces a resident one when its heat is this many times the victim's
 MAX_FILLS = 8  # experts admitted per step at most (about 1 ms of PCIe at the Qwen3.6-35B-A3B width)
-CPU_RUN = -3  # a `seen` entry for an expert the CPU ran (hybrid, graph_cpu.py): moe_triton.LOC_CPU
+CPU_RUN = -3  # a `seen` entry for an expert the CPU ran (hybrid, graph_cpu.py): moe_pairs_triton.LOC_CPU
 
 
 class LayerStep(NamedTuple):

@@ -31,7 +31,7 @@ import torch
 
 from engine.experts import profile
 from engine.experts.policy import ShareSearch
-from engine.kernels.moe_triton import LOC_CPU
+from engine.kernels.moe_pairs_triton import LOC_CPU
 
 log = logging.getLogger("killick.experts")
 

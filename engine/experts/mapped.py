@@ -1,7 +1,7 @@
 """Decode through an expert cache in one graph: missing experts are read in place from the pinned host pool.
 
 The decode step's expert kernels take, per MoE layer, a location table on the device (loc [L, E+1] int32,
-moe_triton.ExpertMap): a slot id where the expert sits in a device slot, LOC_HOST where it does not (the
+moe_pairs_triton.ExpertMap): a slot id where the expert sits in a device slot, LOC_HOST where it does not (the
 kernel reads its weights from the page-locked host pool over PCIe, no copy first), LOC_SHARED for entry E
 (the shared expert). Routing, every expert and the rest of the step run on the device without the host, so
 the step is one CUDA graph, as with every expert resident; a miss costs its bytes at PCIe speed inside the
@@ -24,7 +24,7 @@ With prefetch (--moe-prefetch, on by default for a mapped decode on CUDA) the st
 layer, the next layer's likely expert among those read in place (its router on the hidden state before the next
 layer's mixer) and copies part of that expert's gate/up weights (stage_rows) to the device on a side stream
 while the mixer runs: the PCIe link idles through a layer's attention or DeltaNet, and a right guess spends
-that time on bytes the layer needs (`stage`, moe_triton.stage_guess). The layer's experts wait for the pick
+that time on bytes the layer needs (`stage`, stage_triton.stage_guess). The layer's experts wait for the pick
 only; a staged gate/up tile waits inside the kernel for the copy's done count (stage_done), so a copy that
 outlasts the mixer overlaps the layer's other reads instead of holding them back. The first cache layer is
 never guessed. Guesses, right ones and their bytes are counted per layer (docs/PERF.md: fourteenth and
@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from engine.experts import admission
-from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED, ExpertMap, stage_guess
+from engine.kernels.moe_pairs_triton import LOC_HOST, LOC_SHARED, ExpertMap
+from engine.kernels.stage_triton import stage_guess
 
 
 def stage_rows(inter: int) -> int:
@@ -143,7 +144,7 @@ class MappedExperts:
 
     def stage(self, layer: int, logits: torch.Tensor, valid: torch.Tensor, picked=None) -> None:
         """Inside the step, before `layer` runs: its likely expert read in place (by logits [N, E], a guess at
-        its routing) copied to the device for its gate/up kernel (moe_triton.stage_guess; picked() runs
+        its routing) copied to the device for its gate/up kernel (stage_triton.stage_guess; picked() runs
         between the pick and the copy)."""
         row = self.row(layer)
         stage_guess(logits, valid, self.loc[row], self._gate_up(layer), self.stage_ids[row: row + 1],

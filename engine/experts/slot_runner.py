@@ -36,7 +36,8 @@ class SlotRunner:
 
     def launch(self, x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor) -> None:
         """The grouped kernels over the slots: ids [T, K] int32, each pair's slot (-1: not run here)."""
-        from engine.kernels.moe_triton import blocks_for, run_experts
+        from engine.kernels.moe_pairs_triton import blocks_for
+        from engine.kernels.moe_triton import run_experts
 
         T, K = ids.shape
         ones = self._ones.get((T, K))

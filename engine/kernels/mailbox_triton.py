@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.moe_triton import LOC_CPU, _topk_row
+from engine.kernels.moe_pairs_triton import LOC_CPU, _topk_row
 
 # spins of the wait kernel (one read of host memory each, ~1 us over PCIe) before it gives up: the CPU
 # thread is gone or stuck; the step's output is then wrong and err says so

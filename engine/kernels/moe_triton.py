@@ -1,22 +1,19 @@
-"""The MoE block on the device without a host sync: router top-k, then every (token, expert) pair through
-two grouped GEMM kernels that read each expert's weights once per block of pairs.
+"""The MoE block's experts on the device without a host sync: every (token, expert) pair through two grouped
+GEMM kernels that read each expert's weights once per block of pairs.
 
-    ids, w = route_topk(logits, top_k, norm_topk, shared)       # [N, KP] int32 / fp32, KP = K (+1 shared)
+    ids, w = route_topk(logits, top_k, norm_topk, shared)       # moe_pairs_triton.py: [N, KP] pairs
     blocks = pair_blocks(ids) | group_blocks(ids) | expert_blocks(ids, E, BM)   # which pairs each program runs
     y = run_experts(x, gate_up, down, ids, w, blocks)           # [N, KP, H]: weighted output of each pair
+    y = run_experts_routed(x, gate_up, down, logits, ...)       # a decode step's: the routing done here too
 
 The shared expert rides along as expert E (weights stacked after the routed ones) with weight
 sigmoid(shared gate), so one launch pair serves the whole block; the caller sums the KP rows of a token
-(kernels/norm_triton.add_rms_norm does it with the residual add). A block is BM pairs of one expert:
-`pair_blocks` gives each pair its own block (static shapes, graph-safe), `group_blocks` runs all pairs of an
-expert in the block of its first pair over the same grid (decode: up to 16 tokens, each expert read once),
-`expert_blocks` groups the pairs of each expert (prefill: hundreds of tokens per expert, real GEMM tiles).
-N = tokens, E = experts (+1 with the shared one), K = top-k, KP = pairs per token, H = hidden, I = expert
-intermediate, P = N * KP pairs, NB = blocks, BM = pairs per block.
+(kernels/norm_triton.add_rms_norm does it with the residual add). In an expert cache's decode the kernels read
+each expert where an ExpertMap says it is: a slot, the host pool in place, or a staged prefetch
+(stage_triton.py). N = tokens, E = experts (+1 with the shared one), K = top-k, KP = pairs per token, H =
+hidden, I = expert intermediate, P = N * KP pairs, NB = blocks, BM = pairs per block.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,164 +21,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import pdl_args, pdl_enter
-
-@triton.jit
-def _topk_row(logits_ptr, row, stride, E, valid, K: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
-              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One token's routing -> (ids, weights) [BLOCK_K]: pairs 0..K-1 routed, pair K the shared expert."""
-    cols = tl.arange(0, BLOCK_E)
-    live = cols < E
-    logit = tl.load(logits_ptr + row * stride + cols, mask=live, other=float("-inf")).to(tl.float32)
-    p = tl.exp(logit - tl.max(logit, axis=0))
-    p = tl.where(live, p / tl.sum(p, axis=0), -1.0)
-    slots = tl.arange(0, BLOCK_K)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    ws = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k in tl.static_range(K):
-        best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, cols, BLOCK_E), axis=0)  # lowest id among equal maxima
-        ids = tl.where(slots == k, idx, ids)
-        ws = tl.where(slots == k, best, ws)
-        p = tl.where(cols == idx, -1.0, p)
-    if NORM:
-        ws = ws / tl.sum(tl.where(slots < K, ws, 0.0), axis=0)
-    if SHARED:
-        s = tl.load(logits_ptr + row * stride + E).to(tl.float32)
-        ids = tl.where(slots == K, E, ids)
-        ws = tl.where(slots == K, 1.0 / (1.0 + tl.exp(-s)), ws)
-    ids = tl.where(valid != 0, ids, -1)  # rows of a padded decode batch route nowhere
-    return ids, ws
-
-
-@triton.jit
-def _route_topk_kernel(logits_ptr, ids_ptr, w_ptr, valid_ptr, stride, E,
-                       K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
-    row = tl.program_id(0)
-    ids, ws = _topk_row(logits_ptr, row, stride, E, tl.load(valid_ptr + row), K, SHARED, NORM, BLOCK_E, BLOCK_K)
-    slots = tl.arange(0, BLOCK_K)
-    tl.store(ids_ptr + row * KP + slots, ids, mask=slots < KP)
-    tl.store(w_ptr + row * KP + slots, ws, mask=slots < KP)
-
-
-def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool, shared: bool,
-               valid: torch.Tensor | None = None, out=None):
-    """logits [N, E (+1: the shared expert's gate logit last)] -> ids [N, KP] int32, weights [N, KP] fp32.
-
-    Softmax over the E routed logits in fp32, the top-k (lowest id first among ties), renormalised when
-    norm_topk; with `shared`, pair K is (E, sigmoid(gate logit)). valid [N] int8: rows with 0 get id -1."""
-    N, width = logits.shape
-    E = width - 1 if shared else width
-    if logits.stride(1) != 1 or not 0 < top_k <= E:
-        raise ValueError(f"route_topk wants row-major logits and 0 < top_k <= {E}")
-    kp = top_k + (1 if shared else 0)
-    if valid is None:
-        valid = torch.ones(N, dtype=torch.int8, device=logits.device)
-    ids, w = out if out is not None else (torch.empty(N, kp, dtype=torch.int32, device=logits.device),
-                                          torch.empty(N, kp, dtype=torch.float32, device=logits.device))
-    _route_topk_kernel[(N,)](logits, ids, w, valid, logits.stride(0), E, K=top_k, KP=kp, SHARED=shared,
-                             NORM=norm_topk, BLOCK_E=triton.next_power_of_2(E),
-                             BLOCK_K=triton.next_power_of_2(kp), num_warps=4, **pdl_args(logits))
-    return ids, w
-
-
-def route_topk_ref(logits, top_k, norm_topk, shared, valid=None):
-    E = logits.shape[1] - (1 if shared else 0)
-    probs = F.softmax(logits[:, :E].float(), dim=-1)
-    w, ids = probs.topk(top_k, dim=-1)
-    if norm_topk:
-        w = w / w.sum(-1, keepdim=True)
-    ids = ids.int()
-    if shared:
-        ids = torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1)
-        w = torch.cat([w, torch.sigmoid(logits[:, E:].float())], dim=1)
-    if valid is not None:
-        ids = torch.where(valid[:, None] != 0, ids, -1)
-    return ids, w
-
-
-# a decode batch of at least this many tokens routes in its own launch before the experts, which then read each
-# expert once for all the pairs routed to it (group_blocks); a single token routes inside the gate/up kernel
-ROUTE_GROUP_TOKENS = 2
-GROUP_PAIRS = 128  # from this many (token, expert) pairs on, experts run grouped per expert, not per pair
-GROUP_BLOCK = 64  # pairs per block when grouped
-
-
-def blocks_for(ids: torch.Tensor, num_experts: int) -> "Blocks":
-    """The block mapping a batch of pairs runs best in: a block per pair for a few (each expert read once when
-    the tokens fit a block: as a decode step of that many tokens runs), grouped per expert for many."""
-    if ids.numel() >= GROUP_PAIRS:
-        return expert_blocks(ids, num_experts, GROUP_BLOCK)
-    return group_blocks(ids) if ROUTE_GROUP_TOKENS <= ids.shape[0] <= PAIR_ROWS else pair_blocks(ids)
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """rows [NB, BM] int32: pair index per block row (-1: empty); expert [NB] int32 (-1: idle block).
-    group: one block per pair whose kernels run, in the block of each expert's first pair, every pair of that
-    expert (the kernels find them in `expert`; rows is not read) and leave the other blocks idle, so an expert
-    that several tokens of a decode batch route to is read once (group_blocks)."""
-
-    rows: torch.Tensor
-    expert: torch.Tensor
-    group: bool = False
-
-    @property
-    def bm(self) -> int:
-        return self.rows.shape[1]
-
-
-PAIR_ROWS = 16  # rows of a decode block: the matrix units' smallest tile
-_PAIR_TABLES: dict = {}  # pair_blocks' rows by (pairs, rows a block, device)
-
-
-def pair_blocks(ids: torch.Tensor, bm: int = PAIR_ROWS) -> Blocks:
-    """One block per pair: no sorting, shapes fixed by the pair count (the decode mapping)."""
-    P = ids.numel()
-    key = (P, bm, ids.device)
-    if key not in _PAIR_TABLES:
-        rows = torch.full((P, bm), -1, dtype=torch.int32, device=ids.device)
-        rows[:, 0] = torch.arange(P, dtype=torch.int32, device=ids.device)
-        _PAIR_TABLES[key] = rows
-    return Blocks(_PAIR_TABLES[key], ids.reshape(-1))
-
-
-def group_blocks(ids: torch.Tensor) -> Blocks:
-    """pair_blocks' grid, each expert's pairs run together in the block of its first pair (Blocks.group): the
-    decode mapping for ids [N, KP] of at most PAIR_ROWS tokens (a token routes to an expert at most once, so
-    an expert has at most N pairs), still without sorting or a host sync."""
-    if ids.shape[0] > PAIR_ROWS:
-        raise ValueError(f"group_blocks takes at most {PAIR_ROWS} tokens, got {ids.shape[0]}: use pair_blocks")
-    return Blocks(pair_blocks(ids).rows, ids.reshape(-1), group=True)
-
-
-def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
-    """The pairs of each expert in blocks of bm (pair order within an expert kept), all on the device and
-    without a host sync (no boolean masks, no bincount: a prefill chunk's host keeps launching ahead).
-
-    The block count is the bound min(P, ceil(P / bm) + E); blocks past the used ones are idle. Padding pairs
-    (id -1) land in a spill row that is cut off."""
-    flat = ids.reshape(-1).long()
-    P, dev = flat.numel(), flat.device
-    nb = min(P, -(-P // bm) + num_experts)
-    key = torch.where(flat >= 0, flat, num_experts)  # unrouted pairs (padding) sort last, into the spill row
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[:num_experts]
-    blocks_of = (counts + bm - 1) // bm
-    first_block = torch.cumsum(blocks_of, 0) - blocks_of
-    first_pair = torch.cumsum(counts, 0) - counts
-    e_sorted = key[order]
-    routed = e_sorted < num_experts
-    e_at = torch.where(routed, e_sorted, 0)
-    rank = torch.arange(P, device=dev) - first_pair[e_at]
-    block = torch.where(routed, first_block[e_at] + rank // bm, nb)
-    rows = torch.full((nb + 1, bm), -1, dtype=torch.int32, device=dev)
-    rows[block, torch.where(routed, rank % bm, 0)] = order.int()
-    expert = torch.full((nb + 1,), -1, dtype=torch.int32, device=dev)
-    expert[block] = torch.where(routed, e_sorted, -1).int()
-    return Blocks(rows[:nb], expert[:nb])
+from engine.kernels.moe_pairs_triton import (PAIR_ROWS, ROUTE_GROUP_TOKENS, Blocks, ExpertMap, _topk_row,
+                                             group_blocks, pair_blocks, route_topk)
+from engine.kernels.stage_triton import stage_programs
 
 
 @triton.jit
@@ -335,41 +177,9 @@ def _tiles(bm: int, n: int, k: int, up: bool) -> tuple[int, int, int, int]:
     return min(64, triton.next_power_of_2(n)), min(64, triton.next_power_of_2(k)), 4, 3
 
 
-LOC_HOST, LOC_SHARED, LOC_CPU = -1, -2, -3  # ExpertMap.loc entries besides a slot id (LOC_CPU: _runs_here)
-
-
-@dataclass(frozen=True)
-class ExpertMap:
-    """Where each expert of one MoE layer lives, for the kernels of an expert cache's decode (mapped): the
-    gate_up / down given to run_experts* are then the device slots [S, 2I, H] / [S, H, I], and loc [E (+1)]
-    int32 names per expert its slot (>= 0), LOC_HOST (read in place from the layer's pinned host pool
-    host_gate_up [E, 2I, H] / host_down [E, H, I], over PCIe, no copy), LOC_SHARED (the shared expert,
-    entry E: shared_gate_up [2I, H] / shared_down [H, I]) or LOC_CPU (the kernels skip the pair: the CPU
-    runs it, mailbox_triton.py brings its output in). loc is read by the kernels when they run, so a
-    graph replays with whatever the table says then; so are stage_id and stage_gate_up."""
-
-    loc: torch.Tensor
-    host_gate_up: torch.Tensor
-    host_down: torch.Tensor
-    shared_gate_up: torch.Tensor | None = None
-    shared_down: torch.Tensor | None = None
-    # a prefetched expert (stage_guess): stage_id [1] int32 names it (-1: none), stage_gate_up [2I, H] holds its
-    # gate and up rows [0, stage_rows) (None: all I) on the device; the gate/up kernel's tiles inside those rows
-    # read them there instead of over PCIe
-    stage_id: torch.Tensor | None = None
-    stage_gate_up: torch.Tensor | None = None
-    stage_rows: int | None = None
-    # stage_done [1] int32: the copy's programs that finished (stage_guess); given, the gate/up kernel does not
-    # need the copy done before it starts: a staged tile waits (bounded by STAGE_SPIN polls) until stage_done
-    # reaches the copy's program count (stage_programs of the staged rows), and reads the host's copy of its
-    # rows if it never does. None: the copy is done.
-    stage_done: torch.Tensor | None = None
-
-    def args(self, up: bool) -> tuple:
-        """(loc, host weights, their expert stride, shared weights) of the gate/up or the down kernel."""
-        host = self.host_gate_up if up else self.host_down
-        shared = self.shared_gate_up if up else self.shared_down
-        return self.loc, host, host.stride(0), host if shared is None else shared
+# polls of the copy's done count a staged gate/up tile makes before it reads its rows from the host instead
+# (each an L2 atomic, under a microsecond: a bound of milliseconds, far beyond a copy's ~50 us)
+STAGE_SPIN = 8192
 
 
 def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
@@ -487,121 +297,6 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
         BM=bm, BN=bn, BK=bk, PREC=prec, MAPPED=mapped is not None, **group, num_warps=warps, num_stages=stages,
         **pdl_args(act))
     return y
-
-
-@triton.jit
-def _stage_pick(logits_ptr, lstride, valid_ptr, N: tl.constexpr, E, loc_ptr, BLOCK_E: tl.constexpr):
-    """The expert read in place (LOC_HOST) that the rows' softmax puts most weight on, or -1.
-    N (a decode bucket's rows) is a constant: Triton 3.6's interpreter cannot loop to a runtime bound."""
-    re = tl.arange(0, BLOCK_E)
-    emask = re < E
-    score = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for t in range(N):
-        row = tl.load(logits_ptr + t * lstride + re, mask=emask, other=float("-inf")).to(tl.float32)
-        p = tl.exp(row - tl.max(row, axis=0))
-        on = (tl.load(valid_ptr + t) != 0).to(tl.float32)
-        score += on * p / tl.sum(p, axis=0)
-    host = emask & (tl.load(loc_ptr + re, mask=emask, other=0) == -1)
-    score = tl.where(host, score, -1.0)
-    best = tl.argmax(score, axis=0)
-    return tl.where(tl.max(score, axis=0) > 0, best, -1)
-
-
-@triton.jit
-def _stage_pick_kernel(logits_ptr, lstride, valid_ptr, E, loc_ptr, stage_ptr, done_ptr, N: tl.constexpr,
-                       BLOCK_E: tl.constexpr):
-    """One program: the expert to prefetch (_stage_pick) into stage, and the copy's done count back to 0."""
-    tl.store(stage_ptr, _stage_pick(logits_ptr, lstride, valid_ptr, N, E, loc_ptr, BLOCK_E).to(tl.int32))
-    tl.store(done_ptr, 0)
-
-
-@triton.jit
-def _stage_copy_kernel(stage_ptr, host_ptr, host_stride, out_ptr, done_ptr, half, up_at, BLOCK: tl.constexpr,
-                       ITERS: tl.constexpr):
-    """Each program copies its share of the picked expert's gate rows [0, R) and up rows [I, I + R): elements
-    [0, half) and [up_at, up_at + half) of its [2I, H] block (half = R * H, up_at = I * H), at the same offsets
-    in the stage; then, once all of its threads stored, adds one to done (release: a reader that sees done at
-    the program count sees every row)."""
-    e = tl.load(stage_ptr)
-    if e >= 0:
-        src = host_ptr + e.to(tl.int64) * host_stride
-        for i in range(ITERS):
-            q = (tl.program_id(0) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-            m = q < 2 * half
-            off = tl.where(q < half, q, q - half + up_at)
-            tl.store(out_ptr + off, tl.load(src + off, mask=m), mask=m)
-    tl.debug_barrier()
-    tl.atomic_add(done_ptr, 1, sem="release")
-
-
-# The copy's grid: at most STAGE_PROGRAMS programs, each moving STAGE_BLOCK elements a load (STAGE_WARPS warps)
-# as many times as its share needs. It runs beside the mixer's last kernels and a program holds its SM while
-# its loads cross PCIe: 128 programs of 4 KB loads stretched the mixer's last projection from 12-18 us to
-# 25-48 us. H200 box, offload decode b1 (8 layers, 37.5% slots, 2 MB staged), two runs an arm: 128 x 4 KB
-# 200.4 / 200.6 tok/s, 64 x 4 KB 201.7 / 201.9, 32 x 8 KB 201.7 / 202.3, 16 x 16 KB (8 warps) 201.7 / 201.8,
-# 8 x 32 KB 200.7 / 200.9 (too few to keep the link busy).
-STAGE_BLOCK, STAGE_PROGRAMS, STAGE_WARPS = 4096, 32, 4
-# polls of the copy's done count a staged gate/up tile makes before it reads its rows from the host instead
-# (each an L2 atomic, under a microsecond: a bound of milliseconds, far beyond a copy's ~50 us)
-STAGE_SPIN = 8192
-
-
-def stage_grid(inter: int, hidden: int, rows: int | None = None) -> tuple[int, int]:
-    """(programs, loads each) of stage_guess's copy for experts of this width staging `rows` (None: all) of the
-    gate and of the up rows. The programs are the done count at which every staged row has landed."""
-    loads = triton.cdiv(2 * (inter if rows is None else rows) * hidden, STAGE_BLOCK)
-    programs = min(STAGE_PROGRAMS, loads)
-    return programs, triton.cdiv(loads, programs)
-
-
-def stage_programs(inter: int, hidden: int, rows: int | None = None) -> int:
-    """The copy's program count (stage_grid): the done count a staged tile waits for."""
-    return stage_grid(inter, hidden, rows)[0]
-
-
-def stage_guess(logits: torch.Tensor, valid: torch.Tensor, loc: torch.Tensor, host_gate_up: torch.Tensor,
-                stage_id: torch.Tensor, stage_gate_up: torch.Tensor, rows: int | None = None,
-                done: torch.Tensor | None = None, picked=None) -> None:
-    """Prefetch one expert's gate/up weights for a layer whose routing is not known yet, all on the device.
-
-    logits [N, E]: a guess at the layer's router logits (its router applied to the hidden state entering the
-    layer, before its mixer); valid [N] int8; loc [E (+1)] int32: the layer's ExpertMap.loc. Of the experts
-    read in place (LOC_HOST), the one the valid rows' softmax weighs most goes to stage_id [1] int32 and its
-    gate and up rows [0, rows) (None: all I) from host_gate_up [E, 2I, H] (pinned, read over PCIe) into the
-    same rows of stage_gate_up; stage_id is -1 where every expert sits in a slot. Two launches: the pick
-    (which also sets done [1] int32 to 0), then the copy, whose programs each add one to done when their rows
-    have landed (stage_programs of them). picked(): called between the two launches (on CUDA, to record an
-    event the layer's kernels wait for: they need the pick, not the copy). Graph-safe: no host sync, fixed
-    grids."""
-    N, E = logits.shape
-    if logits.stride(1) != 1 or valid.shape != (N,) or stage_gate_up.shape != host_gate_up.shape[1:] \
-            or not stage_gate_up.is_contiguous() or host_gate_up.stride(2) != 1 \
-            or host_gate_up.stride(1) != host_gate_up.shape[2] or stage_id.dtype != torch.int32 \
-            or (done is not None and (done.dtype != torch.int32 or done.numel() != 1)):
-        raise ValueError("stage_guess: logits [N, E] row-major, valid [N], host gate/up packed per expert and a "
-                         "contiguous [2I, H] stage of the same shape, stage_id and done int32 [1]")
-    I, H = stage_gate_up.shape[0] // 2, stage_gate_up.shape[1]
-    half = (I if rows is None else rows) * H
-    if done is None:
-        done = torch.zeros(1, dtype=torch.int32, device=logits.device)
-    _stage_pick_kernel[(1,)](logits, logits.stride(0), valid, E, loc, stage_id, done, N=N,
-                             BLOCK_E=triton.next_power_of_2(max(E, 2)))
-    if picked is not None:
-        picked()
-    programs, loads = stage_grid(I, H, rows)
-    _stage_copy_kernel[(programs,)](
-        stage_id, host_gate_up, host_gate_up.stride(0), stage_gate_up, done, half, I * H, BLOCK=STAGE_BLOCK,
-        ITERS=loads, num_warps=STAGE_WARPS)
-
-
-def stage_guess_ref(logits, valid, loc, host_gate_up):
-    """-> (the expert stage_guess stages, or -1; its gate/up weights or None)."""
-    p = torch.softmax(logits.float(), dim=-1) * (valid != 0).float()[:, None]
-    score = torch.where(loc[: logits.shape[1]] == LOC_HOST, p.sum(0), -1.0)
-    if score.max() <= 0:
-        return -1, None
-    e = int(score.argmax())
-    return e, host_gate_up[e]
 
 
 def run_experts_ref(x, gate_up, down, ids, weights):

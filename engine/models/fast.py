@@ -34,8 +34,8 @@ from engine.kernels.deltanet_prefill_triton import conv_prefill, prefill_gates
 from engine.kernels.deltanet_triton import TAIL_TOKENS, conv_step, gated_norm, rule_step
 from engine.kernels.linear_triton import SKINNY_ROWS, skinny_linear
 from engine.kernels.mailbox_triton import join, publish
-from engine.kernels.moe_triton import (GROUP_PAIRS, blocks_for, route_topk, run_experts,
-                                       run_experts_routed)
+from engine.kernels.moe_pairs_triton import GROUP_PAIRS, blocks_for, route_topk
+from engine.kernels.moe_triton import run_experts, run_experts_routed
 from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_guess, add_rms_norm_router
 from engine.layers.mlp import swiglu_fused
 from engine.layers.moe import MoE

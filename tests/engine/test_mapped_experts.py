@@ -10,7 +10,7 @@ from engine.experts.host_pool import pool_from_source
 from engine.experts.mapped import MappedExperts
 from engine.experts.offload import OffloadBackend
 from engine.experts.source import ExpertWeights
-from engine.kernels.moe_triton import LOC_HOST, LOC_SHARED
+from engine.kernels.moe_pairs_triton import LOC_HOST, LOC_SHARED
 
 L_IDS, E, H, I = [0, 2, 3], 8, 16, 12
 
@@ -120,7 +120,7 @@ def test_decode_modes():
 def test_observe_layer_counts_cpu_runs_apart_from_in_place_reads():
     """A hybrid step's CPU pairs (entries LOC_CPU) are misses, not PCIe reads: counted as `cpu`."""
     from engine.experts.lru import SlotTable
-    from engine.kernels.moe_triton import LOC_CPU
+    from engine.kernels.moe_pairs_triton import LOC_CPU
 
     assert admission.CPU_RUN == LOC_CPU
     table = SlotTable(num_layers=1, num_experts=6, num_slots=4)

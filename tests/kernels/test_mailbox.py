@@ -11,7 +11,8 @@ from engine.experts.block_layout import ExpertLayout
 from engine.experts.host_pool import HostPool
 from engine.experts.policy import BandwidthEstimate
 from engine.kernels.mailbox_triton import join, publish
-from engine.kernels.moe_triton import LOC_CPU, LOC_SHARED, ExpertMap, run_experts_routed
+from engine.kernels.moe_pairs_triton import LOC_CPU, LOC_SHARED, ExpertMap
+from engine.kernels.moe_triton import run_experts_routed
 
 pytestmark = pytest.mark.skipif(not cpu_runner.NATIVE, reason="the CPU share runs on the native kernels")
 

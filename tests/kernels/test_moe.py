@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from engine.kernels.moe_triton import (LOC_CPU, LOC_HOST, LOC_SHARED, PAIR_ROWS, ExpertMap, expert_blocks,
-                                       group_blocks, pair_blocks, route_topk, route_topk_ref, run_experts,
-                                       run_experts_ref, run_experts_routed, stage_guess, stage_guess_ref,
-                                       stage_programs)
+from engine.kernels.moe_pairs_triton import (LOC_CPU, LOC_HOST, LOC_SHARED, PAIR_ROWS, ExpertMap, expert_blocks,
+                                             group_blocks, pair_blocks, route_topk, route_topk_ref)
+from engine.kernels.moe_triton import run_experts, run_experts_ref, run_experts_routed
+from engine.kernels.stage_triton import stage_guess, stage_guess_ref, stage_programs
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 
@@ -288,11 +288,11 @@ def test_stage_guess_picks_the_likeliest_expert_read_in_place(dev, grid, monkeyp
     expert sits in a slot. grid (elements a load, most programs): the copy in a few programs of several loads
     each, the last ones partly or wholly past the staged rows (these shapes fit one load of the default's)."""
     if grid is not None:
-        from engine.kernels import moe_triton
+        from engine.kernels import stage_triton
 
-        monkeypatch.setattr(moe_triton, "STAGE_BLOCK", grid[0])
-        monkeypatch.setattr(moe_triton, "STAGE_PROGRAMS", grid[1])
-        assert moe_triton.stage_grid(8, 24) == (3, 4) and moe_triton.stage_grid(8, 24, 3) == (3, 2)
+        monkeypatch.setattr(stage_triton, "STAGE_BLOCK", grid[0])
+        monkeypatch.setattr(stage_triton, "STAGE_PROGRAMS", grid[1])
+        assert stage_triton.stage_grid(8, 24) == (3, 4) and stage_triton.stage_grid(8, 24, 3) == (3, 2)
     g = torch.Generator().manual_seed(5)
     N, E, I, H = 3, 16, 8, 24
     for trial in range(6):
