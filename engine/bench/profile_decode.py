@@ -31,8 +31,9 @@ from collections import defaultdict
 
 import torch
 
-from engine.bench.model import ExpertTraffic, print_buckets, print_split
+from engine.bench.model import print_buckets, print_split
 from engine.bench.syncs import SyncSites
+from engine.bench.traffic import ExpertTraffic
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,158 @@
+"""The expert cache's traffic in a benchmark (engine/bench/model.py, profile_decode.py): counters around each row
+and the bounds an expert cache's rows are measured against (the pool at B_P, the host DRAM's read rate)."""
+from __future__ import annotations
+
+import time
+
+from engine.experts.registry import is_expert_cache
+from engine.experts.stats import FIELDS
+
+
+class ExpertTraffic:
+    """The expert cache's counters around each row (nothing for all-resident experts), and the prefill's
+    streaming bound: the pool's bytes at B_P measured in this process (pinned host -> device on CUDA,
+    host -> host on CPU, where a fill is a copy), and the host DRAM's read rate over the pool (every core,
+    STREAM-style): an extend's misses are read from it once each, by a fill's DMA or by the CPU, so their bytes
+    at that rate are its floor whatever the split. measure_bp=False: the counters alone (no bounds)."""
+
+    def __init__(self, model, measure_bp: bool = True) -> None:
+        self.backend = getattr(model, "experts", None)
+        self.cached = is_expert_cache(self.backend)
+        self.streamer = getattr(self.backend, "streamer", None)  # None: prompts move their routed experts alone
+        self.bp = self.host_read = None
+        if self.cached:
+            from engine.bench.bw import measure_bp as bp_of, measure_copy
+
+            pool = self.backend.pool
+            self.pool_bytes = pool.expert_bytes * pool.num_experts * len(pool.layers)
+            if measure_bp:
+                self.bp = bp_of(pool.layout, pool.dtype) or measure_copy(pool.layout, pool.dtype)
+                self.host_read = host_read_rate(pool)
+
+    def placement(self) -> str:
+        """As engine/bench/peers/compare.py pairs rows: `resident`, else `ncmoeN` for the llama.cpp run that
+        keeps the same share of experts on the GPU ((L-N)/L of them, N rounded), `cpu` for none."""
+        if not self.cached:
+            return "resident"
+        layers = len(self.backend.pool.layers)
+        n = round(layers * (1 - self.share()))
+        return "cpu" if n >= layers else f"ncmoe{n}"
+
+    def share(self) -> float:
+        pool = self.backend.pool
+        return self.backend.cache.num_slots / (pool.num_experts * len(pool.layers))
+
+    def header(self) -> dict:
+        if not self.cached:
+            return {}
+        return {"bp_gbs": self.bp / 1e9, "host_read_gbs": (self.host_read or 0) / 1e9, "pool_bytes": self.pool_bytes,
+                "variant": self.backend.name,
+                "slot_policy": self.backend.cache.table.policy,
+                "prefill_stream": "off" if self.streamer is None else self.streamer.mode,
+                "prefetch": "on" if getattr(self.backend, "prefetch", False) else "off",
+                "lookahead": "on" if getattr(self.backend, "lookahead", False) else "off",
+                "decode_path": "mapped" if self.backend.mapped is not None else "host",
+                "cpu_experts": _cpu_path(), "pool_huge": self.backend.pool.huge_bytes() / self.pool_bytes,
+                "experts_on_gpu": f"{self.share():.1%}", "slots": self.backend.cache.num_slots}
+
+    def split(self) -> dict:
+        """hybrid: the split policy at the end of the run (choices taken per arm, explorations, the rates each
+        path was measured at, alone and together, bytes/s) — why it sent what it sent to the CPU."""
+        stats = self.backend.stats() if self.cached else {}
+        out = {"split": stats["split"]} if "split" in stats else {}
+        mapped = getattr(self.backend, "mapped", None) if self.cached else None
+        if mapped is not None and mapped.cpu is not None:
+            out["graph_cpu"] = mapped.cpu.stats()
+        return out
+
+    def row_keys(self) -> dict:
+        """Per row: the backend (compare.py's variant) and the share of experts the slots hold."""
+        return {"variant": self.backend.name, "experts_on_gpu": f"{self.share():.1%}"} if self.cached else {}
+
+    def mark(self) -> dict | None:
+        if not self.cached:
+            return None
+        return dict(self.backend.stats()["total"], streamed=self.streamer.streamed_forwards if self.streamer else 0)
+
+    def since(self, mark: dict | None, upto: dict | None = None) -> dict:
+        """Expert counters moved from `mark` to `upto` (default: now), how many pools' worth of bytes, and
+        how many forwards streamed whole layers (the others moved their routed experts alone). The idle
+        refresh's copies (--moe-refresh: between requests, so also just after the row's last one) are the
+        requests' own traffic in no row: counted as `refreshed` alone, not in fills or bytes_moved."""
+        if mark is None:
+            return {}
+        now = upto or self.mark()
+        moved = {k: now[k] - mark[k] for k in FIELDS}
+        moved["fills"] -= moved["refreshed"]
+        moved["bytes_moved"] -= moved["refreshed"] * self.backend.pool.expert_bytes
+        return {"experts": moved, "pool_passes": moved["bytes_moved"] / self.pool_bytes,
+                "streamed_forwards": now["streamed"] - mark["streamed"]}
+
+    def fill_bound(self, start: dict | None, end: dict | None, steps: int, batch: int, step_s: float) -> dict:
+        """Decode against its PCIe traffic alone: the bytes the timed steps filled into slots or read in place
+        (a mapped decode), per step, at B_P (the offload bound; with hybrid the CPU's share is not in it, so it
+        is a floor, not the bound). A mapped decode counts a step's traffic while the next step runs: the
+        window is one step late, the same number of steps."""
+        if start is None or end is None:
+            return {}
+        per_step = sum(end[k] - start[k] for k in ("bytes_moved", "bytes_read")) / steps
+        if per_step <= 0:
+            return {"fill_bytes_per_step": 0.0}
+        bound = batch * self.bp / per_step
+        return {"fill_bytes_per_step": per_step, "fill_bound_tok_s": bound, "of_fill_bound": (batch / step_s) / bound}
+
+    def stream_bound(self, seconds: float) -> dict:
+        """A prompt's seconds against streaming the whole pool once at B_P (of_stream_bound > 1: faster)."""
+        if not self.cached:
+            return {}
+        bound = self.pool_bytes / self.bp
+        return {"stream_bound_s": bound, "of_stream_bound": bound / seconds}
+
+    def dram_bound(self, moved: dict, seconds: float) -> dict:
+        """A routed prompt's seconds against its misses' bytes (filled or run on the CPU, each read from host
+        DRAM once) at the host's read rate: 1.0 is the floor for those misses, however they are split."""
+        if not self.cached or not self.host_read or "experts" not in moved:
+            return {}
+        ex = moved["experts"]
+        nbytes = (ex["fills"] + ex["cpu_runs"]) * self.backend.pool.expert_bytes
+        return {"host_read_gbs": self.host_read / 1e9, "dram_bound_s": nbytes / self.host_read,
+                "of_dram_bound": nbytes / self.host_read / seconds}
+
+
+def host_read_rate(pool, passes: int = 3) -> float | None:
+    """Bytes/s of the best of `passes` reads over up to 2 GiB of the host pool on every core (the native read
+    pass, else a torch sum): the ceiling a fill's DMA and the CPU's expert runs share. None: nothing to read."""
+    import os
+
+    from engine.experts.cpu_runner import native_runner
+
+    rows = []
+    for layer in pool.layers:
+        rows.append(pool.wait_layer(layer))
+        if sum(r.numel() * r.element_size() for r in rows) >= 2 << 30:
+            break
+    if not rows:
+        return None
+    runner = native_runner(os.cpu_count() or 1)
+    best = 0.0
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for r in rows:
+            runner.read_bandwidth_pass(r) if runner is not None else r.sum()
+        best = max(best, sum(r.numel() * r.element_size() for r in rows) / (time.perf_counter() - t0))
+    return best
+
+
+def _cpu_path() -> str:
+    """How misses run on the CPU in this process (cpu / hybrid): the native kernels, or torch where the
+    extension is not built (several times slower: a hybrid row on the torch path says little)."""
+    from engine.experts import cpu_runner
+
+    path = "torch (native kernels not built)"
+    if cpu_runner.NATIVE:
+        runner = cpu_runner.native_runner(cpu_runner.prompt_threads())
+        tiles = f", tiles from {runner.tile_tokens} tokens an expert" if runner.tile_tokens else ""
+        path = f"native ({runner.isa}{tiles})"
+    prompt = cpu_runner.prompt_threads()
+    return f"{path} with {cpu_runner.expert_threads()} threads" + (f" ({prompt} for a prompt)" if prompt !=
+                                                                    cpu_runner.expert_threads() else "")
