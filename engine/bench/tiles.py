@@ -126,17 +126,28 @@ HK, HV, DH = 16, 32, 128
 DELTANET_C, DELTANET_P = 2 * HK * DH + HV * DH, 2 * HK * DH + 2 * HV * DH + 2 * HV
 
 
+def rule_candidates(dv: int) -> list:
+    """RuleTiles to time for heads dv wide: fused in 4, 8 or 16 warps; split in 16-, 32- and 64-column slices
+    (narrower than the head) in 2 to 8 warps."""
+    from engine.kernels.deltanet_triton import RuleTiles
+
+    fused = [RuleTiles(True, dv, w) for w in (4, 8, 16)]
+    return fused + [RuleTiles(False, bv, w) for bv in (16, 32, 64) if bv < dv for w in (2, 4, 8)]
+
+
 def sweep_rule(batches: list[int], copies: int, device) -> list[dict]:
-    """The decode step's DeltaNet rule, fused (rule and gated norm in one program a sequence and head) against
-    split (a program a 32-column slice of each head's state, then gated_norm's launch), over `copies` layers'
-    states (fp32 [B, Hv, dk, dv] each, read and written once a step). Rate: state bytes read + written a second."""
-    from engine.kernels.deltanet_triton import RuleConsts, rule_step
+    """The decode step's DeltaNet rule in each of rule_candidates: fused (rule and gated norm in one program a sequence
+    and head) or split (a program a block_v-column slice of each head's state, then gated_norm's launch), over
+    `copies` layers' states (fp32 [B, Hv, dk, dv] each, read and written once a step); the default's row is
+    marked. Rate: state bytes read + written a second."""
+    from engine.kernels.deltanet_triton import RuleConsts, rule_step, rule_tiles
 
     gen = torch.Generator().manual_seed(1)
     consts = [RuleConsts(HK, HV, DH, DH, neg_A=-torch.rand(HV, generator=gen).to(device),
                          dt_bias=torch.randn(HV, generator=gen).to(device),
                          norm_w=(1 + 0.1 * torch.randn(DH, generator=gen)).to(device), eps=1e-6)
               for _ in range(copies)]
+    default = rule_tiles(DH)
     rows = []
     for batch in batches:
         states = [torch.randn(batch, HV, DH, DH, device=device) * 0.01 for _ in range(copies)]
@@ -145,13 +156,14 @@ def sweep_rule(batches: list[int], copies: int, device) -> list[dict]:
         slots = torch.arange(batch, dtype=torch.int32, device=device)
         outs = [torch.empty(batch, HV * DH, device=device, dtype=torch.bfloat16) for _ in range(copies)]
         nbytes = 2 * batch * HV * DH * DH * 4
-        for fused in (True, False):
-            def run(fused=fused):
+        for tiles in rule_candidates(DH):
+            def run(tiles=tiles):
                 for c in range(copies):
-                    rule_step(qkv, proj, states[c], slots, consts[c], out=outs[c], fused=fused)
+                    rule_step(qkv, proj, states[c], slots, consts[c], out=outs[c], tiles=tiles)
             us = graph_us(run) / copies
-            rows.append(dict(kind="rule", batch=batch, what="fused" if fused else "split", us=us,
-                             tbs=nbytes / us / 1e6))
+            what = f"{'fused' if tiles.fused else 'split'} v{tiles.block_v} w{tiles.warps}"
+            rows.append(dict(kind="rule", batch=batch, what=what + (" (default)" if tiles == default else ""),
+                             tiles=list(tiles), us=us, tbs=nbytes / us / 1e6))
     return rows
 
 
@@ -209,17 +221,23 @@ def main(argv=None) -> int:
              "rule": lambda: sweep_rule(batches, args.copies, device)}
     rows = [r for kind, sweep in kinds.items() if args.only in (None, kind) for r in sweep()]
     print(f"HBM copy rate {rate / 1e12:.2f} TB/s (read + write)")
-    print(f"{'kind':<11}{'what':<14}{'batch':>6}  {'tiles (BN, BK, warps, stages)':<44}{'us':>8}{'TB/s':>7}")
+    print(f"{'kind':<11}{'what':<24}{'batch':>6}  {'tiles (BN, BK, warps, stages)':<44}{'us':>8}{'TB/s':>7}")
     for r in rows:
         tiles = f"up {r['up']} down {r['down']}" if r["kind"] == "experts" else str(r.get("tiles", ""))
         what = r.get("what") or r["name"]
-        print(f"{r['kind']:<11}{what:<14}{r['batch']:>6}  {tiles:<44}{r['us']:>8.2f}{r['tbs']:>7.2f}")
+        print(f"{r['kind']:<11}{what:<24}{r['batch']:>6}  {tiles:<44}{r['us']:>8.2f}{r['tbs']:>7.2f}")
     for batch in batches:
         for name, *_ in PROJECTIONS if args.only in (None, "projections") else ():
             cand = [r for r in rows if r["kind"] == "projection" and r["name"] == name and r["batch"] == batch]
             best = min(cand, key=lambda r: r["us"])
             cub = next(r for r in cand if r["tiles"] == "cublas")
             print(f"best {name:<12} b{batch}: {best['tiles']} {best['us']:.2f} us vs cublas {cub['us']:.2f}")
+        rule = [r for r in rows if r["kind"] == "rule" and r["batch"] == batch]
+        if rule:
+            best = min(rule, key=lambda r: r["us"])
+            now = next(r for r in rule if r["what"].endswith("(default)"))
+            print(f"best rule b{batch}: {best['what']} {best['us']:.2f} us ({best['tbs']:.2f} TB/s) vs default "
+                  f"{now['us']:.2f}")
         exp = [r for r in rows if r["kind"] == "experts" and r["batch"] == batch
                and r["what"] not in ("a block a pair", "routing too")]
         if not exp:

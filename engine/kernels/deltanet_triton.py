@@ -6,7 +6,8 @@
 The rule runs a program per (sequence, value head), the head's whole [dk, dv] state in registers, and
 applies the gated norm over the head's dv before it stores (one launch); heads wider than FUSED_DV run a
 program per (sequence, value head, block of dv columns) instead, the state's columns updating independently,
-and the gated norm follows as a second launch.
+and the gated norm follows as a second launch. RuleTiles chooses either for any width (engine/bench/tiles.py
+times them).
 
 proj [B, P] is the fused input projection of a DeltaNet layer: columns [0, C) the conv input (q | k | v),
 then z [Hv*dv], b [Hv], a [Hv] (engine/models/fused.py lays it out). States: conv [S, C, K-1] in the model
@@ -18,6 +19,7 @@ Hk / Hv = key / value heads, dk / dv = head dims.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -158,22 +160,45 @@ def _gated_norm_kernel(o_ptr, proj_ptr, proj_stride, z_off, normw_ptr, out_ptr, 
 
 
 FUSED_DV = 128  # heads up to this wide run rule and gated norm in one program ([dk, dv] fp32 in registers)
+SPLIT_DV = 32  # dv columns a program of the split rule
+
+
+class RuleTiles(NamedTuple):
+    """How the decode rule runs: fused (the gated norm in the rule's program, which then takes the whole head:
+    block_v == dv) or not (the norm a launch of its own); block_v dv columns a program, `warps` warps."""
+    fused: bool
+    block_v: int
+    warps: int
+
+
+def rule_tiles(value_dim: int, fused: bool | None = None) -> RuleTiles:
+    """The default: fused (8 warps) for heads up to FUSED_DV wide, else SPLIT_DV columns a program (4 warps);
+    fused True / False asks for one of the two."""
+    if fused if fused is not None else value_dim <= FUSED_DV:
+        return RuleTiles(True, value_dim, 8)
+    return RuleTiles(False, min(SPLIT_DV, value_dim), 4)
 
 
 def rule_step(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
-              consts: RuleConsts, out: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
+              consts: RuleConsts, out: torch.Tensor | None = None, fused: bool | None = None,
+              tiles: RuleTiles | None = None) -> torch.Tensor:
     """qkv [B, C] from conv_step; proj [B, P] the fused projection (z, b, a read from it); rec_state
     [S, Hv, dk, dv] fp32 updated in place -> [B, Hv*dv] in qkv's dtype (already gated-normed).
-    fused: rule and norm in one launch (default: when dv <= FUSED_DV)."""
+    fused: rule and norm in one launch (default: when dv <= FUSED_DV); tiles overrides it (rule_tiles)."""
     c = consts
     B, C = qkv.shape
     values = c.value_heads * c.value_dim
+    tiles = tiles or rule_tiles(c.value_dim, fused)
+    bv = tiles.block_v
+    if c.value_dim % bv or bv & (bv - 1) or (tiles.fused and bv != c.value_dim):
+        raise ValueError(f"rule_step: block_v {bv} must be a power of two dividing dv {c.value_dim}, and dv itself "
+                         "when fused")
     out = out if out is not None else torch.empty(B, values, dtype=qkv.dtype, device=qkv.device)
-    if fused if fused is not None else c.value_dim <= FUSED_DV:
-        _rule(qkv, proj, rec_state, slots, c, out, norm=True)
+    if tiles.fused:
+        _rule(qkv, proj, rec_state, slots, c, out, tiles)
         return out
     o = torch.empty(B, values, dtype=torch.float32, device=qkv.device)
-    _rule(qkv, proj, rec_state, slots, c, o, norm=False)
+    _rule(qkv, proj, rec_state, slots, c, o, tiles)
     return gated_norm(o, proj, C, c, out)
 
 
@@ -201,11 +226,12 @@ def rule_step_raw(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor
     """The delta rule alone -> o [B, Hv*dv] fp32, before the gated norm."""
     c = consts
     o = torch.empty(qkv.shape[0], c.value_heads * c.value_dim, dtype=torch.float32, device=qkv.device)
-    _rule(qkv, proj, rec_state, slots, c, o, norm=False)
+    _rule(qkv, proj, rec_state, slots, c, o, rule_tiles(c.value_dim, fused=False))
     return o
 
 
-def _rule(qkv, proj, rec_state, slots, c: RuleConsts, o, norm: bool) -> None:
+def _rule(qkv, proj, rec_state, slots, c: RuleConsts, o, tiles: RuleTiles) -> None:
+    """The rule's launch: fused normalises too (o then in qkv's dtype), else o is fp32."""
     B, C = qkv.shape
     keys, values = c.key_heads * c.key_dim, c.value_heads * c.value_dim
     if C != 2 * keys + values or rec_state.dtype != torch.float32 or not rec_state.is_contiguous():
@@ -215,11 +241,11 @@ def _rule(qkv, proj, rec_state, slots, c: RuleConsts, o, norm: bool) -> None:
     z_off = C
     b_off = z_off + values
     a_off = b_off + c.value_heads
-    bv = c.value_dim if norm else min(32, c.value_dim)
+    bv = tiles.block_v
     _rule_step_kernel[(B, c.value_heads, c.value_dim // bv)](
         qkv, proj, proj.stride(0), b_off, a_off, rec_state, slots, c.neg_A, c.dt_bias, o, c.key_dim ** -0.5, C,
         c.value_heads, z_off, c.norm_w, c.eps, REP=c.value_heads // c.key_heads, DK=c.key_dim, DV=c.value_dim,
-        BV=bv, KEYS=keys, NORM=norm, num_warps=8 if norm else 4, **pdl_args(qkv))
+        BV=bv, KEYS=keys, NORM=tiles.fused, num_warps=tiles.warps, **pdl_args(qkv))
 
 
 TAIL_TOKENS = 64  # the most tokens rule_tail takes: a prompt's last ones, from the first checkpoint among them
@@ -277,7 +303,7 @@ def rule_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     for i, m in enumerate(marks):
         where[m - 1] = i
     o = torch.empty(T, Hv, dv, dtype=v.dtype, device=q.device)
-    bv = min(32, dv)
+    bv = min(SPLIT_DV, dv)
     _rule_tail_kernel[(Hv, dv // bv)](
         q, k, v, q.stride(0), v.stride(0), g, g.stride(0), beta, beta.stride(0), after, o, snaps,
         torch.tensor(where, dtype=torch.int32).to(q.device, non_blocking=True), T, dk ** -0.5, Hv,

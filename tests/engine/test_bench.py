@@ -330,23 +330,26 @@ def test_decode_bound_counts_the_experts_a_batch_routes_to_under_its_routing():
     assert step_bytes(cfg, 2, 8, 100, zipf)["experts"] < 0.8 * step_bytes(cfg, 2, 8, 100)["experts"]
 
 
-def test_tiles_rule_sweep_times_both_ways_over_every_layers_state(monkeypatch):
-    """bench tiles' rule sweep (Triton's interpreter here, small widths): each batch times the fused and the split
-    rule, each replay stepping every copy's state once, and rates them by the state bytes read and written."""
+def test_tiles_rule_sweep_times_every_candidate_over_every_layers_state(monkeypatch):
+    """bench tiles' rule sweep (Triton's interpreter here, small widths): each batch times the fused rule in each
+    warp count and the split one in each slice narrower than the head, each replay stepping every copy's state
+    once, the default marked, and rates them by the state bytes read and written."""
     pytest.importorskip("triton")
     import engine.bench.tiles as tiles
 
     monkeypatch.setattr(tiles, "HK", 2)
     monkeypatch.setattr(tiles, "HV", 4)
-    monkeypatch.setattr(tiles, "DH", 16)
-    monkeypatch.setattr(tiles, "DELTANET_C", 2 * 2 * 16 + 4 * 16)
-    monkeypatch.setattr(tiles, "DELTANET_P", 2 * 2 * 16 + 2 * 4 * 16 + 2 * 4)
+    monkeypatch.setattr(tiles, "DH", 32)
+    monkeypatch.setattr(tiles, "DELTANET_C", 2 * 2 * 32 + 4 * 32)
+    monkeypatch.setattr(tiles, "DELTANET_P", 2 * 2 * 32 + 2 * 4 * 32 + 2 * 4)
     def one_replay(fn):
         fn()
         return 6.0  # us for all copies
 
     monkeypatch.setattr(tiles, "graph_us", one_replay)
     rows = tiles.sweep_rule([1, 3], copies=2, device="cpu")
-    assert [(r["batch"], r["what"]) for r in rows] == [(1, "fused"), (1, "split"), (3, "fused"), (3, "split")]
+    whats = ["fused v32 w4", "fused v32 w8 (default)", "fused v32 w16", "split v16 w2", "split v16 w4",
+             "split v16 w8"]
+    assert [(r["batch"], r["what"]) for r in rows] == [(b, w) for b in (1, 3) for w in whats]
     assert all(r["us"] == 3.0 for r in rows)  # per copy
-    assert rows[2]["tbs"] == pytest.approx(2 * 3 * 4 * 16 * 16 * 4 / 3.0 / 1e6)
+    assert rows[len(whats)]["tbs"] == pytest.approx(2 * 3 * 4 * 32 * 32 * 4 / 3.0 / 1e6)

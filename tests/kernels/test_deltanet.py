@@ -4,8 +4,8 @@ kept at marked steps) against the eager recurrence."""
 import pytest
 import torch
 
-from engine.kernels.deltanet_triton import (RuleConsts, conv_step, conv_step_ref, gated_norm, rule_step, rule_step_ref,
-                                           rule_tail)
+from engine.kernels.deltanet_triton import (RuleConsts, RuleTiles, conv_step, conv_step_ref, gated_norm, rule_step,
+                                           rule_step_ref, rule_tail)
 from engine.layers.delta_rule import recurrent_gated_delta_rule
 from engine.layers.norm import gated_rms_norm
 from tests.kernels.conftest import float_dtypes, rel_err, tol
@@ -19,9 +19,11 @@ def consts(g, dev, hk=2, hv=4, dk=16, dv=16):
 
 
 @pytest.mark.parametrize("dtype", float_dtypes())
-@pytest.mark.parametrize("fused, dv", [(True, 16), (False, 16), (False, 64)])
-def test_decode_steps_match_reference(dev, dtype, fused, dv):
-    """Rule and gated norm in one launch (a program per head) or two (programs per block of dv columns)."""
+@pytest.mark.parametrize("fused, dv, tiles", [(True, 16, None), (False, 16, None), (False, 64, None),
+                                              (None, 64, RuleTiles(False, 16, 2)), (None, 32, RuleTiles(True, 32, 4))])
+def test_decode_steps_match_reference(dev, dtype, fused, dv, tiles):
+    """Rule and gated norm in one launch (a program per head) or two (programs per block of dv columns), by
+    default or in the tiles the bench sweeps (engine/bench/tiles.py)."""
     g = torch.Generator().manual_seed(21 + dv)
     c = consts(g, dev, dv=dv)
     C = 2 * c.key_heads * c.key_dim + c.value_heads * c.value_dim
@@ -38,7 +40,7 @@ def test_decode_steps_match_reference(dev, dtype, fused, dv):
         qkv_ref = conv_step_ref(proj, conv_b, slots, conv_w)
         assert rel_err(qkv, qkv_ref) < tol(dtype), step
         assert rel_err(conv_a, conv_b) == 0.0
-        out = rule_step(qkv_ref, proj, rec_a, slots, c, fused=fused)
+        out = rule_step(qkv_ref, proj, rec_a, slots, c, fused=fused, tiles=tiles)
         ref = rule_step_ref(qkv_ref, proj, rec_b, slots, c)
         assert rel_err(out, ref) < 4 * tol(dtype), step
         assert rel_err(rec_a, rec_b) < 1e-5
@@ -52,6 +54,11 @@ def test_rule_step_names_a_wrong_width(dev):
     with pytest.raises(ValueError, match="channels"):
         rule_step(torch.zeros(1, 10, device=dev), torch.zeros(1, 200, device=dev),
                   torch.zeros(1, 4, 16, 16, device=dev), torch.zeros(1, dtype=torch.int32, device=dev), c)
+    for bad in (RuleTiles(False, 12, 4), RuleTiles(True, 8, 4)):  # not a power of two; fused on part of a head
+        with pytest.raises(ValueError, match="block_v"):
+            rule_step(torch.zeros(1, 128, device=dev), torch.zeros(1, 200, device=dev),
+                      torch.zeros(1, 4, 16, 16, device=dev), torch.zeros(1, dtype=torch.int32, device=dev), c,
+                      tiles=bad)
 
 
 @pytest.mark.parametrize("dtype", float_dtypes())
