@@ -1,0 +1,332 @@
+"""Copies ahead (the next layer's likely misses copied while a routed prompt's layer runs), layers that run
+without their routing coming back, and the idle refresh of the slots."""
+import numpy as np
+import pytest
+import torch
+
+from engine.experts.hybrid import HybridBackend
+from engine.experts.offload import OffloadBackend
+from engine.experts.policy import BandwidthEstimate
+
+from tests.engine.backends_util import E, H, K, L_IDS, check_table, deep_pool, reference, routing
+from tests.engine.backends_util import pool, src  # noqa: F401 (pytest fixtures)
+
+
+@pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
+def test_a_routed_prompt_copies_the_next_layers_likely_misses_ahead(cls):
+    """--moe-lookahead on: while a layer of a routed prompt runs, the next layer's likely misses are copied
+    into slots no layer still to run holds (here the one free layer of slots, then the slots of the layers
+    already run), so the layers between the resident first and last two find them in place. Outputs equal the
+    reference's with and without it; the residents of the last two layers are never taken; every copy ahead is
+    counted as a fill and as `ahead`, the ones the layer then read as `ahead_used`. The call log (profile_decode
+    --extend) has each layer call's plan: its misses filled or run on the CPU (none in the wholly resident
+    layers), the copies ahead as the stats count them."""
+    src, deep = deep_pool()
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+    got = {}
+    for look in ("off", "on"):
+        b = cls(deep, 4 * E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", lookahead=look)
+        b.call_log = []
+        for layer in (0, 4, 5):
+            b.cache.admit(layer, list(range(E)))
+            b.cache.table.unlock_all()
+        kept = {s: b.cache.table.owner[s] for s in range(4 * E) if b.cache.table.owner[s] // E in (4, 5)}
+        x, ids, w = routing(40, seed=3)
+        b.begin_forward(40, K, hold=True, span=40)
+        for layer in range(6):
+            y = b.forward(layer, x, ids, w)
+            torch.testing.assert_close(y, reference(src, layer, x, ids, w), rtol=1e-5, atol=1e-5)
+            assert all(b.cache.table.owner[s] == o for s, o in kept.items())
+        b.end_forward()
+        got[look] = b.stats()["total"]
+        calls = b.call_log
+        assert [c.layer for c in calls] == list(range(6))
+        routed = [c for c in calls if c.kind == "routed"]  # all (the unread path is the grouped kernels')
+        assert len(routed) == 6 and [c.misses for c in calls if c.layer in (0, 4, 5)] == [0, 0, 0]
+        assert all(c.fills + c.cpu == c.misses and 0 <= c.routed_ms <= c.end_ms for c in routed)
+        assert sum(c.misses for c in routed) == got[look]["misses"]
+        assert sum(c.cpu for c in routed) == got[look]["cpu_runs"]
+        assert all((c.cpu_start_ms >= c.routed_ms) == (c.cpu > 0) for c in routed)
+        assert sum(c.ahead for c in calls) == got[look]["ahead"]
+        assert all(c.behind == 0 for c in calls)  # a CPU device copies in line: nothing is ever in flight
+        check_table(b)
+        b.close()
+    off, on = got["off"], got["on"]
+    assert off["ahead"] == 0
+    assert on["ahead"] > 0 and on["ahead_used"] == on["ahead"]  # every expert is routed to: no wrong copy
+    assert on["fills"] >= on["ahead"] and on["hits"] > off["hits"]
+    if cls is OffloadBackend:  # every miss is filled either way; ahead of its layer they are hits there
+        assert on["ahead"] == 3 * E and on["fills"] == off["fills"] == 3 * E and on["misses"] == 0
+    else:  # the copies ahead take the fill share; the CPU runs the rest
+        assert on["cpu_runs"] > 0 and on["misses"] + on["ahead"] == off["misses"]
+
+
+@pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
+def test_a_wholly_resident_layer_runs_without_its_routing_and_the_next_layers_copies_take_its_slots(
+        cls, monkeypatch):
+    """Grouped (the CUDA path, here under Triton's interpreter): in a routed prompt a layer with every expert in a
+    slot (layers 0, 4 and 5, as a streamed prompt leaves them, and any its copies ahead made so) never reads its
+    routing back (the host queues the next layer meanwhile; it is counted at settle). Either path: the copies
+    ahead of the next layer may take the running layer's slots, queued after its kernels: with every slot full,
+    layer 1's likely misses are copied ahead during layer 0, where its locked hits left no room before. Outputs
+    equal the reference's and one expert at a time's (the torch path, which reads every layer's routing back);
+    hits, misses and ahead_used are counted as before."""
+    pytest.importorskip("triton")
+    from engine.experts import compute
+
+    src, deep = deep_pool()
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+    read_back, of = [], compute.Routing.of
+    monkeypatch.setattr(compute.Routing, "of", staticmethod(lambda ids: read_back.append(ids.shape) or of(ids)))
+    seed = int(torch.randint(1 << 30, ()))
+    got = {}
+    for grouped in (True, False):
+        b = cls(deep, 3 * E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", lookahead="on",
+                grouped=grouped)
+        b.call_log = []
+        for layer in (0, 4, 5):
+            b.cache.admit(layer, list(range(E)))
+            b.cache.table.unlock_all()
+        kept = {s: b.cache.table.owner[s] for s in range(3 * E) if b.cache.table.owner[s] // E in (4, 5)}
+        x, ids, w = routing(40, seed=seed)  # 120 picks of 8 experts: every expert is routed to
+        read_back.clear()
+        b.begin_forward(40, K, hold=True, span=40)
+        outs, resident = [], []
+        for layer in range(6):
+            resident.append(bool((b.cache.table.resident[layer] >= 0).all()))
+            outs.append(b.forward(layer, x, ids, w))
+            torch.testing.assert_close(outs[-1], reference(src, layer, x, ids, w), rtol=1e-5, atol=1e-5,
+                                       msg=f"seed {seed}")
+            assert all(b.cache.table.owner[s] == o for s, o in kept.items())  # later layers' residents stay
+        b.end_forward()
+        got[grouped] = outs
+        st = b.stats()["layers"]
+        for layer in (0, 4, 5):
+            assert st[layer]["hits"] == E and st[layer]["misses"] == 0
+        # layer 1's likely misses were copied ahead into layer 0's slots (no other slot was free)
+        assert st[1]["ahead"] > 0 and st[1]["ahead_used"] == st[1]["ahead"]
+        if grouped:  # (offload copies all of a layer's misses ahead, so every layer finds itself resident)
+            assert resident[0] and resident[4] and resident[5]
+            assert len(read_back) == resident.count(False)
+            assert [c.kind == "unread" for c in b.call_log] == resident  # the call log says which ran unread
+            assert b.call_log[0].ahead == st[1]["ahead"] and b.call_log[0].hits == -1
+        else:
+            assert len(read_back) == 6
+        check_table(b)
+        b.close()
+    for a, z in zip(got[True], got[False]):
+        torch.testing.assert_close(a, z, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpus_handoff_moves_hybrids_copies_ahead_and_its_split_to_the_copy_engine(pool):
+    """With copies ahead the copy engine works through a layer's handoff while the CPU waits: the longer the
+    handoff (measured per routed prompt layer call, an EMA), the more of the next layer's misses hybrid copies
+    ahead and the fewer of this layer's it runs on the CPU; a routed prompt with CPU work measures it."""
+    est = BandwidthEstimate(bp=50e9, bh=50e9, frozen=True)
+    b = HybridBackend(pool, 3, "cpu", estimate=est, stream_prefill="off", lookahead="on")
+    ahead, fills = [], []
+    for h in (0.0, 0.002, 0.004, 0.05):
+        b.handoff_clock.seconds = h
+        ahead.append(b.ahead_fills(200.0, 1000))
+        # a layer whose copies ahead came (200 - ahead[-1] misses left) copying the next one's: all on the CPU
+        assert b.split(200 - ahead[-1], busy=ahead[-1]) == 0 or ahead[-1] == 200
+        fills.append(b.split(200, busy=50))
+    assert ahead[0] == 100 and ahead == sorted(ahead) and ahead[-1] == 200  # half, then more, then all
+    assert fills == sorted(fills) and fills[-1] > fills[0]
+    b.handoff_clock.seconds = 0.0
+    x, ids, w = routing(40, seed=3)
+    b.begin_forward(40, K, hold=True, span=40)
+    for layer in L_IDS:
+        b.forward(layer, x, ids, w)
+    b.end_forward()
+    assert b.stats()["total"]["cpu_runs"] > 0 and b.handoff > 0
+    b.close()
+
+
+def test_a_wrong_copy_ahead_shows_as_ahead_not_used():
+    """The heat says layer 1's experts 0-3 are hot; the prompt routes elsewhere: they are copied ahead and
+    counted as ahead, not ahead_used, and the outputs still equal the reference's."""
+    src, deep = deep_pool(layers=2)
+    b = OffloadBackend(deep, 2 * E, "cpu", stream_prefill="off", slot_policy="lfu", lookahead="on")
+    b.cache.table.note_use(1, np.arange(4), weights=np.full(4, 1000.0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, H, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:K] + 4 for _ in range(40)])  # experts 4-7 only
+    w = torch.softmax(torch.randn(40, K, generator=g), -1)
+    b.begin_forward(40, K, hold=True, span=40)
+    for layer in range(2):
+        torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                   rtol=1e-5, atol=1e-5)
+    b.end_forward()
+    st = b.stats()["layers"][1]
+    assert st["ahead"] == 4 and st["ahead_used"] == 0 and st["fills"] == 8  # 4 wrong copies, then the 4 misses
+    check_table(b)
+    b.close()
+
+
+@pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
+def test_the_first_layers_likely_misses_copy_in_at_the_forwards_start(cls):
+    """begin_forward of a routed prompt with lookahead copies the first MoE layer's likely misses (its hot
+    experts, not resident) before any layer runs: counted as that layer's fills and `ahead`, read as hits
+    there (ahead_used, no miss); outputs equal the reference's. Without lookahead nothing moves before."""
+    src, deep = deep_pool(layers=2)
+    est = BandwidthEstimate(bp=1e9, bh=1e9, frozen=True)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(40, H, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:K] for _ in range(40)])  # experts 0-3 only
+    w = torch.softmax(torch.randn(40, K, generator=g), -1)
+    for look in ("off", "on"):
+        b = cls(deep, 2 * E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", lookahead=look)
+        b.cache.table.note_use(0, np.arange(4), weights=np.full(4, 1000.0))
+        b.begin_forward(40, K, hold=True, span=40)
+        before = b.stats()["layers"][0]
+        for layer in range(2):
+            torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                       rtol=1e-5, atol=1e-5)
+        b.end_forward()
+        st = b.stats()["layers"][0]
+        if look == "on":
+            assert before["ahead"] == before["fills"] > 0
+            assert st["ahead_used"] == st["ahead"] == before["ahead"] and st["hits"] >= st["ahead"]
+            if cls is OffloadBackend:
+                assert st["ahead"] == 4 and st["misses"] == 0
+        else:
+            assert before["fills"] == 0 and st["ahead"] == 0 and st["misses"] == 4
+        check_table(b)
+        b.close()
+
+
+def test_a_copy_ahead_takes_cold_residents_and_those_of_a_layer_done():
+    """All slots full (layers 0 and 2): the copy ahead for layer 1's likely experts 0-3 takes slots whose
+    experts the prompt will likely not read, here layer 0's untouched ones once its only piece ran and layer
+    2's cold ones, never layer 2's hot ones. Outputs equal the reference's."""
+    src, deep = deep_pool(layers=3)
+    b = OffloadBackend(deep, 2 * E, "cpu", stream_prefill="off", slot_policy="lfu", lookahead="on")
+    t = b.cache.table
+    for layer in (0, 2):
+        b.cache.admit(layer, list(range(E)))
+        t.unlock_all()
+    for row in range(3):
+        t.note_use(row, np.arange(4), weights=np.full(4, 1000.0))
+    hot2 = {int(t.resident[2, e]) for e in range(4)}
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, H, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:K] for _ in range(40)])  # experts 0-3 only
+    w = torch.softmax(torch.randn(40, K, generator=g), -1)
+    b.begin_forward(40, K, hold=True, span=40)
+    for layer in range(3):
+        torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                   rtol=1e-5, atol=1e-5)
+        assert all(t.owner[s] // E == 2 for s in hot2)
+    b.end_forward()
+    st = b.stats()["layers"]
+    assert st[1]["ahead"] == st[1]["ahead_used"] == 4 and st[1]["misses"] == 0 and st[2]["misses"] == 0
+    check_table(b)
+    b.close()
+
+
+@pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
+def test_idle_refresh_moves_the_hottest_experts_into_the_coldest_slots(cls):
+    """OffloadBackend.refresh (idle time): slots full of layer 0's cold experts, the heat says layer 1's experts
+    0-3 are hot: 2 calls of budget 2 move them in (into layer 0's coldest slots), a third finds nothing to move;
+    each is counted as a fill and as `refreshed`; the copies hold the pool's weights (a prompt then finds
+    them as hits and its output is the reference's). A newcomer only slightly hotter than every resident
+    (under REFRESH_RATIO) stays out; with refresh off nothing moves."""
+    src, deep = deep_pool(layers=2)
+    est = BandwidthEstimate(bp=1e9, bh=1e9, frozen=True)
+    b = cls(deep, E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", refresh="on")
+    t = b.cache.table
+    b.cache.admit(0, list(range(E)))
+    t.unlock_all()
+    t.note_use(0, np.arange(E), weights=np.arange(1.0, E + 1))  # layer 0's expert e: heat e + 1
+    t.note_use(1, np.arange(4), weights=np.full(4, 1000.0))
+    assert [b.refresh(2), b.refresh(2), b.refresh(2)] == [2, 2, 0]
+    assert (t.resident[1, :4] >= 0).all() and (t.resident[0, :4] < 0).all() and (t.resident[0, 4:] >= 0).all()
+    st = b.stats()["layers"][1]
+    assert st["refreshed"] == st["fills"] == 4 and b.stats()["layers"][0]["refreshed"] == 0
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(40, H, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:K] for _ in range(40)])  # experts 0-3 only
+    w = torch.softmax(torch.randn(40, K, generator=g), -1)
+    b.begin_forward(40, K, hold=True, span=40)
+    torch.testing.assert_close(b.forward(1, x, ids, w), reference(src, 1, x, ids, w), rtol=1e-5, atol=1e-5)
+    b.end_forward()
+    assert b.stats()["layers"][1]["misses"] == 0
+    check_table(b)
+    b.close()
+    for refresh, hot in (("on", 1.2 * E), ("off", 1000.0)):  # 1.2 x the hottest resident's heat: under 1.25
+        b = cls(deep, E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", refresh=refresh)
+        b.cache.admit(0, list(range(E)))
+        b.cache.table.unlock_all()
+        b.cache.table.note_use(0, np.arange(E), weights=np.full(E, float(E)))
+        b.cache.table.note_use(1, np.arange(4), weights=np.full(4, hot))
+        assert b.refresh() == 0 and b.stats()["total"]["refreshed"] == 0 and (b.cache.table.resident[1] < 0).all()
+        b.close()
+
+
+def test_the_refresh_mode_is_checked():
+    with pytest.raises(ValueError, match="--moe-refresh must be one of auto, on, off"):
+        OffloadBackend(deep_pool(layers=1)[1], E, "cpu", refresh="sometimes")
+
+
+def test_idle_refresh_leaves_the_windows_a_streamed_prompt_keeps():
+    """With 3 windows a streamed prompt keeps window 2 for its first layer (PrefillStreamer.window_for): the
+    refresh never takes a slot there, however cold its experts, so the next streamed prompt still finds that
+    layer in place; the hot experts go to windows 0 and 1."""
+    src, deep = deep_pool(layers=4)
+    b = OffloadBackend(deep, 3 * E, "cpu", stream_prefill="auto", slot_policy="lfu", refresh="on")
+    t = b.cache.table
+    b.cache.place(0, list(range(E)), list(range(2 * E, 3 * E)))  # layer 0 in its kept window, cold
+    b.cache.place(1, list(range(E)), list(range(E)))
+    b.cache.place(2, list(range(E)), list(range(E, 2 * E)))
+    t.note_use(0, np.arange(E), weights=np.full(E, 1.0))
+    t.note_use(1, np.arange(E), weights=np.full(E, 5.0))
+    t.note_use(2, np.arange(E), weights=np.full(E, 5.0))
+    t.note_use(3, np.arange(E), weights=np.full(E, 100.0))
+    assert b.refresh(2 * E) == E and (t.resident[3] >= 0).all() and b.refresh() == 0
+    assert (t.resident[3] < 2 * E).all() and (t.resident[0] == np.arange(2 * E, 3 * E)).all()
+    assert not t.locked.any()
+    check_table(b)
+    b.close()
+
+
+def test_idle_refresh_never_waits_for_the_pools_loader():
+    """A layer the background loader has not filled yet is left out of the refresh (it would block the engine
+    thread, and a request arriving meanwhile, until the load): its experts move once the layer is loaded."""
+    import threading
+
+    src, deep = deep_pool(layers=2)
+    b = OffloadBackend(deep, E, "cpu", stream_prefill="off", slot_policy="lfu", refresh="on")
+    b.cache.table.note_use(1, np.arange(4), weights=np.full(4, 100.0))
+    deep._ready[1].clear()  # as while the loader is still on layer 1
+    try:
+        moved = []
+        worker = threading.Thread(target=lambda: moved.append(b.refresh()))
+        worker.start()
+        worker.join(5)
+        assert not worker.is_alive() and moved == [0] and not deep.layer_ready(1)
+    finally:
+        deep._ready[1].set()
+    assert b.refresh() == 4 and (b.cache.table.resident[1, :4] >= 0).all()
+    b.close()
+
+
+def test_an_unread_layer_counts_its_routing_as_it_was_when_called():
+    """A wholly resident layer's routing is counted at settle(), after the call: a caller that writes the next
+    piece's routing into the same tensor meanwhile (the fast path's bucket graphs do) changes nothing there."""
+    pytest.importorskip("triton")
+    src, deep = deep_pool(layers=2)
+    b = OffloadBackend(deep, 2 * E, "cpu", stream_prefill="off", slot_policy="lfu", lookahead="off", grouped=True)
+    b.cache.admit(0, list(range(E)))
+    b.cache.table.unlock_all()
+    x, ids, w = routing(6, seed=int(torch.randint(1 << 30, ())))
+    routed, kept = sorted(set(ids.reshape(-1).tolist())), ids.clone()
+    b.begin_forward(6, K, hold=True, span=6)
+    out = b.forward(0, x, ids, w)
+    ids.fill_(0)  # the caller's buffer, reused before the forward ends
+    b.end_forward()
+    torch.testing.assert_close(out, reference(src, 0, x, kept, w), rtol=1e-5, atol=1e-5)
+    assert b.stats()["layers"][0]["hits"] == len(routed)
+    heat = b.cache.table.heat[b.pool.row[0]]
+    assert np.flatnonzero(heat).tolist() == routed
+    b.close()
