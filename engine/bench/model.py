@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -185,11 +186,24 @@ def bench_decode(core, prompt, batch: int, args, seed: int, probe=None) -> tuple
     return (t[ends[1] - 1] - t[ends[0] - 1]) / args.steps, (col.probed.get(ends[0]), col.probed.get(ends[1])), split
 
 
-def bench_prefill(core, draw, args, seed: int, cache: ExpertTraffic) -> tuple:
-    """-> (prefill seconds of the long prompt: the median of --prefill-runs fresh prompts, each run's seconds,
-    TTFT of each extend (--extend-runs, each after a cached prompt of its own), tokens the last extend reused,
-    the expert counters before the last timed prompt, after it, and (after the last extend's prompt, when
-    that extend arrived: --extend-idle-ms later))."""
+class PrefillRuns(NamedTuple):
+    """What bench_prefill measured: the long prompt's seconds (the median of --prefill-runs fresh prompts) and
+    each run's; each extend's TTFT (--extend-runs, each after a cached prompt of its own) and what its expert
+    cache did (ExpertTraffic.extend_run); the tokens the last extend reused; the expert counters before the last
+    timed prompt, after it, after the last extend's prompt and when that extend arrived (--extend-idle-ms
+    later)."""
+    prefill_s: float
+    runs_s: list
+    ttfts: list
+    extend_runs: list
+    reused: int
+    before: dict | None
+    between: dict | None
+    ended: dict | None
+    arrival: dict | None
+
+
+def bench_prefill(core, draw, args, seed: int, cache: ExpertTraffic) -> PrefillRuns:
     run_requests(core, [draw(args.prefill, seed)], 1)  # warm-up at the same size
     times = []
     for i in range(max(1, args.prefill_runs)):  # one run alone varied by 25% between machines (H200 box)
@@ -199,7 +213,7 @@ def bench_prefill(core, draw, args, seed: int, cache: ExpertTraffic) -> tuple:
         times.append(first.final[first.order[0]].usage.ttft_s)
     prefill_s = statistics.median(times)
     between = cache.mark()
-    ttfts = []
+    ttfts, extend_runs = [], []
     for j in range(max(1, args.extend_runs)):
         if j:  # each further extend after a fresh long prompt of its own, not timed
             prompt = draw(args.prefill, seed + 100 + j)
@@ -207,11 +221,12 @@ def bench_prefill(core, draw, args, seed: int, cache: ExpertTraffic) -> tuple:
         ended = cache.mark()
         if args.extend_idle_ms > 0:
             time.sleep(args.extend_idle_ms / 1e3)
-        arrival = cache.mark()
+        arrival, chose = cache.mark(), cache.choices()
         ext = run_requests(core, [prompt + draw(args.extend, seed + 2 + j)], 1)
         usage = ext.final[ext.order[0]].usage
         ttfts.append(usage.ttft_s)
-    return prefill_s, times, ttfts, usage.reused_tokens, before, between, (ended, arrival)
+        extend_runs.append({"ms": usage.ttft_s * 1e3, **cache.extend_run(arrival, chose)})
+    return PrefillRuns(prefill_s, times, ttfts, extend_runs, usage.reused_tokens, before, between, ended, arrival)
 
 
 def build(args):
@@ -292,17 +307,17 @@ def run(args) -> dict:
                          **cache.row_keys()})
             done(f"decode_b{b}")
         if args.prefill:
-            prefill_s, runs, ttfts, reused, mark, between, (ended, arrival) = bench_prefill(core, draw, args, seed=7,
-                                                                                            cache=cache)
-            ttft = statistics.median(ttfts)
-            rows.append({"name": f"prefill_{args.prefill}", "placement": placement, "tok_s": args.prefill / prefill_s,
-                         "seconds": prefill_s, "runs_s": runs, **cache.since(mark, upto=between),
-                         **cache.stream_bound(prefill_s),
+            pr = bench_prefill(core, draw, args, seed=7, cache=cache)
+            ttft = statistics.median(pr.ttfts)
+            rows.append({"name": f"prefill_{args.prefill}", "placement": placement,
+                         "tok_s": args.prefill / pr.prefill_s, "seconds": pr.prefill_s, "runs_s": pr.runs_s,
+                         **cache.since(pr.before, upto=pr.between), **cache.stream_bound(pr.prefill_s),
                          **cache.row_keys()})
-            moved = cache.since(arrival)
-            idle = cache.since(ended, upto=arrival).get("experts", {})
+            moved = cache.since(pr.arrival)
+            idle = cache.since(pr.ended, upto=pr.arrival).get("experts", {})
             rows.append({"name": f"extend_{args.extend}", "placement": placement, "ttft_ms": ttft * 1e3,
-                         "reused_tokens": reused, "tok_s": args.extend / ttft, "runs_ms": [t * 1e3 for t in ttfts],
+                         "reused_tokens": pr.reused, "tok_s": args.extend / ttft,
+                         "runs_ms": [t * 1e3 for t in pr.ttfts], "extend_runs": pr.extend_runs,
                          "idle_ms": args.extend_idle_ms,
                          "idle_refreshed": idle.get("refreshed", 0), **moved,
                          **cache.stream_bound(ttft), **cache.dram_bound(moved, ttft), **cache.row_keys()})
@@ -395,8 +410,27 @@ def print_table(res: dict) -> None:
                     f"({ex['ahead_used']} read)"
         print(f"{r['name']:<16}{r['tok_s']:>12.1f}{r.get('ms_per_step', float('nan')):>10.3f}"
               f"{r.get('bound_tok_s', float('nan')):>13.1f}{r.get('of_bound', float('nan')):>10.2f}  {note}")
+    print_extend_runs(res)
     print_buckets(res)
     print_split(res)
+
+
+def print_extend_runs(res: dict) -> None:
+    """One line per timed extend (when there are several) with what its expert cache did: extends of one process
+    spread (H200 box: 76-117 ms on the same prefix), and this says whether explorations or fills went with it."""
+    for r in res["rows"]:
+        runs = r.get("extend_runs") or []
+        if len(runs) < 2 or "fills" not in runs[0]:
+            continue
+        parts = []
+        for run in runs:
+            part = f"{run['ms']:.1f} ms: {run['fills']} fills ({run['ahead']} ahead, {run['ahead_used']} read), " \
+                   f"{run['cpu_runs']} on the CPU"
+            if "arms" in run:
+                part += f", split/fill/cpu {'/'.join(str(run['arms'].get(a, 0)) for a in ('split', 'fill', 'cpu'))}" \
+                        f" ({run['explored']} explored)"
+            parts.append(part)
+        print(f"{r['name']} runs: " + "; ".join(parts))
 
 
 def _device_name(device) -> str:

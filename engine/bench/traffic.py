@@ -65,6 +65,25 @@ class ExpertTraffic:
             out["graph_cpu"] = mapped.cpu.stats()
         return out
 
+    def choices(self) -> dict:
+        """hybrid: the split's choices so far ({"arms": {arm: calls}, "explored": calls}); else {}."""
+        split = self.backend.stats().get("split") if self.cached else None
+        return {"arms": dict(split["arms"]), "explored": split["explored"]} if split else {}
+
+    def extend_run(self, mark: dict | None, chose: dict) -> dict:
+        """What one extend's expert cache did since `mark` (taken as it arrived) and `chose` (choices() then):
+        fills, CPU runs, copies ahead (and those read), and with hybrid the split's choices and explorations, so
+        extends of one process that differ in time can be told apart."""
+        if mark is None:
+            return {}
+        ex = self.since(mark)["experts"]
+        out = {k: ex[k] for k in ("fills", "cpu_runs", "ahead", "ahead_used")}
+        if chose:
+            now = self.choices()
+            out["arms"] = {a: n - chose["arms"].get(a, 0) for a, n in now["arms"].items()}
+            out["explored"] = now["explored"] - chose["explored"]
+        return out
+
     def row_keys(self) -> dict:
         """Per row: the backend (compare.py's variant) and the share of experts the slots hold."""
         return {"variant": self.backend.name, "experts_on_gpu": f"{self.share():.1%}"} if self.cached else {}
