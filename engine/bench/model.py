@@ -204,7 +204,13 @@ class PrefillRuns(NamedTuple):
 
 
 def bench_prefill(core, draw, args, seed: int, cache: ExpertTraffic) -> PrefillRuns:
-    run_requests(core, [draw(args.prefill, seed)], 1)  # warm-up at the same size
+    """The long prompt and the extends after it (PrefillRuns), after an untimed prompt of the same size and an
+    extend of it."""
+    warm = draw(args.prefill, seed)
+    run_requests(core, [warm], 1)  # warm-up at the same size...
+    # ...and an extend after it: the paths an extend takes (routed layer calls, the hybrid split's first choices
+    # of each arm) warm up too, not in the first timed extend
+    run_requests(core, [warm + draw(args.extend, seed + 50)], 1)
     times = []
     for i in range(max(1, args.prefill_runs)):  # one run alone varied by 25% between machines (H200 box)
         before = cache.mark()
