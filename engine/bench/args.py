@@ -71,7 +71,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens of each decode request (default 64)")
     p.add_argument("--prefill", type=int, default=8192, help="tokens of the long prompt (default 8192; 0: skip)")
     p.add_argument("--prefill-runs", type=int, default=3,
-                   help="fresh long prompts timed after a warm-up one (and an extend of it); the row is their "
+                   help="fresh long prompts timed after a warm-up one (and two extends of it); the row is their "
                         "median (default 3)")
     p.add_argument("--extend", type=int, default=256, help="tokens appended after the cached prompt (default 256)")
     p.add_argument("--extend-runs", type=int, default=1,
