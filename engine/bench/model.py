@@ -6,10 +6,10 @@ on a checkpoint directory or a synthetic model of a real model's widths drawn on
 
 Rows: decode at each batch size (concurrent requests through the real scheduler, greedy, steady state),
 prefill of one long prompt, and the time to first token of a short extend after that prompt is cached.
-Beside each decode row, an in-process bound: the bytes one decode step must read (non-expert weights,
+Beside each decode row, an in-process bound: the bytes one decode step must move (non-expert weights,
 the experts a batch routes to under uniform routing, or under the Zipf law a synthetic router was scaled to with
---router-zipf, the KV it attends over) at the device-to-device copy
-rate measured in the same process. Prints a table; --json writes it (engine/bench/peers/compare.py reads it).
+--router-zipf, the KV it attends over, each sequence's DeltaNet state read and written) at the device-to-device
+copy rate measured in the same process. Prints a table; --json writes it (engine/bench/peers/compare.py reads it).
 """
 from __future__ import annotations
 
@@ -45,10 +45,11 @@ def hbm_rate(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
 
 
 def step_bytes(cfg, itemsize: int, batch: int, context: int, popularity=None) -> dict:
-    """Bytes one decode step of `batch` sequences at `context` tokens must read, by part (from the config:
-    every projection, router and shared expert once, the lm_head once, the experts the batch routes to, and the
-    KV of every sequence). popularity: [E] each expert's chance to be among a token's top-k (summing to top-k;
-    a synthetic router's Zipf law, zipf.zipf_popularity), else uniform: a layer's distinct experts are
+    """Bytes one decode step of `batch` sequences at `context` tokens must move, by part (from the config:
+    every projection, router and shared expert read once, the lm_head once, the experts the batch routes to, the
+    KV of every sequence, and every sequence's DeltaNet state, read and written: the fp32 recurrent state and the
+    conv window in the model's dtype). popularity: [E] each expert's chance to be among a token's top-k (summing
+    to top-k; a synthetic router's Zipf law, zipf.zipf_popularity), else uniform: a layer's distinct experts are
     sum over e of 1 - (1 - p_e)^batch."""
     H = cfg.hidden_size
     weights = 0
@@ -72,6 +73,10 @@ def step_bytes(cfg, itemsize: int, batch: int, context: int, popularity=None) ->
     kv = attn_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * 2
     out = {"weights": weights, "lm_head": cfg.vocab_size * H, "experts": experts, "kv": kv}
     out = {k: v * itemsize for k, v in out.items()}
+    linear_layers = len(cfg.layer_types) - attn_layers
+    recurrent = cfg.linear_num_v_heads * cfg.linear_k_head_dim * cfg.linear_v_head_dim * 4
+    conv = cfg.conv_dim * (cfg.conv_kernel - 1) * itemsize
+    out["state"] = 2 * linear_layers * batch * (recurrent + conv)
     out["total"] = sum(out.values())
     return out
 

@@ -352,6 +352,13 @@ def test_decode_bound_counts_the_experts_a_batch_routes_to_under_its_routing():
         assert skewed["weights"] == uniform["weights"] and skewed["kv"] == uniform["kv"]
     assert step_bytes(cfg, 2, 1, 100, zipf)["experts"] == pytest.approx(K * per_expert)
     assert step_bytes(cfg, 2, 8, 100, zipf)["experts"] < 0.8 * step_bytes(cfg, 2, 8, 100)["experts"]
+    # each sequence's DeltaNet state is read and written: [Hv, dk, dv] fp32 and a [C, K - 1] conv window a layer
+    linear = sum(1 for t in cfg.layer_types if t != "full_attention")
+    one = 2 * linear * (32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 3 * 2)
+    for b in (1, 8):
+        need = step_bytes(cfg, 2, b, 100)
+        assert linear == 6 and need["state"] == b * one
+        assert need["total"] == sum(v for k, v in need.items() if k != "total")
 
 
 def test_tiles_rule_sweep_times_every_candidate_over_every_layers_state(monkeypatch):
