@@ -165,7 +165,8 @@ def run(layout: ExpertLayout, dtype: torch.dtype, threads: list[int], *, experts
         r = by_threads[t] = measure_pair(blocks, layout, t, seconds=seconds, rounds=rounds)
         log(f"  {t:>2} threads: B_H {r['bh'] / 1e9:6.2f} GB/s   STREAM read {r['stream'] / 1e9:6.2f} GB/s   "
             f"B_H / STREAM {r['ratio']:.2f} (paired {r['ratio_paired']:.2f}; B_H windows "
-            f"{' '.join(f'{v / 1e9:.1f}' for v in r['bh_runs'])}, read {' '.join(f'{v / 1e9:.1f}' for v in r['stream_runs'])})")
+            f"{' '.join(f'{v / 1e9:.1f}' for v in r['bh_runs'])}, "
+            f"read {' '.join(f'{v / 1e9:.1f}' for v in r['stream_runs'])})")
     top = by_threads[max(threads)]
     key = machine_key(layout, dtype, max(threads))
     return {"key": key, "bp": bp, "bh": top["bh"],

@@ -3,10 +3,10 @@ configuration in this process (decode tok/s at batch 1 per backend, hit rate, 8k
 layer streaming), each next to its bandwidth bound (bytes moved / measured bandwidth). Prints a table and
 writes JSON.
 
-Only the routed experts are timed (attention, shared expert and norms are not modelled), so the figures
-are the MoE part of a step; the routing of every timed step is drawn and put on the device before the clock
-starts (the whole engine, router included: `killick bench model`). Routing is uniform random top-k by
-default (no locality: the hit rate is about the cache fraction); `--routing uniform,zipf` adds decode runs with skewed expert popularity.
+Only the routed experts are timed (attention, shared expert and norms are not modelled), so the figures are the MoE
+part of a step; the routing of every timed step is drawn and put on the device before the clock starts (the whole
+engine, router included: `killick bench model`). Routing is uniform random top-k by default (no locality: the hit
+rate is about the cache fraction); `--routing uniform,zipf` adds decode runs with skewed expert popularity.
 
     python -m engine.bench.decode --synthetic qwen3.6-35b-a3b --slots 37% --threads 6
     python -m engine.bench.decode --small        # CPU smoke test, seconds

@@ -226,8 +226,9 @@ def main(argv=None) -> int:
     for key, val in res.items():
         if key == "tiles_host":
             continue
-        print(f"{key:24s} {val / 1e9:8.1f} GB/s" if isinstance(val, float) and key.startswith(("bp", "read", "experts_h",
-              "copy", "both")) and not key.endswith("layer") else f"{key:24s} {val}")
+        rate = isinstance(val, float) and key.startswith(("bp", "read", "experts_h", "copy", "both")) \
+            and not key.endswith("layer")
+        print(f"{key:24s} {val / 1e9:8.1f} GB/s" if rate else f"{key:24s} {val}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)

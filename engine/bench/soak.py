@@ -4,17 +4,16 @@ with the prefix cache at a fixed budget. RSS, open files and engine counters mus
     python -m engine.bench.soak [--minutes 3] [--every 30] [--cache-device-mb 32] [--cache-host-mb 64]
                                 [--recordings NAME,...] [--json OUT]
 
-Starts a demo-model `killick serve --allow-forced-responses` on loopback. Each of four tasks replays one
-bundled recording (mini-swe-agent, opencode, codex, openclaw by default) turn after turn, forcing the
-recorded answers, and starts it over with its first message tagged by the cycle, so the cache keeps seeing
-new turns on the shared system prompts. A fifth task sends a fresh long streamed or whole request every
-second and hangs up 50 ms to 1 s in. Every --every seconds one row: the server's RSS and open files, the
-engine's active / queued requests, live states, prefix-cache bytes and nodes per tier, the tokenizer's piece
-cache, and the requests, errors and disconnects so far. At the end (in-flight requests finish, bounded) the
-verdict: RSS change from the first row where the prefix cache and the piece cache hold 90% of their budgets
-(the first quarter's last row if that never happens) to the end, open files, nothing left active, errors (non-200 answers, failed clients, ERROR lines in the
-server log). The budgets are small by default so that the cache is full early and what follows shows
-whether anything else grows.
+Starts a demo-model `killick serve --allow-forced-responses` on loopback. Each of four tasks replays one bundled
+recording (mini-swe-agent, opencode, codex, openclaw by default) turn after turn, forcing the recorded answers, and
+starts it over with its first message tagged by the cycle, so the cache keeps seeing new turns on the shared system
+prompts. A fifth task sends a fresh long streamed or whole request every second and hangs up 50 ms to 1 s in. Every
+--every seconds one row: the server's RSS and open files, the engine's active / queued requests, live states,
+prefix-cache bytes and nodes per tier, the tokenizer's piece cache, and the requests, errors and disconnects so far.
+At the end (in-flight requests finish, bounded) the verdict: RSS change from the first row where the prefix cache
+and the piece cache hold 90% of their budgets (the first quarter's last row if that never happens) to the end, open
+files, nothing left active, errors (non-200 answers, failed clients, ERROR lines in the server log). The budgets are
+small by default so that the cache is full early and what follows shows whether anything else grows.
 """
 from __future__ import annotations
 

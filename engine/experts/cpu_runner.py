@@ -1,13 +1,13 @@
 """Run experts on the CPU straight from the host pool: the one function the backends call.
 
-run_on_cpu(x, host, jobs, layout, top_k, table=None, out=None, prompt=False): host is one layer's blocks [E, numel] (HostPool
-.wait_layer), jobs = [(positions LongTensor [n_e], expert id)], or Pairs (the same as two flat arrays, one entry a
-(token, k) pair: what a prompt's layer call builds, Routing.pairs). With the native kernels
-(engine/experts/cpu_kernels.py, extension built) they run the experts on a table of the layer (layer_table:
-build it once per layer and pass it, so a decode step's call checks nothing per expert); otherwise a torch
-CPU path does. The choice is the single assignment at the bottom of this file. out: a buffer [>= N, H] of x's
-dtype (e.g. page-locked, for the device to read in place) the outputs are written into; its first N rows come
-back. prompt: the call runs a prompt's experts (several tokens each), on the prompt_threads() runner.
+run_on_cpu(x, host, jobs, layout, top_k, table=None, out=None, prompt=False): host is one layer's blocks [E, numel]
+(HostPool .wait_layer), jobs = [(positions LongTensor [n_e], expert id)], or Pairs (the same as two flat arrays, one
+entry a (token, k) pair: what a prompt's layer call builds, Routing.pairs). With the native kernels
+(engine/experts/cpu_kernels.py, extension built) they run the experts on a table of the layer (layer_table: build it
+once per layer and pass it, so a decode step's call checks nothing per expert); otherwise a torch CPU path does. The
+choice is the single assignment at the bottom of this file. out: a buffer [>= N, H] of x's dtype (e.g. page-locked,
+for the device to read in place) the outputs are written into; its first N rows come back. prompt: the call runs a
+prompt's experts (several tokens each), on the prompt_threads() runner.
 
 The native runner's worker count is its own setting (set_threads), not torch's intra-op thread count read on
 every call: the engine's torch threads and the expert workers are separate pools, and asking torch each call
@@ -115,10 +115,11 @@ def layer_table(host: torch.Tensor, layout: ExpertLayout):
 
 def _native_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertLayout, top_k: int,
                        table=None, out: torch.Tensor | None = None, prompt: bool = False) -> Result:
-    """Same contract on the native runner, one native call (CpuExpertRunner.run_gather: the job reads x's rows
-    and writes the outputs in their own formats). A handful of torch calls on purpose: each costs 20-100 us with caches emptied by the previous
-    call's streaming (dev box: 400-530 us a call of 8 experts outside the kernels before, 170-300 after; docs/
-    PERF.md Issue 17). The runner has expert_threads() workers, prompt_threads() with prompt=True."""
+    """Same contract on the native runner, one native call (CpuExpertRunner.run_gather: the job reads x's rows and
+    writes the outputs in their own formats). A handful of torch calls on purpose: each costs 20-100 us with caches
+    emptied by the previous call's streaming (dev box: 400-530 us a call of 8 experts outside the kernels before,
+    170-300 after; docs/PERF.md Issue 17). The runner has expert_threads() workers, prompt_threads() with
+    prompt=True."""
     if not len(jobs) or isinstance(jobs, Pairs) and not len(jobs.pos):
         return torch.empty(0, dtype=torch.long), x.new_empty(0, x.shape[1])
     table = table if table is not None else layer_table(host, layout)

@@ -47,20 +47,19 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
                     lookahead: bool | str = "auto", refresh: bool | str = "auto"):
     """`load_model(path, experts=experts_factory(...), expert_device="cpu")`: ExpertWeights -> backend.
 
-    device: where the slots live (the model's device). slots: `--moe-slots` (N, "N%" or None = all the
-    memory in free_bytes). free_bytes: device bytes left after non-expert weights and the KV budget
-    (default: free now on CUDA minus reserve_bytes, e.g. the KV budget; on CPU, room for every expert).
-    profile: the bench bw profile (default: this machine's, if `killick bench bw` ran; {} = none).
-    For `fused` the source must already be on `device` (load with expert_device=None).
-    checkpoint: fill the pool straight from this directory's safetensors (load the model with
-    expert_device="meta" so experts are not held twice). stream_prefill: whether prompts stream whole layers
-    through the slots, auto (True) | on | off (False) (prefill_stream.py). slot_policy: which slot a fill evicts, lru or lfu
-    (engine/experts/lru.py). decode: how a fast path decodes through the cache, auto | mapped | host
-    (offload.DECODE_MODES). prefetch: a mapped decode copies each layer's likely expert in while the layer's
-    mixer runs (mapped.py), auto (on CUDA with a mapped decode) | on (True) | off (False). lookahead: a routed
-    prompt copies the next layer's likely misses while a layer runs (lookahead.AHEAD_TOUCHED), auto (on CUDA) |
-    on | off. refresh: idle time moves the hottest experts not in a slot in (OffloadBackend.refresh), auto (on
-    CUDA) | on | off."""
+    device: where the slots live (the model's device). slots: `--moe-slots` (N, "N%" or None = all the memory in
+    free_bytes). free_bytes: device bytes left after non-expert weights and the KV budget (default: free now on CUDA
+    minus reserve_bytes, e.g. the KV budget; on CPU, room for every expert). profile: the bench bw profile (default:
+    this machine's, if `killick bench bw` ran; {} = none). For `fused` the source must already be on `device` (load
+    with expert_device=None). checkpoint: fill the pool straight from this directory's safetensors (load the model
+    with expert_device="meta" so experts are not held twice). stream_prefill: whether prompts stream whole layers
+    through the slots, auto (True) | on | off (False) (prefill_stream.py). slot_policy: which slot a fill evicts,
+    lru or lfu (engine/experts/lru.py). decode: how a fast path decodes through the cache, auto | mapped | host
+    (offload.DECODE_MODES). prefetch: a mapped decode copies each layer's likely expert in while the layer's mixer
+    runs (mapped.py), auto (on CUDA with a mapped decode) | on (True) | off (False). lookahead: a routed prompt
+    copies the next layer's likely misses while a layer runs (lookahead.AHEAD_TOUCHED), auto (on CUDA) | on | off.
+    refresh: idle time moves the hottest experts not in a slot in (OffloadBackend.refresh), auto (on CUDA) | on |
+    off."""
 
     def build(source):
         import torch

@@ -6,15 +6,15 @@ Popularity p_e = the fraction of tokens that route to expert e (it sums to K ove
 p ∝ rank^-a, capped at CAP = 1/2 with what the cap cuts spread over the others in the same proportions, so it
 still sums to K (`zipf_popularity`; K must be at most E/2).
 
-Router model: logits l_e = s_e * g_e with g_e iid N(0, 1) per token. That is what random router rows give: for
-any one input x, the w_e . x of independently drawn rows are iid normal over e; scaling row e by s_e widens its
-logit's spread, so it wins a top-k place more often. Scaling alone cannot push an expert past 1/2 of the
-tokens (a zero-mean logit is negative half the time, and a Qwen router has no bias), hence the cap.
-`router_scales` finds s (by rank) by damped Newton steps on a seeded sample of g, with each expert's chance of
-a top-k place taken given the others' logits (smooth, so few samples do). It depends only on (E, K, a): every
-layer shares it, each with its own seeded order of experts (`layer_ranks`). Real router inputs are not isotropic (a common direction in the hidden state
-gives each expert a fixed offset), so a model's measured popularity follows the law only approximately;
-`killick bench routing` measures it.
+Router model: logits l_e = s_e * g_e with g_e iid N(0, 1) per token. That is what random router rows give: for any
+one input x, the w_e . x of independently drawn rows are iid normal over e; scaling row e by s_e widens its logit's
+spread, so it wins a top-k place more often. Scaling alone cannot push an expert past 1/2 of the tokens (a zero-mean
+logit is negative half the time, and a Qwen router has no bias), hence the cap. `router_scales` finds s (by rank) by
+damped Newton steps on a seeded sample of g, with each expert's chance of a top-k place taken given the others'
+logits (smooth, so few samples do). It depends only on (E, K, a): every layer shares it, each with its own seeded
+order of experts (`layer_ranks`). Real router inputs are not isotropic (a common direction in the hidden state gives
+each expert a fixed offset), so a model's measured popularity follows the law only approximately; `killick bench
+routing` measures it.
 """
 from __future__ import annotations
 

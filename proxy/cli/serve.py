@@ -50,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                         help="accept Host: NAME on a loopback bind (repeatable; default: localhost, 127.0.0.1, "
                              "[::1] only, which stops DNS rebinding)")
-    parser.add_argument("--model-name", default=None, help="name in /v1/models and where a harness's prompt names its model "
-                                                        "(stable layout; default: the model directory)")
+    parser.add_argument("--model-name", default=None,
+                        help="name in /v1/models and where a harness's prompt names its model (stable layout; "
+                             "default: the model directory)")
     parser.add_argument("--harness-rules", metavar="FILE", help="extra harness normalisation rules (JSON/TOML)")
     parser.add_argument("--keepalive", type=float, default=5.0, metavar="S",
                         help="seconds of silence before a keep-alive while queued or prefilling (default 5)")

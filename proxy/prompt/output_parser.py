@@ -5,14 +5,14 @@ opened it), then the answer, then zero or more tool calls, each
 `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (the XML variant
 `<tool_call>\n<function=NAME>\n<parameter=P>\nV\n</parameter>\n</function>\n</tool_call>` is accepted too).
 
-Text arrives in arbitrary pieces, so a suffix that could still become a tag or a stop sequence is held back
-until the next piece decides it. A JSON tool call streams: once its head `{"name": "N", "arguments": {` is
-read, ToolCallStart(index, name) goes out, then ToolCallDelta pieces of the arguments object as they are
-written, then ToolCall(streamed=True) whose arguments are exactly the deltas joined. Any other tool call is
-buffered until its closing tag and parsed whole (ToolCall, streamed=False): malformed JSON degrades to plain
-text, never an error, and a call whose first characters can open neither form goes out as text at once (up to
-its closing tag, as it would have at the end); once a call has started streaming it ends as a call, its arguments as written. Whitespace at the edges of each segment (after
-`<think>`, around `</think>`, between tool calls) is dropped, as the providers do.
+Text arrives in arbitrary pieces, so a suffix that could still become a tag or a stop sequence is held back until
+the next piece decides it. A JSON tool call streams: once its head `{"name": "N", "arguments": {` is read,
+ToolCallStart(index, name) goes out, then ToolCallDelta pieces of the arguments object as they are written, then
+ToolCall(streamed=True) whose arguments are exactly the deltas joined. Any other tool call is buffered until its
+closing tag and parsed whole (ToolCall, streamed=False): malformed JSON degrades to plain text, never an error, and
+a call whose first characters can open neither form goes out as text at once (up to its closing tag, as it would
+have at the end); once a call has started streaming it ends as a call, its arguments as written. Whitespace at the
+edges of each segment (after `<think>`, around `</think>`, between tool calls) is dropped, as the providers do.
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ LAYOUTS = ("fused", "per_expert")
 def checkpoints(tmp_path_factory) -> dict:
     """(arch, layout) -> checkpoint dir, same seed so both layouts hold identical weights."""
     root = tmp_path_factory.mktemp("ckpt")
-    return {(a, lay): synth_checkpoint(root / f"{a}-{lay}", arch=a, layout=lay, seed=0) for a in ARCHS for lay in LAYOUTS}
+    return {(a, lay): synth_checkpoint(root / f"{a}-{lay}", arch=a, layout=lay, seed=0)
+            for a in ARCHS for lay in LAYOUTS}
 
 
 _engines: dict = {}

@@ -35,8 +35,9 @@ def test_lfu_victims_equal_reference(slots, k):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(-1, 6), st.integers(0, 3), st.booleans(), st.sampled_from([0.0, 0.0, 0.5, 2.0, 7.0])),
-                min_size=1, max_size=40), st.integers(0, 45), st.sampled_from(["lru", "lfu"]), st.integers(0, 3))
+@given(st.lists(st.tuples(st.integers(-1, 6), st.integers(0, 3), st.booleans(),
+                          st.sampled_from([0.0, 0.0, 0.5, 2.0, 7.0])), min_size=1, max_size=40),
+       st.integers(0, 45), st.sampled_from(["lru", "lfu"]), st.integers(0, 3))
 def test_victims_with_a_bonus_equal_reference(slots, k, policy, lo):
     """lfu adds each slot's bonus to its heat (in uses now: the table's increment), lru takes the slots with a
     bonus last; over a range [lo, hi) too; no bonus anywhere is no bonus at all."""

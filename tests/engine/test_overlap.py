@@ -182,8 +182,8 @@ def test_mapped_expert_cache_decode_overlapped(checkpoints):
     expected = [fused.generate(p, max_new_tokens=12) for p in ps]
     for backend in ("offload", "hybrid") if cpu_runner.NATIVE else ("offload",):
         est = BandwidthEstimate(bp=1e9, bh=1e3, frozen=True)
-        eng = Engine.from_pretrained(ckpt, device=dev, fast=False, expert_device="cpu",
-                                     experts=experts_factory(backend, device=dev, slots=5, estimate=est, decode="mapped"))
+        experts = experts_factory(backend, device=dev, slots=5, estimate=est, decode="mapped")
+        eng = Engine.from_pretrained(ckpt, device=dev, fast=False, expert_device="cpu", experts=experts)
         eng.model.enable_fast(slots=3, capacity=64)
         cpu = eng.model.fast.mapped.cpu
         if cpu is not None:  # a short window: the share moves (and the thread's table with it) within the run

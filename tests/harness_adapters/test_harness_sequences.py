@@ -1,5 +1,5 @@
-"""Multi-turn request sequences shaped like each harness's traffic (fixtures/harness_requests/), through the whole policy:
-detect -> normalise -> render -> session -> diff -> anchors. Asserts edit classes, where prefill resumes,
+"""Multi-turn request sequences shaped like each harness's traffic (fixtures/harness_requests/), through the whole
+policy: detect -> normalise -> render -> session -> diff -> anchors. Asserts edit classes, where prefill resumes,
 and that side requests leave the main conversation alone."""
 import json
 

@@ -22,7 +22,8 @@ def conv(system: str) -> Conversation:
 
 def test_claude_code_environment_and_git_status_move_whole():
     out = stable_first(conv(ENV), ClaudeCodeAdapter.rules)
-    assert out.messages[0].text == "You are an agent.\n\n# Memory\n\n```markdown\nname: <slug>\n```\n\n# Tone\nBe brief."
+    assert out.messages[0].text == ("You are an agent.\n\n# Memory\n\n```markdown\nname: <slug>\n```\n\n"
+                                    "# Tone\nBe brief.")
     assert out.volatile == MEMORY.split("\n")[2] + "\n" + ENV[ENV.index("# Environment"):ENV.index("\n\n# Tone")] + \
         "\n" + ENV[ENV.index("gitStatus"):]
     assert out.messages[1:] == conv(ENV).messages[1:]

@@ -257,7 +257,8 @@ DROPS_OLD_REASONING = (  # like Qwen3's own templates: reasoning only after the 
     "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
     "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
     "{% if m.role == 'assistant' and loop.index0 > ns.last %}<think>\n{{ m.reasoning_content }}\n</think>\n\n"
-    "{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def test_template_that_rewrites_history_still_segments_exactly():

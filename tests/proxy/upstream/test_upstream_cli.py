@@ -24,7 +24,8 @@ def test_recordings_replay_through_killick_serve_upstream(replicas, tmp_path):
         for proc in (chat_responses, anthropic):
             out, err = proc.communicate(timeout=240)
             assert proc.returncode == 0, out[-2000:] + err[-2000:]
-        results = [r for name in ("a", "b") for r in json.loads((tmp_path / f"{name}.json").read_text())["results"]["url"]]
+        results = [r for name in ("a", "b")
+                   for r in json.loads((tmp_path / f"{name}.json").read_text())["results"]["url"]]
         assert {r["path"] for r in results} == {"/v1/chat/completions", "/v1/responses", "/v1/messages"}
         assert len(results) == 8 + 6 + 2 and all(r["status"] == 200 for r in results)
         later = [r for r in results if r["turn"] >= 2 and r["kind"] == "main"]

@@ -14,7 +14,8 @@ from proxy.prompt.tokenizer import load_tokenizer
 from proxy.upstream.config import UpstreamConfig, base_url, parse_model_map
 from proxy.upstream.wire import ChunkReader, chat_body
 
-TOOL = {"name": "bash", "description": "Run", "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+TOOL = {"name": "bash", "description": "Run",
+        "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
 ANTHROPIC = {"model": "claude-x", "max_tokens": 50, "tools": [TOOL], "system": [{"type": "text", "text": "Be brief."}],
              "messages": [
                  {"role": "user", "content": [{"type": "text", "text": "List"}, {"type": "text", "text": " files."}]},
@@ -64,7 +65,8 @@ def test_chunks_become_output_events_with_the_upstream_usage():
               _chunk({"tool_calls": [{"index": 0, "function": {"arguments": ' "ls"}'}}]}),
               _chunk({"tool_calls": [{"index": 1, "id": "c2", "function": {"name": "bash", "arguments": "{}"}}]}),
               _chunk(finish="tool_calls"),
-              _chunk(usage={"prompt_tokens": 90, "completion_tokens": 12, "prompt_tokens_details": {"cached_tokens": 80}})]:
+              _chunk(usage={"prompt_tokens": 90, "completion_tokens": 12,
+                            "prompt_tokens_details": {"cached_tokens": 80}})]:
         items += reader.feed(c)
     items += reader.close()
     assert items == [ThinkingDelta("Think"), TextDelta("Here"), TextDelta(" it is."),
