@@ -1,6 +1,6 @@
 """Which tiles stream a decode step's weights fastest: the expert kernels and the skinny projections, on
 weights read from HBM (a part of the engine, not the engine: `bench model` times the whole step), and whether the
-DeltaNet rule runs its gated norm in the same program (fused) or after it (split), on states read from HBM.
+DeltaNet rule's tiles and where its gated norm runs, on states read from HBM.
 
     python -m engine.bench.tiles [--copies 8] [--batch 1,8] [--only experts|projections|rule] [--json out.json]
 
@@ -128,18 +128,19 @@ DELTANET_C, DELTANET_P = 2 * HK * DH + HV * DH, 2 * HK * DH + 2 * HV * DH + 2 * 
 
 def rule_candidates(dv: int) -> list:
     """RuleTiles to time for heads dv wide: fused in 4, 8 or 16 warps; split in 16-, 32- and 64-column slices
-    (narrower than the head) in 2 to 8 warps."""
+    (narrower than the head) in 2 to 8 warps, the norm in its own launch or in each head's last program."""
     from engine.kernels.deltanet_triton import RuleTiles
 
-    fused = [RuleTiles(True, dv, w) for w in (4, 8, 16)]
-    return fused + [RuleTiles(False, bv, w) for bv in (16, 32, 64) if bv < dv for w in (2, 4, 8)]
+    fused = [RuleTiles("fused", dv, w) for w in (4, 8, 16)]
+    return fused + [RuleTiles(norm, bv, w) for norm in ("launch", "last") for bv in (16, 32, 64) if bv < dv
+                    for w in (2, 4, 8)]
 
 
 def sweep_rule(batches: list[int], copies: int, device) -> list[dict]:
-    """The decode step's DeltaNet rule in each of rule_candidates: fused (rule and gated norm in one program a sequence
-    and head) or split (a program a block_v-column slice of each head's state, then gated_norm's launch), over
-    `copies` layers' states (fp32 [B, Hv, dk, dv] each, read and written once a step); the default's row is
-    marked. Rate: state bytes read + written a second."""
+    """The decode step's DeltaNet rule in each of rule_candidates: fused (rule and gated norm in one program a
+    sequence and head) or split (a program a block_v-column slice of each head's state, then gated_norm's launch, or
+    the norm in each head's last program), over `copies` layers' states (fp32 [B, Hv, dk, dv] each, read and
+    written once a step); the default's row is marked. Rate: state bytes read + written a second."""
     from engine.kernels.deltanet_triton import RuleConsts, rule_step, rule_tiles
 
     gen = torch.Generator().manual_seed(1)
@@ -161,7 +162,7 @@ def sweep_rule(batches: list[int], copies: int, device) -> list[dict]:
                 for c in range(copies):
                     rule_step(qkv, proj, states[c], slots, consts[c], out=outs[c], tiles=tiles)
             us = graph_us(run) / copies
-            what = f"{'fused' if tiles.fused else 'split'} v{tiles.block_v} w{tiles.warps}"
+            what = f"{tiles.norm} v{tiles.block_v} w{tiles.warps}"
             rows.append(dict(kind="rule", batch=batch, what=what + (" (default)" if tiles == default else ""),
                              tiles=list(tiles), us=us, tbs=nbytes / us / 1e6))
     return rows

@@ -6,8 +6,8 @@
 The rule runs a program per (sequence, value head), the head's whole [dk, dv] state in registers, and
 applies the gated norm over the head's dv before it stores (one launch); heads wider than FUSED_DV run a
 program per (sequence, value head, block of dv columns) instead, the state's columns updating independently,
-and the gated norm follows as a second launch. RuleTiles chooses either for any width (engine/bench/tiles.py
-times them).
+and the gated norm follows as a second launch, or runs in the program that finishes each head's last slice.
+RuleTiles chooses any of these for any width (engine/bench/tiles.py times them).
 
 proj [B, P] is the fused input projection of a DeltaNet layer: columns [0, C) the conv input (q | k | v),
 then z [Hv*dv], b [Hv], a [Hv] (engine/models/fused.py lays it out). States: conv [S, C, K-1] in the model
@@ -101,13 +101,26 @@ class RuleConsts:
 
 
 @triton.jit
+def _gated_head(o, row, z_off, h, cols, normw_ptr, eps, DV: tl.constexpr, dt: tl.constexpr):
+    """One head's row of the rule's output o [DV] (fp32) -> its gated RMSNorm in fp32, to store as dt:
+    _gated_norm_kernel's arithmetic, for the rule kernel's programs that normalise a head themselves."""
+    o = o.to(dt).to(tl.float32)
+    y = (o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps)).to(dt).to(tl.float32)
+    y = y * tl.load(normw_ptr + cols).to(tl.float32)
+    z = tl.load(row + z_off + h * DV + cols).to(tl.float32)
+    return y * z / (1.0 + tl.exp(-z))
+
+
+@triton.jit
 def _rule_step_kernel(qkv_ptr, proj_ptr, proj_stride, b_off, a_off, state_ptr, slots_ptr, nega_ptr, dtb_ptr,
-                      o_ptr, scale, C, HV, z_off, normw_ptr, eps,
+                      o_ptr, scale, C, HV, z_off, normw_ptr, eps, out_ptr, count_ptr,
                       REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KEYS: tl.constexpr,
-                      NORM: tl.constexpr, PDL: tl.constexpr):
+                      NORM: tl.constexpr, LAST: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
-    # one program: one sequence, one value head, BV of its dv columns (the state columns are independent);
-    # NORM (BV == DV): the gated norm too, o_ptr then takes the normed output in qkv's dtype
+    # one program: one sequence, one value head, BV of its dv columns (the state columns are independent).
+    # NORM (BV == DV): the gated norm too, o_ptr then takes the normed output in qkv's dtype. LAST: o_ptr takes
+    # the raw fp32 slice, and the head's last program to finish (count_ptr [B, HV], back at 0 after) normalises
+    # the whole head into out_ptr
     b = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // REP
@@ -131,15 +144,22 @@ def _rule_step_kernel(qkv_ptr, proj_ptr, proj_stride, b_off, a_off, state_ptr, s
     S = S + k[:, None] * delta[None, :]
     tl.store(sp, S)
     o = tl.sum(S * q[:, None], axis=0)
-    if NORM:  # _gated_norm_kernel's arithmetic on this head's row
-        dt = qkv_ptr.dtype.element_ty
-        o = o.to(dt).to(tl.float32)
-        y = (o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps)).to(dt).to(tl.float32)
-        y = y * tl.load(normw_ptr + dv).to(tl.float32)
-        z = tl.load(row + z_off + h * DV + dv).to(tl.float32)
-        tl.store(o_ptr + (b * HV + h) * DV + dv, (y * z / (1.0 + tl.exp(-z))).to(dt))
+    dt = qkv_ptr.dtype.element_ty
+    if NORM:
+        tl.store(o_ptr + (b * HV + h) * DV + dv, _gated_head(o, row, z_off, h, dv, normw_ptr, eps, DV, dt).to(dt))
     else:
         tl.store(o_ptr + (b * HV + h) * DV + dv, o)
+        if LAST:
+            # every thread's store is done before the count moves (release), and the program that brings the
+            # count to the slice count reads the other programs' slices after it (acquire), past L1 (.cg)
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + b * HV + h, 1, sem="acq_rel")
+            if done == DV // BV - 1:
+                tl.store(count_ptr + b * HV + h, 0)
+                cols = tl.arange(0, DV)
+                full = tl.load(o_ptr + (b * HV + h) * DV + cols, cache_modifier=".cg")
+                gated = _gated_head(full, row, z_off, h, cols, normw_ptr, eps, DV, dt)
+                tl.store(out_ptr + (b * HV + h) * DV + cols, gated.to(dt))
 
 
 @triton.jit
@@ -161,22 +181,26 @@ def _gated_norm_kernel(o_ptr, proj_ptr, proj_stride, z_off, normw_ptr, out_ptr, 
 
 FUSED_DV = 128  # heads up to this wide run rule and gated norm in one program ([dk, dv] fp32 in registers)
 SPLIT_DV = 32  # dv columns a program of the split rule
+RULE_NORMS = ("fused", "launch", "last")
+_COUNTS: dict = {}  # rule_step's per-(sequence, head) counts of finished slices by (rows, device): always back at 0
 
 
 class RuleTiles(NamedTuple):
-    """How the decode rule runs: fused (the gated norm in the rule's program, which then takes the whole head:
-    block_v == dv) or not (the norm a launch of its own); block_v dv columns a program, `warps` warps."""
-    fused: bool
+    """How the decode rule runs: block_v dv columns a program, `warps` warps, and where the gated norm runs:
+    "fused" in the rule's program (which then takes the whole head: block_v == dv), "launch" in a launch of its
+    own after the rule, "last" in the program that finishes a head's last slice (no launch; the others' slices
+    read back from L2)."""
+    norm: str
     block_v: int
     warps: int
 
 
 def rule_tiles(value_dim: int, fused: bool | None = None) -> RuleTiles:
-    """The default: fused (8 warps) for heads up to FUSED_DV wide, else SPLIT_DV columns a program (4 warps);
-    fused True / False asks for one of the two."""
+    """The default: fused (8 warps) for heads up to FUSED_DV wide, else SPLIT_DV columns a program (4 warps) and
+    the norm's own launch; fused True / False asks for one of the two."""
     if fused if fused is not None else value_dim <= FUSED_DV:
-        return RuleTiles(True, value_dim, 8)
-    return RuleTiles(False, min(SPLIT_DV, value_dim), 4)
+        return RuleTiles("fused", value_dim, 8)
+    return RuleTiles("launch", min(SPLIT_DV, value_dim), 4)
 
 
 def rule_step(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
@@ -190,16 +214,29 @@ def rule_step(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, sl
     values = c.value_heads * c.value_dim
     tiles = tiles or rule_tiles(c.value_dim, fused)
     bv = tiles.block_v
-    if c.value_dim % bv or bv & (bv - 1) or (tiles.fused and bv != c.value_dim):
-        raise ValueError(f"rule_step: block_v {bv} must be a power of two dividing dv {c.value_dim}, and dv itself "
-                         "when fused")
+    if tiles.norm not in RULE_NORMS or c.value_dim % bv or bv & (bv - 1) or (tiles.norm == "fused" and
+                                                                          bv != c.value_dim):
+        raise ValueError(f"rule_step: block_v {bv} must be a power of two dividing dv {c.value_dim}, dv itself when "
+                         f"the norm is fused; the norm one of {', '.join(RULE_NORMS)}, got {tiles.norm!r}")
     out = out if out is not None else torch.empty(B, values, dtype=qkv.dtype, device=qkv.device)
-    if tiles.fused:
+    if tiles.norm == "fused":
         _rule(qkv, proj, rec_state, slots, c, out, tiles)
         return out
     o = torch.empty(B, values, dtype=torch.float32, device=qkv.device)
+    if tiles.norm == "last":
+        _rule(qkv, proj, rec_state, slots, c, o, tiles, out=out, counts=_counts(B * c.value_heads, qkv.device))
+        return out
     _rule(qkv, proj, rec_state, slots, c, o, tiles)
     return gated_norm(o, proj, C, c, out)
+
+
+def _counts(rows: int, device) -> torch.Tensor:
+    """A zeroed int32 [rows] the "last" rule counts finished slices in; its kernels leave it zeroed, so one buffer
+    serves every call (and graph) on the stream."""
+    key = (rows, str(device))
+    if key not in _COUNTS:
+        _COUNTS[key] = torch.zeros(rows, dtype=torch.int32, device=device)
+    return _COUNTS[key]
 
 
 def gated_norm(o: torch.Tensor, proj: torch.Tensor, z_off: int, consts: RuleConsts,
@@ -230,8 +267,9 @@ def rule_step_raw(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor
     return o
 
 
-def _rule(qkv, proj, rec_state, slots, c: RuleConsts, o, tiles: RuleTiles) -> None:
-    """The rule's launch: fused normalises too (o then in qkv's dtype), else o is fp32."""
+def _rule(qkv, proj, rec_state, slots, c: RuleConsts, o, tiles: RuleTiles, out=None, counts=None) -> None:
+    """The rule's launch: "fused" normalises too (o then in qkv's dtype), else o is fp32; "last" normalises into
+    out, counting slices in counts."""
     B, C = qkv.shape
     keys, values = c.key_heads * c.key_dim, c.value_heads * c.value_dim
     if C != 2 * keys + values or rec_state.dtype != torch.float32 or not rec_state.is_contiguous():
@@ -242,10 +280,12 @@ def _rule(qkv, proj, rec_state, slots, c: RuleConsts, o, tiles: RuleTiles) -> No
     b_off = z_off + values
     a_off = b_off + c.value_heads
     bv = tiles.block_v
+    last = tiles.norm == "last"
     _rule_step_kernel[(B, c.value_heads, c.value_dim // bv)](
         qkv, proj, proj.stride(0), b_off, a_off, rec_state, slots, c.neg_A, c.dt_bias, o, c.key_dim ** -0.5, C,
-        c.value_heads, z_off, c.norm_w, c.eps, REP=c.value_heads // c.key_heads, DK=c.key_dim, DV=c.value_dim,
-        BV=bv, KEYS=keys, NORM=tiles.fused, num_warps=tiles.warps, **pdl_args(qkv))
+        c.value_heads, z_off, c.norm_w, c.eps, out if last else o, counts if last else slots,
+        REP=c.value_heads // c.key_heads, DK=c.key_dim, DV=c.value_dim, BV=bv, KEYS=keys,
+        NORM=tiles.norm == "fused", LAST=last, num_warps=tiles.warps, **pdl_args(qkv))
 
 
 TAIL_TOKENS = 64  # the most tokens rule_tail takes: a prompt's last ones, from the first checkpoint among them

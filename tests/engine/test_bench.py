@@ -363,8 +363,9 @@ def test_decode_bound_counts_the_experts_a_batch_routes_to_under_its_routing():
 
 def test_tiles_rule_sweep_times_every_candidate_over_every_layers_state(monkeypatch):
     """bench tiles' rule sweep (Triton's interpreter here, small widths): each batch times the fused rule in each
-    warp count and the split one in each slice narrower than the head, each replay stepping every copy's state
-    once, the default marked, and rates them by the state bytes read and written."""
+    warp count and the split one in each slice narrower than the head, with the norm in its own launch or in each
+    head's last program, each replay stepping every copy's state once, the default marked, and rates them by the
+    state bytes read and written."""
     pytest.importorskip("triton")
     import engine.bench.tiles as tiles
 
@@ -379,8 +380,8 @@ def test_tiles_rule_sweep_times_every_candidate_over_every_layers_state(monkeypa
 
     monkeypatch.setattr(tiles, "graph_us", one_replay)
     rows = tiles.sweep_rule([1, 3], copies=2, device="cpu")
-    whats = ["fused v32 w4", "fused v32 w8 (default)", "fused v32 w16", "split v16 w2", "split v16 w4",
-             "split v16 w8"]
+    whats = ["fused v32 w4", "fused v32 w8 (default)", "fused v32 w16", "launch v16 w2", "launch v16 w4",
+             "launch v16 w8", "last v16 w2", "last v16 w4", "last v16 w8"]
     assert [(r["batch"], r["what"]) for r in rows] == [(b, w) for b in (1, 3) for w in whats]
     assert all(r["us"] == 3.0 for r in rows)  # per copy
     assert rows[len(whats)]["tbs"] == pytest.approx(2 * 3 * 4 * 32 * 32 * 4 / 3.0 / 1e6)

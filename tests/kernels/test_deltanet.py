@@ -20,10 +20,14 @@ def consts(g, dev, hk=2, hv=4, dk=16, dv=16):
 
 @pytest.mark.parametrize("dtype", float_dtypes())
 @pytest.mark.parametrize("fused, dv, tiles", [(True, 16, None), (False, 16, None), (False, 64, None),
-                                              (None, 64, RuleTiles(False, 16, 2)), (None, 32, RuleTiles(True, 32, 4))])
+                                              (None, 64, RuleTiles("launch", 16, 2)),
+                                              (None, 32, RuleTiles("fused", 32, 4)),
+                                              (None, 64, RuleTiles("last", 16, 4)),
+                                              (None, 32, RuleTiles("last", 8, 2))])
 def test_decode_steps_match_reference(dev, dtype, fused, dv, tiles):
-    """Rule and gated norm in one launch (a program per head) or two (programs per block of dv columns), by
-    default or in the tiles the bench sweeps (engine/bench/tiles.py)."""
+    """Rule and gated norm in one launch (a program per head), in two (programs per block of dv columns, then the
+    norm), or in one whose last program of each head normalises it; by default or in the tiles the bench sweeps
+    (engine/bench/tiles.py). Several steps in a row: the "last" counts are back at zero after each."""
     g = torch.Generator().manual_seed(21 + dv)
     c = consts(g, dev, dv=dv)
     C = 2 * c.key_heads * c.key_dim + c.value_heads * c.value_dim
@@ -54,7 +58,8 @@ def test_rule_step_names_a_wrong_width(dev):
     with pytest.raises(ValueError, match="channels"):
         rule_step(torch.zeros(1, 10, device=dev), torch.zeros(1, 200, device=dev),
                   torch.zeros(1, 4, 16, 16, device=dev), torch.zeros(1, dtype=torch.int32, device=dev), c)
-    for bad in (RuleTiles(False, 12, 4), RuleTiles(True, 8, 4)):  # not a power of two; fused on part of a head
+    # not a power of two; fused on part of a head; no such norm
+    for bad in (RuleTiles("launch", 12, 4), RuleTiles("fused", 8, 4), RuleTiles("after", 8, 4)):
         with pytest.raises(ValueError, match="block_v"):
             rule_step(torch.zeros(1, 128, device=dev), torch.zeros(1, 200, device=dev),
                       torch.zeros(1, 4, 16, 16, device=dev), torch.zeros(1, dtype=torch.int32, device=dev), c,
