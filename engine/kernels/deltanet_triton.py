@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import pdl_args, pdl_enter
+from engine.kernels.launch import pdl_args, pdl_enter, zeroed_counts
 
 from engine.layers.delta_rule import recurrent_gated_delta_rule
 from engine.layers.norm import gated_rms_norm
@@ -182,7 +182,6 @@ def _gated_norm_kernel(o_ptr, proj_ptr, proj_stride, z_off, normw_ptr, out_ptr, 
 FUSED_DV = 128  # heads up to this wide run rule and gated norm in one program ([dk, dv] fp32 in registers)
 SPLIT_DV = 32  # dv columns a program of the split rule
 RULE_NORMS = ("fused", "launch", "last")
-_COUNTS: dict = {}  # rule_step's per-(sequence, head) counts of finished slices by (rows, device): always back at 0
 
 
 class RuleTiles(NamedTuple):
@@ -224,19 +223,11 @@ def rule_step(qkv: torch.Tensor, proj: torch.Tensor, rec_state: torch.Tensor, sl
         return out
     o = torch.empty(B, values, dtype=torch.float32, device=qkv.device)
     if tiles.norm == "last":
-        _rule(qkv, proj, rec_state, slots, c, o, tiles, out=out, counts=_counts(B * c.value_heads, qkv.device))
+        counts = zeroed_counts("rule", B * c.value_heads, qkv.device)
+        _rule(qkv, proj, rec_state, slots, c, o, tiles, out=out, counts=counts)
         return out
     _rule(qkv, proj, rec_state, slots, c, o, tiles)
     return gated_norm(o, proj, C, c, out)
-
-
-def _counts(rows: int, device) -> torch.Tensor:
-    """A zeroed int32 [rows] the "last" rule counts finished slices in; its kernels leave it zeroed, so one buffer
-    serves every call (and graph) on the stream."""
-    key = (rows, str(device))
-    if key not in _COUNTS:
-        _COUNTS[key] = torch.zeros(rows, dtype=torch.int32, device=device)
-    return _COUNTS[key]
 
 
 def gated_norm(o: torch.Tensor, proj: torch.Tensor, z_off: int, consts: RuleConsts,

@@ -52,3 +52,16 @@ def pdl_args(t: torch.Tensor) -> dict:
     """The launch keywords of a kernel that starts with pdl_enter: PDL=..., launch_pdl=... for t's device."""
     on = pdl_on(t)
     return {"PDL": on, "launch_pdl": on}
+
+
+_COUNTS: dict = {}
+
+
+def zeroed_counts(kind: str, rows: int, device) -> torch.Tensor:
+    """A zeroed int32 [rows] that a kernel of `kind` counts finished programs in (each row's last program acts on
+    what the others wrote, then sets the row back to 0): one buffer a (kind, rows, device) serves every launch
+    and graph, the kernels of a stream running one after the other (under PDL too: they wait at pdl_enter)."""
+    key = (kind, rows, str(device))
+    if key not in _COUNTS:
+        _COUNTS[key] = torch.zeros(rows, dtype=torch.int32, device=device)
+    return _COUNTS[key]

@@ -27,8 +27,20 @@ def _topk_row(logits_ptr, row, stride, E, valid, K: tl.constexpr, SHARED: tl.con
               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """One token's routing -> (ids, weights) [BLOCK_K]: pairs 0..K-1 routed, pair K the shared expert."""
     cols = tl.arange(0, BLOCK_E)
+    logit = tl.load(logits_ptr + row * stride + cols, mask=cols < E, other=float("-inf"))
+    two = tl.arange(0, 2)  # the shared expert's gate logit at column E, where there is one
+    gate = tl.sum(tl.load(logits_ptr + row * stride + E + two, mask=two < SHARED, other=0.0).to(tl.float32), axis=0)
+    return _topk_of(logit, gate, E, valid, K, SHARED, NORM, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def _topk_of(logit, gate, E, valid, K: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
+             BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_topk_row's routing of one token's logits already loaded: the routed ones [BLOCK_E] (-inf past E) and the
+    shared expert's gate logit (read with SHARED), for a caller that reads them its own way."""
+    cols = tl.arange(0, BLOCK_E)
     live = cols < E
-    logit = tl.load(logits_ptr + row * stride + cols, mask=live, other=float("-inf")).to(tl.float32)
+    logit = logit.to(tl.float32)
     p = tl.exp(logit - tl.max(logit, axis=0))
     p = tl.where(live, p / tl.sum(p, axis=0), -1.0)
     slots = tl.arange(0, BLOCK_K)
@@ -43,9 +55,8 @@ def _topk_row(logits_ptr, row, stride, E, valid, K: tl.constexpr, SHARED: tl.con
     if NORM:
         ws = ws / tl.sum(tl.where(slots < K, ws, 0.0), axis=0)
     if SHARED:
-        s = tl.load(logits_ptr + row * stride + E).to(tl.float32)
         ids = tl.where(slots == K, E, ids)
-        ws = tl.where(slots == K, 1.0 / (1.0 + tl.exp(-s)), ws)
+        ws = tl.where(slots == K, 1.0 / (1.0 + tl.exp(-gate)), ws)
     ids = tl.where(valid != 0, ids, -1)  # rows of a padded decode batch route nowhere
     return ids, ws
 

@@ -23,11 +23,14 @@ projection, and the PCIe link idled meanwhile (H200 box, docs/PERF.md twenty-thi
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import pdl_args, pdl_enter
+from engine.kernels.launch import pdl_args, pdl_enter, zeroed_counts
+from engine.kernels.moe_pairs_triton import _topk_of
 
 from engine.layers.norm import rms_norm
 
@@ -100,10 +103,15 @@ def add_rms_norm_ref(x, delta, weight, eps, zero_centered):
 
 @triton.jit
 def _add_norm_router_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, gw_ptr, rw_ptr, rstride, lg_ptr, eps, H, E,
+                            valid_ptr, ids_ptr, wts_ptr, count_ptr,
                             R: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BE: tl.constexpr, GUESS: tl.constexpr, PDL: tl.constexpr):
+                            BE: tl.constexpr, GUESS: tl.constexpr, TOPK: tl.constexpr, K: tl.constexpr,
+                            KP: tl.constexpr, SHARED: tl.constexpr, NORM_TOPK: tl.constexpr,
+                            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """add_rms_norm_router (GUESS False: the router on h, logits in h's dtype) or add_rms_norm_guess (GUESS:
-    the router on the row normed with gw_ptr's weight, in fp32 and not rounded)."""
+    the router on the row normed with gw_ptr's weight, in fp32 and not rounded). TOPK (the router's): the
+    program that finishes a row's last block of logits (count_ptr [N], back at 0 after) routes the row as
+    route_topk would, into ids_ptr / wts_ptr [N, KP]."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
@@ -128,17 +136,57 @@ def _add_norm_router_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, gw_ptr, rw_ptr, 
     else:
         logit = tl.sum(rw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
         tl.store(lg_ptr + row * E + re, logit.to(lg_ptr.dtype.element_ty), mask=re < E)
+        if TOPK:
+            # every thread's store is done before the count moves (release); the program that brings it to the
+            # block count reads the others' logits after it (acquire), past L1 (.cg)
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + row, 1, sem="acq_rel")
+            if done == tl.num_programs(1) - 1:
+                tl.store(count_ptr + row, 0)
+                routed = E - SHARED
+                ecols = tl.arange(0, BLOCK_E)  # (a name of its own: a runtime branch must not reshape `cols`)
+                logits = tl.load(lg_ptr + row * E + ecols, mask=ecols < routed, other=float("-inf"),
+                                 cache_modifier=".cg")
+                two = tl.arange(0, 2)
+                gate = tl.sum(tl.load(lg_ptr + row * E + routed + two, mask=two < SHARED, other=0.0,
+                                      cache_modifier=".cg").to(tl.float32), axis=0)
+                ids, wts = _topk_of(logits, gate, routed, tl.load(valid_ptr + row), K, SHARED, NORM_TOPK, BLOCK_E,
+                                    BLOCK_K)
+                slots = tl.arange(0, BLOCK_K)
+                tl.store(ids_ptr + row * KP + slots, ids, mask=slots < KP)
+                tl.store(wts_ptr + row * KP + slots, wts, mask=slots < KP)
+
+
+class SeamRoute(NamedTuple):
+    """The routing add_rms_norm_router does in its launch: route_topk's arguments (the shared expert's gate
+    logit, with `shared`, the router's last row) and the [N, KP] int32 ids / fp32 weights it writes."""
+    top_k: int
+    norm_topk: bool
+    shared: bool
+    valid: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
 
 
 def add_rms_norm_router(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                         zero_centered: bool, router_w: torch.Tensor,
-                        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-    """-> (x_out, h, logits [N, E] in x's dtype): add_rms_norm(x, delta, ...) and h @ router_w.T at once."""
+                        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                        route: SeamRoute | None = None):
+    """-> (x_out, h, logits [N, E] in x's dtype): add_rms_norm(x, delta, ...) and h @ router_w.T at once; with
+    `route`, also route_topk(logits, ...) into route.ids / route.weights (no launch of its own)."""
     delta = _check_rows(x, delta, weight, "add_rms_norm_router")
-    H = x.shape[1]
+    N, H = x.shape
     if router_w.dim() != 2 or router_w.shape[1] != H or not router_w.is_contiguous():
         raise ValueError(f"add_rms_norm_router: router {tuple(router_w.shape)} does not match hidden size {H}")
-    return _router_seam(x, delta, weight, eps, zero_centered, None, router_w, out)
+    if route is not None:
+        kp = route.top_k + route.shared
+        if route.ids.shape != (N, kp) or route.weights.shape != (N, kp) or route.ids.dtype != torch.int32 \
+                or route.weights.dtype != torch.float32 or not (route.ids.is_contiguous()
+                                                                and route.weights.is_contiguous()) \
+                or route.valid.shape != (N,) or not 0 < route.top_k <= router_w.shape[0] - route.shared:
+            raise ValueError(f"add_rms_norm_router: the route wants contiguous int32 ids and fp32 weights [{N}, {kp}], "
+                             f"valid [{N}] and 0 < top_k <= the routed experts")
+    return _router_seam(x, delta, weight, eps, zero_centered, None, router_w, out, route)
 
 
 def add_rms_norm_guess(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -154,9 +202,9 @@ def add_rms_norm_guess(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
     return _router_seam(x, delta, weight, eps, zero_centered, guess_w, router_w, out)
 
 
-def _router_seam(x, delta, weight, eps, zero_centered, guess_w, router_w, out):
-    """The launch of both seams, their arguments checked: guess_w None -> the router on h, logits in x's dtype;
-    else the guess, in fp32."""
+def _router_seam(x, delta, weight, eps, zero_centered, guess_w, router_w, out, route: SeamRoute | None = None):
+    """The launch of both seams, their arguments checked: guess_w None -> the router on h, logits in x's dtype
+    (and with route, its top-k); else the guess, in fp32."""
     N, H = x.shape
     E = router_w.shape[0]
     x_out, h, logits = out if out is not None else (
@@ -164,9 +212,18 @@ def _router_seam(x, delta, weight, eps, zero_centered, guess_w, router_w, out):
         torch.empty(N, E, dtype=x.dtype if guess_w is None else torch.float32, device=x.device))
     block_h = triton.next_power_of_2(H)
     be = max(1, min(16, 8192 // block_h))  # a [BE, H] router tile of at most 8k values per program
+    if route is None:
+        topk = dict(TOPK=False, K=1, KP=1, SHARED=False, NORM_TOPK=False, BLOCK_E=2, BLOCK_K=2)
+        into = (x, x, x, x)  # not read
+    else:
+        kp = route.top_k + route.shared
+        topk = dict(TOPK=True, K=route.top_k, KP=kp, SHARED=route.shared, NORM_TOPK=route.norm_topk,
+                    BLOCK_E=triton.next_power_of_2(E - route.shared), BLOCK_K=triton.next_power_of_2(max(kp, 2)))
+        into = (route.valid, route.ids, route.weights, zeroed_counts("router seam", N, x.device))
     _add_norm_router_kernel[(N, triton.cdiv(E, be))](x, delta, weight, x_out, h,
                                                      weight if guess_w is None else guess_w, router_w,
-                                                     router_w.stride(0), logits, eps, H, E, R=delta.shape[1],
+                                                     router_w.stride(0), logits, eps, H, E, *into, R=delta.shape[1],
                                                      ZERO_CENTERED=zero_centered, BLOCK_H=block_h, BE=be,
-                                                     GUESS=guess_w is not None, num_warps=4, **pdl_args(x))
+                                                     GUESS=guess_w is not None, **topk, num_warps=4, **pdl_args(x))
     return x_out, h, logits
+

@@ -7,9 +7,10 @@
 
 A decode step per layer: add+norm, one projection (a skinny Triton kernel, as every decode projection), the
 mixer's kernels (qk-norm/RoPE/KV store + split attention, or conv step + delta rule with its gated norm), the
-o/out projection, add+norm with the router's logits in the same launch, then two expert kernels, the first
-routing each pair's token itself (top-k without a launch of its own); the next add+norm sums the experts'
-rows into the residual. With an expert cache a step is segments of device work around each MoE layer's
+o/out projection, add+norm with the router's logits in the same launch, then two expert kernels: for one token
+the first routes each pair's token itself, for 2-16 the add+norm's launch routes each row too (its last block
+of logits) and each expert is read once for all its pairs (top-k without a launch of its own either way); the
+next add+norm sums the experts' rows into the residual. With an expert cache a step is segments of device work around each MoE layer's
 routed experts, which the cache runs on the host's schedule (decode_segments). Prefill chunks run the same
 projections with the prefill attention kernel, the DeltaNet gates, conv and gated norm one launch each, the
 chunked delta rule (fla's kernels on CUDA) and experts grouped per expert; a short run's rule and, with an expert
@@ -34,9 +35,10 @@ from engine.kernels.deltanet_prefill_triton import conv_prefill, prefill_gates
 from engine.kernels.deltanet_triton import TAIL_TOKENS, conv_step, gated_norm, rule_step
 from engine.kernels.linear_triton import SKINNY_ROWS, skinny_linear
 from engine.kernels.mailbox_triton import join, publish
-from engine.kernels.moe_pairs_triton import GROUP_PAIRS, blocks_for, route_topk
+from engine.kernels.moe_pairs_triton import (GROUP_PAIRS, PAIR_ROWS, ROUTE_GROUP_TOKENS, blocks_for, group_blocks,
+                                             route_topk)
 from engine.kernels.moe_triton import run_experts, run_experts_routed
-from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_guess, add_rms_norm_router
+from engine.kernels.norm_triton import SeamRoute, add_rms_norm, add_rms_norm_guess, add_rms_norm_router
 from engine.layers.mlp import swiglu_fused
 from engine.layers.moe import MoE
 from engine.models.fused import (CachedMoE, FusedAttention, FusedMoE, fuse_attention, fuse_cached_moe, fuse_deltanet,
@@ -198,11 +200,15 @@ class FastPath:
         if isinstance(mlp, FusedMoE) and mlp.shared is None:
             kp = mlp.top_k + mlp.shared_folded
             if N * kp < GROUP_PAIRS:
-                x, h, logits = add_rms_norm_router(x, mix, post, eps, zc, mlp.router_w)
                 if valid is None:
                     valid = torch.ones(N, dtype=torch.int8, device=x.device)
                 ids = torch.empty(N, kp, dtype=torch.int32, device=x.device)
                 w = torch.empty(N, kp, dtype=torch.float32, device=x.device)
+                if ROUTE_GROUP_TOKENS <= N <= PAIR_ROWS:  # routed in the seam's launch, each expert read once
+                    route = SeamRoute(mlp.top_k, mlp.norm_topk, bool(mlp.shared_folded), valid, ids, w)
+                    x, h, _ = add_rms_norm_router(x, mix, post, eps, zc, mlp.router_w, route=route)
+                    return x, run_experts(h, mlp.gate_up, mlp.down, ids, w, group_blocks(ids))
+                x, h, logits = add_rms_norm_router(x, mix, post, eps, zc, mlp.router_w)
                 return x, run_experts_routed(h, mlp.gate_up, mlp.down, logits, mlp.top_k, mlp.norm_topk,
                                              mlp.shared_folded, valid, ids, w)
         x, h = add_rms_norm(x, mix, post, eps, zc)

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from engine.kernels.norm_triton import add_rms_norm, add_rms_norm_guess, add_rms_norm_ref, add_rms_norm_router
+from engine.kernels.moe_pairs_triton import route_topk
+from engine.kernels.norm_triton import (SeamRoute, add_rms_norm, add_rms_norm_guess, add_rms_norm_ref,
+                                        add_rms_norm_router)
 from tests.kernels.conftest import float_dtypes, rel_err, tol
 
 
@@ -43,6 +45,34 @@ def test_add_rms_norm_router_is_add_norm_then_router(dev, dtype, rows):
     assert torch.equal(got_x, want_x) and torch.equal(got_h, want_h)  # the same arithmetic, bit for bit
     ref_logits = want_h.double() @ router.double().T
     assert got_logits.dtype == dtype and rel_err(got_logits, ref_logits) < 2 * tol(dtype)
+
+
+@pytest.mark.parametrize("shared, norm_topk", [(True, True), (False, False)])
+def test_the_router_seam_routes_as_route_topk(dev, shared, norm_topk):
+    """With a SeamRoute the seam's last block of each row routes it: ids and weights exactly route_topk's on the
+    seam's own logits (padding rows route nowhere), the seam's other outputs as without it, and three calls in a
+    row (the counts it keeps are back at zero after each); fresh random inputs."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    # E routed experts (+ the shared gate's row), not a multiple of the tiles, and a block of them narrower than H's
+    N, H, E, K = 5, 96, 13 + shared, 4
+    w = (torch.randn(H, generator=g) * 0.3).to(dev, torch.bfloat16)
+    router = (torch.randn(E, H, generator=g) * 0.5).to(dev, torch.bfloat16)
+    valid = torch.tensor([1, 1, 0, 1, 1], dtype=torch.int8, device=dev)
+    for _ in range(3):
+        x = torch.randn(N, H, generator=g).to(dev, torch.bfloat16)
+        delta = torch.randn(N, 2, H, generator=g).to(dev, torch.bfloat16)
+        ids = torch.full((N, K + shared), 99, dtype=torch.int32, device=dev)
+        wts = torch.full((N, K + shared), 9.0, device=dev)
+        got = add_rms_norm_router(x, delta, w, 1e-6, True, router, route=SeamRoute(K, norm_topk, shared, valid, ids,
+                                                                                     wts))
+        plain = add_rms_norm_router(x, delta, w, 1e-6, True, router)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain))
+        want_ids, want_w = route_topk(got[2], K, norm_topk, shared, valid)
+        assert torch.equal(ids, want_ids) and torch.equal(wts, want_w)
+        assert (ids[2] == -1).all() and (ids[[0, 1, 3, 4]] >= 0).all()
+    with pytest.raises(ValueError, match="route"):
+        add_rms_norm_router(x, delta, w, 1e-6, True, router, route=SeamRoute(K, norm_topk, shared, valid, ids[:, 1:],
+                                                                               wts))
 
 
 def test_add_rms_norm_router_names_a_bad_router(dev):
