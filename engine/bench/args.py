@@ -128,7 +128,21 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-share", type=float,
                    help="hybrid mapped decode: this share of the non-resident experts runs on the CPU, fixed "
                         "(default: searched for the shortest measured step, per batch size)")
+    p.add_argument("--rule-tiles", type=_rule_tiles, metavar="NORM,BLOCK_V,WARPS",
+                   help="the decode step's DeltaNet rule in these tiles (as `python -m engine.bench.tiles --only "
+                        "rule` names them, e.g. last,32,4; NORM fused, launch or last; default: the engine's)")
     p.add_argument("--json", help="write the results here")
+
+
+def _rule_tiles(text: str):
+    """An argparse type: NORM,BLOCK_V,WARPS -> RuleTiles (a bad value is one usage line naming it)."""
+    from engine.kernels.deltanet_triton import RULE_NORMS, RuleTiles
+
+    parts = text.split(",")
+    if len(parts) != 3 or parts[0] not in RULE_NORMS or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
+        raise argparse.ArgumentTypeError(f"expected NORM,BLOCK_V,WARPS with NORM one of {', '.join(RULE_NORMS)} "
+                                         f"and two positive integers, got {text!r}")
+    return RuleTiles(parts[0], int(parts[1]), int(parts[2]))
 
 
 def _at_least(low: int):

@@ -283,6 +283,18 @@ def build(args):
 def run(args) -> dict:
     if args.text_prompts and not args.model:
         raise ValueError("--text-prompts tokenizes text with a checkpoint's tokenizer: give --model DIR")
+    if args.rule_tiles is None:
+        return _run(args)
+    from engine.kernels.deltanet_triton import set_rule_tiles
+
+    set_rule_tiles(args.rule_tiles)
+    try:
+        return dict(_run(args), rule_tiles=list(args.rule_tiles))
+    finally:
+        set_rule_tiles(None)
+
+
+def _run(args) -> dict:
     core, model, name, batches, context = build(args)
     if args.cpu_share is not None:
         cpu = model.fast.mapped.cpu if model.fast is not None and model.fast.mapped is not None else None
@@ -380,6 +392,8 @@ def print_table(res: dict) -> None:
     overlap = ", decode steps overlapped" if res.get("overlap") else ", decode steps one at a time"
     if res.get("temperature"):
         overlap += f", decode sampled at temperature {res['temperature']}"
+    if res.get("rule_tiles"):
+        overlap += ", DeltaNet decode rule in tiles " + ",".join(map(str, res["rule_tiles"]))
     print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path{overlap}, "
           f"{res['device']}, prompts of {res.get('prompts', 'random ids')}, HBM copy {res['hbm_copy_gbs']:.0f} GB/s"
           f"{cached}, commit {res['commit']}")

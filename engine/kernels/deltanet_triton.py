@@ -194,9 +194,23 @@ class RuleTiles(NamedTuple):
     warps: int
 
 
+_CHOSEN: dict = {}  # set_rule_tiles' choice
+
+
+def set_rule_tiles(tiles: RuleTiles | None) -> None:
+    """Every decode rule from now on runs in these tiles (None: the default again); `killick bench model
+    --rule-tiles` times the whole step so."""
+    _CHOSEN.pop("tiles", None)
+    if tiles is not None:
+        _CHOSEN["tiles"] = RuleTiles(*tiles)
+
+
 def rule_tiles(value_dim: int, fused: bool | None = None) -> RuleTiles:
-    """The default: fused (8 warps) for heads up to FUSED_DV wide, else SPLIT_DV columns a program (4 warps) and
-    the norm's own launch; fused True / False asks for one of the two."""
+    """The default: set_rule_tiles' choice where one is set, else fused (8 warps) for heads up to FUSED_DV wide,
+    else SPLIT_DV columns a program (4 warps) and the norm's own launch; fused True / False asks for one of
+    the two."""
+    if fused is None and "tiles" in _CHOSEN:
+        return _CHOSEN["tiles"]
     if fused if fused is not None else value_dim <= FUSED_DV:
         return RuleTiles("fused", value_dim, 8)
     return RuleTiles("launch", min(SPLIT_DV, value_dim), 4)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.kernels.deltanet_triton import (RuleConsts, RuleTiles, conv_step, conv_step_ref, gated_norm, rule_step,
-                                           rule_step_ref, rule_tail)
+                                           rule_step_ref, rule_tail, rule_tiles, set_rule_tiles)
 from engine.layers.delta_rule import recurrent_gated_delta_rule
 from engine.layers.norm import gated_rms_norm
 from tests.kernels.conftest import float_dtypes, rel_err, tol
@@ -50,6 +50,18 @@ def test_decode_steps_match_reference(dev, dtype, fused, dv, tiles):
         assert rel_err(rec_a, rec_b) < 1e-5
     untouched = torch.tensor([1, 2])
     assert torch.equal(rec_a[untouched.to(dev)].cpu(), rec_b[untouched.to(dev)].cpu())
+
+
+def test_the_chosen_tiles_are_every_rules_default_until_reset():
+    """set_rule_tiles (bench model --rule-tiles): the default tiles until set back to None; asking for fused or not
+    still gets the one asked for."""
+    chosen = RuleTiles("last", 16, 2)
+    set_rule_tiles(chosen)
+    try:
+        assert rule_tiles(128) == chosen and rule_tiles(128, fused=True) == RuleTiles("fused", 128, 8)
+    finally:
+        set_rule_tiles(None)
+    assert rule_tiles(128) == RuleTiles("fused", 128, 8) and rule_tiles(256) == RuleTiles("launch", 32, 4)
 
 
 def test_rule_step_names_a_wrong_width(dev):
