@@ -5,16 +5,16 @@
     fast.decode(ids, slots, positions, valid)      # one token per sequence, static shapes, no host sync:
                                                    # what a CUDA graph captures (engine/models/graphs.py)
 
-A decode step per layer: add+norm, one projection (a skinny Triton kernel, as every decode projection), the
-mixer's kernels (qk-norm/RoPE/KV store + split attention, or conv step + delta rule with its gated norm), the
-o/out projection, add+norm with the router's logits in the same launch, then two expert kernels: for one token
-the first routes each pair's token itself, for 2-16 the add+norm's launch routes each row too (its last block
-of logits) and each expert is read once for all its pairs (top-k without a launch of its own either way); the
-next add+norm sums the experts' rows into the residual. With an expert cache a step is segments of device work around each MoE layer's
+A decode step per layer: add+norm, one projection (a skinny Triton kernel, as every decode projection), the mixer's
+kernels (qk-norm/RoPE/KV store + split attention, or conv step + delta rule with its gated norm), the o/out
+projection, add+norm with the router's logits in the same launch, then two expert kernels: for one token the first
+routes each pair's token itself, for 2-16 the add+norm's launch routes each row too (its last block of logits) and
+each expert is read once for all its pairs (top-k without a launch of its own either way); the next add+norm sums
+the experts' rows into the residual. With an expert cache a step is segments of device work around each MoE layer's
 routed experts, which the cache runs on the host's schedule (decode_segments). Prefill chunks run the same
-projections with the prefill attention kernel, the DeltaNet gates, conv and gated norm one launch each, the
-chunked delta rule (fla's kernels on CUDA) and experts grouped per expert; a short run's rule and, with an expert
-cache, its routing are padded to a token bucket and replayed as graphs (token_graphs.py).
+projections with the prefill attention kernel, the DeltaNet gates, conv and gated norm one launch each, the chunked
+delta rule (fla's kernels on CUDA) and experts grouped per expert; a short run's rule and, with an expert cache, its
+routing are padded to a token bucket and replayed as graphs (token_graphs.py).
 N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
 """
 from __future__ import annotations
