@@ -31,7 +31,7 @@ from collections import defaultdict
 
 import torch
 
-from engine.bench.model import print_buckets, print_split
+from engine.bench.report import print_buckets, print_split
 from engine.bench.syncs import SyncSites
 from engine.bench.traffic import ExpertTraffic
 
