@@ -226,4 +226,3 @@ def _router_seam(x, delta, weight, eps, zero_centered, guess_w, router_w, out, r
                                                      ZERO_CENTERED=zero_centered, BLOCK_H=block_h, BE=be,
                                                      GUESS=guess_w is not None, **topk, num_warps=4, **pdl_args(x))
     return x_out, h, logits
-
