@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import pdl_args, pdl_enter, zeroed_counts
+from engine.kernels.launch import last_to_finish, pdl_args, pdl_enter, zeroed_counts
 
 from engine.layers.delta_rule import recurrent_gated_delta_rule
 from engine.layers.norm import gated_rms_norm
@@ -150,12 +150,7 @@ def _rule_step_kernel(qkv_ptr, proj_ptr, proj_stride, b_off, a_off, state_ptr, s
     else:
         tl.store(o_ptr + (b * HV + h) * DV + dv, o)
         if LAST:
-            # every thread's store is done before the count moves (release), and the program that brings the
-            # count to the slice count reads the other programs' slices after it (acquire), past L1 (.cg)
-            tl.debug_barrier()
-            done = tl.atomic_add(count_ptr + b * HV + h, 1, sem="acq_rel")
-            if done == DV // BV - 1:
-                tl.store(count_ptr + b * HV + h, 0)
+            if last_to_finish(count_ptr + b * HV + h, DV // BV):
                 cols = tl.arange(0, DV)
                 full = tl.load(o_ptr + (b * HV + h) * DV + cols, cache_modifier=".cg")
                 gated = _gated_head(full, row, z_off, h, cols, normw_ptr, eps, DV, dt)

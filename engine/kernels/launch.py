@@ -54,6 +54,20 @@ def pdl_args(t: torch.Tensor) -> dict:
     return {"PDL": on, "launch_pdl": on}
 
 
+@triton.jit
+def last_to_finish(count_ptr, programs):
+    """Inside a program that has stored its share: whether it is the last of `programs` to do so for the row of
+    counts at count_ptr (zeroed_counts), the count then back at 0. Every thread's stores are done before the
+    count moves (a barrier, then one thread's release); the last program may then read the others' shares
+    (acquire), past L1 (cache_modifier=".cg": lines another SM wrote)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    last = done == programs - 1
+    if last:
+        tl.store(count_ptr, 0)
+    return last
+
+
 _COUNTS: dict = {}
 
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import pdl_args, pdl_enter, zeroed_counts
+from engine.kernels.launch import last_to_finish, pdl_args, pdl_enter, zeroed_counts
 from engine.kernels.moe_pairs_triton import _topk_of
 
 from engine.layers.norm import rms_norm
@@ -137,12 +137,7 @@ def _add_norm_router_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, gw_ptr, rw_ptr, 
         logit = tl.sum(rw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
         tl.store(lg_ptr + row * E + re, logit.to(lg_ptr.dtype.element_ty), mask=re < E)
         if TOPK:
-            # every thread's store is done before the count moves (release); the program that brings it to the
-            # block count reads the others' logits after it (acquire), past L1 (.cg)
-            tl.debug_barrier()
-            done = tl.atomic_add(count_ptr + row, 1, sem="acq_rel")
-            if done == tl.num_programs(1) - 1:
-                tl.store(count_ptr + row, 0)
+            if last_to_finish(count_ptr + row, tl.num_programs(1)):  # the row's logits all stored: route it
                 routed = E - SHARED
                 ecols = tl.arange(0, BLOCK_E)  # (a name of its own: a runtime branch must not reshape `cols`)
                 logits = tl.load(lg_ptr + row * E + ecols, mask=ecols < routed, other=float("-inf"),
