@@ -205,7 +205,7 @@ class FastPath:
                 ids = torch.empty(N, kp, dtype=torch.int32, device=x.device)
                 w = torch.empty(N, kp, dtype=torch.float32, device=x.device)
                 if ROUTE_GROUP_TOKENS <= N <= PAIR_ROWS:  # routed in the seam's launch, each expert read once
-                    route = SeamRoute(mlp.top_k, mlp.norm_topk, bool(mlp.shared_folded), valid, ids, w)
+                    route = SeamRoute(mlp.top_k, mlp.norm_topk, mlp.shared_folded, valid, ids, w)
                     x, h, _ = add_rms_norm_router(x, mix, post, eps, zc, mlp.router_w, route=route)
                     return x, run_experts(h, mlp.gate_up, mlp.down, ids, w, group_blocks(ids))
                 x, h, logits = add_rms_norm_router(x, mix, post, eps, zc, mlp.router_w)
