@@ -80,9 +80,17 @@ def print_table(res: dict) -> None:
                     f"({ex['ahead_used']} read)"
         print(f"{r['name']:<16}{r['tok_s']:>12.1f}{r.get('ms_per_step', float('nan')):>10.3f}"
               f"{r.get('bound_tok_s', float('nan')):>13.1f}{r.get('of_bound', float('nan')):>10.2f}  {note}")
+    print_batch_scaling(res)
     print_extend_runs(res)
     print_buckets(res)
     print_split(res)
+
+
+def print_batch_scaling(res: dict) -> None:
+    scaling = res.get("batch_scaling") or {}
+    if scaling:  # (JSON keys are strings)
+        print("decode rate over batch 1's: " + ", ".join(
+            f"b{b} {s['measured']:.2f}x ({s['at_bound']:.2f}x with both at their bound)" for b, s in scaling.items()))
 
 
 def print_extend_runs(res: dict) -> None:

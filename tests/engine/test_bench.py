@@ -380,6 +380,31 @@ def test_decode_bound_counts_the_experts_a_batch_routes_to_under_its_routing():
         assert need["total"] == sum(v for k, v in need.items() if k != "total")
 
 
+def test_batch_scaling_sets_each_batch_against_batch_one_measured_and_at_the_bound(capsys):
+    """bench model's decode rows by batch: N x b1's step bytes over bN's is what bN / b1 would be with both steps at
+    their bound (issue 20's b8 >= 5x b1 line set against what the bytes allow); no b1 row, nothing to set against."""
+    from engine.bench.model import batch_scaling, step_bytes
+    from engine.bench.report import print_batch_scaling
+    from engine.config import config_from_dict
+    from engine.synth import synth_config
+
+    cfg = config_from_dict(synth_config("qwen3_5_moe", "qwen3.6-35b-a3b", layers=8))
+    rows = [{"name": f"decode_b{b}", "tok_s": t, "step_bytes": step_bytes(cfg, 2, b, 100)}
+            for b, t in ((1, 300.0), (4, 700.0), (8, 1200.0))] + [{"name": "prefill_64", "tok_s": 9.0}]
+    scaling = batch_scaling(rows)
+    assert list(scaling) == [4, 8]
+    assert scaling[8]["measured"] == pytest.approx(4.0) and scaling[4]["measured"] == pytest.approx(7 / 3)
+    one, eight = rows[0]["step_bytes"]["total"], rows[2]["step_bytes"]["total"]
+    assert scaling[8]["at_bound"] == pytest.approx(8 * one / eight)
+    assert 1 < scaling[4]["at_bound"] < scaling[8]["at_bound"] < 8  # a batch's experts and state grow with it
+    assert batch_scaling(rows[1:]) == {}
+    print_batch_scaling({"batch_scaling": {str(b): s for b, s in scaling.items()}})  # as the JSON holds it
+    printed = capsys.readouterr().out
+    assert printed.startswith("decode rate over batch 1's: b4 2.33x (") and ", b8 4.00x (" in printed
+    print_batch_scaling({"batch_scaling": {}})
+    assert capsys.readouterr().out == ""
+
+
 def test_tiles_rule_sweep_times_every_candidate_over_every_layers_state(monkeypatch):
     """bench tiles' rule sweep (Triton's interpreter here, small widths): each batch times the fused rule in each
     warp count and the split one in each slice narrower than the head, with the norm in its own launch or in each
