@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine.bench.report import batch_scaling
 from engine.bench.traffic import ExpertTraffic
 
 
@@ -359,23 +360,6 @@ def _run(args) -> dict:
             "hbm_copy_gbs": rate / 1e9, "context": context, "placement": placement, **cache.header(),
             "batch_scaling": batch_scaling(rows), "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
             "rows": rows}
-
-
-def batch_scaling(rows: list[dict]) -> dict:
-    """Each larger batch's decode rate over batch 1's, measured and at the bound (N x batch 1's step bytes over
-    batch N's: what the rates' ratio is when both steps read their bytes at the same rate). Batching pays by what
-    a step's weights are shared over; a batch's experts and state grow with it (issue 20's b8 >= 5x b1 line)."""
-    decode = {r["name"]: r for r in rows if r["name"].startswith("decode_b")}
-    one = decode.get("decode_b1")
-    if one is None:
-        return {}
-    out = {}
-    for name, r in decode.items():
-        b = int(name.removeprefix("decode_b"))
-        if b > 1:
-            out[b] = {"measured": r["tok_s"] / one["tok_s"],
-                      "at_bound": b * one["step_bytes"]["total"] / r["step_bytes"]["total"]}
-    return out
 
 
 def _device_name(device) -> str:

@@ -1,5 +1,6 @@
 """`killick bench model`'s printed report: one line a row (decode, prefill, extend) with what each measured
-against its bound, then each timed extend's expert traffic, how the bucketed graphs ran and the hybrid split."""
+against its bound, each batch against batch 1, then each timed extend's expert traffic, how the bucketed graphs
+ran and the hybrid split."""
 from __future__ import annotations
 
 
@@ -84,6 +85,24 @@ def print_table(res: dict) -> None:
     print_extend_runs(res)
     print_buckets(res)
     print_split(res)
+
+
+def batch_scaling(rows: list[dict]) -> dict:
+    """Each larger batch's decode rate over batch 1's, measured and at the bound (N x batch 1's step bytes over
+    batch N's: what the rates' ratio is when both steps read their bytes at the same rate). Batching pays by what
+    a step's weights are shared over; a batch's experts and state grow with it (issue 20's b8 >= 5x b1 line)."""
+    decode = {r["name"]: r for r in rows if r["name"].startswith("decode_b")}
+    one = decode.get("decode_b1")
+    if one is None:
+        return {}
+    out = {}
+    for name, r in decode.items():
+        b = int(name.removeprefix("decode_b"))
+        if b > 1:
+            out[b] = {"measured": r["tok_s"] / one["tok_s"],
+                      "at_bound": b * one["step_bytes"]["total"] / r["step_bytes"]["total"]}
+    return out
+
 
 
 def print_batch_scaling(res: dict) -> None:

@@ -383,8 +383,8 @@ def test_decode_bound_counts_the_experts_a_batch_routes_to_under_its_routing():
 def test_batch_scaling_sets_each_batch_against_batch_one_measured_and_at_the_bound(capsys):
     """bench model's decode rows by batch: N x b1's step bytes over bN's is what bN / b1 would be with both steps at
     their bound (issue 20's b8 >= 5x b1 line set against what the bytes allow); no b1 row, nothing to set against."""
-    from engine.bench.model import batch_scaling, step_bytes
-    from engine.bench.report import print_batch_scaling
+    from engine.bench.model import step_bytes
+    from engine.bench.report import batch_scaling, print_batch_scaling
     from engine.config import config_from_dict
     from engine.synth import synth_config
 
