@@ -358,7 +358,7 @@ def _run(args) -> dict:
             "device": _device_name(model.device), "dtype": args.dtype,
             "prompts": "text (engine.bench.serve's)" if args.text_prompts else "random ids",
             "hbm_copy_gbs": rate / 1e9, "context": context, "placement": placement, **cache.header(),
-            "batch_scaling": batch_scaling(rows), "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
+            "batch_scaling": batch_scaling(rows, rate), "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
             "rows": rows}
 
 

@@ -87,29 +87,39 @@ def print_table(res: dict) -> None:
     print_split(res)
 
 
-def batch_scaling(rows: list[dict]) -> dict:
-    """Each larger batch's decode rate over batch 1's, measured and at the bound (N x batch 1's step bytes over
-    batch N's: what the rates' ratio is when both steps read their bytes at the same rate). Batching pays by what
-    a step's weights are shared over; a batch's experts and state grow with it (issue 20's b8 >= 5x b1 line)."""
+def batch_scaling(rows: list[dict], hbm_rate: float = float("nan")) -> dict:
+    """Each larger batch's decode rate over batch 1's: measured; at the bound (N x batch 1's step bytes over batch
+    N's: the ratio when both steps read their bytes at one rate); and at most beside the batch 1 that ran (batch
+    N's step taking batch 1's time plus its extra bytes at hbm_rate, bytes/s). Batching pays by what a step's
+    weights are shared over; a batch's experts and state grow with it (issue 20's b8 >= 5x b1 line). extra_rate:
+    the rate batch N's extra bytes ran at (its extra bytes over its extra time)."""
     decode = {r["name"]: r for r in rows if r["name"].startswith("decode_b")}
     one = decode.get("decode_b1")
     if one is None:
         return {}
     out = {}
+    t1, bytes1 = one["ms_per_step"] / 1e3, one["step_bytes"]["total"]
     for name, r in decode.items():
         b = int(name.removeprefix("decode_b"))
         if b > 1:
-            out[b] = {"measured": r["tok_s"] / one["tok_s"],
-                      "at_bound": b * one["step_bytes"]["total"] / r["step_bytes"]["total"]}
+            extra, extra_s = r["step_bytes"]["total"] - bytes1, r["ms_per_step"] / 1e3 - t1
+            out[b] = {"measured": r["tok_s"] / one["tok_s"], "at_bound": b * bytes1 / r["step_bytes"]["total"],
+                      "beside_b1": b * t1 / (t1 + extra / hbm_rate), "extra_bytes": extra,
+                      "extra_rate": extra / extra_s if extra_s > 0 else float("inf")}
     return out
-
 
 
 def print_batch_scaling(res: dict) -> None:
     scaling = res.get("batch_scaling") or {}
-    if scaling:  # (JSON keys are strings)
-        print("decode rate over batch 1's: " + ", ".join(
-            f"b{b} {s['measured']:.2f}x ({s['at_bound']:.2f}x with both at their bound)" for b, s in scaling.items()))
+    parts = []
+    for b, s in scaling.items():  # (JSON keys are strings)
+        part = f"b{b} {s['measured']:.2f}x ({s['at_bound']:.2f}x with both at their bound"
+        if s["beside_b1"] == s["beside_b1"]:  # (nan without an HBM rate: off CUDA)
+            part += f"; {s['beside_b1']:.2f}x at most beside this b1: its {s['extra_bytes'] / 1e9:.2f} GB more a " \
+                    f"step at the HBM copy rate, where they ran at {s['extra_rate'] / 1e12:.2f} TB/s"
+        parts.append(part + ")")
+    if parts:
+        print("decode rate over batch 1's: " + ", ".join(parts))
 
 
 def print_extend_runs(res: dict) -> None:

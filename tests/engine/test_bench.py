@@ -382,25 +382,38 @@ def test_decode_bound_counts_the_experts_a_batch_routes_to_under_its_routing():
 
 def test_batch_scaling_sets_each_batch_against_batch_one_measured_and_at_the_bound(capsys):
     """bench model's decode rows by batch: N x b1's step bytes over bN's is what bN / b1 would be with both steps at
-    their bound (issue 20's b8 >= 5x b1 line set against what the bytes allow); no b1 row, nothing to set against."""
+    their bound; with b1 as measured, bN / b1 is at most N t1 / (t1 + bN's extra bytes at the HBM rate) (issue 20's
+    b8 >= 5x b1 line set against what the bytes allow); no b1 row, nothing to set against."""
     from engine.bench.model import step_bytes
     from engine.bench.report import batch_scaling, print_batch_scaling
     from engine.config import config_from_dict
     from engine.synth import synth_config
 
     cfg = config_from_dict(synth_config("qwen3_5_moe", "qwen3.6-35b-a3b", layers=8))
-    rows = [{"name": f"decode_b{b}", "tok_s": t, "step_bytes": step_bytes(cfg, 2, b, 100)}
+    rows = [{"name": f"decode_b{b}", "tok_s": t, "ms_per_step": b * 1e3 / t, "step_bytes": step_bytes(cfg, 2, b, 100)}
             for b, t in ((1, 300.0), (4, 700.0), (8, 1200.0))] + [{"name": "prefill_64", "tok_s": 9.0}]
-    scaling = batch_scaling(rows)
+    rate = 4e12
+    scaling = batch_scaling(rows, rate)
     assert list(scaling) == [4, 8]
     assert scaling[8]["measured"] == pytest.approx(4.0) and scaling[4]["measured"] == pytest.approx(7 / 3)
     one, eight = rows[0]["step_bytes"]["total"], rows[2]["step_bytes"]["total"]
     assert scaling[8]["at_bound"] == pytest.approx(8 * one / eight)
     assert 1 < scaling[4]["at_bound"] < scaling[8]["at_bound"] < 8  # a batch's experts and state grow with it
-    assert batch_scaling(rows[1:]) == {}
+    assert scaling[8]["extra_bytes"] == eight - one
+    t1, t8 = 1 / 300, 8 / 1200
+    assert scaling[8]["extra_rate"] == pytest.approx((eight - one) / (t8 - t1))
+    assert scaling[8]["beside_b1"] == pytest.approx(8 * t1 / (t1 + (eight - one) / rate))
+    # b8 at its ceiling beside this b1: its extra bytes at the rate, so the measured ratio meets the ceiling
+    at_rate = dict(rows[2], ms_per_step=(t1 + (eight - one) / rate) * 1e3, tok_s=8 / (t1 + (eight - one) / rate))
+    ceiling = batch_scaling([rows[0], at_rate], rate)[8]
+    assert ceiling["measured"] == pytest.approx(ceiling["beside_b1"]) and ceiling["extra_rate"] == pytest.approx(rate)
+    assert batch_scaling(rows[1:], rate) == {}
     print_batch_scaling({"batch_scaling": {str(b): s for b, s in scaling.items()}})  # as the JSON holds it
     printed = capsys.readouterr().out
     assert printed.startswith("decode rate over batch 1's: b4 2.33x (") and ", b8 4.00x (" in printed
+    assert "at most beside this b1" in printed and "TB/s" in printed
+    print_batch_scaling({"batch_scaling": batch_scaling(rows)})  # no HBM rate (CPU): no ceiling
+    assert "with both at their bound)" in capsys.readouterr().out
     print_batch_scaling({"batch_scaling": {}})
     assert capsys.readouterr().out == ""
 
