@@ -11,8 +11,9 @@ ToolCallStart(index, name) goes out, then ToolCallDelta pieces of the arguments 
 ToolCall(streamed=True) whose arguments are exactly the deltas joined. Any other tool call is buffered until its
 closing tag and parsed whole (ToolCall, streamed=False): malformed JSON degrades to plain text, never an error, and
 a call whose first characters can open neither form goes out as text at once (up to its closing tag, as it would
-have at the end); once a call has started streaming it ends as a call, its arguments as written. Whitespace at the
-edges of each segment (after `<think>`, around `</think>`, between tool calls) is dropped, as the providers do.
+have at the end); once a call has started streaming it ends as a call, its arguments as written. Blank lines at the
+start of each segment (after `<think>`, after `</think>`, between tool calls) and whitespace at its end are dropped,
+as the providers do; the first line's indentation is the answer's own (code), and stays.
 """
 from __future__ import annotations
 
@@ -220,12 +221,16 @@ class OutputParser:
                 return
             self._stream_arguments(out)
             return
-        if not self._segment_started:
-            text = text.lstrip()
+        if not self._segment_started:  # undecided until visible text: indentation, or blank lines that go
+            text, self._pending_ws = self._pending_ws + text, ""
+            if not text.strip():
+                self._pending_ws = text
+                return
+            lead = len(text) - len(text.lstrip())
+            text = text[text.rfind("\n", 0, lead) + 1:]
         body = text.rstrip()
         if not body:
-            if self._segment_started:
-                self._pending_ws += text
+            self._pending_ws += text
             return
         piece = self._pending_ws + body
         self._pending_ws = text[len(body):]

@@ -116,7 +116,21 @@ def test_parse_tool_call_variants():
 
 def test_unicode_and_whitespace_inside_text_survive():
     events, _ = run("  héllo\n\n  wörld  \n")
-    assert events == [TextDelta("héllo\n\n  wörld")]
+    assert events == [TextDelta("  héllo\n\n  wörld")]
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 1000])
+def test_blank_lines_before_a_segment_go_and_its_first_lines_indentation_stays(step):
+    """An answer that opens with indented code keeps the indent (what the model wrote, and what the template
+    renders back after "</think>\n\n"); whole blank lines at a segment's start go, spaces on them too."""
+    events, _ = run("<think>\n  plan\n</think>\n\n    return x\n", step)
+    assert events == [ThinkingDelta("  plan"), TextDelta("    return x")]
+    events, _ = run("\n  \r\n\t  if a:\n        b", step)
+    assert events == [TextDelta("\t  if a:\n        b")]
+    events, _ = run('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n  done', step)
+    assert events == [ToolCall(0, "f", "{}", streamed=True), TextDelta("  done")]
+    events, _ = run("   ", step)  # nothing visible: nothing goes out
+    assert events == []
 
 
 def test_one_tool_call_when_parallel_calls_are_off():
