@@ -24,6 +24,8 @@ class OpenCodeAdapter(BaseAdapter):
         MODEL_LINE,  # /models switches model mid-session
         MODEL_NAME,  # "named demo. The exact model ID is killick/demo" (recorded 1.18.33): "the model demo."
         VolatileText(pattern=r"Today's date: (\S)"),  # in the system prompt's <env> block
-        # the <env> block (working directory, git repo or not, platform, date) moves after the tools as a whole
-        VolatileText(pattern=r"[^\n]*\n<env>\n  Working directory: (\S)(?s:.*?)</env>"),
+        # the <env> block (working directory, git repo or not, platform, date) moves after the tools as a whole,
+        # with the line that introduces it (anchored at a line's start: rules.py refuses a pattern that opens with
+        # a run, which a long line of a tool's output would make quadratic)
+        VolatileText(pattern=r"(?m)^[^\n]*\n<env>\n  Working directory: (\S)(?s:.*?)</env>"),
     )

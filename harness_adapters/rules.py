@@ -121,7 +121,34 @@ def _regex(value: str) -> str:
         re.compile(value)
     except re.error as exc:
         raise ValueError(f"pattern is not a valid regular expression: {exc}") from None
+    if _opens_with_a_run(value):
+        raise ValueError(f"pattern {value!r} opens with an unbounded repeat: on a long line without a match it is "
+                         "tried again at every character (a prompt's tool output of minified JSON stalls the "
+                         "server); open it with literal text, or anchor it: (?m)^ for a line's start")
     return value
+
+
+def _opens_with_a_run(pattern: str) -> bool:
+    """Whether a match of `pattern` can start with an unbounded repeat (x*, x+, x{n,}), before any literal or
+    anchor: the search then scans ahead from every position of a run the repeat takes, quadratic in its length."""
+    try:
+        from re import _parser as parser
+    except ImportError:  # Python 3.10
+        import sre_parse as parser
+    repeats = tuple(getattr(parser, name) for name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+                    if hasattr(parser, name))
+
+    def opens(items) -> bool:
+        if not len(items):
+            return False
+        op, arg = items[0]
+        if op is parser.SUBPATTERN:
+            return opens(arg[-1])
+        if op is parser.BRANCH:
+            return any(opens(branch) for branch in arg[1])
+        return op in repeats and arg[1] == parser.MAXREPEAT
+
+    return opens(parser.parse(pattern))
 
 
 # The model line Claude Code and OpenCode write into their system prompts; it changes when the user switches

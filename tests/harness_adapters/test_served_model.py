@@ -2,6 +2,7 @@
 rules, harness_adapters/layout.py), and a resumed conversation keeps its first snapshot lines
 (VolatileText.snapshot, harness_adapters/snapshots.py)."""
 import json
+import re
 
 import pytest
 
@@ -72,6 +73,25 @@ def test_model_name_rule_validates_its_pattern():
     with pytest.raises(ValueError, match="not a valid regular expression"):
         ModelName(pattern="(", replacement="x")
     assert ModelName(pattern="M: \\S+", replacement="M: {model}").rewrite("a M: x b M: y", "s") == "a M: s b M: s"
+
+
+@pytest.mark.parametrize("pattern", [r"[^\n]*\n<env>", r"(\S+) ok", r"(?:a|.*b)", r"(?s:.*?)</env>", r"\s+x"])
+def test_a_pattern_that_opens_with_a_run_is_refused(pattern):
+    """A search for such a pattern scans ahead from every character of a run it can take: a tool output's
+    100k-character line of minified JSON took 3.6 s of the event loop with OpenCode's <env> rule written so."""
+    for rule in (lambda: VolatileText(pattern=pattern), lambda: ModelName(pattern=pattern, replacement="x")):
+        with pytest.raises(ValueError, match=r"opens with an unbounded repeat.*\(\?m\)\^"):
+            rule()
+
+
+def test_patterns_that_open_with_text_or_an_anchor_are_taken():
+    for pattern in (r"(?m)^[^\n]*\n<env>", r"x[^\n]*", r"a{2,5}", r"(?<=id: )\S+", r"\b\w+ model"):
+        assert VolatileText(pattern=pattern).pattern == pattern
+    # OpenCode's <env> rule, anchored: the block with the line that introduces it, after a long line of JSON
+    (env,) = [r for r in OpenCodeAdapter.rules if "<env>" in getattr(r, "pattern", "")]
+    head = "{" + '"k": 1, ' * 20_000 + "\nHere is the environment:\n"
+    text = head + "<env>\n  Working directory: /w\n</env>\nafter"
+    assert [m.span() for m in re.finditer(env.pattern, text)] == [(len(head) - 25, len(text) - 6)]
 
 
 # --- snapshots ----------------------------------------------------------------------------------------------
