@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import aiohttp
+import openai
 import pytest
 
 from conftest import FORCED
@@ -135,6 +136,24 @@ async def test_responses_stream_and_previous_response(serve, sdk):
     assert second.output_text == "One file." and second.status == "completed"
     assert second.usage.input_tokens > u.input_tokens + 10  # the previous turn is in the prompt
     assert second.usage.input_tokens_details.cached_tokens >= u.input_tokens  # ... and its prompt was reused
+
+
+async def test_a_tool_call_nested_deeper_than_a_request_may_be_is_still_the_models_answer(serve, sdk):
+    """A request's tool-call arguments nested past 64 levels are a 400; the same in the model's own output is its
+    answer, as written: the whole response, and a stream that ends with response.completed."""
+    base, core, _ = await serve()
+    deep = "[" * 70 + "]" * 70
+    client = sdk.openai(base, default_headers={
+        FORCED: 'x\\n</think>\\n\\n<tool_call>\\n{"name": "bash", "arguments": {"cmd": ' + deep + '}}\\n</tool_call>'})
+    whole = await client.responses.create(model="gpt-5", input="go", tools=TOOLS_R)
+    assert whole.status == "completed" and whole.output[-1].arguments == '{"cmd": ' + deep + "}"
+    async with client.responses.stream(model="gpt-5", input="go", tools=TOOLS_R) as stream:
+        kinds = [ev.type async for ev in stream]
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    with pytest.raises(openai.BadRequestError, match="nested deeper than 64"):  # from the client: its error
+        await client.responses.create(model="gpt-5", tools=TOOLS_R, input=[
+            {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": '{"cmd": ' + deep + "}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"}])
 
 
 async def test_keepalive_while_queued_behind_a_running_request(serve):

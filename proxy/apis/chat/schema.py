@@ -176,3 +176,12 @@ def canonical_arguments(arguments: str) -> str:
         raise ApiError(400, f"tool call arguments: JSON nested deeper than {MAX_DEPTH} levels") from None
     check_json(value, where="tool call arguments")
     return canonical_json(value)
+
+
+def written_arguments(arguments: str) -> str:
+    """canonical_arguments of arguments the model wrote (a response's tool call): what a request may not hold (JSON
+    too deep, a lone surrogate) stays as written, since the model's output is never the client's error."""
+    try:
+        return canonical_arguments(arguments)
+    except ApiError:
+        return arguments

@@ -11,7 +11,7 @@ import json
 import uuid
 
 from proxy.apis.responses.schema import encrypt_reasoning
-from proxy.apis.chat.schema import canonical_arguments
+from proxy.apis.chat.schema import written_arguments
 from proxy.conversation import Message, Part, TextPart, ThinkingPart, ToolCallPart, canonical_json
 from proxy.prompt.output_parser import ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 
@@ -120,7 +120,7 @@ class OutputItems:
 
     def _end_call(self, call: ToolCall) -> Emitted:
         item, where, self._call = self._call, self._call_where(), None
-        self.parts.append(ToolCallPart(call.name, canonical_arguments(call.arguments), item["call_id"]))
+        self.parts.append(ToolCallPart(call.name, written_arguments(call.arguments), item["call_id"]))
         done_args = ("response.function_call_arguments.done", {**where, "arguments": call.arguments,
                                                                "name": call.name})
         return self._finish({**item, "arguments": call.arguments, "status": "completed"}, [done_args])
