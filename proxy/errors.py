@@ -91,9 +91,14 @@ def error_response(path: str, err: ApiError) -> web.Response:
 
 
 def from_validation(exc: pydantic.ValidationError) -> ApiError:
-    """The first validation problem as a 400 that names the field, e.g. `messages.0.content: ...`."""
-    first = exc.errors(include_url=False)[0]
-    loc = ".".join(str(p) for p in first["loc"] if not _is_union_label(p))
+    """The first validation problem as a 400 that names the field, e.g. `messages.0.content: ...`. A field that
+    may be a string or a list of blocks fails in each branch: of the first field's problems, the deepest says
+    what is wrong (`messages.0.content.0.tool_result.tool_use_id: field required`, not that the list is not a
+    string)."""
+    errors = exc.errors(include_url=False)
+    field = _field(errors[0])
+    first = max((e for e in errors if _field(e)[:len(field)] == field), key=lambda e: len(e["loc"]))
+    loc = ".".join(_field(first))
     what = first["msg"]
     if first["type"] == "missing":
         what = "field required"
@@ -101,6 +106,10 @@ def from_validation(exc: pydantic.ValidationError) -> ApiError:
 
 
 _TYPE_LABELS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-plain"}
+
+
+def _field(error) -> list[str]:
+    return [str(p) for p in error["loc"] if not _is_union_label(p)]
 
 
 def _is_union_label(part) -> bool:

@@ -33,11 +33,17 @@ async def test_malformed_bodies_are_400_in_shape(aiohttp_client, fake_stack, pat
     ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
      "messages.0.content"),
     ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": MSG, "temperature": 3}, "temperature"),
+    ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
+     "messages.0.content.0.tool_result.tool_use_id: field required"),  # the list's problem, not "not a string"
     ("/v1/chat/completions", {"model": "m"}, "messages"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content.0"),
     ("/v1/chat/completions", {"model": "m", "messages": MSG, "n": 2}, "n"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"model": "m", "messages": MSG, "tool_choice": "sometimes"}, "tool_choice"),
     ("/v1/responses", {"model": "m", "input": [{"type": "teleport"}]}, "input"),
+    ("/v1/responses", {"model": "m", "input": [{"type": "function_call_output", "output": "x"}]}, "input.0"),
     ("/v1/responses", {"model": "m", "input": "x", "max_output_tokens": -1}, "max_output_tokens"),
 ])
 async def test_invalid_fields_are_named(aiohttp_client, fake_stack, path, body, field):
