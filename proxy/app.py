@@ -32,7 +32,7 @@ from proxy.context import CTX, ServerContext
 from proxy.errors import CLIENT_CLOSED, ApiError, error_middleware, is_anthropic_path
 from proxy.generation import ARRIVED, TURN, ReplySource, Turn
 from proxy.policy.planner import NoAnchors, Planner
-from proxy.sites import Sites, sites_middleware
+from proxy.sites import Sites, cors_headers, sites_middleware
 
 log = logging.getLogger("killick.proxy")
 access_logger = logging.getLogger("killick.access")
@@ -81,6 +81,7 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
     app[RESPONSES] = ResponseStore()
     app.cleanup_ctx.append(_engine_lifetime)
     app.on_response_prepare.append(plan_headers)
+    app.on_response_prepare.append(cors_headers)
     add_routes(app)
     return app
 

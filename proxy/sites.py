@@ -10,6 +10,11 @@ the name it resolved as Host. So:
   `--allow-host`. On other binds clients name the server as they like, and only the Origin is checked.
 
 "*" in either list allows anything. A refusal is a 403 in the route's error shape, before authentication.
+
+A page that may call the server gets what a browser needs to let it (CORS): its preflight (OPTIONS with
+Access-Control-Request-Method) answered 204 before authentication, since a browser sends no key with it,
+allowing the method and the headers it asks for (authorization, x-api-key, anthropic-*); and every answer to it,
+errors and streams too, names its Origin as allowed and exposes the response headers (x-killick-*, retry-after).
 """
 from __future__ import annotations
 
@@ -74,12 +79,35 @@ def _origin_key(origin: str) -> str:
     return origin.strip().rstrip("/").lower()
 
 
+ALLOWED_ORIGIN = web.RequestKey("killick_allowed_origin", str)  # a page's Origin this request came from
+METHODS = "GET, HEAD, POST, OPTIONS"
+PREFLIGHT_MAX_AGE_S = 600
+
+
 def sites_middleware(sites: Sites):
     @web.middleware
     async def check_site(request: web.Request, handler):
-        why = sites.refusal(request.headers.get("Origin"), request.headers.get("Host"))
+        origin = request.headers.get("Origin")
+        why = sites.refusal(origin, request.headers.get("Host"))
         if why is not None:
             raise ApiError(403, why, code="forbidden_origin")
+        if origin is None:
+            return await handler(request)
+        request[ALLOWED_ORIGIN] = origin
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return web.Response(status=204, headers={
+                "Access-Control-Allow-Methods": METHODS, "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S),
+                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "")})
         return await handler(request)
 
     return check_site
+
+
+async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: an answer to an allowed page names its Origin (and varies by it), so the browser
+    lets the page read it, a stream or an error alike."""
+    origin = request.get(ALLOWED_ORIGIN)
+    if origin is not None:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Expose-Headers"] = "*"
+        response.headers.add("Vary", "Origin")

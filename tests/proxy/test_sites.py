@@ -42,3 +42,43 @@ async def test_foreign_sites_are_403_in_the_routes_shape(aiohttp_client, fake_st
     shape = anthropic_error if path.startswith("/v1/messages") else openai_error
     assert "allow" in shape(await resp.json())["message"]
     assert core.requests == []
+
+
+PAGE = "http://localhost:3000"  # a loopback page: allowed by default, and another origin than the server's
+
+
+async def test_an_allowed_page_gets_its_preflight_before_authentication(aiohttp_client, fake_stack):
+    """A browser asks (OPTIONS, no key) before a JSON POST with a key; the answer allows the method and exactly
+    the headers it asked for. A page that may not call the server is refused at the preflight."""
+    app, core = fake_stack(api_key="k")
+    client = await aiohttp_client(app)
+    asked = "authorization, content-type, anthropic-dangerous-direct-browser-access"
+    for path in ("/v1/messages", "/v1/chat/completions", "/v1/responses", "/v1/models"):
+        resp = await client.options(path, headers={"Origin": PAGE, "Access-Control-Request-Method": "POST",
+                                                   "Access-Control-Request-Headers": asked})
+        assert resp.status == 204, path
+        assert resp.headers["Access-Control-Allow-Origin"] == PAGE and "Origin" in resp.headers["Vary"]
+        assert resp.headers["Access-Control-Allow-Headers"] == asked
+        assert "POST" in resp.headers["Access-Control-Allow-Methods"]
+    resp = await client.options("/v1/messages", headers={"Origin": "http://evil.example",
+                                                         "Access-Control-Request-Method": "POST"})
+    assert resp.status == 403 and "Access-Control-Allow-Origin" not in resp.headers
+    assert core.requests == []
+
+
+async def test_every_answer_to_an_allowed_page_names_its_origin(aiohttp_client, fake_stack):
+    """The page reads answers, streamed ones and errors too; without an Origin (an agent) no CORS header goes."""
+    sites = Sites.for_bind("127.0.0.1", origins=["https://app.example"])
+    client = await aiohttp_client(fake_stack(sites=sites)[0])
+    page = {"Origin": "https://app.example"}
+    chat = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    whole = await client.post("/v1/chat/completions", json=chat, headers=page)
+    streamed = await client.post("/v1/chat/completions", json={**chat, "stream": True}, headers=page)
+    bad = await client.post("/v1/chat/completions", json={"model": "m"}, headers=page)
+    assert [r.status for r in (whole, streamed, bad)] == [200, 200, 400]
+    for resp in (whole, streamed, bad):
+        await resp.read()
+        assert resp.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert resp.headers["Access-Control-Expose-Headers"] == "*" and "Origin" in resp.headers["Vary"]
+    agent = await client.post("/v1/chat/completions", json=chat)
+    assert agent.status == 200 and "Access-Control-Allow-Origin" not in agent.headers
