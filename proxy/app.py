@@ -254,7 +254,9 @@ def _model_entry(ctx: ServerContext, model_id: str) -> dict:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "killick",
             "type": "model", "display_name": ctx.model_name,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
-            "context_length": ctx.context_length, "max_model_len": ctx.context_length}
+            "context_length": ctx.context_length, "max_model_len": ctx.context_length,
+            # Anthropic's ModelInfo limits: a prompt leaves at least one token of the window to its answer
+            "max_input_tokens": ctx.context_length - 1, "max_tokens": ctx.context_length - 1}
 
 
 async def models(request: web.Request) -> web.Response:

@@ -257,6 +257,7 @@ async def test_models_root_and_metrics(aiohttp_client, fake_stack):
     assert (await client.head("/")).status == 200
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["context_length"] == 1234
+    assert models["data"][0]["max_input_tokens"] == models["data"][0]["max_tokens"] == 1233
     await client.post("/v1/chat/completions", json={"model": "gpt-5", "messages": [{"role": "user", "content": "q"}]})
     text = await (await client.get("/metrics")).text()
     assert 'killick_requests_total{api="chat",status="200"} 1' in text
