@@ -97,6 +97,9 @@ class Usage:
     # Positions where the prefix cache kept a checkpoint for this request (ascending): the requested
     # checkpoint_positions it prefilled past, the prompt end and the generation end.
     checkpoints_kept: tuple[int, ...] = ()
+    # The stop id that ended the output (sampled, not emitted): the turn's cache runs through it, since the next
+    # prompt repeats it (`<|im_end|>`); None when the output ended otherwise.
+    stop_token: int | None = None
 
     @property
     def decode_tok_s(self) -> float:

@@ -306,7 +306,7 @@ class EngineCore:
             prefilled_tokens=max(0, min(seq.num_computed, seq.num_prompt) - seq.reused),
             cache_tier=seq.cache_tier, queue_s=t_admit - seq.t_submit, ttft_s=t_first - seq.t_submit,
             prefill_s=(seq.t_prefill_done or now) - t_admit, decode_s=now - t_first if seq.t_first_token else 0.0,
-            checkpoints_kept=tuple(sorted(set(seq.checkpoints_kept))))
+            checkpoints_kept=tuple(sorted(set(seq.checkpoints_kept))), stop_token=seq.stop_token)
 
     def _emit(self, seq: Sequence, ev: TokenEvent) -> None:
         sink = self._sinks.get(seq.request_id)

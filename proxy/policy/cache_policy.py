@@ -101,9 +101,11 @@ class CachePolicy:
 
     def finish_turn(self, turn: TurnPlan, generated_ids: Sequence[int], usage: Usage) -> TurnRecord:
         """Remember the turn, and where the session now has checkpoints: the earlier ones the plan keeps and
-        the ones the engine reports it kept for this request (Usage.checkpoints_kept)."""
+        the ones the engine reports it kept for this request (Usage.checkpoints_kept). The stop id that ended
+        the output is the turn's too: the engine cached through it, and the next prompt repeats it."""
         record = turn.record.with_usage(usage)
-        prev = PreviousTurn(turn.prompt_ids, tuple(generated_ids), turn.segments, turn.conversation)
+        ended = () if usage.stop_token is None else (usage.stop_token,)
+        prev = PreviousTurn(turn.prompt_ids, tuple(generated_ids) + ended, turn.segments, turn.conversation)
         positions = turn.anchors.keep + tuple(usage.checkpoints_kept)
         with self._lock:
             self.store.finish_turn(turn.session_key, prev, positions, record, turn.kind, turn.harness)

@@ -187,3 +187,57 @@ async def test_budgets_hold_over_a_long_session(aiohttp_client, model_dir, rules
     assert last["cache_demotions"] > 0 and last["cache_dropped_nodes"] > 0
     for k in range(1, turns):  # the live session's path fits the device: reuse stays as good as unbounded
         assert check_usage(warm[k]) <= len(warm[k].call.prompt) - edit_point(warm[k - 1], warm[k]) + MERGE_SLACK
+
+
+def test_a_turn_that_ends_on_a_stop_id_is_remembered_through_it(model_dir):
+    """The engine caches a turn through the stop id that ended it (the next prompt repeats `<|im_end|>`) and
+    reports that checkpoint; the session remembers it too, so the next turn's plan resumes where the engine
+    does, expects to re-prefill what the engine prefills, and counts nothing as another session's."""
+    import threading
+
+    from engine.api import GenerateRequest
+    from engine.build import EngineOptions, build_core
+    from fake_render import FakeRendered
+    from harness_adapters import default_registry
+    from proxy.conversation import Conversation
+    from proxy.policy.cache_policy import CachePolicy
+
+    core = build_core(model_dir, EngineOptions(cache_device_mb=64, cache_host_mb=64))
+    core.start()
+
+    def serve(prompt, turn, stop_ids=frozenset()):
+        out, done = [], threading.Event()
+        final = []
+
+        def sink(ev):
+            out.extend(ev.token_ids)
+            if ev.final:
+                final.append(ev)
+                done.set()
+
+        core.submit(GenerateRequest(prompt, 8, stop_ids=stop_ids, session_key=turn.session_key,
+                                    checkpoint_positions=turn.checkpoint_positions), sink)
+        assert done.wait(120)
+        return out, final[0]
+
+    try:
+        policy, adapter, conv = CachePolicy(), default_registry.get("generic"), Conversation(())
+        headers, prompt = {"x-session-id": "S"}, list(range(5, 45))
+        probe = policy.plan_turn({}, {"x-session-id": "probe"}, conv, FakeRendered(prompt, "", ()), adapter)
+        greedy, _ = serve(prompt, probe)
+        stop = greedy[2]  # the third greedy token ends the turn: two tokens out, then the stop id
+        first = policy.plan_turn({}, headers, conv, FakeRendered(prompt, "", ()), adapter)
+        out, ended = serve(prompt, first, frozenset({stop}))
+        assert (ended.finish_reason, ended.usage.stop_token, out) == ("stop", stop, greedy[:2])
+        through = len(prompt) + len(out) + 1
+        assert through in ended.usage.checkpoints_kept
+        policy.finish_turn(first, out, ended.usage)
+        assert through in policy.store.get("S").checkpoint_positions
+        nxt = prompt + out + [stop] + list(range(50, 60))
+        second = policy.plan_turn({}, headers, conv, FakeRendered(nxt, "", ()), adapter)
+        _, done = serve(nxt, second)
+        assert second.resume_at == done.usage.reused_tokens == through
+        assert second.record.expected_reprefill == done.usage.prefilled_tokens == 10
+        assert second.shared_tokens(done.usage) == 0
+    finally:
+        core.stop()
