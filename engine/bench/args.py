@@ -131,6 +131,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rule-tiles", type=_rule_tiles, metavar="NORM,BLOCK_V,WARPS",
                    help="the decode step's DeltaNet rule in these tiles (as `python -m engine.bench.tiles --only "
                         "rule` names them, e.g. last,32,4; NORM fused, launch or last; default: the engine's)")
+    p.add_argument("--seam-topk", action="store_true",
+                   help="decode steps of 2-16 tokens route each row in the add+norm+router launch (one launch a MoE "
+                        "layer fewer; off by default until run on a GPU: engine/models/fast.py SEAM_TOPK)")
     p.add_argument("--json", help="write the results here")
 
 

@@ -284,15 +284,20 @@ def build(args):
 def run(args) -> dict:
     if args.text_prompts and not args.model:
         raise ValueError("--text-prompts tokenizes text with a checkpoint's tokenizer: give --model DIR")
-    if args.rule_tiles is None:
-        return _run(args)
     from engine.kernels.deltanet_triton import set_rule_tiles
+    from engine.models import fast
 
+    seam = fast.SEAM_TOPK
     set_rule_tiles(args.rule_tiles)
+    fast.set_seam_topk(args.seam_topk or seam)
     try:
-        return dict(_run(args), rule_tiles=list(args.rule_tiles))
+        res = _run(args)
     finally:
         set_rule_tiles(None)
+        fast.set_seam_topk(seam)
+    if args.rule_tiles is not None:
+        res["rule_tiles"] = list(args.rule_tiles)
+    return dict(res, seam_topk=args.seam_topk or seam)
 
 
 def _run(args) -> dict:

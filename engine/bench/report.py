@@ -36,6 +36,8 @@ def print_table(res: dict) -> None:
     overlap = ", decode steps overlapped" if res.get("overlap") else ", decode steps one at a time"
     if res.get("temperature"):
         overlap += f", decode sampled at temperature {res['temperature']}"
+    if res.get("seam_topk"):
+        overlap += ", 2-16 tokens routed in the add+norm+router launch"
     if res.get("rule_tiles"):
         overlap += ", DeltaNet decode rule in tiles " + ",".join(map(str, res["rule_tiles"]))
     print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path{overlap}, "

@@ -8,9 +8,9 @@
 A decode step per layer: add+norm, one projection (a skinny Triton kernel, as every decode projection), the mixer's
 kernels (qk-norm/RoPE/KV store + split attention, or conv step + delta rule with its gated norm), the o/out
 projection, add+norm with the router's logits in the same launch, then two expert kernels: for one token the first
-routes each pair's token itself, for 2-16 the add+norm's launch routes each row too (its last block of logits) and
-each expert is read once for all its pairs (top-k without a launch of its own either way); the next add+norm sums
-the experts' rows into the residual. With an expert cache a step is segments of device work around each MoE layer's
+routes each pair's token itself, for 2-16 a routing launch (or, with SEAM_TOPK, the add+norm's launch: its last
+block of logits) routes each row and each expert is read once for all its pairs; the next add+norm sums the
+experts' rows into the residual. With an expert cache a step is segments of device work around each MoE layer's
 routed experts, which the cache runs on the host's schedule (decode_segments). Prefill chunks run the same
 projections with the prefill attention kernel, the DeltaNet gates, conv and gated norm one launch each, the chunked
 delta rule (fla's kernels on CUDA) and experts grouped per expert; a short run's rule and, with an expert cache, its
@@ -45,6 +45,17 @@ from engine.models.fused import (CachedMoE, FusedAttention, FusedMoE, fuse_atten
                                  fuse_moe)
 from engine.models.pieces import one_expert_pass, piece_rows, piece_spans, row_pieces
 from engine.models.token_graphs import BucketedRoute, BucketedRule
+
+# Decode steps of 2-16 tokens route each row in the add+norm+router launch (its program that finishes a row's
+# logits runs the top-k), one launch a MoE layer fewer. Off until it has run on a GPU: its programs hand data to
+# each other within a launch (launch.last_to_finish), an ordering Triton's interpreter and the sm_90 PTX read
+# here do not prove; tests/gpu/test_fast_cuda.py runs it both ways. set_seam_topk() switches it.
+SEAM_TOPK = False
+
+
+def set_seam_topk(on: bool) -> None:
+    global SEAM_TOPK
+    SEAM_TOPK = bool(on)
 
 
 class FastPath:
@@ -204,7 +215,7 @@ class FastPath:
                     valid = torch.ones(N, dtype=torch.int8, device=x.device)
                 ids = torch.empty(N, kp, dtype=torch.int32, device=x.device)
                 w = torch.empty(N, kp, dtype=torch.float32, device=x.device)
-                if ROUTE_GROUP_TOKENS <= N <= PAIR_ROWS:  # routed in the seam's launch, each expert read once
+                if SEAM_TOPK and ROUTE_GROUP_TOKENS <= N <= PAIR_ROWS:  # routed in the seam, experts read once
                     route = SeamRoute(mlp.top_k, mlp.norm_topk, mlp.shared_folded, valid, ids, w)
                     x, h, _ = add_rms_norm_router(x, mix, post, eps, zc, mlp.router_w, route=route)
                     return x, run_experts(h, mlp.gate_up, mlp.down, ids, w, group_blocks(ids))

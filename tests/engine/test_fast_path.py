@@ -39,7 +39,10 @@ def prompt(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def test_batched_prefill_then_decode_matches_eager(pair):
+@pytest.mark.parametrize("seam", [False, True])
+def test_batched_prefill_then_decode_matches_eager(pair, seam, monkeypatch):
+    """seam: a decode step of 2 tokens routes each row in the add+norm+router launch (fast.SEAM_TOPK)."""
+    monkeypatch.setattr("engine.models.fast.SEAM_TOPK", seam)
     eager, fast = pair
     a, b = prompt(13, 1), prompt(7, 2)
     se = [eager.new_state(), eager.new_state()]

@@ -78,6 +78,26 @@ def test_graph_replay_equals_direct_launch(demo_ckpt):
     assert graphed.decode_steps.replays > 0 and direct.decode_steps.replays == 0
 
 
+def test_seam_topk_equals_the_routing_launch(demo_ckpt, monkeypatch):
+    """Decode steps of 2-16 tokens routed in the add+norm+router launch (fast.SEAM_TOPK: its programs hand a
+    row's logits to the one that finishes it) give what route_topk's own launch gives, bit for bit, graphed."""
+    out = {}
+    for seam in (False, True):
+        monkeypatch.setattr("engine.models.fast.SEAM_TOPK", seam)
+        model = load_model(demo_ckpt, device="cuda", dtype="bfloat16")
+        model.enable_fast(slots=8, capacity=256, graphs=True)
+        reqs = prompts(5, 20, model.config.vocab_size, seed=3)
+        states = [model.new_state() for _ in reqs]
+        model.forward([(torch.tensor(p), s) for p, s in zip(reqs, states)])
+        logits = [torch.cat(model.forward([(torch.tensor([11 + step + i]), s) for i, s in enumerate(states)]))
+                  for step in range(3)]
+        for s in states:
+            s.release()
+        out[seam] = logits, greedy_through_core(model, reqs, 24)
+    assert all(torch.equal(a, b) for a, b in zip(out[False][0], out[True][0]))
+    assert out[False][1] == out[True][1]
+
+
 def test_bf16_fast_no_less_accurate_than_eager(demo_ckpt):
     """Against fp32, the bf16 fast path (fp32 sums and norms inside its kernels) errs no more than bf16 eager."""
     ids = prompts(1, 300, 8192, seed=2)[0]
