@@ -277,19 +277,22 @@ def choose_backend(*, dense: bool, pool_bytes: int, free_bytes: int, profile: di
 
 def slots_from_spec(spec: str | int | None, *, total_experts: int, expert_bytes: int,
                     free_bytes: int) -> int:
-    """Slot count from `--moe-slots N`, `N%` of all experts, or None (all the memory left, capped)."""
+    """Slot count from `--moe-slots N`, `N%` of all experts (at least one slot), or None (all the memory left,
+    capped)."""
     if spec is None:
         n = free_bytes // expert_bytes
+        if n < 1:
+            raise ValueError(f"the expert cache needs at least 1 slot ({expert_bytes} bytes each) and the device has "
+                             f"{free_bytes} bytes left: free device memory or lower the KV budget")
     elif isinstance(spec, str) and spec.endswith("%"):
         pct = float(spec[:-1])
         if not 0 < pct <= 100:
             raise ValueError(f"--moe-slots percentage must be in (0, 100], got {spec}")
-        n = int(round(total_experts * pct / 100))
+        n = max(1, int(round(total_experts * pct / 100)))
     else:
         n = int(spec)
-    if n < 1:
-        raise ValueError(f"the expert cache needs at least 1 slot ({expert_bytes} bytes each); "
-                         f"got {n}: free device memory or lower the KV budget")
+        if n < 1:
+            raise ValueError(f"--moe-slots needs at least 1 slot, got {spec} (or give a share of the experts: 37.5%)")
     return min(n, total_experts)
 
 

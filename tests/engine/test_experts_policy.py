@@ -71,8 +71,11 @@ def test_slots_from_spec():
     assert slots_from_spec(5000, **kw) == 1000
     with pytest.raises(ValueError):
         slots_from_spec("0%", **kw)
-    with pytest.raises(ValueError, match="at least 1 slot"):
+    with pytest.raises(ValueError, match="at least 1 slot.*free device memory"):
         slots_from_spec(None, total_experts=10, expert_bytes=1 << 30, free_bytes=1)
+    assert slots_from_spec("1%", total_experts=10, expert_bytes=1, free_bytes=0) == 1  # a share: one slot at least
+    with pytest.raises(ValueError, match=r"--moe-slots needs at least 1 slot, got 0 \(or give a share"):
+        slots_from_spec(0, **kw)
 
 
 def test_prefill_choice_by_predicted_bytes():
