@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.devices import device_arg
 from engine.serving import EngineCore
 
 log = logging.getLogger("killick.engine")
@@ -65,7 +66,7 @@ class EngineOptions:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    g.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N] (default cpu)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-running", type=int, default=4, help="requests decoded together (default 4)")
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more answer 429")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from engine.devices import device_arg
+
 DEFAULT_SHAPE = "qwen3.6-35b-a3b"
 
 
@@ -25,7 +27,7 @@ def add_bw_arguments(ap: argparse.ArgumentParser) -> None:
 def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--synthetic", default=DEFAULT_SHAPE, help="model shape of the synthetic expert pool")
     ap.add_argument("--small", action="store_true", help="scaled-down shape for a CPU smoke test")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--slots", default="37%", help="slot count or percentage of all experts")
     ap.add_argument("--threads", default="6",
                     help="CPU threads for the CPU expert path; a list (6,16) repeats the cpu/hybrid runs")
@@ -62,7 +64,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-zipf", type=float, default=None,
                    help="synthetic model only: routers skewed so expert popularity follows a Zipf law of this "
                         "exponent (the weights `llama_cpp.sh --router-zipf` converts; default: off)")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--batches", default="1,4,8", help="decode batch sizes (default 1,4,8)")
     p.add_argument("--steps", type=_at_least(1), default=64, help="timed decode steps per batch size (default 64)")
@@ -178,7 +180,7 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU expert memory as fractions of all experts (default 0.25,0.37,0.5)")
     p.add_argument("--tokens", type=int, default=1024, help="random tokens routed (default 1024)")
     p.add_argument("--warmup", type=int, default=256, help="tokens before hit rates are counted (default 256)")
-    p.add_argument("--device", default="cpu", help="where the model runs (default cpu)")
+    p.add_argument("--device", type=device_arg, default="cpu", help="where the model runs (default cpu)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--seed", type=int, default=0, help="weights seed; the token stream uses seed + 1")
     p.add_argument("--half-life", type=float, default=256.0,

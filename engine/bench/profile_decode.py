@@ -32,6 +32,7 @@ from collections import defaultdict
 import torch
 
 from engine.bench.report import print_buckets, print_split
+from engine.devices import device_arg
 from engine.bench.syncs import SyncSites
 from engine.bench.traffic import ExpertTraffic
 
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--synthetic", default="qwen3.6-35b-a3b", help="synthetic size (default %(default)s)")
-    p.add_argument("--device", default="cuda", help="cuda (a CPU run only checks the script)")
+    p.add_argument("--device", type=device_arg, default="cuda", help="cuda (a CPU run only checks the script)")
     p.add_argument("--moe-backend", choices=("fused", "offload", "cpu", "hybrid"), default="fused")
     p.add_argument("--moe-slots", default="37.5%", help="device expert slots with an expert cache (N or P%%)")
     p.add_argument("--prefill", type=int, default=0,

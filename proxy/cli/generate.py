@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.devices import device_arg
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: the demo model)")
@@ -14,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 

@@ -96,3 +96,17 @@ def test_every_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as done:
         build_parser(only=command).parse_args([command, "--help"])
     assert done.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_a_device_this_torch_cannot_use_is_refused_before_any_model_loads():
+    """--device is checked where it is parsed: argparse's usage, then one line naming the flag and the fix."""
+    import torch
+
+    cases = [("serve", "--device", "tpu"), ("bench", "model", "--device", "gpu0")]
+    if not torch.cuda.is_available():
+        cases.append(("generate", "--prompt", "x", "--device", "cuda"))
+    for argv in cases:
+        result = killick(*argv)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert "argument --device" in last and ("expected cpu, cuda or cuda:N" in last or "use --device cpu" in last)
