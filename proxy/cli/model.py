@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,9 +17,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--router-zipf", type=float, default=None, metavar="A",
                    help="skew the routers so expert popularity follows a Zipf law of exponent A (default: off)")
     s.add_argument("--no-tokenizer", action="store_true", help="do not copy the shipped tokenizer")
+    s.add_argument("--force", action="store_true",
+                   help="write into OUT though it holds files (a checkpoint there is overwritten)")
 
 
 def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file: give a new or empty directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not args.force:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ValueError(f"{out} is not empty ({shown}): give a new or empty directory, or --force to write over "
+                         "what is there")
     from engine.demo import SHIPPED_TOKENIZER
     from engine.synth import synth_checkpoint
 

@@ -77,6 +77,11 @@ def test_synth_then_generate_prints_a_completion(tmp_path):
     gen = killick("generate", "--model", str(tmp_path / "m"), "--prompt", "hello", "--max-tokens", "5")
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.strip() != ""
+    # a directory that holds files (a real checkpoint, say) is not written over unless asked
+    before = (tmp_path / "m" / "config.json").read_bytes()
+    assert_user_error(killick("model", "synth", str(tmp_path / "m"), "--seed", "2"), "not empty", "--force")
+    assert (tmp_path / "m" / "config.json").read_bytes() == before
+    assert killick("model", "synth", str(tmp_path / "m"), "--seed", "2", "--force").returncode == 0
 
 
 def test_generate_uses_the_demo_model_by_default(tmp_path):
