@@ -214,11 +214,11 @@ def bench_prefill(core, draw, args, seed: int, cache: ExpertTraffic) -> PrefillR
     extends of it."""
     warm = draw(args.prefill, seed)
     run_requests(core, [warm], 1)  # warm-up at the same size...
-    # ...and two extends after it: the paths an extend takes (routed layer calls; the hybrid split explores each
-    # arm three times before it trusts its rates, a layer call each) warm up too, not in the timed extends
+    # ...and two extends of it, each as long as a timed one (the context holds one): the paths an extend takes
+    # (routed layer calls; the hybrid split explores each arm three times before it trusts its rates, a layer
+    # call each) warm up too, not in the timed extends
     for i in range(2):
-        warm = warm + draw(args.extend, seed + 50 + i)
-        run_requests(core, [warm], 1)
+        run_requests(core, [warm + draw(args.extend, seed + 50 + i)], 1)
     times = []
     for i in range(max(1, args.prefill_runs)):  # one run alone varied by 25% between machines (H200 box)
         before = cache.mark()

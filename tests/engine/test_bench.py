@@ -180,16 +180,17 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
 
 def test_bench_model_says_what_each_extend_did(tmp_path, capsys):
     """Several timed extends of one process: each run's TTFT with its fills, CPU runs and copies ahead and, with
-    hybrid, the split's choices and explorations in that extend; the last run's counters are the row's."""
+    hybrid, the split's choices and explorations in that extend; the last run's counters are the row's. An
+    extend as long as the prompt: the warm-up extends too fit the context the run sizes for one."""
     from engine.bench import model as bench_model
 
     out = tmp_path / "ext.json"
     assert bench_model.main(["--synthetic", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1",
-                             "--steps", "2", "--warmup", "1", "--prompt", "8", "--prefill", "128", "--extend", "16",
+                             "--steps", "2", "--warmup", "1", "--prompt", "8", "--prefill", "64", "--extend", "64",
                              "--extend-runs", "3", "--moe-backend", "hybrid", "--moe-slots", "50%",
                              "--prefill-stream", "off", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    ext = next(r for r in res["rows"] if r["name"] == "extend_16")
+    ext = next(r for r in res["rows"] if r["name"] == "extend_64")
     runs = ext["extend_runs"]
     assert [r["ms"] for r in runs] == pytest.approx(ext["runs_ms"]) and len(runs) == 3
     assert {k: runs[-1][k] for k in ("fills", "cpu_runs", "ahead")} == \
@@ -198,7 +199,7 @@ def test_bench_model_says_what_each_extend_did(tmp_path, capsys):
         assert set(r["arms"]) == {"split", "fill", "cpu"} and 0 <= r["explored"] <= sum(r["arms"].values())
         assert r["fills"] + r["cpu_runs"] > 0 and sum(r["arms"].values()) > 0
     assert sum(sum(r["arms"].values()) for r in runs) <= sum(res["split"]["arms"].values())
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("extend_16 runs: "))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("extend_64 runs: "))
     assert line.count(" ms: ") == 3 and "split/fill/cpu" in line and "explored" in line
 
 
