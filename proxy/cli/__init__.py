@@ -2,7 +2,9 @@
 
 Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; it is imported only when that
 subcommand runs (so `killick --help` and the proxy never import torch needlessly). A user mistake
-(ValueError, FileNotFoundError) prints one line naming what is wrong and exits 2 - no traceback.
+(ValueError, a path that is missing, in the way or not writable) prints one line naming what is wrong and exits
+2 - no traceback. Where results are written only after minutes of work, check_output() refuses a path they
+cannot go to before the work starts.
 """
 from __future__ import annotations
 
@@ -69,9 +71,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(mod.run(args) or 0)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
+    except (ValueError, FileNotFoundError, NotADirectoryError, FileExistsError, IsADirectoryError,
+            PermissionError) as exc:
         print(f"killick {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
 
+
+
+def check_output(path, flag: str, directory: bool = False) -> None:
+    """ValueError naming `flag` unless results can be written to `path` (a file, or a directory when
+    `directory`): it is not the other kind, and its nearest existing ancestor is a directory this user may
+    write into (the rest is created then)."""
+    import os
+    from pathlib import Path
+
+    target = Path(path)
+    if target.exists():
+        if target.is_dir() != directory:
+            raise ValueError(f"{flag} {path}: is a {'file' if directory else 'directory'}; give "
+                             f"{'a directory' if directory else 'a file name'}")
+        if not os.access(target, os.W_OK):
+            raise ValueError(f"{flag} {path}: this user may not write to it")
+        return
+    above = target.parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir() or not os.access(above, os.W_OK):
+        raise ValueError(f"{flag} {path}: cannot write there ({above} is not a directory this user may write to)")

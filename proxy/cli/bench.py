@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from engine.bench.args import add_bw_arguments, add_decode_arguments, add_model_arguments, add_routing_arguments
+from proxy.cli import check_output
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "json", None):
+        check_output(args.json, "--json")
     if args.bench_command == "bw":
         from engine.bench import bw
 

@@ -12,6 +12,8 @@ import argparse
 import time
 from pathlib import Path
 
+from proxy.cli import check_output
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sessions"
 DEFAULT_RECORDING = FIXTURES / "mini-swe-agent.jsonl.gz"
 
@@ -30,8 +32,12 @@ def run(args: argparse.Namespace) -> int:
     from proxy.replay import report as replay_report
     from proxy.cli.replay import MODES, pick_modes, report, run_modes
 
+    check_output(args.out, "--out", directory=True)
     modes = pick_modes(args.modes, MODES)
     entries = replay_log.load([args.recording])
+    if not entries:
+        raise ValueError(f"--recording {args.recording}: holds no API requests (POST /v1/messages, "
+                         "/v1/chat/completions, /v1/responses)")
     print(f"killick demo: replaying {len(entries)} requests of {Path(args.recording).name} on "
           f"{args.model or 'the demo model'}, modes {', '.join(modes)} (CPU; a few minutes)", flush=True)
     start = time.perf_counter()

@@ -24,6 +24,8 @@ import dataclasses
 import time
 from pathlib import Path
 
+from proxy.cli import check_output
+
 MODES = ("off", "prefix", "anchors")
 
 
@@ -61,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     from proxy.replay import log as replay_log
     from proxy.replay import report as replay_report
 
+    for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
+        if path:
+            check_output(path, flag)
     entries = replay_log.load(args.recordings)
     if args.turns is not None:
         entries = replay_log.first_turns(entries, args.turns)

@@ -115,3 +115,16 @@ def test_a_device_this_torch_cannot_use_is_refused_before_any_model_loads():
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         last = result.stderr.strip().splitlines()[-1]
         assert "argument --device" in last and ("expected cpu, cuda or cuda:N" in last or "use --device cpu" in last)
+
+
+def test_a_path_results_cannot_go_to_is_refused_before_the_work(tmp_path):
+    """demo, replay and bench write after minutes of work: a path in the way is one line at the start."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    (tmp_path / "empty.jsonl").write_text("")
+    recording = str(Path(__file__).resolve().parents[3] / "fixtures" / "sessions" / "mini-swe-agent.jsonl.gz")
+    assert_user_error(killick("demo", "--out", str(blocker)), "--out", "is a file")
+    assert_user_error(killick("replay", recording, "--json", str(blocker / "x.json")), "--json", "cannot write")
+    assert_user_error(killick("replay", recording, "--plot", str(tmp_path)), "--plot", "is a directory")
+    assert_user_error(killick("bench", "routing", "--json", str(tmp_path)), "--json", "is a directory")
+    assert_user_error(killick("demo", "--recording", str(tmp_path / "empty.jsonl")), "holds no API requests")
