@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.devices import device_arg
+from engine.flags import device_arg, moe_slots_arg
 from engine.serving import EngineCore
 
 log = logging.getLogger("killick.engine")
@@ -95,9 +95,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="CUDA: read each decode step's tokens before the next step is queued (for comparisons; by "
                         "default the next step starts from the tokens still on the device, so the host's work "
                         "between steps runs while the device computes)")
-    g.add_argument("--moe-slots", metavar="N|P%",
-                   help="device expert slots for offload/cpu/hybrid: a count or a percentage of all experts (default: "
-                        "the device memory left after the state slots and a prefill step's room)")
+    g.add_argument("--moe-slots", type=moe_slots_arg, metavar="N|P%",
+                   help="device expert slots for offload/cpu/hybrid (and auto: then an expert cache of that size): a "
+                        "count or a percentage of all experts (default: the device memory left after the state "
+                        "slots and a prefill step's room)")
     g.add_argument("--slot-policy", default="lfu", choices=["lfu", "lru"],
                    help="which cached expert a fill evicts: lfu, the least used lately (uses halve in weight every "
                         "256 tokens), or lru, the least recently used (default lfu: at batch 1 the layers cycle and "
@@ -299,7 +300,7 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     import torch
 
     from engine.config import load_config
-    from engine.experts.registry import experts_factory, resolve
+    from engine.experts.registry import experts_factory, resolve, warn_unused_slots
 
     from engine.experts.profile import load_profile
     from engine.experts.block_layout import ExpertLayout
@@ -314,8 +315,10 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
     # `killick bench bw` on this machine says whether CPU execution pays (auto -> hybrid); none: offload
     threads = expert_threads(opts, device)
     profile = load_profile(layout, dtype, threads)
-    name = resolve(opts.moe_backend, dense=moe_layers == 0, pool_bytes=pool_bytes, free_bytes=free, profile=profile)
+    name = resolve(opts.moe_backend, dense=moe_layers == 0, pool_bytes=pool_bytes, free_bytes=free, profile=profile,
+                   slots=opts.moe_slots, expert_bytes=layout.nbytes)
     if name == "fused":
+        warn_unused_slots(opts.moe_backend, opts.moe_slots)
         return {}
     progress = _pool_progress if pool_bytes > 1 << 30 else None  # a 64 GB pool takes a minute or more
     reserve = device_reserve(cfg, opts, device, context, dtype.itemsize)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.devices import device_arg
+from engine.flags import device_arg, moe_slots_arg
 
 DEFAULT_SHAPE = "qwen3.6-35b-a3b"
 
@@ -97,8 +97,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-backend", default="fused", choices=["fused", "offload", "cpu", "hybrid"],
                    help="where routed experts run (default fused: all on the device); the others keep the experts "
                         "in a host-RAM pool with --moe-slots of them cached on the device, as serve does")
-    p.add_argument("--moe-slots", metavar="N|P%", help="device expert slots for offload/cpu/hybrid (default: "
-                                                      "the memory left)")
+    p.add_argument("--moe-slots", type=moe_slots_arg, metavar="N|P%",
+                   help="device expert slots for offload/cpu/hybrid (default: the memory left)")
     p.add_argument("--max-prefill-tokens", type=int,
                    help="prompt tokens per step (default as serve: the whole context with an expert cache)")
     p.add_argument("--prefill-stream", default="auto", choices=["auto", "on", "off"],

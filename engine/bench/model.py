@@ -285,7 +285,7 @@ def run(args) -> dict:
     if args.text_prompts and not args.model:
         raise ValueError("--text-prompts tokenizes text with a checkpoint's tokenizer: give --model DIR")
     if args.device is None:
-        from engine.devices import default_device
+        from engine.flags import default_device
 
         args.device = default_device()
     from engine.kernels.deltanet_triton import set_rule_tiles

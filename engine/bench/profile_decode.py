@@ -32,7 +32,7 @@ from collections import defaultdict
 import torch
 
 from engine.bench.report import print_buckets, print_split
-from engine.devices import device_arg
+from engine.flags import device_arg, moe_slots_arg
 from engine.bench.syncs import SyncSites
 from engine.bench.traffic import ExpertTraffic
 
@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--synthetic", default="qwen3.6-35b-a3b", help="synthetic size (default %(default)s)")
     p.add_argument("--device", type=device_arg, default="cuda", help="cuda (a CPU run only checks the script)")
     p.add_argument("--moe-backend", choices=("fused", "offload", "cpu", "hybrid"), default="fused")
-    p.add_argument("--moe-slots", default="37.5%", help="device expert slots with an expert cache (N or P%%)")
+    p.add_argument("--moe-slots", type=moe_slots_arg, default="37.5%",
+                   help="device expert slots with an expert cache (N or P%%)")
     p.add_argument("--prefill", type=int, default=0,
                    help="also profile one prompt of this many tokens, layer-major in --piece-tokens pieces")
     p.add_argument("--piece-tokens", type=int, default=2048)

@@ -275,6 +275,20 @@ def choose_backend(*, dense: bool, pool_bytes: int, free_bytes: int, profile: di
     return "offload"
 
 
+def slots_spec(text: str) -> str:
+    """`--moe-slots` as given, checked: a count of at least 1 or a percentage in (0, 100] (ValueError naming the
+    flag and the forms it takes)."""
+    body = text[:-1] if text.endswith("%") else text
+    try:
+        value = float(body) if text.endswith("%") else int(body)
+    except ValueError:
+        value = None
+    if value is None or (text.endswith("%") and not 0 < value <= 100) or (not text.endswith("%") and value < 1):
+        raise ValueError(f"--moe-slots takes a count of at least 1 or a share of the experts in (0, 100]% "
+                         f"(e.g. 37.5%), got {text!r}")
+    return text
+
+
 def slots_from_spec(spec: str | int | None, *, total_experts: int, expert_bytes: int,
                     free_bytes: int) -> int:
     """Slot count from `--moe-slots N`, `N%` of all experts (at least one slot), or None (all the memory left,

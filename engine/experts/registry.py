@@ -6,8 +6,11 @@ a slot count; `fused` is the model's reference backend (engine/experts/fused.py,
 from __future__ import annotations
 
 import importlib
+import logging
 
 from engine.experts.policy import choose_backend, slots_from_spec
+
+log = logging.getLogger("killick.engine")
 
 _SLOT_BACKENDS = {
     "offload": ("engine.experts.offload", "OffloadBackend"),
@@ -17,13 +20,27 @@ _SLOT_BACKENDS = {
 NAMES = ("fused", *_SLOT_BACKENDS, "auto")
 
 
-def resolve(name: str, *, dense: bool, pool_bytes: int, free_bytes: int, profile: dict | None) -> str:
-    """The concrete backend for `name` ('auto' decided here, see policy.choose_backend)."""
+def resolve(name: str, *, dense: bool, pool_bytes: int, free_bytes: int, profile: dict | None,
+            slots: str | None = None, expert_bytes: int = 0) -> str:
+    """The concrete backend for `name` ('auto' decided here, see policy.choose_backend). With `--moe-slots`
+    (slots, and expert_bytes to count them) auto judges whether the experts fit against the slots asked for:
+    a cap on the device's experts is an expert cache of that size."""
     if name not in NAMES:
         raise ValueError(f"unknown --moe-backend {name!r}; choose one of {', '.join(NAMES)}")
     if name != "auto":
         return name
+    if slots is not None and expert_bytes and not dense:
+        n = slots_from_spec(slots, total_experts=pool_bytes // expert_bytes, expert_bytes=expert_bytes,
+                            free_bytes=free_bytes)
+        free_bytes = min(free_bytes, n * expert_bytes)
     return choose_backend(dense=dense, pool_bytes=pool_bytes, free_bytes=free_bytes, profile=profile)
+
+
+def warn_unused_slots(name: str, slots: str | None) -> None:
+    """`--moe-backend fused --moe-slots ...`: said once, not silently dropped."""
+    if name == "fused" and slots is not None:
+        log.warning("--moe-slots %s left unused: --moe-backend fused keeps every expert on the device (offload, "
+                    "cpu, hybrid or auto take slots)", slots)
 
 
 def is_expert_cache(backend) -> bool:
@@ -72,10 +89,11 @@ def experts_factory(name: str = "auto", *, device="cpu", slots=None, free_bytes:
                     else total * expert_bytes)
         prof = profile if profile is not None else _machine_profile(source)
         chosen = resolve(name, dense=not source.layers, pool_bytes=total * expert_bytes, free_bytes=free,
-                         profile=prof)
+                         profile=prof, slots=slots, expert_bytes=expert_bytes)
         if chosen == "fused":
             from engine.experts.fused import FusedExperts
 
+            warn_unused_slots(name, slots)
             return FusedExperts(source)
         from engine.experts.host_pool import pool_from_source
         from engine.experts.policy import BandwidthEstimate

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.devices import device_arg
+from engine.flags import device_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

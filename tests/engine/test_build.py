@@ -20,6 +20,19 @@ def test_backend_choice_never_changes_greedy_output(checkpoints, engine_for, bac
     assert out == engine_for("qwen3_5_moe").generate(prompt, max_new_tokens=8)
 
 
+def test_auto_with_slots_asked_for_is_an_expert_cache_of_that_size(checkpoints, caplog):
+    """--moe-slots caps the device's experts: auto judges whether they fit against the cap (every expert fits on
+    this device, so without it auto is fused); fused with --moe-slots says the slots go unused."""
+    path = checkpoints["qwen3_5_moe", "fused"]
+    experts = build_core(path, EngineOptions(moe_slots="25%")).runner.model.experts
+    assert type(experts).__name__ in ("OffloadBackend", "HybridBackend")
+    assert experts.cache.num_slots == round(0.25 * len(experts.pool.layers) * experts.pool.num_experts)
+    assert type(build_core(path, EngineOptions(moe_slots="100%")).runner.model.experts).__name__ == "FusedExperts"
+    with caplog.at_level("WARNING", logger="killick.engine"):
+        build_core(path, EngineOptions(moe_backend="fused", moe_slots="25%"))
+    assert "--moe-slots 25% left unused" in caplog.text
+
+
 def test_bad_options_are_value_errors():
     with pytest.raises(ValueError, match="--max-running"):
         EngineOptions(max_running=0)

@@ -103,18 +103,23 @@ def test_every_subcommand_has_help(command, capsys):
     assert done.value.code == 0 and "usage:" in capsys.readouterr().out
 
 
-def test_a_device_this_torch_cannot_use_is_refused_before_any_model_loads():
-    """--device is checked where it is parsed: argparse's usage, then one line naming the flag and the fix."""
+def test_a_device_or_slots_that_cannot_work_are_refused_before_any_model_loads():
+    """--device and --moe-slots are checked where they are parsed: argparse's usage, then one line naming the flag
+    and what it takes."""
     import torch
 
     cases = [("serve", "--device", "tpu"), ("bench", "model", "--device", "gpu0")]
     if not torch.cuda.is_available():
         cases.append(("generate", "--prompt", "x", "--device", "cuda"))
+    cases += [("serve", "--moe-slots", "abc"), ("serve", "--moe-slots", "150%"), ("bench", "model", "--moe-slots", "0")]
     for argv in cases:
         result = killick(*argv)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         last = result.stderr.strip().splitlines()[-1]
-        assert "argument --device" in last and ("expected cpu, cuda or cuda:N" in last or "use --device cpu" in last)
+        if "--device" in argv:
+            assert "argument --device" in last and ("expected cpu, cuda" in last or "use --device cpu" in last)
+        else:
+            assert "argument --moe-slots" in last and "a count of at least 1 or a share" in last
 
 
 def test_a_path_results_cannot_go_to_is_refused_before_the_work(tmp_path):

@@ -1,5 +1,5 @@
-"""The `--device` flag, checked where it is parsed: a device this torch cannot use is one usage line naming
-what is missing, before any model loads (torch is imported only when a value is checked)."""
+"""Flags the engine's commands share, checked where they are parsed: a value that cannot work is one usage line
+naming the flag and what it takes, before any model loads (torch is imported only when a device is checked)."""
 from __future__ import annotations
 
 import argparse
@@ -31,3 +31,13 @@ def default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def moe_slots_arg(text: str) -> str:
+    """An argparse type: `--moe-slots` N (at least 1) or P% (in (0, 100])."""
+    from engine.experts.policy import slots_spec
+
+    try:
+        return slots_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
