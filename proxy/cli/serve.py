@@ -22,11 +22,14 @@ import argparse
 import asyncio
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
 import socket
 
 from aiohttp import web
+
+from proxy.cli import check_output
 
 log = logging.getLogger("killick.proxy")
 MAX_HEADER = 1 << 20  # x-killick-force-response carries a whole recorded reply
@@ -41,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: demo model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8421)
+    parser.add_argument("--port", type=port_arg, default=8421, help="TCP port (default 8421)")
     parser.add_argument("--api-key", metavar="KEY", help="require this key (Bearer or x-api-key) on every route "
                                                          f"but /health (default: ${KEY_ENV}, which ps does not show)")
     parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
@@ -94,6 +97,8 @@ def load_script(path: str | None, pairs: list[str]):
     bad = [p for p in pairs if "=" not in p]
     if bad:
         raise ValueError(f"--script-var takes K=V, got {bad[0]!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"--script {path}: no such file (a JSON or YAML script, fixtures/sessions/script.json)")
     return Script.load(path, **dict(p.split("=", 1) for p in pairs))
 
 
@@ -124,13 +129,17 @@ def build_app(args: argparse.Namespace) -> web.Application:
     opts = options_from_args(args)
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
-    core = build_core(model_dir, opts)
     model_name = args.model_name or model_dir.name
+    # what the flags name (rules, script, recording folder) is read before the model loads: a mistake there is
+    # an error in seconds, not after minutes of loading
     planner = make_planner(args.cache_policy, load_registry(args.harness_rules), args.prompt_layout, model_name)
+    replies = reply_source(args)
+    recorder = Recorder(args.record) if args.record is not None else None
+    core = build_core(model_dir, opts)
     return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=model_name,
-                      api_key=api_key(args), keepalive_s=args.keepalive, planner=planner,
-                      replies=reply_source(args), observer=Recorder(args.record) if args.record is not None else None,
-                      access_log=not args.quiet, sites=Sites.for_bind(args.host, args.allow_origin, args.allow_host))
+                      api_key=api_key(args), keepalive_s=args.keepalive, planner=planner, replies=replies,
+                      observer=recorder, access_log=not args.quiet,
+                      sites=Sites.for_bind(args.host, args.allow_origin, args.allow_host))
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -138,21 +147,43 @@ def api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get(KEY_ENV) or None
 
 
+def port_arg(text: str) -> int:
+    """An argparse type: a TCP port, 1-65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {text!r}")
+    return port
+
+
 def check_port(host: str, port: int) -> None:
-    """Fail before the model loads (seconds to minutes) when the address is taken."""
+    """Fail before the model loads (seconds to minutes) when the address is taken or not this machine's."""
     try:
         socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
     except OSError as exc:
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; another server (killick "
-                         f"serve?) may hold it - stop it or pass --port N") from None
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}; another server (killick serve?) "
+                             "holds it - stop it or pass --port N") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; --host takes an address of "
+                         "this machine (127.0.0.1 by default, 0.0.0.0 for every interface)") from None
 
 
 def run(args: argparse.Namespace) -> int:
     from proxy.sites import is_loopback
 
-    if not is_loopback(args.host):
-        log.warning("binding %s: the API is reachable from other machines", args.host)
+    if args.keepalive <= 0:
+        raise ValueError(f"--keepalive must be more than 0 seconds, got {args.keepalive}")
+    if args.record is not None:
+        check_output(args.record, "--record", directory=True)
     check_port(args.host, args.port)
+    if not is_loopback(args.host):
+        if api_key(args):
+            log.warning("binding %s: the API is reachable from other machines, with the API key", args.host)
+        else:
+            log.warning("binding %s with no API key: anyone who can reach this machine can use the API; pass "
+                        "--api-key KEY (or set $%s)", args.host, KEY_ENV)
     steady_malloc()
     app = build_app(args)
     asyncio.run(_serve(app, args.host, args.port))

@@ -35,6 +35,28 @@ def test_api_key_from_the_environment_and_site_flags(monkeypatch):
     assert all(flag in help_text for flag in ("KILLICK_API_KEY", "--allow-origin", "--allow-host"))
 
 
+def test_a_flag_that_cannot_work_fails_before_the_model_loads(tmp_path):
+    """Each is one line on stderr and exit 2, with nothing else printed: no model loaded first (its log lines
+    would come before the error)."""
+    from test_cli import assert_user_error, killick
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    for argv, needle in ((["--keepalive", "0"], "--keepalive"), (["--record", str(blocker)], "--record"),
+                         (["--script", str(tmp_path / "none.json")], "--script"),
+                         (["--script-var", "novalue", "--script", str(blocker)], "--script-var"),
+                         (["--harness-rules", str(blocker)], "afile"), (["--host", "nosuch.invalid"], "--host")):
+        assert_user_error(killick("serve", "--port", str(_free_port()), *argv), needle)
+    result = killick("serve", "--port", "99999")
+    assert result.returncode == 2 and "expected a TCP port from 1 to 65535" in result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_steady_malloc_leaves_a_users_setting_alone(monkeypatch):
     import ctypes
 
