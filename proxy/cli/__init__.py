@@ -13,6 +13,8 @@ import importlib
 import logging
 import sys
 
+KEY_ENV = "KILLICK_API_KEY"  # the server's --api-key: serve takes it from here, and so do its clients
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("proxy.cli.generate", "complete a prompt with a model (no server)"),

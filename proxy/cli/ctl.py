@@ -3,23 +3,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import urllib.error
 import urllib.request
+
+from proxy.cli import KEY_ENV
 
 DEFAULT_SERVER = "http://127.0.0.1:8421"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", default=DEFAULT_SERVER, help=f"killick server URL (default {DEFAULT_SERVER})")
-    p.add_argument("--api-key", help="the server's --api-key, if it has one")
+    _server_arguments(p, DEFAULT_SERVER, None)
     sub = p.add_subparsers(dest="ctl_command", metavar="ACTION", required=True)
     s = sub.add_parser("stats", help="engine, prefix-cache, expert-cache and per-turn figures")
+    _server_arguments(s, argparse.SUPPRESS, argparse.SUPPRESS)  # before or after the action
     s.add_argument("--json", action="store_true", help="print the raw JSON")
     c = sub.add_parser("cache", help="resize caches at the next safe point (no restart, no reload)")
+    _server_arguments(c, argparse.SUPPRESS, argparse.SUPPRESS)
     c.add_argument("--moe", type=int, metavar="N", help="device expert slots (offload/cpu/hybrid backends)")
     c.add_argument("--kv", type=int, metavar="TOKENS", help="KV budget: tokens one request may hold")
     c.add_argument("--prefix-device-mb", type=int, metavar="MB", help="prefix cache budget on the device")
     c.add_argument("--prefix-host-mb", type=int, metavar="MB", help="prefix cache budget in host RAM")
+
+
+def _server_arguments(p: argparse.ArgumentParser, server, key) -> None:
+    p.add_argument("--server", default=server, help=f"killick server URL (default {DEFAULT_SERVER})")
+    p.add_argument("--api-key", default=key, help=f"the server's --api-key, if it has one (default: ${KEY_ENV})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,16 +47,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _call(args, method: str, path: str, body: dict | None = None) -> dict:
-    req = urllib.request.Request(args.server.rstrip("/") + path, method=method,
+    server = args.server if "://" in args.server else "http://" + args.server
+    req = urllib.request.Request(server.rstrip("/") + path, method=method,
                                  data=json.dumps(body).encode() if body is not None else None,
                                  headers={"Content-Type": "application/json"})
-    if args.api_key:
-        req.add_header("Authorization", f"Bearer {args.api_key}")
+    key = args.api_key or os.environ.get(KEY_ENV)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return json.loads(resp.read())
+    except json.JSONDecodeError:
+        raise ValueError(f"{args.server} answered {path} with something other than JSON: is it a killick "
+                         "server? (pass --server URL)") from None
     except urllib.error.HTTPError as exc:
-        detail = json.loads(exc.read() or b"{}").get("error", {})
+        try:
+            detail = json.loads(exc.read() or b"{}").get("error", {})
+        except (ValueError, AttributeError):  # not a killick error body
+            detail = {}
         message = detail.get("message", exc.reason) if isinstance(detail, dict) else detail
         raise ValueError(f"server refused ({exc.code}): {message}") from None
     except (urllib.error.URLError, OSError) as exc:

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
+from proxy.cli import KEY_ENV  # the server's --api-key travels to the agent in this variable, never in a file
+
 DUMMY_KEY = "sk-killick-local"  # every harness insists on some key; ours never leaves the machine
-KEY_ENV = "KILLICK_API_KEY"  # the server's --api-key travels to the agent in this variable, never in a file
 DEFAULT_WINDOW = 32768  # what a server that does not say its context_length is assumed to take
 
 # Provider credentials and endpoints a harness could fall back to; removed from the child's environment.

@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import time
 from pathlib import Path
 
-from proxy.cli import check_output
+from proxy.cli import KEY_ENV, check_output
 
 MODES = ("off", "prefix", "anchors")
 
@@ -36,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recordings", nargs="+", metavar="FILE", help="JSON lines (.jsonl, .jsonl.gz) or dirs")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", help="replay against this running server instead of an in-process engine")
+    parser.add_argument("--api-key", help=f"with --url: the server's --api-key (default: ${KEY_ENV})")
     where.add_argument("--model", metavar="DIR", help="checkpoint for the in-process engine (default: demo model)")
     parser.add_argument("--mode", choices=(*MODES, "all"), default="anchors")
     parser.add_argument("--json", metavar="OUT", help="write every measurement and the summary here")
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                          "/v1/responses)")
     if args.url:
         by_mode = {"url": asyncio.run(_client(args.url, entries, args.unforced_max_tokens, args.stream,
-                                              args.concurrent))}
+                                              args.concurrent, args.api_key or os.environ.get(KEY_ENV)))}
     else:
         from engine.build import options_from_args
 
@@ -106,10 +108,11 @@ def report(by_mode: dict, quiet: bool = False) -> None:
     print(replay_report.summary_text(by_mode))
 
 
-async def _client(url: str, entries, unforced_max_tokens: int, stream: bool, concurrent: bool = False):
+async def _client(url: str, entries, unforced_max_tokens: int, stream: bool, concurrent: bool = False,
+                  api_key: str | None = None):
     from proxy.replay.client import replay
 
-    return await replay(url, entries, unforced_max_tokens, stream=stream, concurrent=concurrent)
+    return await replay(url, entries, unforced_max_tokens, stream=stream, concurrent=concurrent, api_key=api_key)
 
 
 def context_needed(entries, margin: int = 4096) -> int:

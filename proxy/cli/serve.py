@@ -29,11 +29,10 @@ import socket
 
 from aiohttp import web
 
-from proxy.cli import check_output
+from proxy.cli import KEY_ENV, check_output
 
 log = logging.getLogger("killick.proxy")
 MAX_HEADER = 1 << 20  # x-killick-force-response carries a whole recorded reply
-KEY_ENV = "KILLICK_API_KEY"
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
 
 

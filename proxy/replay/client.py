@@ -167,10 +167,12 @@ class Replayed(list):
 
 
 async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int = 32,
-                 timeout_s: float = 1800.0, stream: bool = False, concurrent: bool = False) -> Replayed:
+                 timeout_s: float = 1800.0, stream: bool = False, concurrent: bool = False,
+                 api_key: str | None = None) -> Replayed:
     """Send every entry in order, one at a time (concurrent: each recorded session's requests in order, all
     sessions side by side from the same moment, like agents started together); turns are numbered per
-    recorded session. A session is (recording file, session key): two recordings may both hold an "anon-1"."""
+    recorded session. A session is (recording file, session key): two recordings may both hold an "anon-1".
+    api_key: the server's --api-key, sent as a bearer token (recordings hold no keys)."""
     turns: dict[tuple[str, str], int] = {}
     numbered = []
     for entry in entries:
@@ -178,7 +180,8 @@ async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int =
         turns[key] = turns.get(key, 0) + 1
         numbered.append((entry, turns[key]))
     results: dict[int, Result] = {}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth) as session:
         async def run(queue: list) -> None:
             for entry, turn in queue:
                 results[entry.index] = await send(session, base_url, entry, turn, unforced_max_tokens, timeout_s,

@@ -7,6 +7,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -49,12 +50,6 @@ def test_a_flag_that_cannot_work_fails_before_the_model_loads(tmp_path):
         assert_user_error(killick("serve", "--port", str(_free_port()), *argv), needle)
     result = killick("serve", "--port", "99999")
     assert result.returncode == 2 and "expected a TCP port from 1 to 65535" in result.stderr
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_steady_malloc_leaves_a_users_setting_alone(monkeypatch):
@@ -112,6 +107,16 @@ def test_serve_process_starts_answers_and_stops(tmp_path_factory):
         assert out.returncode == 0 and "(5 slots)" in out.stdout and "context_length" in out.stdout, out.stderr
         out = subprocess.run([*ctl, "stats", "--json"], capture_output=True, text=True, timeout=60)
         assert json.loads(out.stdout)["context_length"] == 2048
+        # the key from $KILLICK_API_KEY, the server after the action and without its scheme, as serve takes them
+        keyed = {**os.environ, "PYTHONPATH": os.getcwd(), "KILLICK_API_KEY": "k"}
+        out = subprocess.run([sys.executable, "-m", "proxy.cli", "ctl", "stats", "--json", "--server",
+                              f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60, env=keyed)
+        assert out.returncode == 0 and json.loads(out.stdout)["context_length"] == 2048, out.stderr
+        recording = str(Path(__file__).resolve().parents[3] / "fixtures" / "sessions" / "mini-swe-agent.jsonl.gz")
+        out = subprocess.run([sys.executable, "-m", "proxy.cli", "replay", recording, "--url",
+                              f"http://127.0.0.1:{port}", "--limit", "1", "--unforced", "--unforced-max-tokens", "2",
+                              "--quiet"], capture_output=True, text=True, timeout=120, env=keyed)
+        assert out.returncode == 0 and "401" not in out.stdout, out.stdout + out.stderr
         bad = subprocess.run([*ctl, "cache", "--moe", "100000"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "slots" in bad.stderr and "Traceback" not in bad.stderr
         for path, headers, status in (("/nope", {"x-api-key": "k"}, 404), ("/v1/models", {}, 401)):
