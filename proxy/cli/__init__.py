@@ -22,7 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("proxy.cli.demo", "run the main job on the embedded demo model"),
     "model": ("proxy.cli.model", "model utilities: synth (write a seeded random checkpoint)"),
     "ctl": ("proxy.cli.ctl", "control a running server: stats, cache sizes (no restart)"),
-    "bench": ("proxy.cli.bench", "benchmarks: bw (PCIe, CPU expert kernel and host read bandwidth)"),
+    "bench": ("proxy.cli.bench", "benchmarks: bw (bandwidths), decode (expert backends), model (the whole "
+                                 "engine), routing (hit rates), upstream (replicas)"),
     "launch": ("proxy.cli.launch", "run a coding agent (claude, opencode, codex, ...) against the server"),
     "replay": ("proxy.cli.replay", "replay recorded agent requests; TTFT and cache reuse per turn and mode"),
 }

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recording", default=str(DEFAULT_RECORDING), metavar="FILE",
                         help="a recording to replay (default: the bundled mini-swe-agent session)")
     parser.add_argument("--out", default="out", metavar="DIR", help="where the PNG and JSON go (default ./out)")
-    parser.add_argument("--modes", default="off,anchors", help="comma-separated: off, prefix, anchors")
+    parser.add_argument("--modes", default="off,anchors", help="comma-separated: off, prefix, anchors (default off,anchors)")
     parser.add_argument("--model", metavar="DIR", help="checkpoint (default: the demo model)")
 
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--recording {args.recording}: holds no API requests (POST /v1/messages, "
                          "/v1/chat/completions, /v1/responses)")
     print(f"killick demo: replaying {len(entries)} requests of {Path(args.recording).name} on "
-          f"{args.model or 'the demo model'}, modes {', '.join(modes)} (CPU; a few minutes)", flush=True)
+          f"{args.model or 'the demo model'}, modes {', '.join(modes)} (CPU)", flush=True)
     start = time.perf_counter()
     # mini-swe-agent does not stream: send as streams so TTFT is the first token, not the whole answer
     by_mode = run_modes(entries, args.model, modes, EngineOptions(max_step_tokens=2048), stream=True)
