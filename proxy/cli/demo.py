@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recording", default=str(DEFAULT_RECORDING), metavar="FILE",
                         help="a recording to replay (default: the bundled mini-swe-agent session)")
     parser.add_argument("--out", default="out", metavar="DIR", help="where the PNG and JSON go (default ./out)")
-    parser.add_argument("--modes", default="off,anchors", help="comma-separated: off, prefix, anchors (default off,anchors)")
+    parser.add_argument("--modes", default="off,anchors",
+                        help="comma-separated: off, prefix, anchors (default off,anchors)")
     parser.add_argument("--model", metavar="DIR", help="checkpoint (default: the demo model)")
 
 
