@@ -192,6 +192,13 @@ def run_args(args: argparse.Namespace) -> int:
     args = split_decode_lists(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = get_shape(args.synthetic, scale_down=args.small)
+    from engine.cache.tiers import default_host_budget
+
+    free = default_host_budget(1.0)
+    if shape.pool_bytes > 0.9 * free:
+        raise ValueError(f"the {shape.name} expert pool takes {shape.pool_bytes / 1e9:.1f} GB of host RAM and "
+                         f"{free / 1e9:.1f} GB is available: pass --small (a scaled-down shape), or run on a "
+                         "larger machine")
     log(f"building {shape.name} pool: {shape.pool_bytes / 1e9:.1f} GB")
     t0 = time.perf_counter()
     pool = synthetic_pool(shape, device=device, progress=lambda p: log("  " + p.line()))

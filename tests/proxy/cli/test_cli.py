@@ -133,3 +133,13 @@ def test_a_path_results_cannot_go_to_is_refused_before_the_work(tmp_path):
     assert_user_error(killick("replay", recording, "--plot", str(tmp_path)), "--plot", "is a directory")
     assert_user_error(killick("bench", "routing", "--json", str(tmp_path)), "--json", "is a directory")
     assert_user_error(killick("demo", "--recording", str(tmp_path / "empty.jsonl")), "holds no API requests")
+
+
+def test_bench_decode_refuses_a_pool_larger_than_the_memory_left():
+    """The full shape's 64 GB pool on a smaller machine: one line naming --small, not the OOM killer."""
+    from engine.experts.synthetic import get_shape
+    from engine.cache.tiers import default_host_budget
+
+    if get_shape("qwen3.6-35b-a3b").pool_bytes <= 0.9 * default_host_budget(1.0):
+        pytest.skip("this machine holds the full pool")
+    assert_user_error(killick("bench", "decode", "--device", "cpu"), "GB of host RAM", "--small")
