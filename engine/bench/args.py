@@ -14,13 +14,14 @@ DEFAULT_SHAPE = "qwen3.6-35b-a3b"
 def add_bw_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--synthetic", default=DEFAULT_SHAPE, help="expert format (shape and dtype) to measure")
     ap.add_argument("--small", action="store_true", help="scaled-down shape: a seconds-long smoke run")
-    ap.add_argument("--threads", default=None, help="comma-separated CPU thread counts (default 1..cores)")
-    ap.add_argument("--experts", type=int, default=256,
+    ap.add_argument("--threads", type=_counts, default=None,
+                    help="comma-separated CPU thread counts (default 1..cores)")
+    ap.add_argument("--experts", type=_at_least(1), default=256,
                     help="expert blocks in the pool B_H draws 8 a call from (default 256: one layer)")
-    ap.add_argument("--stream-mib", type=int, default=1024,
+    ap.add_argument("--stream-mib", type=_at_least(1), default=1024,
                     help="the pool holds at least this many MiB (far above the LLC); STREAM reads the same pool")
-    ap.add_argument("--seconds", type=float, default=0.5, help="length of each B_H and STREAM window")
-    ap.add_argument("--rounds", type=int, default=3, help="alternated B_H / STREAM windows per thread count")
+    ap.add_argument("--seconds", type=_positive, default=0.5, help="length of each B_H and STREAM window")
+    ap.add_argument("--rounds", type=_at_least(1), default=3, help="alternated B_H / STREAM windows per thread count")
     ap.add_argument("--json", default=None, help="also write the profile here")
 
 
@@ -29,12 +30,14 @@ def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--small", action="store_true", help="scaled-down shape for a CPU smoke test")
     ap.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--slots", default="37%", help="slot count or percentage of all experts")
-    ap.add_argument("--threads", default="6",
-                    help="CPU threads for the CPU expert path; a list (6,16) repeats the cpu/hybrid runs")
-    ap.add_argument("--backends", default="offload,cpu,hybrid")
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--threads", type=_counts, default=None,
+                    help="CPU threads for the CPU expert path; a list (6,16) repeats the cpu/hybrid runs (default: "
+                         "6, at most this machine's cores)")
+    ap.add_argument("--backends", type=_names(SLOT_BACKENDS), default=list(SLOT_BACKENDS),
+                    help=f"comma-separated, of {','.join(SLOT_BACKENDS)} (default all)")
+    ap.add_argument("--steps", type=_at_least(1), default=32)
+    ap.add_argument("--warmup", type=_at_least(0), default=40)
+    ap.add_argument("--prefill-tokens", type=_at_least(0), default=8192)
     ap.add_argument("--warm-prefill", type=int, default=1024,
                     help="prompt tokens prefilled before each decode run (0: start from an empty cache)")
     ap.add_argument("--routing", default="uniform", help="uniform and/or zipf, comma-separated")
@@ -46,9 +49,10 @@ def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def split_decode_lists(args: argparse.Namespace) -> argparse.Namespace:
-    """Comma lists -> lists; ValueError on a bad routing name."""
-    args.backends = args.backends.split(",")
-    args.threads = [int(t) for t in args.threads.split(",")]
+    """Comma lists -> lists (threads: 6 unless given, at most the cores); ValueError on a bad routing name."""
+    import os
+
+    args.threads = args.threads or [min(6, len(os.sched_getaffinity(0)))]
     args.routing = args.routing.split(",")
     if not set(args.routing) <= {"uniform", "zipf"}:
         raise ValueError(f"--routing takes uniform and/or zipf, got {','.join(args.routing)}")
@@ -148,6 +152,41 @@ def _rule_tiles(text: str):
         raise argparse.ArgumentTypeError(f"expected NORM,BLOCK_V,WARPS with NORM one of {', '.join(RULE_NORMS)} "
                                          f"and two positive integers, got {text!r}")
     return RuleTiles(parts[0], int(parts[1]), int(parts[2]))
+
+
+SLOT_BACKENDS = ("offload", "cpu", "hybrid")
+
+
+def _counts(text: str) -> list[int]:
+    """An argparse type: comma-separated integers of at least 1 (thread counts)."""
+    try:
+        values = [int(t) for t in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated counts of at least 1 (e.g. 6,16), got {text!r}")
+    return values
+
+
+def _names(allowed: tuple[str, ...]):
+    """An argparse type: a comma-separated subset of `allowed`."""
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        if not names or not set(names) <= set(allowed):
+            raise argparse.ArgumentTypeError(f"expected some of {','.join(allowed)}, got {text!r}")
+        return names
+    return parse
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return value
 
 
 def _at_least(low: int):

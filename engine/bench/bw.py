@@ -187,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_args(args: argparse.Namespace) -> int:
     shape = get_shape(args.synthetic, scale_down=args.small)
     cores = os.cpu_count() or 1
-    threads = ([int(t) for t in args.threads.split(",")] if args.threads
-               else sorted({1, *range(2, cores + 1, 2), cores}))
+    threads = args.threads or sorted({1, *range(2, cores + 1, 2), cores})
     prof = run(shape.layout, shape.torch_dtype, threads, experts=args.experts, stream_bytes=args.stream_mib << 20,
                seconds=args.seconds, rounds=args.rounds, log=lambda s: print(s, file=sys.stderr, flush=True))
     path = save_profile(prof)

@@ -143,3 +143,12 @@ def test_bench_decode_refuses_a_pool_larger_than_the_memory_left():
     if get_shape("qwen3.6-35b-a3b").pool_bytes <= 0.9 * default_host_budget(1.0):
         pytest.skip("this machine holds the full pool")
     assert_user_error(killick("bench", "decode", "--device", "cpu"), "GB of host RAM", "--small")
+
+
+@pytest.mark.parametrize("argv", [("bench", "bw", "--rounds", "0"), ("bench", "bw", "--seconds", "-1"),
+                                  ("bench", "bw", "--threads", "abc"), ("bench", "decode", "--backends", "nosuch"),
+                                  ("bench", "decode", "--threads", "0")])
+def test_bench_flags_are_checked_where_they_are_parsed(argv):
+    result = killick(*argv)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"argument {argv[2]}" in result.stderr.strip().splitlines()[-1]
