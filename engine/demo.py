@@ -48,6 +48,7 @@ def resolve_model(path: str | None) -> Path:
         return demo_model_dir()
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ValueError(f"model directory {p} does not exist; pass --model DIR with a Hugging Face checkpoint "
+        what = "is a file, not a directory" if p.exists() else "does not exist"
+        raise ValueError(f"model directory {p} {what}; pass --model DIR with a Hugging Face checkpoint "
                          f"(config.json + *.safetensors) or leave --model out to use the demo model")
     return p

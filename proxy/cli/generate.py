@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give the text to complete")
     from engine import Engine
     from engine.demo import resolve_model
     from proxy.prompt.tokenizer import load_tokenizer

@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     from proxy.replay import log as replay_log
     from proxy.replay import report as replay_report
 
+    for value, flag in ((args.turns, "--turns"), (args.limit, "--limit")):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
         if path:
             check_output(path, flag)

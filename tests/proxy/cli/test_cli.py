@@ -66,8 +66,13 @@ def test_shape_mismatch_names_the_key(tmp_path, tiny):
     assert_user_error(killick("generate", "--model", str(bad), "--prompt", "x", "--raw"), "weight")
 
 
-def test_bad_flag_value_is_one_line():
+def test_bad_flag_value_is_one_line(tmp_path):
     assert_user_error(killick("generate", "--prompt", "x", "--max-tokens", "0"), "--max-tokens")
+    assert_user_error(killick("generate", "--prompt", "", "--raw"), "--prompt is empty")
+    recording = str(Path(__file__).resolve().parents[3] / "fixtures" / "sessions" / "mini-swe-agent.jsonl.gz")
+    assert_user_error(killick("replay", recording, "--turns", "0"), "--turns must be at least 1")
+    (tmp_path / "file").write_text("x")
+    assert_user_error(killick("generate", "--model", str(tmp_path / "file"), "--prompt", "x"), "is a file")
 
 
 def test_synth_then_generate_prints_a_completion(tmp_path):
