@@ -49,9 +49,12 @@ class UpstreamConfig:
             raise ValueError("upstream mode needs at least one replica: --upstream URL (repeatable)")
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
-        for name in ("health_interval_s", "connect_timeout_s", "read_timeout_s"):
+        for name, flag in (("health_interval_s", "--health-interval"), ("connect_timeout_s", None),
+                           ("read_timeout_s", "--upstream-timeout")):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name.removesuffix('_s').replace('_', '-')} must be > 0 seconds")
+                key = name.removesuffix("_s")
+                raise ValueError(f"{flag + ' (' + key + ')' if flag else key} must be > 0 seconds, got "
+                                 f"{getattr(self, name)}")
 
     def upstream_model(self, model: str) -> str:
         for pattern, target in self.model_map:

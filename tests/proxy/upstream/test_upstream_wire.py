@@ -111,6 +111,8 @@ def test_settings_from_flags_and_file(tmp_path):
         UpstreamConfig.load(f)
     with pytest.raises(ValueError, match="at least one replica"):
         UpstreamConfig(())
+    with pytest.raises(ValueError, match=r"--upstream-timeout \(read_timeout\) must be > 0 seconds, got 0"):
+        UpstreamConfig(("http://a:1",), read_timeout_s=0)  # the flag's name, and the file's key
 
 
 def test_serve_flags_build_an_upstream_app(tmp_path):
