@@ -82,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-
 def check_output(path, flag: str, directory: bool = False) -> None:
     """ValueError naming `flag` unless results can be written to `path` (a file, or a directory when
     `directory`): it is not the other kind, and its nearest existing ancestor is a directory this user may
