@@ -139,21 +139,23 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
         return self.mapped
 
     # --- the seam
-    def begin_forward(self, num_tokens: int, top_k: int, hold: bool = False, span: int = 1) -> None:
+    def begin_forward(self, num_tokens: int, top_k: int, hold: bool = False, span: int | None = None) -> None:
         """Once per forward, before its layers: picks layer streaming or not for all its tokens. Without
         it `forward` begins a forward at the first MoE layer itself (one call per layer); `hold=True`
         keeps this one until `end_forward`, for a model that runs a layer in several pieces. span: the
-        longest sequence's tokens in this forward (a prompt's length; 1: decode tokens, one a sequence): the
-        cache's heat ages by them and weighs each expert by the tokens routed to it (lru.prompt_use_weights)."""
+        longest sequence's tokens in this forward (a prompt's length; 1: decode tokens, one a sequence, which
+        never stream; None: not said, as 1 but for streaming): the cache's heat ages by them and weighs each
+        expert by the tokens routed to it (lru.prompt_use_weights)."""
+        decode, span = span == 1, span or 1
         self._held = hold
         self.settle()
         t = self.cache.table
         # [L, E] per token, from the heat before this prompt fades it: the streamer's choice and a routed prompt's
         # fills both predict by it
         q = pick_probability(t.heat / t.moment()[1], top_k) if num_tokens > 1 and (
-            span > 1 or self.streamer is not None) else None
+            span > 1 or (self.streamer is not None and not decode)) else None
         if self.streamer is not None:
-            self.streamer.begin(num_tokens, top_k, q)
+            self.streamer.begin(num_tokens, top_k, q, decode=decode)
         self._ahead = self._touch = None
         self.handoff_clock.begin()
         self._looked, self._seen, self._tokens, self._top_k = {}, {}, num_tokens, top_k

@@ -148,14 +148,15 @@ class PrefillStreamer:
         self.tables: dict[int, object] = {}
         self.streamed_forwards = 0
 
-    def begin(self, num_tokens: int, top_k: int, pick: np.ndarray | None = None) -> None:
+    def begin(self, num_tokens: int, top_k: int, pick: np.ndarray | None = None, decode: bool = False) -> None:
         """A forward of num_tokens begins: stream it or not. pick [L, E]: each expert's probability per token
-        (pick_probability of the slot table's heat; computed here when not given)."""
+        (pick_probability of the slot table's heat; computed here when not given). decode: its tokens are one a
+        sequence (a batched decode step), which never streams, whatever the mode: no prompt in it."""
         cache, pool = self.b.cache, self.b.pool
         e = pool.num_experts
         self.active, self.reserved, self._prefetched, self._current = False, [], set(), None
         self.tables = {}
-        if cache.num_slots < 2 * e or num_tokens <= 1:
+        if cache.num_slots < 2 * e or num_tokens <= 1 or decode:
             return
         self.active = self.mode == "on" or self._predicted_faster(num_tokens, top_k, pick)
         self.streamed_forwards += self.active

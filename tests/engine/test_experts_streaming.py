@@ -107,6 +107,21 @@ def test_a_prompt_leaves_its_popular_experts_the_hottest(pool, stream):
         assert heat[5] - want[5] < 2.0 ** (-(T - 1) / t.half_life) * 1.01
 
 
+def test_streaming_on_streams_prompts_not_a_batched_decode_step(pool):
+    """--prefill-stream on: every forward a prompt is in streams whole layers; a decode step of several
+    sequences (span 1: a token each) routes its experts as any decode step does."""
+    b = OffloadBackend(pool, 2 * E, "cpu", stream_prefill="on", slot_policy="lfu")
+    x, ids, w = routing(4, seed=5)
+    for span, streams in ((1, False), (4, True), (None, True)):  # None: the caller does not say (as a prompt)
+        b.begin_forward(4, K, hold=True, span=span)
+        assert b.streamer.active == streams, span
+        for layer in L_IDS:
+            b.forward(layer, x, ids, w)
+        b.end_forward()
+    assert b.streamer.streamed_forwards == 2
+    b.close()
+
+
 def test_bad_streaming_and_prefetch_options_name_the_fix(pool):
     with pytest.raises(ValueError, match="--prefill-stream must be one of auto, on, off"):
         OffloadBackend(pool, 2 * E, "cpu", stream_prefill="always")
