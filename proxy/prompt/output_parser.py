@@ -12,8 +12,9 @@ ToolCall(streamed=True) whose arguments are exactly the deltas joined. Any other
 closing tag and parsed whole (ToolCall, streamed=False): malformed JSON degrades to plain text, never an error, and
 a call whose first characters can open neither form goes out as text at once (up to its closing tag, as it would
 have at the end); once a call has started streaming it ends as a call, its arguments as written. Blank lines at the
-start of each segment (after `<think>`, after `</think>`, between tool calls) and whitespace at its end are dropped,
-as the providers do; the first line's indentation is the answer's own (code), and stays.
+start of each segment (after `<think>`, after `</think>`, between tool calls), a single space before its first word,
+and whitespace at its end are dropped, as the providers do; the first line's indentation is the answer's own
+(code), and stays.
 """
 from __future__ import annotations
 
@@ -228,6 +229,8 @@ class OutputParser:
                 return
             lead = len(text) - len(text.lstrip())
             text = text[text.rfind("\n", 0, lead) + 1:]
+            if text[:1] == " " and not text[1:2].isspace():  # one space is a token's, not an indent
+                text = text[1:]
         body = text.rstrip()
         if not body:
             self._pending_ws += text

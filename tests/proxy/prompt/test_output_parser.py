@@ -131,6 +131,8 @@ def test_blank_lines_before_a_segment_go_and_its_first_lines_indentation_stays(s
     assert events == [ToolCall(0, "f", "{}", streamed=True), TextDelta("  done")]
     events, _ = run("   ", step)  # nothing visible: nothing goes out
     assert events == []
+    events, _ = run("</think>\n\n Hello", step, thinking_open=True)  # a token's space, not an indent
+    assert events == [TextDelta("Hello")]
 
 
 def test_one_tool_call_when_parallel_calls_are_off():
