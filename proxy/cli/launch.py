@@ -12,6 +12,7 @@ import os
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -107,14 +108,20 @@ def child_environment(env: Mapping[str, str], launch: LaunchPlan) -> dict[str, s
 
 
 def write_files(launch: LaunchPlan) -> None:
+    """Each file atomically, through a symlink to the file it names (a dotfiles link stays a link), with the
+    mode the file had (a new one owner-only: it may hold the key)."""
     for f in launch.files:
-        f.path.parent.mkdir(parents=True, exist_ok=True)
-        backup = f.path.with_name(f.path.name + ".killick-bak")
+        target = f.path.resolve() if f.path.is_symlink() else f.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        backup = target.with_name(target.name + ".killick-bak")
         if f.existed and not backup.exists():
-            shutil.copy2(f.path, backup)
-        tmp = f.path.with_name(f.path.name + ".killick-tmp")
-        tmp.write_text(f.content, encoding="utf-8")
-        os.replace(tmp, f.path)  # atomic: a crash never leaves the user's config half written
+            shutil.copy2(target, backup)
+        mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o600
+        tmp = target.with_name(target.name + ".killick-tmp")
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as out:
+            out.write(f.content)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)  # atomic: a crash never leaves the user's config half written
 
 
 def run_child(argv: list[str], env: dict[str, str]) -> int:
@@ -131,9 +138,10 @@ def run_child(argv: list[str], env: dict[str, str]) -> int:
 
 
 def print_plan(launch: LaunchPlan, secret: str | None = None) -> None:
-    """The plan as shell lines; the server's real key (`secret`) is shown as a reference to its variable."""
+    """The plan as shell lines; the server's real key (`secret`) is shown as a reference to its variable where a
+    value is the key (a quoted string in a file, an argument, a variable), never inside other text."""
     def shown(text: str) -> str:
-        return text.replace(secret, f"${KEY_ENV}") if secret else text
+        return text.replace(json.dumps(secret), f'"${KEY_ENV}"') if secret else text
 
     for f in launch.files:
         note = " (merged into the existing file; a .killick-bak copy is kept)" if f.existed else ""
@@ -144,7 +152,7 @@ def print_plan(launch: LaunchPlan, secret: str | None = None) -> None:
     for name in launch.unset_env:
         print(f"unset {name}")
     print("# command")
-    print(shown(" ".join(_quote(a) for a in launch.argv)))
+    print(" ".join(f'"${KEY_ENV}"' if secret and a == secret else _quote(a) for a in launch.argv))
 
 
 def _quote(s: str) -> str:

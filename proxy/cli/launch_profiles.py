@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
-from proxy.cli import KEY_ENV  # the server's --api-key travels to the agent in this variable, never in a file
+from proxy.cli import KEY_ENV  # the server's --api-key goes to the agent in this variable (openclaw: its own file)
 
 DUMMY_KEY = "sk-killick-local"  # every harness insists on some key; ours never leaves the machine
 DEFAULT_WINDOW = 32768  # what a server that does not say its context_length is assumed to take

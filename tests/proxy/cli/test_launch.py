@@ -259,3 +259,33 @@ async def test_no_backup_of_a_file_killick_created(agent, models_server, home, t
     path.write_text(json.dumps({**json.loads(path.read_text()), "theme": "mine"}))  # now the user's too
     code, *_ = await _launch(agent, models_server, tmp_path)
     assert code == 7 and len(list(folder.glob("*.killick-bak"))) == 1
+
+
+def test_files_keep_their_mode_and_links_and_new_ones_are_owner_only(home):
+    """openclaw's config holds the key: an owner-only file stays owner-only, a new one is made so, and a config
+    that is a link into the user's dotfiles is written through the link, which stays a link."""
+    from proxy.cli.launch import write_files
+
+    served = Served("http://127.0.0.1:9", "m", api_key="sk-secret")
+    claw = home / ".openclaw" / "openclaw.json"
+    write_files(plan("openclaw", served, {"HOME": str(home)}, []))
+    assert stat.S_IMODE(claw.stat().st_mode) == 0o600 and "sk-secret" in claw.read_text()
+    claw.chmod(0o640)
+    write_files(plan("openclaw", served, {"HOME": str(home)}, []))
+    assert stat.S_IMODE(claw.stat().st_mode) == 0o640
+    dotfile = home / "dotfiles" / "opencode.json"
+    dotfile.parent.mkdir()
+    dotfile.write_text(json.dumps({"theme": "mine"}))
+    link = home / ".config" / "opencode" / "opencode.json"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(dotfile)
+    write_files(plan("opencode", served, {"HOME": str(home)}, []))
+    assert link.is_symlink() and json.loads(dotfile.read_text())["theme"] == "mine"
+    assert "killick" in json.loads(dotfile.read_text())["provider"]
+
+
+def test_dry_run_shows_the_variable_only_where_a_value_is_the_key(home, capsys):
+    """A short key that also appears inside other values (a port, an address) is not replaced there."""
+    assert main(["launch", "openclaw", "--server", "http://127.0.0.1:1", "--api-key", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert '"apiKey": "$KILLICK_API_KEY"' in out and "127.0.0.1" in out and "$KILLICK_API_KEY7" not in out
