@@ -22,7 +22,8 @@ log = logging.getLogger("killick.replay")
 API_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
 # Not forwarded: transport headers (the client sets its own), credentials (redacted anyway), our own hooks.
 DROP_HEADERS = {"host", "content-length", "content-type", "connection", "transfer-encoding", "accept-encoding",
-                "authorization", "x-api-key", "cookie", "x-killick-force-response", "x-killick-forced-output"}
+                "authorization", "x-api-key", "api-key", "proxy-authorization", "cookie", "x-killick-force-response",
+                "x-killick-forced-output"}
 
 
 @dataclass(frozen=True)
@@ -122,14 +123,33 @@ _TYPES = {"method": str, "path": str, "headers": dict, "ts": (int, float), "metr
 
 
 def _lines(path: Path):
-    """(line number, request object) of one file; what cannot be read is one ValueError naming the file."""
+    """(line number, request object) of one file; what cannot be read is one ValueError naming the file. A line
+    cut off (no newline after it, or a newline a later write added: a crash mid-write) that is not JSON is left
+    out with a warning."""
     try:
         with _open(path) as fh:
-            for line_no, line in enumerate(fh):
-                if line.strip():
-                    yield line_no, _request(line, f"{path}:{line_no + 1}")
+            lines = list(fh)
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:  # not gzip, truncated, not UTF-8
         raise ValueError(f"{path}: cannot read this recording ({exc})") from None
+    for line_no, line in enumerate(lines):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no + 1}"
+        try:
+            yield line_no, _request(line, where)
+        except ValueError as exc:
+            if not str(exc).startswith(f"{where}: not JSON") or not _cut_off(line):
+                raise
+            log.warning("%s: a line cut off mid-write, left out", where)
+
+
+def _cut_off(line: str) -> bool:
+    """A recorded line that stops before its object closes: JSON that a complete object would extend."""
+    try:
+        json.loads(line)
+    except json.JSONDecodeError as exc:  # a string running to the end, or the text ending where more must follow
+        return exc.msg.startswith("Unterminated string") or exc.pos >= len(line.rstrip()) - 1
+    return False
 
 
 def _request(line: str, where: str) -> dict:

@@ -85,8 +85,10 @@ class Recorder:
     def write(self, line: dict) -> Path:
         path = self.dir / session_file_name(line.get("metrics", {}).get("session"))
         text = json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
-        with self._lock, open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a",
+        with self._lock, open(os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600), "a+",
                               encoding="utf-8", errors="backslashreplace") as fh:
+            if fh.tell() and _last_byte(fh) != "\n":  # a line cut off (a crash mid-write) stays a line of its own
+                text = "\n" + text
             fh.write(text)
         return path
 
@@ -95,6 +97,15 @@ class Recorder:
             self.write(request_line(request, turn, status, started))
         except Exception:  # noqa: BLE001 - a recording must never fail the request
             log.exception("could not record %s %s", request.method, request.path)
+
+
+def _last_byte(fh) -> str:
+    """The last character of a file open for appending (its position at the end)."""
+    end = fh.tell()
+    fh.buffer.seek(end - 1)
+    last = fh.buffer.read(1).decode("latin-1")
+    fh.seek(end)
+    return last
 
 
 def request_line(request: web.Request, turn: Turn | None, status: int, started: float) -> dict:

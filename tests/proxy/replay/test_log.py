@@ -64,3 +64,22 @@ def test_gzip_recordings_still_load():
 def test_wrong_field_types_name_the_line(tmp_path, line):
     with pytest.raises(ValueError, match=r"bad.jsonl:2: (method|metrics) must be"):
         replay_log.load([_jsonl(tmp_path / "bad.jsonl", LINE, line)])
+
+
+def test_a_line_cut_off_mid_write_is_left_out_and_the_next_record_stays_whole(tmp_path, caplog):
+    """A crash leaves a recording's last line cut off: the recorder starts its next line on a line of its own,
+    and loading leaves the cut line out with a warning (a line broken in its middle is still an error)."""
+    from proxy.replay.record import Recorder
+
+    rec = Recorder(tmp_path / "rec")
+    path = rec.write({**LINE, "metrics": {"session": "s"}})
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(LINE)[:40])  # the crash
+    rec.write({**LINE, "metrics": {"session": "s"}})
+    assert len(path.read_text().splitlines()) == 3
+    entries = replay_log.load([path])
+    assert len(entries) == 2 and "cut off mid-write" in caplog.text
+    broken = _jsonl(tmp_path / "broken.jsonl", LINE)
+    broken.write_text(broken.read_text().replace('"path"', '"path" @', 1) + json.dumps(LINE) + "\n")
+    with pytest.raises(ValueError, match="broken.jsonl:1: not JSON"):
+        replay_log.load([broken])
