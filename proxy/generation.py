@@ -62,6 +62,8 @@ class Finished:
     stop_sequence: str | None = None
     error: str | None = None
     output_ids: tuple[int, ...] = ()  # what the model wrote, as token ids (the cache policy's diff reads them)
+    error_status: int = 500  # a non-streaming answer's HTTP status for the error (upstream: 429 / 503 when no
+    # replica answered, a replica's own 4xx)
 
 
 GenItem = Union[OutputEvent, Keepalive, Finished]
@@ -345,7 +347,8 @@ def _finished(ev: TokenEvent, parser: OutputParser, reasoning: int, req: Generat
 def check_failed(fin: Finished) -> Finished:
     """A non-streaming answer cannot carry an engine failure in-band: it becomes a 500 in the API's shape."""
     if fin.finish == "error":
-        raise ApiError(500, f"generation failed: {fin.error or 'engine error'}")
+        raise ApiError(fin.error_status, f"generation failed: {fin.error or 'engine error'}",
+                       code="rate_limit_exceeded" if fin.error_status == 429 else None)
     return fin
 
 

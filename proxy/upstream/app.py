@@ -81,7 +81,9 @@ def discover(config: UpstreamConfig, timeout_s: float = 3.0) -> tuple[Optional[s
             props = _get_json(url + "/props", config, timeout_s) or {}
             context = (props.get("default_generation_settings") or {}).get("n_ctx")
         return entry.get("id"), int(context) if context else None
-    log.warning("no upstream answered GET /v1/models at start; they are tried again for every request")
+    log.warning("no upstream answered GET /v1/models at start: requests carry the model the agent names (a "
+                "replica that checks names may refuse it) until the proxy restarts with a replica up; "
+                "--upstream-model NAME sets it")
     return None, None
 
 

@@ -140,6 +140,9 @@ class _Call:
             except _NET_ERRORS as exc:
                 self._failed(replica, describe(exc), down=True)
                 continue
+            except BaseException:  # cancelled (the agent went away before the replica's headers): not in flight
+                self.router.finished(self.key, replica, 0, 0, ok=False)
+                raise
             if resp.status == 200:
                 self.replica, self.resp = replica, resp
                 self.router.answered(self.key, replica)
@@ -180,7 +183,7 @@ class _Call:
                 try:
                     await self.connect()
                 except ApiError as err:
-                    yield self._error(err.message, reader)
+                    yield self._error(err.message, reader, status=err.status)
                     return
             for item in reader.close():
                 reply.add(item, self)
@@ -204,7 +207,12 @@ class _Call:
                     chunk = json.loads(data)
                 except json.JSONDecodeError:
                     continue
-                for item in reader.feed(chunk) if isinstance(chunk, dict) else ():
+                try:
+                    items = list(reader.feed(chunk)) if isinstance(chunk, dict) else []
+                except (TypeError, ValueError, AttributeError, KeyError) as exc:  # fields not in the API's types
+                    yield _Failure(f"a chunk not in the OpenAI shape ({type(exc).__name__}: {exc})")
+                    return
+                for item in items:
                     yield item
                 if reader.ended or reader.error:
                     return
@@ -234,11 +242,12 @@ class _Call:
             else reader.reasoning_chunks
         return Finished(finish, usage, reasoning, stop_sequence=parser.stopped, output_ids=self._output_ids(reply))
 
-    def _error(self, message: str, reader: ChunkReader, reply: Optional["_ReplyParts"] = None) -> Finished:
+    def _error(self, message: str, reader: ChunkReader, reply: Optional["_ReplyParts"] = None,
+               status: int = 500) -> Finished:
         if self.replica is not None:
             self.router.finished(self.key, self.replica, 0, 0, ok=False)
             self.replica = None
-        return Finished("error", self._usage(reader, reply or _ReplyParts()), error=message)
+        return Finished("error", self._usage(reader, reply or _ReplyParts()), error=message, error_status=status)
 
     def _usage(self, reader: ChunkReader, reply: "_ReplyParts") -> Usage:
         """The upstream's figures (its tokenizer, its cache); the proxy's own count where it sends none."""
@@ -265,7 +274,6 @@ class _Call:
         if self.replica is not None:  # left early (the client went away)
             self.router.finished(self.key, self.replica, 0, 0, ok=False)
             self.replica = None
-
 
     def _close_response(self) -> None:
         if self.resp is not None:

@@ -65,8 +65,18 @@ def replicas(tmp_path_factory):
 
 
 @pytest.fixture
-def upstream_proxy(aiohttp_server, replicas):
-    """start(urls=None, **kw) -> (base URL, the app's UpstreamPool); forced answers pass through to the replicas."""
+def upstream_proxy(upstream_front, replicas):
+    """start(urls=None, **kw) -> (base URL, the app's UpstreamPool) in front of the three replicas (or `urls`)."""
+
+    async def start(urls=None, **kw):
+        return await upstream_front(urls or replicas.urls, **kw)
+
+    return start
+
+
+@pytest.fixture
+def upstream_front(aiohttp_server):
+    """start(urls, **kw) -> (base URL, the app's UpstreamPool) in front of `urls`; forced answers pass through."""
     from proxy.context import CTX
     from proxy.policy.cache_policy import PolicyPlanner
     from proxy.prompt.render import ChatRenderer
@@ -75,13 +85,13 @@ def upstream_proxy(aiohttp_server, replicas):
     from proxy.upstream.app import create_upstream_app
     from proxy.upstream.config import UpstreamConfig
 
-    async def start(urls=None, keepalive_s=5.0, routing="session", health_interval_s=0.2):
+    async def start(urls, keepalive_s=5.0, routing="session", health_interval_s=0.2):
         tok = load_tokenizer(None)
-        config = UpstreamConfig(tuple(urls or replicas.urls), routing=routing, health_interval_s=health_interval_s,
+        config = UpstreamConfig(tuple(urls), routing=routing, health_interval_s=health_interval_s,
                                 forward_headers=(FORCE_RESPONSE_HEADER,), model_map=(("claude-*", "mapped"),))
         app = create_upstream_app(config, tok, ChatRenderer(tok), model_name="up", context_length=32768,
                                   keepalive_s=keepalive_s, planner=PolicyPlanner())
-        server = await aiohttp_server(app)
+        server = await aiohttp_server(app)  # (aiohttp's test server cancels a handler whose client left, as serve)
         return str(server.make_url("")).rstrip("/"), app[CTX].core
 
     return start
