@@ -37,7 +37,7 @@ class Entry:
     body: dict
     response: Any = None
     metrics: dict = field(default_factory=dict)
-    source: str = ""  # the recording it came from (file name without .jsonl): one agent, one request at a time
+    source: str = ""  # the recording it came from (file name without .jsonl; its path where two share a name)
 
     @property
     def stream(self) -> bool:
@@ -71,24 +71,32 @@ def _files(paths: Iterable[str | Path]) -> list[Path]:
 
 
 def load(paths: Iterable[str | Path]) -> list[Entry]:
-    """All API requests of the given recordings, merged in recorded order."""
+    """All API requests of the given recordings, merged in recorded order. A recording is named by its file name
+    (by its path where two share one); a session key two recordings both hold (every mini-swe-agent recording has
+    an "anon-1") is told apart by the recording's name before it."""
+    files = _files(paths)
+    stems = [path.name.split(".jsonl")[0] for path in files]
+    sources = [stem if stems.count(stem) == 1 else str(path) for stem, path in zip(stems, files)]
     raw: list[tuple[float, int, int, dict, str]] = []
-    for file_no, path in enumerate(_files(paths)):
-        stem = path.name.split(".jsonl")[0]
-        raw += [(float(obj.get("ts") or 0.0), file_no, line_no, obj, stem) for line_no, obj in _lines(path)]
+    for file_no, (path, source) in enumerate(zip(files, sources)):
+        raw += [(float(obj.get("ts") or 0.0), file_no, line_no, obj, source) for line_no, obj in _lines(path)]
     raw.sort(key=lambda r: (r[0], r[1], r[2]))
-    entries = []
-    for obj, stem in ((r[3], r[4]) for r in raw):
+    kept = []
+    for obj, source in ((r[3], r[4]) for r in raw):
         if obj["method"].upper() != "POST" or obj["path"].split("?")[0] not in API_PATHS:
             continue
         if not isinstance(obj["body"], dict):
             log.warning("skipped a recorded %s whose body is not a JSON object", obj["path"])
             continue
         metrics = obj.get("metrics") if isinstance(obj.get("metrics"), dict) else {}
-        entries.append(Entry(len(entries), str(metrics.get("session") or stem), obj.get("ts"), "POST",
-                             obj["path"], dict(obj.get("headers") or {}), dict(obj["body"]), obj.get("response"),
-                             metrics, stem))
-    return entries
+        kept.append((obj, metrics, source, str(metrics.get("session") or source)))
+    holders: dict[str, set[str]] = {}
+    for _, _, source, session in kept:
+        holders.setdefault(session, set()).add(source)
+    return [Entry(i, session if len(holders[session]) == 1 else f"{source}:{session}", obj.get("ts"), "POST",
+                  obj["path"], dict(obj.get("headers") or {}), dict(obj["body"]), obj.get("response"), metrics,
+                  source)
+            for i, (obj, metrics, source, session) in enumerate(kept)]
 
 
 def first_turns(entries: list[Entry], n: int) -> list[Entry]:

@@ -90,7 +90,7 @@ def ttft_table(by_mode: dict[str, list[Result]]) -> str:
     first = by_mode[modes[0]]
     rows = []
     for i, r in enumerate(first):
-        row = [r.index + 1, r.session[:18], r.turn, r.prompt_tokens]
+        row = [r.index + 1, r.session[-18:], r.turn, r.prompt_tokens]  # (a qualified session ends in its key)
         row += [ms(by_mode[m][i].ttft_s) if i < len(by_mode[m]) else "-" for m in modes]
         rows.append(tuple(row))
     return "TTFT per turn (ms)\n" + text_table(rows, ("req", "session", "turn", "prompt", *modes))

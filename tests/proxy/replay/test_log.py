@@ -83,3 +83,18 @@ def test_a_line_cut_off_mid_write_is_left_out_and_the_next_record_stays_whole(tm
     broken.write_text(broken.read_text().replace('"path"', '"path" @', 1) + json.dumps(LINE) + "\n")
     with pytest.raises(ValueError, match="broken.jsonl:1: not JSON"):
         replay_log.load([broken])
+
+
+def test_sessions_of_different_recordings_stay_apart(tmp_path):
+    """Two recordings that both hold session "anon-1" (as every mini-swe-agent recording does), and two files of
+    one name in two folders, are four sessions: --turns keeps the first of each, replay numbers each its own."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    line = {**LINE, "metrics": {"session": "anon-1"}}
+    paths = [_jsonl(a / "mini.jsonl", line, line), _jsonl(b / "mini.jsonl", line, line),
+             _jsonl(tmp_path / "other.jsonl", line, line), _jsonl(tmp_path / "solo.jsonl", {**LINE, "ts": 1})]
+    entries = replay_log.load(paths)
+    sessions = {e.session for e in entries}
+    assert len(sessions) == 4 and "solo" in sessions and f"{a / 'mini.jsonl'}:anon-1" in sessions
+    assert "other:anon-1" in sessions
+    assert len(replay_log.first_turns(entries, 1)) == 4
