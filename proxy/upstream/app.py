@@ -22,7 +22,7 @@ from aiohttp import web
 from proxy.app import TurnObserver, create_app
 from proxy.policy.planner import Planner
 from proxy.upstream.config import UpstreamConfig, config_from_args
-from proxy.upstream.pool import UpstreamPool
+from proxy.upstream.pool import Unknown, UpstreamPool
 
 log = logging.getLogger("killick.upstream")
 DEFAULT_CONTEXT = 32768  # when neither --context-length nor any upstream says
@@ -30,9 +30,11 @@ DEFAULT_CONTEXT = 32768  # when neither --context-length nor any upstream says
 
 def create_upstream_app(config: UpstreamConfig, tokenizer, renderer, *, model_name: str, context_length: int,
                         api_key: Optional[str] = None, keepalive_s: float = 5.0, planner: Optional[Planner] = None,
-                        observer: Optional[TurnObserver] = None, **app_options) -> web.Application:
-    """app_options: create_app's other keywords (access_log, sites)."""
-    pool = UpstreamPool(config)
+                        observer: Optional[TurnObserver] = None, unknown: Unknown = Unknown(),
+                        **app_options) -> web.Application:
+    """app_options: create_app's other keywords (access_log, sites). unknown: what no replica said at start,
+    taken from the first one up."""
+    pool = UpstreamPool(config, unknown)
     app = create_app(pool, tokenizer, renderer, model_name=model_name, context_length=context_length,
                      api_key=api_key, keepalive_s=keepalive_s, planner=planner, observer=observer, **app_options)
     app.cleanup_ctx.append(pool.lifetime)
@@ -65,7 +67,10 @@ def build_upstream_app(args: argparse.Namespace) -> web.Application:
                                                     args.prompt_layout),
                                observer=Recorder(args.record) if args.record is not None else None,
                                access_log=not args.quiet,
-                               sites=Sites.for_bind(args.host, args.allow_origin, args.allow_host))
+                               sites=Sites.for_bind(args.host, args.allow_origin, args.allow_host),
+                               unknown=Unknown(model=config.default_model is None and model is None,
+                                               name=not (args.model_name or model),
+                                               context=not (args.context_length or context)))
 
 
 def discover(config: UpstreamConfig, timeout_s: float = 3.0) -> tuple[Optional[str], Optional[int]]:
@@ -81,9 +86,8 @@ def discover(config: UpstreamConfig, timeout_s: float = 3.0) -> tuple[Optional[s
             props = _get_json(url + "/props", config, timeout_s) or {}
             context = (props.get("default_generation_settings") or {}).get("n_ctx")
         return entry.get("id"), int(context) if context else None
-    log.warning("no upstream answered GET /v1/models at start: requests carry the model the agent names (a "
-                "replica that checks names may refuse it) until the proxy restarts with a replica up; "
-                "--upstream-model NAME sets it")
+    log.warning("no upstream answered GET /v1/models at start: the first replica up is asked (until then requests "
+                "carry the model the agent names; --upstream-model NAME sets one)")
     return None, None
 
 

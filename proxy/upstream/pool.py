@@ -20,8 +20,8 @@ import json
 import logging
 import time
 from contextlib import suppress
-from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, NamedTuple, Optional
 
 import aiohttp
 
@@ -41,14 +41,27 @@ HEALTH_TIMEOUT_S = 5.0  # a health answer slower than this marks the replica dow
 _NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
+class Unknown(NamedTuple):
+    """What no replica said at start (none was up): the first that is up is asked (GET /v1/models)."""
+
+    model: bool = False  # the model requests name where no --upstream-model pattern matches
+    name: bool = False  # the name /v1/models shows (no --model-name)
+    context: bool = False  # the context length (no --context-length)
+
+
 class UpstreamPool:
-    def __init__(self, config: UpstreamConfig):
+    def __init__(self, config: UpstreamConfig, unknown: Unknown = Unknown()):
         self.config = config
         self.router = Router(list(config.urls), config.routing)
         self.http: Optional[aiohttp.ClientSession] = None
+        self.unknown = unknown
+        self._ctx = None  # the app's ServerContext (lifetime): what is learned late goes there
 
     async def lifetime(self, app):
         """app.cleanup_ctx: the HTTP client and the health checks live as long as the app."""
+        from proxy.context import CTX
+
+        self._ctx = app[CTX]
         self.http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
                                           sock_read=self.config.read_timeout_s),
@@ -74,7 +87,35 @@ class UpstreamPool:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.gather(*(self.check(r) for r in self.router.replicas))
+            if any(self.unknown):
+                await self.learn()
             await asyncio.sleep(self.config.health_interval_s)
+
+    async def learn(self) -> None:
+        """Ask the first replica that is up what it serves (its first model's id and context length, as at
+        start), for what no replica said at start."""
+        for replica in (r for r in self.router.replicas if r.healthy):
+            try:
+                async with self.http.get(replica.url + "/v1/models", headers=self._auth(),
+                                         timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as resp:
+                    body = await resp.json() if resp.status == 200 else None
+            except (*_NET_ERRORS, ValueError):
+                continue
+            data = body.get("data") if isinstance(body, dict) else None
+            entry = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
+            model, context = entry.get("id"), entry.get("context_length") or entry.get("max_model_len")
+            if not isinstance(model, str) or not model:
+                continue
+            if self.unknown.model:
+                self.config = replace(self.config, default_model=model)
+            if self.unknown.name:
+                self._ctx.model_name = model
+            if self.unknown.context and isinstance(context, int) and context > 1:
+                self._ctx.context_length = context
+            log.info("upstream %s serves %s%s: taken for what no replica said at start", replica.url, model,
+                     f" ({context} tokens)" if isinstance(context, int) else "")
+            self.unknown = Unknown()
+            return
 
     async def check(self, replica: Replica) -> bool:
         """GET /health (killick, llama.cpp, vLLM and SGLang all serve it): 200 is up. A replica busy with a long

@@ -1,7 +1,9 @@
 """Replicas that misbehave, in front of which the proxy still answers in the API's shape and keeps its books:
 a chunk not in the OpenAI shape is the replica's failure (the next one answers, or the status says none did),
-and an agent that leaves before a replica's headers leaves nothing in flight."""
+an agent that leaves before a replica's headers leaves nothing in flight, and a replica that comes up after the
+proxy says what it serves then."""
 import asyncio
+import socket
 
 import aiohttp
 import pytest
@@ -11,14 +13,18 @@ MESSAGE = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content
 GOOD = b'data: {"choices":[{"index":0,"delta":{"content":"fine"},"finish_reason":"stop"}]}\n\n'
 
 
-def replica(mode: str) -> web.Application:
+def replica(mode: str, asked: list | None = None) -> web.Application:
+    """A replica that answers as `mode` says; the models its requests name go to `asked`."""
     async def health(request):
         return web.json_response({"status": "ok"})
 
     async def models(request):
-        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model",
+                                                              "context_length": 4096}]})
 
     async def chat(request):
+        if asked is not None:
+            asked.append((await request.json())["model"])
         if mode == "busy":
             return web.json_response({"error": {"message": "busy"}}, status=429)
         if mode == "slow":
@@ -69,3 +75,27 @@ async def test_an_agent_that_leaves_before_the_replicas_headers_leaves_nothing_i
             break
         await asyncio.sleep(0.1)
     assert pool.stats()["active"] == 0 and pool.stats()["replicas"][0]["in_flight"] == 0
+
+
+async def test_what_no_replica_said_at_start_comes_from_the_first_one_up(aiohttp_server, upstream_front):
+    """Started before its replica (vLLM refuses model names it does not serve): once one is up its model is what
+    requests name, and /v1/models shows its name and window."""
+    from proxy.upstream.pool import Unknown
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base, pool = await upstream_front([f"http://127.0.0.1:{port}"], unknown=Unknown(True, True, True))
+    asked = []
+    await aiohttp_server(replica("good", asked), port=port)
+    for _ in range(50):
+        if pool.config.default_model:
+            break
+        await asyncio.sleep(0.1)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/v1/chat/completions", json={"model": "gpt-x", "messages": [
+                {"role": "user", "content": "hi"}]}) as r:
+            assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"] == "fine"
+        async with s.get(base + "/v1/models") as r:
+            entry = (await r.json())["data"][0]
+    assert asked == ["fake"] and entry["id"] == "fake" and entry["context_length"] == 4096
