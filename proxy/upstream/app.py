@@ -22,7 +22,7 @@ from aiohttp import web
 from proxy.app import TurnObserver, create_app
 from proxy.policy.planner import Planner
 from proxy.upstream.config import UpstreamConfig, config_from_args
-from proxy.upstream.pool import Unknown, UpstreamPool
+from proxy.upstream.pool import Unknown, UpstreamPool, model_entry
 
 log = logging.getLogger("killick.upstream")
 DEFAULT_CONTEXT = 32768  # when neither --context-length nor any upstream says
@@ -80,12 +80,11 @@ def discover(config: UpstreamConfig, timeout_s: float = 3.0) -> tuple[Optional[s
         models = _get_json(url + "/v1/models", config, timeout_s)
         if not models:
             continue
-        entry = (models.get("data") or [{}])[0]
-        context = entry.get("context_length") or entry.get("max_model_len")
+        model, context = model_entry(models)
         if not context:
             props = _get_json(url + "/props", config, timeout_s) or {}
             context = (props.get("default_generation_settings") or {}).get("n_ctx")
-        return entry.get("id"), int(context) if context else None
+        return model, int(context) if context else None
     log.warning("no upstream answered GET /v1/models at start: the first replica up is asked (until then requests "
                 "carry the model the agent names; --upstream-model NAME sets one)")
     return None, None

@@ -41,6 +41,19 @@ HEALTH_TIMEOUT_S = 5.0  # a health answer slower than this marks the replica dow
 _NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
+def model_entry(body) -> tuple[Optional[str], Optional[int]]:
+    """(id, context length) of the first model a GET /v1/models body lists (killick: context_length, vLLM:
+    max_model_len); None for what it does not say, or all of it for a body not in that shape."""
+    data = body.get("data") if isinstance(body, dict) else None
+    entry = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
+    model, context = entry.get("id"), entry.get("context_length") or entry.get("max_model_len")
+    try:
+        context = int(context) if context else None
+    except (TypeError, ValueError):
+        context = None
+    return (model if isinstance(model, str) and model else None), (context if context and context > 1 else None)
+
+
 class Unknown(NamedTuple):
     """What no replica said at start (none was up): the first that is up is asked (GET /v1/models)."""
 
@@ -101,19 +114,17 @@ class UpstreamPool:
                     body = await resp.json() if resp.status == 200 else None
             except (*_NET_ERRORS, ValueError):
                 continue
-            data = body.get("data") if isinstance(body, dict) else None
-            entry = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
-            model, context = entry.get("id"), entry.get("context_length") or entry.get("max_model_len")
-            if not isinstance(model, str) or not model:
+            model, context = model_entry(body)
+            if not model:
                 continue
             if self.unknown.model:
                 self.config = replace(self.config, default_model=model)
             if self.unknown.name:
                 self._ctx.model_name = model
-            if self.unknown.context and isinstance(context, int) and context > 1:
+            if self.unknown.context and context:
                 self._ctx.context_length = context
             log.info("upstream %s serves %s%s: taken for what no replica said at start", replica.url, model,
-                     f" ({context} tokens)" if isinstance(context, int) else "")
+                     f" ({context} tokens)" if context else "")
             self.unknown = Unknown()
             return
 
