@@ -30,6 +30,7 @@ from engine.experts.cpu_runner import run_on_cpu
 from engine.experts.policy import BandwidthEstimate, slots_from_spec
 from engine.experts.registry import create_slot_backend
 from engine.experts.synthetic import get_shape, synthetic_pool
+from engine.flags import default_device
 
 
 def log(msg: str) -> None:
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_args(args: argparse.Namespace) -> int:
     args = split_decode_lists(args)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device or default_device())
     shape = get_shape(args.synthetic, scale_down=args.small)
     from engine.cache.tiers import default_host_budget
 

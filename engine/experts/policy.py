@@ -299,10 +299,7 @@ def slots_from_spec(spec: str | int | None, *, total_experts: int, expert_bytes:
             raise ValueError(f"the expert cache needs at least 1 slot ({expert_bytes} bytes each) and the device has "
                              f"{free_bytes} bytes left: free device memory or lower the KV budget")
     elif isinstance(spec, str) and spec.endswith("%"):
-        pct = float(spec[:-1])
-        if not 0 < pct <= 100:
-            raise ValueError(f"--moe-slots percentage must be in (0, 100], got {spec}")
-        n = max(1, int(round(total_experts * pct / 100)))
+        n = max(1, int(round(total_experts * float(slots_spec(spec)[:-1]) / 100)))
     else:
         n = int(spec)
         if n < 1:

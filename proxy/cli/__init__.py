@@ -15,6 +15,13 @@ import sys
 
 KEY_ENV = "KILLICK_API_KEY"  # the server's --api-key: serve takes it from here, and so do its clients
 
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $KILLICK_API_KEY; an empty value means no key."""
+    import os
+
+    return args.api_key or os.environ.get(KEY_ENV) or None
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("proxy.cli.generate", "complete a prompt with a model (no server)"),

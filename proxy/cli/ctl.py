@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import urllib.error
 import urllib.request
 
-from proxy.cli import KEY_ENV
+from proxy.cli import KEY_ENV, api_key
 
 DEFAULT_SERVER = "http://127.0.0.1:8421"
 
@@ -51,7 +50,7 @@ def _call(args, method: str, path: str, body: dict | None = None) -> dict:
     req = urllib.request.Request(server.rstrip("/") + path, method=method,
                                  data=json.dumps(body).encode() if body is not None else None,
                                  headers={"Content-Type": "application/json"})
-    key = args.api_key or os.environ.get(KEY_ENV)
+    key = api_key(args)
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:

@@ -37,8 +37,7 @@ def run(args: argparse.Namespace) -> int:
     modes = pick_modes(args.modes, MODES)
     entries = replay_log.load([args.recording])
     if not entries:
-        raise ValueError(f"--recording {args.recording}: holds no API requests (POST /v1/messages, "
-                         "/v1/chat/completions, /v1/responses)")
+        raise replay_log.no_requests(f"--recording {args.recording}: holds")
     print(f"killick demo: replaying {len(entries)} requests of {Path(args.recording).name} on "
           f"{args.model or 'the demo model'}, modes {', '.join(modes)} (CPU)", flush=True)
     start = time.perf_counter()

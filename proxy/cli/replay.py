@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 import time
 from pathlib import Path
 
-from proxy.cli import KEY_ENV, check_output
+from proxy.cli import KEY_ENV, api_key, check_output
 
 MODES = ("off", "prefix", "anchors")
 
@@ -75,15 +74,14 @@ def run(args: argparse.Namespace) -> int:
     if args.turns is not None:
         entries = replay_log.first_turns(entries, args.turns)
     if args.limit is not None:
-        entries = entries[:max(0, args.limit)]
+        entries = entries[:args.limit]
     if args.unforced:
         entries = [dataclasses.replace(e, response=None) for e in entries]
     if not entries:
-        raise ValueError("the recordings hold no API requests (POST /v1/messages, /v1/chat/completions, "
-                         "/v1/responses)")
+        raise replay_log.no_requests("the recordings hold")
     if args.url:
         by_mode = {"url": asyncio.run(_client(args.url, entries, args.unforced_max_tokens, args.stream,
-                                              args.concurrent, args.api_key or os.environ.get(KEY_ENV)))}
+                                              args.concurrent, api_key(args)))}
     else:
         from engine.build import options_from_args
 

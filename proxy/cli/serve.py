@@ -29,7 +29,7 @@ import socket
 
 from aiohttp import web
 
-from proxy.cli import KEY_ENV, check_output
+from proxy.cli import KEY_ENV, api_key, check_output
 
 log = logging.getLogger("killick.proxy")
 MAX_HEADER = 1 << 20  # x-killick-force-response carries a whole recorded reply
@@ -139,11 +139,6 @@ def build_app(args: argparse.Namespace) -> web.Application:
                       api_key=api_key(args), keepalive_s=args.keepalive, planner=planner, replies=replies,
                       observer=recorder, access_log=not args.quiet,
                       sites=Sites.for_bind(args.host, args.allow_origin, args.allow_host))
-
-
-def api_key(args: argparse.Namespace) -> str | None:
-    """--api-key, else $KILLICK_API_KEY; an empty value means no key."""
-    return args.api_key or os.environ.get(KEY_ENV) or None
 
 
 def port_arg(text: str) -> int:

@@ -99,6 +99,11 @@ def load(paths: Iterable[str | Path]) -> list[Entry]:
             for i, (obj, metrics, source, session) in enumerate(kept)]
 
 
+def no_requests(what: str) -> ValueError:
+    """The error for recordings that hold no API request: `what` names them and says "hold(s)"."""
+    return ValueError(f"{what} no API requests (POST {', '.join(API_PATHS)})")
+
+
 def first_turns(entries: list[Entry], n: int) -> list[Entry]:
     """The first n requests of each session, in the recorded order (indexes renumbered)."""
     seen: dict[str, int] = {}
