@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine.synth import synth_checkpoint
+from proxy.cli.demo import DEFAULT_RECORDING
 
 
 def killick(*args, env_cache=None, timeout=120):
@@ -69,7 +70,7 @@ def test_shape_mismatch_names_the_key(tmp_path, tiny):
 def test_bad_flag_value_is_one_line(tmp_path):
     assert_user_error(killick("generate", "--prompt", "x", "--max-tokens", "0"), "--max-tokens")
     assert_user_error(killick("generate", "--prompt", "", "--raw"), "--prompt is empty")
-    recording = str(Path(__file__).resolve().parents[3] / "fixtures" / "sessions" / "mini-swe-agent.jsonl.gz")
+    recording = str(DEFAULT_RECORDING)
     assert_user_error(killick("replay", recording, "--turns", "0"), "--turns must be at least 1")
     (tmp_path / "file").write_text("x")
     assert_user_error(killick("generate", "--model", str(tmp_path / "file"), "--prompt", "x"), "is a file")
@@ -132,7 +133,7 @@ def test_a_path_results_cannot_go_to_is_refused_before_the_work(tmp_path):
     blocker = tmp_path / "afile"
     blocker.write_text("x")
     (tmp_path / "empty.jsonl").write_text("")
-    recording = str(Path(__file__).resolve().parents[3] / "fixtures" / "sessions" / "mini-swe-agent.jsonl.gz")
+    recording = str(DEFAULT_RECORDING)
     assert_user_error(killick("demo", "--out", str(blocker)), "--out", "is a file")
     assert_user_error(killick("replay", recording, "--json", str(blocker / "x.json")), "--json", "cannot write")
     assert_user_error(killick("replay", recording, "--plot", str(tmp_path)), "--plot", "is a directory")

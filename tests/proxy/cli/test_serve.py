@@ -7,11 +7,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from proxy.cli import build_parser
+from proxy.cli.demo import DEFAULT_RECORDING
 from real_stack import synth_model_dir
 
 
@@ -112,8 +112,7 @@ def test_serve_process_starts_answers_and_stops(tmp_path_factory):
         out = subprocess.run([sys.executable, "-m", "proxy.cli", "ctl", "stats", "--json", "--server",
                               f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60, env=keyed)
         assert out.returncode == 0 and json.loads(out.stdout)["context_length"] == 2048, out.stderr
-        recording = str(Path(__file__).resolve().parents[3] / "fixtures" / "sessions" / "mini-swe-agent.jsonl.gz")
-        out = subprocess.run([sys.executable, "-m", "proxy.cli", "replay", recording, "--url",
+        out = subprocess.run([sys.executable, "-m", "proxy.cli", "replay", str(DEFAULT_RECORDING), "--url",
                               f"http://127.0.0.1:{port}", "--limit", "1", "--unforced", "--unforced-max-tokens", "2",
                               "--quiet"], capture_output=True, text=True, timeout=120, env=keyed)
         assert out.returncode == 0 and "401" not in out.stdout, out.stdout + out.stderr

@@ -3,11 +3,12 @@ a chunk not in the OpenAI shape is the replica's failure (the next one answers, 
 an agent that leaves before a replica's headers leaves nothing in flight, and a replica that comes up after the
 proxy says what it serves then."""
 import asyncio
-import socket
 
 import aiohttp
 import pytest
 from aiohttp import web
+
+from proxy.upstream.bench import free_port
 
 MESSAGE = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
 GOOD = b'data: {"choices":[{"index":0,"delta":{"content":"fine"},"finish_reason":"stop"}]}\n\n'
@@ -82,9 +83,7 @@ async def test_what_no_replica_said_at_start_comes_from_the_first_one_up(aiohttp
     requests name, and /v1/models shows its name and window."""
     from proxy.upstream.pool import Unknown
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     base, pool = await upstream_front([f"http://127.0.0.1:{port}"], unknown=Unknown(True, True, True))
     asked = []
     await aiohttp_server(replica("good", asked), port=port)
