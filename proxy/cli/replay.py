@@ -70,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     for path, flag in ((args.json, "--json"), (args.plot, "--plot")):
         if path:
             check_output(path, flag)
+    if args.plot:
+        replay_report.check_plot()
     entries = replay_log.load(args.recordings)
     if args.turns is not None:
         entries = replay_log.first_turns(entries, args.turns)

@@ -160,7 +160,8 @@ def _result(entry: Entry, turn: int, resp, forced: bool, clock: _Clock, usage: d
 
 class Replayed(list):
     """The Results of one replay in request order, with `wall_s` (the first send to the last answer) and
-    `engine`: the server's engine counters after it (GET /v1/killick/stats; {} where not served)."""
+    `engine`: what the server's engine counters (GET /v1/killick/stats; {} where not served) grew by during it,
+    so a server that answered other requests before is not counted for them."""
 
     wall_s: float = 0.0
     engine: dict = {}
@@ -182,6 +183,8 @@ async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int =
     results: dict[int, Result] = {}
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth) as session:
+        before = await engine_stats(session, base_url)
+
         async def run(queue: list) -> None:
             for entry, turn in queue:
                 results[entry.index] = await send(session, base_url, entry, turn, unforced_max_tokens, timeout_s,
@@ -199,8 +202,15 @@ async def replay(base_url: str, entries: list[Entry], unforced_max_tokens: int =
                              "running there?") from None
         out = Replayed(results[e.index] for e, _ in numbered)
         out.wall_s = time.perf_counter() - start
-        out.engine = await engine_stats(session, base_url)
+        out.engine = counters_since(before, await engine_stats(session, base_url))
     return out
+
+
+def counters_since(before: dict, after: dict) -> dict:
+    """The numeric counters of `after` less their values in `before` (one missing there counts from 0); text
+    values as `after` has them."""
+    return {k: v - before.get(k, 0) if isinstance(v, (int, float)) and isinstance(before.get(k, 0), (int, float))
+            else v for k, v in after.items()}
 
 
 async def engine_stats(session: aiohttp.ClientSession, base_url: str) -> dict:

@@ -76,7 +76,7 @@ def summary_text(by_mode: dict[str, list[Result]]) -> str:
     text += text_table(rows, head)
     engines = [(m, *(v["engine"].get(k, "-") for k in ENGINE_COUNTERS)) for m, v in s.items() if v["engine"]]
     if engines:
-        text += "\n\nengine counters after the replay\n" + text_table(engines, ("mode", *ENGINE_COUNTERS))
+        text += "\n\nengine counters during the replay\n" + text_table(engines, ("mode", *ENGINE_COUNTERS))
     return text
 
 
@@ -103,13 +103,20 @@ def write_json(path: str | Path, by_mode: dict[str, list[Result]], meta: dict) -
     Path(path).write_text(json.dumps(data, indent=1))
 
 
+def check_plot() -> None:
+    """Refuse --plot before a replay runs, not after it, where matplotlib is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib")
+
+
 def plot(path: str | Path, by_mode: dict[str, list[Result]], title: str = "TTFT per turn") -> None:
     """One line per mode: TTFT of each request in replay order (log scale)."""
-    try:
-        import matplotlib
-    except ModuleNotFoundError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    check_plot()
     import logging
+
+    import matplotlib
 
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache INFO line is not ours to print
     matplotlib.use("Agg")

@@ -48,6 +48,21 @@ def test_unusable_recordings_are_one_line(tmp_path, capsys):
         assert code == 2 and needle in err and len(err.splitlines()) == 1, (argv, err)
 
 
+def test_plot_without_matplotlib_is_refused_before_the_replay(tmp_path, capsys, monkeypatch):
+    """The server is never asked (its port is closed): without matplotlib --plot fails first, not after a replay
+    whose results it would then lose."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    argv = [str(_jsonl(tmp_path / "ok.jsonl", LINE)), "--url", f"http://127.0.0.1:{_closed_port()}",
+            "--plot", str(tmp_path / "t.png")]
+    assert main(["replay", *argv, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--plot needs matplotlib" in err and "cannot reach" not in err
+
+
 def test_requests_whose_body_was_not_json_are_skipped(tmp_path, caplog):
     path = _jsonl(tmp_path / "mixed.jsonl", {**LINE, "body": None}, {**LINE, "body": "{nope"}, LINE)
     entries = replay_log.load([path])

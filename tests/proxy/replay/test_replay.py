@@ -245,6 +245,25 @@ async def test_replay_command_against_a_url(aiohttp_server, model_dir, tmp_path,
     assert "TTFT per turn (ms)" in printed and "summary" in printed
 
 
+async def test_url_replay_counts_only_its_own_engine_work(aiohttp_server, model_dir):
+    """A server that answered before the replay: the engine counters the replay reports are what grew during it."""
+    from proxy.replay.client import counters_since, engine_stats
+
+    server = await aiohttp_server(_app(model_dir, replies=ForcedResponses()))
+    url = str(server.make_url(""))
+    entries = replay_log.load([FIXTURES / "mini-swe-agent.jsonl.gz"])[:2]
+    first = await replay(url, entries)
+    async with aiohttp.ClientSession() as session:
+        total = await engine_stats(session, url)
+    second = await replay(url, entries)
+    async with aiohttp.ClientSession() as session:
+        after = await engine_stats(session, url)
+    assert first.engine["prefilled_tokens"] > 0
+    assert second.engine["prefilled_tokens"] == after["prefilled_tokens"] - total["prefilled_tokens"]
+    assert second.engine["prefilled_tokens"] < after["prefilled_tokens"]
+    assert counters_since({"a": 3, "m": "x"}, {"a": 5, "b": 2, "m": "y"}) == {"a": 2, "b": 2, "m": "y"}
+
+
 def test_serve_flags(tmp_path):
     from proxy.cli import build_parser
     from proxy.cli.serve import load_script, make_planner
