@@ -164,7 +164,7 @@ class _Call:
         self.todo = self.router.order(self.key)
         self.tried: list[str] = []
         self.busy = False  # some replica answered 429
-        self.replica: Optional[Replica] = None
+        self.replica: Optional[Replica] = None  # where the request is in flight (asked, or answering)
         self.resp: Optional[aiohttp.ClientResponse] = None
         self.t0 = time.perf_counter()
         self.first: Optional[float] = None
@@ -184,35 +184,46 @@ class _Call:
     async def connect(self) -> None:
         """POST to the next replica in order until one answers 200; an ApiError if none does."""
         while self.todo:
-            replica = self.todo.pop(0)
-            self.router.started(replica, self.key)
+            self._start(self.todo.pop(0))
+            url = self.replica.url
             try:
-                resp = await self.pool.http.post(replica.url + "/v1/chat/completions", json=self.body,
-                                                 headers=self.headers)
+                resp = await self.pool.http.post(url + "/v1/chat/completions", json=self.body, headers=self.headers)
             except _NET_ERRORS as exc:
-                self._failed(replica, describe(exc), down=True)
+                self._failed(describe(exc), down=True)
                 continue
             except BaseException:  # cancelled (the agent went away before the replica's headers): not in flight
-                self.router.finished(self.key, replica, 0, 0, ok=False)
+                self._leave()
                 raise
             if resp.status == 200:
-                self.replica, self.resp = replica, resp
-                self.router.answered(self.key, replica)
+                self.resp = resp
+                self.router.answered(self.key, self.replica)
                 return
             message = _error_message(await resp.text())
             resp.release()
             if resp.status < 500 and resp.status != 429:  # the request itself is at fault: no other replica helps
-                self.router.finished(self.key, replica, 0, 0, ok=False)
-                raise ApiError(resp.status, f"upstream {replica.url}: {message}")
+                self._leave()
+                raise ApiError(resp.status, f"upstream {url}: {message}")
             self.busy = self.busy or resp.status == 429
-            self._failed(replica, f"HTTP {resp.status}: {message}", down=resp.status in (502, 503, 504))
+            self._failed(f"HTTP {resp.status}: {message}", down=resp.status in (502, 503, 504))
         status, what = (429, "busy") if self.busy else (503, "unreachable or failing")
         raise ApiError(status, f"no upstream replica answered ({what}): {'; '.join(self.tried)}",
                        code="rate_limit_exceeded" if self.busy else None)
 
-    def _failed(self, replica: Replica, why: str, down: bool) -> None:
+    def _start(self, replica: Replica) -> None:
+        """In flight at `replica` from here on (its load)."""
+        self.router.started(replica, self.key)
+        self.replica = replica
+
+    def _leave(self, usage: Optional[Usage] = None) -> None:
+        """No longer in flight at self.replica; a complete answer's usage is booked there."""
+        self.router.finished(self.key, self.replica, usage.prompt_tokens if usage else 0,
+                             usage.reused_tokens if usage else 0, ok=usage is not None)
+        self.replica = None
+
+    def _failed(self, why: str, down: bool) -> None:
+        replica = self.replica
         self.tried.append(f"{replica.url}: {why}")
-        self.router.finished(self.key, replica, 0, 0, ok=False)
+        self._leave()
         self.router.failed(replica, why, down=down)
         log.warning("upstream %s failed (%s)%s", replica.url, why, "; trying the next" if self.todo else "")
 
@@ -230,8 +241,8 @@ class _Call:
                 if failure is None or reply.started:
                     break
                 self.router.retries += 1  # nothing went to the agent yet: the next replica answers instead
-                self._failed(self.replica, failure, down=True)
-                self.replica, self.resp = None, self._close_response()
+                self._failed(failure, down=True)
+                self.resp = self._close_response()
                 try:
                     await self.connect()
                 except ApiError as err:
@@ -282,8 +293,7 @@ class _Call:
         if reader.error is not None:
             return self._error(f"upstream {self.replica.url}: {reader.error}", reader, reply)
         usage = self._usage(reader, reply)
-        self.router.finished(self.key, self.replica, usage.prompt_tokens, usage.reused_tokens)
-        self.replica = None
+        self._leave(usage)
         parser = reader.parser
         finish = reader.finish or "stop"
         if parser.stopped is not None:
@@ -297,8 +307,7 @@ class _Call:
     def _error(self, message: str, reader: ChunkReader, reply: Optional["_ReplyParts"] = None,
                status: int = 500) -> Finished:
         if self.replica is not None:
-            self.router.finished(self.key, self.replica, 0, 0, ok=False)
-            self.replica = None
+            self._leave()
         return Finished("error", self._usage(reader, reply or _ReplyParts()), error=message, error_status=status)
 
     def _usage(self, reader: ChunkReader, reply: "_ReplyParts") -> Usage:
@@ -324,8 +333,7 @@ class _Call:
     def _close(self) -> None:
         self.resp = self._close_response()
         if self.replica is not None:  # left early (the client went away)
-            self.router.finished(self.key, self.replica, 0, 0, ok=False)
-            self.replica = None
+            self._leave()
 
     def _close_response(self) -> None:
         if self.resp is not None:
