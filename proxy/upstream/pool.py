@@ -12,6 +12,8 @@ One request: route (proxy/upstream/routing.py) -> POST /v1/chat/completions (str
 output event is out, a failed replica (refused, cut, 5xx, 429) costs nothing but time: the request goes to the
 next one and the replica is marked down until a health check passes. After that, the answer ends with an error
 in the API's shape (front-ends: an error event, or a 500 for a non-streaming request), never silently.
+A health check that fails is such a failure for every request in flight at that replica: a stalled replica
+sends no error, and the read timeout that would end the wait is long for a healthy replica's silent prefill.
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ class UpstreamPool:
         self.http: Optional[aiohttp.ClientSession] = None
         self.unknown = unknown
         self._ctx = None  # the app's ServerContext (lifetime): what is learned late goes there
+        self.calls: set[_Call] = set()  # requests in flight at some replica (_Call.replica)
 
     async def lifetime(self, app):
         """app.cleanup_ctx: the HTTP client and the health checks live as long as the app."""
@@ -144,6 +147,9 @@ class UpstreamPool:
             (log.info if ok else log.warning)("upstream %s is %s%s", replica.url, "up" if ok else "down",
                                               f" ({why})" if why else "")
         self.router.set_health(replica, ok, why)
+        if not ok:
+            for call in [c for c in self.calls if c.replica is replica]:
+                call.cut(f"marked down, {why}")
         return ok
 
     def _auth(self) -> dict:
@@ -166,6 +172,8 @@ class _Call:
         self.busy = False  # some replica answered 429
         self.replica: Optional[Replica] = None  # where the request is in flight (asked, or answering)
         self.resp: Optional[aiohttp.ClientResponse] = None
+        self.cut_why: Optional[str] = None  # why cut() ended the wait at self.replica
+        self._waiting: Optional[asyncio.Timeout] = None  # while the replica's headers are awaited
         self.t0 = time.perf_counter()
         self.first: Optional[float] = None
         self.last: Optional[float] = None
@@ -187,18 +195,22 @@ class _Call:
             self._start(self.todo.pop(0))
             url = self.replica.url
             try:
-                resp = await self.pool.http.post(url + "/v1/chat/completions", json=self.body, headers=self.headers)
+                async with asyncio.timeout(None) as self._waiting:  # no deadline of its own: cut() sets one
+                    resp = await self.pool.http.post(url + "/v1/chat/completions", json=self.body,
+                                                     headers=self.headers)
+                    message = None if resp.status == 200 else _error_message(await resp.text())
             except _NET_ERRORS as exc:
-                self._failed(describe(exc), down=True)
+                self._failed(self.cut_why or describe(exc), down=True)
                 continue
             except BaseException:  # cancelled (the agent went away before the replica's headers): not in flight
                 self._leave()
                 raise
+            finally:
+                self._waiting = None
             if resp.status == 200:
                 self.resp = resp
                 self.router.answered(self.key, self.replica)
                 return
-            message = _error_message(await resp.text())
             resp.release()
             if resp.status < 500 and resp.status != 429:  # the request itself is at fault: no other replica helps
                 self._leave()
@@ -210,15 +222,28 @@ class _Call:
                        code="rate_limit_exceeded" if self.busy else None)
 
     def _start(self, replica: Replica) -> None:
-        """In flight at `replica` from here on (its load)."""
+        """In flight at `replica` from here on: its load, and cut() when its health check fails."""
         self.router.started(replica, self.key)
-        self.replica = replica
+        self.replica, self.cut_why = replica, None
+        self.pool.calls.add(self)
 
     def _leave(self, usage: Optional[Usage] = None) -> None:
         """No longer in flight at self.replica; a complete answer's usage is booked there."""
         self.router.finished(self.key, self.replica, usage.prompt_tokens if usage else 0,
                              usage.reused_tokens if usage else 0, ok=usage is not None)
         self.replica = None
+        self.pool.calls.discard(self)
+
+    def cut(self, why: str) -> None:
+        """The replica's health check failed: stop waiting for its headers or its next chunk now. The failure
+        then goes the usual way: the next replica while nothing went to the agent, else an error in the API's
+        shape."""
+        self.cut_why = why
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            waiting.reschedule(asyncio.get_running_loop().time())  # the POST ends with a TimeoutError
+        if self.resp is not None:
+            self.resp.close()  # the pending read ends with a ClientConnectionError
 
     def _failed(self, why: str, down: bool) -> None:
         replica = self.replica
@@ -280,7 +305,7 @@ class _Call:
                 if reader.ended or reader.error:
                     return
         except _NET_ERRORS as exc:
-            yield _Failure(describe(exc))
+            yield _Failure(self.cut_why or describe(exc))
             return
         if not done and reader.finish is None:
             yield _Failure("the stream ended before its last chunk")

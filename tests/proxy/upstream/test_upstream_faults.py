@@ -1,8 +1,11 @@
 """Replicas that misbehave, in front of which the proxy still answers in the API's shape and keeps its books:
 a chunk not in the OpenAI shape is the replica's failure (the next one answers, or the status says none did),
-an agent that leaves before a replica's headers leaves nothing in flight, and a replica that comes up after the
-proxy says what it serves then."""
+an agent that leaves before a replica's headers leaves nothing in flight, a replica that comes up after the
+proxy says what it serves then, and a replica that stalls loses its requests as soon as its health check fails
+while one that is slow but healthy keeps them."""
 import asyncio
+import json
+from typing import NamedTuple
 
 import aiohttp
 import pytest
@@ -12,11 +15,29 @@ from proxy.upstream.bench import free_port
 
 MESSAGE = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
 GOOD = b'data: {"choices":[{"index":0,"delta":{"content":"fine"},"finish_reason":"stop"}]}\n\n'
+PART = b'data: {"choices":[{"index":0,"delta":{"content":"Hello, "},"finish_reason":null}]}\n\n'
+SLOW_S = 1.0  # a "slow" replica's silences: several health intervals, far below the read timeout
+PROMPT = aiohttp.ClientTimeout(total=5)  # far below the read timeout (600 s): only the health check ends a stall
 
 
-def replica(mode: str, asked: list | None = None) -> web.Application:
-    """A replica that answers as `mode` says; the models its requests name go to `asked`."""
+def replica(mode: str, asked: list | None = None, hung_up: asyncio.Event | None = None) -> web.Application:
+    """A replica that answers as `mode` says; the models its requests name go to `asked`. "hang" stops before
+    its headers and "hang-mid" after its first chunk, as a stopped process: from then on its /health does not
+    answer either; `hung_up` is set when the proxy closes the stalled connection. "slow" is healthy but silent
+    for SLOW_S before its headers and again mid-answer, as a server that sends no keep-alives."""
+    hung = asyncio.Event()
+
+    async def hang():  # inside an answer
+        hung.set()
+        try:
+            await asyncio.sleep(3600)  # until the peer hangs up (the test server cancels the handler)
+        finally:
+            if hung_up is not None:
+                hung_up.set()
+
     async def health(request):
+        if hung.is_set():
+            await asyncio.sleep(3600)  # until the health check gives up and hangs up
         return web.json_response({"status": "ok"})
 
     async def models(request):
@@ -28,10 +49,15 @@ def replica(mode: str, asked: list | None = None) -> web.Application:
             asked.append((await request.json())["model"])
         if mode == "busy":
             return web.json_response({"error": {"message": "busy"}}, status=429)
+        if mode == "hang":
+            await hang()
         if mode == "slow":
-            await asyncio.sleep(3)  # before its headers, as a replica that sends them after the prefill
+            await asyncio.sleep(SLOW_S)  # before its headers, as a replica that sends them after the prefill
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if mode in ("hang-mid", "slow"):
+            await resp.write(PART)
+            await (hang() if mode == "hang-mid" else asyncio.sleep(SLOW_S))
         await resp.write(b'data: {"choices":[{"index":0,"delta":"oops"}]}\n\n' if mode == "malformed" else GOOD)
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -43,8 +69,12 @@ def replica(mode: str, asked: list | None = None) -> web.Application:
     return app
 
 
+async def _url(aiohttp_server, app: web.Application) -> str:
+    return str((await aiohttp_server(app)).make_url("")).rstrip("/")
+
+
 async def _urls(aiohttp_server, *modes):
-    return [str((await aiohttp_server(replica(m))).make_url("")).rstrip("/") for m in modes]
+    return [await _url(aiohttp_server, replica(m)) for m in modes]
 
 
 @pytest.mark.parametrize("modes, status, kind", [(("malformed", "busy"), 429, "rate_limit_error"),
@@ -98,3 +128,87 @@ async def test_what_no_replica_said_at_start_comes_from_the_first_one_up(aiohttp
         async with s.get(base + "/v1/models") as r:
             entry = (await r.json())["data"][0]
     assert asked == ["fake"] and entry["id"] == "fake" and entry["context_length"] == 4096
+
+
+STREAMS = {  # each API's streamed request, and the message of the error event that ends a stream (else None)
+    "anthropic": ("/v1/messages", {**MESSAGE, "stream": True},
+                  lambda ev: ev.get("type") == "error" and ev["error"]["message"]),
+    "chat": ("/v1/chat/completions", {**MESSAGE, "stream": True}, lambda ev: "error" in ev and ev["error"]["message"]),
+    "responses": ("/v1/responses", {"model": "m", "stream": True, "input": "hi"},
+                  lambda ev: ev.get("type") == "response.failed" and ev["response"]["error"]["message"]),
+}
+
+
+@pytest.fixture
+def quick_health(monkeypatch):
+    """A health check gives up on a replica after 0.5 s (5 s in service): a stalled replica is down sooner."""
+    monkeypatch.setattr("proxy.upstream.pool.HEALTH_TIMEOUT_S", 0.5)
+
+
+class Stalling(NamedTuple):
+    """The proxy in front of a replica that stalls and a good one, and a session whose first choice is the
+    stalled one."""
+
+    base: str
+    pool: object  # the app's UpstreamPool
+    stalled: str  # URL
+    good: str
+    key: str  # the session (x-session-id)
+    hung_up: asyncio.Event  # set when the proxy closes the stalled connection
+
+
+async def _stalling(aiohttp_server, upstream_front, mode: str) -> Stalling:
+    hung_up = asyncio.Event()
+    stalled = await _url(aiohttp_server, replica(mode, hung_up=hung_up))
+    good = await _url(aiohttp_server, replica("good"))
+    base, pool = await upstream_front([stalled, good], health_interval_s=0.2)
+    key = next(k for k in (f"s{i}" for i in range(1000)) if pool.router.order(k)[0].url == stalled)
+    return Stalling(base, pool, stalled, good, key, hung_up)
+
+
+def _route(pool, key: str) -> dict:
+    return next(s for s in pool.stats()["recent_sessions"] if s["session"] == key)
+
+
+async def test_a_replica_that_stalls_before_its_headers_hands_the_request_on_when_its_health_check_fails(
+        aiohttp_server, upstream_front, quick_health):
+    t = await _stalling(aiohttp_server, upstream_front, "hang")
+    async with aiohttp.ClientSession(timeout=PROMPT) as s:
+        async with s.post(t.base + "/v1/messages", json=MESSAGE, headers={"x-session-id": t.key}) as r:
+            body = await r.json()
+    assert r.status == 200 and body["content"][0]["text"] == "fine"
+    await asyncio.wait_for(t.hung_up.wait(), 1)  # the proxy closed the stalled connection
+    stats = t.pool.stats()
+    assert (stats["active"], stats["failures"], stats["replicas_up"]) == (0, 1, 1) and not t.pool.calls
+    assert [r["in_flight"] for r in stats["replicas"]] == [0, 0] and _route(t.pool, t.key)["replica"] == t.good
+
+
+@pytest.mark.parametrize("api", STREAMS)
+async def test_a_replica_that_stalls_mid_answer_ends_the_stream_in_the_apis_shape_when_its_health_check_fails(
+        aiohttp_server, upstream_front, quick_health, api):
+    path, body, error_of = STREAMS[api]
+    t = await _stalling(aiohttp_server, upstream_front, "hang-mid")
+    async with aiohttp.ClientSession(timeout=PROMPT) as s:
+        async with s.post(t.base + path, json=body, headers={"x-session-id": t.key}) as r:
+            events = [json.loads(line[5:]) async for line in r.content if line.startswith(b"data: {")]
+        errors = [m for m in map(error_of, events) if m]
+        assert r.status == 200 and "Hello" in json.dumps(events[:-1]) and errors == [error_of(events[-1])]
+        assert f"upstream {t.stalled} failed mid-answer (marked down, health check: timed out)" in errors[0]
+        await asyncio.wait_for(t.hung_up.wait(), 1)
+        assert t.pool.stats()["active"] == 0 and not t.pool.calls
+        async with s.post(t.base + "/v1/messages", json=MESSAGE, headers={"x-session-id": t.key}) as r:
+            assert (await r.json())["content"][0]["text"] == "fine"  # the session goes on elsewhere
+    assert (_route(t.pool, t.key)["replica"], _route(t.pool, t.key)["moves"]) == (t.good, 1)
+    assert t.pool.stats()["active"] == 0
+
+
+async def test_a_replica_that_is_slow_but_healthy_keeps_its_request(aiohttp_server, upstream_front, quick_health):
+    """Silent for several health intervals before its headers and again mid-answer (a long prefill on a server
+    without keep-alives) while its health check passes: the whole answer comes from it."""
+    base, pool = await upstream_front(await _urls(aiohttp_server, "slow"), health_interval_s=0.2)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/v1/messages", json=MESSAGE) as r:
+            body = await r.json()
+    assert r.status == 200 and body["content"][0]["text"] == "Hello, fine", body
+    stats = pool.stats()
+    assert (stats["active"], stats["failures"], stats["retries"], stats["replicas_up"]) == (0, 0, 0, 1)
