@@ -8,6 +8,7 @@ From the command line (`killick serve --upstream URL ... --upstream-model 'claud
     health_interval = 5.0            # seconds between health checks (GET /health)
     connect_timeout = 5.0
     read_timeout = 600.0             # longest silence inside an answer (a long prefill on a server without keep-alives)
+                                     # while the replica's health checks pass; a failed one ends the wait at once
     api_key = "..."                  # sent to the upstreams as Authorization: Bearer
     [models]                         # the agent's model name -> the upstream's; first match wins, * and ? as in a shell
     "claude-*" = "qwen3.6-35b-a3b"
@@ -122,7 +123,8 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
                    help="session: each session sticks to one replica (default); round-robin: for comparison")
     g.add_argument("--health-interval", type=float, metavar="S", help="seconds between health checks (default 5)")
     g.add_argument("--upstream-timeout", type=float, metavar="S",
-                   help="longest silence inside an upstream's answer (default 600)")
+                   help="longest silence inside an upstream's answer while its health checks pass (default 600; "
+                        "a failed check ends the wait at once)")
     g.add_argument("--upstream-api-key", metavar="KEY", help="sent to the upstreams as Authorization: Bearer")
 
 
