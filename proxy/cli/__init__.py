@@ -22,6 +22,16 @@ def api_key(args: argparse.Namespace) -> str | None:
 
     return args.api_key or os.environ.get(KEY_ENV) or None
 
+
+def server_url(url: str, flag: str) -> str:
+    """A killick server's URL as users write it: without a scheme (http), or as the base URL a harness is given
+    (a trailing /v1). The API routes are appended to what comes back."""
+    from proxy.upstream.config import base_url
+
+    text = url.strip()
+    return base_url(text if "://" in text else "http://" + text, what=flag)
+
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("proxy.cli.generate", "complete a prompt with a model (no server)"),

@@ -6,7 +6,7 @@ import json
 import urllib.error
 import urllib.request
 
-from proxy.cli import KEY_ENV, api_key
+from proxy.cli import KEY_ENV, api_key, server_url
 
 DEFAULT_SERVER = "http://127.0.0.1:8421"
 
@@ -46,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _call(args, method: str, path: str, body: dict | None = None) -> dict:
-    server = args.server if "://" in args.server else "http://" + args.server
-    req = urllib.request.Request(server.rstrip("/") + path, method=method,
+    req = urllib.request.Request(server_url(args.server, "--server") + path, method=method,
                                  data=json.dumps(body).encode() if body is not None else None,
                                  headers={"Content-Type": "application/json"})
     key = api_key(args)

@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from typing import Mapping
 
+from proxy.cli import server_url
 from proxy.cli.launch_profiles import DUMMY_KEY, KEY_ENV, PROFILES, LaunchPlan, Served, plan
 
 DEFAULT_SERVER = "http://127.0.0.1:8421"
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 def served_or_placeholder(args: argparse.Namespace, key: str | None) -> Served:
     """What the server says; for a dry run without a server, placeholders (and a line saying so)."""
-    server = args.server.rstrip("/")
+    server = server_url(args.server, "--server")
     try:
         return ask_server(server, key, args.model)
     except ServerUnreachable as exc:

@@ -24,7 +24,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from proxy.cli import KEY_ENV, api_key, check_output
+from proxy.cli import KEY_ENV, api_key, check_output, server_url
 
 MODES = ("off", "prefix", "anchors")
 
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             check_output(path, flag)
     if args.plot:
         replay_report.check_plot()
+    url = server_url(args.url, "--url") if args.url else None
     entries = replay_log.load(args.recordings)
     if args.turns is not None:
         entries = replay_log.first_turns(entries, args.turns)
@@ -81,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
         entries = [dataclasses.replace(e, response=None) for e in entries]
     if not entries:
         raise replay_log.no_requests("the recordings hold")
-    if args.url:
-        by_mode = {"url": asyncio.run(_client(args.url, entries, args.unforced_max_tokens, args.stream,
+    if url:
+        by_mode = {"url": asyncio.run(_client(url, entries, args.unforced_max_tokens, args.stream,
                                               args.concurrent, api_key(args)))}
     else:
         from engine.build import options_from_args
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         by_mode = run_modes(entries, args.model, modes, options_from_args(args), args.unforced_max_tokens,
                             args.stream, args.concurrent, args.prompt_layout)
     report(by_mode, quiet=args.quiet)
-    meta = {"recordings": [str(p) for p in args.recordings], "url": args.url, "model": args.model,
+    meta = {"recordings": [str(p) for p in args.recordings], "url": url, "model": args.model,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if args.json:
         replay_report.write_json(args.json, by_mode, meta)

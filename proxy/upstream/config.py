@@ -87,11 +87,11 @@ class UpstreamConfig:
         return cls(**{f.name: kw[f.name] for f in fields(cls) if f.name in kw})
 
 
-def base_url(url: str) -> str:
+def base_url(url: str, what: str = "an upstream") -> str:
     """http(s)://host:port[/prefix] without a trailing / or /v1 (the routes are appended to it)."""
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"an upstream must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
+        raise ValueError(f"{what} must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
     path = parts.path.rstrip("/")
     path = path.removesuffix("/v1")
     return f"{parts.scheme}://{parts.netloc}{path}"

@@ -213,6 +213,16 @@ async def test_server_key_reaches_agent_by_flag_or_variable(agent, models_server
         assert SERVER_KEY not in text and '"apiKey": "{env:KILLICK_API_KEY}"' in text
 
 
+async def test_server_is_taken_as_ctl_and_the_harnesses_write_it(models_server, home, capsys):
+    """--server without its scheme, or as the base URL a harness is given (…/v1), names the same server."""
+    assert await asyncio.to_thread(main, ["launch", "codex", "--server", models_server, "--dry-run"]) == 0
+    plain = capsys.readouterr().out
+    assert "no killick server answers" not in plain and 'model="served-moe"' in plain
+    for spelled in (models_server.removeprefix("http://"), models_server + "/v1", models_server + "/v1/"):
+        assert await asyncio.to_thread(main, ["launch", "codex", "--server", spelled, "--dry-run"]) == 0
+        assert capsys.readouterr().out == plain, spelled
+
+
 async def test_dry_run_shows_variable_not_key(models_server, home, tmp_path, capsys):
     assert main(["launch", "openclaw", "--server", models_server, "--api-key", SERVER_KEY, "--dry-run"]) == 0
     out = capsys.readouterr().out

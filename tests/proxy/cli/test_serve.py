@@ -107,10 +107,10 @@ def test_serve_process_starts_answers_and_stops(tmp_path_factory):
         assert out.returncode == 0 and "(5 slots)" in out.stdout and "context_length" in out.stdout, out.stderr
         out = subprocess.run([*ctl, "stats", "--json"], capture_output=True, text=True, timeout=60)
         assert json.loads(out.stdout)["context_length"] == 2048
-        # the key from $KILLICK_API_KEY, the server after the action and without its scheme, as serve takes them
+        # the key from $KILLICK_API_KEY, the server after the action, without its scheme and as a harness's base URL
         keyed = {**os.environ, "PYTHONPATH": os.getcwd(), "KILLICK_API_KEY": "k"}
         out = subprocess.run([sys.executable, "-m", "proxy.cli", "ctl", "stats", "--json", "--server",
-                              f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60, env=keyed)
+                              f"127.0.0.1:{port}/v1"], capture_output=True, text=True, timeout=60, env=keyed)
         assert out.returncode == 0 and json.loads(out.stdout)["context_length"] == 2048, out.stderr
         out = subprocess.run([sys.executable, "-m", "proxy.cli", "replay", str(DEFAULT_RECORDING), "--url",
                               f"http://127.0.0.1:{port}", "--limit", "1", "--unforced", "--unforced-max-tokens", "2",

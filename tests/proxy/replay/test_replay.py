@@ -226,14 +226,15 @@ def test_fixtures_fit_the_size_budget():
 
 
 async def test_replay_command_against_a_url(aiohttp_server, model_dir, tmp_path, capsys):
-    """The CLI end to end: --url, --limit, --stream, --json and --plot (matplotlib, Agg)."""
+    """The CLI end to end: --url (as a harness's base URL, without its scheme), --limit, --stream, --json and --plot
+    (matplotlib, Agg)."""
     import asyncio
 
     from proxy.cli import main
 
     server = await aiohttp_server(_app(model_dir, replies=ForcedResponses()))
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    argv = ["replay", str(FIXTURES / "mini-swe-agent.jsonl.gz"), "--url", str(server.make_url("")), "--limit", "2",
+    argv = ["replay", str(FIXTURES / "mini-swe-agent.jsonl.gz"), "--url", f"127.0.0.1:{server.port}/v1", "--limit", "2",
             "--stream", "--json", str(out), "--plot", str(png)]
     assert await asyncio.to_thread(main, argv) == 0
     data = json.loads(out.read_text())
