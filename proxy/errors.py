@@ -14,6 +14,7 @@ from aiohttp import web
 log = logging.getLogger("killick.proxy")
 STREAM_STARTED = web.RequestKey("killick_stream_started", bool)  # set once SSE headers are sent
 CLIENT_CLOSED = 499  # nginx's status for a request the client gave up on
+RETRY_MAY_HELP = (408, 409, 429)  # a body that stopped arriving, a conflict, a full queue: the same request may pass
 
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
@@ -87,7 +88,12 @@ def error_body(path: str, err: ApiError) -> dict:
 
 
 def error_response(path: str, err: ApiError) -> web.Response:
-    return web.json_response(error_body(path, err), status=err.status, headers=err.headers)
+    """The error in the route's shape. A 4xx the same request would meet again says so, as Anthropic's API does
+    (x-should-retry: false): the SDKs and Claude Code retry on it otherwise (a wrong key, for minutes)."""
+    headers = dict(err.headers)
+    if 400 <= err.status < 500 and err.status not in RETRY_MAY_HELP:
+        headers["x-should-retry"] = "false"
+    return web.json_response(error_body(path, err), status=err.status, headers=headers)
 
 
 def from_validation(exc: pydantic.ValidationError) -> ApiError:

@@ -146,7 +146,7 @@ async def test_full_queue_answers_429_in_each_shape(aiohttp_client, fake_stack):
     busy = [asyncio.ensure_future(client.post("/v1/messages", json=msg)) for _ in range(4)]
     await asyncio.sleep(0.2)
     resp = await client.post("/v1/messages", json=msg)
-    assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1
+    assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1 and "x-should-retry" not in resp.headers
     assert (await resp.json())["error"]["type"] == "rate_limit_error"
     resp = await client.post("/v1/chat/completions", json={"model": "m", "messages": msg["messages"]})
     assert resp.status == 429 and (await resp.json())["error"]["code"] == "rate_limit_exceeded"
@@ -167,6 +167,23 @@ async def test_api_key_bearer_and_x_api_key(aiohttp_server, fake_stack, sdk):
     assert err.value.body["error"]["type"] == "authentication_error"
     with pytest.raises(openai.AuthenticationError):
         await sdk.openai(base, api_key="bad", max_retries=0).models.list()
+
+
+async def test_a_refusal_the_same_request_meets_again_says_not_to_retry(aiohttp_client, fake_stack):
+    """x-should-retry: false, as Anthropic's API sends it, on a 4xx a retry cannot change: without it Claude Code
+    retries a wrong key's 401 with backoff for minutes before it says anything."""
+    app, _ = fake_stack(api_key="k", context_length=64)
+    client = await aiohttp_client(app)
+    msg = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    key = {"x-api-key": "k"}
+    for path, body, headers, status in (
+            ("/v1/messages", msg, {"x-api-key": "wrong"}, 401),
+            ("/v1/chat/completions", msg, {"Authorization": "Bearer wrong"}, 401),
+            ("/v1/messages", {**msg, "max_tokens": "x"}, key, 400),
+            ("/v1/messages", {**msg, "messages": [{"role": "user", "content": "word " * 100}]}, key, 400),
+            ("/v1/nope", msg, key, 404)):
+        resp = await client.post(path, json=body, headers=headers)
+        assert resp.status == status and resp.headers.get("x-should-retry") == "false", (path, status)
 
 
 async def test_health_is_open_but_everything_else_needs_the_key(aiohttp_client, fake_stack):
