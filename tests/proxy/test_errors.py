@@ -131,6 +131,30 @@ async def test_images_become_a_placeholder_not_an_error(aiohttp_client, fake_sta
     assert "[image omitted" in core.tok.decode(core.requests[-1].prompt_ids)
 
 
+@pytest.mark.parametrize("path,part,kind", [
+    ("/v1/messages", {"type": "document", "source": {"type": "base64", "data": "AA=="}}, "document"),
+    ("/v1/chat/completions", {"type": "file", "file": {"file_data": "AA=="}}, "file"),
+    ("/v1/chat/completions", {"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}, "audio"),
+    ("/v1/responses", {"type": "input_file", "file_data": "AA=="}, "file"),
+    ("/v1/responses", {"type": "input_image", "image_url": "data:image/png;base64,AA=="}, "image"),
+])
+async def test_the_placeholder_names_what_was_left_out(aiohttp_client, fake_stack, caplog, path, part, kind):
+    """The model is told a file or a recording was left out, not an image; the log says which part."""
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    text = {"type": "input_text" if path == "/v1/responses" else "text", "text": "look"}
+    message = {"role": "user", "content": [text, part]}
+    body = {"model": "m", "input": [message]} if path == "/v1/responses" else {
+        "model": "m", "max_tokens": 3, "messages": [message]}
+    resp = await client.post(path, json=body)
+    assert resp.status == 200, await resp.text()
+    prompt = core.tok.decode(core.requests[-1].prompt_ids)
+    assert f"[{kind} omitted: this model reads text only]" in prompt and (kind == "image") == ("[image" in prompt)
+    warnings = [r.getMessage() for r in caplog.records if "placeholder" in r.getMessage()]
+    assert warnings == [f"a {part['type']} part ({kind}) was replaced by a text placeholder: the model reads text "
+                        "only"]  # once, though the Responses store keeps the input too
+
+
 async def test_agent_extras_are_accepted(aiohttp_client, fake_stack):
     """Fields real agents send that we do not use: accepted and ignored."""
     client = await aiohttp_client(fake_stack()[0])

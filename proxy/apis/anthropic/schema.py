@@ -19,8 +19,8 @@ from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, not_enforceable
 from proxy.generation import GenParams
 
 log = logging.getLogger("killick.proxy")
-IMAGE_PLACEHOLDER = "[image omitted: this model reads text only]"
-DOCUMENT_PLACEHOLDER = "[document omitted: this model reads text only]"
+MEDIA_KINDS = {"image": "image", "image_url": "image", "input_image": "image", "document": "document",
+               "file": "file", "input_file": "file", "input_audio": "audio"}  # a part's type -> what it holds
 
 
 class _Model(BaseModel):
@@ -192,5 +192,11 @@ def _tool_result(block: ToolResultBlock) -> ToolResultPart:
 
 
 def _placeholder(block) -> str:
-    log.warning("an %s block was replaced by a text placeholder: the model reads text only", block.type)
-    return IMAGE_PLACEHOLDER if isinstance(block, ImageBlock) else DOCUMENT_PLACEHOLDER
+    return omitted(block.type)
+
+
+def omitted(part_type: str) -> str:
+    """The text an image, document, file or audio part of any API becomes, naming what the model misses."""
+    kind = MEDIA_KINDS.get(part_type, "attachment")
+    log.warning("a %s part (%s) was replaced by a text placeholder: the model reads text only", part_type, kind)
+    return f"[{kind} omitted: this model reads text only]"

@@ -7,21 +7,18 @@ assistant messages, `max_completion_tokens`, content as string or parts, `chat_t
 from __future__ import annotations
 
 import json
-import logging
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.api import SamplingParams
-from proxy.apis.anthropic.schema import IMAGE_PLACEHOLDER
+from proxy.apis.anthropic.schema import omitted
 from proxy.body import MAX_DEPTH, check_json
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
 )
 from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, ApiError, not_enforceable
 from proxy.generation import GenParams
-
-log = logging.getLogger("killick.proxy")
 
 
 class _Model(BaseModel):
@@ -143,8 +140,7 @@ def content_text(content: Content) -> str:
         if isinstance(part, TextContent):
             texts.append(part.text)
         else:
-            log.warning("a %s content part was replaced by a text placeholder: the model reads text only", part.type)
-            texts.append(IMAGE_PLACEHOLDER)
+            texts.append(omitted(part.type))
     return "\n".join(texts)
 
 

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from proxy.apis.responses.output import OutputItems
 from proxy.apis.responses.schema import (ResponsesRequest, check_supported, custom_tool_names, gen_params,
-                                         input_messages, to_conversation)
+                                         to_conversation)
 from proxy.apis.responses.store import RESPONSES, ResponseStore
 from proxy.body import read_json_object
 from proxy.context import CTX
@@ -32,10 +32,12 @@ async def responses(request: web.Request) -> web.StreamResponse:
     check_supported(req)
     store = request.app[RESPONSES]
     previous = _previous(store, req)
-    prep = await prepare(ctx, request, to_conversation(req, previous), gen_params(req), body)
+    conv = to_conversation(req, previous)
+    prep = await prepare(ctx, request, conv, gen_params(req), body)
     head = _head(req)
     out = OutputItems(custom_tool_names(req), "reasoning.encrypted_content" in (req.include or ()))
-    remember = functools.partial(_remember, store, req, head["id"], previous, out)
+    history = conv.messages[1:] if req.instructions else conv.messages  # previous + input, not the instructions
+    remember = functools.partial(_remember, store, req, head["id"], history, out)
     async with Generation(ctx, prep) as gen:
         if req.stream:
             return await _stream(request, head, out, remember, gen)
@@ -62,9 +64,9 @@ def _previous(store: ResponseStore, req: ResponsesRequest):
     return messages
 
 
-def _remember(store: ResponseStore, req: ResponsesRequest, response_id: str, previous, out: OutputItems) -> None:
+def _remember(store: ResponseStore, req: ResponsesRequest, response_id: str, history, out: OutputItems) -> None:
     if req.store:
-        store.put(response_id, tuple(previous) + input_messages(req) + (out.message(),))
+        store.put(response_id, tuple(history) + (out.message(),))
 
 
 def _head(req: ResponsesRequest) -> dict:

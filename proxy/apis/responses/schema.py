@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engine.api import SamplingParams
-from proxy.apis.anthropic.schema import IMAGE_PLACEHOLDER
+from proxy.apis.anthropic.schema import omitted
 from proxy.apis.chat.schema import canonical_arguments
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
@@ -213,8 +213,7 @@ def _text(content) -> str:
         if isinstance(part, TextContent):
             texts.append(part.text or part.refusal)
         else:
-            log.warning("a %s input part was replaced by a text placeholder: the model reads text only", part.type)
-            texts.append(IMAGE_PLACEHOLDER)
+            texts.append(omitted(part.type))
     return "\n".join(texts)
 
 
