@@ -21,7 +21,7 @@ from aiohttp import web
 
 from proxy.app import TurnObserver, create_app
 from proxy.policy.planner import Planner
-from proxy.upstream.config import UpstreamConfig, config_from_args
+from proxy.upstream.config import UpstreamConfig, config_from_args, refused_key
 from proxy.upstream.pool import Unknown, UpstreamPool, model_entry
 
 log = logging.getLogger("killick.upstream")
@@ -77,12 +77,12 @@ def discover(config: UpstreamConfig, timeout_s: float = 3.0) -> tuple[Optional[s
     """(model id, context length) from the first replica that answers GET /v1/models (killick: context_length,
     vLLM: max_model_len) or, for llama.cpp, GET /props (n_ctx). Replicas not up yet are no error."""
     for url in config.urls:
-        models = _get_json(url + "/v1/models", config, timeout_s)
+        models = _get_json(url, "/v1/models", config, timeout_s)
         if not models:
             continue
         model, context = model_entry(models)
         if not context:
-            props = _get_json(url + "/props", config, timeout_s) or {}
+            props = _get_json(url, "/props", config, timeout_s) or {}
             context = (props.get("default_generation_settings") or {}).get("n_ctx")
         return model, int(context) if context else None
     log.warning("no upstream answered GET /v1/models at start: the first replica up is asked (until then requests "
@@ -90,11 +90,17 @@ def discover(config: UpstreamConfig, timeout_s: float = 3.0) -> tuple[Optional[s
     return None, None
 
 
-def _get_json(url: str, config: UpstreamConfig, timeout_s: float) -> Optional[dict]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {config.api_key}"} if config.api_key else {})
+def _get_json(url: str, path: str, config: UpstreamConfig, timeout_s: float) -> Optional[dict]:
+    auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    req = urllib.request.Request(url + path, headers=auth)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             body = json.loads(resp.read())
             return body if isinstance(body, dict) else None
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        if exc.code in (401, 403):
+            log.warning("%s", refused_key(url, exc.code))
+        return None
     except (urllib.error.URLError, OSError, ValueError):
         return None

@@ -87,6 +87,12 @@ class UpstreamConfig:
         return cls(**{f.name: kw[f.name] for f in fields(cls) if f.name in kw})
 
 
+def refused_key(url: str, status: int) -> str:
+    """What to do when a replica refuses the key killick sends it (none, or not its --api-key)."""
+    return (f"upstream {url} refused killick's key (HTTP {status}): start killick serve with --upstream-api-key KEY "
+            "(the replica's --api-key) or api_key in --upstream-config")
+
+
 def base_url(url: str, what: str = "an upstream") -> str:
     """http(s)://host:port[/prefix] without a trailing / or /v1 (the routes are appended to it)."""
     parts = urlsplit(url.strip())

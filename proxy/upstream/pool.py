@@ -33,7 +33,7 @@ from proxy.generation import Finished, Prepared
 from proxy.prompt.output_parser import OutputEvent, TextDelta, ThinkingDelta, ToolCall
 from proxy.replay.scripted import Reply, forced_ids
 from proxy.sse import read_lines
-from proxy.upstream.config import UpstreamConfig
+from proxy.upstream.config import UpstreamConfig, refused_key
 from proxy.upstream.routing import Replica, Router
 from proxy.upstream.wire import ChunkReader, chat_body
 
@@ -212,6 +212,10 @@ class _Call:
                 self.router.answered(self.key, self.replica)
                 return
             resp.release()
+            if resp.status in (401, 403):  # killick's key, not the agent's: the gateway is at fault
+                self._leave()
+                raise ApiError(502, f"{refused_key(url, resp.status)}; it said: {message}",
+                               headers={"x-should-retry": "false"})
             if resp.status < 500 and resp.status != 429:  # the request itself is at fault: no other replica helps
                 self._leave()
                 raise ApiError(resp.status, f"upstream {url}: {message}")

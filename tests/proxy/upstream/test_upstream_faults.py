@@ -35,18 +35,25 @@ def replica(mode: str, asked: list | None = None, hung_up: asyncio.Event | None 
             if hung_up is not None:
                 hung_up.set()
 
+    def refused():
+        return web.json_response({"error": {"message": "invalid API key"}}, status=401)
+
     async def health(request):
         if hung.is_set():
             await asyncio.sleep(3600)  # until the health check gives up and hangs up
         return web.json_response({"status": "ok"})
 
     async def models(request):
+        if mode == "keyed":
+            return refused()
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model",
                                                               "context_length": 4096}]})
 
     async def chat(request):
         if asked is not None:
             asked.append((await request.json())["model"])
+        if mode == "keyed":  # a replica started with --api-key: killick serve was not given it
+            return refused()
         if mode == "busy":
             return web.json_response({"error": {"message": "busy"}}, status=429)
         if mode == "hang":
@@ -212,3 +219,23 @@ async def test_a_replica_that_is_slow_but_healthy_keeps_its_request(aiohttp_serv
     assert r.status == 200 and body["content"][0]["text"] == "Hello, fine", body
     stats = pool.stats()
     assert (stats["active"], stats["failures"], stats["retries"], stats["replicas_up"]) == (0, 0, 0, 1)
+
+
+async def test_a_replica_that_refuses_killicks_key_names_the_flag_that_gives_it(aiohttp_server, upstream_front,
+                                                                                caplog):
+    """Not the agent's key: a 401 from the replica tells the agent to start serve with --upstream-api-key, as a 502
+    (the gateway's fault) that a retry does not change, and serve says so at start."""
+    from proxy.upstream.app import discover
+    from proxy.upstream.config import UpstreamConfig
+
+    (url,) = await _urls(aiohttp_server, "keyed")
+    assert await asyncio.to_thread(discover, UpstreamConfig((url,))) == (None, None)
+    assert f"{url} refused killick's key (HTTP 401)" in caplog.text and "--upstream-api-key" in caplog.text
+    base, pool = await upstream_front([url])
+    async with aiohttp.ClientSession() as s:
+        for path, body in (("/v1/messages", MESSAGE), ("/v1/chat/completions", MESSAGE)):
+            async with s.post(base + path, json=body) as r:
+                error = (await r.json())["error"]
+                assert r.status == 502 and r.headers["x-should-retry"] == "false", error
+                assert "--upstream-api-key" in error["message"] and "invalid API key" in error["message"]
+    assert pool.stats()["active"] == 0 and pool.stats()["replicas"][0]["in_flight"] == 0
