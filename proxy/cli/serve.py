@@ -210,13 +210,18 @@ def steady_malloc() -> bool:
     return True
 
 
+def serving_url(host: str, port: int) -> str:
+    """The URL agents and `killick launch --server` reach the bind at (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 async def _serve(app: web.Application, host: str, port: int) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=MAX_HEADER)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
-        print(f"killick: serving on http://{host}:{port}  (Anthropic /v1/messages, OpenAI /v1/chat/completions "
+        print(f"killick: serving on {serving_url(host, port)}  (Anthropic /v1/messages, OpenAI /v1/chat/completions "
               "and /v1/responses)", flush=True)
         await asyncio.Event().wait()
     finally:

@@ -36,6 +36,13 @@ def test_api_key_from_the_environment_and_site_flags(monkeypatch):
     assert all(flag in help_text for flag in ("KILLICK_API_KEY", "--allow-origin", "--allow-host"))
 
 
+def test_the_startup_line_names_a_url_an_ipv6_bind_can_be_reached_at():
+    from proxy.cli.serve import serving_url
+
+    assert serving_url("127.0.0.1", 8421) == "http://127.0.0.1:8421"
+    assert serving_url("::1", 8421) == "http://[::1]:8421"  # http://::1:8421 is no URL: launch, ctl, curl refuse it
+
+
 def test_a_flag_that_cannot_work_fails_before_the_model_loads(tmp_path):
     """Each is one line on stderr and exit 2, with nothing else printed: no model loaded first (its log lines
     would come before the error)."""
