@@ -224,8 +224,10 @@ async def test_server_is_taken_as_ctl_and_the_harnesses_write_it(models_server, 
 
 
 async def test_dry_run_shows_variable_not_key(models_server, home, tmp_path, capsys):
-    assert main(["launch", "openclaw", "--server", models_server, "--api-key", SERVER_KEY, "--dry-run"]) == 0
+    argv = ["launch", "openclaw", "--server", models_server, "--api-key", SERVER_KEY, "--dry-run"]
+    assert await asyncio.to_thread(main, argv) == 0  # the fixture's server answers meanwhile
     out = capsys.readouterr().out
+    assert "served-moe" in out and "no killick server answers" not in out
     assert SERVER_KEY not in out and '"apiKey": "$KILLICK_API_KEY"' in out
 
 
