@@ -8,6 +8,7 @@ asyncio server never blocks on the model: `stream()` hops events onto the caller
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -314,8 +315,18 @@ class EngineCore:
             return
         try:
             sink(ev)
-        except Exception:  # a dead consumer (closed loop) must not stop the engine
+        except Exception:  # a consumer that fails must not stop the engine
             log.exception("event sink failed for %s", seq.request_id)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, ev: TokenEvent) -> None:
+    """An event onto the caller's loop, from the engine thread; a closed loop (the server stopped while a step
+    ran) has nobody left to read it."""
+    try:
+        loop.call_soon_threadsafe(events.put_nowait, ev)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 class TokenStream:
@@ -331,7 +342,7 @@ class TokenStream:
         self.req, self._core = req, core
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.finished = self._aborted = False
-        core.submit(req, lambda ev: loop.call_soon_threadsafe(self._events.put_nowait, ev))
+        core.submit(req, functools.partial(_deliver, loop, self._events))
 
     def __aiter__(self) -> "TokenStream":
         return self

@@ -104,6 +104,13 @@ async def _engine_lifetime(app: web.Application):
     if hasattr(core, "start"):
         core.start()
     yield
+    stop_engine(app)
+
+
+def stop_engine(app: web.Application) -> None:
+    """Stop the engine thread after its current step (again: nothing happens). Python must not exit while the
+    thread is inside a step: the process aborts."""
+    core = app[CTX].core
     if hasattr(core, "stop"):
         core.stop()
 

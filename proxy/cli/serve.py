@@ -180,7 +180,12 @@ def run(args: argparse.Namespace) -> int:
                         "--api-key KEY (or set $%s)", args.host, KEY_ENV)
     steady_malloc()
     app = build_app(args)
-    asyncio.run(_serve(app, args.host, args.port))
+    try:
+        asyncio.run(_serve(app, args.host, args.port))
+    finally:
+        from proxy.app import stop_engine
+
+        stop_engine(app)  # a second Ctrl-C leaves asyncio.run before the app's cleanup has stopped it
     return 0
 
 
@@ -210,20 +215,28 @@ def steady_malloc() -> bool:
     return True
 
 
+SHUTDOWN_S = 60.0  # what a stopping server gives the answers in flight (aiohttp's default)
+
+
 def serving_url(host: str, port: int) -> str:
     """The URL agents and `killick launch --server` reach the bind at (an IPv6 address in brackets)."""
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 async def _serve(app: web.Application, host: str, port: int) -> None:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=MAX_HEADER)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=MAX_HEADER,
+                           shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, shutdown_timeout=SHUTDOWN_S)
         await site.start()
         print(f"killick: serving on {serving_url(host, port)}  (Anthropic /v1/messages, OpenAI /v1/chat/completions "
               "and /v1/responses)", flush=True)
-        await asyncio.Event().wait()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            print(f"killick: stopping; answers still streaming get up to {SHUTDOWN_S:.0f} s to finish (Ctrl-C again "
+                  "to stop now)", flush=True)
     finally:
         await runner.cleanup()
 

@@ -1,6 +1,7 @@
 """`killick serve`: options, and a real process that prints one startup line and answers on loopback."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -147,3 +148,36 @@ def test_serve_process_starts_answers_and_stops(tmp_path_factory):
         proc.stdout.close()
     assert "context length 262144 tokens: the model's max_position_embeddings" in log   # why, in the log
     assert "killick.access: GET /health 200" in log and "GET /nope 404" in log and "GET /v1/models 401" in log
+
+
+def test_ctrl_c_twice_while_an_answer_streams_stops_the_engine_then_exits(tmp_path_factory):
+    """The first Ctrl-C says what it waits for; the second leaves at once. Python exiting while the engine thread
+    was inside a step aborted ('terminate called without an active exception', exit 134)."""
+    model = synth_model_dir(tmp_path_factory)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--model", str(model), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "serving on" not in (line := proc.stdout.readline()):
+            assert line or proc.poll() is None, "killick serve exited"
+        body = json.dumps({"model": "m", "max_tokens": 1000000, "stream": True, "messages": [
+            {"role": "user", "content": "hi"}]}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as agent:
+            agent.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                          f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            seen = b""
+            while b"data: " not in seen and len(seen) < 1 << 20:  # the answer is streaming
+                seen += agent.recv(65536)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log = proc.stdout.read()
+        proc.stdout.close()
+    assert code == 130 and "terminate called" not in log and "Traceback" not in log, log[-2000:]
+    assert "Ctrl-C again" in log
