@@ -47,8 +47,9 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.max_running < 1:
             raise ValueError(f"--max-running must be at least 1, got {self.max_running}")
-        if self.max_queue < 0:
-            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_queue < 1:  # every request waits there, however briefly, before the engine takes it
+            raise ValueError(f"--max-queue must be at least 1 (requests wait there until the engine takes them), "
+                             f"got {self.max_queue}")
         if self.max_step_tokens is not None and self.max_step_tokens < self.max_running:
             raise ValueError("--max-step-tokens must be at least --max-running")
         if (self.max_prefill_tokens is not None and self.max_step_tokens is not None
@@ -69,7 +70,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N] (default cpu)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-running", type=int, default=4, help="requests decoded together (default 4)")
-    g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more answer 429")
+    g.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for the engine (default 64); more answer 429")
     g.add_argument("--max-step-tokens", type=int,
                    help="tokens per engine step, i.e. the prefill chunk (default 512 on CPU, 2048 on CUDA); a "
                         "prompt's tail of up to an eighth of it rides with the chunk before")

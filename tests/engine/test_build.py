@@ -38,6 +38,8 @@ def test_bad_options_are_value_errors():
         EngineOptions(max_running=0)
     with pytest.raises(ValueError, match="--cache-host-mb"):
         EngineOptions(cache_host_mb=0)
+    with pytest.raises(ValueError, match="--max-queue must be at least 1"):  # 0 refused every request with a 429
+        EngineOptions(max_queue=0)
 
 
 def test_context_window_follows_the_config_within_memory():
