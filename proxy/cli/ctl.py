@@ -19,10 +19,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true", help="print the raw JSON")
     c = sub.add_parser("cache", help="resize caches at the next safe point (no restart, no reload)")
     _server_arguments(c, argparse.SUPPRESS, argparse.SUPPRESS)
-    c.add_argument("--moe", type=int, metavar="N", help="device expert slots (offload/cpu/hybrid backends)")
-    c.add_argument("--kv", type=int, metavar="TOKENS", help="KV budget: tokens one request may hold")
-    c.add_argument("--prefix-device-mb", type=int, metavar="MB", help="prefix cache budget on the device")
-    c.add_argument("--prefix-host-mb", type=int, metavar="MB", help="prefix cache budget in host RAM")
+    c.add_argument("--moe", type=size_arg, metavar="N", help="device expert slots (offload/cpu/hybrid backends)")
+    c.add_argument("--kv", type=size_arg, metavar="TOKENS", help="KV budget: tokens one request may hold")
+    c.add_argument("--prefix-device-mb", type=size_arg, metavar="MB", help="prefix cache budget on the device")
+    c.add_argument("--prefix-host-mb", type=size_arg, metavar="MB", help="prefix cache budget in host RAM")
+
+
+def size_arg(text: str) -> int:
+    """A size the server's cache endpoint takes, checked before it is asked."""
+    from proxy.apis.control import MAX_SIZE
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {MAX_SIZE}, got {text!r}")
+    return value
 
 
 def _server_arguments(p: argparse.ArgumentParser, server, key) -> None:

@@ -158,3 +158,12 @@ def test_bench_flags_are_checked_where_they_are_parsed(argv):
     result = killick(*argv)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"argument {argv[2]}" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv", [("--kv", "0"), ("--moe", "-3"), ("--prefix-device-mb", str(1 << 31)),
+                                  ("--prefix-host-mb", "0")])
+def test_ctl_cache_sizes_are_checked_where_they_are_parsed(argv):
+    """Named by the flag the user typed, before any server is asked (it answered with its JSON field's name)."""
+    result = killick("ctl", "--server", "http://127.0.0.1:1", "cache", *argv)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"argument {argv[0]}: expected a whole number from 1 to" in result.stderr.strip().splitlines()[-1]
