@@ -14,6 +14,7 @@ import logging
 import sys
 
 KEY_ENV = "KILLICK_API_KEY"  # the server's --api-key: serve takes it from here, and so do its clients
+URL_FORMS = "http:// may be left out, a trailing /v1 given"  # what server_url() takes, for the flags' help
 
 
 def api_key(args: argparse.Namespace) -> str | None:

@@ -6,7 +6,7 @@ import json
 import urllib.error
 import urllib.request
 
-from proxy.cli import KEY_ENV, api_key, server_url
+from proxy.cli import KEY_ENV, URL_FORMS, api_key, server_url
 
 DEFAULT_SERVER = "http://127.0.0.1:8421"
 
@@ -39,7 +39,7 @@ def size_arg(text: str) -> int:
 
 
 def _server_arguments(p: argparse.ArgumentParser, server, key) -> None:
-    p.add_argument("--server", default=server, help=f"killick server URL (default {DEFAULT_SERVER})")
+    p.add_argument("--server", default=server, help=f"killick server URL (default {DEFAULT_SERVER}; {URL_FORMS})")
     p.add_argument("--api-key", default=key, help=f"the server's --api-key, if it has one (default: ${KEY_ENV})")
 
 

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from typing import Mapping
 
-from proxy.cli import server_url
+from proxy.cli import URL_FORMS, server_url
 from proxy.cli.launch_profiles import DUMMY_KEY, KEY_ENV, PROFILES, LaunchPlan, Served, plan
 
 DEFAULT_SERVER = "http://127.0.0.1:8421"
@@ -29,7 +29,8 @@ TAKES_REST = True  # proxy/cli/__init__.py hands everything after `--` to us as 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("agent", choices=list(PROFILES), help="the agent harness to start")
-    p.add_argument("--server", default=DEFAULT_SERVER, help=f"killick server URL (default {DEFAULT_SERVER})")
+    p.add_argument("--server", default=DEFAULT_SERVER,
+                   help=f"killick server URL (default {DEFAULT_SERVER}; {URL_FORMS})")
     p.add_argument("--model", metavar="NAME", help="model id to use (default: the first one /v1/models lists)")
     p.add_argument("--api-key", metavar="KEY", default=None,
                    help=f"the server's --api-key, handed to the agent as its key (default: ${KEY_ENV})")

@@ -24,7 +24,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from proxy.cli import KEY_ENV, api_key, check_output, server_url
+from proxy.cli import KEY_ENV, URL_FORMS, api_key, check_output, server_url
 
 MODES = ("off", "prefix", "anchors")
 
@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("recordings", nargs="+", metavar="FILE", help="JSON lines (.jsonl, .jsonl.gz) or dirs")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--url", help="replay against this running server instead of an in-process engine")
+    where.add_argument("--url", help=f"replay against this running server instead of an in-process engine "
+                                     f"({URL_FORMS})")
     parser.add_argument("--api-key", help=f"with --url: the server's --api-key (default: ${KEY_ENV})")
     where.add_argument("--model", metavar="DIR", help="checkpoint for the in-process engine (default: demo model)")
     parser.add_argument("--mode", choices=(*MODES, "all"), default="anchors")
