@@ -155,6 +155,23 @@ async def test_the_placeholder_names_what_was_left_out(aiohttp_client, fake_stac
                         "only"]  # once, though the Responses store keeps the input too
 
 
+async def test_a_plain_text_document_is_read_not_replaced(aiohttp_client, fake_stack, caplog):
+    """Anthropic's plain-text document (source type text) is text the model reads; in a tool result too."""
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    doc = {"type": "document", "title": "notes", "source": {"type": "text", "media_type": "text/plain",
+                                                             "data": "the word is plum"}}
+    messages = [{"role": "user", "content": [doc, {"type": "text", "text": "which word?"}]},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                              "content": [{**doc, "source": {**doc["source"], "data": "pear"}}]}]}]
+    resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 3, "messages": messages})
+    assert resp.status == 200, await resp.text()
+    prompt = core.tok.decode(core.requests[-1].prompt_ids)
+    assert "the word is plum" in prompt and "pear" in prompt and "omitted" not in prompt
+    assert "placeholder" not in caplog.text
+
+
 async def test_agent_extras_are_accepted(aiohttp_client, fake_stack):
     """Fields real agents send that we do not use: accepted and ignored."""
     client = await aiohttp_client(fake_stack()[0])

@@ -36,8 +36,14 @@ class ImageBlock(_Model):
     type: Literal["image"]
 
 
+class TextSource(_Model):
+    type: Literal["text"]
+    data: str
+
+
 class DocumentBlock(_Model):
     type: Literal["document"]
+    source: Union[TextSource, dict, None] = None  # a PDF's or a file's source is left unread
 
 
 class ThinkingBlock(_Model):
@@ -180,18 +186,21 @@ def _convert_block(block) -> Part | None:
         return ToolCallPart(block.name, canonical_json(block.input), block.id)
     if isinstance(block, RedactedThinkingBlock):
         return None  # encrypted by another provider: nothing a local model can read
-    return TextPart(_placeholder(block))
+    return TextPart(_media_text(block))
 
 
 def _tool_result(block: ToolResultBlock) -> ToolResultPart:
     if block.content is None or isinstance(block.content, str):
         text = block.content or ""
     else:
-        text = "\n".join(b.text if isinstance(b, TextBlock) else _placeholder(b) for b in block.content)
+        text = "\n".join(b.text if isinstance(b, TextBlock) else _media_text(b) for b in block.content)
     return ToolResultPart(text, block.tool_use_id, block.is_error)
 
 
-def _placeholder(block) -> str:
+def _media_text(block) -> str:
+    """A plain-text document's own text; an image or any other document a placeholder."""
+    if isinstance(block, DocumentBlock) and isinstance(block.source, TextSource):
+        return block.source.data
     return omitted(block.type)
 
 
