@@ -25,6 +25,7 @@ import ctypes.util
 import errno
 import logging
 import os
+import signal
 import socket
 
 from aiohttp import web
@@ -223,6 +224,22 @@ def serving_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _stop_requested() -> asyncio.Event:
+    """Set by SIGTERM (kill, systemd, docker stop): the server stops as after Ctrl-C, its answers in flight given
+    SHUTDOWN_S to finish; a second SIGTERM has the signal's default effect, ending the process at once."""
+    stop, loop = asyncio.Event(), asyncio.get_running_loop()
+
+    def on_term() -> None:
+        loop.remove_signal_handler(signal.SIGTERM)
+        stop.set()
+
+    try:
+        loop.add_signal_handler(signal.SIGTERM, on_term)
+    except (NotImplementedError, RuntimeError):  # no signal handlers on this loop (Windows, not the main thread)
+        pass
+    return stop
+
+
 async def _serve(app: web.Application, host: str, port: int) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=MAX_HEADER,
                            shutdown_timeout=SHUTDOWN_S)
@@ -233,7 +250,7 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
         print(f"killick: serving on {serving_url(host, port)}  (Anthropic /v1/messages, OpenAI /v1/chat/completions "
               "and /v1/responses)", flush=True)
         try:
-            await asyncio.Event().wait()
+            await _stop_requested().wait()
         finally:
             print(f"killick: stopping; answers still streaming get up to {SHUTDOWN_S:.0f} s to finish (Ctrl-C again "
                   "to stop now)", flush=True)

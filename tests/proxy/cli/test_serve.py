@@ -181,3 +181,36 @@ def test_ctrl_c_twice_while_an_answer_streams_stops_the_engine_then_exits(tmp_pa
         proc.stdout.close()
     assert code == 130 and "terminate called" not in log and "Traceback" not in log, log[-2000:]
     assert "Ctrl-C again" in log
+
+
+def test_sigterm_lets_the_answer_in_flight_finish_then_exits(tmp_path_factory):
+    """kill / systemd / docker stop send SIGTERM: the server stops as after one Ctrl-C, not at once (the answer
+    streaming then was cut off with no end)."""
+    model = synth_model_dir(tmp_path_factory)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--model", str(model), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "serving on" not in (line := proc.stdout.readline()):
+            assert line or proc.poll() is None, "killick serve exited"
+        body = json.dumps({"model": "m", "max_tokens": 300, "stream": True, "messages": [
+            {"role": "user", "content": "hi"}]}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as agent:
+            agent.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                          f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            seen = b""
+            while b"data: " not in seen and len(seen) < 1 << 20:  # the answer is streaming
+                seen += agent.recv(65536)
+            proc.send_signal(signal.SIGTERM)
+            while b"data: [DONE]" not in seen and (chunk := agent.recv(65536)):
+                seen += chunk
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log = proc.stdout.read()
+        proc.stdout.close()
+    assert b"data: [DONE]" in seen and code == 0, (code, seen[-500:], log[-2000:])
+    assert "stopping; answers still streaming" in log and "Traceback" not in log, log[-2000:]
