@@ -138,6 +138,34 @@ async def test_responses_stream_and_previous_response(serve, sdk):
     assert second.usage.input_tokens_details.cached_tokens >= u.input_tokens  # ... and its prompt was reused
 
 
+async def test_responses_namespaced_call_and_its_echo_reuse_the_whole_turn(aiohttp_server, model_dir):
+    """Codex's shape: a call to a tool of a namespace goes out with `namespace`; Codex sends it back with its output
+    (store:false, reasoning as encrypted_content) and the next prompt extends the first prompt and the answer."""
+    from proxy.policy.cache_policy import PolicyPlanner
+
+    app, _, _ = real_app(model_dir, planner=PolicyPlanner())
+    base = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+    namespace = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+        {"type": "function", "name": "close_agent", "parameters": TOOLS_R[0]["parameters"]}]}
+    body = {"model": "m", "instructions": "Be brief.", "tools": TOOLS_R + [namespace], "store": False,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": "ns-e2e", "stream": True}
+    forced = THINK_AND_CALL.replace('"bash"', '"multi_agent_v1__close_agent"')
+    asked = [{"role": "user", "content": "Close it."}]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/v1/responses", json={**body, "input": asked}, headers={FORCED: forced}) as r:
+            events = [json.loads(line[6:]) for line in (await r.text()).splitlines() if line.startswith("data: {")]
+        first = events[-1]["response"]
+        call = first["output"][-1]
+        assert (call["name"], call["namespace"]) == ("close_agent", "multi_agent_v1")
+        echo = asked + first["output"] + [{"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}]
+        async with s.post(base + "/v1/responses", json={**body, "input": echo, "stream": False},
+                          headers={FORCED: "ok\\n</think>\\n\\nClosed."}) as r:
+            second, edit = await r.json(), (r.headers["x-killick-edit-class"], int(r.headers["x-killick-edit-point"]))
+    turn = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    assert edit == ("append", turn)  # the echoed turn renders as the model wrote it, token for token
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] >= turn
+
+
 async def test_a_tool_call_nested_deeper_than_a_request_may_be_is_still_the_models_answer(serve, sdk):
     """A request's tool-call arguments nested past 64 levels are a 400; the same in the model's own output is its
     answer, as written: the whole response, and a stream that ends with response.completed."""

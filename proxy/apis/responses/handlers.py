@@ -12,9 +12,9 @@ import uuid
 from aiohttp import web
 
 from proxy.apis.responses.output import OutputItems
-from proxy.apis.responses.schema import (ResponsesRequest, check_supported, custom_tool_names, gen_params,
-                                         to_conversation)
+from proxy.apis.responses.schema import ResponsesRequest, check_supported, gen_params, to_conversation
 from proxy.apis.responses.store import RESPONSES, ResponseStore
+from proxy.apis.responses.tools import offered_tools
 from proxy.body import read_json_object
 from proxy.context import CTX
 from proxy.errors import ApiError
@@ -32,10 +32,11 @@ async def responses(request: web.Request) -> web.StreamResponse:
     check_supported(req)
     store = request.app[RESPONSES]
     previous = _previous(store, req)
-    conv = to_conversation(req, previous)
+    tools = offered_tools(req.tools)
+    conv = to_conversation(req, previous, tools)
     prep = await prepare(ctx, request, conv, gen_params(req), body)
     head = _head(req)
-    out = OutputItems(custom_tool_names(req), "reasoning.encrypted_content" in (req.include or ()))
+    out = OutputItems(tools, "reasoning.encrypted_content" in (req.include or ()))
     history = conv.messages[1:] if req.instructions else conv.messages  # previous + input, not the instructions
     remember = functools.partial(_remember, store, req, head["id"], history, out)
     async with Generation(ctx, prep) as gen:

@@ -3,7 +3,8 @@
 The same builder serves both modes: streaming sends the (event type, payload) pairs it returns, the
 non-streaming answer ignores them and takes the finished items. Each item goes added -> deltas -> done:
 reasoning (reasoning_text), message (output_text), function_call (arguments, in pieces as the model writes
-them), custom_tool_call (input, whole: it is a string inside the model's JSON).
+them), custom_tool_call (input, whole: it is a string inside the model's JSON). A call to a namespaced tool goes
+out under the tool's own name with its `namespace` (tools.py); the conversation parts keep the name the model wrote.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import uuid
 
 from proxy.apis.responses.schema import encrypt_reasoning
+from proxy.apis.responses.tools import OfferedTool
 from proxy.apis.chat.schema import written_arguments
 from proxy.conversation import Message, Part, TextPart, ThinkingPart, ToolCallPart, canonical_json
 from proxy.prompt.output_parser import ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
@@ -23,8 +25,8 @@ def _id(prefix: str) -> str:
 
 
 class OutputItems:
-    def __init__(self, custom_tools: frozenset[str], include_encrypted: bool):
-        self.custom_tools = custom_tools
+    def __init__(self, tools: dict[str, OfferedTool], include_encrypted: bool):
+        self.tools = tools  # by the name the model calls them
         self.include_encrypted = include_encrypted
         self.items: list[dict] = []  # finished output items
         self.parts: list[Part] = []  # the same output as conversation parts (for previous_response_id)
@@ -34,7 +36,7 @@ class OutputItems:
 
     def feed(self, ev) -> Emitted:
         if isinstance(ev, ToolCallStart):
-            return [] if ev.name in self.custom_tools else self.close() + self._start_call(ev.name)
+            return [] if self._custom(ev.name) else self.close() + self._start_call(ev.name)
         if isinstance(ev, ToolCallDelta):
             if self._call is None:  # a custom tool's input goes out whole, at its end
                 return []
@@ -90,8 +92,19 @@ class OutputItems:
         return [("response.output_item.added", {"output_index": where["output_index"], "item": self._open}),
                 ("response.content_part.added", {**where, "content_index": 0, "part": part})]
 
+    def _custom(self, name: str) -> bool:
+        tool = self.tools.get(name)
+        return tool is not None and tool.custom
+
+    def _named(self, name: str) -> dict:
+        """The call item's name fields: a namespaced tool's own name and its namespace; any other name as written."""
+        tool = self.tools.get(name)
+        if tool is None or tool.namespace is None:
+            return {"name": name}
+        return {"name": tool.name, "namespace": tool.namespace}
+
     def _tool_call(self, call: ToolCall) -> Emitted:
-        if call.name not in self.custom_tools:
+        if not self._custom(call.name):
             return self._start_call(call.name) + \
                 [("response.function_call_arguments.delta", {**self._call_where(), "delta": call.arguments})] + \
                 self._end_call(call)
@@ -101,7 +114,7 @@ class OutputItems:
         except (json.JSONDecodeError, RecursionError):  # a streamed call may end malformed
             args = {}
         text = args["input"] if isinstance(args, dict) and isinstance(args.get("input"), str) else call.arguments
-        item = {"id": _id("ctc"), "type": "custom_tool_call", "call_id": call_id, "name": call.name}
+        item = {"id": _id("ctc"), "type": "custom_tool_call", "call_id": call_id, **self._named(call.name)}
         where = {"item_id": item["id"], "output_index": len(self.items)}
         self.parts.append(ToolCallPart(call.name, canonical_json({"input": text}), call_id))
         added = ("response.output_item.added", {"output_index": len(self.items), "item": {**item, "input": ""}})
@@ -110,7 +123,7 @@ class OutputItems:
         return [added, delta] + self._finish({**item, "input": text}, [done])
 
     def _start_call(self, name: str) -> Emitted:
-        self._call = {"id": _id("fc"), "type": "function_call", "call_id": _id("call"), "name": name,
+        self._call = {"id": _id("fc"), "type": "function_call", "call_id": _id("call"), **self._named(name),
                       "status": "in_progress"}
         return [("response.output_item.added", {"output_index": len(self.items), "item": {**self._call,
                                                                                            "arguments": ""}})]
@@ -122,7 +135,7 @@ class OutputItems:
         item, where, self._call = self._call, self._call_where(), None
         self.parts.append(ToolCallPart(call.name, written_arguments(call.arguments), item["call_id"]))
         done_args = ("response.function_call_arguments.done", {**where, "arguments": call.arguments,
-                                                               "name": call.name})
+                                                               "name": item["name"]})
         return self._finish({**item, "arguments": call.arguments, "status": "completed"}, [done_args])
 
     def _finish(self, item: dict, before: Emitted) -> Emitted:

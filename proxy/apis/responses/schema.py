@@ -3,13 +3,13 @@
 Input items: message (roles user / assistant / system / developer; `type` may be omitted), function_call,
 function_call_output, custom_tool_call(+_output) (Codex's freeform tools), reasoning (text from content,
 summary, or our own encrypted_content). Assistant-side items in a row (reasoning, message, calls) form one
-assistant turn. Tools of types other than function / custom (web_search, local_shell...) are ignored.
+assistant turn; a call's `namespace` names it as the model was offered it (tools.py). Tools: function, custom
+and namespace (tools.py); other types (web_search, local_shell...) are ignored.
 """
 from __future__ import annotations
 
 import base64
 import binascii
-import logging
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -17,15 +17,14 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from engine.api import SamplingParams
 from proxy.apis.anthropic.schema import omitted
 from proxy.apis.chat.schema import canonical_arguments
+from proxy.apis.responses.tools import OfferedTool, flat_name, offered_tools
 from proxy.conversation import (
-    Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
+    Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, canonical_json,
 )
 from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, not_enforceable
 from proxy.generation import GenParams
 
-log = logging.getLogger("killick.proxy")
 ENCRYPTED_PREFIX = "killick:v1:"  # our reasoning round-trips through encrypted_content (store:false agents)
-CUSTOM_TOOL_SCHEMA = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 
 
 class _Model(BaseModel):
@@ -55,6 +54,7 @@ class FunctionCallItem(_Model):
     type: Literal["function_call"]
     call_id: str
     name: str
+    namespace: Optional[str] = None
     arguments: str
 
 
@@ -62,6 +62,7 @@ class CustomToolCallItem(_Model):
     type: Literal["custom_tool_call"]
     call_id: str
     name: str
+    namespace: Optional[str] = None
     input: str
 
 
@@ -98,6 +99,7 @@ class ResponsesTool(_Model):
     name: Optional[str] = None
     description: Optional[str] = None
     parameters: Optional[dict] = None
+    tools: Optional[list[ResponsesTool]] = None  # a namespace's function / custom tools
 
 
 class ReasoningConfig(_Model):
@@ -134,25 +136,6 @@ def check_supported(req: ResponsesRequest) -> None:
         raise not_enforceable("text.format", f"{fmt.get('type')!r} (JSON output)", ASK_FOR_JSON)
 
 
-def custom_tool_names(req: ResponsesRequest) -> frozenset[str]:
-    return frozenset(t.name for t in req.tools or () if t.type == "custom" and t.name)
-
-
-def tool_specs(req: ResponsesRequest) -> tuple[ToolSpec, ...]:
-    specs = []
-    for t in req.tools or ():
-        if t.type in ("function", "custom") and t.name:
-            schema = t.parameters if t.type == "function" else CUSTOM_TOOL_SCHEMA
-            specs.append(ToolSpec(t.name, t.description or "", canonical_json(schema or {"type": "object"})))
-        elif t.type not in _WARNED:  # agents send the same tools every request: say it once per server
-            _WARNED.add(t.type)
-            log.warning("tool type %r is not served by killick: ignored (said once)", t.type)
-    return tuple(specs)
-
-
-_WARNED: set[str] = set()
-
-
 def input_messages(req: ResponsesRequest) -> tuple[Message, ...]:
     """The request's own input as messages (without instructions or the previous response)."""
     if isinstance(req.input, str):
@@ -181,9 +164,9 @@ def _assistant_part(item) -> Part | None:
     if isinstance(item, MessageItem) and item.role == "assistant":
         return TextPart(_text(item.content))
     if isinstance(item, FunctionCallItem):
-        return ToolCallPart(item.name, canonical_arguments(item.arguments), item.call_id)
+        return ToolCallPart(flat_name(item.namespace, item.name), canonical_arguments(item.arguments), item.call_id)
     if isinstance(item, CustomToolCallItem):
-        return ToolCallPart(item.name, canonical_json({"input": item.input}), item.call_id)
+        return ToolCallPart(flat_name(item.namespace, item.name), canonical_json({"input": item.input}), item.call_id)
     if isinstance(item, ReasoningItem):
         return ThinkingPart(reasoning_text(item))
     return None
@@ -217,12 +200,14 @@ def _text(content) -> str:
     return "\n".join(texts)
 
 
-def to_conversation(req: ResponsesRequest, previous: tuple[Message, ...]) -> Conversation:
+def to_conversation(req: ResponsesRequest, previous: tuple[Message, ...],
+                    tools: dict[str, OfferedTool] | None = None) -> Conversation:
     system = (Message("system", (TextPart(req.instructions),)),) if req.instructions else ()
     messages = system + previous + tuple(input_messages(req))
     thinking_on = not (req.reasoning and req.reasoning.effort == "none")
     extras = {"session_hint": req.prompt_cache_key} if req.prompt_cache_key else {}
-    return Conversation(messages, tool_specs(req), enable_thinking=thinking_on, extras=extras)
+    specs = tuple(t.spec for t in (offered_tools(req.tools) if tools is None else tools).values())
+    return Conversation(messages, specs, enable_thinking=thinking_on, extras=extras)
 
 
 def gen_params(req: ResponsesRequest) -> GenParams:

@@ -1,6 +1,7 @@
 """The prompt of every request of the bundled recordings (fixtures/sessions/), rendered as `killick serve`
-renders it: with `--prompt-layout template` byte for byte what it was before the stable-first layout existed
-(digests in data/recorded_render_digests.json, written by running this module at commit 9ae45fa)."""
+renders it: with `--prompt-layout template` the chat template's own prompt, which the stable-first layout leaves
+alone (digests in data/recorded_render_digests.json, written by `PYTHONPATH=. python
+tests/proxy/prompt/test_layout_recorded.py template`; only a change meant to change prompts rewrites them)."""
 import hashlib
 import json
 import sys
