@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
+from proxy.apis.responses.tools import flat_name
 from proxy.replay.scripted import Reply
 
 log = logging.getLogger("killick.replay")
@@ -228,6 +229,7 @@ def _from_chat(message: dict) -> Reply:
 
 
 def _from_responses(items: list) -> Reply:
+    """A namespaced call is replayed under the name the model was offered it (tools.py)."""
     thinking, text, calls = [], [], []
     for item in items:
         kind = item.get("type")
@@ -237,7 +239,9 @@ def _from_responses(items: list) -> Reply:
         elif kind == "message":
             text += [c.get("text", "") for c in item.get("content") or () if "text" in c]
         elif kind == "function_call":
-            calls.append({"name": item["name"], "arguments": item.get("arguments") or "{}"})
+            calls.append({"name": flat_name(item.get("namespace"), item["name"]),
+                          "arguments": item.get("arguments") or "{}"})
         elif kind == "custom_tool_call":
-            calls.append({"name": item["name"], "arguments": {"input": item.get("input", "")}})
+            calls.append({"name": flat_name(item.get("namespace"), item["name"]),
+                          "arguments": {"input": item.get("input", "")}})
     return Reply.from_json({"thinking": "".join(thinking), "text": "".join(text), "tool_calls": calls})

@@ -113,3 +113,13 @@ async def test_a_namespaced_custom_tool_call_is_a_custom_tool_call_with_its_name
     assert (await client.post("/v1/responses", json={"model": "m", "input": follow, "tools": TOOLS})).status == 200
     assert '{"name": "multi_agent_v1__patch", "arguments": {"input": "*** Begin"}}' in core.tok.decode(
         core.requests[-1].prompt_ids)
+
+
+def test_a_recorded_namespaced_call_replays_under_the_name_the_model_wrote():
+    from proxy.replay.log import reply_from_response
+
+    output = [{"type": "function_call", "call_id": "c1", "name": "close_agent", "namespace": "multi_agent_v1",
+               "arguments": '{"target": "a1"}'},
+              {"type": "custom_tool_call", "call_id": "c2", "name": "patch", "namespace": "multi_agent_v1", "input": "x"}]
+    reply = reply_from_response("/v1/responses", {"output": output})
+    assert [name for name, _ in reply.tool_calls] == ["multi_agent_v1__close_agent", "multi_agent_v1__patch"]
