@@ -104,7 +104,8 @@ async def _engine_lifetime(app: web.Application):
     if hasattr(core, "start"):
         core.start()
     yield
-    stop_engine(app)
+    # off the event loop: the engine ends its step first, and a second Ctrl-C must be heard meanwhile
+    await asyncio.get_running_loop().run_in_executor(None, stop_engine, app)
 
 
 def stop_engine(app: web.Application) -> None:

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 
 from aiohttp import web
 
@@ -182,12 +183,12 @@ def run(args: argparse.Namespace) -> int:
     steady_malloc()
     app = build_app(args)
     try:
-        asyncio.run(_serve(app, args.host, args.port))
+        stopped_by = asyncio.run(_serve(app, args.host, args.port))
     finally:
         from proxy.app import stop_engine
 
-        stop_engine(app)  # a second Ctrl-C leaves asyncio.run before the app's cleanup has stopped it
-    return 0
+        stop_engine(app)  # where asyncio.run ended before the app's cleanup stopped it
+    return 130 if stopped_by == signal.SIGINT else 0
 
 
 MALLOC_ARENAS = 4  # measured on the 16-core GPU box (2026-12-02): see steady_malloc
@@ -224,23 +225,33 @@ def serving_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _stop_requested() -> asyncio.Event:
-    """Set by SIGTERM (kill, systemd, docker stop): the server stops as after Ctrl-C, its answers in flight given
-    SHUTDOWN_S to finish; a second SIGTERM has the signal's default effect, ending the process at once."""
-    stop, loop = asyncio.Event(), asyncio.get_running_loop()
+class StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM (kill, systemd, docker stop), handled on the event loop: the first sets `event`,
+    and the server stops with its answers in flight given SHUTDOWN_S to finish; the second ends the process at
+    once (os._exit). A KeyboardInterrupt raised wherever the main thread was could be lost in a task being
+    cancelled, leaving the second Ctrl-C to wait out the answers too, and Python's own exit waits for the engine
+    thread's step (it aborts if the thread is still inside one)."""
 
-    def on_term() -> None:
-        loop.remove_signal_handler(signal.SIGTERM)
-        stop.set()
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.event, self.first = asyncio.Event(), None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._on, sig)
+            except (NotImplementedError, RuntimeError):  # no signal handlers on this loop (Windows)
+                pass
 
-    try:
-        loop.add_signal_handler(signal.SIGTERM, on_term)
-    except (NotImplementedError, RuntimeError):  # no signal handlers on this loop (Windows, not the main thread)
-        pass
-    return stop
+    def _on(self, sig: int) -> None:
+        if self.event.is_set():
+            print("killick: stopped at once", flush=True)
+            sys.stderr.flush()
+            os._exit(128 + sig)
+        self.first = sig
+        self.event.set()
 
 
-async def _serve(app: web.Application, host: str, port: int) -> None:
+async def _serve(app: web.Application, host: str, port: int) -> int | None:
+    """Serves until Ctrl-C or SIGTERM -> the signal that stopped it."""
+    signals = StopSignals(asyncio.get_running_loop())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, max_field_size=MAX_HEADER,
                            shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
@@ -250,10 +261,11 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
         print(f"killick: serving on {serving_url(host, port)}  (Anthropic /v1/messages, OpenAI /v1/chat/completions "
               "and /v1/responses)", flush=True)
         try:
-            await _stop_requested().wait()
+            await signals.event.wait()
         finally:
             print(f"killick: stopping; answers still streaming get up to {SHUTDOWN_S:.0f} s to finish (Ctrl-C again "
                   "to stop now)", flush=True)
     finally:
         await runner.cleanup()
+    return signals.first
 

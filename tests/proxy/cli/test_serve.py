@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 import urllib.error
 import urllib.request
 
@@ -150,59 +151,69 @@ def test_serve_process_starts_answers_and_stops(tmp_path_factory):
     assert "killick.access: GET /health 200" in log and "GET /nope 404" in log and "GET /v1/models 401" in log
 
 
-def test_ctrl_c_twice_while_an_answer_streams_stops_the_engine_then_exits(tmp_path_factory):
-    """The first Ctrl-C says what it waits for; the second leaves at once. Python exiting while the engine thread
-    was inside a step aborted ('terminate called without an active exception', exit 134)."""
-    model = synth_model_dir(tmp_path_factory)
+class Served(NamedTuple):
+    proc: subprocess.Popen
+    port: int
+
+
+def _serving(tmp_path_factory) -> Served:
+    """`killick serve` on the tiny model in a process of its own, once it says it serves; forced answers allowed."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--model", str(model), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--model", str(synth_model_dir(
+        tmp_path_factory)), "--port", str(port), "--allow-forced-responses"], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "serving on" not in (line := proc.stdout.readline()):
+        assert line or proc.poll() is None, "killick serve exited"
+    return Served(proc, port)
+
+
+def _stream_forced(port: int, words: int) -> tuple[socket.socket, bytes]:
+    """A streamed Chat request whose answer is forced to `words` words (the tiny model may end its own after a
+    token or two) -> the agent's socket and what it read, up to the first event."""
+    from proxy.replay.scripted import FORCE_RESPONSE_HEADER, Reply, encode_header
+
+    body = json.dumps({"model": "m", "max_tokens": 100000, "stream": True, "messages": [
+        {"role": "user", "content": "hi"}]}).encode()
+    agent = socket.create_connection(("127.0.0.1", port), timeout=60)
+    agent.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  f"{FORCE_RESPONSE_HEADER}: {encode_header(Reply(text='word ' * words))}\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    seen = b""
+    while b"data: " not in seen and len(seen) < 1 << 20:
+        seen += agent.recv(65536)
+    return agent, seen
+
+
+def test_ctrl_c_twice_while_an_answer_streams_stops_the_engine_then_exits(tmp_path_factory):
+    """The first Ctrl-C says what it waits for; the second, pressed after that line, leaves at once. Python
+    exiting while the engine thread was inside a step aborted ('terminate called without an active exception',
+    exit 134)."""
+    (proc, port), lines = _serving(tmp_path_factory), []
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and "serving on" not in (line := proc.stdout.readline()):
-            assert line or proc.poll() is None, "killick serve exited"
-        body = json.dumps({"model": "m", "max_tokens": 1000000, "stream": True, "messages": [
-            {"role": "user", "content": "hi"}]}).encode()
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as agent:
-            agent.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                          f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-            seen = b""
-            while b"data: " not in seen and len(seen) < 1 << 20:  # the answer is streaming
-                seen += agent.recv(65536)
+        agent, _ = _stream_forced(port, 20000)
+        with agent:
             proc.send_signal(signal.SIGINT)
-            time.sleep(0.5)
+            while "Ctrl-C again" not in (line := proc.stdout.readline()):
+                assert line, "killick serve exited after one Ctrl-C"
+                lines.append(line)
             proc.send_signal(signal.SIGINT)
             code = proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-        log = proc.stdout.read()
+        log = "".join(lines) + proc.stdout.read()
         proc.stdout.close()
     assert code == 130 and "terminate called" not in log and "Traceback" not in log, log[-2000:]
-    assert "Ctrl-C again" in log
 
 
 def test_sigterm_lets_the_answer_in_flight_finish_then_exits(tmp_path_factory):
     """kill / systemd / docker stop send SIGTERM: the server stops as after one Ctrl-C, not at once (the answer
     streaming then was cut off with no end)."""
-    model = synth_model_dir(tmp_path_factory)
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--model", str(model), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    proc, port = _serving(tmp_path_factory)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and "serving on" not in (line := proc.stdout.readline()):
-            assert line or proc.poll() is None, "killick serve exited"
-        body = json.dumps({"model": "m", "max_tokens": 300, "stream": True, "messages": [
-            {"role": "user", "content": "hi"}]}).encode()
-        with socket.create_connection(("127.0.0.1", port), timeout=60) as agent:
-            agent.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                          f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-            seen = b""
-            while b"data: " not in seen and len(seen) < 1 << 20:  # the answer is streaming
-                seen += agent.recv(65536)
+        agent, seen = _stream_forced(port, 1500)
+        with agent:
             proc.send_signal(signal.SIGTERM)
             while b"data: [DONE]" not in seen and (chunk := agent.recv(65536)):
                 seen += chunk
@@ -213,4 +224,17 @@ def test_sigterm_lets_the_answer_in_flight_finish_then_exits(tmp_path_factory):
         log = proc.stdout.read()
         proc.stdout.close()
     assert b"data: [DONE]" in seen and code == 0, (code, seen[-500:], log[-2000:])
-    assert "stopping; answers still streaming" in log and "Traceback" not in log, log[-2000:]
+    assert seen.count(b"word") >= 1500 and "stopping; answers still streaming" in log, log[-2000:]
+
+
+def test_one_ctrl_c_on_an_idle_server_stops_it(tmp_path_factory):
+    proc, _ = _serving(tmp_path_factory)
+    try:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log = proc.stdout.read()
+        proc.stdout.close()
+    assert code == 130 and "stopping;" in log and "stopped at once" not in log and "Traceback" not in log, log
