@@ -32,6 +32,8 @@ def print_table(res: dict) -> None:
               f"pool {res.get('pool_huge', 0):.0%} in huge pages, prefill stream {res.get('prefill_stream', 'auto')}, "
               f"prefetch {res.get('prefetch', 'off')}, lookahead {res.get('lookahead', 'off')}, "
               f"B_P {res['bp_gbs']:.1f} GB/s, host read {res.get('host_read_gbs', 0):.1f} GB/s"
+              + (f" ({res['read_beside_copy_gbs']:.1f} beside copies to the device at "
+                 f"{res['copy_beside_read_gbs']:.1f})" if "read_beside_copy_gbs" in res else "")
               ) if "bp_gbs" in res else ""
     overlap = ", decode steps overlapped" if res.get("overlap") else ", decode steps one at a time"
     if res.get("temperature"):
@@ -64,6 +66,9 @@ def print_table(res: dict) -> None:
             if "dram_bound_s" in r:  # its misses read once from host DRAM: the floor of any split
                 note += f"; its misses at the host's read rate {r['dram_bound_s'] * 1e3:.1f} ms " \
                         f"({r['of_dram_bound']:.2f} of it)"
+                if "both_bound_s" in r:  # the cores' reads and the copy engine's together: the floor
+                    note += f", at the cores' and the copies' rates together {r['both_bound_s'] * 1e3:.1f} ms " \
+                            f"({r['of_both_bound']:.2f} of it)"
         if "pool_passes" in r:
             note += f"{'; ' if note else ''}{r['pool_passes']:.2f} pools moved, hit rate " \
                     f"{r['experts']['hits'] / max(1, r['experts']['hits'] + r['experts']['misses']):.2f}"

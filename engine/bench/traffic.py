@@ -3,6 +3,7 @@ and the bounds an expert cache's rows are measured against (the pool at B_P, the
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from engine.experts.registry import is_expert_cache
 from engine.experts.stats import FIELDS
@@ -20,6 +21,7 @@ class ExpertTraffic:
         self.cached = is_expert_cache(self.backend)
         self.streamer = getattr(self.backend, "streamer", None)  # None: prompts move their routed experts alone
         self.bp = self.host_read = None
+        self.beside: BesideCopy | None = None  # the host's read rate while copies to the device run
         if self.cached:
             from engine.bench.bw import measure_bp as bp_of, measure_copy
 
@@ -28,6 +30,7 @@ class ExpertTraffic:
             if measure_bp:
                 self.bp = bp_of(pool.layout, pool.dtype) or measure_copy(pool.layout, pool.dtype)
                 self.host_read = host_read_rate(pool)
+                self.beside = read_beside_copy(pool)
 
     def placement(self) -> str:
         """As engine/bench/peers/compare.py pairs rows: `resident`, else `ncmoeN` for the llama.cpp run that
@@ -45,7 +48,10 @@ class ExpertTraffic:
     def header(self) -> dict:
         if not self.cached:
             return {}
-        return {"bp_gbs": self.bp / 1e9, "host_read_gbs": (self.host_read or 0) / 1e9, "pool_bytes": self.pool_bytes,
+        beside = {"read_beside_copy_gbs": self.beside.read / 1e9, "copy_beside_read_gbs": self.beside.copy / 1e9} \
+            if self.beside else {}
+        return {"bp_gbs": self.bp / 1e9, "host_read_gbs": (self.host_read or 0) / 1e9, **beside,
+                "pool_bytes": self.pool_bytes,
                 "variant": self.backend.name,
                 "slot_policy": self.backend.cache.table.policy,
                 "prefill_stream": "off" if self.streamer is None else self.streamer.mode,
@@ -129,13 +135,20 @@ class ExpertTraffic:
 
     def dram_bound(self, moved: dict, seconds: float) -> dict:
         """A routed prompt's seconds against its misses' bytes (filled or run on the CPU, each read from host
-        DRAM once) at the host's read rate: 1.0 is the floor for those misses, however they are split."""
+        DRAM once) at the host's read rate (the cores' own, `dram_bound_s`), and at what the cores and the copy
+        engine read together (`both_bound_s`, CUDA): the floor for those misses however they are split, where
+        the cores alone do not reach what the DRAM gives (the H200 box: 100 GB/s, where fills and CPU runs
+        together were measured at ~140)."""
         if not self.cached or not self.host_read or "experts" not in moved:
             return {}
         ex = moved["experts"]
         nbytes = (ex["fills"] + ex["cpu_runs"]) * self.backend.pool.expert_bytes
-        return {"host_read_gbs": self.host_read / 1e9, "dram_bound_s": nbytes / self.host_read,
-                "of_dram_bound": nbytes / self.host_read / seconds}
+        out = {"host_read_gbs": self.host_read / 1e9, "dram_bound_s": nbytes / self.host_read,
+               "of_dram_bound": nbytes / self.host_read / seconds}
+        if self.beside:
+            both = self.beside.read + self.beside.copy
+            out.update(both_bound_s=nbytes / both, of_both_bound=nbytes / both / seconds)
+        return out
 
 
 def host_read_rate(pool, passes: int = 3) -> float | None:
@@ -160,6 +173,53 @@ def host_read_rate(pool, passes: int = 3) -> float | None:
             runner.read_bandwidth_pass(r) if runner is not None else r.sum()
         best = max(best, sum(r.numel() * r.element_size() for r in rows) / (time.perf_counter() - t0))
     return best
+
+
+class BesideCopy(NamedTuple):
+    """Bytes/s the cores read the host pool at while copies from host to device run, and those copies' rate."""
+
+    read: float
+    copy: float
+
+
+def read_beside_copy(pool, chunk_mib: int = 256, chunks: int = 24) -> BesideCopy | None:
+    """The host's read rate (host_read_rate's pass, every core) while a copy stream moves `chunks` pinned chunks
+    to the device, and the copies' rate meanwhile: both read host DRAM, so their sum is what an extend's fills
+    and CPU runs can reach together. The read passes repeat until the copies end (their rate over that span:
+    the copies run beside the reads throughout). None off CUDA or without the native read pass."""
+    import os
+
+    import torch
+
+    from engine.experts.cpu_runner import native_runner
+
+    runner = native_runner(os.cpu_count() or 1)
+    if runner is None or not torch.cuda.is_available() or not pool.layers:
+        return None
+    rows = []
+    for layer in pool.layers:
+        rows.append(pool.wait_layer(layer))
+        if sum(r.numel() * r.element_size() for r in rows) >= 2 << 30:
+            break
+    src = torch.ones(chunk_mib << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(chunk_mib << 20, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    for _ in range(2):  # the first round warms the copy path and the read pass up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record()
+            for _ in range(chunks):
+                dst.copy_(src, non_blocking=True)
+            end.record()
+        read, t0 = 0, time.perf_counter()
+        while not end.query():
+            for r in rows:
+                runner.read_bandwidth_pass(r)
+                read += r.numel() * r.element_size()
+        seconds = time.perf_counter() - t0
+        end.synchronize()
+    del dst
+    return BesideCopy(read / seconds, chunks * src.numel() / (start.elapsed_time(end) / 1e3))
 
 
 def _cpu_path() -> str:

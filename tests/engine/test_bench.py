@@ -115,12 +115,15 @@ def test_the_runtime_imports_no_benchmark():
     assert found == []
 
 
-def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
+def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys, monkeypatch):
     """`bench model` on the whole engine with an expert cache: each row says how many pools' worth of experts
     it moved; layer-major, a prompt of four steps' tokens streams the pool about once, chunk by chunk four
     times; the placement pairs with llama.cpp's -ncmoe run of the same expert share."""
     from engine.bench import model as bench_model
+    from engine.bench import traffic
 
+    # what the cores read beside copies to the device (CUDA alone measures it: tests/gpu/test_experts_cuda.py)
+    monkeypatch.setattr(traffic, "read_beside_copy", lambda pool: traffic.BesideCopy(30e9, 20e9))
     passes = {}
     for prefill in (None, 64):
         out = tmp_path / f"m{prefill}.json"
@@ -160,10 +163,13 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys):
         assert res["host_read_gbs"] == ext["host_read_gbs"] > 0
         assert ext["dram_bound_s"] == pytest.approx(miss_bytes / (ext["host_read_gbs"] * 1e9))
         assert ext["of_dram_bound"] == pytest.approx(ext["dram_bound_s"] * 1e3 / ext["ttft_ms"])
+        assert res["read_beside_copy_gbs"] == 30 and res["copy_beside_read_gbs"] == 20
+        assert ext["both_bound_s"] == pytest.approx(miss_bytes / 50e9)  # the cores and the copy engine at once
     assert passes[None] < 1.5 and passes[64] > 3.5
     printed = capsys.readouterr().out
     assert "pools moved" in printed and "x faster than the pool once at B_P" in printed
-    assert "its misses at the host's read rate" in printed
+    assert "its misses at the host's read rate" in printed and "the copies' rates together" in printed
+    assert "(30.0 beside copies to the device at 20.0)" in printed
     # the streaming choice says itself per prompt: on streams every prompt, off none (the routed experts alone)
     streamed = {}
     for mode in ("auto", "on", "off"):

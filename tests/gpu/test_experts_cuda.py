@@ -188,3 +188,16 @@ def test_cuda_idle_refresh_keeps_greedy_output(ckpt, backend):
     assert moved > 0
     assert eng.generate(PROMPT, 10) == ref
     b.close()
+
+
+def test_read_beside_copy_measures_both_rates(ckpt):
+    """bench model's extend floor: the cores' read rate while copies to the device run, and the copies' rate."""
+    from engine.bench.traffic import host_read_rate, read_beside_copy
+
+    eng = Engine.from_pretrained(ckpt, device="cuda", expert_device="cpu",
+                                 experts=experts_factory("offload", device="cuda", slots=8))
+    pool = eng.model.experts.pool
+    both = read_beside_copy(pool, chunk_mib=64, chunks=8)
+    assert both is not None and both.read > 1e9 and both.copy > 1e9
+    assert both.read < 2 * host_read_rate(pool)
+    eng.model.experts.close()
