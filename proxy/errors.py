@@ -69,6 +69,12 @@ def not_enforceable(param: str, what: str, instead: str) -> ApiError:
                     param=param, code="unsupported_parameter")
 
 
+def not_served(param: str, what: str, instead: str = "") -> ApiError:
+    """A 400 for a feature killick does not serve where ignoring it would change what the answer means."""
+    return ApiError(400, f"{param}: {what} is not supported by killick" + (f"; {instead}" if instead else ""),
+                    param=param, code="unsupported_parameter")
+
+
 def anthropic_body(err: ApiError) -> dict:
     kind = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": err.message}}

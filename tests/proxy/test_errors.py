@@ -57,6 +57,28 @@ async def test_invalid_fields_are_named(aiohttp_client, fake_stack, path, body, 
         assert data["error"]["param"].startswith(field)
 
 
+@pytest.mark.parametrize("path,extra,param,allowed", [
+    ("/v1/responses", {"conversation": "conv_1"}, "conversation", {"conversation": None}),
+    ("/v1/responses", {"conversation": {"id": "conv_1"}}, "conversation", {"conversation": None}),
+    ("/v1/responses", {"top_logprobs": 2}, "top_logprobs", {"top_logprobs": 0}),
+    ("/v1/responses", {"include": ["message.output_text.logprobs"]}, "include",
+     {"include": ["reasoning.encrypted_content"]}),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", {"top_logprobs": 0}),
+    ("/v1/chat/completions", {"logit_bias": {"15": -100}}, "logit_bias", {"logit_bias": {}}),
+])
+async def test_features_not_served_are_refused_not_ignored(aiohttp_client, fake_stack, path, extra, param, allowed):
+    """Ignoring these would change the answer's meaning: a conversation's history left out, log probabilities
+    asked for and silently missing, tokens meant to be banned still written."""
+    base = {"/v1/chat/completions": {"model": "m", "messages": MSG}, "/v1/responses": {"model": "m", "input": "hi"}}
+    client = await aiohttp_client(fake_stack()[0])
+    resp = await client.post(path, json={**base[path], **extra})
+    assert resp.status == 400
+    error = openai_error(await resp.json())
+    assert error["message"].startswith(f"{param}: ") and (error["param"], error["code"]) == (
+        param, "unsupported_parameter")
+    assert (await client.post(path, json={**base[path], **allowed})).status == 200
+
+
 TOOLS = {"anthropic": [{"name": "ls", "input_schema": {"type": "object"}}],
          "chat": [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}],
          "responses": [{"type": "function", "name": "ls", "parameters": {"type": "object"}}]}

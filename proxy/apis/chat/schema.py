@@ -17,7 +17,7 @@ from proxy.body import MAX_DEPTH, check_json
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
 )
-from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, ApiError, not_enforceable
+from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, ApiError, not_enforceable, not_served
 from proxy.generation import GenParams
 
 
@@ -94,6 +94,8 @@ class ChatRequest(_Model):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0)
+    logit_bias: Optional[dict] = None
     reasoning_effort: Optional[str] = None
     chat_template_kwargs: Optional[dict] = None
     user: Optional[str] = None
@@ -105,6 +107,10 @@ def check_supported(req: ChatRequest) -> None:
         raise ApiError(400, "n: only n=1 is supported (one completion per request)", param="n")
     if req.logprobs:
         raise ApiError(400, "logprobs: log probabilities are not supported", param="logprobs")
+    if req.top_logprobs:
+        raise not_served("top_logprobs", "log probabilities")
+    if req.logit_bias:
+        raise not_served("logit_bias", "biasing tokens", "say what to avoid in the prompt")
     if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice):
         raise not_enforceable("tool_choice", "forcing a tool call", ASK_FOR_TOOL)
     if (req.response_format or {}).get("type", "text") != "text":

@@ -21,7 +21,7 @@ from proxy.apis.responses.tools import OfferedTool, flat_name, offered_tools
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, canonical_json,
 )
-from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, not_enforceable
+from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, ApiError, not_enforceable, not_served
 from proxy.generation import GenParams
 
 ENCRYPTED_PREFIX = "killick:v1:"  # our reasoning round-trips through encrypted_content (store:false agents)
@@ -125,9 +125,18 @@ class ResponsesRequest(_Model):
     prompt_cache_key: Optional[str] = None
     metadata: Optional[dict] = None
     text: Optional[dict] = None
+    conversation: Union[str, dict, None] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0)
 
 
 def check_supported(req: ResponsesRequest) -> None:
+    if req.conversation is not None:
+        raise not_served("conversation", "the Conversations API",
+                         "send the history in `input` or chain responses with previous_response_id")
+    if req.top_logprobs:
+        raise not_served("top_logprobs", "log probabilities")
+    if "message.output_text.logprobs" in (req.include or ()):
+        raise not_served("include", "log probabilities (message.output_text.logprobs)")
     choice = req.tool_choice
     if choice == "required" or (isinstance(choice, dict) and choice.get("type") not in ("auto", "none")):
         raise not_enforceable("tool_choice", "forcing a tool call", ASK_FOR_TOOL)
