@@ -74,6 +74,9 @@ class Conversation:
     # model line), taken out of the first system message by the stable-first layout: the renderer writes it
     # at the end of the system turn, after the tool definitions, so everything before it is shared.
     volatile: str = ""
+    # The last message is an assistant's text the model goes on writing (Anthropic's prefill): rendered open,
+    # with no generation prompt after it.
+    continue_last: bool = False
 
 
 def canonical_json(value) -> str:

@@ -213,7 +213,7 @@ class Generation:
         self.ctx, self.prep, self.req = ctx, prep, prep.request
         self.parser = OutputParser(thinking_open=generation_opens_think(prep.prompt_text),
                                    parse_tools=prep.params.parse_tools, stop_sequences=prep.params.stop_sequences,
-                                   max_tool_calls=prep.params.max_tool_calls)
+                                   max_tool_calls=prep.params.max_tool_calls, continues=prep.conv.continue_last)
         self.turn = prep.turn
         self.decoder = ctx.tokenizer.incremental_decoder()
         self.blocks: list = []  # the output so far, merged as a non-streaming answer would hold it

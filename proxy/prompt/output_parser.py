@@ -103,7 +103,9 @@ def generation_opens_think(prompt_text: str) -> bool:
 
 class OutputParser:
     def __init__(self, *, thinking_open: bool, parse_tools: bool = True, stop_sequences: tuple[str, ...] = (),
-                 max_tool_calls: int | None = None):
+                 max_tool_calls: int | None = None, continues: bool = False):
+        """continues: the output goes on from text in the prompt (a prefill), so its first whitespace is the
+        text's own, not a segment's opening to drop."""
         self.mode = "think" if thinking_open else "text"  # "think" | "text" | "tool"
         self.parse_tools = parse_tools
         self.stop_sequences = tuple(s for s in stop_sequences if s)
@@ -115,7 +117,7 @@ class OutputParser:
         self._call: ArgumentsScan | None = None  # the tool call whose arguments are streaming
         self._not_a_call = False  # inside <tool_call> ... </tool_call> whose text can be no call: shown as text
         self._pending_ws = ""  # trailing whitespace held until more visible text follows
-        self._segment_started = False
+        self._segment_started = continues
         self._before_tool = ("", False)
 
     @property

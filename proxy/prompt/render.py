@@ -84,13 +84,20 @@ class ChatRenderer:
         if volatile and _system_turn_end(body) is None:  # a template without a ChatML system turn
             msgs, volatile = _volatile_in_system_text(msgs, volatile), ""
             body = self._render(msgs, tools, conv.enable_thinking, False)
-        text = self._render(msgs, tools, conv.enable_thinking, True, volatile) if add_generation_prompt else body
-        if not text.startswith(body):  # a template that changes earlier text when asked to generate
+        if conv.continue_last:
+            text = _open_last(body, msgs)
+        elif add_generation_prompt:
+            text = self._render(msgs, tools, conv.enable_thinking, True, volatile)
+        else:
+            text = body
+        if not text.startswith(body) and not conv.continue_last:  # a template that changes earlier text
             body = body[:common_prefix_len(body, text)]
         starts = _structural_starts(body, msgs)
         if starts is None:
             starts = self._prefix_starts(body, msgs, tools, conv.enable_thinking, volatile)
         spans = _char_segments(body, msgs, owners, starts)
+        if conv.continue_last:  # the last message's spans end where the model goes on writing
+            spans = [(kind, a, min(b, len(text)), owner) for kind, a, b, owner in spans if a < len(text)]
         if volatile:
             end = _system_turn_end(body)
             spans.append(("volatile", end - len(volatile), end, owners[0]))
@@ -123,6 +130,14 @@ class ChatRenderer:
             prev = max(prev, common_prefix_len(prefix, body))
             starts.append(prev)
         return starts
+
+
+def _open_last(body: str, msgs: list[dict]) -> str:
+    """The rendered conversation with its last turn, the assistant's, left open: up to the turn's <|im_end|>."""
+    end = body.rfind(IM_END)
+    if not msgs or msgs[-1]["role"] != "assistant" or end < 0 or body.rfind(IM_START) > end:
+        raise ValueError("only an assistant message at the end can be continued")
+    return body[:end]
 
 
 def _system_turn_end(text: str) -> int | None:

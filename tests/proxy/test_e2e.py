@@ -270,3 +270,35 @@ async def test_cache_policy_planner_end_to_end(aiohttp_server, model_dir, sdk):
     async with aiohttp.ClientSession() as s:
         metrics = await (await s.get(base + "/metrics")).text()
     assert "killick_policy_" in metrics
+
+
+async def test_anthropic_prefill_is_continued(serve, sdk):
+    """A last assistant message is text the answer goes on from (Anthropic's prefill): the prompt leaves that turn
+    open, the answer holds the continuation alone, and the next turn, which joins the two,
+    reuses the prompt up to that turn's text."""
+    import anthropic
+
+    from proxy.cli.serve import make_planner
+
+    base, core, _ = await serve(planner=make_planner("anchors"))  # as serve plans checkpoints by default
+    messages = [{"role": "user", "content": "What is the answer?"}, {"role": "assistant", "content": "The answer"}]
+    msg = await sdk.anthropic(base, default_headers={FORCED: "s: 42."}).messages.create(
+        model="m", max_tokens=20, messages=messages)
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "s: 42."
+    assert msg.stop_reason == "end_turn"
+    prompt = await _count(base, {"model": "m", "messages": messages})
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == prompt
+    following = messages[:1] + [{"role": "assistant", "content": "The answers: 42."},
+                                {"role": "user", "content": "Why?"}]
+    second = await sdk.anthropic(base, default_headers={FORCED: "Because\\n</think>\\n\\nIt is."}).messages.create(
+        model="m", max_tokens=20, messages=following)
+    assert second.content[-1].text == "It is." and second.usage.cache_read_input_tokens > 0
+    client = sdk.anthropic(base, max_retries=0)
+    refused = [(messages, {"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+               (messages[:1] + [{"role": "assistant", "content": "The answer "}], {}, "trailing whitespace"),
+               (messages[:1] + [{"role": "assistant", "content": [
+                   {"type": "tool_use", "id": "t1", "name": "bash", "input": {}}]}], {}, "text alone")]
+    for msgs, extra, needle in refused:
+        with pytest.raises(anthropic.BadRequestError, match=needle):
+            await client.messages.create(model="m", max_tokens=5, messages=msgs, **extra)
+    assert core.stats()["active"] == 0

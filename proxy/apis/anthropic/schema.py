@@ -15,7 +15,7 @@ from engine.api import SamplingParams
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, ToolSpec, canonical_json,
 )
-from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, not_enforceable
+from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, ApiError, not_enforceable
 from proxy.generation import GenParams
 
 log = logging.getLogger("killick.proxy")
@@ -146,7 +146,28 @@ def to_conversation(req: CountTokensRequest) -> Conversation:
     thinking_on = req.thinking is None or req.thinking.type != "disabled"
     user_id = (getattr(req, "metadata", None) or {}).get("user_id")
     extras = {"session_hint": user_id} if isinstance(user_id, str) else {}
-    return Conversation(tuple(messages), tools, enable_thinking=thinking_on, extras=extras)
+    prefill = _prefill(req, messages)
+    return Conversation(tuple(messages), tools, enable_thinking=thinking_on and not prefill, extras=extras,
+                        continue_last=prefill)
+
+
+def _prefill(req: CountTokensRequest, messages: list[Message]) -> bool:
+    """A last message of the assistant's is text the answer goes on from (its continuation alone comes back),
+    as Anthropic's API does; like it, refused with thinking enabled or with trailing whitespace, and it holds
+    text alone."""
+    if not messages or messages[-1].role != "assistant" or len(messages) < 2:
+        return False
+    last = messages[-1]
+    if req.thinking is not None and req.thinking.type == "enabled":
+        raise ApiError(400, "an assistant message at the end (a prefill) cannot be combined with thinking: "
+                       "end with a user message, or turn thinking off", param="messages")
+    if any(not isinstance(p, TextPart) for p in last.parts) or not last.text:
+        raise ApiError(400, "the final assistant message (a prefill) may hold text alone: end with a user message "
+                       "to send tool results or thinking", param=f"messages.{len(req.messages) - 1}.content")
+    if last.text != last.text.rstrip():
+        raise ApiError(400, "final assistant content cannot end with trailing whitespace",
+                       param=f"messages.{len(req.messages) - 1}.content")
+    return True
 
 
 def gen_params(req: MessagesRequest) -> GenParams:

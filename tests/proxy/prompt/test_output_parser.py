@@ -165,3 +165,12 @@ def test_text_shown_early_is_the_text_shown_at_the_end(before, body, close, afte
     if any(isinstance(e, ToolCall) for e in events):  # an unclosed call whose arguments began streaming
         return
     assert events == run(text, len(text) or 1, parse_tools=False)[0]
+
+
+@pytest.mark.parametrize("step", [1, 2, 1000])
+def test_a_continued_text_keeps_its_first_whitespace(step):
+    """After a prefill ("The answer") the output's first space or newline is the text's own."""
+    events, _ = run(" is 42.\n\n  Done", step, continues=True)
+    assert events == [TextDelta(" is 42.\n\n  Done")]
+    events, _ = run("\n- b", step, continues=True)
+    assert events == [TextDelta("\n- b")]

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import shutil
 
@@ -287,3 +288,20 @@ def test_volatile_system_lines_end_the_system_turn_after_the_tools(renderer):
     assert plain.text.startswith("[system] You are a coding agent.\n\nWorking directory: /work\nToday: Monday\n")
     with pytest.raises(ValueError, match="first system message"):
         renderer.render(replace(conv, messages=conv.messages[1:]))
+
+
+def test_a_continued_last_message_is_left_open(renderer):
+    """Anthropic's prefill: the assistant's last message rendered up to its text's end, its segments clipped there,
+    no generation prompt after it."""
+    conv = Conversation((Message("user", (TextPart("Say it."),)), Message("assistant", (TextPart("The answer"),))),
+                        enable_thinking=False, continue_last=True)
+    r = renderer.render(conv)
+    assert r.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nThe answer") and r.ids == TOK.encode(r.text)
+    assert not r.of_kind("generation_prompt")
+    last = r.of_kind("message")[-1]
+    assert last.message_index == 1 and last.end == len(r.ids)
+    assert piece(r, last).startswith("<|im_start|>assistant\n")
+    whole = renderer.render(dataclasses.replace(conv, continue_last=False), add_generation_prompt=False)
+    assert whole.text.startswith(r.text) and whole.text[len(r.text):].startswith("<|im_end|>")
+    with pytest.raises(ValueError, match="only an assistant message"):
+        renderer.render(Conversation((Message("user", (TextPart("Say it."),)),), continue_last=True))
