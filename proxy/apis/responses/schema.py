@@ -21,7 +21,7 @@ from proxy.apis.responses.tools import OfferedTool, flat_name, offered_tools
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, canonical_json,
 )
-from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, ApiError, not_enforceable, not_served
+from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, not_enforceable, not_served
 from proxy.generation import GenParams
 
 ENCRYPTED_PREFIX = "killick:v1:"  # our reasoning round-trips through encrypted_content (store:false agents)
