@@ -185,6 +185,15 @@ def _stream_forced(port: int, words: int) -> tuple[socket.socket, bytes]:
     return agent, seen
 
 
+def _ended(proc: subprocess.Popen) -> str:
+    """What the server printed that was not read yet, once it has ended (killed if it still runs)."""
+    if proc.poll() is None:
+        proc.kill()
+    log = proc.stdout.read()
+    proc.stdout.close()
+    return log
+
+
 def test_ctrl_c_twice_while_an_answer_streams_stops_the_engine_then_exits(tmp_path_factory):
     """The first Ctrl-C says what it waits for; the second, pressed after that line, leaves at once. Python
     exiting while the engine thread was inside a step aborted ('terminate called without an active exception',
@@ -200,10 +209,7 @@ def test_ctrl_c_twice_while_an_answer_streams_stops_the_engine_then_exits(tmp_pa
             proc.send_signal(signal.SIGINT)
             code = proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        log = "".join(lines) + proc.stdout.read()
-        proc.stdout.close()
+        log = "".join(lines) + _ended(proc)
     assert code == 130 and "terminate called" not in log and "Traceback" not in log, log[-2000:]
 
 
@@ -219,10 +225,7 @@ def test_sigterm_lets_the_answer_in_flight_finish_then_exits(tmp_path_factory):
                 seen += chunk
         code = proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        log = proc.stdout.read()
-        proc.stdout.close()
+        log = _ended(proc)
     assert b"data: [DONE]" in seen and code == 0, (code, seen[-500:], log[-2000:])
     assert seen.count(b"word") >= 1500 and "stopping; answers still streaming" in log, log[-2000:]
 
@@ -233,8 +236,5 @@ def test_one_ctrl_c_on_an_idle_server_stops_it(tmp_path_factory):
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        log = proc.stdout.read()
-        proc.stdout.close()
+        log = _ended(proc)
     assert code == 130 and "stopping;" in log and "stopped at once" not in log and "Traceback" not in log, log
