@@ -195,9 +195,9 @@ def _ended(proc: subprocess.Popen) -> str:
 
 
 def test_ctrl_c_twice_while_an_answer_streams_stops_the_engine_then_exits(tmp_path_factory):
-    """The first Ctrl-C says what it waits for; the second, pressed after that line, leaves at once. Python
-    exiting while the engine thread was inside a step aborted ('terminate called without an active exception',
-    exit 134)."""
+    """The first Ctrl-C says what it waits for; the second, pressed after that line, leaves at once, without the
+    abort of a Python exit while the engine thread is inside a step ('terminate called without an active
+    exception', exit 134)."""
     (proc, port), lines = _serving(tmp_path_factory), []
     try:
         agent, _ = _stream_forced(port, 20000)
@@ -214,8 +214,8 @@ def test_ctrl_c_twice_while_an_answer_streams_stops_the_engine_then_exits(tmp_pa
 
 
 def test_sigterm_lets_the_answer_in_flight_finish_then_exits(tmp_path_factory):
-    """kill / systemd / docker stop send SIGTERM: the server stops as after one Ctrl-C, not at once (the answer
-    streaming then was cut off with no end)."""
+    """kill / systemd / docker stop send SIGTERM: the server stops as after one Ctrl-C, not at once, so the answer
+    streaming then ends whole."""
     proc, port = _serving(tmp_path_factory)
     try:
         agent, seen = _stream_forced(port, 1500)
