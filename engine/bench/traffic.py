@@ -154,18 +154,10 @@ class ExpertTraffic:
 def host_read_rate(pool, passes: int = 3) -> float | None:
     """Bytes/s of the best of `passes` reads over up to 2 GiB of the host pool on every core (the native read
     pass, else a torch sum): the ceiling a fill's DMA and the CPU's expert runs share. None: nothing to read."""
-    import os
-
-    from engine.experts.cpu_runner import native_runner
-
-    rows = []
-    for layer in pool.layers:
-        rows.append(pool.wait_layer(layer))
-        if sum(r.numel() * r.element_size() for r in rows) >= 2 << 30:
-            break
+    rows = _read_rows(pool)
     if not rows:
         return None
-    runner = native_runner(os.cpu_count() or 1)
+    runner = _read_runner()
     best = 0.0
     for _ in range(passes):
         t0 = time.perf_counter()
@@ -173,6 +165,25 @@ def host_read_rate(pool, passes: int = 3) -> float | None:
             runner.read_bandwidth_pass(r) if runner is not None else r.sum()
         best = max(best, sum(r.numel() * r.element_size() for r in rows) / (time.perf_counter() - t0))
     return best
+
+
+def _read_rows(pool, limit: int = 2 << 30) -> list:
+    """The host pool's layer rows, in order, up to the first `limit` bytes: what the read rates read."""
+    rows = []
+    for layer in pool.layers:
+        rows.append(pool.wait_layer(layer))
+        if sum(r.numel() * r.element_size() for r in rows) >= limit:
+            break
+    return rows
+
+
+def _read_runner():
+    """The native read pass on every core (None without the native kernels)."""
+    import os
+
+    from engine.experts.cpu_runner import native_runner
+
+    return native_runner(os.cpu_count() or 1)
 
 
 class BesideCopy(NamedTuple):
@@ -187,20 +198,12 @@ def read_beside_copy(pool, chunk_mib: int = 256, chunks: int = 24) -> BesideCopy
     to the device, and the copies' rate meanwhile: both read host DRAM, so their sum is what an extend's fills
     and CPU runs can reach together. The read passes repeat until the copies end (their rate over that span:
     the copies run beside the reads throughout). None off CUDA or without the native read pass."""
-    import os
-
     import torch
 
-    from engine.experts.cpu_runner import native_runner
-
-    runner = native_runner(os.cpu_count() or 1)
+    runner = _read_runner()
     if runner is None or not torch.cuda.is_available() or not pool.layers:
         return None
-    rows = []
-    for layer in pool.layers:
-        rows.append(pool.wait_layer(layer))
-        if sum(r.numel() * r.element_size() for r in rows) >= 2 << 30:
-            break
+    rows = _read_rows(pool)
     src = torch.ones(chunk_mib << 20, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(chunk_mib << 20, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
