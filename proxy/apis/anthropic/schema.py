@@ -157,16 +157,15 @@ def _prefill(req: CountTokensRequest, messages: list[Message]) -> bool:
     text alone."""
     if not messages or messages[-1].role != "assistant" or len(messages) < 2:
         return False
-    last = messages[-1]
+    last, where = messages[-1], f"messages.{len(req.messages) - 1}.content"
     if req.thinking is not None and req.thinking.type == "enabled":
         raise ApiError(400, "an assistant message at the end (a prefill) cannot be combined with thinking: "
                        "end with a user message, or turn thinking off", param="messages")
     if any(not isinstance(p, TextPart) for p in last.parts) or not last.text:
         raise ApiError(400, "the final assistant message (a prefill) may hold text alone: end with a user message "
-                       "to send tool results or thinking", param=f"messages.{len(req.messages) - 1}.content")
+                       "to send tool results or thinking", param=where)
     if last.text != last.text.rstrip():
-        raise ApiError(400, "final assistant content cannot end with trailing whitespace",
-                       param=f"messages.{len(req.messages) - 1}.content")
+        raise ApiError(400, "final assistant content cannot end with trailing whitespace", param=where)
     return True
 
 
