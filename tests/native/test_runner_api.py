@@ -22,8 +22,9 @@ def big_batch(n_experts=12, hidden=1024, inter=512):
 
 @native
 def test_submit_returns_before_done_and_wait_releases_the_gil():
-    # slowest path and ~0.2 GB of weights: the job lasts several times the 10 ms the test needs to observe, even
-    # after the spinning thread has held the GIL for a switch interval between submit() and wait()
+    # slowest path and ~0.2 GB of weights: the job lasts several times the 10 ms the test needs to observe. The
+    # spinning thread starts once done() is read, so no Python thread holds the GIL between submit() and done(),
+    # where on a loaded box the job could end first
     tasks, x = big_batch(n_experts=36)
     runner = CpuExpertRunner(threads=1, isa="scalar")
     counter, stop = [0], threading.Event()
@@ -33,18 +34,19 @@ def test_submit_returns_before_done_and_wait_releases_the_gil():
             counter[0] += 1
 
     worker = threading.Thread(target=spin)
-    worker.start()
     try:
         y = torch.zeros_like(x)
         fut = runner.submit(tasks, x, y)
         submitted_done = fut.done()
+        worker.start()
         before = counter[0]
         t0 = time.perf_counter()
         fut.wait()
         elapsed, during = time.perf_counter() - t0, counter[0] - before
     finally:
         stop.set()
-        worker.join()
+        if worker.is_alive():
+            worker.join()
     assert not submitted_done
     assert fut.done()
     assert elapsed > 0.01 and during > 1000  # the Python thread ran while wait() blocked
