@@ -2,35 +2,45 @@
 
 Torch-free. Between two MoE layers the CPU waits while the device runs the rest of the layer (attention or
 DeltaNet, the router) and the host reads the routing back and plans the split; with copies ahead the copy
-engine works on through it. HandoffClock keeps that time per layer call as an EMA: the device's part from a
-pair of timing events around the gap between two consecutive MoE layers (CUDA), the host's as measured. hybrid's
-split and its copies ahead give the copy engine that much more (policy.SplitPolicy's cpu_extra). CallTiming is the
+engine works on through it. HandoffClock keeps that time per layer call as the median of recent samples: the
+device's part from a pair of timing events around the gap between two consecutive MoE layers (CUDA), the host's as
+measured. The device's gaps are timed around a routed prompt's wholly resident layer calls too: when a long
+estimate has the copy engine take every miss ahead, every layer runs resident, and the estimate must still hear
+of the shorter gaps (H200 box, profile_decode: an estimate of 325 ms, most likely from the process's first extend,
+which compiles its kernels, held through every later extend; each then ran every miss through the copy engine,
+155 ms against ~100 in bench model). hybrid's split and its copies ahead give the copy engine that much more (policy.SplitPolicy's cpu_extra). CallTiming is the
 part of OffloadBackend that runs the clock and keeps the call log (stats.LayerCall) around each layer call; it
 reads the backend's handoff_clock, uses_handoff, call_log, pool and _looking_ahead.
 """
 from __future__ import annotations
 
 import time
-
+from collections import deque
+from statistics import median
 from typing import Callable
 
 from engine.experts.stats import LayerCall
 
-HANDOFF_ALPHA = 0.3  # weight of a new sample in the running estimate
+# samples each part of the estimate keeps: their median, so one outlier (a kernel compiled or a graph captured
+# between two MoE layers: 325 ms once, H200 box) moves nothing, and a new regime takes over in half a window
+HANDOFF_WINDOW = 9
 
 
 class HandoffClock:
-    """`seconds`: the handoff's running estimate. event: () -> a timing event recorded now on the device's stream
-    (query() whether it is done, elapsed_time(later) in ms, as torch.cuda.Event), None where the device's work
-    is in line with the host's (a CPU device: nothing to time)."""
+    """`seconds`: the handoff's running estimate, the sum of two parts, each the median of its last HANDOFF_WINDOW
+    samples: the device's time between two consecutive MoE layer calls, from a pair of timing events around it
+    (every such pair, whether the calls were routed or ran wholly resident), and the host's time from a routed
+    call's routing to its CPU job. event: () -> a timing event recorded now on the device's stream (query()
+    whether it is done, elapsed_time(later) in ms, as torch.cuda.Event), None where the device's work is in line
+    with the host's (a CPU device: nothing to time)."""
 
     def __init__(self, event: Callable[[], object] | None = None) -> None:
         self.event = event
         self.seconds = 0.0
-        self._samples = 0
+        self._device: deque[float] = deque(maxlen=HANDOFF_WINDOW)
+        self._host: deque[float] = deque(maxlen=HANDOFF_WINDOW)
         self._last_exit = None  # (pool row, event after that MoE layer call) in this forward
         self._gaps: list = []  # (event, event): the device's time between two MoE layer calls, not yet read
-        self._gap_s = 0.0  # the last of them read
 
     def begin(self) -> None:
         """A new forward: its first MoE layer has no gap before it."""
@@ -50,17 +60,22 @@ class HandoffClock:
 
     def read_gaps(self) -> None:
         """Take in the gaps whose events are done (after a read-back that waited for the device, all of them)."""
+        read = False
         while self._gaps and self._gaps[0][1].query():
             a, b = self._gaps.pop(0)
-            self._gap_s = a.elapsed_time(b) / 1e3
+            self._device.append(a.elapsed_time(b) / 1e3)
+            read = True
+        if read:
+            self._update()
 
     def observe(self, host_s: float) -> None:
-        """One layer call's sample: the host's time from the routing's return to the CPU job's start, plus the
-        device's last gap read."""
-        sample = max(0.0, host_s) + self._gap_s
-        self._samples += 1
-        w = max(HANDOFF_ALPHA, 1.0 / self._samples)
-        self.seconds = (1 - w) * self.seconds + w * sample
+        """One routed layer call's host time from the routing's return to the CPU job's start."""
+        self._host.append(max(0.0, host_s))
+        self._update()
+
+    def _update(self) -> None:
+        self.seconds = (median(self._host) if self._host else 0.0) + (median(self._device) if self._device else 0.0)
+
 
 
 class CallTiming:

@@ -158,6 +158,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
             self.streamer.begin(num_tokens, top_k, q, decode=decode)
         self._ahead = self._touch = None
         self.handoff_clock.begin()
+        self.handoff_clock.read_gaps()  # the last forward's, done by now
         self._looked, self._seen, self._tokens, self._top_k = {}, {}, num_tokens, top_k
         if span > 1 and not (self.streamer is not None and self.streamer.active):
             self._touch = 1.0 - (1.0 - q) ** num_tokens
@@ -314,6 +315,8 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
         kernels: the first layer of an extend after a streamed prompt is one such, and its locked slots left the
         copy engine idle until the second layer's routing (H200 box, docs/PERF.md twenty-fourth session)."""
         T, K = topk_ids.shape
+        self._mark_enter(layer)  # (a routed prompt's: the device's gap before it counts in the CPU's handoff)
+        self.handoff_clock.read_gaps()  # those done by now, without waiting
         y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
         self.runner.launch(x, y, slots[topk_ids])  # id -1 (padding) looks up -1
         # a copy: read at settle(), after the caller may have reused its tensor (token_graphs.BucketedRoute's
@@ -324,6 +327,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
         if ahead and len(ahead[1]):
             self._copy_ahead(ahead[0], ahead[1], with_cpu=False, after=self.cache.mark())  # after this layer's reads
         self._unlock()  # as a layer call ends: the copies' slots are the next layer's to plan with
+        self._mark_exit(layer)
         if layer == self.pool.layers[-1] and not self._held:
             self.settle()
         if self.call_log is not None:

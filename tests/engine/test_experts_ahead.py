@@ -143,6 +143,60 @@ def test_the_cpus_handoff_moves_hybrids_copies_ahead_and_its_split_to_the_copy_e
     b.close()
 
 
+class _SteppedEvents:
+    """Timing events each `step` seconds after the last, done at once (a device that has caught up)."""
+
+    def __init__(self, step):
+        self.t, self.step = 0.0, step
+
+    def __call__(self):
+        self.t += self.step
+        return _Done(self.t)
+
+
+class _Done:
+    def __init__(self, t):
+        self.t = t
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, later):  # ms, as torch.cuda.Event
+        return (later.t - self.t) * 1e3
+
+
+def test_wholly_resident_layers_time_the_handoff_so_a_long_first_estimate_goes():
+    """Grouped (here under Triton's interpreter): once a long handoff estimate has the copy engine take every
+    miss ahead, every layer of a routed prompt runs resident and plans no CPU job. Their gaps still reach the
+    estimate, so the short ones that follow replace a long first one (a compile between two layers) within two
+    forwards, and the split goes back to the CPU."""
+    pytest.importorskip("triton")
+    from engine.experts.handoff import HandoffClock
+
+    src, deep = deep_pool()
+    est = BandwidthEstimate(bp=50e9, bh=50e9, frozen=True)
+    b = HybridBackend(deep, 6 * E, "cpu", estimate=est, stream_prefill="off", lookahead="on", grouped=True)
+    for layer in range(6):
+        b.cache.admit(layer, list(range(E)))
+        b.cache.table.unlock_all()
+    b.handoff_clock = HandoffClock(events := _SteppedEvents(0.325))
+    x, ids, w = routing(40, seed=int(torch.randint(1 << 30, ())))
+    ahead = []  # of 200 expected misses of a next layer, those copied ahead
+    for step in (0.325, 1e-7, 1e-7):  # (1e-7 s: 0.1 us, about two of these tiny experts at 50 GB/s)
+        events.step = step
+        b.call_log = []
+        b.begin_forward(40, K, hold=True, span=40)
+        for layer in range(6):
+            torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                       rtol=1e-5, atol=1e-5)
+        b.end_forward()
+        assert [c.kind for c in b.call_log] == ["unread"] * 6
+        assert b.handoff == pytest.approx(step)  # (the host's part: no routed call, none)
+        ahead.append(b.ahead_fills(200.0, 1000))
+    assert ahead[0] == 200 and ahead[-1] < 200  # the CPU takes a share again
+    b.close()
+
+
 def test_a_wrong_copy_ahead_shows_as_ahead_not_used():
     """The heat says layer 1's experts 0-3 are hot; the prompt routes elsewhere: they are copied ahead and
     counted as ahead, not ahead_used, and the outputs still equal the reference's."""
