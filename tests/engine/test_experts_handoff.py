@@ -77,7 +77,7 @@ def test_no_gap_across_a_skipped_layer_a_new_forward_or_without_events():
     clock.enter(0)
     clock.exit(0)
     dev.queued = dev.now = 0.5
-    clock.enter(2)  # row 1 ran without this clock (wholly resident): its device time is not CPU idle time
+    clock.enter(2)  # row 1 ran without this clock: the device time across it is not one gap
     clock.exit(2)
     clock.begin()  # the next forward's first layer
     clock.enter(3)
