@@ -120,8 +120,9 @@ def test_a_wholly_resident_layer_runs_without_its_routing_and_the_next_layers_co
 
 def test_the_cpus_handoff_moves_hybrids_copies_ahead_and_its_split_to_the_copy_engine(pool):
     """With copies ahead the copy engine works through a layer's handoff while the CPU waits: the longer the
-    handoff (measured per routed prompt layer call, medians of recent samples), the more of the next layer's misses hybrid copies
-    ahead and the fewer of this layer's it runs on the CPU; a routed prompt with CPU work measures it."""
+    handoff (measured per routed prompt layer call, medians of recent samples), the more of the next layer's
+    misses hybrid copies ahead and the fewer of this layer's it runs on the CPU; a routed prompt with CPU work
+    measures it."""
     est = BandwidthEstimate(bp=50e9, bh=50e9, frozen=True)
     b = HybridBackend(pool, 3, "cpu", estimate=est, stream_prefill="off", lookahead="on")
     ahead, fills = [], []
