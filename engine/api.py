@@ -6,6 +6,7 @@ never touches tensors.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Literal
@@ -22,12 +23,16 @@ def new_request_id() -> str:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean 'off'; seed makes sampling reproducible."""
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean 'off'; seed makes sampling reproducible.
+    frequency_penalty / presence_penalty (OpenAI's; 0 means off): before each draw, token j's logit loses
+    frequency_penalty * c + presence_penalty * (c > 0), c being how often the output so far holds j."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -36,10 +41,17 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 class AbortHandle:

@@ -3,7 +3,8 @@
     from engine import Engine
     eng = Engine.from_pretrained(path, device="cpu", dtype="float32")
     eng.score(ids)                                   # FloatTensor [T, V]: logits at every prompt position
-    eng.generate(ids, max_new_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop_ids=())
+    eng.generate(ids, max_new_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop_ids=(),
+                 frequency_penalty=0.0, presence_penalty=0.0)
                                                      # -> list[int], the new tokens (a stop token included)
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from engine.api import SamplingParams
 from engine.experts.registry import is_expert_cache
 from engine.models import load_model
+from engine.penalties import PenaltyPool
 from engine.sampling import Sampler
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds activation memory on long prompts
@@ -62,8 +64,12 @@ class Engine:
         return (ids,) if self.model.piece_tokens else ids.split(PREFILL_CHUNK)
 
     def generate(self, ids, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, stop_ids=()) -> list[int]:
-        sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed), self.model.device)
+                 seed: int | None = None, stop_ids=(), frequency_penalty: float = 0.0,
+                 presence_penalty: float = 0.0) -> list[int]:
+        params = SamplingParams(temperature, top_p, top_k, seed, frequency_penalty, presence_penalty)
+        sampler = Sampler(params, self.model.device)
+        penalties = PenaltyPool(self.model.config.vocab_size, self.model.device)
+        penalties.add("generate", params)
         stop = set(stop_ids)
         out: list[int] = []
         if max_new_tokens <= 0:
@@ -72,7 +78,10 @@ class Engine:
         logits, state = self.prefill(ids)
         self._reserve = 0
         while True:
-            token = sampler(logits)
+            (row,), counted = penalties.apply(["generate"], [logits])
+            ids = sampler.sample(row)
+            penalties.count(counted, ids[None])
+            token = int(ids)
             out.append(token)
             if token in stop or len(out) >= max_new_tokens:
                 return out

@@ -12,6 +12,7 @@ import torch
 
 from engine.api import GenerateRequest
 from engine.config import FULL
+from engine.penalties import PenaltyPool
 from engine.sampling import Readback, Sampler, sample_rows
 from engine.scheduler import Sequence, Work
 
@@ -42,6 +43,7 @@ class ModelRunner:
         self.context_length = context_length or 32768
         self._states: dict[str, object] = {}
         self._samplers: dict[str, Sampler] = {}
+        self._penalties = PenaltyPool(self.vocab_size, model.device)  # counts of sequences with penalties
         self._matches: dict[str, object] = {}
         self.steps = 0
         self._readback = Readback(depth=2)  # a chained step's tokens travel while the host reads the last's
@@ -68,6 +70,8 @@ class ModelRunner:
                 seq.cache_tier = match.tier
         self._states[seq.request_id] = state if state is not None else self.model.new_state()
         self._samplers[seq.request_id] = Sampler(seq.req.sampling, self.model.device)
+        if seq.req.forced_output_ids is None:
+            self._penalties.add(seq.request_id, seq.req.sampling)
 
     def readmit(self, seq: Sequence) -> None:
         """Admit again a sequence that computed nothing yet: the prefill it waited for cached a longer prefix."""
@@ -126,7 +130,8 @@ class ModelRunner:
 
     def _sample(self, work: list[Work], logits: list[torch.Tensor], samples: list[bool]) -> "Launched":
         """A token per sampling item, queued on the device: forced ids as given, the others drawn by their
-        Sampler (greedy rows in one argmax), all read back by one copy when tokens() asks."""
+        Sampler (greedy rows in one argmax) after the penalties of those that ask for them, all read back by
+        one copy when tokens() asks."""
         forced: dict[int, int] = {}
         drawn = []
         for i, (w, sampling) in enumerate(zip(work, samples)):
@@ -137,8 +142,12 @@ class ModelRunner:
                 forced[i] = script[w.seq.num_output]
             else:
                 drawn.append(i)
-        ids = sample_rows([logits[i][-1] for i in drawn], [self._samplers[work[i].seq.request_id] for i in drawn]) \
-            if drawn else None
+        ids = None
+        if drawn:
+            request_ids = [work[i].seq.request_id for i in drawn]
+            rows, counted = self._penalties.apply(request_ids, [logits[i][-1] for i in drawn])
+            ids = sample_rows(rows, [self._samplers[r] for r in request_ids])
+            self._penalties.count(counted, ids)
         # without draws, a step still waits for the device: step timings and prefill progress mean work done
         read = self._readback.start(ids) if ids is not None else _device_done(self.model.device)
         return Launched(work, forced, drawn, ids, read)
@@ -155,6 +164,7 @@ class ModelRunner:
     def _drop_state(self, seq: Sequence) -> None:
         state = self._states.pop(seq.request_id, None)
         self._samplers.pop(seq.request_id, None)
+        self._penalties.drop(seq.request_id)
         match = self._matches.pop(seq.request_id, None)
         if match is not None:
             self.cache.release(match)
