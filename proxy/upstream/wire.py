@@ -42,6 +42,10 @@ def chat_body(conv: Conversation, params: GenParams, max_tokens: int, model: str
         body["top_k"] = s.top_k  # not OpenAI's, but vLLM, SGLang, llama.cpp and killick read it
     if s.seed is not None:
         body["seed"] = s.seed
+    if s.frequency_penalty:
+        body["frequency_penalty"] = s.frequency_penalty
+    if s.presence_penalty:
+        body["presence_penalty"] = s.presence_penalty
     if conv.tools:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                            "parameters": t.parameters}} for t in conv.tools]

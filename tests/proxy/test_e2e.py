@@ -302,3 +302,22 @@ async def test_anthropic_prefill_is_continued(serve, sdk):
         with pytest.raises(anthropic.BadRequestError, match=needle):
             await client.messages.create(model="m", max_tokens=5, messages=msgs, **extra)
     assert core.stats()["active"] == 0
+
+
+async def test_chat_penalties_change_the_greedy_answer_and_zero_changes_nothing(serve, sdk):
+    base, core, _ = await serve()
+    client = sdk.openai(base)
+
+    async def answer(**penalties) -> str:
+        out = await client.chat.completions.create(
+            model="m", max_tokens=24, temperature=0, messages=[{"role": "user", "content": "say it again"}],
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **penalties)
+        assert out.choices[0].message.content
+        return out.choices[0].message.content
+
+    plain = await answer()
+    assert await answer(frequency_penalty=0, presence_penalty=0) == plain
+    assert await answer(presence_penalty=-2) != plain  # the tiny model repeats what it already wrote
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        await sdk.openai(base, max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], presence_penalty=2.5)

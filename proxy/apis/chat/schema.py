@@ -3,6 +3,7 @@
 Accepts what real agents send: `developer` role (as system), `reasoning_content` (or `reasoning`) on
 assistant messages, `max_completion_tokens`, content as string or parts, `chat_template_kwargs`
 (enable_thinking) and `reasoning_effort: "none"` to switch thinking off. Images become a text placeholder.
+`frequency_penalty` / `presence_penalty` (OpenAI's range, -2..2) reach the engine's sampling.
 """
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ class ChatRequest(_Model):
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=-1)
     seed: Optional[int] = Field(default=None, ge=-2**63, lt=2**64)  # what a torch generator takes
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     stop: Union[str, list[str], None] = None
     n: Optional[int] = Field(default=None, ge=1)
     tools: Optional[list[ToolDef]] = None
@@ -131,7 +134,9 @@ def to_conversation(req: ChatRequest) -> Conversation:
 def gen_params(req: ChatRequest) -> GenParams:
     sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p,
-                              top_k=max(req.top_k or 0, 0), seed=req.seed)
+                              top_k=max(req.top_k or 0, 0), seed=req.seed,
+                              frequency_penalty=req.frequency_penalty or 0.0,
+                              presence_penalty=req.presence_penalty or 0.0)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     parse_tools = bool(req.tools) and req.tool_choice != "none"
     one_call = 1 if req.parallel_tool_calls is False else None

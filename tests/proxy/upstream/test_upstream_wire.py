@@ -7,6 +7,7 @@ from engine.api import SamplingParams
 from proxy.apis.anthropic.schema import MessagesRequest
 from proxy.apis.anthropic.schema import to_conversation as anthropic_conversation
 from proxy.apis.chat.schema import ChatRequest, to_conversation
+from proxy.apis.chat.schema import gen_params as chat_gen_params
 from proxy.generation import GenParams
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 from proxy.prompt.render import ChatRenderer
@@ -32,8 +33,8 @@ def test_the_body_renders_the_same_prompt_on_the_upstream():
     """A killick upstream parses the chat body back into the same Conversation, so it renders the same tokens:
     the prompt the proxy planned is the prompt the upstream caches."""
     conv = anthropic_conversation(MessagesRequest.model_validate(ANTHROPIC))
-    params = GenParams(50, SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3), parse_tools=True,
-                       max_tool_calls=1)
+    params = GenParams(50, SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3, frequency_penalty=0.25,
+                                          presence_penalty=-0.5), parse_tools=True, max_tool_calls=1)
     body = chat_body(conv, params, 50, "qwen")
     again = to_conversation(ChatRequest.model_validate(json.loads(json.dumps(body))))
     renderer = ChatRenderer(load_tokenizer(None))
@@ -41,11 +42,14 @@ def test_the_body_renders_the_same_prompt_on_the_upstream():
     assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "tool", "user"]
     assert body["messages"][3]["tool_call_id"] == body["messages"][2]["tool_calls"][0]["id"] == "toolu_1"
     assert (body["model"], body["temperature"], body["top_p"], body["top_k"], body["seed"]) == ("qwen", 0.7, 0.9, 20, 3)
+    assert (body["frequency_penalty"], body["presence_penalty"]) == (0.25, -0.5)
+    assert chat_gen_params(ChatRequest.model_validate(body)).sampling == params.sampling  # read back as sent
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     assert body["parallel_tool_calls"] is False and "tool_choice" not in body
     off = chat_body(conv.__class__(conv.messages, conv.tools, enable_thinking=False), GenParams(5, parse_tools=False),
                     5, "m")
     assert off["chat_template_kwargs"] == {"enable_thinking": False} and off["tool_choice"] == "none"
+    assert "frequency_penalty" not in off and "presence_penalty" not in off  # 0: off, as an upstream reads nothing
 
 
 def _chunk(delta=None, finish=None, usage=None):
