@@ -96,6 +96,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
     app.router.add_post("/v1/chat/completions", chat.chat_completions)
     app.router.add_post("/v1/responses", responses.responses)
+    app.router.add_get("/v1/responses/{response_id}", responses.retrieve)
+    app.router.add_delete("/v1/responses/{response_id}", responses.delete)
     add_control_routes(app)
 
 

@@ -80,7 +80,7 @@ def _origin_key(origin: str) -> str:
 
 
 ALLOWED_ORIGIN = web.RequestKey("killick_allowed_origin", str)  # a page's Origin this request came from
-METHODS = "GET, HEAD, POST, OPTIONS"
+METHODS = "GET, HEAD, POST, DELETE, OPTIONS"
 PREFLIGHT_MAX_AGE_S = 600
 
 

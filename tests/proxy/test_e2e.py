@@ -321,3 +321,20 @@ async def test_chat_penalties_change_the_greedy_answer_and_zero_changes_nothing(
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         await sdk.openai(base, max_retries=0).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "x"}], presence_penalty=2.5)
+
+
+async def test_responses_retrieve_and_delete_through_the_sdk(serve, sdk):
+    base, _, _ = await serve()
+    client = sdk.openai(base, max_retries=0, default_headers={FORCED: THINK_AND_CALL})
+    created = await client.responses.create(model="gpt-5", input="What files are here?", tools=TOOLS_R)
+    got = await client.responses.retrieve(created.id)
+    assert got.model_dump() == created.model_dump()
+    assert [i.type for i in got.output] == ["reasoning", "message", "function_call"] and got.status == "completed"
+    assert await client.responses.delete(created.id) is None
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.delete(created.id)
+    unstored = await client.responses.create(model="gpt-5", input="hi", store=False)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(unstored.id)

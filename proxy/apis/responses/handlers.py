@@ -1,7 +1,9 @@
-"""POST /v1/responses, streaming (response.created ... response.completed) and not.
+"""POST /v1/responses, streaming (response.created ... response.completed) and not; GET and DELETE
+/v1/responses/{response_id}.
 
-`previous_response_id` is served from the bounded in-memory ResponseStore; `store: false` responses are
-never kept. Usage carries `input_tokens_details.cached_tokens` and `output_tokens_details.reasoning_tokens`.
+`previous_response_id` and GET are served from the bounded in-memory ResponseStore, which keeps each finished
+response as its create call answered it; `store: false` responses are never kept (GET answers them 404). Usage
+carries `input_tokens_details.cached_tokens` and `output_tokens_details.reasoning_tokens`.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from proxy.apis.responses.store import RESPONSES, ResponseStore
 from proxy.apis.responses.tools import offered_tools
 from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.errors import ApiError
+from proxy.errors import ApiError, not_served
 from proxy.generation import Finished, Generation, Keepalive, prepare, run_to_finish
 from proxy.sse import SSEWriter
 
@@ -48,26 +50,51 @@ async def responses(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, head: dict, out: OutputItems, remember, gen: Generation) -> web.Response:
     fin = await run_to_finish(request, gen, out.feed)
     out.close()
-    remember()
     body = _final(head, out, fin)
+    remember(body)
     gen.turn.response = lambda: body
     return web.json_response(body)
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    """GET /v1/responses/{response_id}: the stored response object, as its create call answered it."""
+    if request.query.get("stream", "false").lower() not in ("false", "0"):
+        raise not_served("stream", "streaming a stored response again", "retrieve it without stream")
+    response_id = request.match_info["response_id"]
+    stored = request.app[RESPONSES].get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return web.json_response(stored.response)
+
+
+async def delete(request: web.Request) -> web.Response:
+    """DELETE /v1/responses/{response_id}: forgets the response (a later previous_response_id naming it is a 400)."""
+    response_id = request.match_info["response_id"]
+    if not request.app[RESPONSES].delete(response_id):
+        raise _not_found(response_id)
+    return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id {response_id!r} not found (responses are kept in memory, a bounded "
+                         "number, and never with store:false).")
 
 
 def _previous(store: ResponseStore, req: ResponsesRequest):
     if not req.previous_response_id:
         return ()
-    messages = store.get(req.previous_response_id)
-    if messages is None:
+    stored = store.get(req.previous_response_id)
+    if stored is None:
         raise ApiError(400, f"previous_response_id: no stored response {req.previous_response_id!r} "
                             "(responses are kept in memory, a bounded number, and never with store:false)",
                        param="previous_response_id", code="previous_response_not_found")
-    return messages
+    return stored.messages
 
 
-def _remember(store: ResponseStore, req: ResponsesRequest, response_id: str, history, out: OutputItems) -> None:
+def _remember(store: ResponseStore, req: ResponsesRequest, response_id: str, history, out: OutputItems,
+              body: dict) -> None:
     if req.store:
-        store.put(response_id, tuple(history) + (out.message(),))
+        store.put(response_id, tuple(history) + (out.message(),), body)
 
 
 def _head(req: ResponsesRequest) -> dict:
@@ -126,8 +153,8 @@ async def _stream(request: web.Request, head: dict, out: OutputItems, remember, 
             continue
         if isinstance(item, Finished):
             emitted = out.close()
-            remember()
             final = _final(head, out, item)
+            remember(final)
             gen.turn.response = lambda final=final: final
             emitted.append((TERMINAL_EVENTS[final["status"]], {"response": final}))
         else:
