@@ -12,6 +12,7 @@ and outputs into page-locked buffers kept for the next call, which the device re
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
@@ -56,8 +57,14 @@ class CpuJobs:
         jobs = Pairs(*routing.pairs(on_cpu))
         out = self._buffers(x.dtype, len(jobs.pos)) if self.zero_copy else None
         rows, copied = self._host_rows(x)
-        return self._worker.submit(self._run, rows, host, jobs, routing.top_k, self._tables[layer], out,
-                                   x.shape[0] >= PROMPT_TOKENS, copied)
+        entered = threading.Event()
+        pending = self._worker.submit(self._run, rows, host, jobs, routing.top_k, self._tables[layer], out,
+                                      x.shape[0] >= PROMPT_TOKENS, copied, entered)
+        # until the job is in its native call, which needs no GIL: the worker's Python before it got the GIL back
+        # from this thread, busy queueing the device's work, only at the interpreter's switch interval (5 ms), and
+        # the job started 0.9-1.4 ms after its layer's routing on the box where the planning between takes ~0.3
+        entered.wait()
+        return pending
 
     def _host_rows(self, x: torch.Tensor):
         """-> (x's rows where the job reads them, the CUDA event after their copy or None). On CUDA a copy into
@@ -92,18 +99,23 @@ class CpuJobs:
         self._tables.clear()
 
     def _run(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs: Pairs, top_k: int, table, out=None,
-             prompt: bool = False, copied=None) -> CpuResult:
+             prompt: bool = False, copied=None, entered: threading.Event | None = None) -> CpuResult:
         """Into `out` (positions, outputs: _buffers') when given. In inference mode, as the engine's thread that
         made `out` (a worker thread starts outside it, and writing an inference tensor there raises). prompt: a
-        prompt's layer call (cpu_runner.prompt_threads); copied: the event after x_cpu's copy (_host_rows)."""
-        if copied is not None:
-            copied.synchronize()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table,
-                                   out=None if out is None else out[1], prompt=prompt)
-            if out is not None:
-                pos = out[0][: len(pos)].copy_(pos)
+        prompt's layer call (cpu_runner.prompt_threads); copied: the event after x_cpu's copy (_host_rows);
+        entered: set once the job no longer needs the GIL (or has failed)."""
+        try:
+            if copied is not None:
+                copied.synchronize()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                pos, vals = run_on_cpu(x_cpu, host, jobs, self.pool.layout, top_k, table,
+                                       out=None if out is None else out[1], prompt=prompt, entered=entered)
+                if out is not None:
+                    pos = out[0][: len(pos)].copy_(pos)
+        finally:
+            if entered is not None:
+                entered.set()
         # whether the outputs landed in out's rows, page-locked on CUDA (a path that cannot write there returns
         # its own)
         pinned = out is not None and self.device.type == "cuda" and vals.data_ptr() == out[1].data_ptr()

@@ -43,8 +43,11 @@ class Pairs(NamedTuple):
 
 
 def _torch_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertLayout, top_k: int,
-                      table=None, out: torch.Tensor | None = None, prompt: bool = False) -> Result:
-    """x [T, H] (CPU); jobs = [(pos LongTensor [n_e], expert id)] or Pairs -> (pos [N], y [N, H]) on the CPU."""
+                      table=None, out: torch.Tensor | None = None, prompt: bool = False, entered=None) -> Result:
+    """x [T, H] (CPU); jobs = [(pos LongTensor [n_e], expert id)] or Pairs -> (pos [N], y [N, H]) on the CPU.
+    entered: set as the work starts (its torch ops let other threads run)."""
+    if entered is not None:
+        entered.set()
     if isinstance(jobs, Pairs):
         jobs = jobs.jobs()
     outs, poss = [], []
@@ -114,17 +117,20 @@ def layer_table(host: torch.Tensor, layout: ExpertLayout):
 
 
 def _native_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: ExpertLayout, top_k: int,
-                       table=None, out: torch.Tensor | None = None, prompt: bool = False) -> Result:
+                       table=None, out: torch.Tensor | None = None, prompt: bool = False, entered=None) -> Result:
     """Same contract on the native runner, one native call (CpuExpertRunner.run_gather: the job reads x's rows and
     writes the outputs in their own formats). A handful of torch calls on purpose: each costs 20-100 us with caches
     emptied by the previous call's streaming (dev box: 400-530 us a call of 8 experts outside the kernels before,
     170-300 after; docs/PERF.md Issue 17). The runner has expert_threads() workers, prompt_threads() with
-    prompt=True."""
+    prompt=True. entered: set just before the native call, which lets go of the GIL (a caller waiting on it
+    holds the GIL back until this thread no longer needs it: CpuJobs)."""
     if not len(jobs) or isinstance(jobs, Pairs) and not len(jobs.pos):
+        if entered is not None:
+            entered.set()
         return torch.empty(0, dtype=torch.long), x.new_empty(0, x.shape[1])
     table = table if table is not None else layer_table(host, layout)
     if table is None:
-        return _torch_run_on_cpu(x, host, jobs, layout, top_k, out=out)
+        return _torch_run_on_cpu(x, host, jobs, layout, top_k, out=out, entered=entered)
     if isinstance(jobs, Pairs):
         pos, flat, experts = torch.from_numpy(jobs.pos), jobs.pos, jobs.experts.tolist()
         rows = (flat // top_k).tolist()
@@ -139,7 +145,10 @@ def _native_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: Expert
     else:
         y = torch.empty(len(flat), layout.hidden, dtype=x.dtype if native else torch.float32)
     threads = prompt_threads() if prompt else _threads[0] or expert_threads()
-    native_runner(threads).run_gather(table, experts, rows, x if native else x.float(), y)
+    runner, x_in = native_runner(threads), x if native else x.float()
+    if entered is not None:
+        entered.set()
+    runner.run_gather(table, experts, rows, x_in, y)
     if not native:
         y = y.to(x.dtype) if out is None else out[: len(flat)].copy_(y)
     return pos, y

@@ -332,3 +332,45 @@ def test_prompt_threads_default_to_the_expert_threads_and_take_their_own_runner(
         ref_pos, ref = cpu_runner._torch_run_on_cpu(x, host, jobs, layout, 2)
         assert torch.equal(pos, ref_pos) and 2 in cpu_runner._runners
         torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not cpu_runner.NATIVE, reason="native CPU kernels not built")
+def test_a_cpu_job_starts_before_the_engine_thread_goes_on(pool, monkeypatch):
+    """CpuJobs.start returns once its job is at the native call, which needs no GIL: the engine thread, going on
+    to queue the device's work in Python, would otherwise hold the GIL the job's Python needs for up to the
+    interpreter's switch interval. A job that fails still lets start return, and its error comes from
+    result()."""
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)  # no forced switch in this test: only the handshake orders the two threads
+    try:
+        returned, seen = threading.Event(), []
+
+        class Runner:
+            def run_gather(self, table, experts, rows, x, y):
+                seen.append(returned.is_set())
+                y.zero_()
+
+        monkeypatch.setattr(cpu_runner, "native_runner", lambda threads: Runner())
+        jobs = cpu_jobs.CpuJobs(pool, torch.device("cpu"), zero_copy=False)
+        x, ids, _ = routing(6, seed=int(torch.randint(1 << 30, ())))
+        r = Routing.of(ids)
+        for _ in range(3):
+            returned.clear()
+            pending = jobs.start(L_IDS[0], x, r, list(range(len(r.experts))))
+            returned.set()
+            assert pending.result().vals.shape[0] == int(r.counts.sum())
+        assert seen == [False] * 3
+
+        def fail(*a, **k):
+            raise RuntimeError("a job that fails")
+
+        monkeypatch.setattr(cpu_jobs, "run_on_cpu", fail)
+        pending = jobs.start(L_IDS[0], x, r, [0])
+        with pytest.raises(RuntimeError, match="a job that fails"):
+            pending.result()
+        jobs.close()
+    finally:
+        sys.setswitchinterval(interval)
