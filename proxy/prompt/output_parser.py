@@ -6,9 +6,11 @@ opened it), then the answer, then zero or more tool calls, each
 `<tool_call>\n<function=NAME>\n<parameter=P>\nV\n</parameter>\n</function>\n</tool_call>` is accepted too).
 
 Text arrives in arbitrary pieces, so a suffix that could still become a tag or a stop sequence is held back until
-the next piece decides it. A JSON tool call streams: once its head `{"name": "N", "arguments": {` is read,
-ToolCallStart(index, name) goes out, then ToolCallDelta pieces of the arguments object as they are written, then
-ToolCall(streamed=True) whose arguments are exactly the deltas joined. Any other tool call is buffered until its
+the next piece decides it. Stop sequences are searched for in the answer's text alone, as Anthropic's API does:
+the thinking never ends the output, and the search starts afresh after `</think>`.
+
+A JSON tool call streams: once its head `{"name": "N", "arguments": {` is read, ToolCallStart(index, name) goes
+out, then ToolCallDelta pieces of the arguments object as they are written, then ToolCall(streamed=True) whose arguments are exactly the deltas joined. Any other tool call is buffered until its
 closing tag and parsed whole (ToolCall, streamed=False): malformed JSON degrades to plain text, never an error, and
 a call whose first characters can open neither form goes out as text at once (up to its closing tag, as it would
 have at the end); once a call has started streaming it ends as a call, its arguments as written. Blank lines at the
@@ -154,8 +156,8 @@ class OutputParser:
     def _markers(self) -> tuple[str, ...]:
         if self.mode == "tool":
             return (TOOL_CLOSE,)
-        if self.mode == "think":
-            return (THINK_CLOSE, *self.stop_sequences)
+        if self.mode == "think":  # stop sequences end the answer; the thinking is not searched for them
+            return (THINK_CLOSE,)
         return (THINK_OPEN, *((TOOL_OPEN,) if self.parse_tools else ()), *self.stop_sequences)
 
     def _step(self, out: list[OutputEvent]) -> bool:
@@ -183,7 +185,7 @@ class OutputParser:
             self._before_tool = (self._pending_ws, self._segment_started)
         self._pending_ws = ""
         self._segment_started = False
-        if self.mode != "tool" and marker in self.stop_sequences:  # the agent's stop wins over structure
+        if self.mode == "text" and marker in self.stop_sequences:  # the agent's stop wins over structure
             self.stopped = marker
             return
         if marker == THINK_CLOSE:

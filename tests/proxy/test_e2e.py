@@ -338,3 +338,19 @@ async def test_responses_retrieve_and_delete_through_the_sdk(serve, sdk):
     unstored = await client.responses.create(model="gpt-5", input="hi", store=False)
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(unstored.id)
+
+
+async def test_anthropic_stop_sequences_skip_the_thinking(serve, sdk):
+    """A stop sequence the model thinks about is thinking; the one in its answer ends the answer, streaming or
+    not, and the engine request stops there."""
+    base, core, _ = await serve()
+    client = sdk.anthropic(base, default_headers={FORCED: "I must not say STOP early.\\n</think>\\n\\nOK then STOP x"})
+    ask = {"model": "m", "max_tokens": 100, "stop_sequences": ["STOP"], "messages": [{"role": "user", "content": "go"}]}
+    whole = await client.messages.create(**ask)
+    async with client.messages.stream(**ask) as stream:
+        streamed = await stream.get_final_message()
+    for msg in (whole, streamed):
+        assert [(b.type, getattr(b, "thinking", None) or b.text) for b in msg.content] == [
+            ("thinking", "I must not say STOP early."), ("text", "OK then")]
+        assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", "STOP")
+    assert core.stats()["active"] == 0

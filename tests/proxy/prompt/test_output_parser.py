@@ -174,3 +174,15 @@ def test_a_continued_text_keeps_its_first_whitespace(step):
     assert events == [TextDelta(" is 42.\n\n  Done")]
     events, _ = run("\n- b", step, continues=True)
     assert events == [TextDelta("\n- b")]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_stop_sequences_match_the_answer_not_the_thinking(step):
+    """Anthropic applies stop sequences to the answer: one inside the thinking is thinking, and one that only the
+    thinking's tail and the answer's start spell together, or that is the think-end marker itself, does not fire."""
+    text = "plan: say END.\nthen</think>\n\nfinal answer END rest"
+    events, parser = run(text, step, thinking_open=True, stop_sequences=("END", "thenfinal", "</think>"))
+    assert events == [ThinkingDelta("plan: say END.\nthen"), TextDelta("final answer")]
+    assert parser.stopped == "END"
+    events, parser = run("a</think>b", step, thinking_open=True, stop_sequences=("a</think>b", "</think>"))
+    assert events == [ThinkingDelta("a"), TextDelta("b")] and parser.stopped is None
