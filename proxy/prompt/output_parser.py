@@ -9,14 +9,14 @@ Text arrives in arbitrary pieces, so a suffix that could still become a tag or a
 the next piece decides it. Stop sequences are searched for in the answer's text alone, as Anthropic's API does:
 the thinking never ends the output, and the search starts afresh after `</think>`.
 
-A JSON tool call streams: once its head `{"name": "N", "arguments": {` is read, ToolCallStart(index, name) goes
-out, then ToolCallDelta pieces of the arguments object as they are written, then ToolCall(streamed=True) whose arguments are exactly the deltas joined. Any other tool call is buffered until its
-closing tag and parsed whole (ToolCall, streamed=False): malformed JSON degrades to plain text, never an error, and
-a call whose first characters can open neither form goes out as text at once (up to its closing tag, as it would
-have at the end); once a call has started streaming it ends as a call, its arguments as written. Blank lines at the
-start of each segment (after `<think>`, after `</think>`, between tool calls), a single space before its first word,
-and whitespace at its end are dropped, as the providers do; the first line's indentation is the answer's own
-(code), and stays.
+A JSON tool call streams: once its head `{"name": "N", "arguments": {` is read, ToolCallStart(index, name) goes out,
+then ToolCallDelta pieces of the arguments object as they are written, then ToolCall(streamed=True) whose arguments
+are exactly the deltas joined. Any other tool call is buffered until its closing tag and parsed whole (ToolCall,
+streamed=False): malformed JSON degrades to plain text, never an error, and a call whose first characters can open
+neither form goes out as text at once (up to its closing tag, as it would have at the end); once a call has started
+streaming it ends as a call, its arguments as written. Blank lines at the start of each segment (after `<think>`,
+after `</think>`, between tool calls), a single space before its first word, and whitespace at its end are dropped,
+as the providers do; the first line's indentation is the answer's own (code), and stays.
 """
 from __future__ import annotations
 
