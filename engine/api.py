@@ -129,6 +129,10 @@ class TokenEvent:
     error: str | None = None  # set with finish_reason "error": a sentence for the user
     # Progress while the request waits or prefills (no tokens yet): lets the proxy send keep-alives.
     prefilled_so_far: int | None = None
+    # Set on one event (no tokens) once the engine has admitted the request and settled what the prefix cache
+    # gives it, before its prefill: the prompt tokens reused, as the final Usage reports them (an agent's API
+    # announces the split before the answer: Anthropic's message_start).
+    reused_tokens: int | None = None
 
     @property
     def final(self) -> bool:

@@ -261,15 +261,18 @@ class EngineCore:
         return self._run(lambda: chain(launched, nxt), nxt)
 
     def _admit(self, seq: Sequence, restore: Callable[[Sequence], None]) -> bool:
-        """Restore seq's cached prefix, then let it wait for a prefill in flight it shares. False: it failed."""
+        """Restore seq's cached prefix, then let it wait for a prefill in flight it shares, or tell its caller
+        what it reuses (TokenEvent.reused_tokens: settled, since it waits for nothing). False: it failed."""
         try:
             restore(seq)
         except Exception as exc:  # a broken cache entry must not take the engine down
             log.exception("admit failed")
             self._finish(seq, "error", error=f"engine error while restoring the prefix: {exc}")
             return False
-        if self.scheduler.follow(seq):
+        if self.scheduler.follow(seq):  # its reuse grows once the leader's prefill is cached: told then
             self.totals["shared_prefill_waits"] += 1
+        else:
+            self._emit(seq, TokenEvent(seq.request_id, reused_tokens=seq.reused))
         return True
 
     def _publish(self, item: Work, token: int | None) -> None:

@@ -2,7 +2,7 @@
 
     prepare():  normalise -> render (off the event loop) -> check the context -> plan -> GenerateRequest
                 (errors are ApiErrors, before any byte)
-    Generation: submit -> stream -> detokenize -> parse -> OutputEvents, KEEPALIVE ticks, then Finished
+    Generation: submit -> stream -> detokenize -> parse -> Admitted, OutputEvents, KEEPALIVE ticks, then Finished
 
 Front-ends only translate Conversation in and OutputEvents out; this module owns admission (429),
 keep-alive timing, stop sequences and aborting the engine request when the client goes away.
@@ -55,6 +55,16 @@ KEEPALIVE = Keepalive()
 
 
 @dataclass(frozen=True)
+class Admitted:
+    """Yielded once, before any output, when the engine has admitted the request and settled what its prefix
+    cache gives it (the final usage repeats it): a front-end may announce the prompt's split now (Anthropic's
+    message_start). An AnswerSource's answer has none."""
+
+    prompt_tokens: int
+    reused_tokens: int
+
+
+@dataclass(frozen=True)
 class Finished:
     finish: Finish
     usage: Usage
@@ -66,7 +76,7 @@ class Finished:
     # replica answered, a replica's own 4xx)
 
 
-GenItem = Union[OutputEvent, Keepalive, Finished]
+GenItem = Union[OutputEvent, Keepalive, Admitted, Finished]
 
 
 class ReplySource(Protocol):
@@ -218,7 +228,7 @@ class Generation:
         self.decoder = ctx.tokenizer.incremental_decoder()
         self.blocks: list = []  # the output so far, merged as a non-streaming answer would hold it
         self.stream: TokenStream | None = None
-        self.source: AsyncIterator[OutputEvent | Finished] | None = None
+        self.source: AsyncIterator[Admitted | OutputEvent | Finished] | None = None
         self._iter: AsyncIterator[GenItem] | None = None
         self._tokens_out: int | None = None  # output tokens from the engine so far (None: no engine stream)
 
@@ -267,6 +277,9 @@ class Generation:
                 item, next_item = next_item.result(), None
                 if isinstance(item, Finished):
                     break
+                if isinstance(item, Admitted):
+                    yield item
+                    continue
                 collect(self.blocks, item)
                 if self.turn.first_output_s is None and self.turn.arrived is not None:
                     self.turn.first_output_s = time.monotonic() - self.turn.arrived
@@ -286,13 +299,16 @@ class Generation:
         self.turn.finished = item
         yield item
 
-    async def _engine_items(self) -> AsyncIterator[OutputEvent | Finished]:
-        """The engine's token events, detokenized and parsed into output events, then the Finished."""
+    async def _engine_items(self) -> AsyncIterator[Admitted | OutputEvent | Finished]:
+        """The engine's token events: its admission, the tokens detokenized and parsed into output events, then
+        the Finished."""
         parser, stop_ids = self.parser, self.req.stop_ids
         reasoning, output_ids = 0, []
         final: TokenEvent | None = None
         while final is None:
             ev = await anext(self.stream)
+            if ev.reused_tokens is not None:
+                yield Admitted(len(self.req.prompt_ids), ev.reused_tokens)
             ids = [t for t in ev.token_ids if t not in stop_ids]
             output_ids += ev.token_ids
             self._tokens_out = len(output_ids)
@@ -373,7 +389,7 @@ async def run_to_finish(request, gen: "Generation", feed) -> Finished:
             return check_failed(item)
         if client_gone(request):
             raise ConnectionResetError("client went away")
-        if not isinstance(item, Keepalive):
+        if not isinstance(item, (Keepalive, Admitted)):
             feed(item)
     raise RuntimeError("generation ended without a Finished event")
 

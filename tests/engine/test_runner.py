@@ -12,13 +12,16 @@ from engine.runner import ModelRunner
 from engine.serving import EngineCore
 
 
-def run_all(core, reqs, timeout=60, then=None):
-    """Submit every request (then call `then`, e.g. core.start for requests that arrive together) and wait."""
+def run_all(core, reqs, timeout=60, then=None, events=None):
+    """Submit every request (then call `then`, e.g. core.start for requests that arrive together) and wait;
+    `events` (a dict) gets each request's every event under its id."""
     results = {r.request_id: [] for r in reqs}
     finals, done = {}, threading.Event()
 
     def sink_for(rid):
         def sink(ev):
+            if events is not None:
+                events.setdefault(rid, []).append(ev)
             results[rid].extend(ev.token_ids)
             if ev.final:
                 finals[rid] = ev
@@ -88,7 +91,8 @@ def test_prefix_reuse_gives_the_cold_output_and_reports_reused_tokens(engine):
 @pytest.mark.parametrize("share", [256, 0])
 def test_requests_sharing_a_prefix_in_flight_prefill_it_once(engine, share):
     """Four requests with a 300-token prefix in common arrive together: the first prefills it, the others wait
-    for its checkpoint where they part and prefill only their own 20 tokens; outputs as without a cache."""
+    for its checkpoint where they part and prefill only their own 20 tokens; outputs as without a cache. Each is
+    told its reuse once, before its first token, as settled after any wait (what its final usage says)."""
     g = torch.Generator().manual_seed(4)
     shared = torch.randint(0, engine.config.vocab_size, (300,), generator=g).tolist()
     ps = [shared + [k + 1] + torch.randint(0, engine.config.vocab_size, (19,), generator=g).tolist()
@@ -96,12 +100,18 @@ def test_requests_sharing_a_prefix_in_flight_prefill_it_once(engine, share):
     cache = PrefixStore(engine.model, device_budget=256 << 20, host_budget=256 << 20)
     core = EngineCore(ModelRunner(engine.model, cache=cache), max_running=4, max_step_tokens=64,
                       share_prefill_min=share)
+    reqs, events = [GenerateRequest(p, 4) for p in ps], {}
     try:
-        got, finals = run_all(core, [GenerateRequest(p, 4) for p in ps], then=core.start)
+        got, finals = run_all(core, reqs, then=core.start, events=events)
         stats = core.stats()
     finally:
         core.stop()
     assert got == [engine.generate(p, max_new_tokens=4) for p in ps]
+    for req, final in zip(reqs, finals):
+        evs = events[req.request_id]
+        told = [k for k, ev in enumerate(evs) if ev.reused_tokens is not None]
+        assert [evs[k].reused_tokens for k in told] == [final.usage.reused_tokens]
+        assert told[0] < min(k for k, ev in enumerate(evs) if ev.token_ids)
     if share:
         assert [f.usage.reused_tokens for f in finals] == [0, 300, 300, 300]
         assert (stats["shared_prefill_waits"], stats["shared_prefill_tokens"]) == (3, 900)

@@ -82,13 +82,16 @@ def _part_text(part) -> str:
 
 
 class SlowCore:
-    """Emits forced_output_ids (or 'ok'), after `prefill_s` of progress events; tracks what is active."""
+    """Emits forced_output_ids (or 'ok'): queued for `queue_s`, then admitted (reusing half the prompt), then
+    `prefill_s` of progress events; tracks what is active."""
 
     max_running, max_waiting = 2, 2
 
     def __init__(self, tok: CharTokenizer, prefill_s: float = 0.0, step_s: float = 0.0):
         self.tok, self.prefill_s, self.step_s = tok, prefill_s, step_s
         self.fail_next = False  # end the next request with an engine error
+        self.fail_admit = False  # end the next request with an engine error instead of admitting it
+        self.queue_s = 0.0
         self.active = 0
         self.aborted: list[str] = []
         self.requests: list[GenerateRequest] = []
@@ -128,6 +131,14 @@ class SlowCore:
 
     async def _run(self, req: GenerateRequest):
         loop = asyncio.get_running_loop()
+        end = loop.time() + self.queue_s
+        while loop.time() < end and not req.abort.aborted:
+            await asyncio.sleep(0.02)
+        if self.fail_admit:
+            self.fail_admit = False
+            yield TokenEvent(req.request_id, finish_reason="error", error="cannot restore the prefix")
+            return
+        yield TokenEvent(req.request_id, reused_tokens=len(req.prompt_ids) // 2)
         end = loop.time() + self.prefill_s
         while loop.time() < end and not req.abort.aborted:
             yield TokenEvent(req.request_id, prefilled_so_far=0)

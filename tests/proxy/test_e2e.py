@@ -354,3 +354,24 @@ async def test_anthropic_stop_sequences_skip_the_thinking(serve, sdk):
             ("thinking", "I must not say STOP early."), ("text", "OK then")]
         assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", "STOP")
     assert core.stats()["active"] == 0
+
+
+async def test_anthropic_message_start_carries_the_cache_split(serve, sdk):
+    """A second turn reuses the first one's cache: its message_start already says so (Claude Code reads the split
+    there), with the figures message_delta confirms at the end."""
+    base, core, _ = await serve()
+    client = sdk.anthropic(base, default_headers={FORCED: "Hm.\\n</think>\\n\\nShort."})
+    messages = [{"role": "user", "content": "Tell me about caches."}]
+    splits = []
+    for _ in range(2):
+        async with client.messages.stream(model="m", max_tokens=50, messages=messages) as stream:
+            usage = {ev.type: ev.message.usage if ev.type == "message_start" else ev.usage
+                     async for ev in stream if ev.type in ("message_start", "message_delta")}
+            answer = await stream.get_final_message()
+        prompt = await _count(base, {"model": "m", "messages": messages})
+        splits.append([(u.input_tokens, u.cache_read_input_tokens, prompt) for u in usage.values()])
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in answer.content]},
+                     {"role": "user", "content": "And then?"}]
+    (start, end), (again, again_end) = splits
+    assert start == end and start[0] + start[1] == start[2]
+    assert again == again_end and again[1] >= start[2] and again[0] + again[1] == again[2]

@@ -3,6 +3,11 @@
 Streaming grammar: message_start, ping, then per content block content_block_start / *_delta /
 content_block_stop (thinking_delta + signature_delta, text_delta, input_json_delta), message_delta with
 stop_reason and the final usage, message_stop. Pings are also the keep-alive while queued or prefilling.
+
+message_start goes out once the engine has admitted the request, so its usage carries the real split of the
+prompt into input_tokens and cache_read_input_tokens (Claude Code reads it there); pings keep a queued request
+alive before it. An engine failure before anything was sent is an error answer of its own (HTTP status and the
+API's error body); once bytes are out, it is an `error` event.
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from proxy.apis.anthropic.schema import (CountTokensRequest, MessagesRequest, ch
                                          to_conversation)
 from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.generation import Finished, Generation, Keepalive, answer_whole, normalize, prepare, render
+from proxy.generation import (Admitted, Finished, Generation, Keepalive, answer_whole, check_failed, normalize,
+                              prepare, render)
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 from proxy.sse import SSEWriter
 
@@ -133,21 +139,38 @@ class _BlockStream:
 
 async def _stream(request: web.Request, msg: dict, prompt_tokens: int, gen: Generation) -> web.StreamResponse:
     sse = SSEWriter(request)
-    start_usage = {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0,
-                   "cache_read_input_tokens": 0, "output_tokens": 0}
-    await sse.event({"type": "message_start", "message": {
-        **msg, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}}, "message_start")
-    await sse.event({"type": "ping"}, "ping")
     blocks = _BlockStream(sse)
+    started = False  # message_start is out
     async for item in gen:
         if isinstance(item, Keepalive):
             await sse.event({"type": "ping"}, "ping")
-        elif isinstance(item, Finished):
+            continue
+        if not started and not (isinstance(item, Finished) and item.finish == "error"):
+            await sse.event({"type": "message_start", "message": {
+                **msg, "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": _start_usage(item, prompt_tokens)}}, "message_start")
+            await sse.event({"type": "ping"}, "ping")
+            started = True
+        if isinstance(item, Finished):
+            if not sse.started:
+                check_failed(item)  # raises: nothing is sent yet, so the failure is the answer
             gen.turn.response = lambda fin=item: message_json(msg, gen.blocks, fin)
             await _finish_stream(sse, blocks, item)
-        else:
+        elif not isinstance(item, Admitted):
             await blocks.item(item)
     return await sse.finish()
+
+
+def _start_usage(first, prompt_tokens: int) -> dict:
+    """message_start's usage from the first item: the split the engine's admission settled (or an early end's
+    usage); the whole prompt as input where the backend tells its cache reuse only at the end (an upstream)."""
+    reused = 0
+    if isinstance(first, Admitted):
+        prompt_tokens, reused = first.prompt_tokens, first.reused_tokens
+    elif isinstance(first, Finished):
+        prompt_tokens, reused = first.usage.prompt_tokens, first.usage.reused_tokens
+    return {"input_tokens": prompt_tokens - reused, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": reused, "output_tokens": 0}
 
 
 async def _finish_stream(sse: SSEWriter, blocks: _BlockStream, fin: Finished) -> None:

@@ -16,7 +16,7 @@ from aiohttp import web
 from proxy.apis.chat.schema import ChatRequest, check_supported, gen_params, to_conversation
 from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.generation import Finished, Generation, Keepalive, answer_whole, prepare
+from proxy.generation import Admitted, Finished, Generation, Keepalive, answer_whole, prepare
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 from proxy.sse import SSEWriter
 
@@ -90,6 +90,8 @@ async def _stream(request: web.Request, head: dict, include_usage: bool, gen: Ge
     async for item in gen:
         if isinstance(item, Keepalive):
             await sse.comment("keep-alive")
+        elif isinstance(item, Admitted):
+            pass  # usage goes out in the last chunk
         elif isinstance(item, Finished):
             gen.turn.response = lambda fin=item: _completion(head, gen.blocks, fin)
             await _finish_stream(sse, head, include_usage, item)

@@ -20,7 +20,7 @@ from proxy.apis.responses.tools import offered_tools
 from proxy.body import read_json_object
 from proxy.context import CTX
 from proxy.errors import ApiError, not_served
-from proxy.generation import Finished, Generation, Keepalive, prepare, run_to_finish
+from proxy.generation import Admitted, Finished, Generation, Keepalive, prepare, run_to_finish
 from proxy.sse import SSEWriter
 
 TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
@@ -150,6 +150,8 @@ async def _stream(request: web.Request, head: dict, out: OutputItems, remember, 
     async for item in gen:
         if isinstance(item, Keepalive):
             await sse.comment("keep-alive")
+            continue
+        if isinstance(item, Admitted):  # usage goes out with the final response
             continue
         if isinstance(item, Finished):
             emitted = out.close()
