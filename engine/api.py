@@ -68,6 +68,24 @@ class AbortHandle:
         return self._event.is_set()
 
 
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `tokens` output tokens of thinking. The thinking runs from the output's start (open_ids empty: the
+    prompt opened it) or from where the output writes open_ids, until it writes close_ids. Once it holds
+    `tokens` tokens and is still open, the engine emits close_ids next, as if the model had written them, and
+    feeds them to the model, so the answer follows."""
+
+    tokens: int
+    close_ids: tuple[int, ...]  # the think-end marker's ids (Qwen: `</think>`)
+    open_ids: tuple[int, ...] = ()  # the think-open marker's ids, where the output opens the thinking itself
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0:
+            raise ValueError(f"a thinking budget must be >= 0 tokens, got {self.tokens}")
+        if not self.close_ids:
+            raise ValueError("a thinking budget needs the think-end marker's token ids (close_ids)")
+
+
 @dataclass
 class GenerateRequest:
     prompt_ids: list[int]
@@ -81,6 +99,7 @@ class GenerateRequest:
     # Replay / scripted mode: the engine runs every decode step on the model but emits these ids instead
     # of sampling. Generation ends when they run out (finish_reason "stop") or at max_new_tokens.
     forced_output_ids: list[int] | None = None
+    thinking_budget: ThinkingBudget | None = None  # ignored where forced_output_ids gives the whole output
     abort: AbortHandle = field(default_factory=AbortHandle)
     request_id: str = field(default_factory=new_request_id)
 

@@ -129,17 +129,17 @@ class ModelRunner:
         return self._sample(work, logits, [True] * len(work))
 
     def _sample(self, work: list[Work], logits: list[torch.Tensor], samples: list[bool]) -> "Launched":
-        """A token per sampling item, queued on the device: forced ids as given, the others drawn by their
-        Sampler (greedy rows in one argmax) after the penalties of those that ask for them, all read back by
-        one copy when tokens() asks."""
+        """A token per sampling item, queued on the device: forced ids (a script's, the end of thinking past its
+        budget) as given, the others drawn by their Sampler (greedy rows in one argmax) after the penalties of
+        those that ask for them, all read back by one copy when tokens() asks."""
         forced: dict[int, int] = {}
         drawn = []
         for i, (w, sampling) in enumerate(zip(work, samples)):
             if not sampling:
                 continue
-            script = w.seq.req.forced_output_ids
-            if script is not None:
-                forced[i] = script[w.seq.num_output]
+            token = w.seq.forced_token()
+            if token is not None:
+                forced[i] = token
             else:
                 drawn.append(i)
         ids = None

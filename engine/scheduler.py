@@ -45,6 +45,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     checkpoint_positions: list[int] = field(default_factory=list)  # sorted prompt positions to snapshot
     checkpoints_kept: list[int] = field(default_factory=list)  # where the prefix cache took one (-> Usage)
+    thinking_since: int | None = None  # output tokens written when the budgeted thinking opened (None: not open)
     leader: Sequence | None = None  # the sequence whose prefill of a shared prefix this one waits for
     shared_at: int = 0  # where the two part: the leader checkpoints there, this one resumes there
     t_submit: float = field(default_factory=time.monotonic)
@@ -55,7 +56,9 @@ class Sequence:
     @classmethod
     def from_request(cls, req: GenerateRequest) -> "Sequence":
         n = len(req.prompt_ids)
-        return cls(req, list(req.prompt_ids), n, checkpoint_positions=sorted(set(req.checkpoint_positions) | {n}))
+        opened = 0 if req.thinking_budget is not None and not req.thinking_budget.open_ids else None
+        return cls(req, list(req.prompt_ids), n, checkpoint_positions=sorted(set(req.checkpoint_positions) | {n}),
+                   thinking_since=opened)
 
     @property
     def request_id(self) -> str:
@@ -68,6 +71,37 @@ class Sequence:
     @property
     def waiting_for_prefix(self) -> bool:
         return self.leader is not None
+
+    def forced_token(self) -> int | None:
+        """The id this sequence's next output must be instead of a sample: a replay script's next id, or the next
+        id of the think-end marker once its thinking has used its budget."""
+        script = self.req.forced_output_ids
+        if script is not None:
+            return script[self.num_output]
+        if self.thinking_since is None:
+            return None
+        budget = self.req.thinking_budget
+        over = self.num_output - self.thinking_since - budget.tokens  # close ids emitted so far
+        return budget.close_ids[over] if 0 <= over < len(budget.close_ids) else None
+
+    def forced_soon(self) -> bool:
+        """Whether the output after the next one may be forced (forced_token): a decode step queued before the
+        next token is read (EngineCore._chain) would sample it instead."""
+        budget = self.req.thinking_budget
+        if self.req.forced_output_ids is not None:
+            return True
+        if budget is None:
+            return False
+        if self.thinking_since is not None:
+            return self.num_output + 1 - self.thinking_since >= budget.tokens
+        return bool(budget.open_ids) and budget.tokens == 0  # the next token may open it, spent at once
+
+    def follow_thinking(self) -> None:
+        """After an output token: the budgeted thinking opens or closes where the output ends in its marker."""
+        budget = self.req.thinking_budget
+        marker = budget.close_ids if self.thinking_since is not None else budget.open_ids
+        if marker and self.num_output >= len(marker) and self.tokens[-len(marker):] == list(marker):
+            self.thinking_since = None if self.thinking_since is not None else self.num_output
 
 
 @dataclass(frozen=True)
@@ -220,6 +254,8 @@ class Scheduler:
             seq.stop_token = token
             return "stop"
         seq.tokens.append(token)
+        if req.thinking_budget is not None and forced is None:
+            seq.follow_thinking()
         if seq.num_output >= req.max_new_tokens:
             return "length"
         if forced is not None and seq.num_output >= len(forced):

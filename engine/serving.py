@@ -242,7 +242,8 @@ class EngineCore:
     def _chain(self, launched):
         """Queue the decode step after `launched` from its tokens on the device, before the host reads them,
         when that step is certain to be the next one but for sequences its tokens end (stop tokens: their row
-        is dropped): every running sequence decodes, greedy or sampled, none waits, nothing else is asked of
+        is dropped): every running sequence decodes, greedy or sampled, none waits or may have an output forced
+        (a script, the end of thinking past its budget: Sequence.forced_soon), nothing else is asked of
         the engine, and no waiting request could be admitted (with every running slot taken, one waits for a
         slot a step longer when a sequence stops). A sequence whose token is its last (max_new_tokens) is left
         out. -> the launched step."""
@@ -252,8 +253,7 @@ class EngineCore:
         sched, work = self.scheduler, launched.work
         admissible = sched.waiting and len(sched.running) < sched.max_running  # (a full batch keeps its pace)
         if (self._inbox or self._calls or self._aborts or admissible or len(work) != len(sched.running)
-                or any(w.seq.req.forced_output_ids is not None or w.seq.req.abort.aborted or not w.samples
-                       for w in work)):
+                or any(w.seq.forced_soon() or w.seq.req.abort.aborted or not w.samples for w in work)):
             return None
         nxt = [Work(w.seq, w.end, w.end + 1) for w in work if w.seq.num_output + 1 < w.seq.req.max_new_tokens]
         if not nxt:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.api import GenerateRequest, SamplingParams
+from engine.api import GenerateRequest, SamplingParams, ThinkingBudget
 from engine.cache.store import PrefixStore
 from engine.runner import ModelRunner
 from engine.serving import EngineCore
@@ -218,3 +218,18 @@ def test_a_full_batch_keeps_overlapping_while_requests_wait(engine):
     assert [f.finish_reason for f in finals] == ["length"] * 4 and stats["live_states"] == 0
     # the first pair decodes 4 steps with two requests waiting: those are queued ahead too (3 without them)
     assert runner.chained >= 8
+
+
+def test_thinking_closed_at_its_budget_is_fed_to_the_model_with_or_without_overlap(engine):
+    """Past its thinking budget the engine writes the think-end marker itself: the model reads it as its own
+    token (the answer goes on as generation from the prompt, the thinking and the marker does), and no decode
+    step queued ahead samples in its place."""
+    p = prompts(engine.config.vocab_size, 1, seed=9)[0]
+    greedy = engine.generate(p, max_new_tokens=4)
+    close = next(t for t in range(engine.config.vocab_size) if t not in greedy)  # a marker it did not write
+    budget = ThinkingBudget(4, close_ids=(close,))
+    expected = greedy + [close] + engine.generate(p + greedy + [close], max_new_tokens=7)
+    for overlap in (False, True):
+        out, finals, runner, _ = serve(engine.model, [GenerateRequest(p, 12, thinking_budget=budget)], overlap)
+        assert out == [expected] and finals[0][:2] == ("length", 12)
+    assert runner.chained > 0  # before the budget ran low and after the marker

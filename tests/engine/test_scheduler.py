@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from engine.api import GenerateRequest
+from engine.api import GenerateRequest, ThinkingBudget
 from engine.scheduler import Scheduler, Sequence, Status
 
 
@@ -71,6 +71,46 @@ def test_stop_id_length_and_forced_outputs_finish_correctly():
     s.admit()
     assert s.advance(s.schedule()[0], 0) is None  # forced ids are emitted even if they are stop ids
     assert s.advance(s.schedule()[0], 3) == "stop"
+
+
+def _decode(s: Scheduler, q: Sequence, sampled: list[int]) -> list[int]:
+    """Run q's steps, the model 'sampling' `sampled` in turn, the sequence's forced ids taking their place."""
+    s.add(q)
+    s.admit()
+    for token in sampled:
+        (w,) = s.schedule()
+        forced = q.forced_token() if w.samples else None
+        s.advance(w, forced if forced is not None else token)
+    return q.tokens[q.num_prompt:]
+
+
+def test_thinking_past_its_budget_is_closed_by_the_engine_then_the_answer_follows():
+    """Budget 3, think-end marker [90, 91]: three tokens of thinking, then both marker ids forced in place of
+    what the model sampled, then the model's own answer; no chained step may sample across the forcing."""
+    budget = ThinkingBudget(3, close_ids=(90, 91))
+    q = Sequence.from_request(GenerateRequest([1, 2], 20, thinking_budget=budget))
+    s = Scheduler()
+    s.add(q)
+    s.admit()
+    soon = []
+    for token in [5, 6, 7, 8, 9, 10, 11]:
+        (w,) = s.schedule()
+        soon.append(q.forced_soon())
+        forced = q.forced_token()
+        s.advance(w, forced if forced is not None else token)
+    assert q.tokens[2:] == [5, 6, 7, 90, 91, 10, 11] and q.thinking_since is None
+    assert soon == [False, False, True, True, True, False, False]
+    # a model that closes its thinking in time is left alone
+    q = Sequence.from_request(GenerateRequest([1, 2], 20, thinking_budget=budget))
+    assert _decode(Scheduler(), q, [5, 90, 91, 8, 9, 10]) == [5, 90, 91, 8, 9, 10]
+
+
+def test_a_thinking_budget_counts_from_where_the_output_opens_its_thinking():
+    budget = ThinkingBudget(2, close_ids=(91,), open_ids=(80,))
+    q = Sequence.from_request(GenerateRequest([1, 2], 20, thinking_budget=budget))
+    assert _decode(Scheduler(), q, [5, 6, 7, 80, 8, 9, 10, 11]) == [5, 6, 7, 80, 8, 9, 91, 11]
+    q = Sequence.from_request(GenerateRequest([1, 2], 20, thinking_budget=budget, forced_output_ids=[80, 8, 9, 7]))
+    assert _decode(Scheduler(), q, [0, 0, 0, 0]) == [80, 8, 9, 7]  # a replay's script is the whole output
 
 
 def test_prefill_only_request_finishes_with_length_when_prompt_is_computed():
