@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Literal, Ma
 
 from aiohttp import web
 
-from engine.api import GenerateRequest, SamplingParams, TokenEvent, Usage
+from engine.api import GenerateRequest, SamplingParams, ThinkingBudget, TokenEvent, Usage
 from proxy.context import ServerContext
 from proxy.conversation import Conversation, TextPart, ThinkingPart, ToolCallPart, ToolResultPart
 from proxy.errors import ApiError
 from proxy.policy.planner import Plan
-from proxy.prompt.output_parser import (OutputEvent, OutputParser, ToolCall, ToolCallDelta, ToolCallStart,
-                                       generation_opens_think)
+from proxy.prompt.output_parser import (THINK_CLOSE, THINK_OPEN, OutputEvent, OutputParser, ToolCall, ToolCallDelta,
+                                       ToolCallStart, generation_opens_think)
 
 if TYPE_CHECKING:
     from engine.serving import TokenStream
@@ -45,6 +45,7 @@ class GenParams:
     stop_sequences: tuple[str, ...] = ()
     parse_tools: bool = True
     max_tool_calls: int | None = None  # 1: the agent disabled parallel tool calls
+    thinking_budget: int | None = None  # the most output tokens of thinking (Anthropic thinking.budget_tokens)
 
 
 class Keepalive:
@@ -153,12 +154,22 @@ async def prepare(ctx: ServerContext, request: web.Request, conv: Conversation, 
     gen_request = GenerateRequest(
         prompt_ids=list(rendered.ids), max_new_tokens=max_new, sampling=params.sampling,
         stop_ids=frozenset(ctx.tokenizer.eos_ids), checkpoint_positions=tuple(plan.checkpoint_positions),
-        session_key=plan.session_key, forced_output_ids=forced)
+        session_key=plan.session_key, forced_output_ids=forced,
+        thinking_budget=_thinking_budget(ctx, params.thinking_budget, rendered.text))
     arrived = request.get(ARRIVED)
     turn = request[TURN] = Turn(plan, arrived=arrived,
                                 prepare_s=None if arrived is None else time.monotonic() - arrived,
                                 render_s=t1 - t0, plan_s=t2 - t1)
     return Prepared(conv, params, rendered.text, gen_request, turn, str(body.get("model") or ""), headers)
+
+
+def _thinking_budget(ctx: ServerContext, tokens: int | None, prompt_text: str) -> ThinkingBudget | None:
+    """The engine closes the thinking at the budget by writing `</think>` itself; it counts from the output's
+    start where the generation prompt opened the thinking, else from the model's own `<think>`."""
+    if tokens is None:
+        return None
+    opens = () if generation_opens_think(prompt_text) else tuple(ctx.tokenizer.encode(THINK_OPEN))
+    return ThinkingBudget(tokens, tuple(ctx.tokenizer.encode(THINK_CLOSE)), opens)
 
 
 def normalize(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping) -> Conversation:

@@ -62,7 +62,7 @@ async def test_anthropic_tool_use_then_tool_result_turn(serve, sdk):
     base, core, _ = await serve()
     client = sdk.anthropic(base, default_headers={FORCED: THINK_AND_CALL})
     messages = [{"role": "user", "content": "What files are here?"}]
-    async with client.messages.stream(model="m", max_tokens=200, messages=messages, tools=TOOLS_A,
+    async with client.messages.stream(model="m", max_tokens=2000, messages=messages, tools=TOOLS_A,
                                       thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
         deltas = [ev.delta.type async for ev in stream if ev.type == "content_block_delta"]
         msg = await stream.get_final_message()
@@ -294,13 +294,14 @@ async def test_anthropic_prefill_is_continued(serve, sdk):
         model="m", max_tokens=20, messages=following)
     assert second.content[-1].text == "It is." and second.usage.cache_read_input_tokens > 0
     client = sdk.anthropic(base, max_retries=0)
-    refused = [(messages, {"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    thinking = {"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2048}
+    refused = [(messages, thinking, "cannot be combined with thinking"),
                (messages[:1] + [{"role": "assistant", "content": "The answer "}], {}, "trailing whitespace"),
                (messages[:1] + [{"role": "assistant", "content": [
                    {"type": "tool_use", "id": "t1", "name": "bash", "input": {}}]}], {}, "text alone")]
     for msgs, extra, needle in refused:
         with pytest.raises(anthropic.BadRequestError, match=needle):
-            await client.messages.create(model="m", max_tokens=5, messages=msgs, **extra)
+            await client.messages.create(model="m", messages=msgs, **{"max_tokens": 5, **extra})
     assert core.stats()["active"] == 0
 
 
@@ -375,3 +376,14 @@ async def test_anthropic_message_start_carries_the_cache_split(serve, sdk):
     (start, end), (again, again_end) = splits
     assert start == end and start[0] + start[1] == start[2]
     assert again == again_end and again[1] >= start[2] and again[0] + again[1] == again[2]
+
+
+async def test_anthropic_thinking_is_closed_at_its_budget_and_the_answer_follows(serve, sdk):
+    """Random weights never close their thinking: past budget_tokens the engine writes </think> itself, the
+    model goes on from it, and what it writes next is the answer."""
+    base, core, _ = await serve()
+    msg = await sdk.anthropic(base).messages.create(
+        model="m", max_tokens=1100, messages=[{"role": "user", "content": "Think hard."}],
+        thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0})
+    assert [b.type for b in msg.content] == ["thinking", "text"] and msg.content[0].thinking and msg.content[1].text
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 1100

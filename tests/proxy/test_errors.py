@@ -201,7 +201,7 @@ async def test_agent_extras_are_accepted(aiohttp_client, fake_stack):
     """Fields real agents send that we do not use: accepted and ignored."""
     client = await aiohttp_client(fake_stack()[0])
     resp = await client.post("/v1/messages?beta=true", json={
-        "model": "claude-opus-4-8", "max_tokens": 5, "metadata": {"user_id": "u_session"},
+        "model": "claude-opus-4-8", "max_tokens": 2048, "metadata": {"user_id": "u_session"},
         "context_management": {"edits": []}, "output_config": {"effort": "high"},
         "thinking": {"type": "enabled", "budget_tokens": 1024},
         "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0.abc;",

@@ -19,6 +19,7 @@ from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, ApiError, not_enforceable
 from proxy.generation import GenParams
 
 log = logging.getLogger("killick.proxy")
+MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 MEDIA_KINDS = {"image": "image", "image_url": "image", "input_image": "image", "document": "document",
                "file": "file", "input_file": "file", "input_audio": "audio"}  # a part's type -> what it holds
 
@@ -135,6 +136,7 @@ def check_supported(req: MessagesRequest) -> None:
 
 
 def to_conversation(req: CountTokensRequest) -> Conversation:
+    check_thinking(req)
     messages: list[Message] = []
     if req.system:
         system = req.system if isinstance(req.system, str) else "\n\n".join(b.text for b in req.system)
@@ -149,6 +151,28 @@ def to_conversation(req: CountTokensRequest) -> Conversation:
     prefill = _prefill(req, messages)
     return Conversation(tuple(messages), tools, enable_thinking=thinking_on and not prefill, extras=extras,
                         continue_last=prefill)
+
+
+def check_thinking(req: CountTokensRequest) -> None:
+    """Anthropic's rules for `thinking`: type enabled takes budget_tokens, at least 1024 and, in a Messages request,
+    less than max_tokens, which the thinking shares with the answer; disabled and adaptive take none."""
+    thinking, where = req.thinking, "thinking.budget_tokens"
+    if thinking is None:
+        return
+    budget = thinking.budget_tokens
+    if thinking.type != "enabled":
+        if budget is not None:
+            raise ApiError(400, f"{where}: thinking of type {thinking.type!r} takes no budget; send it with type "
+                           "'enabled'", param=where)
+        return
+    if budget is None:
+        raise ApiError(400, f"{where}: field required with thinking type 'enabled'", param=where)
+    if budget < MIN_THINKING_BUDGET:
+        raise ApiError(400, f"{where}: must be at least {MIN_THINKING_BUDGET}, got {budget}", param=where)
+    max_tokens = getattr(req, "max_tokens", None)
+    if max_tokens is not None and budget >= max_tokens:
+        raise ApiError(400, f"{where}: must be less than max_tokens ({budget} >= {max_tokens}): the thinking and the "
+                       "answer share max_tokens", param=where)
 
 
 def _prefill(req: CountTokensRequest, messages: list[Message]) -> bool:
@@ -175,7 +199,8 @@ def gen_params(req: MessagesRequest) -> GenParams:
     choice = req.tool_choice
     parse_tools = bool(req.tools) and not (choice and choice.type == "none")
     one_call = 1 if choice and choice.disable_parallel_tool_use else None
-    return GenParams(req.max_tokens, sampling, tuple(req.stop_sequences or ()), parse_tools, one_call)
+    budget = req.thinking.budget_tokens if req.thinking and req.thinking.type == "enabled" else None
+    return GenParams(req.max_tokens, sampling, tuple(req.stop_sequences or ()), parse_tools, one_call, budget)
 
 
 def _convert_message(msg: AnthropicMessage) -> list[Message]:

@@ -1,6 +1,11 @@
 """The Anthropic Messages API against the stand-in engine (tests/proxy/proxy_fakes.py SlowCore): when
-message_start goes out and what its usage says, and an engine failure before the request is admitted."""
+message_start goes out and what its usage says, an engine failure before the request is admitted, and the
+thinking budget's rules."""
 import json
+
+import pytest
+
+from engine.api import ThinkingBudget
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -54,3 +59,36 @@ async def test_an_engine_failure_before_admission_is_an_error_in_the_apis_shape(
     assert events[-1][1] == {"type": "error", "error": {"type": "api_error", "message": "cannot restore the prefix"}}
     core.queue_s = 0.0
     assert (await client.post("/v1/messages", json=body)).status == 200
+
+
+@pytest.mark.parametrize("thinking,needle", [
+    ({"type": "enabled"}, "field required"),
+    ({"type": "enabled", "budget_tokens": 1023}, "must be at least 1024, got 1023"),
+    ({"type": "enabled", "budget_tokens": 2048}, "must be less than max_tokens (2048 >= 2048)"),
+    ({"type": "disabled", "budget_tokens": 1024}, "thinking of type 'disabled' takes no budget"),
+    ({"type": "adaptive", "budget_tokens": 1024}, "thinking of type 'adaptive' takes no budget"),
+])
+async def test_a_thinking_budget_anthropic_would_refuse_is_a_400_naming_it(aiohttp_client, fake_stack, thinking,
+                                                                          needle):
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 2048, "messages": MSG,
+                                                   "thinking": thinking})
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["type"] == "invalid_request_error"
+    assert error["message"].startswith("thinking.budget_tokens: ") and needle in error["message"]
+    if thinking["type"] != "enabled" or "budget_tokens" not in thinking or thinking["budget_tokens"] < 1024:
+        resp = await client.post("/v1/messages/count_tokens", json={"model": "m", "messages": MSG,
+                                                                    "thinking": thinking})
+        assert resp.status == 400 and needle in (await resp.json())["error"]["message"]
+    assert not core.requests
+
+
+async def test_the_thinking_budget_goes_to_the_engine_with_the_think_end_marker(aiohttp_client, fake_stack):
+    app, core = fake_stack()
+    client = await aiohttp_client(app)
+    for thinking, budget in [({"type": "enabled", "budget_tokens": 1024}, ThinkingBudget(1024, close_ids=(4,))),
+                             ({"type": "adaptive"}, None), ({"type": "disabled"}, None), (None, None)]:
+        body = {"model": "m", "max_tokens": 1025, "messages": MSG, **({"thinking": thinking} if thinking else {})}
+        assert (await client.post("/v1/messages", json=body)).status == 200
+        assert core.requests[-1].thinking_budget == budget  # (the stand-in tokenizer's </think> is id 4)

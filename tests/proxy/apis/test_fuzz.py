@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 MSG = [{"role": "user", "content": "hi"}]
 VALID = {
-    "/v1/messages": {"model": "m", "max_tokens": 4, "stream": True, "system": [{"type": "text", "text": "s"}],
-                     "thinking": {"type": "enabled", "budget_tokens": 64}, "stop_sequences": ["x"],
+    "/v1/messages": {"model": "m", "max_tokens": 1025, "stream": True, "system": [{"type": "text", "text": "s"}],
+                     "thinking": {"type": "enabled", "budget_tokens": 1024}, "stop_sequences": ["x"],
                      "tools": [{"name": "bash", "input_schema": {"type": "object"}}],
                      "tool_choice": {"type": "auto"},
                      "messages": [{"role": "user", "content": "q"},

@@ -34,7 +34,7 @@ async def test_anthropic_tool_turns_through_one_replica(upstream_proxy, sdk):
     base, pool = await upstream_proxy()
     client = sdk.anthropic(base, default_headers=forced(THINK_AND_CALL, "t-anthropic"))
     messages = [{"role": "user", "content": "What files are here?"}]
-    async with client.messages.stream(model="claude-opus-4-8", max_tokens=200, messages=messages, tools=TOOLS_A,
+    async with client.messages.stream(model="claude-opus-4-8", max_tokens=2000, messages=messages, tools=TOOLS_A,
                                       thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
         deltas = [ev.delta.type async for ev in stream if ev.type == "content_block_delta"]
         msg = await stream.get_final_message()
