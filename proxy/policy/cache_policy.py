@@ -71,10 +71,11 @@ class CachePolicy:
             if state is not None and state.prev is not None:
                 edit = diff_turn(state.prev, rendered, conv, adapter.rules)
                 resume = resume_position(state.checkpoint_positions, min(edit.edit_point, last))
-                existing, turn_index = state.checkpoint_positions, state.turns
+                existing = state.checkpoint_positions
             else:  # a new conversation still shares the harness's fixed prefix with the others
                 shared, resume = self.store.shared_checkpoint(ids, max_position=last)
-                edit, existing, turn_index = Edit(shared, "first"), (), 0
+                edit, existing = Edit(shared, "first"), ()
+            turn_index = self.store.next_turn(key, kind, adapter.name)  # under the lock: one number a request
             if kind == "main":
                 anchors = plan_anchors(rendered, adapter.rules, start=resume, existing=existing,
                                        budget=self.budget, conv=conv)

@@ -77,7 +77,8 @@ class SessionState:
     harness: str = "generic"
     prev: Optional[PreviousTurn] = None
     checkpoint_positions: tuple[int, ...] = ()  # where the engine holds checkpoints along prev.ids
-    turns: int = 0
+    turns: int = 0  # turns finished (finish_turn)
+    numbered: int = 0  # turn numbers handed out (next_turn): one per planned request, finished or not
     first_message_end: int = 0  # end of prev's first non-system message: the prefix-match threshold
     records: list = field(default_factory=list)  # recent TurnRecords (bounded by the store)
 
@@ -121,6 +122,8 @@ class SessionStore:
             match = self._prefix_match(ids, kind, threads, threshold=False)
         if match is None and threads and conv is not None:
             match = self._same_history(conv, kind, threads)
+        if match is None:
+            match = self._first_in_flight(kind, threads)
         if match is None and threads:
             match = f"{base}~{next(self._threads)}"
         return match or base, hint[0]
@@ -139,6 +142,14 @@ class SessionStore:
             if n > best_len and (not threshold or n >= max(1, state.first_message_end)):
                 best, best_len = key, n
         return best
+
+    def _first_in_flight(self, kind: str, keys) -> Optional[str]:
+        """The most recent thread among `keys` whose first request is planned and not finished: nothing of it is
+        known to tell a request apart from it, so one sent meanwhile under the same hint joins it."""
+        for key in reversed([k for k in self._lru(kind) if k in set(keys)]):
+            if self._lru(kind)[key].prev is None:
+                return key
+        return None
 
     def _same_history(self, conv, kind: str, keys) -> Optional[str]:
         """The most recent thread among `keys` whose previous prompt's messages, system ones aside, open `conv`."""
@@ -182,6 +193,13 @@ class SessionStore:
             while len(lru) > self._limits["main" if kind == "main" else "side"]:
                 lru.popitem(last=False)
         return state
+
+    def next_turn(self, key: str, kind: str = "main", harness: str = "generic") -> int:
+        """The session's next turn number (0 for its first request), handed out once: requests of one session
+        planned before any of them finishes each get their own."""
+        state = self.get_or_create(key, kind, harness)
+        state.numbered += 1
+        return state.numbered - 1
 
     def finish_turn(self, key: str, prev: PreviousTurn, checkpoint_positions: Sequence[int], record: Any = None,
                     kind: str = "main", harness: str = "generic") -> SessionState:

@@ -143,3 +143,23 @@ def test_policy_planner_fits_the_proxy_seam_with_hints_from_extras():
         msgs += (assistant(f"r{k}"), user(f"q{k}"))
     plain = planner.normalize(replace(Conversation((user("x"),)), extras={"session_hint": "end-user-7"}), {})
     assert planner(plain, render(plain), {}).session_key == "end-user-7"
+
+
+def test_requests_of_one_session_planned_before_either_finishes_get_their_own_turn_numbers():
+    """Two requests of a session sent at the same moment are both planned before either finishes: each gets its
+    own turn number (the first request of a session too), and the second joins the first's session."""
+    adapter, headers = GenericAdapter(), {"x-session-id": "twin"}
+    policy = CachePolicy()
+    msgs = (system("s"), user("q"))
+    for k in range(2):  # turn k of the conversation, sent twice at once
+        conv = Conversation(msgs)
+        turns = [policy.plan_turn({}, headers, conv, render(conv), adapter) for _ in range(2)]
+        for turn in turns:
+            ids = reply_ids(assistant(f"a{k}"))
+            policy.finish_turn(turn, ids, engine_usage(turn, ids))
+        assert [t.session_key for t in turns] == ["twin", "twin"]
+        assert [t.record.turn_index for t in turns] == [2 * k, 2 * k + 1]
+        msgs += (assistant(f"a{k}"), user(f"q{k}"))
+    rows = policy.stats()["recent_turns"]
+    assert [r["turn"] for r in rows] == [1, 2, 3, 4]  # as killick ctl stats shows them
+    assert policy.store.get("twin").turns == 4
