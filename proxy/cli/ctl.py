@@ -129,10 +129,14 @@ SESSION_COLUMNS = ("session", "replica", "turns", "moves", "prompt_tokens", "cac
 
 
 def _upstream_lines(engine: dict) -> list[str]:
-    """Upstream mode: the replicas, and how much of each session's prompts its replica reused."""
+    """Upstream mode: the replicas with the totals of failures and retries (a request sent to another replica
+    after one failed), and how much of each session's prompts its replica reused."""
     if not isinstance(engine.get("replicas"), list):
         return []
-    lines = ["", f"upstream replicas (routing {engine.get('routing')})", _columns(engine["replicas"], REPLICA_COLUMNS)]
+    totals = ", ".join(f"{k.replace('_', ' ')} {engine[k]}" for k in ("failures", "retries", "session_moves")
+                       if k in engine)
+    lines = ["", f"upstream replicas (routing {engine.get('routing')}): {engine.get('replicas_up')} of "
+                 f"{engine.get('replicas_total')} up, {totals}", _columns(engine["replicas"], REPLICA_COLUMNS)]
     lines += [f"  {url}: {why}" for url, why in (engine.get("last_errors") or {}).items()]
     if engine.get("recent_sessions"):
         lines += ["", "sessions (most recent first)", _columns(engine["recent_sessions"], SESSION_COLUMNS)]

@@ -226,7 +226,9 @@ class _Call:
                        code="rate_limit_exceeded" if self.busy else None)
 
     def _start(self, replica: Replica) -> None:
-        """In flight at `replica` from here on: its load, and cut() when its health check fails."""
+        """In flight at `replica` from here on: its load, and cut() when its health check fails. After a replica
+        failed (refused, cut, 5xx, 429, a stream broken before its first output) this is a retry."""
+        self.router.retries += bool(self.tried)
         self.router.started(replica, self.key)
         self.replica, self.cut_why = replica, None
         self.pool.calls.add(self)
@@ -269,8 +271,7 @@ class _Call:
                         yield item
                 if failure is None or reply.started:
                     break
-                self.router.retries += 1  # nothing went to the agent yet: the next replica answers instead
-                self._failed(failure, down=True)
+                self._failed(failure, down=True)  # nothing went to the agent yet: the next replica answers instead
                 self.resp = self._close_response()
                 try:
                     await self.connect()

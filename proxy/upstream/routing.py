@@ -35,7 +35,7 @@ class Replica:
     healthy: bool = True
     in_flight: int = 0
     requests: int = 0  # started here
-    failures: int = 0  # connection errors, 5xx, streams cut before the end
+    failures: int = 0  # connection errors, 5xx, 429, chunks not in the OpenAI shape, streams cut before the end
     prompt_tokens: int = 0
     cached_tokens: int = 0
     last_error: Optional[str] = None
@@ -81,7 +81,7 @@ class Router:
         self.sessions: OrderedDict[str, SessionRoute] = OrderedDict()  # session key -> where and what it reused
         self.max_sessions = max_sessions
         self._turn = itertools.count()
-        self.retries = 0  # requests that moved to another replica before their first output
+        self.retries = 0  # times a request went to another replica after one failed, before its first output
 
     def order(self, session_key: Optional[str]) -> list[Replica]:
         """Every replica, best first: healthy ones by the policy, then those marked down (a last resort:

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from proxy.cli.ctl import _render_stats
 from proxy.upstream.bench import free_port
 
 MESSAGE = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
@@ -98,7 +99,33 @@ async def test_a_chunk_not_in_the_openai_shape_fails_that_replica_over(aiohttp_s
         assert body["error"]["type"] == kind and "no upstream replica answered" in body["error"]["message"]
     else:
         assert body["content"][0]["text"] == "fine"
-    assert pool.stats()["active"] == 0
+    stats = pool.stats()
+    assert stats["active"] == 0 and stats["failures"] == len(modes) - (status == 200)
+    assert stats["retries"] == len(modes) - 1  # each move to another replica; none once no replica is left
+
+
+@pytest.mark.parametrize("fault", ["refused", "busy"])
+async def test_a_replica_that_fails_at_connect_time_counts_a_failure_and_a_retry(aiohttp_server, upstream_front,
+                                                                                 fault):
+    """A replica refused at connect (its process gone, the health check not there yet) or answering 429: the
+    request goes to the next replica, and the counters say so, on /metrics too."""
+    bad_server = await aiohttp_server(replica("good" if fault == "refused" else "busy"))
+    bad = str(bad_server.make_url("")).rstrip("/")
+    good = await _url(aiohttp_server, replica("good"))
+    base, pool = await upstream_front([bad, good], health_interval_s=60)
+    key = next(k for k in (f"s{i}" for i in range(1000)) if pool.router.order(k)[0].url == bad)
+    if fault == "refused":
+        await asyncio.sleep(0.3)  # the health check's first round passed; the next one is a minute away
+        await bad_server.close()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/v1/messages", json=MESSAGE, headers={"x-session-id": key}) as r:
+            assert r.status == 200 and (await r.json())["content"][0]["text"] == "fine"
+        async with s.get(base + "/metrics") as r:
+            metrics = await r.text()
+    stats = pool.stats()
+    assert (stats["requests"], stats["failures"], stats["retries"], stats["active"]) == (2, 1, 1, 0)
+    assert "killick_engine_retries 1" in metrics.splitlines() and "killick_engine_failures 1" in metrics.splitlines()
+    assert "up, failures 1, retries 1, session moves 0" in _render_stats({"engine": stats, "policy": {}})
 
 
 async def test_an_agent_that_leaves_before_the_replicas_headers_leaves_nothing_in_flight(aiohttp_server,
