@@ -210,6 +210,12 @@ class ModelRunner:
             self.context_length = kv_tokens
         return self.stats()
 
+    def close(self) -> None:
+        """The expert backend's worker threads end (EngineCore.stop); it starts them again if used later."""
+        close = getattr(getattr(self.model, "experts", None), "close", None)
+        if close is not None:
+            close()
+
     def stats(self) -> dict:
         out = {"live_states": len(self._states), "steps": self.steps, "context_length": self.context_length}
         experts = getattr(self.model, "experts", None)

@@ -45,6 +45,7 @@ class Runner(Protocol):
 
     def stats(self) -> dict: ...
     # optional: def idle(self) -> bool  (bounded background work while nothing runs or waits; True: more to do)
+    # optional: def close(self) -> None  (stop's: end the runner's worker threads; again, or used later, is fine)
 
 
 class EngineCore:
@@ -85,11 +86,20 @@ class EngineCore:
         return self
 
     def stop(self) -> None:
+        """End the engine thread after its current step, then close the runner's own threads (its CPU expert
+        workers), which would otherwise outlive the engine, idle. Again: nothing more happens. A runner used
+        by a later core starts them again when it needs them."""
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+            if self._thread.is_alive():  # still inside a step: its workers are in use
+                log.warning("the engine thread did not stop within 30 s; its CPU workers stay open")
+                return
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def __enter__(self) -> "EngineCore":
         return self.start()

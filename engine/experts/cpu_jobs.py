@@ -40,7 +40,7 @@ class CpuResult(NamedTuple):
 class CpuJobs:
     def __init__(self, pool: HostPool, device: torch.device, zero_copy: bool) -> None:
         self.pool, self.device, self.zero_copy = pool, device, zero_copy
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu")
+        self._worker: ThreadPoolExecutor | None = None  # started by the first job, ended by close()
         self._tables: dict = {}  # layer -> cpu_runner.layer_table of its host blocks, built on first use
         self._out: dict = {}  # dtype -> (positions [cap] int64, outputs [cap, H]), page-locked on CUDA
         self._x_host: dict = {}  # dtype -> [cap, H] page-locked: a CUDA call's rows for its job (_host_rows)
@@ -57,12 +57,15 @@ class CpuJobs:
         jobs = Pairs(*routing.pairs(on_cpu))
         out = self._buffers(x.dtype, len(jobs.pos)) if self.zero_copy else None
         rows, copied = self._host_rows(x)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu")
         entered = threading.Event()
         pending = self._worker.submit(self._run, rows, host, jobs, routing.top_k, self._tables[layer], out,
                                       x.shape[0] >= PROMPT_TOKENS, copied, entered)
         # until the job is in its native call, which needs no GIL: the worker's Python before it got the GIL back
-        # from this thread, busy queueing the device's work, only at the interpreter's switch interval (5 ms), and
-        # the job started 0.9-1.4 ms after its layer's routing on the box where the planning between takes ~0.3
+        # from this thread, busy queueing the device's work, only at the interpreter's switch interval (5 ms) (on
+        # the H100 box a job started 0.9-1.4 ms after its layer's routing; the planning between takes ~0.3 ms on
+        # the dev box)
         entered.wait()
         return pending
 
@@ -95,7 +98,10 @@ class CpuJobs:
             y[done.pos.to(self.device)] = done.vals.to(self.device, y.dtype)
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        """End the worker thread (after its job); the next start() makes a new one. Again: nothing happens."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         self._tables.clear()
 
     def _run(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs: Pairs, top_k: int, table, out=None,

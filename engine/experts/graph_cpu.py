@@ -172,4 +172,10 @@ class CpuShare:
         return st
 
     def close(self) -> None:
+        """End the thread (it polls every 50 us while idle); wake() starts it again."""
         self.box.stop()
+
+    def wake(self) -> None:
+        """Before a step: the thread runs (a stopped engine closed it, and a later one uses this backend)."""
+        if not self.box.running:
+            self.box.start()

@@ -166,8 +166,10 @@ class MappedExperts:
             cache.ready()  # the prefill path filled slots: the step reads them after its copies
         self._placements, self._own = cache.placements, 0
         self._commit()
-        if self.cpu is not None and rows is not None:
-            self.cpu.before_step(rows)
+        if self.cpu is not None:
+            self.cpu.wake()
+            if rows is not None:
+                self.cpu.before_step(rows)
         self._push()
 
     def end(self, routes: torch.Tensor, rows: int) -> None:

@@ -424,6 +424,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
             self.streamer.active, self.streamer.reserved = False, []
 
     def close(self) -> None:
+        """End the CPU share's threads (EngineCore.stop); they start again when a later step needs them."""
         if self.mapped is not None and self.mapped.cpu is not None:
             self.mapped.cpu.close()
         self.cpu_jobs.close()

@@ -1,5 +1,6 @@
 """engine.build: the one factory behind serve/demo/replay picks the expert backend and cache as asked."""
 import os
+import threading
 
 import pytest
 
@@ -145,3 +146,27 @@ def test_overlap_is_on_by_default_on_cuda_only_and_no_overlap_turns_it_off(check
     path = checkpoints["qwen3_5_moe", "fused"]
     assert build_core(path, EngineOptions(prefix_cache=False, context_length=256)).runner.overlap is False  # CPU
     assert build_core(path, off).runner.overlap is False
+
+
+def test_stop_ends_the_cpu_expert_worker_and_a_later_core_starts_it_again(checkpoints):
+    """An expert cache that runs its misses on the CPU starts a worker thread with its first job; EngineCore.stop
+    ends it, and every other thread the core started (again: nothing happens); a core built later over the same
+    model starts a new worker and answers as the first did."""
+    path = checkpoints["qwen3_5_moe", "fused"]
+    opts = EngineOptions(moe_backend="cpu", moe_slots="25%", prefix_cache=False)
+    prompt = list(range(3, 40))
+    before = set(threading.enumerate())
+    core = build_core(path, opts)
+    with core:
+        (out,), _ = run_all(core, [GenerateRequest(prompt, 8)])
+        assert _cpu_workers()
+    assert set(threading.enumerate()) <= before
+    core.stop()
+    assert set(threading.enumerate()) <= before
+    with build_core(path, opts, model=core.runner.model) as again:
+        assert run_all(again, [GenerateRequest(prompt, 8)])[0] == [out] and _cpu_workers()
+    assert not _cpu_workers()
+
+
+def _cpu_workers() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("experts-cpu")]

@@ -189,3 +189,19 @@ def test_failing_idle_work_is_logged_and_the_engine_keeps_serving(caplog):
         evs = collect(core, GenerateRequest([5], 2))
     assert [t for e in evs for t in e.token_ids] == [6, 7]
     assert any("idle work failed" in r.getMessage() for r in caplog.records)
+
+
+def test_stop_closes_the_runner_once_its_thread_has_ended():
+    """stop() ends the engine thread, then the runner's own workers (ModelRunner.close); a second stop closes
+    again, which a runner takes as nothing to do."""
+    class Closing(CountingRunner):
+        def close(self):
+            self.closed.append(core._thread.is_alive())
+
+    runner = Closing()
+    runner.closed = []
+    core = EngineCore(runner).start()
+    assert collect(core, GenerateRequest([1, 2], 3))[-1].finish_reason == "length"
+    core.stop()
+    core.stop()
+    assert runner.closed == [False, False]

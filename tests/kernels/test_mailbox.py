@@ -65,6 +65,11 @@ def test_cpu_pairs_are_run_by_the_thread_and_joined_with_their_weights(dev, shar
     finally:
         box.close()
     assert not box.box.running
+    box.wake()  # a later engine over the same backend: the thread runs again, and close() ends it again
+    assert box.box.running
+    box.close()
+    box.close()
+    assert not box.box.running
 
 
 def test_scatter_rows_reads_host_rows_in_place_into_their_positions(dev):
