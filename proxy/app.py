@@ -108,6 +108,7 @@ async def _engine_lifetime(app: web.Application):
     yield
     # off the event loop: the engine ends its step first, and a second Ctrl-C must be heard meanwhile
     await asyncio.get_running_loop().run_in_executor(None, stop_engine, app)
+    app[CTX].planning.shutdown(wait=False, cancel_futures=True)  # its threads end after the plans under way
 
 
 def stop_engine(app: web.Application) -> None:

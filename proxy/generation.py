@@ -1,7 +1,7 @@
 """One request's trip through the engine, shared by every API front-end.
 
-    prepare():  normalise -> render (off the event loop) -> check the context -> plan -> GenerateRequest
-                (errors are ApiErrors, before any byte)
+    prepare():  normalise -> render -> check the context -> plan (these in a planning thread, off the event
+                loop) -> GenerateRequest (errors are ApiErrors, before any byte)
     Generation: submit -> stream -> detokenize -> parse -> Admitted, OutputEvents, KEEPALIVE ticks, then Finished
 
 Front-ends only translate Conversation in and OutputEvents out; this module owns admission (429),
@@ -17,7 +17,7 @@ import logging
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Literal, Mapping, Protocol, Union
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Literal, Mapping, NamedTuple, Protocol, Union
 
 from aiohttp import web
 
@@ -31,6 +31,7 @@ from proxy.prompt.output_parser import (THINK_CLOSE, THINK_OPEN, OutputEvent, Ou
 
 if TYPE_CHECKING:
     from engine.serving import TokenStream
+    from proxy.prompt.render import Rendered
 
 log = logging.getLogger("killick.proxy")
 
@@ -112,7 +113,7 @@ class Turn:
     # the first output event left (1: none held back)
     arrived: float | None = None
     prepare_s: float | None = None
-    render_s: float | None = None  # of prepare_s: rendering and tokenizing (in a worker thread), then planning
+    render_s: float | None = None  # of prepare_s: rendering and tokenizing, then planning (in a planning thread)
     plan_s: float | None = None
     first_token_s: float | None = None
     first_output_s: float | None = None
@@ -134,20 +135,24 @@ class Prepared:
     headers: Mapping[str, str] = field(default_factory=dict)  # the agent's request headers
 
 
+class Planned(NamedTuple):
+    """What the planning thread hands back for one request."""
+
+    conv: Conversation  # normalised
+    rendered: Rendered
+    plan: Plan
+    render_s: float  # rendering and tokenizing
+    plan_s: float  # the planner's call
+
+
 async def prepare(ctx: ServerContext, request: web.Request, conv: Conversation, params: GenParams,
                   body: Mapping) -> Prepared:
-    """normalise -> render -> check the context -> plan -> GenerateRequest."""
+    """normalise -> render -> check the context -> plan (in ctx.planning) -> GenerateRequest."""
     headers = request.headers
-    conv = normalize(ctx, conv, headers, body)
-    t0 = time.monotonic()
-    rendered = await render(ctx, conv)
-    t1 = time.monotonic()
+    planned = await off_loop(ctx, _plan_request, ctx, conv, headers, body)
+    conv, rendered, plan = planned.conv, planned.rendered, planned.plan
     n = len(rendered.ids)
-    if n >= ctx.context_length:
-        raise too_long(ctx, f"{n} tokens")
     max_new = min(params.max_tokens or ctx.default_max_tokens, ctx.context_length - n)
-    plan = _plan(ctx, conv, rendered, headers, body)
-    t2 = time.monotonic()
     forced = ctx.replies.reply_ids(ctx, conv, rendered.text, headers, plan) if ctx.replies is not None else None
     if forced is not None:
         max_new = max(max_new, min(len(forced), ctx.context_length - n))  # a replay is not cut short
@@ -159,7 +164,7 @@ async def prepare(ctx: ServerContext, request: web.Request, conv: Conversation, 
     arrived = request.get(ARRIVED)
     turn = request[TURN] = Turn(plan, arrived=arrived,
                                 prepare_s=None if arrived is None else time.monotonic() - arrived,
-                                render_s=t1 - t0, plan_s=t2 - t1)
+                                render_s=planned.render_s, plan_s=planned.plan_s)
     return Prepared(conv, params, rendered.text, gen_request, turn, str(body.get("model") or ""), headers)
 
 
@@ -170,6 +175,26 @@ def _thinking_budget(ctx: ServerContext, tokens: int | None, prompt_text: str) -
         return None
     opens = () if generation_opens_think(prompt_text) else tuple(ctx.tokenizer.encode(THINK_OPEN))
     return ThinkingBudget(tokens, tuple(ctx.tokenizer.encode(THINK_CLOSE)), opens)
+
+
+async def off_loop(ctx: ServerContext, fn: Callable, *args):
+    """fn(*args) in a planning thread: the CPU work of a request, which grows with its prompt, never stalls the
+    event loop (every other request's stream, keep-alives, /health) however large the request."""
+    return await asyncio.get_running_loop().run_in_executor(ctx.planning, fn, *args)
+
+
+def _plan_request(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping) -> Planned:
+    """normalise -> render -> check the context -> plan, in a planning thread. The planner is thread-safe: two
+    requests of one session planned at once take its lock in turn, and each gets its own turn number."""
+    conv = normalize(ctx, conv, headers, body)
+    t0 = time.monotonic()
+    rendered = _render_if_it_fits(ctx, conv)
+    t1 = time.monotonic()
+    n = len(rendered.ids)
+    if n >= ctx.context_length:
+        raise too_long(ctx, f"{n} tokens")
+    plan = _plan(ctx, conv, rendered, headers, body)
+    return Planned(conv, rendered, plan, t1 - t0, time.monotonic() - t1)
 
 
 def normalize(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping) -> Conversation:
@@ -188,10 +213,10 @@ def _plan(ctx: ServerContext, conv: Conversation, rendered, headers: Mapping[str
         return Plan()
 
 
-async def render(ctx: ServerContext, conv: Conversation):
-    """Rendering and tokenizing take time in proportion to the prompt: off the event loop, so a huge
-    request never stalls the others; one that cannot fit is refused before all of it is tokenized."""
-    return await asyncio.get_running_loop().run_in_executor(None, _render_if_it_fits, ctx, conv)
+async def prompt_tokens(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping) -> int:
+    """The tokens conv's prompt holds (count_tokens): normalised and rendered off the event loop, as prepare()
+    does; one that cannot fit is refused before all of it is tokenized."""
+    return await off_loop(ctx, lambda: len(_render_if_it_fits(ctx, normalize(ctx, conv, headers, body)).ids))
 
 
 def _render_if_it_fits(ctx: ServerContext, conv: Conversation):

@@ -7,10 +7,12 @@ Per request, around rendering and generation (proxy/generation.py):
     planner.finish(plan, output_ids, usage)               # after generation, with the engine's Usage
     planner.stats()                                       # /metrics (killick_policy_*), /v1/killick/stats
 
-`request` is the raw JSON body. Two planners fill the seam: `NoAnchors` here plans nothing (the engine
-keeps only its own checkpoints, at the prompt end and the generation end), and the cache policy's
-`PolicyPlanner` (proxy/policy/cache_policy.py: sessions, diff, anchors). Both normalise through a
-`HarnessNormalizer`, so every cache mode renders the same prompt. Torch-free and aiohttp-free.
+`request` is the raw JSON body. normalize() and the call run in the proxy's planning threads, two requests
+at a time at most, so a planner is thread-safe; finish() and stats() run on the event loop. Two planners fill
+the seam: `NoAnchors` here plans nothing (the engine keeps only its own checkpoints, at the prompt end and the
+generation end), and the cache policy's `PolicyPlanner` (proxy/policy/cache_policy.py: sessions, diff,
+anchors). Both normalise through a `HarnessNormalizer`, so every cache mode renders the same prompt. Torch-free
+and aiohttp-free.
 """
 from __future__ import annotations
 

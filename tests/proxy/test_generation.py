@@ -1,11 +1,13 @@
-"""prepare(): rendering runs off the event loop, and a prompt that cannot fit is refused cheaply."""
+"""prepare(): rendering and planning run off the event loop, and a prompt that cannot fit is refused cheaply."""
 import asyncio
 import io
 import json
 import threading
 
+from conftest import FORCED
 from proxy.app import create_app
 from proxy.context import CTX
+from proxy.policy.planner import NoAnchors
 from proxy.prompt.render import ChatRenderer
 from proxy.prompt.tokenizer import load_tokenizer
 from proxy_fakes import CharTokenizer, ChatMLRenderer, SlowCore
@@ -49,3 +51,66 @@ async def test_a_prompt_that_cannot_fit_is_refused_before_it_is_all_tokenized(ai
     assert sum(encoded) <= 4 * 65536  # two bounded prefixes, not 4 MB
     assert tok._pieces.bytes < 1 << 20  # and nothing of them kept
     assert (await client.post("/v1/messages", json=MSG)).status == 200
+
+
+class BlockingPlanner(NoAnchors):
+    """Plans a request whose last message says "big" only once `gate` opens (at most 5 s), as the cache policy
+    takes its time over a huge conversation; notes whether the gate opened in time."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.gate, self.opened = threading.Event(), threading.Event(), []
+
+    def __call__(self, conv, rendered, headers, request=None):
+        if "big" in conv.messages[-1].text:
+            self.entered.set()
+            self.opened.append(self.gate.wait(5))
+        return super().__call__(conv, rendered, headers, request)
+
+
+async def test_planning_leaves_the_event_loop_free(aiohttp_client, fake_stack):
+    planner = BlockingPlanner()
+    app, _ = fake_stack(planner=planner)
+    client = await aiohttp_client(app)
+    big = asyncio.ensure_future(client.post("/v1/messages", json={**MSG, "messages": [
+        {"role": "user", "content": "a big one"}]}))
+    assert await asyncio.get_running_loop().run_in_executor(None, planner.entered.wait, 10)
+    assert (await client.get("/health")).status == 200  # answered while the plan is still being made
+    planner.gate.set()
+    assert (await big).status == 200 and planner.opened == [True]
+
+
+async def test_another_requests_stream_goes_on_while_a_large_request_is_planned(aiohttp_client, fake_stack):
+    """A request streaming its answer keeps sending events while another request's plan is being made; the
+    plan waits for them (the gate opens only once they came)."""
+    planner = BlockingPlanner()
+    app, core = fake_stack(step_s=0.02, planner=planner)
+    client = await aiohttp_client(app)
+    streaming = await client.post("/v1/messages", json={**MSG, "max_tokens": 60, "stream": True},
+                                  headers={FORCED: "word " * 20})
+    await streaming.content.readline()  # under way
+    big = asyncio.ensure_future(client.post("/v1/messages", json={**MSG, "messages": [
+        {"role": "user", "content": "a big one"}]}))
+    assert await asyncio.get_running_loop().run_in_executor(None, planner.entered.wait, 10)
+    deltas = 0
+    while deltas < 10:  # the stream's deltas that came while the plan was in the making
+        line = await asyncio.wait_for(streaming.content.readline(), 10)
+        assert line, "the stream ended early"
+        deltas += line.startswith(b"data: ") and b'"content_block_delta"' in line
+    planner.gate.set()
+    assert (await big).status == 200 and planner.opened == [True]
+    await streaming.read()
+    assert core.active == 0
+
+
+async def test_two_requests_of_one_session_sent_at_once_get_their_own_turns(aiohttp_client, fake_stack):
+    """Planned in the planning threads at the same time, they take the cache policy's lock in turn: one session,
+    turns 1 and 2 in `killick ctl stats`."""
+    from proxy.policy.cache_policy import PolicyPlanner
+
+    app, _ = fake_stack(planner=PolicyPlanner())
+    client = await aiohttp_client(app)
+    posts = [client.post("/v1/messages", json=MSG, headers={"x-session-id": "twin"}) for _ in range(2)]
+    assert [r.status for r in await asyncio.gather(*posts)] == [200, 200]
+    rows = (await (await client.get("/v1/killick/stats")).json())["policy"]["recent_turns"]
+    assert sorted((r["session"], r["turn"]) for r in rows) == [("twin", 1), ("twin", 2)]

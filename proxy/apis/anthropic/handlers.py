@@ -22,8 +22,8 @@ from proxy.apis.anthropic.schema import (CountTokensRequest, MessagesRequest, ch
                                          to_conversation)
 from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.generation import (Admitted, Finished, Generation, Keepalive, answer_whole, check_failed, normalize,
-                              prepare, render)
+from proxy.generation import (Admitted, Finished, Generation, Keepalive, answer_whole, check_failed, prepare,
+                              prompt_tokens)
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 from proxy.sse import SSEWriter
 
@@ -47,8 +47,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     body = await read_json_object(request)
-    conv = normalize(ctx, to_conversation(CountTokensRequest.model_validate(body)), request.headers, body)
-    return web.json_response({"input_tokens": len((await render(ctx, conv)).ids)})
+    conv = to_conversation(CountTokensRequest.model_validate(body))
+    return web.json_response({"input_tokens": await prompt_tokens(ctx, conv, request.headers, body)})
 
 
 def message_json(msg: dict, blocks: list, fin: Finished) -> dict:
