@@ -30,7 +30,7 @@ from engine.bench.args import print_and_save
 from engine.bench.serve import prompt_text
 from proxy.apis.anthropic.schema import MessagesRequest, check_supported, gen_params, to_conversation
 from proxy.body import check_json
-from proxy.generation import _texts
+from proxy.preparing import _texts
 from proxy.sse import read_lines
 
 SYSTEM = "You are a coding agent. Read files before you edit them and run the tests after."

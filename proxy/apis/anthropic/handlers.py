@@ -22,8 +22,8 @@ from proxy.apis.anthropic.schema import (CountTokensRequest, MessagesRequest, ch
                                          to_conversation)
 from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.generation import (Admitted, Finished, Generation, Keepalive, answer_whole, check_failed, prepare,
-                              prompt_tokens)
+from proxy.generation import Admitted, Finished, Generation, Keepalive, answer_whole, check_failed
+from proxy.preparing import prepare, prompt_tokens
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 from proxy.sse import SSEWriter
 

@@ -16,7 +16,8 @@ from aiohttp import web
 from proxy.apis.chat.schema import ChatRequest, check_supported, gen_params, to_conversation
 from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.generation import Admitted, Finished, Generation, Keepalive, answer_whole, prepare
+from proxy.generation import Admitted, Finished, Generation, Keepalive, answer_whole
+from proxy.preparing import prepare
 from proxy.prompt.output_parser import TextDelta, ThinkingDelta, ToolCall, ToolCallDelta, ToolCallStart
 from proxy.sse import SSEWriter
 

@@ -20,7 +20,8 @@ from proxy.apis.responses.tools import offered_tools
 from proxy.body import read_json_object
 from proxy.context import CTX
 from proxy.errors import ApiError, not_served
-from proxy.generation import Admitted, Finished, Generation, Keepalive, prepare, run_to_finish
+from proxy.generation import Admitted, Finished, Generation, Keepalive, run_to_finish
+from proxy.preparing import prepare
 from proxy.sse import SSEWriter
 
 TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
