@@ -3,7 +3,7 @@
     create_app(core, tokenizer, renderer, model_name=..., context_length=..., api_key=...,
                planner=None, replies=None, observer=None, access_log=False, sites=Sites())
 
-Every handler reads parse -> normalise -> render -> plan -> submit -> stream (see proxy/generation.py). The engine
+Every handler reads parse -> normalise -> render -> plan -> submit -> stream (see proxy/preparing.py, proxy/generation.py). The engine
 core is started and stopped through cleanup_ctx, so the app owns its lifetime; in upstream mode the core is an
 UpstreamPool (proxy/upstream/app.py: create_upstream_app), which answers with output events itself. Scripts, replay
 and test answers plug in as one reply source (`replies`, proxy/replay/sources.py); a recorder observes each finished

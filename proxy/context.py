@@ -33,7 +33,7 @@ class ServerContext:
     replies: ReplySource | None = None  # answers that replace sampling (scripts, replay, tests)
     metrics: Metrics = field(default_factory=Metrics)
     in_flight: int = 0  # requests submitted by this proxy and not yet finished
-    # normalise, render and plan (proxy/generation.py: prepare) run here, off the event loop: their time grows
+    # normalise, render and plan (proxy/preparing.py: prepare) run here, off the event loop: their time grows
     # with the prompt (0.1-0.4 s for a 200k-token conversation on a 2-core dev box). Two threads: a huge request
     # does not hold up the next one's preparation, and no more than two prompts are tokenized at once. Threads
     # start on first use; the app's cleanup shuts them down.

@@ -1,6 +1,6 @@
 """The planner seam: what the proxy asks the cache policy about each request, and the planners that answer.
 
-Per request, around rendering and generation (proxy/generation.py):
+Per request, around rendering and generation (proxy/preparing.py, proxy/generation.py):
 
     conv = planner.normalize(conv, headers, request)      # before rendering: the harness's normalisation
     plan = planner(conv, rendered, headers, request)      # -> Plan: checkpoint positions, session key
