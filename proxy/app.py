@@ -4,11 +4,11 @@
                planner=None, replies=None, observer=None, access_log=False, sites=Sites())
 
 Every handler reads parse -> normalise -> render -> plan -> submit -> stream (see proxy/preparing.py,
-proxy/generation.py). The engine core is started and stopped through cleanup_ctx, so the app owns its lifetime;
-in upstream mode the core is an UpstreamPool (proxy/upstream/app.py: create_upstream_app), which answers with output events itself. Scripts, replay
-and test answers plug in as one reply source (`replies`, proxy/replay/sources.py); a recorder observes each finished
-API request through one hook (`observer`, proxy/replay/record.py); it hears only of requests that passed
-authentication. Which web pages may reach the server at all: proxy/sites.py.
+proxy/generation.py). The engine core is started and stopped through cleanup_ctx, so the app owns its lifetime; in
+upstream mode the core is an UpstreamPool (proxy/upstream/app.py: create_upstream_app), which answers with output
+events itself. Scripts, replay and test answers plug in as one reply source (`replies`, proxy/replay/sources.py); a
+recorder observes each finished API request through one hook (`observer`, proxy/replay/record.py); it hears only of
+requests that passed authentication. Which web pages may reach the server at all: proxy/sites.py.
 """
 from __future__ import annotations
 
