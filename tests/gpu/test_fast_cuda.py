@@ -8,9 +8,9 @@ import torch
 
 from engine import Engine
 from engine.api import GenerateRequest
-from engine.build import EngineOptions, build_core
 from engine.models import load_model
 from engine.synth import synth_checkpoint
+from tests.gpu.core_util import run_through_core
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -30,29 +30,7 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def greedy_through_core(model, reqs: list[list[int]], new: int) -> list[list[int]]:
-    core = build_core(None, EngineOptions(device="cuda", dtype="bfloat16", max_running=4, context_length=512),
-                      model=model).start()
-    out = {}
-    try:
-        import threading
-
-        done = threading.Event()
-        pending = [len(reqs)]
-        for i, p in enumerate(reqs):
-            out[i] = []
-
-            def sink(ev, i=i):
-                out[i].extend(ev.token_ids)
-                if ev.final:
-                    pending[0] -= 1
-                    if not pending[0]:
-                        done.set()
-
-            core.submit(GenerateRequest(p, new), sink)
-        assert done.wait(120)
-    finally:
-        core.stop()
-    return [out[i] for i in range(len(reqs))]
+    return run_through_core(model, [GenerateRequest(p, new) for p in reqs], "bfloat16")
 
 
 def test_graph_replay_equals_direct_launch(demo_ckpt):

@@ -4,16 +4,15 @@ time do. Penalties are applied to a step's logits after the graph's replay, so a
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 import torch
 
 from engine.api import GenerateRequest, SamplingParams
-from engine.build import EngineOptions, build_core
 from engine.models import load_model
 from engine.penalties import PenaltyPool, penalize_reference
 from engine.synth import synth_checkpoint
+from tests.gpu.core_util import run_through_core
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -48,27 +47,6 @@ def test_pool_on_cuda_equals_the_plain_definition():
             h.append(t)
 
 
-def through_core(model, reqs: list[GenerateRequest], overlap: bool) -> list[list[int]]:
-    opts = EngineOptions(device="cuda", dtype="float32", max_running=4, context_length=512, overlap=overlap)
-    core = build_core(None, opts, model=model).start()
-    out: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
-    pending, done = [len(reqs)], threading.Event()
-    try:
-        for i, r in enumerate(reqs):
-            def sink(ev, i=i):
-                out[i].extend(ev.token_ids)
-                if ev.final:
-                    pending[0] -= 1
-                    if not pending[0]:
-                        done.set()
-
-            core.submit(r, sink)
-        assert done.wait(120)
-    finally:
-        core.stop()
-    return [out[i] for i in range(len(reqs))]
-
-
 def test_graphed_chained_decode_penalises_as_direct_steps_do(demo_ckpt):
     settings = [{}, dict(frequency_penalty=1.5, presence_penalty=0.5), dict(presence_penalty=-2.0), {}]
     answers = {}
@@ -80,7 +58,7 @@ def test_graphed_chained_decode_penalises_as_direct_steps_do(demo_ckpt):
                    for i in range(3)]
         prompts.append(prompts[2])  # the same prompt without its penalty, in the same batch
         reqs = [GenerateRequest(p, 24, sampling=SamplingParams(**s)) for p, s in zip(prompts, settings)]
-        answers[graphs] = through_core(model, reqs, overlap=graphs)
+        answers[graphs] = run_through_core(model, reqs, "float32", overlap=graphs)
         if graphs:
             assert model.decode_steps.replays > 0
     assert answers[True] == answers[False]
