@@ -182,3 +182,24 @@ def test_a_cpu_device_times_its_last_copy_and_has_no_backlog():
     timings = cache.take_fill_timings()
     assert len(timings) == 1 and timings[0].nbytes == cache.pool.expert_bytes and timings[0].seconds > 0
     assert cache.take_fill_timings() == [] and cache.copy_backlog(1e9) == 0
+
+
+def test_copies_in_one_call_equal_a_copy_a_pair_and_follow_a_resized_buffer():
+    """_copy_rows (one torch call, views of the slots and blocks made once) against one copy_ a pair, on fresh
+    random experts and slots, runs and single pairs mixed; after a resize its copies land in the new buffer."""
+    rng = random.Random()
+    for _ in range(20):
+        cache = _cache(slots=24)
+        row, host = 1, cache.pool.wait_layer(1)
+        for resize in (None, 32):
+            if resize:
+                cache.resize(resize)
+            n = rng.randint(1, 16)
+            experts = rng.sample(range(16), n)
+            slots = pair_sorted(experts, rng.sample(range(cache.num_slots), n)) if rng.random() < 0.5 \
+                else rng.sample(range(cache.num_slots), n)
+            want = cache.buf.clone()
+            for e, s in zip(experts, slots):
+                want[s].copy_(host[e])
+            cache._copy_rows(row, host, experts, slots, non_blocking=False)
+            assert torch.equal(cache.buf, want)
