@@ -104,22 +104,39 @@ def _plan(ctx: ServerContext, conv: Conversation, rendered, headers: Mapping[str
 
 async def prompt_tokens(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping) -> int:
     """The tokens conv's prompt holds (count_tokens): normalised and rendered off the event loop, as prepare()
-    does; one that cannot fit is refused before all of it is tokenized."""
-    return await off_loop(ctx, lambda: len(_render_if_it_fits(ctx, normalize(ctx, conv, headers, body)).ids))
+    does. A prompt longer than the context is counted too: the endpoint is there to learn a prompt's size before
+    sending it, and an agent over the context asks how far over; past COUNT_CONTEXTS contexts it is refused
+    before all of it is tokenized."""
+    limit = COUNT_CONTEXTS * ctx.context_length
+
+    def count() -> int:
+        return len(_render_if_it_fits(ctx, normalize(ctx, conv, headers, body), limit).ids)
+
+    return await off_loop(ctx, count)
 
 
-def _render_if_it_fits(ctx: ServerContext, conv: Conversation):
-    at_least = ctx.tokenizer.tokens_at_least(_texts(conv), ctx.context_length)
-    if at_least >= ctx.context_length:
-        raise too_long(ctx, f"at least {at_least} tokens")
+# count_tokens counts prompts up to this many contexts (a planning thread tokenizes all of it: at the Qwen3.6
+# context, 2M tokens)
+COUNT_CONTEXTS = 8
+
+
+def _render_if_it_fits(ctx: ServerContext, conv: Conversation, limit: int | None = None):
+    """The rendered prompt, refused (too_long) where it holds at least `limit` tokens (default: the context)
+    by a count that stops there."""
+    limit = limit or ctx.context_length
+    at_least = ctx.tokenizer.tokens_at_least(_texts(conv), limit)
+    if at_least >= limit:
+        raise too_long(ctx, f"at least {at_least} tokens", limit)
     try:
         return ctx.renderer.render(conv, add_generation_prompt=True)
     except ValueError as exc:  # the template refuses this conversation: the agent's input is at fault
         raise ApiError(400, f"cannot render this conversation: {exc}", param="messages") from None
 
 
-def too_long(ctx: ServerContext, size: str) -> ApiError:
-    return ApiError(400, f"prompt is too long: {size} > {ctx.context_length - 1} maximum", param="messages",
+def too_long(ctx: ServerContext, size: str, limit: int | None = None) -> ApiError:
+    """The prompt of `size` does not fit below `limit` tokens (default: the context, which keeps one for the
+    answer)."""
+    return ApiError(400, f"prompt is too long: {size} > {(limit or ctx.context_length) - 1} maximum", param="messages",
                     code="context_length_exceeded")
 
 

@@ -1,4 +1,6 @@
 """Bad input answered in each API's own error shape, with the status and the field named."""
+import random
+
 import anthropic
 import openai
 import pytest
@@ -272,3 +274,21 @@ async def test_a_write_to_a_closed_connection_is_not_a_server_error(aiohttp_clie
     resp = await client.post("/v1/chat/completions/gone", json={})
     assert resp.status == 499
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+async def test_count_tokens_counts_past_the_context_up_to_its_own_bound(aiohttp_client, fake_stack):
+    """A prompt longer than the context is a 400 for /v1/messages but counted by count_tokens (an agent over the
+    context asks how far over), up to COUNT_CONTEXTS contexts; past that a 400 too, in Anthropic's shape."""
+    from proxy.preparing import COUNT_CONTEXTS
+
+    client = await aiohttp_client(fake_stack(context_length=64)[0])
+    words = random.Random().randint(15, 90)  # (the stand-in tokenizer: a token a character)
+    body = {"model": "m", "messages": [{"role": "user", "content": "word " * words}]}
+    resp = await client.post("/v1/messages/count_tokens", json=body)
+    assert resp.status == 200, await resp.text()
+    counted = (await resp.json())["input_tokens"]
+    assert 64 < counted < COUNT_CONTEXTS * 64
+    assert (await client.post("/v1/messages", json={**body, "max_tokens": 5})).status == 400
+    body["messages"][0]["content"] = "word " * (COUNT_CONTEXTS * 64)
+    resp = await client.post("/v1/messages/count_tokens", json=body)
+    assert resp.status == 400 and "prompt is too long" in anthropic_error(await resp.json())["message"]
