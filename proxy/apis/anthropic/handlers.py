@@ -142,8 +142,8 @@ async def _stream(request: web.Request, msg: dict, prompt_tokens: int, gen: Gene
     blocks = _BlockStream(sse)
     started = False  # message_start is out
     async for item in gen:
-        if isinstance(item, Keepalive):  # queued, message_start not out: a comment, which every SSE reader skips
-            await (sse.event({"type": "ping"}, "ping") if started else sse.comment("keep-alive"))
+        if isinstance(item, Keepalive):  # an event even before message_start: Claude Code's idle timeout counts
+            await sse.event({"type": "ping"}, "ping")  # events only, not SSE comments (300 s, a warning at 150)
             continue
         if not started and not (isinstance(item, Finished) and item.finish == "error"):
             await sse.event({"type": "message_start", "message": {

@@ -11,12 +11,9 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 async def _events(resp) -> list[tuple[str, dict]]:
-    """(event name, data) of each SSE event of a response; a comment line (keep-alive) as ("comment", {})."""
+    """(event name, data) of each SSE event of a response."""
     out = []
     for block in (await resp.text()).split("\n\n"):
-        if block.startswith(": "):
-            out.append(("comment", {}))
-            continue
         lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
         if "event" in lines:
             out.append((lines["event"], json.loads(lines["data"])))
@@ -24,9 +21,8 @@ async def _events(resp) -> list[tuple[str, dict]]:
 
 
 async def test_message_start_waits_for_admission_and_carries_the_cache_split(aiohttp_client, fake_stack):
-    """Queued: SSE comments keep the stream alive (no event comes before message_start, as from Anthropic);
-    message_start comes once the engine has admitted the request, with the prompt split into new input and cache
-    reads as message_delta confirms at the end; pings after it."""
+    """Queued: pings keep the stream alive; message_start comes once the engine has admitted the request, with
+    the prompt split into new input and cache reads as message_delta confirms at the end."""
     app, core = fake_stack(keepalive_s=0.1)
     core.queue_s = 0.5
     client = await aiohttp_client(app)
@@ -34,7 +30,7 @@ async def test_message_start_waits_for_admission_and_carries_the_cache_split(aio
     events = await _events(resp)
     names = [name for name, _ in events]
     start = names.index("message_start")
-    assert start >= 3 and set(names[:start]) == {"comment"}, names
+    assert start >= 3 and set(names[:start]) == {"ping"}, names
     assert names[start + 1] == "ping" and names[-2:] == ["message_delta", "message_stop"]
     prompt = len(core.requests[-1].prompt_ids)
     split = {"input_tokens": prompt - prompt // 2, "cache_read_input_tokens": prompt // 2}
@@ -45,8 +41,8 @@ async def test_message_start_waits_for_admission_and_carries_the_cache_split(aio
 
 
 async def test_an_engine_failure_before_admission_is_an_error_in_the_apis_shape(aiohttp_client, fake_stack):
-    """Nothing sent yet: the failure is the whole answer (a 500 with Anthropic's error body). Keep-alives sent
-    while queued: an `error` event ends the stream, with no message_start before it."""
+    """Nothing sent yet: the failure is the whole answer (a 500 with Anthropic's error body). Pings sent while
+    queued: an `error` event ends the stream, with no message_start before it."""
     app, core = fake_stack(keepalive_s=0.1)
     client = await aiohttp_client(app)
     body = {"model": "m", "max_tokens": 5, "stream": True, "messages": MSG}
@@ -59,7 +55,7 @@ async def test_an_engine_failure_before_admission_is_an_error_in_the_apis_shape(
     resp = await client.post("/v1/messages", json=body)
     events = await _events(resp)
     assert resp.status == 200 and [name for name, _ in events][-1] == "error"
-    assert {name for name, _ in events[:-1]} == {"comment"}
+    assert {name for name, _ in events[:-1]} == {"ping"}
     assert events[-1][1] == {"type": "error", "error": {"type": "api_error", "message": "cannot restore the prefix"}}
     core.queue_s = 0.0
     assert (await client.post("/v1/messages", json=body)).status == 200
