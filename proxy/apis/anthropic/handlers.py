@@ -142,9 +142,9 @@ async def _stream(request: web.Request, msg: dict, prompt_tokens: int, gen: Gene
     blocks = _BlockStream(sse)
     started = False  # message_start is out
     async for item in gen:
-        if isinstance(item, Keepalive):  # an event even before message_start: Claude Code's idle timeout counts
-            await sse.event({"type": "ping"}, "ping")  # events only, not SSE comments (300 s, a warning at 150)
-            continue
+        if isinstance(item, Keepalive):  # (Claude Code's idle timeout counts neither pings nor comments: its SDK
+            await sse.event({"type": "ping"}, "ping")  # skips pings; it gives up on a stream 300 s after the last
+            continue  # other event, so a request queued that long is aborted and sent again: docs/PROXY.md)
         if not started and not (isinstance(item, Finished) and item.finish == "error"):
             await sse.event({"type": "message_start", "message": {
                 **msg, "content": [], "stop_reason": None, "stop_sequence": None,
