@@ -78,6 +78,8 @@ def scrubbed(env: Mapping[str, str], keep: Mapping[str, str]) -> list[str]:
 
 # --- Claude Code: all by environment -------------------------------------------------------------------
 
+CLAUDE_STREAM_IDLE_MS = 3_600_000  # an hour: a whole-context prefill off the GPU takes minutes
+
 def _claude_env(served: Served) -> dict[str, str]:
     model = served.model
     return {
@@ -96,7 +98,11 @@ def _claude_env(served: Served) -> dict[str, str]:
         "DISABLE_ERROR_REPORTING": "1",
         "DISABLE_BUG_COMMAND": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        # it gives up on a stream that sends no event for max(this, 300 s) (its SDK skips pings): a long prompt's
+        # prefill on this machine, or a queue behind other requests, can take longer before the first token
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(CLAUDE_STREAM_IDLE_MS),
     }
+
 
 
 # --- OpenCode: a `killick` provider merged into the user's opencode.json; the model picked by flag --------

@@ -64,6 +64,7 @@ def test_claude_and_codex_point_at_server():
     env = plan("claude", Served("http://127.0.0.1:9/", "m"), {}, []).set_env
     assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9" and env["ANTHROPIC_MODEL"] == "m"
     assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1" and env["DISABLE_AUTOUPDATER"] == "1"
+    assert int(env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"]) > 300_000  # its floor: a longer prefill or queue is no abort
     argv = plan("codex", Served("http://127.0.0.1:9", "m"), {}, ["exec", "hi"]).argv
     assert 'model_providers.killick.base_url="http://127.0.0.1:9/v1"' in argv
     assert 'model_providers.killick.wire_api="responses"' in argv and argv[-2:] == ["exec", "hi"]
