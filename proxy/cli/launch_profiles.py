@@ -80,6 +80,7 @@ def scrubbed(env: Mapping[str, str], keep: Mapping[str, str]) -> list[str]:
 
 CLAUDE_STREAM_IDLE_MS = 3_600_000  # an hour: a whole-context prefill off the GPU takes minutes
 
+
 def _claude_env(served: Served) -> dict[str, str]:
     model = served.model
     return {

@@ -144,7 +144,7 @@ async def _stream(request: web.Request, msg: dict, prompt_tokens: int, gen: Gene
     async for item in gen:
         if isinstance(item, Keepalive):  # (Claude Code's idle timeout counts neither pings nor comments: its SDK
             await sse.event({"type": "ping"}, "ping")  # skips pings; it gives up on a stream 300 s after the last
-            continue  # other event, so a request queued that long is aborted and sent again: docs/PROXY.md)
+            continue  # other event unless CLAUDE_STREAM_IDLE_TIMEOUT_MS says longer, as `killick launch` does)
         if not started and not (isinstance(item, Finished) and item.finish == "error"):
             await sse.event({"type": "message_start", "message": {
                 **msg, "content": [], "stop_reason": None, "stop_sequence": None,
