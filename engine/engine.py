@@ -79,9 +79,9 @@ class Engine:
         self._reserve = 0
         while True:
             (row,), counted = penalties.apply(["generate"], [logits])
-            ids = sampler.sample(row)
-            penalties.count(counted, ids[None])
-            token = int(ids)
+            drawn = sampler.sample(row)
+            penalties.count(counted, drawn[None])
+            token = int(drawn)
             out.append(token)
             if token in stop or len(out) >= max_new_tokens:
                 return out
