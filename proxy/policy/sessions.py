@@ -146,8 +146,9 @@ class SessionStore:
     def _first_in_flight(self, kind: str, keys) -> Optional[str]:
         """The most recent thread among `keys` whose first request is planned and not finished: nothing of it is
         known to tell a request apart from it, so one sent meanwhile under the same hint joins it."""
-        for key in reversed([k for k in self._lru(kind) if k in set(keys)]):
-            if self._lru(kind)[key].prev is None:
+        lru, wanted = self._lru(kind), set(keys)
+        for key in reversed([k for k in lru if k in wanted]):
+            if lru[key].prev is None:
                 return key
         return None
 
