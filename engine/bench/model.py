@@ -363,6 +363,9 @@ def _run(args) -> dict:
             **cache.split(), "path": "fast" if model.fast is not None else "eager",
             "decode_buckets": model.decode_steps.modes() if model.fast is not None else {},
             "prompt_buckets": model.fast.bucket_modes() if model.fast is not None else {},
+            # fla-core's kernels, else the torch rule: ~1.5 ms of host time a DeltaNet layer of a prompt (H200 box)
+            "prompt_rule": ("fla-core" if model.fast.chunked_rule is not None else "torch")
+            if model.fast is not None else None,
             "overlap": core.runner.overlap, "temperature": args.temperature,
             "device": _device_name(model.device), "dtype": args.dtype,
             "prompts": "text (engine.bench.serve's)" if args.text_prompts else "random ids",

@@ -40,6 +40,9 @@ def print_table(res: dict) -> None:
         overlap += f", decode sampled at temperature {res['temperature']}"
     if res.get("seam_topk"):
         overlap += ", 2-16 tokens routed in the add+norm+router launch"
+    if res.get("prompt_rule"):
+        overlap += f", a prompt's DeltaNet rule {res['prompt_rule']}" + (" (fla-core not installed)" if
+                                                                       res["prompt_rule"] == "torch" else "")
     if res.get("rule_tiles"):
         overlap += ", DeltaNet decode rule in tiles " + ",".join(map(str, res["rule_tiles"]))
     print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path{overlap}, "
