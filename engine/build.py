@@ -134,7 +134,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-expert-threads", type=int,
                    help="CPU threads running a prompt's experts for cpu/hybrid (a layer call of 32 tokens or more: "
                         "several tokens an expert, compute-bound kernels that more cores speed up; default: on "
-                        "CUDA every physical core but two, else --expert-threads)")
+                        "CUDA every physical core but three, else --expert-threads)")
     g.add_argument("--expert-tile-tokens", type=int,
                    help="a layer call whose CPU experts average this many tokens or more runs on the CPU's matrix "
                         "tiles (AMX-BF16: 16 tokens a pass over an expert's weights, where the vector kernels take "
@@ -336,6 +336,14 @@ def _expert_args(model_dir: Path, opts: EngineOptions, context: int) -> dict:
             "expert_device": "cpu"}
 
 
+# cores a prompt's CPU experts leave on CUDA: the engine thread (routing read-backs, the split, the copies' issue),
+# the job's waiting thread (it spins through the job) and one for the rest (the CUDA driver's threads, the mapped
+# decode's mailbox thread). H100 box, 16 cores, 256-token extends after an 8k prompt (docs/PERF.md thirty-third
+# session): 13 workers 100.5 / 94.2 ms against 14's 102.5 / 102.5 (uniform, ten extends averaging 97.7 against
+# 107.2) and 132.7 against 136.1-141.3 (Zipf 1.0); 15 and 16 workers 117.5 and 119.7 against 111.2.
+PROMPT_SPARE_CORES = 3
+
+
 def expert_threads(opts: EngineOptions, device) -> int:
     """--expert-threads, else torch's thread count on a CPU engine (its own thread waits for the experts),
     and on CUDA half the cores this process may use (at most all but two): the experts are bound by host
@@ -366,11 +374,11 @@ def set_expert_threads(opts: EngineOptions, device) -> None:
 
 
 def prompt_expert_threads(opts: EngineOptions, device) -> int:
-    """--prompt-expert-threads, else on CUDA every physical core but two (at least expert_threads): a prompt's
-    CPU experts take several tokens each and the kernels run compute-bound, where more workers help (H200 box,
-    hybrid, 256-token extend after an 8k prompt at 37.5% in slots: 14 workers 136.8 ms against 147.5-156.5 with
-    8 under uniform routing, 119.0 against 121.2 under Zipf 1.0; docs/PERF.md eighteenth session); the engine
-    thread and the job's waiting thread keep the other two. Elsewhere expert_threads."""
+    """--prompt-expert-threads, else on CUDA every physical core but PROMPT_SPARE_CORES (at least expert_threads):
+    a prompt's CPU experts take several tokens each and the kernels run compute-bound, where more workers help
+    (H200 box, hybrid, 256-token extend after an 8k prompt at 37.5% in slots: 14 workers 136.8 ms against
+    147.5-156.5 with 8 under uniform routing; docs/PERF.md eighteenth session), up to the cores the engine's other
+    threads need. Elsewhere expert_threads."""
     import os
 
     if opts.prompt_expert_threads is not None:
@@ -380,7 +388,7 @@ def prompt_expert_threads(opts: EngineOptions, device) -> int:
         return threads
     from engine.experts.cpu_kernels import physical_cores
 
-    return max(threads, min(physical_cores(), len(os.sched_getaffinity(0))) - 2)
+    return max(threads, min(physical_cores(), len(os.sched_getaffinity(0))) - PROMPT_SPARE_CORES)
 
 
 def _pool_progress(p) -> None:

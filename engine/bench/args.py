@@ -127,7 +127,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU expert workers for cpu / hybrid (default as serve: half the cores on CUDA)")
     p.add_argument("--prompt-expert-threads", type=_at_least(1),
                    help="CPU expert workers for a prompt's layer calls (32 tokens or more; default as serve: "
-                        "every physical core but two on CUDA)")
+                        "every physical core but three on CUDA)")
     p.add_argument("--expert-tile-tokens", type=_at_least(0),
                    help="CPU expert layer calls averaging this many tokens an expert run on the CPU's matrix tiles "
                         "(as serve; 0: never; default 5 where the CPU has AMX)")

@@ -87,9 +87,28 @@ def test_serve_context_defaults_to_the_declared_window(checkpoints, caplog):
     assert core.runner.context_length == 4096
 
 
+def test_a_prompts_cpu_experts_leave_three_cores_on_cuda(monkeypatch):
+    """On a 16-core CUDA box a prompt's CPU experts get 13 workers: the engine thread, the job's waiting thread
+    and the driver's threads keep three cores (15 or 16 workers ran the box's extends slower than 14, 13 faster);
+    decode keeps half the cores, and --prompt-expert-threads overrides."""
+    import torch
+
+    from engine.build import expert_threads, prompt_expert_threads
+    from engine.experts import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "physical_cores", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    cuda = torch.device("cuda")
+    assert expert_threads(EngineOptions(), cuda) == 8
+    assert prompt_expert_threads(EngineOptions(), cuda) == 13
+    assert prompt_expert_threads(EngineOptions(prompt_expert_threads=5), cuda) == 5
+    assert prompt_expert_threads(EngineOptions(), torch.device("cpu")) == expert_threads(EngineOptions(),
+                                                                                         torch.device("cpu"))
+
+
 def test_expert_threads_are_the_engines_own_setting(checkpoints):
     """--expert-threads sets the native CPU expert workers; without it a CPU engine gives them every core.
-    --prompt-expert-threads sets a prompt's (default: the same on a CPU engine, all cores but two on CUDA)."""
+    --prompt-expert-threads sets a prompt's (default: the same on a CPU engine, all cores but three on CUDA)."""
     import torch
 
     from engine.build import expert_threads, prompt_expert_threads
@@ -110,7 +129,7 @@ def test_expert_threads_are_the_engines_own_setting(checkpoints):
         cores, on_cuda = len(os.sched_getaffinity(0)), expert_threads(EngineOptions(), torch.device("cuda"))
         assert 1 <= on_cuda <= max(1, cores // 2) and (on_cuda <= cores - 2 or on_cuda == 1)
         prompt_on_cuda = prompt_expert_threads(EngineOptions(), torch.device("cuda"))
-        assert prompt_on_cuda == max(on_cuda, min(physical_cores(), cores) - 2)  # all but two cores, >= decode's
+        assert prompt_on_cuda == max(on_cuda, min(physical_cores(), cores) - 3)  # all but three, >= decode's
         # --expert-tile-tokens reaches the runners (0: never; they ignore it where the ISA has no tiles)
         core = build_core(path, EngineOptions(moe_backend="hybrid", moe_slots="25%", expert_threads=1,
                                               expert_tile_tokens=0))
