@@ -316,18 +316,20 @@ def _extend(model, args, sync, g) -> dict:
 
 def _print_calls(calls) -> None:
     """The last timed extend's MoE layer calls (OffloadBackend.call_log): what each planned, and when (ms from the
-    first call's start) its routing came back, its CPU job ran and it returned."""
+    call's start, which is ms from the first call's start) its routing came back, its split was made, its CPU job
+    ran, the engine thread had the job's result and the call returned."""
     print("\nthe last timed extend's MoE layer calls (ms; 'unread': every expert in a slot, routing not read back)")
     head = ("layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "behind", "handoff", "routed",
-            "cpu at", "cpu run", "waited", "end")
+            "planned", "cpu at", "cpu run", "waited", "woke", "end")
     print("".join(f"{h:>8}" for h in head))
     t0 = calls[0].at
+    at = lambda ms: f"{ms:>8.2f}" if ms >= 0 else f"{'-':>8}"  # noqa: E731
     for c in calls:
         cpu = (f"{c.cpu_start_ms:>8.2f}{c.cpu_ms:>8.2f}{c.cpu_wait_ms:>8.2f}" if c.cpu_start_ms >= 0
                else f"{'-':>8}" * 3)
-        routed = f"{c.routed_ms:>8.2f}" if c.routed_ms >= 0 else f"{'-':>8}"
         print(f"{c.layer:>8}{c.kind:>8}{(c.at - t0) * 1e3:>8.2f}{c.hits:>8}{c.misses:>8}{c.fills:>8}{c.cpu:>8}"
-              f"{c.ahead:>8}{c.behind:>8}{c.handoff_ms:>8.2f}{routed}{cpu}{c.end_ms:>8.2f}")
+              f"{c.ahead:>8}{c.behind:>8}{c.handoff_ms:>8.2f}{at(c.routed_ms)}{at(c.planned_ms)}{cpu}"
+              f"{at(c.woke_ms)}{c.end_ms:>8.2f}")
 
 
 GAP_US = 100  # compute-stream gaps shorter than this are launch spacing, not the host holding the device up

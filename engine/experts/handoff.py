@@ -83,11 +83,12 @@ class CallTiming:
 
     def _log_call(self, layer: int, kind: str, t_in: float, hits: int, misses: int, fills: int, cpu: int,
                   ahead: int, behind: int, routed_at: float | None = None, started: float | None = None,
-                  seconds: float | None = None, waited: float | None = None) -> None:
+                  seconds: float | None = None, waited: float | None = None, planned: float | None = None,
+                  woke: float | None = None) -> None:
         ms = lambda t: (t - t_in) * 1e3 if t is not None else -1.0  # noqa: E731
         self.call_log.append(LayerCall(layer, kind, hits, misses, fills, cpu, ahead, behind, self.handoff * 1e3,
                                        t_in, ms(routed_at), ms(started), (seconds or 0.0) * 1e3,
-                                       (waited or 0.0) * 1e3, ms(time.perf_counter())))
+                                       (waited or 0.0) * 1e3, ms(time.perf_counter()), ms(planned), ms(woke)))
 
     def _mark_enter(self, layer: int) -> None:
         """A routed prompt's MoE layer call begins: the device's time since the last one ended, the layers'

@@ -264,6 +264,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
         if ahead:  # the fills of this layer take spare slots first; their slots count again after its kernels
             ahead = ahead[0], ahead[1][: ahead[2]]
         y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
+        planned = time.perf_counter()
         pending = self.cpu_jobs.start(layer, x, routing, on_cpu)
         self._count_looked(layer, routing.experts)  # (a count alone: after the CPU's job is under way)
         read = self.cache.mark() if ahead else None  # the last reader of an unlocked slot is queued before this...
@@ -277,12 +278,13 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
         if ahead and len(ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
             self._copy_ahead(*ahead, with_cpu=pending is not None, after=None if in_rounds else read,
                              then=not in_rounds)
-        started = seconds = waited = None
+        started = seconds = waited = woke = None
         if pending is not None:
             waited = time.perf_counter()
             done = pending.result()
             seconds, started = done.seconds, done.started
-            waited = time.perf_counter() - waited
+            woke = time.perf_counter()
+            waited = woke - waited
             self.cpu_jobs.place(y, done)
             nbytes = len(on_cpu) * self.pool.expert_bytes
             self.estimate.observe_cpu(nbytes, seconds, sample_weight(nbytes, self.pool.expert_bytes))
@@ -299,7 +301,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
         if self.call_log is not None:
             self._log_call(layer, "routed", t_in, len(hits), len(misses), len(fills), len(on_cpu),
                            len(self._looked.get(ahead[0], ())) if ahead else 0, behind, routed_at, started, seconds,
-                           waited)
+                           waited, planned, woke)
         return out
 
     def _forward_unread(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,

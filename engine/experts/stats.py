@@ -75,3 +75,5 @@ class LayerCall(NamedTuple):
     cpu_ms: float  # its run
     cpu_wait_ms: float  # the engine thread's wait for it
     end_ms: float  # when the call returned
+    planned_ms: float = -1.0  # when its split was made, the CPU job about to start (-1: unread)
+    woke_ms: float = -1.0  # when the engine thread had the CPU job's result (-1: none)

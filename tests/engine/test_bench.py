@@ -293,15 +293,16 @@ def test_profile_decode_prints_an_extends_layer_calls(capsys):
     from engine.experts.stats import LayerCall
 
     calls = [LayerCall(0, "unread", -1, 0, 0, 0, 115, 84, 2.84, 10.0, -1.0, -1.0, 0.0, 0.0, 3.0),
-             LayerCall(1, "routed", 115, 141, 0, 141, 113, 0, 2.47, 10.00541, 0.29, 1.55, 10.45, 7.86, 12.63)]
+             LayerCall(1, "routed", 115, 141, 0, 141, 113, 0, 2.47, 10.00541, 0.29, 1.55, 10.45, 7.86, 12.63, 0.9,
+                       12.1)]
     _print_calls(calls)
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[1].split() == ["layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "behind",
-                                "handoff", "routed", "cpu", "at", "cpu", "run", "waited", "end"]
+                                "handoff", "routed", "planned", "cpu", "at", "cpu", "run", "waited", "woke", "end"]
     assert lines[2].split() == ["0", "unread", "0.00", "-1", "0", "0", "0", "115", "84", "2.84", "-", "-", "-", "-",
-                                "3.00"]
-    assert lines[3].split() == ["1", "routed", "5.41", "115", "141", "0", "141", "113", "0", "2.47", "0.29", "1.55",
-                                "10.45", "7.86", "12.63"]
+                                "-", "-", "3.00"]
+    assert lines[3].split() == ["1", "routed", "5.41", "115", "141", "0", "141", "113", "0", "2.47", "0.29", "0.90",
+                                "1.55", "10.45", "7.86", "12.10", "12.63"]
 
 
 def test_spy_top_counts_each_thread_self_and_inclusive_frames():

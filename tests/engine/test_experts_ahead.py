@@ -47,6 +47,12 @@ def test_a_routed_prompt_copies_the_next_layers_likely_misses_ahead(cls):
         assert sum(c.misses for c in routed) == got[look]["misses"]
         assert sum(c.cpu for c in routed) == got[look]["cpu_runs"]
         assert all((c.cpu_start_ms >= c.routed_ms) == (c.cpu > 0) for c in routed)
+        for c in routed:  # the split, then the job, then its result on the engine thread
+            assert c.routed_ms <= c.planned_ms <= c.end_ms
+            if c.cpu:
+                assert c.planned_ms <= c.cpu_start_ms and c.cpu_start_ms + c.cpu_ms <= c.woke_ms <= c.end_ms
+            else:
+                assert c.woke_ms == -1.0
         assert sum(c.ahead for c in calls) == got[look]["ahead"]
         assert all(c.behind == 0 for c in calls)  # a CPU device copies in line: nothing is ever in flight
         check_table(b)
