@@ -9,11 +9,14 @@ step as one graph per stretch between the cache's layers, which decide fills and
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 import torch
 
 from engine.experts.registry import is_expert_cache
+
+log = logging.getLogger("killick.engine")
 
 
 def _pow2(n: int) -> bool:
@@ -43,21 +46,34 @@ def make_fast_path(model, slots: int, capacity: int, graphs: bool | None):
     reason = fast_unsupported(model)
     if reason is not None:
         raise ValueError(f"the fast path is not available: {reason}")
-    from engine.kernels import delta_rule_fla
     from engine.kernels.deltanet_triton import rule_tail
-    from engine.models.token_graphs import BucketedRule
     from engine.models.fast import FastPath
     from engine.models.graphs import DecodeSteps
     from engine.models.slots import StatePool
 
     capture = model.device.type == "cuda" if graphs is None else graphs
-    # fla computes in TF32 inside: fp32 models (the verification dtype) keep the exact torch rule. Short runs (an
-    # extend's) pad to a token bucket, replayed as one graph each when decode steps are (token_graphs.py)
-    use_fla = delta_rule_fla.available() and model.dtype != torch.float32
-    rule = BucketedRule(delta_rule_fla.chunked_gated_delta_rule_fla, capture) if use_fla else None
+    rule = prompt_rule(model, capture)
     # a prompt's last tokens past its first checkpoint: one launch, not a pass of the rule per checkpoint
     tail = rule_tail if model.device.type == "cuda" else None
     fast = FastPath(model, StatePool(model, slots, capacity), chunked_rule=rule, tail_rule=tail, capture=capture)
     if fast.cached_experts and fast.mapped is None:  # the host picks fills and CPU runs between graphs
         return fast, DecodeSteps(fast, slots, capture=capture, pad=False)
     return fast, DecodeSteps(fast, slots, capture)
+
+
+def prompt_rule(model, capture: bool):
+    """A prompt's chunked DeltaNet rule for the fast path: fla-core's kernels (a BucketedRule: short runs, an
+    extend's, pad to a token bucket, replayed as one graph each when decode steps are; token_graphs.py), or None
+    for the model's own torch rule. fla computes in TF32 inside: fp32 models (the verification dtype) keep the
+    exact torch rule."""
+    from engine.kernels import delta_rule_fla
+    from engine.models.token_graphs import BucketedRule
+
+    if model.dtype == torch.float32:
+        return None
+    if not delta_rule_fla.available():
+        if model.device.type == "cuda":  # its host time, ~1.5 ms a DeltaNet layer of a prompt: extends ~10% slower
+            log.warning("fla-core is not installed: a prompt's DeltaNet layers run the torch rule, slower on the "
+                        "host (pip install 'killick[gpu]' installs it)")
+        return None
+    return BucketedRule(delta_rule_fla.chunked_gated_delta_rule_fla, capture)
