@@ -46,6 +46,7 @@ class GenParams:
     parse_tools: bool = True
     max_tool_calls: int | None = None  # 1: the agent disabled parallel tool calls
     thinking_budget: int | None = None  # the most output tokens of thinking (Anthropic thinking.budget_tokens)
+    truncate: bool = False  # drop the oldest messages rather than refuse a prompt too long (Responses truncation)
 
 
 class Keepalive:

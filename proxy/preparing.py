@@ -4,19 +4,21 @@ plan, in a planning thread (ServerContext.planning, off the event loop), then th
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from aiohttp import web
 
 from engine.api import GenerateRequest, ThinkingBudget
 from proxy.context import ServerContext
-from proxy.conversation import Conversation, TextPart, ThinkingPart, ToolCallPart, ToolResultPart
+from proxy.conversation import Conversation, Message, TextPart, ThinkingPart, ToolCallPart, ToolResultPart
 from proxy.errors import ApiError
 from proxy.generation import ARRIVED, TURN, GenParams, Prepared, Turn
 from proxy.policy.planner import Plan
 from proxy.prompt.output_parser import THINK_CLOSE, THINK_OPEN, generation_opens_think
+from proxy.prompt.truncation import fit
 
 if TYPE_CHECKING:
     from proxy.prompt.render import Rendered
@@ -38,7 +40,7 @@ async def prepare(ctx: ServerContext, request: web.Request, conv: Conversation, 
                   body: Mapping) -> Prepared:
     """normalise -> render -> check the context -> plan (in ctx.planning) -> GenerateRequest."""
     headers = request.headers
-    planned = await off_loop(ctx, _plan_request, ctx, conv, headers, body)
+    planned = await off_loop(ctx, _plan_request, ctx, conv, headers, body, answer_room(ctx, params))
     conv, rendered, plan = planned.conv, planned.rendered, planned.plan
     n = len(rendered.ids)
     max_new = min(params.max_tokens or ctx.default_max_tokens, ctx.context_length - n)
@@ -72,18 +74,65 @@ async def off_loop(ctx: ServerContext, fn: Callable, *args):
     return await asyncio.get_running_loop().run_in_executor(ctx.planning, fn, *args)
 
 
-def _plan_request(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping) -> Planned:
+def _plan_request(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping,
+                  room: int | None) -> Planned:
     """normalise -> render -> check the context -> plan, in a planning thread. The planner is thread-safe: two
     requests of one session planned at once take its lock in turn, and each gets its own turn number."""
     conv = normalize(ctx, conv, headers, body)
     t0 = time.monotonic()
-    rendered = _render_if_it_fits(ctx, conv)
+    conv, rendered = _render_fitting(ctx, conv, room)
     t1 = time.monotonic()
-    n = len(rendered.ids)
-    if n >= ctx.context_length:
-        raise too_long(ctx, f"{n} tokens")
     plan = _plan(ctx, conv, rendered, headers, body)
     return Planned(conv, rendered, plan, t1 - t0, time.monotonic() - t1)
+
+
+def answer_room(ctx: ServerContext, params: GenParams) -> int | None:
+    """With truncation (params.truncate), the tokens of the context a prompt leaves its answer: what the request
+    asks for (else the server's default), at most half the context. None: no truncation."""
+    if not params.truncate:
+        return None
+    return min(params.max_tokens or ctx.default_max_tokens, ctx.context_length // 2)
+
+
+def _render_fitting(ctx: ServerContext, conv: Conversation, room: int | None) -> tuple[Conversation, Rendered]:
+    """The conversation and its prompt, refused (too_long) where it cannot fit the context. With `room`
+    (truncation): less its oldest messages (proxy/prompt/truncation.py) where it would leave the answer fewer
+    than `room` tokens; what truncation keeps is served wherever it fits at all."""
+    if room is None:
+        rendered = _render_if_it_fits(ctx, conv)
+    else:
+        try:
+            conv, rendered = _truncated(ctx, conv, ctx.context_length - room + 1)
+        except ApiError as err:
+            if err.code != TOO_LONG:
+                raise
+            raise ApiError(400, err.message + KEPT_NOTE, param=err.param, code=TOO_LONG) from None
+    n = len(rendered.ids)
+    if n >= ctx.context_length:
+        raise too_long(ctx, f"{n} tokens", note=KEPT_NOTE if room is not None else "")
+    return conv, rendered
+
+
+KEPT_NOTE = "; truncation keeps the instructions, the last user message and the last input item"
+
+
+def _truncated(ctx: ServerContext, conv: Conversation, limit: int) -> tuple[Conversation, Rendered]:
+    """conv whole where its prompt stays under `limit` tokens, else less its oldest messages (truncation.fit)."""
+    try:
+        rendered = _render_if_it_fits(ctx, conv, limit)
+        if len(rendered.ids) < limit:
+            return conv, rendered
+    except ApiError as err:
+        if err.code != TOO_LONG:
+            raise
+    return fit(conv, limit, functools.partial(_render_if_it_fits, ctx), functools.partial(_text_tokens, ctx))
+
+
+def _text_tokens(ctx: ServerContext, messages: Iterable[Message], most: int) -> int:
+    """The tokens of the messages' text, counted exactly below `most` (where the cheap bound stays below it)."""
+    texts = list(_message_texts(messages))
+    at_least = ctx.tokenizer.tokens_at_least(texts, most)
+    return at_least if at_least >= most else sum(len(ctx.tokenizer.encode(t)) for t in texts)
 
 
 def normalize(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping) -> Conversation:
@@ -133,16 +182,25 @@ def _render_if_it_fits(ctx: ServerContext, conv: Conversation, limit: int | None
         raise ApiError(400, f"cannot render this conversation: {exc}", param="messages") from None
 
 
-def too_long(ctx: ServerContext, size: str, limit: int | None = None) -> ApiError:
+TOO_LONG = "context_length_exceeded"
+
+
+def too_long(ctx: ServerContext, size: str, limit: int | None = None, note: str = "") -> ApiError:
     """The prompt of `size` does not fit below `limit` tokens (default: the context, which keeps one for the
     answer)."""
-    return ApiError(400, f"prompt is too long: {size} > {(limit or ctx.context_length) - 1} maximum", param="messages",
-                    code="context_length_exceeded")
+    return ApiError(400, f"prompt is too long: {size} > {(limit or ctx.context_length) - 1} maximum{note}",
+                    param="messages", code=TOO_LONG)
 
 
 def _texts(conv: Conversation) -> Iterator[str]:
     """Every text of the conversation that the prompt will hold."""
-    for message in conv.messages:
+    yield from _message_texts(conv.messages)
+    for tool in conv.tools:
+        yield from (tool.name, tool.description, tool.parameters_json)
+
+
+def _message_texts(messages: Iterable[Message]) -> Iterator[str]:
+    for message in messages:
         for part in message.parts:
             if isinstance(part, (TextPart, ThinkingPart)):
                 yield part.text
@@ -150,5 +208,3 @@ def _texts(conv: Conversation) -> Iterator[str]:
                 yield part.arguments
             elif isinstance(part, ToolResultPart):
                 yield part.content
-    for tool in conv.tools:
-        yield from (tool.name, tool.description, tool.parameters_json)

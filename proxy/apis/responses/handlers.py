@@ -107,8 +107,8 @@ def _head(req: ResponsesRequest) -> dict:
         "parallel_tool_calls": req.parallel_tool_calls is not False, "tool_choice": req.tool_choice or "auto",
         "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()], "store": req.store,
         "reasoning": (req.reasoning.model_dump() if req.reasoning else {"effort": None, "summary": None}),
-        "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.metadata or {},
-        "error": None, "incomplete_details": None,
+        "text": {"format": {"type": "text"}}, "truncation": req.truncation or "disabled",
+        "metadata": req.metadata or {}, "error": None, "incomplete_details": None,
     }
 
 

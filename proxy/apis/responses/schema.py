@@ -127,6 +127,8 @@ class ResponsesRequest(_Model):
     text: Optional[dict] = None
     conversation: Union[str, dict, None] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0)
+    truncation: Optional[Literal["auto", "disabled"]] = None  # None: disabled
+    background: Optional[bool] = None
 
 
 def check_supported(req: ResponsesRequest) -> None:
@@ -224,4 +226,4 @@ def gen_params(req: ResponsesRequest) -> GenParams:
                               top_p=1.0 if req.top_p is None else req.top_p)
     parse_tools = bool(req.tools) and req.tool_choice != "none"
     one_call = 1 if req.parallel_tool_calls is False else None
-    return GenParams(req.max_output_tokens, sampling, (), parse_tools, one_call)
+    return GenParams(req.max_output_tokens, sampling, (), parse_tools, one_call, truncate=req.truncation == "auto")
