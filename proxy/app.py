@@ -26,6 +26,7 @@ from proxy.apis.anthropic import handlers as anthropic
 from proxy.apis.chat import handlers as chat
 from proxy.apis.control import add_control_routes
 from proxy.apis.responses import handlers as responses
+from proxy.apis.responses.background import BACKGROUND, BackgroundJobs, background_lifetime
 from proxy.apis.responses.store import RESPONSES, ResponseStore
 from proxy.body import MAX_BODY
 from proxy.context import CTX, ServerContext
@@ -79,7 +80,9 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
     app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
     app[CTX] = ctx
     app[RESPONSES] = ResponseStore()
+    app[BACKGROUND] = BackgroundJobs()
     app.cleanup_ctx.append(_engine_lifetime)
+    app.cleanup_ctx.append(background_lifetime)  # cleaned up first: background responses end before the engine
     app.on_response_prepare.append(plan_headers)
     app.on_response_prepare.append(cors_headers)
     add_routes(app)
@@ -98,6 +101,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", responses.responses)
     app.router.add_get("/v1/responses/{response_id}", responses.retrieve)
     app.router.add_delete("/v1/responses/{response_id}", responses.delete)
+    app.router.add_post("/v1/responses/{response_id}/cancel", responses.cancel)
     add_control_routes(app)
 
 

@@ -37,7 +37,7 @@ def create_upstream_app(config: UpstreamConfig, tokenizer, renderer, *, model_na
     pool = UpstreamPool(config, unknown)
     app = create_app(pool, tokenizer, renderer, model_name=model_name, context_length=context_length,
                      api_key=api_key, keepalive_s=keepalive_s, planner=planner, observer=observer, **app_options)
-    app.cleanup_ctx.append(pool.lifetime)
+    app.cleanup_ctx.insert(0, pool.lifetime)  # cleaned up last: background responses end before the client closes
     return app
 
 

@@ -21,7 +21,7 @@ from proxy.apis.responses.tools import OfferedTool, flat_name, offered_tools
 from proxy.conversation import (
     Conversation, Message, Part, TextPart, ThinkingPart, ToolCallPart, ToolResultPart, canonical_json,
 )
-from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, not_enforceable, not_served
+from proxy.errors import ASK_FOR_JSON, ASK_FOR_TOOL, ApiError, not_enforceable, not_served
 from proxy.generation import GenParams
 
 ENCRYPTED_PREFIX = "killick:v1:"  # our reasoning round-trips through encrypted_content (store:false agents)
@@ -132,6 +132,9 @@ class ResponsesRequest(_Model):
 
 
 def check_supported(req: ResponsesRequest) -> None:
+    if req.background and not req.store:
+        raise ApiError(400, "background: a background response is read back with GET /v1/responses/{id}, so it "
+                            "needs store: true", param="background")
     if req.conversation is not None:
         raise not_served("conversation", "the Conversations API",
                          "send the history in `input` or chain responses with previous_response_id")

@@ -34,7 +34,7 @@ VALID = {
                                                "function": {"name": "bash", "arguments": "{}"}}]},
                                           {"role": "tool", "tool_call_id": "c", "content": "o"}]},
     "/v1/responses": {"model": "m", "max_output_tokens": 4, "stream": True, "instructions": "i", "store": False,
-                      "include": ["reasoning.encrypted_content"],
+                      "include": ["reasoning.encrypted_content"], "truncation": "auto", "background": False,
                       "tools": [{"type": "function", "name": "bash", "parameters": {}}],
                       "input": [{"role": "developer", "content": "d"},
                                 {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "q"}]},

@@ -1,0 +1,171 @@
+"""Background responses (`background: true`): the create call answers at once with the response queued, and its
+generation runs in a task the app owns (BackgroundJobs, closed by the app's cleanup).
+
+GET /v1/responses/{id} reads a running job's state (queued, then in_progress with the output items finished so
+far), then the store's once it has ended; cancel ends a running job (the engine request is aborted) and answers
+it cancelled. A job that ends records its response in the store, as a foreground one does. With `stream: true`
+the create call follows the job's events as they come; the client leaving ends its stream, not the job.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import AsyncExitStack
+from typing import Callable
+
+from aiohttp import web
+
+from proxy.apis.responses.output import OutputItems
+from proxy.apis.responses.response import TERMINAL_EVENTS, ended, final, pending
+from proxy.errors import ApiError
+from proxy.generation import Admitted, Finished, Generation, Keepalive
+from proxy.sse import SSEWriter
+
+log = logging.getLogger("killick.proxy")
+MAX_JOBS = 256  # background responses running at once: as many as the store keeps
+CANCELLED = {"type": "error", "code": "response_cancelled", "message": "the response was cancelled", "param": None}
+
+
+class Job:
+    """One background response. Its events are kept (numbered as a stream numbers them) only where a stream
+    follows it."""
+
+    def __init__(self, fixed: dict, out: OutputItems, remember: Callable[[dict], None], follow: bool,
+                 stack: AsyncExitStack, gen: Generation):
+        self.fixed, self.out, self.remember = fixed, out, remember
+        self.stack, self.gen = stack, gen  # gen was entered (submitted) by the create call; the stack leaves it
+        self.status = "queued"
+        self.final: dict | None = None  # the response as it ended
+        self.events: list[dict] | None = [] if follow else None
+        self.tick = asyncio.Event()  # set (then replaced) whenever an event is added
+        self.task: asyncio.Task | None = None
+        self._emit("response.created", {"response": self.state()})
+
+    def state(self) -> dict:
+        return self.final if self.final is not None else pending(self.fixed, self.status, self.out)
+
+    async def cancel(self) -> dict:
+        """Ends the job (a finished one is left as it ended) and answers its response."""
+        self.task.cancel()
+        await asyncio.wait((self.task,))  # not cancelled with the caller: the job ends either way
+        await self.stopped()
+        return self.state()
+
+    async def stopped(self) -> None:
+        """After its task: a task cancelled before its first step never ran run(), so the generation is closed
+        (and the job marked cancelled) here; for any other task this changes nothing."""
+        await self.stack.aclose()
+        self._end(lambda: ended(self.fixed, self.out, "cancelled"))
+
+    async def run(self) -> None:
+        """The task. Leaving the stack closes the generation, which aborts the engine request unless it
+        finished."""
+        try:
+            async with self.stack:
+                await self._generate(self.gen)
+        except asyncio.CancelledError:
+            self._end(lambda: ended(self.fixed, self.out, "cancelled"))
+            raise
+        except Exception:  # noqa: BLE001 - one response's bug must not reach the app or other requests
+            log.exception("background response %s failed", self.fixed["id"])
+            self._end(lambda: ended(self.fixed, self.out, "failed", "internal server error (see the server log)"))
+
+    async def _generate(self, gen: Generation) -> None:
+        async for item in gen:
+            if isinstance(item, Keepalive):
+                continue
+            if self.status == "queued":  # admitted (an upstream's answer says so with its first output)
+                self.status = "in_progress"
+                self._emit("response.in_progress", {"response": self.state()})
+            if isinstance(item, Finished):
+                self._end(lambda: final(self.fixed, self.out, item))
+                return
+            if not isinstance(item, Admitted):
+                for kind, payload in self.out.feed(item):
+                    self._emit(kind, payload)
+
+    def _end(self, build: Callable[[], dict]) -> None:
+        """The job's last state, build() once the open output item is closed: kept in the store, and the last
+        event a stream of it gets (a cancelled one ends with an error event: Responses has no cancelled one)."""
+        if self.final is not None:  # a cancel that came while the finished job closed its generation
+            return
+        try:
+            for kind, payload in self.out.close():
+                self._emit(kind, payload)
+        except Exception:  # noqa: BLE001 - the job must still end, with the items that did close
+            log.exception("background response %s: closing its output failed", self.fixed["id"])
+        self.final = build()
+        self.remember(self.final)
+        status = self.final["status"]
+        if status == "cancelled":
+            self._emit("error", CANCELLED)
+        else:
+            self._emit(TERMINAL_EVENTS[status], {"response": self.final})
+
+    def _emit(self, kind: str, payload: dict) -> None:
+        if self.events is not None:
+            self.events.append({"type": kind, "sequence_number": len(self.events), **payload})
+            self.tick.set()
+            self.tick = asyncio.Event()
+
+
+class BackgroundJobs:
+    """The app's running background responses, by id."""
+
+    def __init__(self, capacity: int = MAX_JOBS):
+        self.capacity = capacity
+        self._jobs: dict[str, Job] = {}
+
+    def get(self, response_id: str) -> Job | None:
+        return self._jobs.get(response_id)
+
+    def check_room(self) -> None:
+        if len(self._jobs) >= self.capacity:
+            raise ApiError(429, f"{len(self._jobs)} background responses are running, the most this server runs; "
+                                "retry when one has ended", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+    def start(self, job: Job) -> None:
+        response_id = job.fixed["id"]
+        self._jobs[response_id] = job
+        job.task = asyncio.get_running_loop().create_task(job.run(), name=f"killick-{response_id}")
+        job.task.add_done_callback(lambda _: self._jobs.pop(response_id, None))
+
+    async def close(self) -> None:
+        """Cancels every running job and waits for them (their engine requests aborted)."""
+        jobs = list(self._jobs.values())
+        for job in jobs:
+            job.task.cancel()
+        await asyncio.gather(*(job.task for job in jobs), return_exceptions=True)
+        for job in jobs:
+            await job.stopped()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+
+BACKGROUND = web.AppKey("killick_background", BackgroundJobs)  # one per app (create_app)
+
+
+async def background_lifetime(app: web.Application):
+    """app.cleanup_ctx: the app's background responses end with it (cancelled, their engine requests aborted)."""
+    yield
+    await app[BACKGROUND].close()
+
+
+async def follow(request: web.Request, job: Job, keepalive_s: float) -> web.StreamResponse:
+    """The job's events as SSE, from its first, until it ends; a keep-alive comment when nothing came for
+    keepalive_s."""
+    sse = SSEWriter(request)
+    sent = 0
+    while True:
+        tick = job.tick  # taken before reading: an event added while we write sets it
+        while sent < len(job.events):
+            event = job.events[sent]
+            await sse.event(event, event["type"])
+            sent += 1
+        if job.final is not None:
+            return await sse.finish()
+        try:
+            await asyncio.wait_for(tick.wait(), keepalive_s)
+        except asyncio.TimeoutError:
+            await sse.comment("keep-alive")

@@ -1,0 +1,207 @@
+"""Background responses: the create call answers queued, GET follows the job to its end, cancel ends it (the
+engine request aborted), the app's cleanup ends what still runs; bad requests are answered in OpenAI's shape."""
+import asyncio
+import json
+
+from conftest import FORCED
+from proxy.apis.responses.background import BACKGROUND, BackgroundJobs
+from proxy.apis.responses.store import RESPONSES
+from proxy.context import CTX
+
+TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+LONG = " ".join(["a long answer"] * 20)
+
+
+async def poll(client, response_id: str, until=TERMINAL) -> dict:
+    for _ in range(500):
+        got = await (await client.get(f"/v1/responses/{response_id}")).json()
+        if got["status"] in until:
+            return got
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{response_id} never reached {until}: {got['status']}")
+
+
+def sse_events(text: str) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def test_queued_at_once_then_completed_with_output_and_usage(aiohttp_client, fake_stack):
+    app, core = fake_stack(step_s=0.01)
+    client = await aiohttp_client(app)
+    resp = await client.post("/v1/responses", headers={FORCED: LONG},
+                             json={"model": "m", "input": "hi", "background": True, "max_output_tokens": 500})
+    created = await resp.json()
+    assert resp.status == 200 and created["status"] == "queued" and created["background"] is True
+    assert created["output"] == [] and created["usage"] is None
+    running = await poll(client, created["id"], ("in_progress",) + TERMINAL)
+    assert running["status"] == "in_progress", "the job was admitted while tokens still came"
+    done = await poll(client, created["id"])
+    assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == LONG
+    assert done["usage"]["output_tokens"] > 0 and done["error"] is None
+    assert {k: v for k, v in done.items() if k not in ("status", "output", "usage")} == \
+        {k: v for k, v in created.items() if k not in ("status", "output", "usage")}
+    assert len(app[BACKGROUND]) == 0 and app[RESPONSES].get(created["id"]).response == done
+    follow = await client.post("/v1/responses", json={"model": "m", "input": "more",
+                                                      "previous_response_id": done["id"]})
+    assert follow.status == 200
+    assert LONG in core.tok.decode(core.requests[-1].prompt_ids)  # the background answer is in the history
+
+
+async def test_cancel_aborts_the_engine_request_and_is_idempotent(aiohttp_client, fake_stack):
+    app, core = fake_stack(step_s=0.05)
+    client = await aiohttp_client(app)
+    created = await (await client.post("/v1/responses", headers={FORCED: LONG}, json={
+        "model": "m", "input": "hi", "background": True})).json()
+    await poll(client, created["id"], ("in_progress",))
+    resp = await client.post(f"/v1/responses/{created['id']}/cancel")
+    cancelled = await resp.json()
+    assert resp.status == 200 and cancelled["status"] == "cancelled" and cancelled["usage"] is None
+    assert core.requests[-1].request_id in core.aborted and app[CTX].in_flight == 0
+    again = await client.post(f"/v1/responses/{created['id']}/cancel")
+    assert again.status == 200 and await again.json() == cancelled
+    assert await (await client.get(f"/v1/responses/{created['id']}")).json() == cancelled
+    ok = await client.post("/v1/responses", json={"model": "m", "input": "still serving"})
+    assert ok.status == 200 and (await ok.json())["status"] == "completed"
+
+
+async def test_cancelling_a_finished_response_returns_it_unchanged(aiohttp_client, fake_stack):
+    client = await aiohttp_client(fake_stack()[0])
+    created = await (await client.post("/v1/responses", json={"model": "m", "input": "hi", "background": True})).json()
+    done = await poll(client, created["id"])
+    resp = await client.post(f"/v1/responses/{created['id']}/cancel")
+    assert resp.status == 200 and await resp.json() == done and done["status"] == "completed"
+
+
+async def test_bad_requests_are_answered_in_openais_shape(aiohttp_client, fake_stack):
+    client = await aiohttp_client(fake_stack()[0])
+
+    async def error(resp, status: int) -> dict:
+        assert resp.status == status, await resp.text()
+        body = await resp.json()
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        return body["error"]
+
+    unknown = await error(await client.post("/v1/responses/resp_nope/cancel"), 404)
+    assert "resp_nope" in unknown["message"] and unknown["type"] == "invalid_request_error"
+    unstored = await error(await client.post("/v1/responses", json={
+        "model": "m", "input": "hi", "background": True, "store": False}), 400)
+    assert unstored["param"] == "background"
+    for bad in ("yes", 1, [True]):
+        resp = await client.post("/v1/responses", json={"model": "m", "input": "hi", "background": bad})
+        err = await error(resp, 400)
+        assert err["param"] == "background"
+    foreground = await (await client.post("/v1/responses", json={"model": "m", "input": "hi"})).json()
+    assert foreground["background"] is False
+    err = await error(await client.post(f"/v1/responses/{foreground['id']}/cancel"), 400)
+    assert "background" in err["message"]
+
+
+async def test_an_engine_failure_ends_failed_with_an_error_object(aiohttp_client, fake_stack):
+    app, core = fake_stack()
+    core.fail_next = True
+    client = await aiohttp_client(app)
+    created = await (await client.post("/v1/responses", json={"model": "m", "input": "hi", "background": True})).json()
+    failed = await poll(client, created["id"])
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert "boom" in failed["error"]["message"]
+
+
+async def test_a_running_job_is_no_previous_response_yet_and_limits_are_429(aiohttp_client, fake_stack):
+    app, core = fake_stack(step_s=0.05)
+    app[BACKGROUND] = BackgroundJobs(capacity=1)
+    client = await aiohttp_client(app)
+    created = await (await client.post("/v1/responses", headers={FORCED: LONG}, json={
+        "model": "m", "input": "hi", "background": True})).json()
+    chained = await client.post("/v1/responses", json={"model": "m", "input": "x",
+                                                       "previous_response_id": created["id"]})
+    assert chained.status == 400 and (await chained.json())["error"]["param"] == "previous_response_id"
+    full = await client.post("/v1/responses", json={"model": "m", "input": "hi", "background": True})
+    assert full.status == 429 and full.headers["Retry-After"] == "1"
+    await client.post(f"/v1/responses/{created['id']}/cancel")
+    again = await client.post("/v1/responses", json={"model": "m", "input": "hi", "background": True})
+    assert again.status == 200
+
+
+async def test_a_full_engine_queue_is_429_before_any_job(aiohttp_client, fake_stack):
+    app, core = fake_stack(step_s=0.05)
+    client = await aiohttp_client(app)
+    statuses = []
+    for _ in range(core.max_running + core.max_waiting + 1):
+        resp = await client.post("/v1/responses", headers={FORCED: LONG}, json={"model": "m", "input": "hi",
+                                                                               "background": True})
+        statuses.append(resp.status)
+        await asyncio.sleep(0.05)  # the stand-in engine counts a request once its task has started
+    assert statuses[-1] == 429 and statuses[:-1] == [200] * (len(statuses) - 1)
+    assert len(app[BACKGROUND]) == core.max_running + core.max_waiting
+
+
+async def test_the_apps_cleanup_cancels_what_still_runs(aiohttp_client, fake_stack):
+    app, core = fake_stack(step_s=0.05)
+    client = await aiohttp_client(app)
+    created = await (await client.post("/v1/responses", headers={FORCED: LONG}, json={
+        "model": "m", "input": "hi", "background": True})).json()
+    await poll(client, created["id"], ("in_progress",))
+    await client.close()
+    assert core.requests[-1].request_id in core.aborted and len(app[BACKGROUND]) == 0
+    assert app[RESPONSES].get(created["id"]).response["status"] == "cancelled"
+
+
+async def test_streamed_background_follows_the_job_and_outlives_its_client(aiohttp_client, fake_stack):
+    app, core = fake_stack(step_s=0.01)
+    client = await aiohttp_client(app)
+    resp = await client.post("/v1/responses", headers={FORCED: LONG}, json={
+        "model": "m", "input": "hi", "background": True, "stream": True, "max_output_tokens": 500})
+    events = sse_events(await resp.text())
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created" and events[0]["response"]["status"] == "queued"
+    assert events[1]["type"] == "response.in_progress" and events[-1]["type"] == "response.completed"
+    final = events[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == LONG
+    assert await (await client.get(f"/v1/responses/{final['id']}")).json() == final
+    async with client.post("/v1/responses", headers={FORCED: LONG}, json={
+            "model": "m", "input": "hi", "background": True, "stream": True}) as left:
+        first = await left.content.readline()
+        assert first.startswith(b"event: response.created")
+        response_id = json.loads((await left.content.readline())[len(b"data: "):])["response"]["id"]
+    done = await poll(client, response_id)  # the client left; the job did not
+    assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == LONG
+
+
+async def test_cancelling_a_streamed_job_ends_its_stream_with_an_error_event(aiohttp_client, fake_stack):
+    app, core = fake_stack(step_s=0.05)
+    client = await aiohttp_client(app)
+    async with client.post("/v1/responses", headers={FORCED: LONG}, json={
+            "model": "m", "input": "hi", "background": True, "stream": True}) as resp:
+        await resp.content.readline()
+        response_id = json.loads((await resp.content.readline())[len(b"data: "):])["response"]["id"]
+        cancelled = await (await client.post(f"/v1/responses/{response_id}/cancel")).json()
+        events = sse_events((await resp.read()).decode())
+    assert cancelled["status"] == "cancelled"
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "response_cancelled"
+
+
+async def test_a_queued_streamed_job_keeps_its_stream_alive(aiohttp_client, fake_stack):
+    app, core = fake_stack(keepalive_s=0.05)
+    core.queue_s = 0.3
+    client = await aiohttp_client(app)
+    resp = await client.post("/v1/responses", json={"model": "m", "input": "hi", "background": True, "stream": True})
+    text = await resp.text()
+    assert ": keep-alive" in text and sse_events(text)[-1]["type"] == "response.completed"
+
+
+async def test_a_bug_in_a_job_fails_that_response_alone(aiohttp_client, fake_stack, monkeypatch, caplog):
+    from proxy.apis.responses.output import OutputItems
+
+    client = await aiohttp_client(fake_stack()[0])
+
+    def broken(self, event):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(OutputItems, "feed", broken)
+    created = await (await client.post("/v1/responses", json={"model": "m", "input": "hi", "background": True})).json()
+    failed = await poll(client, created["id"])
+    monkeypatch.undo()
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error" and failed["usage"] is None
+    assert "a bug" in caplog.text and "a bug" not in failed["error"]["message"]
+    ok = await client.post("/v1/responses", json={"model": "m", "input": "hi"})
+    assert ok.status == 200 and (await ok.json())["status"] == "completed"

@@ -1,0 +1,96 @@
+"""Background responses and truncation through the official `openai` SDK, against the real renderer and
+EngineCore on a synthetic checkpoint (random weights: long answers are forced through the test hook)."""
+import asyncio
+
+import openai
+import pytest
+
+from conftest import FORCED
+from proxy.apis.responses.background import BACKGROUND
+from real_stack import real_app, synth_model_dir
+
+TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return synth_model_dir(tmp_path_factory)
+
+
+@pytest.fixture
+def serve(aiohttp_server, model_dir):
+    async def start(**kw):
+        app, core, _ = real_app(model_dir, **kw)
+        server = await aiohttp_server(app)
+        return str(server.make_url("")).rstrip("/"), app, core
+
+    return start
+
+
+async def until_ended(client, response_id: str):
+    for _ in range(1000):
+        got = await client.responses.retrieve(response_id)
+        if got.status in TERMINAL:
+            return got
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{response_id} still {got.status}")
+
+
+async def test_background_create_poll_and_cancel(serve, sdk):
+    base, app, core = await serve()
+    client = sdk.openai(base, max_retries=0)
+    created = await client.responses.create(model="gpt-5", input="Say hi.", background=True, max_output_tokens=16,
+                                            extra_headers={FORCED: "Hi there."}, reasoning={"effort": "none"})
+    assert created.background is True and created.status in ("queued", "in_progress")
+    done = await until_ended(client, created.id)
+    assert done.status == "completed" and done.output_text == "Hi there." and done.usage.output_tokens > 0
+    assert done.model_dump(exclude={"status", "output", "usage"}) == \
+        created.model_dump(exclude={"status", "output", "usage"})
+
+    long = await client.responses.create(model="gpt-5", input="Write a lot.", background=True,
+                                         max_output_tokens=3000, extra_headers={FORCED: " ".join(["word"] * 1500)})
+    cancelled = await client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.usage is None
+    assert (await client.responses.retrieve(long.id)).model_dump() == cancelled.model_dump()
+    assert (await client.responses.cancel(long.id)).model_dump() == cancelled.model_dump()
+    assert (await client.responses.cancel(done.id)).model_dump() == done.model_dump()
+    for _ in range(100):  # the aborted request leaves the engine
+        if not core.stats().get("active"):
+            break
+        await asyncio.sleep(0.02)
+    assert not core.stats().get("active") and len(app[BACKGROUND]) == 0
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.cancel("resp_never_made")
+    with pytest.raises(openai.BadRequestError, match="store"):
+        await client.responses.create(model="gpt-5", input="x", background=True, store=False)
+
+
+async def test_background_stream_through_the_sdk(serve, sdk):
+    base, _, _ = await serve()
+    client = sdk.openai(base, max_retries=0)
+    stream = await client.responses.create(model="gpt-5", input="Say hi.", background=True, stream=True,
+                                           max_output_tokens=16, extra_headers={FORCED: "Hi there."},
+                                           reasoning={"effort": "none"})
+    kinds, final = [], None
+    async for event in stream:
+        kinds.append(event.type)
+        final = getattr(event, "response", final)
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert final.output_text == "Hi there."
+    assert (await client.responses.retrieve(final.id)).model_dump() == final.model_dump()
+
+
+async def test_truncation_through_the_sdk(serve, sdk):
+    base, _, core = await serve(context_length=512)
+    client = sdk.openai(base, max_retries=0)
+    history = []
+    for i in range(12):
+        history += [{"role": "user", "content": f"Question {i}: " + "tell me more " * 8},
+                    {"role": "assistant", "content": f"Answer {i}: " + "here is more " * 8}]
+    history.append({"role": "user", "content": "The last question."})
+    with pytest.raises(openai.BadRequestError, match="prompt is too long"):
+        await client.responses.create(model="gpt-5", input=history, max_output_tokens=32)
+    answer = await client.responses.create(model="gpt-5", input=history, max_output_tokens=32, truncation="auto",
+                                           instructions="Be brief.", extra_headers={FORCED: "Fine."})
+    assert answer.truncation == "auto" and answer.status == "completed"
+    assert 512 // 2 < answer.usage.input_tokens <= 512 - 32
