@@ -205,3 +205,15 @@ async def test_a_bug_in_a_job_fails_that_response_alone(aiohttp_client, fake_sta
     assert "a bug" in caplog.text and "a bug" not in failed["error"]["message"]
     ok = await client.post("/v1/responses", json={"model": "m", "input": "hi"})
     assert ok.status == 200 and (await ok.json())["status"] == "completed"
+
+
+async def test_deleting_a_running_job_cancels_it_first(aiohttp_client, fake_stack):
+    app, core = fake_stack(step_s=0.05)
+    client = await aiohttp_client(app)
+    created = await (await client.post("/v1/responses", headers={FORCED: LONG}, json={
+        "model": "m", "input": "hi", "background": True})).json()
+    await poll(client, created["id"], ("in_progress",))
+    gone = await client.delete(f"/v1/responses/{created['id']}")
+    assert gone.status == 200 and (await gone.json())["deleted"] is True
+    assert core.requests[-1].request_id in core.aborted and len(app[BACKGROUND]) == 0
+    assert (await client.get(f"/v1/responses/{created['id']}")).status == 404

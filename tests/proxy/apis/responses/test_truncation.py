@@ -107,3 +107,15 @@ async def test_a_chain_past_the_context_goes_on_with_auto(aiohttp_client, fake_s
         previous = (await resp.json())["id"]
     prompt = TOK.decode(core.requests[-1].prompt_ids)
     assert "turn 7" in prompt and "turn 0" not in prompt and len(core.requests[-1].prompt_ids) <= 280
+
+
+async def test_auto_serves_what_it_keeps_where_it_fits_the_context_with_less_room(aiohttp_client, fake_stack):
+    app, core = fake_stack(context_length=300)
+    client = await aiohttp_client(app)
+    last = {"role": "user", "content": "z" * 240}  # with the instructions: under the context, over 300 - 50
+    resp = await client.post("/v1/responses", json={"model": "m", "instructions": "be brief", "truncation": "auto",
+                                                    "input": _long_input() + [last], "max_output_tokens": 50})
+    assert resp.status == 200, await resp.text()
+    prompt = TOK.decode(core.requests[-1].prompt_ids)
+    assert "question" not in prompt and "answer" not in prompt and "z" * 240 in prompt
+    assert 250 < len(core.requests[-1].prompt_ids) < 300
