@@ -21,6 +21,27 @@ def fake_stack():
     return make
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A seeded synthetic checkpoint (real_stack.py), made once per test module."""
+    from real_stack import synth_model_dir
+
+    return synth_model_dir(tmp_path_factory)
+
+
+@pytest.fixture
+def serve(aiohttp_server, model_dir):
+    """start(**real_app options) -> (base URL, EngineCore, tokenizer): the real stack on loopback."""
+    from real_stack import real_app
+
+    async def start(**kw):
+        app, core, tok = real_app(model_dir, **kw)
+        server = await aiohttp_server(app)
+        return str(server.make_url("")).rstrip("/"), core, tok
+
+    return start
+
+
 class _Clients:
     """Official SDK clients against a test server; all closed at teardown (unclosed sockets are errors)."""
 

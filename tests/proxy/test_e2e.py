@@ -11,25 +11,10 @@ import openai
 import pytest
 
 from conftest import FORCED
-from real_stack import TOOLS_A, TOOLS_C, TOOLS_R, real_app, synth_model_dir
+from real_stack import TOOLS_A, TOOLS_C, TOOLS_R, real_app
 
 THINK_AND_CALL = ('Need to list files.\\n</think>\\n\\nListing.\\n<tool_call>\\n'
                   '{"name": "bash", "arguments": {"cmd": "ls"}}\\n</tool_call>')
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return synth_model_dir(tmp_path_factory)
-
-
-@pytest.fixture
-def serve(aiohttp_server, model_dir):
-    async def start(**kw):
-        app, core, tok = real_app(model_dir, **kw)
-        server = await aiohttp_server(app)
-        return str(server.make_url("")).rstrip("/"), core, tok
-
-    return start
 
 
 async def _count(base, body):
