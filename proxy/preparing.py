@@ -99,18 +99,21 @@ def _render_fitting(ctx: ServerContext, conv: Conversation, room: int | None) ->
     (truncation): less its oldest messages (proxy/prompt/truncation.py) where it would leave the answer fewer
     than `room` tokens; what truncation keeps is served wherever it fits at all."""
     if room is None:
-        rendered = _render_if_it_fits(ctx, conv)
-    else:
-        try:
-            conv, rendered = _truncated(ctx, conv, ctx.context_length - room + 1)
-        except ApiError as err:
-            if err.code != TOO_LONG:
-                raise
-            raise ApiError(400, err.message + KEPT_NOTE, param=err.param, code=TOO_LONG) from None
+        return conv, _within_context(ctx, _render_if_it_fits(ctx, conv))
+    try:
+        conv, rendered = _truncated(ctx, conv, ctx.context_length - room + 1)
+        return conv, _within_context(ctx, rendered)
+    except ApiError as err:
+        if err.code != TOO_LONG:
+            raise
+        raise ApiError(400, err.message + KEPT_NOTE, param=err.param, code=TOO_LONG) from None
+
+
+def _within_context(ctx: ServerContext, rendered: Rendered) -> Rendered:
     n = len(rendered.ids)
     if n >= ctx.context_length:
-        raise too_long(ctx, f"{n} tokens", note=KEPT_NOTE if room is not None else "")
-    return conv, rendered
+        raise too_long(ctx, f"{n} tokens")
+    return rendered
 
 
 KEPT_NOTE = "; truncation keeps the instructions, the last user message and the last input item"
@@ -185,11 +188,11 @@ def _render_if_it_fits(ctx: ServerContext, conv: Conversation, limit: int | None
 TOO_LONG = "context_length_exceeded"
 
 
-def too_long(ctx: ServerContext, size: str, limit: int | None = None, note: str = "") -> ApiError:
+def too_long(ctx: ServerContext, size: str, limit: int | None = None) -> ApiError:
     """The prompt of `size` does not fit below `limit` tokens (default: the context, which keeps one for the
     answer)."""
-    return ApiError(400, f"prompt is too long: {size} > {(limit or ctx.context_length) - 1} maximum{note}",
-                    param="messages", code=TOO_LONG)
+    return ApiError(400, f"prompt is too long: {size} > {(limit or ctx.context_length) - 1} maximum", param="messages",
+                    code=TOO_LONG)
 
 
 def _texts(conv: Conversation) -> Iterator[str]:
