@@ -12,14 +12,17 @@ One request: route (proxy/upstream/routing.py) -> POST /v1/chat/completions (str
 output event is out, a failed replica (refused, cut, 5xx, 429) costs nothing but time: the request goes to the
 next one and the replica is marked down until a health check passes. After that, the answer ends with an error
 in the API's shape (front-ends: an error event, or a 500 for a non-streaming request), never silently.
-A health check that fails is such a failure for every request in flight at that replica: a stalled replica
-sends no error, and the read timeout that would end the wait is long for a healthy replica's silent prefill.
+A health check that fails takes the replica out of rotation for new requests. Its requests in flight are cut
+(the failure above) only when none of them heard from it while the check waited: a stalled replica sends no
+error, and the read timeout that would end the wait is long for a healthy replica's silent prefill, but a
+replica that still streams is busy, not stalled, and finishes what it holds.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import math
 import time
 from contextlib import suppress
 from dataclasses import dataclass, replace
@@ -134,8 +137,9 @@ class UpstreamPool:
     async def check(self, replica: Replica) -> bool:
         """GET /health (killick, llama.cpp, vLLM and SGLang all serve it): 200 is up. A replica busy with a long
         prefill may answer late; it gets HEALTH_TIMEOUT_S whatever the interval (a short interval once marked
-        busy replicas down, and their sessions lost their cached prefix to another replica)."""
-        why = None
+        busy replicas down, and their sessions lost their cached prefix to another replica). Down, it gets no
+        new requests; those in flight there are cut only if it is silent (stalled), never while it streams."""
+        asked, why = time.monotonic(), None
         try:
             async with self.http.get(replica.url + "/health", headers=self._auth(),
                                      timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as resp:
@@ -143,12 +147,15 @@ class UpstreamPool:
                 why = None if ok else f"health check: HTTP {resp.status}"
         except _NET_ERRORS as exc:
             ok, why = False, f"health check: {describe(exc)}"
+        calls = [c for c in self.calls if c.replica is replica]
+        streaming = [c for c in calls if c.heard >= asked]  # bytes came while the check waited: busy, not stalled
         if ok != replica.healthy:
-            (log.info if ok else log.warning)("upstream %s is %s%s", replica.url, "up" if ok else "down",
-                                              f" ({why})" if why else "")
+            goes_on = f"; it still streams: its {len(calls)} in flight go on" if streaming else ""
+            (log.info if ok else log.warning)("upstream %s is %s%s%s", replica.url, "up" if ok else "down",
+                                              f" ({why})" if why else "", goes_on)
         self.router.set_health(replica, ok, why)
-        if not ok:
-            for call in [c for c in self.calls if c.replica is replica]:
+        if not ok and not streaming:
+            for call in calls:
                 call.cut(f"marked down, {why}")
         return ok
 
@@ -174,6 +181,7 @@ class _Call:
         self.resp: Optional[aiohttp.ClientResponse] = None
         self.cut_why: Optional[str] = None  # why cut() ended the wait at self.replica
         self._waiting: Optional[asyncio.Timeout] = None  # while the replica's headers are awaited
+        self.heard = -math.inf  # time.monotonic() of the last bytes from self.replica (its health check reads it)
         self.t0 = time.perf_counter()
         self.first: Optional[float] = None
         self.last: Optional[float] = None
@@ -208,7 +216,7 @@ class _Call:
             finally:
                 self._waiting = None
             if resp.status == 200:
-                self.resp = resp
+                self.resp, self.heard = resp, time.monotonic()
                 self.router.answered(self.key, self.replica)
                 return
             resp.release()
@@ -230,7 +238,7 @@ class _Call:
         failed (refused, cut, 5xx, 429, a stream broken before its first output) this is a retry."""
         self.router.retries += bool(self.tried)
         self.router.started(replica, self.key)
-        self.replica, self.cut_why = replica, None
+        self.replica, self.cut_why, self.heard = replica, None, -math.inf
         self.pool.calls.add(self)
 
     def _leave(self, usage: Optional[Usage] = None) -> None:
@@ -241,9 +249,9 @@ class _Call:
         self.pool.calls.discard(self)
 
     def cut(self, why: str) -> None:
-        """The replica's health check failed: stop waiting for its headers or its next chunk now. The failure
-        then goes the usual way: the next replica while nothing went to the agent, else an error in the API's
-        shape."""
+        """The replica's health check failed while it sent nothing: stop waiting for its headers or its next
+        chunk now. The failure then goes the usual way: the next replica while nothing went to the agent, else an
+        error in the API's shape."""
         self.cut_why = why
         waiting, self._waiting = self._waiting, None
         if waiting is not None:
@@ -290,6 +298,7 @@ class _Call:
         done = False
         try:
             async for line in read_lines(self.resp):
+                self.heard = time.monotonic()
                 if not line.startswith("data:"):
                     continue  # keep-alive comments, event names
                 data = line[5:].strip()

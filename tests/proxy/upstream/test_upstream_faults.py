@@ -2,7 +2,7 @@
 a chunk not in the OpenAI shape is the replica's failure (the next one answers, or the status says none did),
 an agent that leaves before a replica's headers leaves nothing in flight, a replica that comes up after the
 proxy says what it serves then, and a replica that stalls loses its requests as soon as its health check fails
-while one that is slow but healthy keeps them."""
+while one that is slow but healthy keeps them, as does one whose health check fails while it streams."""
 import asyncio
 import json
 from typing import NamedTuple
@@ -18,6 +18,8 @@ MESSAGE = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content
 GOOD = b'data: {"choices":[{"index":0,"delta":{"content":"fine"},"finish_reason":"stop"}]}\n\n'
 PART = b'data: {"choices":[{"index":0,"delta":{"content":"Hello, "},"finish_reason":null}]}\n\n'
 SLOW_S = 1.0  # a "slow" replica's silences: several health intervals, far below the read timeout
+WORDS = [f"w{i} " for i in range(16)]  # a "generating" replica's answer, one word every TICK_S
+TICK_S = 0.1
 PROMPT = aiohttp.ClientTimeout(total=5)  # far below the read timeout (600 s): only the health check ends a stall
 
 
@@ -25,8 +27,9 @@ def replica(mode: str, asked: list | None = None, hung_up: asyncio.Event | None 
     """A replica that answers as `mode` says; the models its requests name go to `asked`. "hang" stops before
     its headers and "hang-mid" after its first chunk, as a stopped process: from then on its /health does not
     answer either; `hung_up` is set when the proxy closes the stalled connection. "slow" is healthy but silent
-    for SLOW_S before its headers and again mid-answer, as a server that sends no keep-alives."""
-    hung = asyncio.Event()
+    for SLOW_S before its headers and again mid-answer, as a server that sends no keep-alives. "generating" streams
+    WORDS, and while it does its /health answers after SLOW_S, as a loaded server's."""
+    hung, generating = asyncio.Event(), asyncio.Event()
 
     async def hang():  # inside an answer
         hung.set()
@@ -42,6 +45,8 @@ def replica(mode: str, asked: list | None = None, hung_up: asyncio.Event | None 
     async def health(request):
         if hung.is_set():
             await asyncio.sleep(3600)  # until the health check gives up and hangs up
+        if generating.is_set():
+            await asyncio.sleep(SLOW_S)  # past the health check's timeout
         return web.json_response({"status": "ok"})
 
     async def models(request):
@@ -66,6 +71,14 @@ def replica(mode: str, asked: list | None = None, hung_up: asyncio.Event | None 
         if mode in ("hang-mid", "slow"):
             await resp.write(PART)
             await (hang() if mode == "hang-mid" else asyncio.sleep(SLOW_S))
+        if mode == "generating":
+            generating.set()
+            try:
+                for word in WORDS:
+                    await resp.write(_chunk(word))
+                    await asyncio.sleep(TICK_S)
+            finally:
+                generating.clear()
         await resp.write(b'data: {"choices":[{"index":0,"delta":"oops"}]}\n\n' if mode == "malformed" else GOOD)
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -75,6 +88,11 @@ def replica(mode: str, asked: list | None = None, hung_up: asyncio.Event | None 
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
     return app
+
+
+def _chunk(text: str) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": text},
+                                               "finish_reason": None}]}).encode() + b"\n\n"
 
 
 async def _url(aiohttp_server, app: web.Application) -> str:
@@ -179,25 +197,25 @@ def quick_health(monkeypatch):
     monkeypatch.setattr("proxy.upstream.pool.HEALTH_TIMEOUT_S", 0.5)
 
 
-class Stalling(NamedTuple):
-    """The proxy in front of a replica that stalls and a good one, and a session whose first choice is the
-    stalled one."""
+class Pair(NamedTuple):
+    """The proxy in front of a replica of some mode and a good one, and a session whose first choice is the
+    former."""
 
     base: str
     pool: object  # the app's UpstreamPool
-    stalled: str  # URL
+    first: str  # URL of the replica of that mode
     good: str
     key: str  # the session (x-session-id)
-    hung_up: asyncio.Event  # set when the proxy closes the stalled connection
+    hung_up: asyncio.Event  # set when the proxy closes a stalled connection there
 
 
-async def _stalling(aiohttp_server, upstream_front, mode: str) -> Stalling:
+async def _pair(aiohttp_server, upstream_front, mode: str) -> Pair:
     hung_up = asyncio.Event()
-    stalled = await _url(aiohttp_server, replica(mode, hung_up=hung_up))
+    first = await _url(aiohttp_server, replica(mode, hung_up=hung_up))
     good = await _url(aiohttp_server, replica("good"))
-    base, pool = await upstream_front([stalled, good], health_interval_s=0.2)
-    key = next(k for k in (f"s{i}" for i in range(1000)) if pool.router.order(k)[0].url == stalled)
-    return Stalling(base, pool, stalled, good, key, hung_up)
+    base, pool = await upstream_front([first, good], health_interval_s=0.2)
+    key = next(k for k in (f"s{i}" for i in range(1000)) if pool.router.order(k)[0].url == first)
+    return Pair(base, pool, first, good, key, hung_up)
 
 
 def _route(pool, key: str) -> dict:
@@ -206,7 +224,7 @@ def _route(pool, key: str) -> dict:
 
 async def test_a_replica_that_stalls_before_its_headers_hands_the_request_on_when_its_health_check_fails(
         aiohttp_server, upstream_front, quick_health):
-    t = await _stalling(aiohttp_server, upstream_front, "hang")
+    t = await _pair(aiohttp_server, upstream_front, "hang")
     async with aiohttp.ClientSession(timeout=PROMPT) as s:
         async with s.post(t.base + "/v1/messages", json=MESSAGE, headers={"x-session-id": t.key}) as r:
             body = await r.json()
@@ -221,13 +239,13 @@ async def test_a_replica_that_stalls_before_its_headers_hands_the_request_on_whe
 async def test_a_replica_that_stalls_mid_answer_ends_the_stream_in_the_apis_shape_when_its_health_check_fails(
         aiohttp_server, upstream_front, quick_health, api):
     path, body, error_of = STREAMS[api]
-    t = await _stalling(aiohttp_server, upstream_front, "hang-mid")
+    t = await _pair(aiohttp_server, upstream_front, "hang-mid")
     async with aiohttp.ClientSession(timeout=PROMPT) as s:
         async with s.post(t.base + path, json=body, headers={"x-session-id": t.key}) as r:
             events = [json.loads(line[5:]) async for line in r.content if line.startswith(b"data: {")]
         errors = [m for m in map(error_of, events) if m]
         assert r.status == 200 and "Hello" in json.dumps(events[:-1]) and errors == [error_of(events[-1])]
-        assert f"upstream {t.stalled} failed mid-answer (marked down, health check: timed out)" in errors[0]
+        assert f"upstream {t.first} failed mid-answer (marked down, health check: timed out)" in errors[0]
         await asyncio.wait_for(t.hung_up.wait(), 1)
         assert t.pool.stats()["active"] == 0 and not t.pool.calls
         async with s.post(t.base + "/v1/messages", json=MESSAGE, headers={"x-session-id": t.key}) as r:
@@ -246,6 +264,29 @@ async def test_a_replica_that_is_slow_but_healthy_keeps_its_request(aiohttp_serv
     assert r.status == 200 and body["content"][0]["text"] == "Hello, fine", body
     stats = pool.stats()
     assert (stats["active"], stats["failures"], stats["retries"], stats["replicas_up"]) == (0, 0, 0, 1)
+
+
+async def test_a_replica_whose_health_check_times_out_while_it_streams_finishes_the_answer(
+        aiohttp_server, upstream_front, quick_health):
+    """Busy generating, its /health answers after the check gave up: the replica is out of rotation for new
+    requests, and the answer it is streaming is neither cut nor failed over: the agent gets all of it."""
+    path, body, error_of = STREAMS["anthropic"]
+    t = await _pair(aiohttp_server, upstream_front, "generating")
+    busy = next(r for r in t.pool.router.replicas if r.url == t.first)
+    events, seen_down = [], False
+    async with aiohttp.ClientSession(timeout=PROMPT) as s:
+        async with s.post(t.base + path, json=body, headers={"x-session-id": t.key}) as r:
+            async for line in r.content:
+                seen_down = seen_down or not busy.healthy
+                if line.startswith(b"data: {"):
+                    events.append(json.loads(line[5:]))
+    text = "".join(ev["delta"].get("text", "") for ev in events if ev["type"] == "content_block_delta")
+    assert r.status == 200 and not [m for m in map(error_of, events) if m], events
+    assert text == "".join(WORDS) + "fine" and events[-1]["type"] == "message_stop"
+    assert seen_down  # the health check timed out while the answer streamed
+    stats = t.pool.stats()
+    assert (stats["active"], stats["failures"], stats["retries"]) == (0, 0, 0) and not t.pool.calls
+    assert (_route(t.pool, t.key)["replica"], _route(t.pool, t.key)["moves"]) == (t.first, 0)
 
 
 async def test_a_replica_that_refuses_killicks_key_names_the_flag_that_gives_it(aiohttp_server, upstream_front,
