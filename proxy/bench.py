@@ -132,7 +132,7 @@ def staged(stack, raw: bytes, times: dict, context_length: int) -> None:
         t7 = time.perf_counter()
     finally:
         del tok.encode_with_starts
-    planner.finish(plan, tok.encode(REPLY), Usage(len(rendered.ids), 1, 0, len(rendered.ids)))
+    planner.finish(planner.admit(plan), tok.encode(REPLY), Usage(len(rendered.ids), 1, 0, len(rendered.ids)))
     encoded = sum(spent)
     for stage, seconds in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4 - encoded, encoded, t6 - t5,
                                        t7 - t6)):

@@ -130,7 +130,7 @@ class Prepared:
     params: GenParams
     prompt_text: str
     request: GenerateRequest
-    turn: Turn  # turn.plan goes back to planner.finish()
+    turn: Turn  # turn.plan goes back to planner.admit(), then planner.finish()
     model: str = ""  # the model the agent asked for (an upstream maps it to one of its own)
     headers: Mapping[str, str] = field(default_factory=dict)  # the agent's request headers
 
@@ -138,8 +138,9 @@ class Prepared:
 class Generation:
     """A submitted request. `async with Generation(ctx, prep) as gen: async for item in gen: ...`
 
-    Entering submits (a full engine queue is a 429 here, before any byte is sent); the items end with one
-    Finished; leaving early (client gone, a write failed) aborts the engine request and frees its state.
+    Entering submits (a full engine queue is a 429 here, before any byte is sent) and, once the backend took
+    the request, has the planner number its turn (planner.admit: a refused request takes none); the items end
+    with one Finished; leaving early (client gone, a write failed) aborts the engine request and frees its state.
     """
 
     def __init__(self, ctx: ServerContext, prep: Prepared):
@@ -168,6 +169,7 @@ class Generation:
             except ValueError as exc:  # the engine says this request can never run
                 raise ApiError(400, str(exc)) from None
             self.source = self._engine_items()
+        self._admit()
         self.ctx.in_flight += 1
         return self
 
@@ -247,6 +249,13 @@ class Generation:
             for item in out:
                 yield item
         yield _finished(final, parser, reasoning, self.req, output_ids)
+
+    def _admit(self) -> None:
+        """The engine (or an upstream) took the request: now it is one of its session's turns."""
+        try:
+            self.turn.plan = self.ctx.planner.admit(self.turn.plan)
+        except Exception:  # noqa: BLE001 - bookkeeping must never cost the agent its answer
+            log.exception("cache policy failed to admit %s", self.req.request_id)
 
     def _finish_turn(self, finished: Finished) -> None:
         try:

@@ -77,7 +77,8 @@ async def off_loop(ctx: ServerContext, fn: Callable, *args):
 def _plan_request(ctx: ServerContext, conv: Conversation, headers: Mapping[str, str], body: Mapping,
                   room: int | None) -> Planned:
     """normalise -> render -> check the context -> plan, in a planning thread. The planner is thread-safe: two
-    requests of one session planned at once take its lock in turn, and each gets its own turn number."""
+    requests of one session planned at once take its lock in turn; each gets its turn number only once the engine
+    takes it (Generation: planner.admit)."""
     conv = normalize(ctx, conv, headers, body)
     t0 = time.monotonic()
     conv, rendered = _render_fitting(ctx, conv, room)

@@ -6,6 +6,7 @@
     turn = policy.plan_turn(request, headers, conv, rendered, adapter)
     req = GenerateRequest(rendered.ids, ..., checkpoint_positions=turn.checkpoint_positions,
                           session_key=turn.session_key)
+    turn = policy.admit_turn(turn)                              # the engine took it: its turn number
     ... stream ...
     record = policy.finish_turn(turn, generated_ids, usage)     # -> TurnRecord for metrics
 
@@ -15,7 +16,7 @@ diff and anchors are plain Python over token lists and segments.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from engine.common_prefix import id_array
@@ -75,7 +76,7 @@ class CachePolicy:
             else:  # a new conversation still shares the harness's fixed prefix with the others
                 shared, resume = self.store.shared_checkpoint(ids, max_position=last)
                 edit, existing = Edit(shared, "first"), ()
-            turn_index = self.store.next_turn(key, kind, adapter.name)  # under the lock: one number a request
+            self.store.get_or_create(key, kind, adapter.name)  # a request sent meanwhile under its hint joins it
             if kind == "main":
                 anchors = plan_anchors(rendered, adapter.rules, start=resume, existing=existing,
                                        budget=self.budget, conv=conv)
@@ -83,12 +84,19 @@ class CachePolicy:
                 anchors = plan_anchors(rendered, (), start=resume, existing=existing, conv=conv,
                                        budget=SIDE_BUDGET, min_priority=SHARED_PREFIX)
         n = len(rendered.ids)
-        record = TurnRecord(key, adapter.name, turn_index, kind, n, edit.edit_point, edit.edit_class,
+        record = TurnRecord(key, adapter.name, None, kind, n, edit.edit_point, edit.edit_class,
                             resume, n - resume, anchors.checkpoint_positions)
         return TurnPlan(checkpoint_positions=anchors.checkpoint_positions, session_key=key, record=record,
                         session_source=source, kind=kind, harness=adapter.name, edit=edit, resume_at=resume,
                         anchors=anchors, prompt_ids=tuple(rendered.ids), segments=tuple(rendered.segments),
                         conversation=conv)
+
+    def admit_turn(self, turn: TurnPlan) -> TurnPlan:
+        """The turn numbered, once the engine (or an upstream) took the request: one refused after planning (a
+        full queue, a forced reply that does not decode) takes no number, so a session's turns have no gaps."""
+        with self._lock:
+            n = self.store.next_turn(turn.session_key, turn.kind, turn.harness)
+        return replace(turn, record=replace(turn.record, turn_index=n))
 
     def stats(self, recent: int = RECENT_TURNS) -> dict:
         """Sessions held, totals over the turns they remember (see turns.summarize), and `recent_turns`: the
@@ -133,6 +141,9 @@ class PolicyPlanner:
                  request: Optional[Mapping] = None) -> TurnPlan:
         adapter = self.harness.adapter(conv, headers, request)
         return self.policy.plan_turn(request or {}, headers, conv, rendered, adapter)
+
+    def admit(self, plan: TurnPlan) -> TurnPlan:
+        return self.policy.admit_turn(plan)
 
     def finish(self, plan: TurnPlan, output_ids: Sequence[int], usage: Usage) -> TurnRecord:
         return self.policy.finish_turn(plan, output_ids, usage)

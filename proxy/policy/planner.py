@@ -4,15 +4,17 @@ Per request, around rendering and generation (proxy/preparing.py, proxy/generati
 
     conv = planner.normalize(conv, headers, request)      # before rendering: the harness's normalisation
     plan = planner(conv, rendered, headers, request)      # -> Plan: checkpoint positions, session key
+    plan = planner.admit(plan)                            # the engine took the request: the turn's number
     planner.finish(plan, output_ids, usage)               # after generation, with the engine's Usage
     planner.stats()                                       # /metrics (killick_policy_*), /v1/killick/stats
 
-`request` is the raw JSON body. normalize() and the call run in the proxy's planning threads, two requests
-at a time at most, so a planner is thread-safe; finish() and stats() run on the event loop. Two planners fill
-the seam: `NoAnchors` here plans nothing (the engine keeps only its own checkpoints, at the prompt end and the
-generation end), and the cache policy's `PolicyPlanner` (proxy/policy/cache_policy.py: sessions, diff,
-anchors). Both normalise through a `HarnessNormalizer`, so every cache mode renders the same prompt. Torch-free
-and aiohttp-free.
+`request` is the raw JSON body. normalize() and the call run in the proxy's planning threads, two requests at
+a time at most, so a planner is thread-safe; admit(), finish() and stats() run on the event loop. A request
+refused after planning (a full queue, a bad header) is never admitted, so it takes no turn number. Two
+planners fill the seam: `NoAnchors` here plans nothing (the engine keeps only its own checkpoints, at the
+prompt end and the generation end), and the cache policy's `PolicyPlanner` (proxy/policy/cache_policy.py:
+sessions, diff, anchors). Both normalise through a `HarnessNormalizer`, so every cache mode renders the same
+prompt. Torch-free and aiohttp-free.
 """
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ class Planner(Protocol):
     def __call__(self, conv: Conversation, rendered: RenderedLike, headers: Mapping[str, str],
                  request: Optional[Mapping] = None) -> Plan: ...
 
+    def admit(self, plan: Plan) -> Plan: ...
+
     def finish(self, plan: Plan, output_ids: Sequence[int], usage: Usage) -> Optional[TurnRecord]: ...
 
     def stats(self) -> dict: ...
@@ -121,6 +125,9 @@ class NoAnchors:
     def __call__(self, conv: Conversation, rendered: RenderedLike, headers: Mapping[str, str],
                  request: Optional[Mapping] = None) -> Plan:
         return Plan()
+
+    def admit(self, plan: Plan) -> Plan:
+        return plan
 
     def finish(self, plan: Plan, output_ids: Sequence[int], usage: Usage) -> None:
         return None

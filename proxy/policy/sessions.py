@@ -78,7 +78,7 @@ class SessionState:
     prev: Optional[PreviousTurn] = None
     checkpoint_positions: tuple[int, ...] = ()  # where the engine holds checkpoints along prev.ids
     turns: int = 0  # turns finished (finish_turn)
-    numbered: int = 0  # turn numbers handed out (next_turn): one per planned request, finished or not
+    numbered: int = 0  # turn numbers handed out (next_turn): one per admitted request, finished or not
     first_message_end: int = 0  # end of prev's first non-system message: the prefix-match threshold
     records: list = field(default_factory=list)  # recent TurnRecords (bounded by the store)
 
@@ -197,7 +197,7 @@ class SessionStore:
 
     def next_turn(self, key: str, kind: str = "main", harness: str = "generic") -> int:
         """The session's next turn number (0 for its first request), handed out once: requests of one session
-        planned before any of them finishes each get their own."""
+        admitted before any of them finishes each get their own."""
         state = self.get_or_create(key, kind, harness)
         state.numbered += 1
         return state.numbered - 1

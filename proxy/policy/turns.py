@@ -84,7 +84,7 @@ class TurnRecord:
 
     session_key: str
     harness: str
-    turn_index: int  # 0 for the session's first request
+    turn_index: Optional[int]  # 0 for the session's first request; None until the backend took it (admit)
     request_kind: str  # "main", "title", "compaction"
     prompt_tokens: int
     edit_point: int  # first token differing from the previous turn's prompt + reply (first turn: from any session)
@@ -106,7 +106,8 @@ class TurnRecord:
 
     def row(self) -> dict:
         """The turn as `killick ctl stats` shows it (a list entry, so /metrics does not export it)."""
-        return {"session": self.session_key, "turn": self.turn_index + 1, "kind": self.request_kind,
+        turn = None if self.turn_index is None else self.turn_index + 1
+        return {"session": self.session_key, "turn": turn, "kind": self.request_kind,
                 "harness": self.harness, "prompt": self.prompt_tokens, "edit_point": self.edit_point,
                 "edit_class": self.edit_class, "resume_at": self.anchor_used,
                 "expected_prefill": self.expected_reprefill, "cached": self.reused_tokens,

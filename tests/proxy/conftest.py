@@ -11,11 +11,13 @@ FORCED = "x-killick-forced-output"
 def fake_stack():
     """Protocol-only stand-ins (see fakes.py): returns a factory (app, core) with knobs for slow prefill."""
 
-    def make(prefill_s=0.0, step_s=0.0, keepalive_s=5.0, api_key=None, context_length=4096, planner=None, **kw):
+    def make(prefill_s=0.0, step_s=0.0, keepalive_s=5.0, api_key=None, context_length=4096, planner=None,
+             replies=None, **kw):
         tok = CharTokenizer()
         core = SlowCore(tok, prefill_s=prefill_s, step_s=step_s)
         app = create_app(core, tok, ChatMLRenderer(tok), model_name="tiny", context_length=context_length,
-                         api_key=api_key, keepalive_s=keepalive_s, planner=planner, replies=OutputHeader(), **kw)
+                         api_key=api_key, keepalive_s=keepalive_s, planner=planner,
+                         replies=replies or OutputHeader(), **kw)
         return app, core
 
     return make

@@ -133,6 +133,6 @@ def play(policy, adapter, conv: Conversation, reply: Message, request: dict | No
 
     conv = normalize(conv, adapter)
     rendered = render(conv)
-    turn = policy.plan_turn(request or {}, headers or {}, conv, rendered, adapter)
+    turn = policy.admit_turn(policy.plan_turn(request or {}, headers or {}, conv, rendered, adapter))
     generated = reply_ids(reply)
     return turn, policy.finish_turn(turn, generated, engine_usage(turn, generated))

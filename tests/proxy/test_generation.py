@@ -4,6 +4,8 @@ import io
 import json
 import threading
 
+import pytest
+
 from conftest import FORCED
 from proxy.app import create_app
 from proxy.context import CTX
@@ -114,3 +116,34 @@ async def test_two_requests_of_one_session_sent_at_once_get_their_own_turns(aioh
     assert [r.status for r in await asyncio.gather(*posts)] == [200, 200]
     rows = (await (await client.get("/v1/killick/stats")).json())["policy"]["recent_turns"]
     assert sorted((r["session"], r["turn"]) for r in rows) == [("twin", 1), ("twin", 2)]
+
+
+@pytest.mark.parametrize("refusal, status", [("a bad forced reply", 400), ("a full queue", 429)])
+async def test_a_request_refused_after_planning_takes_no_turn_number(aiohttp_client, fake_stack, tmp_path, refusal,
+                                                                     status):
+    """Planned, then refused before the engine took it (a forced reply that does not decode, a full queue): the
+    session's next request is its second turn, in `killick ctl stats` and in the recording."""
+    from proxy.policy.cache_policy import PolicyPlanner
+    from proxy.replay.record import Recorder
+    from proxy.replay.scripted import FORCE_RESPONSE_HEADER
+    from proxy.replay.sources import FirstReply, ForcedResponses, OutputHeader
+
+    app, core = fake_stack(planner=PolicyPlanner(), replies=FirstReply(ForcedResponses(), OutputHeader()),
+                           observer=Recorder(tmp_path))
+    client = await aiohttp_client(app)
+    session = {"x-session-id": "s"}
+    statuses = [(await client.post("/v1/messages", json=MSG, headers=session)).status]
+    if refusal == "a full queue":
+        core.max_running = core.max_waiting = 0
+        statuses.append((await client.post("/v1/messages", json=MSG, headers=session)).status)
+        core.max_running, core.max_waiting = SlowCore.max_running, SlowCore.max_waiting
+    else:
+        statuses.append((await client.post("/v1/messages", json=MSG,
+                                           headers={**session, FORCE_RESPONSE_HEADER: "not base64 json"})).status)
+    statuses.append((await client.post("/v1/messages", json=MSG, headers=session)).status)
+    assert statuses == [200, status, 200]
+    rows = (await (await client.get("/v1/killick/stats")).json())["policy"]["recent_turns"]
+    assert [(r["session"], r["turn"]) for r in rows] == [("s", 1), ("s", 2)]
+    lines = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [(x["status"], x["metrics"]["turn_index"]) for x in lines if x["status"] == 200] == [(200, 0), (200, 1)]
+    assert all(x["metrics"]["turn_index"] is None for x in lines if x["status"] != 200)

@@ -375,6 +375,10 @@ class RecordingPlanner:
         from proxy.policy.planner import Plan
         return Plan((3, len(rendered.ids) - 1), headers.get("x-session-id"))
 
+    def admit(self, turn):
+        self.calls.append(("admit", turn.session_key))
+        return turn
+
     def finish(self, turn, output_ids, usage=None):
         self.calls.append(("finish", turn.session_key, len(output_ids), usage.output_tokens))
 
@@ -382,7 +386,7 @@ class RecordingPlanner:
         return {"sessions": 1, "turns": {"append": 2}}
 
 
-async def test_planner_seam_normalize_plan_finish(aiohttp_client, fake_stack):
+async def test_planner_seam_normalize_plan_admit_finish(aiohttp_client, fake_stack):
     from proxy.app import create_app
     from proxy_fakes import ChatMLRenderer
 
@@ -395,7 +399,7 @@ async def test_planner_seam_normalize_plan_finish(aiohttp_client, fake_stack):
     assert resp.status == 200
     n = len(core.requests[-1].prompt_ids)
     assert core.requests[-1].checkpoint_positions == (3, n - 1) and core.requests[-1].session_key == "s1"
-    assert planner.calls == [("normalize", "gpt-5"), ("plan", n), ("finish", "s1", 3, 3)]  # "ok" + EOS
+    assert planner.calls == [("normalize", "gpt-5"), ("plan", n), ("admit", "s1"), ("finish", "s1", 3, 3)]  # "ok" + EOS
     text = await (await client.get("/metrics")).text()
     assert "killick_policy_sessions 1" in text and "killick_policy_turns_append 2" in text
 

@@ -36,7 +36,7 @@ def play(policy, renderer, conv, reply, request=None, headers=None):
     adapter = detect_adapter(request, headers)
     conv = normalize(conv, adapter)
     rendered = renderer.render(conv)
-    turn = policy.plan_turn(request, headers, conv, rendered, adapter)
+    turn = policy.admit_turn(policy.plan_turn(request, headers, conv, rendered, adapter))
     ids = generated(renderer, conv, reply)
     return turn, policy.finish_turn(turn, ids, engine_usage(turn, ids))
 

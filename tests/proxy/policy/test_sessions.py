@@ -147,13 +147,16 @@ def test_policy_planner_fits_the_proxy_seam_with_hints_from_extras():
 
 def test_requests_of_one_session_planned_before_either_finishes_get_their_own_turn_numbers():
     """Two requests of a session sent at the same moment are both planned before either finishes: each gets its
-    own turn number (the first request of a session too), and the second joins the first's session."""
+    own turn number once admitted (the first request of a session too), and the second joins the first's
+    session."""
     adapter, headers = GenericAdapter(), {"x-session-id": "twin"}
     policy = CachePolicy()
     msgs = (system("s"), user("q"))
     for k in range(2):  # turn k of the conversation, sent twice at once
         conv = Conversation(msgs)
         turns = [policy.plan_turn({}, headers, conv, render(conv), adapter) for _ in range(2)]
+        assert [t.record.turn_index for t in turns] == [None, None]  # numbered when the engine takes them
+        turns = [policy.admit_turn(t) for t in turns]
         for turn in turns:
             ids = reply_ids(assistant(f"a{k}"))
             policy.finish_turn(turn, ids, engine_usage(turn, ids))
