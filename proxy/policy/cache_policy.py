@@ -76,7 +76,7 @@ class CachePolicy:
             else:  # a new conversation still shares the harness's fixed prefix with the others
                 shared, resume = self.store.shared_checkpoint(ids, max_position=last)
                 edit, existing = Edit(shared, "first"), ()
-            self.store.get_or_create(key, kind, adapter.name)  # a request sent meanwhile under its hint joins it
+            self.store.plan(key, kind, adapter.name)  # apart until admitted; one sent meanwhile under its hint joins it
             if kind == "main":
                 anchors = plan_anchors(rendered, adapter.rules, start=resume, existing=existing,
                                        budget=self.budget, conv=conv)
@@ -93,7 +93,8 @@ class CachePolicy:
 
     def admit_turn(self, turn: TurnPlan) -> TurnPlan:
         """The turn numbered, once the engine (or an upstream) took the request: one refused after planning (a
-        full queue, a forced reply that does not decode) takes no number, so a session's turns have no gaps."""
+        full queue, a forced reply that does not decode) takes no number, so a session's turns have no gaps, and
+        leaves no session where the admitted ones are held (SessionStore.plan)."""
         with self._lock:
             n = self.store.next_turn(turn.session_key, turn.kind, turn.harness)
         return replace(turn, record=replace(turn.record, turn_index=n))

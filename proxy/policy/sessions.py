@@ -6,8 +6,10 @@ A request names its conversation where the harness says so: `x-session-id` (Open
 request, provided the match runs past that session's first conversation message (a shared system prompt
 alone is not the same conversation). Several conversations under one hint (Claude Code's sub-agents reuse
 the main session id) become threads `id`, `id~2`, ... of it, told apart the same way. Side requests
-(title, compaction summary) live in their own bounded
-LRU under their own key, so they can never evict or overwrite the main conversation.
+(title, compaction summary) live in their own bounded LRU under their own key, so they can never evict or
+overwrite the main conversation. A session new to the store waits in a third bounded LRU, of planned
+sessions, until a turn of it is admitted: requests refused after planning (a full queue, a forced reply that
+does not decode) never push out the sessions of the agents that work.
 """
 from __future__ import annotations
 
@@ -84,20 +86,29 @@ class SessionState:
 
 
 class SessionStore:
-    """Two bounded LRUs of sessions: main conversations and side requests."""
+    """Two bounded LRUs of sessions (main conversations and side requests), and one of planned sessions: those
+    none of whose turns the engine has admitted yet, held apart so that they count against neither bound."""
 
-    def __init__(self, max_sessions: int = 32, max_side_sessions: int = 16, max_records: int = 64):
-        if max_sessions < 1 or max_side_sessions < 1:
+    def __init__(self, max_sessions: int = 32, max_side_sessions: int = 16, max_records: int = 64,
+                 max_planned: int = 16):
+        if min(max_sessions, max_side_sessions, max_planned) < 1:
             raise ValueError("session store sizes must be >= 1")
         self._main: OrderedDict[str, SessionState] = OrderedDict()
         self._side: OrderedDict[str, SessionState] = OrderedDict()
-        self._limits = {"main": max_sessions, "side": max_side_sessions}
+        # planned, none admitted yet: only requests in the planning threads or just out of them wait here
+        self._planned: OrderedDict[str, SessionState] = OrderedDict()
+        self._limits = {"main": max_sessions, "side": max_side_sessions, "planned": max_planned}
         self.max_records = max_records
         self._anon = itertools.count(1)
         self._threads = itertools.count(2)  # thread numbers are never reused, even after eviction
 
     def _lru(self, kind: str) -> OrderedDict:
         return self._main if kind == "main" else self._side
+
+    def _held(self, kind: str) -> dict[str, SessionState]:
+        """The sessions of kind's LRU then the planned ones of its kind, least recently used first."""
+        planned = {k: s for k, s in self._planned.items() if (s.kind == "main") == (kind == "main")}
+        return {**self._lru(kind), **planned}
 
     def identify(self, request: Mapping[str, Any], headers: Mapping[str, str], ids: Sequence[int],
                  kind: str = "main", from_summary: bool = False,
@@ -116,7 +127,7 @@ class SessionStore:
             match = self._prefix_match(ids, kind, self._lru(kind))
             return (match, "prefix") if match else (f"anon-{next(self._anon)}{suffix}", "new")
         base = hint[1] + suffix
-        threads = [k for k in self._lru(kind) if k == base or k.startswith(base + "~")]
+        threads = [k for k in self._held(kind) if k == base or k.startswith(base + "~")]
         match = self._prefix_match(ids, kind, threads)
         if match is None and threads and from_summary:
             match = self._prefix_match(ids, kind, threads, threshold=False)
@@ -146,9 +157,9 @@ class SessionStore:
     def _first_in_flight(self, kind: str, keys) -> Optional[str]:
         """The most recent thread among `keys` whose first request is planned and not finished: nothing of it is
         known to tell a request apart from it, so one sent meanwhile under the same hint joins it."""
-        lru, wanted = self._lru(kind), set(keys)
-        for key in reversed([k for k in lru if k in wanted]):
-            if lru[key].prev is None:
+        held, wanted = self._held(kind), set(keys)
+        for key in reversed([k for k in held if k in wanted]):
+            if held[key].prev is None:
                 return key
         return None
 
@@ -186,18 +197,26 @@ class SessionStore:
         """Like get, without touching the LRU order (for stats)."""
         return self._main.get(key) or self._side.get(key)
 
+    def plan(self, key: str, kind: str = "main", harness: str = "generic") -> None:
+        """A request of `key` is planned. A session new to the store waits among the planned ones, where a request
+        sent meanwhile under its hint finds it (identify), until a turn of it is admitted (next_turn); one whose
+        requests were all refused falls out of that LRU without having displaced an admitted session."""
+        if self.get(key) is None:
+            self._planned[key] = self._planned.pop(key, None) or SessionState(key, kind, harness)
+            _bound(self._planned, self._limits["planned"])
+
     def get_or_create(self, key: str, kind: str = "main", harness: str = "generic") -> SessionState:
+        """The session, admitted to kind's LRU (from the planned ones, or new) if it is not there yet."""
         state = self.get(key)
         if state is None:
             lru = self._lru(kind)
-            state = lru[key] = SessionState(key, kind, harness)
-            while len(lru) > self._limits["main" if kind == "main" else "side"]:
-                lru.popitem(last=False)
+            state = lru[key] = self._planned.pop(key, None) or SessionState(key, kind, harness)
+            _bound(lru, self._limits["main" if kind == "main" else "side"])
         return state
 
     def next_turn(self, key: str, kind: str = "main", harness: str = "generic") -> int:
         """The session's next turn number (0 for its first request), handed out once: requests of one session
-        admitted before any of them finishes each get their own."""
+        admitted before any of them finishes each get their own. A planned session joins its LRU here."""
         state = self.get_or_create(key, kind, harness)
         state.numbered += 1
         return state.numbered - 1
@@ -216,6 +235,11 @@ class SessionStore:
     def sessions(self, kind: str = "main") -> list[str]:
         """Keys held, least recently used first; kind "main" or any side kind (they share one LRU)."""
         return list(self._lru(kind))
+
+
+def _bound(lru: OrderedDict, limit: int) -> None:
+    while len(lru) > limit:
+        lru.popitem(last=False)
 
 
 def _first_message_end(prev: PreviousTurn) -> int:

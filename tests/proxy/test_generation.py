@@ -147,3 +147,33 @@ async def test_a_request_refused_after_planning_takes_no_turn_number(aiohttp_cli
     lines = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert [(x["status"], x["metrics"]["turn_index"]) for x in lines if x["status"] == 200] == [(200, 0), (200, 1)]
     assert all(x["metrics"]["turn_index"] is None for x in lines if x["status"] != 200)
+
+
+@pytest.mark.parametrize("refusal, status", [("a bad forced reply", 400), ("a full queue", 429)])
+async def test_requests_refused_after_planning_evict_no_agent_session(aiohttp_client, fake_stack, refusal, status):
+    """40 requests that name no session (each a new one) refused after planning, more than the store's 32
+    sessions: the agent's session keeps its place and its next turn is diffed against its last one (the fake
+    engine keeps no checkpoints: test_sessions checks the resume); the refused requests leave no session in
+    `killick ctl stats`."""
+    from proxy.policy.cache_policy import PolicyPlanner
+    from proxy.replay.scripted import FORCE_RESPONSE_HEADER
+    from proxy.replay.sources import FirstReply, ForcedResponses, OutputHeader
+
+    app, core = fake_stack(planner=PolicyPlanner(), replies=FirstReply(ForcedResponses(), OutputHeader()))
+    client = await aiohttp_client(app)
+    agent = {"x-session-id": "agent"}
+    first = await (await client.post("/v1/messages", json=MSG, headers=agent)).json()
+    bad = {FORCE_RESPONSE_HEADER: "not base64 json"} if refusal == "a bad forced reply" else {}
+    if refusal == "a full queue":
+        core.max_running = core.max_waiting = 0
+    for k in range(40):
+        stranger = {**MSG, "messages": [{"role": "user", "content": f"stranger {k}"}]}
+        assert (await client.post("/v1/messages", json=stranger, headers=bad)).status == status
+    core.max_running, core.max_waiting = SlowCore.max_running, SlowCore.max_waiting
+    more = [{"role": "assistant", "content": first["content"]}, {"role": "user", "content": "more"}]
+    second = await client.post("/v1/messages", json={**MSG, "messages": MSG["messages"] + more}, headers=agent)
+    assert second.status == 200 and second.headers["x-killick-edit-class"] != "first"  # diffed against turn 1
+    assert int(second.headers["x-killick-edit-point"]) >= first["usage"]["input_tokens"]
+    policy = (await (await client.get("/v1/killick/stats")).json())["policy"]
+    assert policy["sessions"] == 1
+    assert [(r["session"], r["turn"]) for r in policy["recent_turns"]] == [("agent", 1), ("agent", 2)]

@@ -166,3 +166,35 @@ def test_requests_of_one_session_planned_before_either_finishes_get_their_own_tu
     rows = policy.stats()["recent_turns"]
     assert [r["turn"] for r in rows] == [1, 2, 3, 4]  # as killick ctl stats shows them
     assert policy.store.get("twin").turns == 4
+
+
+def test_sessions_planned_but_never_admitted_displace_no_session():
+    """Requests refused after planning (planned, never admitted) that name no session, more than the store holds:
+    the admitted sessions keep their places, their next turns resume from their checkpoints, and the refused
+    requests leave no session behind."""
+    policy = CachePolicy(SessionStore(max_sessions=2))
+    for k in range(2):
+        run(policy, Conversation((system("s"), user(f"conv {k}"))), assistant("r"), headers={"x-session-id": f"s{k}"})
+    for k in range(40):
+        conv = Conversation((system("s"), user(f"refused {k}")))
+        policy.plan_turn({}, {}, conv, render(conv), GenericAdapter())
+    assert policy.store.sessions() == ["s0", "s1"] and policy.stats()["sessions"] == 2
+    conv = Conversation((system("s"), user("conv 0"), assistant("r"), user("more")))
+    turn, rec = run(policy, conv, assistant("r2"), headers={"x-session-id": "s0"})
+    assert (turn.session_key, rec.edit_class, rec.turn_index) == ("s0", "append", 1)
+    assert rec.anchor_used > 0 and rec.anchor_used == turn.resume_at
+    assert policy.store.sessions() == ["s1", "s0"]
+
+
+def test_a_new_thread_planned_twice_before_either_is_admitted_is_one_thread():
+    """A sub-agent's first request under its main session's hint, sent twice at once: the second finds the thread
+    the first opened while it waits for admission, and each gets its own turn of it."""
+    policy, headers = CachePolicy(), {"x-session-id": "h"}
+    run(policy, Conversation((system("s"), user("main task"))), assistant("m"), headers=headers)
+    conv = Conversation((system("s"), user("sub-agent task")))
+    turns = [policy.plan_turn({}, headers, conv, render(conv), GenericAdapter()) for _ in range(2)]
+    thread = turns[0].session_key
+    assert thread.startswith("h~") and [t.session_key for t in turns] == [thread, thread]
+    assert policy.store.sessions() == ["h"]  # planned, not yet admitted
+    assert [policy.admit_turn(t).record.turn_index for t in turns] == [0, 1]
+    assert policy.store.sessions() == ["h", thread]
