@@ -10,11 +10,11 @@ Per request, around rendering and generation (proxy/preparing.py, proxy/generati
 
 `request` is the raw JSON body. normalize() and the call run in the proxy's planning threads, two requests at
 a time at most, so a planner is thread-safe; admit(), finish() and stats() run on the event loop. A request
-refused after planning (a full queue, a bad header) is never admitted, so it takes no turn number. Two
-planners fill the seam: `NoAnchors` here plans nothing (the engine keeps only its own checkpoints, at the
-prompt end and the generation end), and the cache policy's `PolicyPlanner` (proxy/policy/cache_policy.py:
-sessions, diff, anchors). Both normalise through a `HarnessNormalizer`, so every cache mode renders the same
-prompt. Torch-free and aiohttp-free.
+refused after planning (a full queue, a bad header) is never admitted, so it takes no turn number and no
+place among the sessions the policy holds. Two planners fill the seam: `NoAnchors` here plans nothing (the
+engine keeps only its own checkpoints, at the prompt end and the generation end), and the cache policy's
+`PolicyPlanner` (proxy/policy/cache_policy.py: sessions, diff, anchors). Both normalise through a
+`HarnessNormalizer`, so every cache mode renders the same prompt. Torch-free and aiohttp-free.
 """
 from __future__ import annotations
 
