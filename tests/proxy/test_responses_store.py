@@ -1,11 +1,13 @@
 """GET and DELETE /v1/responses/{id}: the stored response object as its create call answered it, streaming or
-not; 404 in OpenAI's shape for ids never stored, created with store:false, deleted or evicted."""
+not; 404 in OpenAI's shape for ids never stored, created with store:false, deleted or evicted. The store's
+bounds: a count, and the memory of the text it holds."""
 import json
+import logging
 
 import pytest
 
 from conftest import FORCED
-from proxy.apis.responses.store import RESPONSES, ResponseStore
+from proxy.apis.responses.store import MB, RESPONSES, ResponseStore, message_bytes
 from proxy.conversation import Message, TextPart
 
 
@@ -81,3 +83,62 @@ def test_least_recently_used_goes_first():
     assert store.delete("a") and not store.delete("a") and len(store) == 1
     with pytest.raises(ValueError):
         ResponseStore(capacity=0)
+
+
+def _said(text: str, role="user") -> Message:
+    return Message(role, (TextPart(text),))
+
+
+def test_the_byte_bound_drops_the_oldest_and_keeps_the_one_just_put(caplog):
+    one = message_bytes(_said("x" * 1000))
+    store = ResponseStore(capacity=10, max_bytes=2 * one + one // 2)
+    for name in "abc":
+        store.put(name, (_said("x" * 1000),), {"id": name})
+    assert store.get("a") is None and store.get("b") and store.get("c")
+    assert store.held_bytes <= store.max_bytes
+    with caplog.at_level(logging.WARNING, logger="killick.proxy"):
+        store.put("huge", (_said("y" * 10_000),), {"id": "huge", "instructions": "z" * 10_000})
+    assert len(store) == 1 and store.get("huge").response["instructions"] == "z" * 10_000  # kept, alone
+    assert store.held_bytes > 20_000 and "kept alone" in caplog.text and "--responses-store-mb" in caplog.text
+    store.put("small", (_said("s"),), {"id": "small"})
+    assert store.get("huge") is None and len(store) == 1 and store.held_bytes < 200
+
+
+def test_a_chains_shared_messages_count_once_until_the_last_holder_goes():
+    store = ResponseStore(max_bytes=10 * MB)
+    history: tuple[Message, ...] = ()
+    for turn in range(4):  # each turn's conversation is the previous one's tuple plus its own messages
+        history += (_said("q" * 10_000), _said("a" * 10_000, "assistant"))
+        store.put(f"r{turn}", history, {"id": f"r{turn}"})
+    every = sum(message_bytes(m) for m in history)
+    assert store.held_bytes - every < 4 * 200  # 8 messages once, not 2 + 4 + 6 + 8, plus each response's id
+    for turn in range(3):
+        store.delete(f"r{turn}")
+    assert store.held_bytes - every < 200  # r3 still holds all of them
+    store.delete("r3")
+    assert store.held_bytes == 0
+
+
+def test_response_text_held_by_the_messages_is_not_counted_twice():
+    text = "o" * 10_000
+    answer = Message("assistant", (TextPart(text),))
+    store = ResponseStore()
+    store.put("r", (_said("q"), answer), {"id": "r", "output": [{"content": [{"text": text}]}]})
+    assert store.held_bytes < message_bytes(answer) + 200
+    store.put("copy", (_said("q"), answer), {"id": "copy", "output": [{"content": [{"text": "o" * 10_000}]}]})
+    assert store.held_bytes > 2 * message_bytes(answer)  # an equal string that is another object is memory too
+
+
+async def test_the_stored_output_is_the_answers_own_text_held_once(aiohttp_client, fake_stack):
+    app = fake_stack()[0]
+    client = await aiohttp_client(app)
+    call = '<tool_call>\\n{"name": "run", "arguments": {"cmd": "ls"}}\\n</tool_call>'
+    tools = [{"type": "function", "name": "run", "parameters": {"type": "object"}}]
+    created = await (await client.post("/v1/responses", headers={FORCED: "an answer" + call},
+                                       json={"model": "m", "input": "hi", "tools": tools,
+                                             "reasoning": {"effort": "none"}})).json()
+    stored = app[RESPONSES].get(created["id"])
+    text_part, call_part = stored.messages[-1].parts
+    message, function_call = stored.response["output"]
+    assert text_part.text is message["content"][0]["text"]
+    assert call_part.arguments is function_call["arguments"] == '{"cmd": "ls"}'

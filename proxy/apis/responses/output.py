@@ -29,7 +29,8 @@ class OutputItems:
         self.tools = tools  # by the name the model calls them
         self.include_encrypted = include_encrypted
         self.items: list[dict] = []  # finished output items
-        self.parts: list[Part] = []  # the same output as conversation parts (for previous_response_id)
+        # the same output as conversation parts (for previous_response_id), sharing the items' strings
+        self.parts: list[Part] = []
         self._open: dict | None = None  # the item being streamed
         self._text = ""
         self._call: dict | None = None  # the function_call whose arguments are streaming
@@ -133,7 +134,9 @@ class OutputItems:
 
     def _end_call(self, call: ToolCall) -> Emitted:
         item, where, self._call = self._call, self._call_where(), None
-        self.parts.append(ToolCallPart(call.name, written_arguments(call.arguments), item["call_id"]))
+        canonical = written_arguments(call.arguments)
+        arguments = call.arguments if canonical == call.arguments else canonical  # the item's string, held once
+        self.parts.append(ToolCallPart(call.name, arguments, item["call_id"]))
         done_args = ("response.function_call_arguments.done", {**where, "arguments": call.arguments,
                                                                "name": item["name"]})
         return self._finish({**item, "arguments": call.arguments, "status": "completed"}, [done_args])
