@@ -1,7 +1,8 @@
 """The aiohttp application: one factory, typed app state, middlewares for errors / auth / metrics.
 
     create_app(core, tokenizer, renderer, model_name=..., context_length=..., api_key=...,
-               planner=None, replies=None, observer=None, access_log=False, sites=Sites())
+               planner=None, replies=None, observer=None, access_log=False, sites=Sites(),
+               responses_store_mb=512)
 
 Every handler reads parse -> normalise -> render -> plan -> submit -> stream (see proxy/preparing.py,
 proxy/generation.py). The engine core is started and stopped through cleanup_ctx, so the app owns its lifetime; in
@@ -27,7 +28,7 @@ from proxy.apis.chat import handlers as chat
 from proxy.apis.control import add_control_routes
 from proxy.apis.responses import handlers as responses
 from proxy.apis.responses.background import BACKGROUND, BackgroundJobs, background_lifetime
-from proxy.apis.responses.store import RESPONSES, ResponseStore
+from proxy.apis.responses.store import MB, RESPONSES, ResponseStore
 from proxy.body import MAX_BODY
 from proxy.context import CTX, ServerContext
 from proxy.errors import CLIENT_CLOSED, ApiError, error_middleware, is_anthropic_path
@@ -59,12 +60,13 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
                api_key: str | None = None, keepalive_s: float = 5.0, default_max_tokens: int = 8192,
                planner: Planner | None = None, replies: ReplySource | None = None,
                observer: TurnObserver | None = None, access_log: bool = False,
-               sites: Sites = Sites()) -> web.Application:
+               sites: Sites = Sites(), responses_store_mb: int = 512) -> web.Application:
     """The queue limit is the engine's (EngineCore(max_running, max_waiting)): a full queue answers 429.
     `sites`: the Origin / Host checks (proxy/sites.py); the default is a loopback bind's.
 
     context_length defaults to the engine runner's, i.e. the real KV budget of one sequence.
     access_log: one INFO line per request on the `killick.access` logger (what `killick serve` turns on).
+    responses_store_mb: the memory bound of the finished Responses kept (proxy/apis/responses/store.py).
     """
     context_length = context_length or getattr(getattr(core, "runner", None), "context_length", None)
     if not context_length or context_length < 2:
@@ -79,7 +81,7 @@ def create_app(core, tokenizer, renderer, *, model_name: str = "killick", contex
         middlewares.insert(0, observe_middleware(observer))  # outermost: it sees the status answered
     app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
     app[CTX] = ctx
-    app[RESPONSES] = ResponseStore()
+    app[RESPONSES] = ResponseStore(max_bytes=responses_store_mb * MB)
     app[BACKGROUND] = BackgroundJobs()
     app.cleanup_ctx.append(_engine_lifetime)
     app.cleanup_ctx.append(background_lifetime)  # cleaned up first: background responses end before the engine

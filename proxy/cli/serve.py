@@ -3,7 +3,7 @@
     killick serve [--model DIR] [--host 127.0.0.1] [--port 8421] [--api-key KEY] [--max-running 4]
                   [--cache-policy anchors|prefix] [--prompt-layout stable|template] [--record DIR]
                   [--script FILE [--script-var K=V]] [--allow-forced-responses] [--quiet]
-                  [--allow-origin ORIGIN] [--allow-host NAME]
+                  [--allow-origin ORIGIN] [--allow-host NAME] [--responses-store-mb 512]
     killick serve --upstream URL [--upstream URL ...] [--upstream-model PATTERN=NAME] [--routing session]
 
 Without --model the embedded demo checkpoint is used. One startup line names the URL; then one access-log
@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-forced-responses", action="store_true",
                         help="honour x-killick-force-response (what killick replay sends)")
     parser.add_argument("--quiet", action="store_true", help="no access log (one line per request otherwise)")
+    parser.add_argument("--responses-store-mb", type=int, default=512, metavar="MB",
+                        help="memory the finished Responses kept for previous_response_id and GET /v1/responses/ID "
+                             "may hold (default 512; at most 256 responses either way)")
     add_engine_arguments(parser)
     add_upstream_arguments(parser)
 
@@ -140,7 +143,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
     return create_app(core, tokenizer, ChatRenderer(tokenizer), model_name=model_name,
                       api_key=api_key(args), keepalive_s=args.keepalive, planner=planner, replies=replies,
                       observer=recorder, access_log=not args.quiet,
-                      sites=Sites.for_bind(args.host, args.allow_origin, args.allow_host))
+                      sites=Sites.for_bind(args.host, args.allow_origin, args.allow_host),
+                      responses_store_mb=args.responses_store_mb)
 
 
 def port_arg(text: str) -> int:
@@ -171,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.keepalive <= 0:
         raise ValueError(f"--keepalive must be more than 0 seconds, got {args.keepalive}")
+    if args.responses_store_mb < 1:
+        raise ValueError(f"--responses-store-mb must be at least 1 (MB kept for previous_response_id), got "
+                         f"{args.responses_store_mb}; pass e.g. --responses-store-mb 512")
     if args.record is not None:
         check_output(args.record, "--record", directory=True)
     check_port(args.host, args.port)

@@ -32,8 +32,8 @@ def create_upstream_app(config: UpstreamConfig, tokenizer, renderer, *, model_na
                         api_key: Optional[str] = None, keepalive_s: float = 5.0, planner: Optional[Planner] = None,
                         observer: Optional[TurnObserver] = None, unknown: Unknown = Unknown(),
                         **app_options) -> web.Application:
-    """app_options: create_app's other keywords (access_log, sites). unknown: what no replica said at start,
-    taken from the first one up."""
+    """app_options: create_app's other keywords (access_log, sites, responses_store_mb). unknown: what no
+    replica said at start, taken from the first one up."""
     pool = UpstreamPool(config, unknown)
     app = create_app(pool, tokenizer, renderer, model_name=model_name, context_length=context_length,
                      api_key=api_key, keepalive_s=keepalive_s, planner=planner, observer=observer, **app_options)
@@ -68,6 +68,7 @@ def build_upstream_app(args: argparse.Namespace) -> web.Application:
                                observer=Recorder(args.record) if args.record is not None else None,
                                access_log=not args.quiet,
                                sites=Sites.for_bind(args.host, args.allow_origin, args.allow_host),
+                               responses_store_mb=args.responses_store_mb,
                                unknown=Unknown(model=config.default_model is None and model is None,
                                                name=not (args.model_name or model),
                                                context=not (args.context_length or context)))

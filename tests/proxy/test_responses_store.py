@@ -62,6 +62,13 @@ async def test_unknown_and_unstored_ids_are_404(aiohttp_client, fake_stack):
     assert streamed.status == 400 and (await streamed.json())["error"]["param"] == "stream"
 
 
+def test_the_apps_store_takes_its_memory_bound_in_mb(fake_stack):
+    assert fake_stack()[0][RESPONSES].max_bytes == 512 * MB
+    assert fake_stack(responses_store_mb=3)[0][RESPONSES].max_bytes == 3 * MB
+    with pytest.raises(ValueError, match="max_bytes"):
+        fake_stack(responses_store_mb=0)
+
+
 async def test_the_store_keeps_its_bound(aiohttp_client, fake_stack):
     app = fake_stack()[0]
     app[RESPONSES] = ResponseStore(capacity=2)

@@ -20,6 +20,7 @@ from real_stack import synth_model_dir
 def test_serve_defaults_are_loopback():
     args = build_parser(only="serve").parse_args(["serve"])
     assert (args.host, args.port, args.max_running, args.api_key, args.model) == ("127.0.0.1", 8421, 4, None, None)
+    assert args.responses_store_mb == 512
 
 
 def test_api_key_from_the_environment_and_site_flags(monkeypatch):
@@ -55,7 +56,8 @@ def test_a_flag_that_cannot_work_fails_before_the_model_loads(tmp_path):
     for argv, needle in ((["--keepalive", "0"], "--keepalive"), (["--record", str(blocker)], "--record"),
                          (["--script", str(tmp_path / "none.json")], "--script"),
                          (["--script-var", "novalue", "--script", str(blocker)], "--script-var"),
-                         (["--harness-rules", str(blocker)], "afile"), (["--host", "nosuch.invalid"], "--host")):
+                         (["--harness-rules", str(blocker)], "afile"), (["--host", "nosuch.invalid"], "--host"),
+                         (["--responses-store-mb", "0"], "--responses-store-mb 512")):
         assert_user_error(killick("serve", "--port", str(_free_port()), *argv), needle)
     result = killick("serve", "--port", "99999")
     assert result.returncode == 2 and "expected a TCP port from 1 to 65535" in result.stderr
