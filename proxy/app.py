@@ -14,6 +14,7 @@ requests that passed authentication. Which web pages may reach the server at all
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import re
@@ -51,7 +52,8 @@ PLAN_HEADERS = {"x-killick-session": "session", "x-killick-turn-kind": "kind",
 
 class TurnObserver(Protocol):
     """Told once about every POST to a generating API, when it is over: its Turn (None when it was refused
-    before planning), the HTTP status and the time it arrived (the recorder)."""
+    before planning), the HTTP status and the time it arrived (the recorder). A background response's create
+    call is over when its response has ended (Turn.ended), after its answer went out."""
 
     async def turn_done(self, request: web.Request, turn: Turn | None, status: int, started: float) -> None: ...
 
@@ -154,8 +156,14 @@ def observe_middleware(observer: TurnObserver):
         started = time.time()
 
         async def done(status: int) -> None:
-            if request.get(AUTHENTICATED):
-                await observer.turn_done(request, request.get(TURN), status, started)
+            if not request.get(AUTHENTICATED):
+                return
+            turn = request.get(TURN)
+            report = functools.partial(observer.turn_done, request, turn, status, started)
+            if turn is not None and turn.ended is not None and not turn.ended.is_set():
+                request.app[BACKGROUND].after_end(turn.ended, report)  # heard of as the response ended
+            else:
+                await report()
 
         return await answered(request, handler, done)
 

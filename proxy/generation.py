@@ -106,6 +106,9 @@ class Turn:
     plan: Plan
     finished: Finished | None = None  # set by Generation
     response: Callable[[], dict] | None = None  # set by the front-end: builds the body it answered with
+    # set by a background response (its answer goes on after the request): set once it has ended, and the
+    # observer hears of the request then, so a recording holds the response as it ended
+    ended: asyncio.Event | None = None
     # seconds since the request reached the server (ARRIVED): its GenerateRequest made (read, normalised,
     # rendered, tokenized, planned), the engine's first token in the proxy, and its first output event out of
     # the detokenizer and parser (which hold back half a character, and text that may open a tool call or a

@@ -11,7 +11,9 @@ policy gives no session to go to DIR/no-session.jsonl. `killick replay` reads th
 
 The Recorder is the app's TurnObserver (create_app(observer=Recorder(DIR))): the app calls turn_done() once
 per authenticated API request with the request's Turn (proxy/generation.py: plan, Finished, the answer's body)
-or None when it was refused before planning; body is null where the request's body was not a JSON object.
+or None when it was refused before planning; body is null where the request's body was not a JSON object. A
+background Responses create is recorded once its response has ended, with that response (not the queued one
+the call answered) and the engine's figures.
 Recordings hold whole conversations: files are created readable by their owner only (0600), and so is DIR
 when the recorder creates it (an existing DIR open to others gets a warning).
 """

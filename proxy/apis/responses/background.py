@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import AsyncExitStack
-from typing import Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -36,6 +36,7 @@ class Job:
         self.stack, self.gen = stack, gen  # gen was entered (submitted) by the create call; the stack leaves it
         self.status = "queued"
         self.final: dict | None = None  # the response as it ended
+        self.ended = asyncio.Event()  # set once final is (what the recorder waits for: Turn.ended)
         self.events: list[dict] | None = [] if follow else None
         self.tick = asyncio.Event()  # set (then replaced) whenever an event is added
         self.task: asyncio.Task | None = None
@@ -95,6 +96,7 @@ class Job:
         except Exception:  # noqa: BLE001 - the job must still end, with the items that did close
             log.exception("background response %s: closing its output failed", self.fixed["id"])
         self.final = build()
+        self.ended.set()  # before anything here may raise; its waiters run once this has returned
         self.remember(self.final)
         status = self.final["status"]
         if status == "cancelled":
@@ -115,6 +117,7 @@ class BackgroundJobs:
     def __init__(self, capacity: int = MAX_JOBS):
         self.capacity = capacity
         self._jobs: dict[str, Job] = {}
+        self._reports: set[asyncio.Task] = set()  # after_end's, waiting for their jobs
 
     def get(self, response_id: str) -> Job | None:
         return self._jobs.get(response_id)
@@ -130,14 +133,29 @@ class BackgroundJobs:
         job.task = asyncio.get_running_loop().create_task(job.run(), name=f"killick-{response_id}")
         job.task.add_done_callback(lambda _: self._jobs.pop(response_id, None))
 
+    def after_end(self, ended: asyncio.Event, report: Callable[[], Awaitable[None]]) -> None:
+        """report() once a job has ended (`ended`: its Job.ended), in a task close() waits for."""
+        async def wait() -> None:
+            await ended.wait()
+            try:
+                await report()
+            except Exception:  # noqa: BLE001 - nobody awaits this task to hear of it
+                log.exception("reporting a background response failed")
+
+        task = asyncio.get_running_loop().create_task(wait())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
     async def close(self) -> None:
-        """Cancels every running job and waits for them (their engine requests aborted)."""
+        """Cancels every running job and waits for them (their engine requests aborted), then for the reports
+        waiting on them."""
         jobs = list(self._jobs.values())
         for job in jobs:
             job.task.cancel()
         await asyncio.gather(*(job.task for job in jobs), return_exceptions=True)
         for job in jobs:
             await job.stopped()
+        await asyncio.gather(*self._reports)
 
     def __len__(self) -> int:
         return len(self._jobs)

@@ -58,7 +58,7 @@ async def _background(request: web.Request, prep: Prepared, fixed: dict, out: Ou
     gen = await stack.enter_async_context(Generation(ctx, prep))
     job = Job(fixed, out, remember, stream, stack, gen)
     request.app[BACKGROUND].start(job)
-    prep.turn.response = job.state
+    prep.turn.response, prep.turn.ended = job.state, job.ended
     if stream:
         return await follow(request, job, ctx.keepalive_s)
     return web.json_response(job.state())
