@@ -8,9 +8,10 @@ measured. The device's gaps are timed around a routed prompt's wholly resident l
 estimate has the copy engine take every miss ahead, every layer runs resident, and the estimate must still hear
 of the shorter gaps (H200 box, profile_decode: an estimate of 325 ms, most likely from the process's first extend,
 which compiles its kernels, held through every later extend; each then ran every miss through the copy engine,
-155 ms against ~100 in bench model). hybrid's split and its copies ahead give the copy engine that much more (policy.SplitPolicy's cpu_extra). CallTiming is the
-part of OffloadBackend that runs the clock and keeps the call log (stats.LayerCall) around each layer call; it
-reads the backend's handoff_clock, uses_handoff, call_log, pool and _looking_ahead.
+155 ms against ~100 in bench model). hybrid's split and its copies ahead give the copy engine that much more
+(policy.SplitPolicy's cpu_extra). CallTiming is the part of OffloadBackend that runs the clock and keeps the call
+log (stats.LayerCall) around each layer call; it reads the backend's handoff_clock, uses_handoff, call_log, pool
+and _looking_ahead.
 """
 from __future__ import annotations
 
