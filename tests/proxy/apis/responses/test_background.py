@@ -21,6 +21,16 @@ async def poll(client, response_id: str, until=TERMINAL) -> dict:
     raise AssertionError(f"{response_id} never reached {until}: {got['status']}")
 
 
+async def running_job(aiohttp_client, fake_stack):
+    """(app, core, client, the created response) with a long background answer under way (in_progress)."""
+    app, core = fake_stack(step_s=0.05)
+    client = await aiohttp_client(app)
+    created = await (await client.post("/v1/responses", headers={FORCED: LONG}, json={
+        "model": "m", "input": "hi", "background": True})).json()
+    await poll(client, created["id"], ("in_progress",))
+    return app, core, client, created
+
+
 def sse_events(text: str) -> list[dict]:
     return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
 
@@ -48,11 +58,7 @@ async def test_queued_at_once_then_completed_with_output_and_usage(aiohttp_clien
 
 
 async def test_cancel_aborts_the_engine_request_and_is_idempotent(aiohttp_client, fake_stack):
-    app, core = fake_stack(step_s=0.05)
-    client = await aiohttp_client(app)
-    created = await (await client.post("/v1/responses", headers={FORCED: LONG}, json={
-        "model": "m", "input": "hi", "background": True})).json()
-    await poll(client, created["id"], ("in_progress",))
+    app, core, client, created = await running_job(aiohttp_client, fake_stack)
     resp = await client.post(f"/v1/responses/{created['id']}/cancel")
     cancelled = await resp.json()
     assert resp.status == 200 and cancelled["status"] == "cancelled" and cancelled["usage"] is None
@@ -136,11 +142,7 @@ async def test_a_full_engine_queue_is_429_before_any_job(aiohttp_client, fake_st
 
 
 async def test_the_apps_cleanup_cancels_what_still_runs(aiohttp_client, fake_stack):
-    app, core = fake_stack(step_s=0.05)
-    client = await aiohttp_client(app)
-    created = await (await client.post("/v1/responses", headers={FORCED: LONG}, json={
-        "model": "m", "input": "hi", "background": True})).json()
-    await poll(client, created["id"], ("in_progress",))
+    app, core, client, created = await running_job(aiohttp_client, fake_stack)
     await client.close()
     assert core.requests[-1].request_id in core.aborted and len(app[BACKGROUND]) == 0
     assert app[RESPONSES].get(created["id"]).response["status"] == "cancelled"
@@ -208,11 +210,7 @@ async def test_a_bug_in_a_job_fails_that_response_alone(aiohttp_client, fake_sta
 
 
 async def test_deleting_a_running_job_cancels_it_first(aiohttp_client, fake_stack):
-    app, core = fake_stack(step_s=0.05)
-    client = await aiohttp_client(app)
-    created = await (await client.post("/v1/responses", headers={FORCED: LONG}, json={
-        "model": "m", "input": "hi", "background": True})).json()
-    await poll(client, created["id"], ("in_progress",))
+    app, core, client, created = await running_job(aiohttp_client, fake_stack)
     gone = await client.delete(f"/v1/responses/{created['id']}")
     assert gone.status == 200 and (await gone.json())["deleted"] is True
     assert core.requests[-1].request_id in core.aborted and len(app[BACKGROUND]) == 0
