@@ -4,7 +4,8 @@ Without them PCIe waits for each layer's routing to come back before it starts o
 experts copied are those the prompt's tokens touch with probability AHEAD_TOUCHED or more by the slot table's
 heat (prefill_stream.pick_probability, made per forward in OffloadBackend.begin_forward), as many as the
 backend's ahead_fills asks for (offload: all, hybrid: the fill share of the next layer's expected misses, with
-the copies still in flight ahead of them counted), into slots holding experts no later layer will likely read
+the copies still in flight ahead of them counted), or every expert the next layer lacks when the rest take under
+TOP_UP_S to copy (a backend that fills, `tops_up`), into slots holding experts no later layer will likely read
 (_kept). A layer's own fills place by keep_bonus.
 
 CopiesAhead is the part of OffloadBackend that plans them; it reads the backend's cache, pool, stats_,
@@ -20,6 +21,12 @@ from engine.experts.slot_cache import COALESCE_FILLS
 # a routed prompt forward copies the next MoE layer's likely misses while a layer runs (`lookahead`): the
 # experts its tokens touch with at least this probability by the slot table's heat
 AHEAD_TOUCHED = 0.9
+# ... and all of its missing experts when the ones beyond those copy in within this many seconds at the fill rate:
+# then the layer runs wholly resident, its routing never read back (OffloadBackend._forward_unread). A routed
+# layer call with a miss or a few cost 2-3 ms more than a resident one: an extend's layer 6 of 8, routed for 1 and
+# for 6 misses, took 3.8 ms (H200 box) and 4.8 ms (H100 box), its resident layer 7 1.6 ms (docs/PERF.md,
+# thirty-third session)
+TOP_UP_S = 0.002
 LOOKAHEAD_MODES = ("auto", "on", "off")
 
 
@@ -61,9 +68,13 @@ class CopiesAhead:
         # pairs per touched expert of that layer, as its CPU share will run them
         per = self._tokens * self._top_k / max(1.0, float(p.sum()))
         want = min(self.ahead_fills(float(p[missing].sum()), len(likely), per, behind), spare)
+        heat = t.heat[i]
+        absent = np.flatnonzero(missing)
+        if self.tops_up and want < len(absent) <= spare \
+                and (len(absent) - want) * self.pool.expert_bytes <= TOP_UP_S * self.fill_rate():
+            return nxt, absent[np.lexsort((-heat[absent], -p[absent]))], spare
         if want <= 0:
             return None
-        heat = t.heat[i]
         return nxt, likely[np.lexsort((-heat[likely], -p[likely]))][:want], spare
 
     def _running_slots(self, row: int) -> np.ndarray:

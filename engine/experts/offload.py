@@ -41,6 +41,7 @@ PREFETCH_MODES = ("auto", "on", "off")
 class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming):
     name = "offload"
     uses_handoff = False  # whether split / ahead_fills read self.handoff (the CPU's idle time per layer call)
+    tops_up = True  # whether a nearly resident layer's last missing experts are copied ahead (lookahead.TOP_UP_S)
 
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str = "cpu", *,
                  estimate: BandwidthEstimate | None = None, stream_prefill: bool | str = True,

@@ -4,12 +4,22 @@ import numpy as np
 import pytest
 import torch
 
+from engine.experts import lookahead
+from engine.experts.cpu import CpuBackend
 from engine.experts.hybrid import HybridBackend
 from engine.experts.offload import OffloadBackend
 from engine.experts.policy import BandwidthEstimate
 
 from tests.engine.backends_util import E, H, K, L_IDS, check_table, deep_pool, reference, routing
 from tests.engine.backends_util import pool, src  # noqa: F401 (pytest fixtures)
+
+
+@pytest.fixture(autouse=True)
+def likely_misses_alone(monkeypatch):
+    """These tests' experts are a few KB, copied in microseconds: every layer would be topped up whole (its
+    unlikely misses too, lookahead.TOP_UP_S), so the copies of likely misses alone are tested with the top-up
+    off, and the top-up by a test that sets its time."""
+    monkeypatch.setattr(lookahead, "TOP_UP_S", 0.0)
 
 
 @pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
@@ -122,6 +132,46 @@ def test_a_wholly_resident_layer_runs_without_its_routing_and_the_next_layers_co
         b.close()
     for a, z in zip(got[True], got[False]):
         torch.testing.assert_close(a, z, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend, CpuBackend])
+def test_a_nearly_resident_layers_last_misses_are_copied_ahead_when_they_fit_the_top_up_time(cls, monkeypatch):
+    """Layer 2 holds 6 of its 8 experts; the heat calls the other two unlikely, and the prompt routes to them.
+    When the two copy in within TOP_UP_S at the fill rate they are copied ahead during layer 1 (counted as
+    `ahead`, and used), so layer 2 is wholly resident when called and misses nothing; when they take longer,
+    only likely misses are copied and layer 2 misses both. The cpu backend never fills. Outputs equal the
+    reference's either way."""
+    src, deep = deep_pool(layers=3)
+    est = BandwidthEstimate(bp=1e9, bh=1e9, frozen=True)
+    two = 2 * deep.expert_bytes / est.bp  # seconds to copy both at the fill rate
+    seed = int(torch.randint(1 << 30, ()))
+    x, ids, w = routing(40, seed=seed)  # 120 picks of 8 experts: every expert is routed to
+    for top_up in (1.5 * two, 0.75 * two):
+        monkeypatch.setattr(lookahead, "TOP_UP_S", top_up)
+        b = cls(deep, 3 * E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", lookahead="on")
+        t = b.cache.table
+        b.cache.admit(0, list(range(E)))
+        b.cache.admit(2, list(range(E - 2)))
+        t.unlock_all()
+        for row in range(3):
+            t.note_use(row, np.arange(E - 2), weights=np.full(E - 2, 1000.0))  # experts 6, 7: no heat
+        b.begin_forward(40, K, hold=True, span=40)
+        for layer in range(3):
+            whole = bool((t.resident[2] >= 0).all())
+            torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                       rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+        b.end_forward()
+        st = b.stats()["layers"][2]
+        topped = top_up > two and cls is not CpuBackend
+        assert whole == topped
+        assert (st["misses"], st["ahead"], st["ahead_used"]) == ((0, 2, 2) if topped else (2, 0, 0)), seed
+        assert st["fills"] + st["cpu_runs"] == 2  # copied ahead, or filled or run on the CPU as layer 2 runs
+        if cls is CpuBackend:
+            assert st["fills"] == 0
+        elif topped or cls is OffloadBackend:  # (hybrid's split shares layer 2's own misses with the CPU)
+            assert st["fills"] == 2
+        check_table(b)
+        b.close()
 
 
 def test_the_cpus_handoff_moves_hybrids_copies_ahead_and_its_split_to_the_copy_engine(pool):
