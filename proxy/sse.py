@@ -24,6 +24,12 @@ def _dumps(data: dict) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
+def frame(data: dict, name: str | None = None) -> bytes:
+    """One event as it goes on the wire (SSEWriter.write sends it): framed once, it can be sent to many."""
+    head = f"event: {name}\n" if name else ""
+    return f"{head}data: {_dumps(data)}\n\n".encode("utf-8")
+
+
 class SSEWriter:
     def __init__(self, request: web.Request, headers: dict[str, str] | None = None):
         self.request = request
@@ -37,23 +43,22 @@ class SSEWriter:
             self.started = True
 
     async def event(self, data: dict, name: str | None = None) -> None:
-        head = f"event: {name}\n" if name else ""
-        await self._write(f"{head}data: {_dumps(data)}\n\n")
+        await self.write(frame(data, name))
 
     async def data_line(self, text: str) -> None:
-        await self._write(f"data: {text}\n\n")
+        await self.write(f"data: {text}\n\n".encode("utf-8"))
 
     async def comment(self, text: str = "keep-alive") -> None:
-        await self._write(f": {text}\n\n")
+        await self.write(f": {text}\n\n".encode("utf-8"))
 
     async def finish(self) -> web.StreamResponse:
         await self.start()
         await self.response.write_eof()
         return self.response
 
-    async def _write(self, text: str) -> None:
+    async def write(self, framed: bytes) -> None:
         await self.start()
-        await self.response.write(text.encode("utf-8"))
+        await self.response.write(framed)
 
 
 async def read_lines(resp):
