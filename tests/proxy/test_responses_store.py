@@ -58,8 +58,9 @@ async def test_unknown_and_unstored_ids_are_404(aiohttp_client, fake_stack):
             resp = await method(f"/v1/responses/{response_id}")
             assert resp.status == 404
             not_found(await resp.json(), response_id)
-    streamed = await client.get(f"/v1/responses/{unstored['id']}?stream=true")
-    assert streamed.status == 400 and (await streamed.json())["error"]["param"] == "stream"
+        streamed = await client.get(f"/v1/responses/{response_id}?stream=true")
+        assert streamed.status == 404
+        not_found(await streamed.json(), response_id)
 
 
 def test_the_apps_store_takes_its_memory_bound_in_mb(fake_stack):

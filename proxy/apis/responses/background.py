@@ -4,12 +4,15 @@ generation runs in a task the app owns (BackgroundJobs, closed by the app's clea
 GET /v1/responses/{id} reads a running job's state (queued, then in_progress with the output items finished so
 far), then the store's once it has ended; cancel ends a running job (the engine request is aborted) and answers
 it cancelled. A job that ends records its response in the store, as a foreground one does. With `stream: true`
-the create call follows the job's events as they come; the client leaving ends its stream, not the job.
+the create call follows the job's events as they come; the client leaving ends its stream, not the job. Such a
+job keeps its events, so GET with `stream=true` can follow it again from any sequence number (follow), while it
+runs and for a while after it ended (EndedStreams).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from contextlib import AsyncExitStack
 from typing import Awaitable, Callable
 
@@ -17,18 +20,20 @@ from aiohttp import web
 
 from proxy.apis.responses.output import OutputItems
 from proxy.apis.responses.response import TERMINAL_EVENTS, ended, final, pending
+from proxy.apis.responses.store import MB
 from proxy.errors import ApiError
 from proxy.generation import Admitted, Finished, Generation, Keepalive
-from proxy.sse import SSEWriter
+from proxy.sse import SSEWriter, frame
 
 log = logging.getLogger("killick.proxy")
 MAX_JOBS = 256  # background responses running at once: as many as the store keeps
+ENDED_STREAMS, ENDED_STREAMS_MB = 32, 64  # the ended streamed jobs whose events are kept, and their memory bound
 CANCELLED = {"type": "error", "code": "response_cancelled", "message": "the response was cancelled", "param": None}
 
 
 class Job:
-    """One background response. Its events are kept (numbered as a stream numbers them) only where a stream
-    follows it."""
+    """One background response. Its events are kept only where it was created with `stream: true`: each framed
+    for SSE as it is emitted, its index in `events` its sequence_number."""
 
     def __init__(self, fixed: dict, out: OutputItems, remember: Callable[[dict], None], follow: bool,
                  stack: AsyncExitStack, gen: Generation):
@@ -37,7 +42,8 @@ class Job:
         self.status = "queued"
         self.final: dict | None = None  # the response as it ended
         self.ended = asyncio.Event()  # set once final is (what the recorder waits for: Turn.ended)
-        self.events: list[dict] | None = [] if follow else None
+        self.events: list[bytes] | None = [] if follow else None
+        self.event_bytes = 0  # the size of events, framed
         self.tick = asyncio.Event()  # set (then replaced) whenever an event is added
         self.task: asyncio.Task | None = None
         self._emit("response.created", {"response": self.state()})
@@ -106,21 +112,59 @@ class Job:
 
     def _emit(self, kind: str, payload: dict) -> None:
         if self.events is not None:
-            self.events.append({"type": kind, "sequence_number": len(self.events), **payload})
+            framed = frame({"type": kind, "sequence_number": len(self.events), **payload}, kind)
+            self.events.append(framed)
+            self.event_bytes += len(framed)
             self.tick.set()
             self.tick = asyncio.Event()
 
 
-class BackgroundJobs:
-    """The app's running background responses, by id."""
+class EndedStreams:
+    """The streamed jobs that ended last, kept for their events: a client whose stream broke just before the end
+    can still read its tail. At most `capacity` jobs and `max_bytes` of events (Job.event_bytes as each ended),
+    the one that ended first dropped first until both hold; the job that ended last is kept whatever its size
+    (it held that memory while it ran)."""
 
-    def __init__(self, capacity: int = MAX_JOBS):
+    def __init__(self, capacity: int = ENDED_STREAMS, max_bytes: int = ENDED_STREAMS_MB * MB):
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.held_bytes = 0
+        self._jobs: OrderedDict[str, tuple[Job, int]] = OrderedDict()  # with its event_bytes when put
+
+    def put(self, job: Job) -> None:
+        self._jobs[job.fixed["id"]] = (job, job.event_bytes)
+        self.held_bytes += job.event_bytes
+        while len(self._jobs) > 1 and (len(self._jobs) > self.capacity or self.held_bytes > self.max_bytes):
+            self.held_bytes -= self._jobs.popitem(last=False)[1][1]
+
+    def get(self, response_id: str) -> Job | None:
+        kept = self._jobs.get(response_id)
+        return kept[0] if kept is not None else None
+
+    def forget(self, response_id: str) -> None:
+        kept = self._jobs.pop(response_id, None)
+        if kept is not None:
+            self.held_bytes -= kept[1]
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+
+class BackgroundJobs:
+    """The app's running background responses, by id, and the streamed ones that ended last (`ended`)."""
+
+    def __init__(self, capacity: int = MAX_JOBS, ended: EndedStreams | None = None):
         self.capacity = capacity
+        self.ended = ended if ended is not None else EndedStreams()
         self._jobs: dict[str, Job] = {}
         self._reports: set[asyncio.Task] = set()  # after_end's, waiting for their jobs
 
     def get(self, response_id: str) -> Job | None:
         return self._jobs.get(response_id)
+
+    def streamed(self, response_id: str) -> Job | None:
+        """The job whose events a stream can follow: running (events None where it keeps none), or a streamed
+        one that ended lately."""
+        return self._jobs.get(response_id) or self.ended.get(response_id)
 
     def check_room(self) -> None:
         if len(self._jobs) >= self.capacity:
@@ -131,7 +175,12 @@ class BackgroundJobs:
         response_id = job.fixed["id"]
         self._jobs[response_id] = job
         job.task = asyncio.get_running_loop().create_task(job.run(), name=f"killick-{response_id}")
-        job.task.add_done_callback(lambda _: self._jobs.pop(response_id, None))
+        job.task.add_done_callback(lambda _: self._retire(job))
+
+    def _retire(self, job: Job) -> None:
+        self._jobs.pop(job.fixed["id"], None)
+        if job.events is not None:
+            self.ended.put(job)
 
     def after_end(self, ended: asyncio.Event, report: Callable[[], Awaitable[None]]) -> None:
         """report() once a job has ended (`ended`: its Job.ended), in a task close() waits for."""
@@ -170,16 +219,15 @@ async def background_lifetime(app: web.Application):
     await app[BACKGROUND].close()
 
 
-async def follow(request: web.Request, job: Job, keepalive_s: float) -> web.StreamResponse:
-    """The job's events as SSE, from its first, until it ends; a keep-alive comment when nothing came for
-    keepalive_s."""
+async def follow(request: web.Request, job: Job, keepalive_s: float, after: int = -1) -> web.StreamResponse:
+    """The job's events as SSE, those whose sequence_number is over `after`, until it ends; a keep-alive comment
+    when nothing came for keepalive_s. Any number of streams may follow one job, each at its own pace."""
     sse = SSEWriter(request)
-    sent = 0
+    sent = after + 1
     while True:
         tick = job.tick  # taken before reading: an event added while we write sets it
         while sent < len(job.events):
-            event = job.events[sent]
-            await sse.event(event, event["type"])
+            await sse.write(job.events[sent])
             sent += 1
         if job.final is not None:
             return await sse.finish()

@@ -3,7 +3,8 @@ background (background.py); GET, DELETE /v1/responses/{response_id} and POST ...
 
 `previous_response_id` and GET are served from the bounded in-memory ResponseStore, which keeps each finished
 response as its create call answered it; `store: false` responses are never kept (GET answers them 404). A
-running background response is read from its job.
+running background response is read from its job; GET with `stream=true` follows the events of one created with
+`stream: true` (`starting_after` N: those numbered over N), while it runs and for a while after it ended.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from proxy.apis.responses.store import RESPONSES, ResponseStore
 from proxy.apis.responses.tools import offered_tools
 from proxy.body import read_json_object
 from proxy.context import CTX
-from proxy.errors import ApiError, not_served
+from proxy.errors import ApiError
 from proxy.generation import Admitted, Finished, Generation, Keepalive, Prepared, run_to_finish
 from proxy.preparing import prepare
 from proxy.sse import SSEWriter
@@ -73,16 +74,56 @@ async def _complete(request: web.Request, fixed: dict, out: OutputItems, remembe
     return web.json_response(body)
 
 
-async def retrieve(request: web.Request) -> web.Response:
+async def retrieve(request: web.Request) -> web.StreamResponse:
     """GET /v1/responses/{response_id}: a running background response's state, else the stored response object
-    as its create call answered it."""
-    if request.query.get("stream", "false").lower() not in ("false", "0"):
-        raise not_served("stream", "streaming a stored response again", "retrieve it without stream")
+    as its create call answered it; with stream=true, its events (_resume). A starting_after that is no sequence
+    number is a 400 either way."""
     response_id = request.match_info["response_id"]
+    after = _starting_after(request)
+    if _flag(request, "stream"):
+        return await _resume(request, response_id, after)
     job = request.app[BACKGROUND].get(response_id)
     if job is not None:
         return web.json_response(job.state())
     return web.json_response(_stored(request.app, response_id))
+
+
+async def _resume(request: web.Request, response_id: str, after: int) -> web.StreamResponse:
+    """The events of a background response created with `stream: true`, those numbered over `after`, then the
+    rest as they come until it ends. Its events are kept while it runs and for the last streamed ones that
+    ended (EndedStreams); for any other stored response it is a 400 that says why."""
+    jobs = request.app[BACKGROUND]
+    job = jobs.streamed(response_id)
+    if job is None:
+        stored = _stored(request.app, response_id)
+        if not stored.get("background"):
+            raise ApiError(400, f"Response {response_id!r} was not created with background: true; only background "
+                                "responses created with stream: true can be streamed.", param="stream")
+        raise ApiError(400, f"The events of response {response_id!r} are no longer kept (they are kept for at most "
+                            f"the last {jobs.ended.capacity} background responses created with stream: true that "
+                            "ended); retrieve it without stream.", param="stream")
+    if job.events is None:
+        raise ApiError(400, f"Response {response_id!r} was created without stream: true, so its events were not "
+                            "kept; retrieve it without stream.", param="stream")
+    return await follow(request, job, request.app[CTX].keepalive_s, after)
+
+
+def _flag(request: web.Request, name: str) -> bool:
+    value = request.query.get(name, "false").lower()
+    if value not in ("true", "1", "false", "0"):
+        raise ApiError(400, f"{name}: expected true or false, got {value!r}", param=name)
+    return value in ("true", "1")
+
+
+def _starting_after(request: web.Request) -> int:
+    """The query's starting_after, a sequence number (-1 when absent: from the first event)."""
+    value = request.query.get("starting_after")
+    if value is None:
+        return -1
+    if not (value.isascii() and value.isdigit()):
+        raise ApiError(400, f"starting_after: expected a sequence number (an integer >= 0), got {value!r}",
+                       param="starting_after")
+    return int(value)
 
 
 async def cancel(request: web.Request) -> web.Response:
@@ -100,12 +141,13 @@ async def cancel(request: web.Request) -> web.Response:
 
 
 async def delete(request: web.Request) -> web.Response:
-    """DELETE /v1/responses/{response_id}: forgets the response (a later previous_response_id naming it is a 400);
-    a running background response is cancelled first."""
+    """DELETE /v1/responses/{response_id}: forgets the response (a later previous_response_id naming it is a 400)
+    and its kept events; a running background response is cancelled first."""
     response_id = request.match_info["response_id"]
     job = request.app[BACKGROUND].get(response_id)
     if job is not None:
         await job.cancel()
+    request.app[BACKGROUND].ended.forget(response_id)
     if not request.app[RESPONSES].delete(response_id):
         raise _not_found(response_id)
     return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -1,10 +1,12 @@
 """Background responses: the create call answers queued, GET follows the job to its end, cancel ends it (the
-engine request aborted), the app's cleanup ends what still runs; bad requests are answered in OpenAI's shape."""
+engine request aborted), the app's cleanup ends what still runs; a streamed one's events can be followed again
+(GET with stream=true) while it runs and for a while after; bad requests are answered in OpenAI's shape."""
 import asyncio
 import json
+from types import SimpleNamespace
 
 from conftest import FORCED
-from proxy.apis.responses.background import BACKGROUND, BackgroundJobs
+from proxy.apis.responses.background import BACKGROUND, BackgroundJobs, EndedStreams
 from proxy.apis.responses.store import RESPONSES
 from proxy.context import CTX
 
@@ -29,6 +31,40 @@ async def running_job(aiohttp_client, fake_stack):
         "model": "m", "input": "hi", "background": True})).json()
     await poll(client, created["id"], ("in_progress",))
     return app, core, client, created
+
+
+async def streamed_job(client) -> str:
+    """The id of a long background response created with stream: true, whose creating client left at once."""
+    async with client.post("/v1/responses", headers={FORCED: LONG}, json={
+            "model": "m", "input": "hi", "background": True, "stream": True}) as left:
+        first = await left.content.readline()
+        assert first.startswith(b"event: response.created")
+        return json.loads((await left.content.readline())[len(b"data: "):])["response"]["id"]
+
+
+async def resumed(client, response_id: str, after: int | None = None) -> list[dict]:
+    """The events GET ...?stream=true[&starting_after=after] streams, to the end."""
+    query = "stream=true" + ("" if after is None else f"&starting_after={after}")
+    resp = await client.get(f"/v1/responses/{response_id}?{query}")
+    assert resp.status == 200 and resp.content_type == "text/event-stream", await resp.text()
+    return sse_events(await resp.text())
+
+
+async def retired(app) -> None:
+    """Until no job runs (an ended job leaves the running ones once its task is done)."""
+    for _ in range(500):
+        if len(app[BACKGROUND]) == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{len(app[BACKGROUND])} jobs still running")
+
+
+async def error(resp, status: int) -> dict:
+    """The OpenAI error object of a refusal with that status."""
+    assert resp.status == status, await resp.text()
+    body = await resp.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
 
 
 def sse_events(text: str) -> list[dict]:
@@ -80,13 +116,6 @@ async def test_cancelling_a_finished_response_returns_it_unchanged(aiohttp_clien
 
 async def test_bad_requests_are_answered_in_openais_shape(aiohttp_client, fake_stack):
     client = await aiohttp_client(fake_stack()[0])
-
-    async def error(resp, status: int) -> dict:
-        assert resp.status == status, await resp.text()
-        body = await resp.json()
-        assert set(body["error"]) == {"message", "type", "param", "code"}
-        return body["error"]
-
     unknown = await error(await client.post("/v1/responses/resp_nope/cancel"), 404)
     assert "resp_nope" in unknown["message"] and unknown["type"] == "invalid_request_error"
     unstored = await error(await client.post("/v1/responses", json={
@@ -160,11 +189,7 @@ async def test_streamed_background_follows_the_job_and_outlives_its_client(aioht
     final = events[-1]["response"]
     assert final["output"][0]["content"][0]["text"] == LONG
     assert await (await client.get(f"/v1/responses/{final['id']}")).json() == final
-    async with client.post("/v1/responses", headers={FORCED: LONG}, json={
-            "model": "m", "input": "hi", "background": True, "stream": True}) as left:
-        first = await left.content.readline()
-        assert first.startswith(b"event: response.created")
-        response_id = json.loads((await left.content.readline())[len(b"data: "):])["response"]["id"]
+    response_id = await streamed_job(client)
     done = await poll(client, response_id)  # the client left; the job did not
     assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == LONG
 
@@ -215,3 +240,81 @@ async def test_deleting_a_running_job_cancels_it_first(aiohttp_client, fake_stac
     assert gone.status == 200 and (await gone.json())["deleted"] is True
     assert core.requests[-1].request_id in core.aborted and len(app[BACKGROUND]) == 0
     assert (await client.get(f"/v1/responses/{created['id']}")).status == 404
+
+
+async def test_a_stream_resumes_mid_run_after_a_sequence_number_with_several_followers(aiohttp_client, fake_stack):
+    app, core = fake_stack(step_s=0.01)
+    client = await aiohttp_client(app)
+    response_id = await streamed_job(client)
+    await poll(client, response_id, ("in_progress",))
+    job = app[BACKGROUND].get(response_id)
+    ahead = len(job.events) + 20  # not emitted yet: its follower waits for what comes after it
+    whole, tail, live = await asyncio.gather(resumed(client, response_id), resumed(client, response_id, 2),
+                                             resumed(client, response_id, ahead))
+    assert [e["sequence_number"] for e in whole] == list(range(len(whole))) and len(whole) > ahead + 1
+    assert tail == whole[3:] and live == whole[ahead + 1:]
+    assert whole[0]["type"] == "response.created" and whole[-1]["type"] == "response.completed"
+    assert whole[-1]["response"]["output"][0]["content"][0]["text"] == LONG
+
+
+async def test_a_stream_resumes_after_the_end_until_its_events_are_dropped(aiohttp_client, fake_stack):
+    app, core = fake_stack()
+    app[BACKGROUND] = BackgroundJobs(ended=EndedStreams(capacity=2))
+    client = await aiohttp_client(app)
+
+    async def streamed() -> list[dict]:
+        resp = await client.post("/v1/responses", json={"model": "m", "input": "hi", "background": True,
+                                                        "stream": True})
+        return sse_events(await resp.text())
+
+    first = await streamed()
+    first_id = first[0]["response"]["id"]
+    await retired(app)
+    assert await resumed(client, first_id, len(first) - 3) == first[-2:]
+    assert await resumed(client, first_id) == first and await resumed(client, first_id, len(first) + 5) == []
+    second, third = await streamed(), await streamed()
+    await retired(app)
+    dropped = await error(await client.get(f"/v1/responses/{first_id}?stream=true"), 400)
+    assert "no longer kept" in dropped["message"] and dropped["param"] == "stream"
+    assert (await client.get(f"/v1/responses/{first_id}")).status == 200  # still stored
+    assert await resumed(client, third[0]["response"]["id"], 0) == third[1:]
+    second_id = second[0]["response"]["id"]
+    assert (await client.delete(f"/v1/responses/{second_id}")).status == 200
+    assert app[BACKGROUND].ended.get(second_id) is None
+    await error(await client.get(f"/v1/responses/{second_id}?stream=true"), 404)
+
+
+def test_ended_streams_keep_their_bounds():
+    ended = EndedStreams(capacity=3, max_bytes=100)
+
+    def put(name: str, size: int) -> None:
+        ended.put(SimpleNamespace(fixed={"id": name}, event_bytes=size))
+
+    for name in "abcd":
+        put(name, 10)
+    assert [ended.get(n) is not None for n in "abcd"] == [False, True, True, True] and ended.held_bytes == 30
+    put("e", 80)  # over both bounds: the earliest go until 100 bytes
+    assert [n for n in "bcde" if ended.get(n)] == ["c", "d", "e"] and ended.held_bytes == 100
+    put("f", 500)  # larger than the bound: kept alone
+    assert len(ended) == 1 and ended.get("f") and ended.held_bytes == 500
+    ended.forget("f")
+    assert len(ended) == 0 and ended.held_bytes == 0
+
+
+async def test_resuming_what_keeps_no_events_is_a_400_that_says_why(aiohttp_client, fake_stack):
+    app, core, client, created = await running_job(aiohttp_client, fake_stack)
+    url = f"/v1/responses/{created['id']}"
+    unstreamed = await error(await client.get(f"{url}?stream=true"), 400)
+    assert "without stream: true" in unstreamed["message"] and unstreamed["param"] == "stream"
+    for bad in ("x", "-1", "1.5", "", "\u00b2"):
+        err = await error(await client.get(url, params={"stream": "true", "starting_after": bad}), 400)
+        assert err["param"] == "starting_after"
+    assert (await error(await client.get(f"{url}?stream=maybe"), 400))["param"] == "stream"
+    await error(await client.get("/v1/responses/resp_nope?stream=true&starting_after=3"), 404)
+    foreground = await (await client.post("/v1/responses", json={"model": "m", "input": "hi", "stream": True})).text()
+    foreground_id = sse_events(foreground)[0]["response"]["id"]
+    err = await error(await client.get(f"/v1/responses/{foreground_id}?stream=true"), 400)
+    assert "only background responses created with stream: true" in err["message"]
+    await client.post(f"{url}/cancel")
+    ended = await error(await client.get(f"{url}?stream=true"), 400)
+    assert "no longer kept" in ended["message"] and "without stream" in ended["message"]

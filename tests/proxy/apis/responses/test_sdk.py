@@ -63,6 +63,27 @@ async def test_background_stream_through_the_sdk(serve, sdk):
     assert (await client.responses.retrieve(final.id)).model_dump() == final.model_dump()
 
 
+async def test_a_background_stream_resumes_through_the_sdk(serve, sdk):
+    base, _, _ = await serve()
+    client = sdk.openai(base, max_retries=0)
+    text = " ".join(["word"] * 40)
+    stream = await client.responses.create(model="gpt-5", input="Write a lot.", background=True, stream=True,
+                                           max_output_tokens=200, extra_headers={FORCED: text},
+                                           reasoning={"effort": "none"})
+    async for event in stream:  # the client's connection breaks after the fourth event
+        if event.type == "response.created":
+            response_id = event.response.id
+        if event.sequence_number == 3:
+            break
+    await stream.close()
+    resumed = await client.responses.retrieve(response_id, stream=True, starting_after=3)
+    events = [event async for event in resumed]
+    assert [e.sequence_number for e in events] == list(range(4, 4 + len(events)))
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == text
+    with pytest.raises(openai.BadRequestError, match="starting_after"):
+        await client.responses.retrieve(response_id, stream=True, extra_query={"starting_after": "-1"})
+
+
 async def test_truncation_through_the_sdk(serve, sdk):
     base, _, _ = await serve(context_length=512)
     client = sdk.openai(base, max_retries=0)
