@@ -213,7 +213,8 @@ def status_of(exc: BaseException) -> int:
 
 def access_middleware(log_lines: bool):
     """Counts every request in /metrics (by API, else by route, else `unmatched`) and, with `log_lines`, logs
-    one line per request: method, path, status, the engine's prompt / cached / prefilled tokens, TTFT, time."""
+    one line per request: method, path, status, the engine's prompt / cached / prefilled tokens, TTFT, time. A
+    background response's line is logged as it ends (its usage known then), its time from the create call."""
 
     @web.middleware
     async def access(request: web.Request, handler):
@@ -221,7 +222,15 @@ def access_middleware(log_lines: bool):
 
         async def done(status: int) -> None:
             request.app[CTX].metrics.request_done(_route_label(request), status)
-            if log_lines:
+            if not log_lines:
+                return
+            turn = request.get(TURN)
+            if turn is not None and turn.ended is not None and not turn.ended.is_set():
+                async def log_ended() -> None:
+                    access_logger.info("%s", access_line(request, status, time.monotonic() - started))
+
+                request.app[BACKGROUND].after_end(turn.ended, log_ended)
+            else:
                 access_logger.info("%s", access_line(request, status, time.monotonic() - started))
 
         return await answered(request, handler, done)
@@ -239,6 +248,8 @@ def _route_label(request: web.Request) -> str:
 def access_line(request: web.Request, status: int, seconds: float) -> str:
     line = f"{request.method} {request.path_qs} {status}"
     turn = request.get(TURN)
+    if turn is not None and turn.ended is not None:  # the create call of a background response, as it ended
+        line += f" background {turn.response()['status'] if turn.response is not None else ''}".rstrip()
     if turn is not None and turn.finished is not None:
         u = turn.finished.usage
         line += (f" prompt={u.prompt_tokens} cached={u.reused_tokens} prefilled={u.prefilled_tokens}"

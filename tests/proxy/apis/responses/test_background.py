@@ -93,6 +93,32 @@ async def test_queued_at_once_then_completed_with_output_and_usage(aiohttp_clien
     assert LONG in core.tok.decode(core.requests[-1].prompt_ids)  # the background answer is in the history
 
 
+async def test_the_access_line_of_a_background_create_comes_as_it_ends_with_its_usage(aiohttp_client, fake_stack,
+                                                                                       caplog):
+    """`killick serve`'s access line for a background create is logged when the response ends, saying so and how
+    it ended, with the engine's tokens and TTFT, timed from the create call; a foreground one is logged at once."""
+    import logging
+
+    app, core = fake_stack(step_s=0.01, access_log=True)
+    client = await aiohttp_client(app)
+    with caplog.at_level(logging.INFO, logger="killick.access"):
+        created = await (await client.post("/v1/responses", headers={FORCED: LONG}, json={
+            "model": "m", "input": "hi", "background": True})).json()
+        assert not [r for r in caplog.records if r.getMessage().startswith("POST /v1/responses")]
+        done = await poll(client, created["id"])
+        await retired(app)
+        for _ in range(100):
+            lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("POST /v1/responses")]
+            if lines:
+                break
+            await asyncio.sleep(0.01)
+    (line,) = lines
+    u = done["usage"]
+    assert line.startswith("POST /v1/responses 200 background completed prompt=") and line.endswith("ms")
+    assert f"prompt={u['input_tokens']} " in line and f" out={u['output_tokens']} " in line and " ttft=" in line
+    assert int(line.rsplit(" ", 1)[1][:-2]) >= 10 * u["output_tokens"] * 0.9  # from the create call: every step
+
+
 async def test_cancel_aborts_the_engine_request_and_is_idempotent(aiohttp_client, fake_stack):
     app, core, client, created = await running_job(aiohttp_client, fake_stack)
     resp = await client.post(f"/v1/responses/{created['id']}/cancel")
