@@ -250,7 +250,10 @@ def access_line(request: web.Request, status: int, seconds: float) -> str:
     turn = request.get(TURN)
     if turn is not None and turn.ended is not None:  # the create call of a background response, as it ended
         line += f" background {turn.response()['status'] if turn.response is not None else ''}".rstrip()
-    if turn is not None and turn.finished is not None:
+    if turn is not None and turn.finished is not None and turn.finished.finish == "error" \
+            and turn.finished.usage.output_tokens == 0:  # failed before any output: no TTFT, no known prefill
+        line += f" prompt={turn.finished.usage.prompt_tokens} error"
+    elif turn is not None and turn.finished is not None:
         u = turn.finished.usage
         line += (f" prompt={u.prompt_tokens} cached={u.reused_tokens} prefilled={u.prefilled_tokens}"
                  f" out={u.output_tokens} ttft={u.ttft_s * 1000:.0f}ms")

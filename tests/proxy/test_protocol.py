@@ -93,6 +93,25 @@ async def test_abandoned_request_is_499_in_log_recording_and_metrics(aiohttp_ser
     assert " held=1 " in logged
 
 
+async def test_the_access_line_of_a_request_failed_before_any_output_has_no_ttft(aiohttp_client, fake_stack,
+                                                                                  caplog):
+    """An engine (or every upstream replica) that fails before any output: the line says `error` beside the prompt
+    tokens, not a TTFT or a prefill that never came; one failing mid-answer keeps its figures."""
+    import logging
+
+    app, core = fake_stack(access_log=True)
+    client = await aiohttp_client(app)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with caplog.at_level(logging.INFO, logger="killick.access"):
+        core.fail_admit = True
+        assert (await client.post("/v1/chat/completions", json=body)).status == 500
+        core.fail_next = True
+        assert (await client.post("/v1/chat/completions", json=body)).status == 500
+    before, mid = [r.getMessage() for r in caplog.records if r.getMessage().startswith("POST /v1/chat/completions")]
+    assert re.fullmatch(r"POST /v1/chat/completions 500 prompt=\d+ error \d+ms", before), before
+    assert int(re.search(r" out=(\d+) ", mid)[1]) > 0 and " ttft=" in mid and " error" not in mid
+
+
 async def test_access_log_counts_tokens_held_back_before_the_first_output(aiohttp_server, fake_stack, sdk, caplog):
     """The first output event leaves with the sixth token of "</think>\\n\\n<toolbox" (the thinking block's end
     and the blank line make no event, "<" and "<t" may open a tool call) and the access line says so (held=6),
