@@ -22,7 +22,7 @@ from engine.experts.slot_cache import COALESCE_FILLS
 # experts its tokens touch with at least this probability by the slot table's heat
 AHEAD_TOUCHED = 0.9
 # ... and all of its missing experts when the ones beyond those copy in within this many seconds at the fill rate:
-# then the layer runs wholly resident, its routing never read back (OffloadBackend._forward_unread). A routed
+# then the layer runs wholly resident, its routing never read back (DeviceRuns._forward_unread). A routed
 # layer call with a miss or a few cost 2-3 ms more than a resident one: an extend's layer 6 of 8, routed for 1 and
 # for 6 misses, took 3.8 ms (H200 box) and 4.8 ms (H100 box), its resident layer 7 1.6 ms (docs/PERF.md,
 # thirty-third session)
