@@ -4,7 +4,7 @@ Hits run from their slots while the fills copy in, then the fills run: with `gro
 two launch pairs of the grouped Triton kernels reading the slots in place; else, and when the fills go in rounds (a
 cache smaller than one step's experts), one expert at a time through torch (slot_runner.py). A layer with every
 expert in a slot (streamed, or wholly resident in a routed prompt) runs without reading its routing back, counted
-later at settle().
+later at settle() (counting.py).
 
 DeviceRuns is the part of OffloadBackend that queues them; it reads the backend's cache, runner, pool, grouped,
 keep_bonus, handoff_clock, call_log, settle, _unlock, _behind, _looking_ahead, _ahead_plan, _copy_ahead,

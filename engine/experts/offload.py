@@ -8,7 +8,8 @@ y [T*K, H] by (token, k) position -> `compute.combine` sums over k. The device's
 (DeviceRuns: hits while the copies land, then the fills; a layer with every expert in a slot without reading its
 routing back), the CPU share in cpu_jobs.py; a routed prompt's copies ahead of the next layer are planned in
 lookahead.py (CopiesAhead), the CPU's idle time between its jobs is timed in handoff.py (HandoffClock, CallTiming),
-and idle time's refresh of the slots is refresh.py's (IdleRefresh).
+what each call adds to the heat and the stats is counted in counting.py (CallCounting, settle() for the calls
+that did not read their routing back), and idle time's refresh of the slots is refresh.py's (IdleRefresh).
 """
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ import numpy as np
 import torch
 
 from engine.experts.compute import Routing, combine
+from engine.experts.counting import CallCounting
 from engine.experts.cpu_jobs import CpuJobs
 from engine.experts.device_runs import DeviceRuns
 from engine.experts.handoff import CallTiming, HandoffClock
 from engine.experts.host_pool import HostPool
 from engine.experts.lookahead import LOOKAHEAD_MODES, CopiesAhead
-from engine.experts.lru import prompt_use_weights
 from engine.experts.policy import BandwidthEstimate, sample_weight
 from engine.experts.prefill_stream import REFILL_USES, STREAM_MODES, PrefillStreamer, pick_probability
 from engine.experts.refresh import REFRESH_MODES, IdleRefresh
@@ -39,7 +40,7 @@ DECODE_MODES = ("auto", "mapped", "host")
 # (H200 box, 8 layers at 37.5% in slots: offload 1.013x and hybrid 1.019x decode b1, Zipf routing even; docs/PERF.md)
 PREFETCH_MODES = ("auto", "on", "off")
 
-class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns):
+class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCounting):
     name = "offload"
     uses_handoff = False  # whether split / ahead_fills read self.handoff (the CPU's idle time per layer call)
     tops_up = True  # whether a nearly resident layer's last missing experts are copied ahead (lookahead.TOP_UP_S)
@@ -181,47 +182,6 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns):
         self._ahead = self._touch = None
         self._looked = {}
 
-    def place_admitted(self, chosen) -> list[tuple[object, list[tuple[int, int, int]]]]:
-        """Copy admissions (row, expert, slot) (admission.admissions) into their slots, one place() a layer in
-        the order they come, counted as fills -> per layer (the event after its copies, None where they landed
-        already: a CPU device; its (row, expert, slot))."""
-        by_row: dict[int, list[tuple[int, int]]] = {}
-        for row, e, slot in chosen:
-            by_row.setdefault(row, []).append((e, slot))
-        out = []
-        for row, pairs in by_row.items():
-            layer = self.pool.layers[row]
-            done = self.cache.place(layer, [e for e, _ in pairs], [s for _, s in pairs])
-            st = self.stats_[layer]
-            st.fills += len(pairs)
-            st.bytes_moved += len(pairs) * self.pool.expert_bytes
-            out.append((done, [(row, e, s) for e, s in pairs]))
-        return out
-
-    def settle(self) -> None:
-        """Count the layer calls a streamed forward, or a wholly resident layer, ran without reading their routing
-        back (heat, recency, hits): one host sync for all of them, after the forward's work is queued. On the
-        engine's thread only (it changes the slot table): end_forward, the next begin_forward, the last layer of
-        a forward that was not held."""
-        pending, self._unsettled = self._unsettled, []
-        if not pending:
-            return
-        table, e = self.cache.table, self.pool.num_experts
-        # one read-back for all the calls; grouping each call's routing (Routing.of, one read-back apiece) took
-        # ~40 ms after an 8k prompt's 32 pieces (H200 box), all of it before the first token
-        flat = torch.cat([ids.reshape(-1) for _, ids, _, _ in pending]).to("cpu", torch.long).numpy()
-        start = 0
-        for layer, topk_ids, at, span in pending:
-            ids = flat[start: start + topk_ids.numel()]
-            start += topk_ids.numel()
-            counts = np.bincount(ids[ids >= 0], minlength=e)  # id -1: a padding pair
-            experts = np.flatnonzero(counts)
-            table.note_use(self.pool.row[layer], experts, at=at, weights=self._use_weights(counts[experts], span))
-            slots = self.cache.lookup(layer, experts)
-            table.touch(slots[slots >= 0], clock=at[0])  # (a later layer's window may have taken some since)
-            self._count(layer, len(experts), 0, 0, 0)
-            self._count_looked(layer, experts)  # copies ahead into a layer that ran wholly resident
-
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, K], topk_w [T, K] -> [T, H] (routed experts only)."""
         t_in = time.perf_counter()
@@ -330,21 +290,6 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns):
         those (H200 box, an extend's last routed layer: ~9 ms behind copies ahead that ran slower than the split
         had counted; modelled in tests/engine/test_experts_split_policy.py)."""
         return round(self.cache.copy_backlog(self.fill_rate()) / self.pool.expert_bytes)
-
-    def _use_weights(self, counts, span: int):
-        """Heat per routed expert of a layer call: one use each in a decode (None), the tokens routed to it
-        weighed as a prompt of `span` tokens' (lru.prompt_use_weights)."""
-        if span <= 1:
-            return None
-        return prompt_use_weights(counts, span, half_life=self.cache.table.half_life)
-
-    def _count(self, layer: int, hits: int, misses: int, fills: int, cpu: int) -> None:
-        st = self.stats_[layer]
-        st.hits += hits
-        st.misses += misses
-        st.fills += fills
-        st.cpu_runs += cpu
-        st.bytes_moved += fills * self.pool.expert_bytes
 
     # --- control and reporting
     def stats(self) -> dict:
