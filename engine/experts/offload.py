@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,6 +40,32 @@ DECODE_MODES = ("auto", "mapped", "host")
 # whether a mapped decode prefetches each layer's likely expert (mapped.py): auto = on CUDA with a mapped decode
 # (H200 box, 8 layers at 37.5% in slots: offload 1.013x and hybrid 1.019x decode b1, Zipf routing even; docs/PERF.md)
 PREFETCH_MODES = ("auto", "on", "off")
+
+
+class CallPlan(NamedTuple):
+    """Where a routed layer call's experts run (OffloadBackend._plan_call); experts as indices into its
+    Routing.experts."""
+
+    hits: list[int]  # in a slot, run from it
+    hit_slots: np.ndarray  # [len(hits)] their slots
+    misses: list[int]  # not in a slot: the most tokens first, then the hottest
+    fills: list[int]  # the misses copied into slots and run on the device (the first split() of them)
+    on_cpu: list[int]  # the other misses, run on the CPU from the host pool
+    ahead: tuple | None  # (the next MoE layer, its experts to copy in while this one runs) or None
+    behind: int  # experts' worth of copies still in flight that the plan counted (_behind)
+
+
+class CpuWait(NamedTuple):
+    """A routed layer call's CPU job as the engine thread saw it (the call log's; None without one)."""
+
+    started: float | None  # perf_counter when the job began
+    seconds: float | None  # its run
+    waited: float | None  # the engine thread's wait for its result
+    woke: float | None  # perf_counter when the engine thread had it
+
+
+_NO_CPU = CpuWait(None, None, None, None)
+
 
 class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCounting):
     name = "offload"
@@ -185,86 +212,124 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, K], topk_w [T, K] -> [T, H] (routed experts only)."""
         t_in = time.perf_counter()
-        if layer == self.pool.layers[0] and not self._held:  # the first MoE layer sees all its tokens
-            self.begin_forward(x.shape[0], topk_ids.shape[1])
-        self._observe_fill()
-        table = self.cache.table
-        table.tick()
-        streaming = self.streamer is not None and self.streamer.active
-        if streaming:
-            self.streamer.before_layer(layer)  # waits for this layer's copy, issues the next layer's
-            if self.grouped and x.dtype == self.pool.dtype and layer in self.streamer.tables:
-                return self._forward_unread(layer, x, topk_ids, topk_w, self.streamer.tables[layer], t_in)
-        else:
-            row = self.pool.row[layer]
-            self._seen[row] = self._seen.get(row, 0) + x.shape[0]
-            if self.grouped and x.dtype == self.pool.dtype and (table.resident[row] >= 0).all():
-                slots = self.cache.lookup_table(table.resident[row])
-                self.cache.ready()  # the table, and the last layer's copies ahead into some of these slots
-                return self._forward_unread(layer, x, topk_ids, topk_w, slots, t_in)
+        streaming = self._enter_call(layer, x, topk_ids)
+        slots = self._unread_slots(layer, x, streaming)
+        if slots is not None:
+            return self._forward_unread(layer, x, topk_ids, topk_w, slots, t_in)
+        if not streaming:
             self._mark_enter(layer)
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
         self.handoff_clock.read_gaps()  # the routing's read-back waited for the device: earlier gaps' are done
-        table.note_use(self.pool.row[layer], routing.experts, weights=self._use_weights(routing.counts, self._span))
+        plan = self._plan_call(layer, routing, streaming)
+        y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
+        planned = time.perf_counter()
+        pending = self.cpu_jobs.start(layer, x, routing, plan.on_cpu)
+        self._count_looked(layer, routing.experts)  # (a count alone: after the CPU's job is under way)
+        self._queue_device(layer, x, y, routing, topk_ids, plan, pending is not None, streaming)
+        cpu = self._collect_cpu(pending, y, routing, plan, routed_at)
+        self._unlock()
+        self._count(layer, len(plan.hits), len(plan.misses), len(plan.fills), len(plan.on_cpu))
+        out = combine(y, topk_w)
+        self._mark_exit(layer)
+        if self.call_log is not None:
+            self._log_routed(layer, t_in, plan, routed_at, planned, cpu)
+        return out
+
+    # --- a layer call's steps, in forward's order
+    def _enter_call(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+        """A layer call begins (and the forward, at its first MoE layer unless begin_forward held it): the fill
+        timings taken in, the slot table's clock ticked, a streamed layer's copy waited for or the tokens of a
+        routed one's pieces counted (CopiesAhead._more_pieces). -> whether the forward streams."""
+        if layer == self.pool.layers[0] and not self._held:  # the first MoE layer sees all its tokens
+            self.begin_forward(x.shape[0], topk_ids.shape[1])
+        self._observe_fill()
+        self.cache.table.tick()
+        streaming = self.streamer is not None and self.streamer.active
+        if streaming:
+            self.streamer.before_layer(layer)  # waits for this layer's copy, issues the next layer's
+        else:
+            row = self.pool.row[layer]
+            self._seen[row] = self._seen.get(row, 0) + x.shape[0]
+        return streaming
+
+    def _unread_slots(self, layer: int, x: torch.Tensor, streaming: bool) -> torch.Tensor | None:
+        """The layer's expert -> slot table [E + 1] when every expert of it is in a slot and the grouped kernels
+        run x, for a call that leaves its routing on the device (DeviceRuns._forward_unread): a streamed layer's,
+        or a routed prompt's wholly resident layer's (then made ready on the compute stream); else None."""
+        if streaming:
+            tables = self.streamer.tables
+            return tables[layer] if self.grouped and x.dtype == self.pool.dtype and layer in tables else None
+        table, row = self.cache.table, self.pool.row[layer]
+        if self.grouped and x.dtype == self.pool.dtype and (table.resident[row] >= 0).all():
+            slots = self.cache.lookup_table(table.resident[row])
+            self.cache.ready()  # the table, and the last layer's copies ahead into some of these slots
+            return slots
+        return None
+
+    def _plan_call(self, layer: int, routing: Routing, streaming: bool) -> CallPlan:
+        """A routed call's plan: its heat noted, its hits touched and locked for the call, its misses ordered and
+        split (split(); a streamed layer's all filled) and the next layer's copies ahead (none while streaming)."""
+        table, row = self.cache.table, self.pool.row[layer]
+        table.note_use(row, routing.experts, weights=self._use_weights(routing.counts, self._span))
         slots = self.cache.lookup(layer, routing.experts)
         hit = np.flatnonzero(slots >= 0)
         # fills take the misses with the most tokens, then the hottest (the ones a slot will serve again);
         # the CPU runs the rest from the host pool
-        heat = table.heat[self.pool.row[layer]]
+        heat = table.heat[row]
         miss = np.flatnonzero(slots < 0)
         miss = miss[np.lexsort((-heat[routing.experts[miss]], -routing.counts[miss]))]
-        table.touch(slots[hit])
-        table.lock(slots[hit])
+        hit_slots = slots[hit]
+        table.touch(hit_slots)
+        table.lock(hit_slots)
         # copies still in flight: this call's fills and the next layer's copies ahead queue behind them
         behind = self._behind() if not streaming and (len(miss) or self._looking_ahead()) else 0
         ahead = None if streaming else self._ahead_plan(layer, behind)
         per = float(routing.counts[miss].mean()) if len(miss) else 1.0
         q = len(miss) if streaming else self.split(len(miss), busy=(len(ahead[1]) if ahead else 0) + behind, per=per)
-        hits, misses = hit.tolist(), miss.tolist()
-        fills, on_cpu = misses[:q], misses[q:]
+        misses = miss.tolist()
         if ahead:  # the fills of this layer take spare slots first; their slots count again after its kernels
             ahead = ahead[0], ahead[1][: ahead[2]]
-        y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
-        planned = time.perf_counter()
-        pending = self.cpu_jobs.start(layer, x, routing, on_cpu)
-        self._count_looked(layer, routing.experts)  # (a count alone: after the CPU's job is under way)
-        read = self.cache.mark() if ahead else None  # the last reader of an unlocked slot is queued before this...
+        return CallPlan(hit.tolist(), hit_slots, misses, misses[:q], misses[q:], ahead, behind)
+
+    def _queue_device(self, layer: int, x: torch.Tensor, y: torch.Tensor, routing: Routing, topk_ids: torch.Tensor,
+                      plan: CallPlan, with_cpu: bool, streaming: bool) -> None:
+        """The device's share of a routed call, queued while its CPU job runs: hits and fills into y
+        (DeviceRuns._run_device), then the next layer's copies ahead."""
+        read = self.cache.mark() if plan.ahead else None  # the last reader of an unlocked slot is queued before this...
         if not streaming:
             # hits may sit in slots that copies still in flight fill (the last layer's copies ahead). Waited for
             # only now: the routing's and the CPU's inputs' read-backs queued before it do not wait behind them
             # (the box, 2026-12-03: a layer's routing came back 2.6-4.9 ms late, after the copies ahead)
             self.cache.ready()
-        in_rounds = self._run_device(layer, x, y, routing, slots[hit].tolist(), hits, fills,
-                                     pending is not None, topk_ids)
-        if ahead and len(ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
-            self._copy_ahead(*ahead, with_cpu=pending is not None, after=None if in_rounds else read,
-                             then=not in_rounds)
-        started = seconds = waited = woke = None
-        if pending is not None:
-            waited = time.perf_counter()
-            done = pending.result()
-            seconds, started = done.seconds, done.started
-            woke = time.perf_counter()
-            waited = woke - waited
-            self.cpu_jobs.place(y, done)
-            nbytes = len(on_cpu) * self.pool.expert_bytes
-            self.estimate.observe_cpu(nbytes, seconds, sample_weight(nbytes, self.pool.expert_bytes))
-            # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too
-            copying = bool(fills) or (ahead is not None and len(ahead[1]) > 0)
-            self.observe("cpu", nbytes, seconds, together=copying,
-                         per=float(routing.counts[on_cpu].mean()))
-            if self._timing_handoff():
-                self.handoff_clock.observe(started - routed_at)
-        self._unlock()
-        self._count(layer, len(hits), len(misses), len(fills), len(on_cpu))
-        out = combine(y, topk_w)
-        self._mark_exit(layer)
-        if self.call_log is not None:
-            self._log_call(layer, "routed", t_in, len(hits), len(misses), len(fills), len(on_cpu),
-                           len(self._looked.get(ahead[0], ())) if ahead else 0, behind, routed_at, started, seconds,
-                           waited, planned, woke)
-        return out
+        in_rounds = self._run_device(layer, x, y, routing, plan.hit_slots.tolist(), plan.hits, plan.fills, with_cpu,
+                                     topk_ids)
+        if plan.ahead and len(plan.ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
+            self._copy_ahead(*plan.ahead, with_cpu=with_cpu, after=None if in_rounds else read, then=not in_rounds)
+
+    def _collect_cpu(self, pending, y: torch.Tensor, routing: Routing, plan: CallPlan, routed_at: float) -> CpuWait:
+        """The CPU job's outputs placed into y, its rate observed (the estimate's, the split's, the handoff's)."""
+        if pending is None:
+            return _NO_CPU
+        waited = time.perf_counter()
+        done = pending.result()
+        seconds, started = done.seconds, done.started
+        woke = time.perf_counter()
+        self.cpu_jobs.place(y, done)
+        nbytes = len(plan.on_cpu) * self.pool.expert_bytes
+        self.estimate.observe_cpu(nbytes, seconds, sample_weight(nbytes, self.pool.expert_bytes))
+        # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too
+        copying = bool(plan.fills) or (plan.ahead is not None and len(plan.ahead[1]) > 0)
+        self.observe("cpu", nbytes, seconds, together=copying, per=float(routing.counts[plan.on_cpu].mean()))
+        if self._timing_handoff():
+            self.handoff_clock.observe(started - routed_at)
+        return CpuWait(started, seconds, woke - waited, woke)
+
+    def _log_routed(self, layer: int, t_in: float, plan: CallPlan, routed_at: float, planned: float,
+                    cpu: CpuWait) -> None:
+        ahead = len(self._looked.get(plan.ahead[0], ())) if plan.ahead else 0
+        self._log_call(layer, "routed", t_in, len(plan.hits), len(plan.misses), len(plan.fills), len(plan.on_cpu),
+                       ahead, plan.behind, routed_at, cpu.started, cpu.seconds, cpu.waited, planned, cpu.woke)
 
     def _unlock(self) -> None:
         self.cache.table.unlock_all()
