@@ -43,8 +43,7 @@ PREFETCH_MODES = ("auto", "on", "off")
 
 
 class CallPlan(NamedTuple):
-    """Where a routed layer call's experts run (OffloadBackend._plan_call); experts as indices into its
-    Routing.experts."""
+    """Where a routed layer call's experts run (OffloadBackend._plan_call), as indices into its Routing.experts."""
 
     hits: list[int]  # in a slot, run from it
     hit_slots: np.ndarray  # [len(hits)] their slots
@@ -233,7 +232,9 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         out = combine(y, topk_w)
         self._mark_exit(layer)
         if self.call_log is not None:
-            self._log_routed(layer, t_in, plan, routed_at, planned, cpu)
+            self._log_call(layer, "routed", t_in, len(plan.hits), len(plan.misses), len(plan.fills), len(plan.on_cpu),
+                           len(self._looked.get(plan.ahead[0], ())) if plan.ahead else 0, plan.behind, routed_at,
+                           cpu.started, cpu.seconds, cpu.waited, planned, cpu.woke)
         return out
 
     # --- a layer call's steps, in forward's order
@@ -324,12 +325,6 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         if self._timing_handoff():
             self.handoff_clock.observe(started - routed_at)
         return CpuWait(started, seconds, woke - waited, woke)
-
-    def _log_routed(self, layer: int, t_in: float, plan: CallPlan, routed_at: float, planned: float,
-                    cpu: CpuWait) -> None:
-        ahead = len(self._looked.get(plan.ahead[0], ())) if plan.ahead else 0
-        self._log_call(layer, "routed", t_in, len(plan.hits), len(plan.misses), len(plan.fills), len(plan.on_cpu),
-                       ahead, plan.behind, routed_at, cpu.started, cpu.seconds, cpu.waited, planned, cpu.woke)
 
     def _unlock(self) -> None:
         self.cache.table.unlock_all()
