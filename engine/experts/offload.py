@@ -98,12 +98,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         self._looked: dict[int, np.ndarray] = {}  # layer -> experts copied in ahead of its routing, not yet counted
         self._seen: dict[int, int] = {}  # pool row -> tokens its calls have run in this forward
         self._tokens = self._top_k = 0  # tokens and experts per token of the forward (begin_forward)
-        lookahead = _mode(lookahead, LOOKAHEAD_MODES, "--moe-lookahead")
-        # auto: where copies overlap compute (CUDA); on a CPU device a fill is a copy in line, nothing to overlap
-        self.lookahead = lookahead == "on" or (lookahead == "auto" and self.device.type == "cuda")
-        refresh = _mode(refresh, REFRESH_MODES, "--moe-refresh")
-        # auto: on CUDA, whose copies run on the copy engine; a CPU engine's idle time is its cores'
-        self.refresh_idle = refresh == "on" or (refresh == "auto" and self.device.type == "cuda")
+        self._set_modes(lookahead, refresh, decode, prefetch)
         # the CPU's idle time per routed prompt layer call besides its runs (handoff.py), CUDA events on the device
         self.handoff_clock = HandoffClock(_timing_event if self.device.type == "cuda" else None)
         # device experts in one launch pair of the grouped Triton kernels, reading the slots in place (default
@@ -113,6 +108,18 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         # CUDA: a routed prompt's CPU outputs and their positions go to page-locked buffers that the device reads
         # in place (mailbox_triton.scatter_rows); an H2D copy of them queued behind the copies ahead
         self.cpu_jobs = CpuJobs(pool, self.device, zero_copy=self.grouped and self.device.type == "cuda")
+        self.mapped = None  # MappedExperts, made by mapped_decode() for a fast path
+        self.call_log: list[LayerCall] | None = None  # a list: every layer call appends its LayerCall
+
+    def _set_modes(self, lookahead: bool | str, refresh: bool | str, decode: str, prefetch: bool | str) -> None:
+        """--moe-lookahead, --moe-refresh, --moe-decode and --moe-prefetch, checked (ValueError) and resolved for
+        this device and backend."""
+        lookahead = _mode(lookahead, LOOKAHEAD_MODES, "--moe-lookahead")
+        # auto: where copies overlap compute (CUDA); on a CPU device a fill is a copy in line, nothing to overlap
+        self.lookahead = lookahead == "on" or (lookahead == "auto" and self.device.type == "cuda")
+        refresh = _mode(refresh, REFRESH_MODES, "--moe-refresh")
+        # auto: on CUDA, whose copies run on the copy engine; a CPU engine's idle time is its cores'
+        self.refresh_idle = refresh == "on" or (refresh == "auto" and self.device.type == "cuda")
         self.decode_mode = _mode(decode, DECODE_MODES, "--moe-decode")
         prefetch = _mode(prefetch, PREFETCH_MODES, "--moe-prefetch")
         host_decode = decode == "host" or (decode == "auto" and self.name == "cpu")
@@ -122,8 +129,6 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
                              "--moe-prefetch")
         # a mapped decode copies each layer's likely expert in ahead (mapped.py); auto where it overlaps PCIe
         self.prefetch = prefetch == "on" or (prefetch == "auto" and not host_decode and self.device.type == "cuda")
-        self.mapped = None  # MappedExperts, made by mapped_decode() for a fast path
-        self.call_log: list[LayerCall] | None = None  # a list: every layer call appends its LayerCall
 
     # --- policy hooks, overridden by cpu / hybrid
     def split(self, m: int, busy: int = 0, per: float = 1.0) -> int:
