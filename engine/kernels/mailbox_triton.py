@@ -143,3 +143,24 @@ def scatter_rows(y: torch.Tensor, pos: torch.Tensor, src: torch.Tensor) -> None:
         raise ValueError(f"scatter_rows: y [R, {H}] and src [{n}, {H}] contiguous, pos [{n}]")
     if n:
         _scatter_rows_kernel[(n,)](pos, src, y, H, BLOCK_H=1024, num_warps=4)
+
+
+@triton.jit
+def _wait_flag_kernel(flag_ptr, target, err_ptr, LIMIT):
+    d = tl.load(flag_ptr, volatile=True)
+    i = 0
+    while (d < target) & (i < LIMIT):
+        d = tl.load(flag_ptr, volatile=True)
+        i += 1
+    if d < target:
+        tl.store(err_ptr, 1)
+
+
+def wait_flag(flag: torch.Tensor, target: int, err: torch.Tensor) -> None:
+    """Hold the stream until flag[0] >= target: flag a page-locked host int64 [1] that a CPU thread raises once
+    what the kernels queued after this read is written (a routed prompt's CPU expert outputs, which the host
+    then need not wait for before queuing the layers after). Bounded: after WAIT_LIMIT reads err[0] <- 1 and the
+    stream goes on."""
+    if flag.dtype != torch.int64 or flag.numel() != 1 or err.dtype != torch.int32:
+        raise ValueError("wait_flag: flag is int64 [1], err int32")
+    _wait_flag_kernel[(1,)](flag, target, err, WAIT_LIMIT, num_warps=1)

@@ -91,3 +91,37 @@ def test_scatter_rows_reads_host_rows_in_place_into_their_positions(dev):
         assert torch.equal(y, want)
     with pytest.raises(ValueError, match="scatter_rows"):
         scatter_rows(torch.zeros(4, 8, device=dev), torch.zeros(2, dtype=torch.long), torch.zeros(2, 9))
+
+
+def test_wait_flag_holds_the_stream_until_a_cpu_thread_raises_the_flag(dev, monkeypatch):
+    """wait_flag: the kernels queued after it run once a host thread has written the flag (its rows are there
+    to read); a flag already raised passes at once; one never raised stops at WAIT_LIMIT reads with err set."""
+    import threading
+
+    from engine.kernels import mailbox_triton
+    from engine.kernels.mailbox_triton import scatter_rows, wait_flag
+
+    pin = dev == "cuda"
+    flag = torch.zeros(1, dtype=torch.long, pin_memory=pin)
+    err = torch.zeros(1, dtype=torch.int32, device=dev)
+    src = torch.zeros(3, 8, pin_memory=pin)
+    pos = torch.tensor([2, 0, 1], pin_memory=pin)
+    y = torch.zeros(3, 8, device=dev)
+
+    def cpu_job():
+        src.copy_(torch.arange(24.0).view(3, 8))
+        flag[0] = 7
+
+    late = threading.Timer(0.2, cpu_job)
+    late.start()
+    wait_flag(flag, 7, err)  # (under the interpreter this call spins on the host until the timer has run)
+    scatter_rows(y, pos, src)
+    late.join()
+    assert torch.equal(y.cpu()[pos], torch.arange(24.0).view(3, 8)) and int(err[0]) == 0
+    wait_flag(flag, 6, err)
+    assert int(err[0]) == 0
+    monkeypatch.setattr(mailbox_triton, "WAIT_LIMIT", 1000)
+    wait_flag(flag, 8, err)
+    assert int(err[0]) == 1
+    with pytest.raises(ValueError, match="wait_flag"):
+        wait_flag(torch.zeros(1, dtype=torch.int32), 1, err)

@@ -1,0 +1,55 @@
+"""A routed layer call's CPU job collected: its outputs placed into the call's rows by the engine thread once the
+job is done (_collect_cpu), or joined on the device while the host goes on (_join_cpu, cpu_jobs.JOIN_ON_DEVICE:
+the job's rate counted when it is collected later); either way the job's rate observed (_observe_cpu).
+
+CpuCollect is the part of OffloadBackend that does it; it reads the backend's cpu_jobs, pool, estimate, observe,
+handoff_clock, _timing_handoff and call_log.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.experts.compute import Routing
+from engine.experts.policy import sample_weight
+from engine.experts.stats import NO_CPU, CpuWait
+
+
+class CpuCollect:
+    def _collect_cpu(self, pending, y: torch.Tensor, routing: Routing, plan, routed_at: float) -> CpuWait:
+        """The CPU job's outputs placed into y, its rate observed."""
+        if pending is None:
+            return NO_CPU
+        waited = time.perf_counter()
+        done = pending.result()
+        woke = time.perf_counter()
+        self.cpu_jobs.place(y, done)
+        self._observe_cpu(routing, plan, routed_at, None, done)
+        return CpuWait(done.started, done.seconds, woke - waited, woke)
+
+    def _join_cpu(self, pending, y: torch.Tensor, routing: Routing, plan, routed_at: float) -> CpuWait:
+        """The CPU job's outputs joined into y on the device (cpu_jobs.JOIN_ON_DEVICE) and the call returning at once;
+        its rate observed when the job is collected (the next routed call's, or end_forward), which also fills in
+        this call's log entry, written next."""
+        self.cpu_jobs.join_on_device(y)
+        entry = len(self.call_log) if self.call_log is not None else None
+        self.cpu_jobs.defer(pending, lambda done: self._observe_cpu(routing, plan, routed_at, entry, done))
+        return CpuWait(None, None, 0.0, None, joined=True)
+
+    def _observe_cpu(self, routing: Routing, plan, routed_at: float, entry: int | None, done) -> None:
+        """A CPU job's rate observed (the estimate's, the split's, the handoff's); a joined call's log entry
+        (`entry`) given the job's start, run and when the engine thread had its result."""
+        seconds, started = done.seconds, done.started
+        nbytes = len(plan.on_cpu) * self.pool.expert_bytes
+        self.estimate.observe_cpu(nbytes, seconds, sample_weight(nbytes, self.pool.expert_bytes))
+        # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too
+        copying = bool(plan.fills) or (plan.ahead is not None and len(plan.ahead[1]) > 0)
+        self.observe("cpu", nbytes, seconds, together=copying, per=float(routing.counts[plan.on_cpu].mean()))
+        if self._timing_handoff():
+            self.handoff_clock.observe(started - routed_at)
+        if entry is not None and self.call_log is not None and entry < len(self.call_log):
+            call = self.call_log[entry]
+            ms = lambda t: (t - call.at) * 1e3  # noqa: E731
+            self.call_log[entry] = call._replace(cpu_start_ms=ms(started), cpu_ms=seconds * 1e3,
+                                                 woke_ms=ms(time.perf_counter()))
