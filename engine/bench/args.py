@@ -140,6 +140,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seam-topk", action="store_true",
                    help="decode steps of 2-16 tokens route each row in the add+norm+router launch (one launch a MoE "
                         "layer fewer; off by default until run on a GPU: engine/models/fast.py SEAM_TOPK)")
+    p.add_argument("--cpu-join-device", action="store_true",
+                   help="a prompt's layer call queues its CPU experts' join on the device (the device waits for "
+                        "the job's flag) and goes on queuing the layers after instead of waiting for the job (off "
+                        "by default until run on a GPU: engine/experts/cpu_jobs.py JOIN_ON_DEVICE)")
     p.add_argument("--json", help="write the results here")
 
 

@@ -291,17 +291,21 @@ def run(args) -> dict:
     from engine.kernels.deltanet_triton import set_rule_tiles
     from engine.models import fast
 
-    seam = fast.SEAM_TOPK
+    from engine.experts import cpu_jobs
+
+    seam, join = fast.SEAM_TOPK, cpu_jobs.JOIN_ON_DEVICE
     set_rule_tiles(args.rule_tiles)
     fast.set_seam_topk(args.seam_topk or seam)
+    cpu_jobs.set_join_on_device(args.cpu_join_device or join)
     try:
         res = _run(args)
     finally:
         set_rule_tiles(None)
         fast.set_seam_topk(seam)
+        cpu_jobs.set_join_on_device(join)
     if args.rule_tiles is not None:
         res["rule_tiles"] = list(args.rule_tiles)
-    return dict(res, seam_topk=args.seam_topk or seam)
+    return dict(res, seam_topk=args.seam_topk or seam, cpu_join="device" if args.cpu_join_device or join else "host")
 
 
 def _run(args) -> dict:

@@ -63,10 +63,16 @@ def main(argv=None) -> int:
                    help="with --prefill: also time and profile an extend of this many tokens after the prompt")
     p.add_argument("--extend-runs", type=int, default=3, help="timed extends, each after a prompt of its own")
     p.add_argument("--extend-trace", help="with --extend: write the profiled extend's Chrome trace here")
+    p.add_argument("--cpu-join-device", action="store_true",
+                   help="a prompt's CPU experts joined on the device (as bench model's; the layer log says 'joined')")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.extend and not args.prefill:
         p.error("--extend needs --prefill (the cached prompt it extends)")
+    if args.cpu_join_device:
+        from engine.experts import cpu_jobs
+
+        cpu_jobs.set_join_on_device(True)
     from engine.synth import synth_model
 
     cached = args.moe_backend != "fused"
@@ -318,7 +324,8 @@ def _print_calls(calls) -> None:
     """The last timed extend's MoE layer calls (OffloadBackend.call_log): what each planned, and when (ms from the
     call's start, which is ms from the first call's start) its routing came back, its split was made, its CPU job
     ran, the engine thread had the job's result and the call returned."""
-    print("\nthe last timed extend's MoE layer calls (ms; 'unread': every expert in a slot, routing not read back)")
+    print("\nthe last timed extend's MoE layer calls (ms; 'unread': every expert in a slot, routing not read back; "
+          "'joined': the CPU job joined on the device, its 'woke' when the engine thread collected it)")
     head = ("layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "behind", "handoff", "routed",
             "planned", "cpu at", "cpu run", "waited", "woke", "end")
     print("".join(f"{h:>8}" for h in head))

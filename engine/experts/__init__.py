@@ -8,7 +8,8 @@
     lru.py, policy.py, stats.py   slot bookkeeping, the fill/CPU split and B_P/B_H estimates, counters (torch-free)
     slot_cache.py      the device slot pool shared by all MoE layers, copy stream, resize
     offload.py, cpu.py, hybrid.py   the slot backends (they differ only in how many misses they fill)
-    device_runs.py, counting.py, lookahead.py, handoff.py, refresh.py   OffloadBackend's parts, one mixin each
+    device_runs.py, counting.py, cpu_collect.py, lookahead.py, handoff.py, refresh.py
+                       OffloadBackend's parts, one mixin each
     prefill_stream.py  long extends stream whole layers, one copy each, through windows of E slots
     compute.py, cpu_runner.py   the shared expert math; CPU execution (native kernels when built)
     profile.py         this machine's measured B_P / B_H (written by `killick bench bw`, engine/bench/)

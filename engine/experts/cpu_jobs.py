@@ -6,15 +6,24 @@ while the device runs the rest, their outputs then placed into the layer's rows 
     done = pending.result()
     jobs.place(y, done)                                  # y [T*K, H] at done.pos <- done.vals
 
+or, joined on the device (`raise_flag`: the host goes on queuing the layers after while the job runs):
+
+    pending = jobs.start(layer, x, routing, on_cpu, raise_flag=True)
+    jobs.join_on_device(y)                               # queued: wait for the job's flag, then scatter its rows
+    jobs.defer(pending, on_done)
+    ...
+    jobs.collect()                                       # later: on_done(its result), or its error raised
+
 T = tokens, K = experts per token, H = hidden. zero_copy (CUDA, grouped kernels): the job writes its positions
 and outputs into page-locked buffers kept for the next call, which the device reads in place
-(mailbox_triton.scatter_rows); else they are copied to the device.
+(mailbox_triton.scatter_rows); else they are copied to the device. A job started with raise_flag writes there
+too, then raises a page-locked flag the device waits on (mailbox_triton.wait_flag) before reading them.
 """
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import NamedTuple
 
 import torch
@@ -25,6 +34,15 @@ from engine.experts.host_pool import HostPool
 
 # a layer call of at least this many tokens (a prompt's) runs its CPU experts on cpu_runner.prompt_threads()
 PROMPT_TOKENS = 32
+# whether such a call with the grouped kernels joins its CPU job on the device (raise_flag), the host queuing the
+# layers after while the job runs, instead of waiting for it: off until measured on a GPU (bench model
+# --cpu-join-device); set_join_on_device() switches it
+JOIN_ON_DEVICE = False
+
+
+def set_join_on_device(on: bool) -> None:
+    global JOIN_ON_DEVICE
+    JOIN_ON_DEVICE = bool(on)
 
 
 class CpuResult(NamedTuple):
@@ -45,23 +63,32 @@ class CpuJobs:
         self._out: dict = {}  # dtype -> (positions [cap] int64, outputs [cap, H]), page-locked on CUDA
         self._x_host: dict = {}  # dtype -> [cap, H] page-locked: a CUDA call's rows for its job (_host_rows)
         self._scatter_done = None  # CUDA event after the last scatter_rows, their reader
+        # raise_flag's: the flag (page-locked int64 [1]: the last job done), the device's give-up flag, the last
+        # job's number, and the outputs join_on_device reads: (positions, outputs, rows)
+        self._flag = self._err = None
+        self._seq = 0
+        self._flagged = None
+        self._deferred = None  # a joined job to collect: (its Future, on_done)
 
-    def start(self, layer: int, x: torch.Tensor, routing: Routing, on_cpu: list[int]) -> Future | None:
+    def start(self, layer: int, x: torch.Tensor, routing: Routing, on_cpu: list[int],
+              raise_flag: bool = False) -> Future | None:
         """Run Routing.experts[i] for i in on_cpu on the CPU over their tokens of x [T, H] (a prompt's layer call,
-        PROMPT_TOKENS or more, on the prompt runner)."""
+        PROMPT_TOKENS or more, on the prompt runner). raise_flag: its outputs are joined on the device
+        (join_on_device), the flag raised as the job ends, failed or not."""
         if not on_cpu:
             return None
         host = self.pool.wait_layer(layer)
         if layer not in self._tables:
             self._tables[layer] = layer_table(host, self.pool.layout)
         jobs = Pairs(*routing.pairs(on_cpu))
-        out = self._buffers(x.dtype, len(jobs.pos)) if self.zero_copy else None
+        out = self._buffers(x.dtype, len(jobs.pos)) if self.zero_copy or raise_flag else None
+        seq = self._next_flag(out, len(jobs.pos)) if raise_flag else None
         rows, copied = self._host_rows(x)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu")
         entered = threading.Event()
         pending = self._worker.submit(self._run, rows, host, jobs, routing.top_k, self._tables[layer], out,
-                                      x.shape[0] >= PROMPT_TOKENS, copied, entered)
+                                      x.shape[0] >= PROMPT_TOKENS, copied, entered, seq)
         # until the job is in its native call, which needs no GIL: the worker's Python before it got the GIL back
         # from this thread, busy queueing the device's work, only at the interpreter's switch interval (5 ms) (on
         # the H100 box a job started 0.9-1.4 ms after its layer's routing; the planning between takes ~0.3 ms on
@@ -85,6 +112,54 @@ class CpuJobs:
         copied.record()
         return rows, copied
 
+    def _next_flag(self, out, rows: int) -> int:
+        """The number the next raise_flag job raises the flag to, its outputs kept for join_on_device."""
+        if self._flag is None:  # page-locked on CUDA: the device reads the flag and writes err in place
+            pin = self.device.type == "cuda"
+            self._flag = torch.zeros(1, dtype=torch.long, pin_memory=pin)
+            self._err = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+        self._seq += 1
+        self._flagged = (out[0][:rows], out[1][:rows], self._seq)
+        return self._seq
+
+    def join_on_device(self, y: torch.Tensor) -> None:
+        """Queue on y's stream: wait until the last raise_flag job is done, then y [T*K, H] at its positions <-
+        its outputs, read in place. The host goes on at once."""
+        from engine.kernels.mailbox_triton import scatter_rows, wait_flag
+
+        pos, vals, seq = self._flagged
+        wait_flag(self._flag, seq, self._err)
+        scatter_rows(y, pos, vals)
+        if self.device.type == "cuda":
+            self._scatter_done = torch.cuda.Event()
+            self._scatter_done.record()
+
+    def defer(self, pending: Future, on_done) -> None:
+        """A raise_flag job joined on the device: collect() takes its result later and hands it to on_done."""
+        self.collect()
+        self._deferred = (pending, on_done)
+
+    def collect(self) -> None:
+        """The deferred job's result (waited for: by the time the device has read its outputs, which a later
+        routing's read-back implies, it is there), handed to its on_done. Its error raises here, as does the
+        device's wait given up before the job was done (the layer's output read unwritten rows). Nothing without
+        one."""
+        if self._deferred is None:
+            return
+        (pending, on_done), self._deferred = self._deferred, None
+        done = pending.result()
+        if int(self._err[0]):  # (page-locked on CUDA: read in place, once the device is past the wait)
+            self._err.zero_()
+            raise RuntimeError(f"the device gave up waiting for a CPU expert job after {done.seconds:.1f} s: that "
+                               "layer's output is wrong; the request fails")
+        on_done(done)
+
+    def drop(self) -> None:
+        """The deferred job, if any, waited for and forgotten, its outcome with it (its forward has failed)."""
+        if self._deferred is not None:
+            pending, self._deferred = self._deferred[0], None
+            wait((pending,))
+
     def place(self, y: torch.Tensor, done: CpuResult) -> None:
         """y [T*K, H] at done.pos <- done.vals: read in place from page-locked memory by a kernel on CUDA, else
         copied."""
@@ -102,14 +177,17 @@ class CpuJobs:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        self._deferred = None
         self._tables.clear()
 
     def _run(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs: Pairs, top_k: int, table, out=None,
-             prompt: bool = False, copied=None, entered: threading.Event | None = None) -> CpuResult:
+             prompt: bool = False, copied=None, entered: threading.Event | None = None,
+             seq: int | None = None) -> CpuResult:
         """Into `out` (positions, outputs: _buffers') when given. In inference mode, as the engine's thread that
         made `out` (a worker thread starts outside it, and writing an inference tensor there raises). prompt: a
         prompt's layer call (cpu_runner.prompt_threads); copied: the event after x_cpu's copy (_host_rows);
-        entered: set once the job no longer needs the GIL (or has failed)."""
+        entered: set once the job no longer needs the GIL (or has failed); seq: the flag raised at the end, once
+        the outputs are in out's rows (raise_flag)."""
         try:
             if copied is not None:
                 copied.synchronize()
@@ -119,9 +197,13 @@ class CpuJobs:
                                        out=None if out is None else out[1], prompt=prompt, entered=entered)
                 if out is not None:
                     pos = out[0][: len(pos)].copy_(pos)
+                    if seq is not None and vals.data_ptr() != out[1].data_ptr():
+                        vals = out[1][: len(vals)].copy_(vals)
         finally:
             if entered is not None:
                 entered.set()
+            if seq is not None:
+                self._flag[0] = seq
         # whether the outputs landed in out's rows, page-locked on CUDA (a path that cannot write there returns
         # its own)
         pinned = out is not None and self.device.type == "cuda" and vals.data_ptr() == out[1].data_ptr()

@@ -6,7 +6,8 @@ route (host grouping) -> hits run from their slots; of the m misses, split(m) ar
 and run on the device, the rest run on the CPU concurrently from the host pool -> outputs land in
 y [T*K, H] by (token, k) position -> `compute.combine` sums over k. The device's share runs in device_runs.py
 (DeviceRuns: hits while the copies land, then the fills; a layer with every expert in a slot without reading its
-routing back), the CPU share in cpu_jobs.py; a routed prompt's copies ahead of the next layer are planned in
+routing back), the CPU share in cpu_jobs.py (collected, or joined on the device, in cpu_collect.py: CpuCollect);
+a routed prompt's copies ahead of the next layer are planned in
 lookahead.py (CopiesAhead), the CPU's idle time between its jobs is timed in handoff.py (HandoffClock, CallTiming),
 what each call adds to the heat and the stats is counted in counting.py (CallCounting, settle() for the calls
 that did not read their routing back), and idle time's refresh of the slots is refresh.py's (IdleRefresh).
@@ -22,12 +23,14 @@ import torch
 
 from engine.experts.compute import Routing, combine
 from engine.experts.counting import CallCounting
-from engine.experts.cpu_jobs import CpuJobs
+from engine.experts import cpu_jobs
+from engine.experts.cpu_collect import CpuCollect
+from engine.experts.cpu_jobs import PROMPT_TOKENS, CpuJobs
 from engine.experts.device_runs import DeviceRuns
 from engine.experts.handoff import CallTiming, HandoffClock
 from engine.experts.host_pool import HostPool
 from engine.experts.lookahead import LOOKAHEAD_MODES, CopiesAhead
-from engine.experts.policy import BandwidthEstimate, sample_weight
+from engine.experts.policy import BandwidthEstimate
 from engine.experts.prefill_stream import REFILL_USES, STREAM_MODES, PrefillStreamer, pick_probability
 from engine.experts.refresh import REFRESH_MODES, IdleRefresh
 from engine.experts.slot_cache import SlotCache
@@ -54,19 +57,7 @@ class CallPlan(NamedTuple):
     behind: int  # experts' worth of copies still in flight that the plan counted (_behind)
 
 
-class CpuWait(NamedTuple):
-    """A routed layer call's CPU job as the engine thread saw it (the call log's; None without one)."""
-
-    started: float | None  # perf_counter when the job began
-    seconds: float | None  # its run
-    waited: float | None  # the engine thread's wait for its result
-    woke: float | None  # perf_counter when the engine thread had it
-
-
-_NO_CPU = CpuWait(None, None, None, None)
-
-
-class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCounting):
+class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCounting, CpuCollect):
     name = "offload"
     uses_handoff = False  # whether split / ahead_fills read self.handoff (the CPU's idle time per layer call)
     tops_up = True  # whether a nearly resident layer's last missing experts are copied ahead (lookahead.TOP_UP_S)
@@ -181,6 +172,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         never stream; None: not said, as 1 but for streaming): the cache's heat ages by them and weighs each
         expert by the tokens routed to it (lru.prompt_use_weights)."""
         decode, span = span == 1, span or 1
+        self.cpu_jobs.drop()  # a joined CPU job of a forward that failed before its end_forward
         self._held = hold
         self.settle()
         t = self.cache.table
@@ -208,6 +200,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
                 self._copy_ahead(first[0], first[1], with_cpu=False, after=None, then=False)
 
     def end_forward(self) -> None:
+        self.cpu_jobs.collect()  # the last CPU job joined on the device, its rate counted while the forward's on
         self._held = False
         self.settle()  # before _looked goes: a resident layer's copies ahead are counted there
         self._ahead = self._touch = None
@@ -225,21 +218,24 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
         self.handoff_clock.read_gaps()  # the routing's read-back waited for the device: earlier gaps' are done
+        self.cpu_jobs.collect()  # a CPU job joined on the device, whose outputs this routing read: its rate counted
         plan = self._plan_call(layer, routing, streaming)
         y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
         planned = time.perf_counter()
-        pending = self.cpu_jobs.start(layer, x, routing, plan.on_cpu)
+        join = cpu_jobs.JOIN_ON_DEVICE and self.grouped and self._held and x.shape[0] >= PROMPT_TOKENS
+        pending = self.cpu_jobs.start(layer, x, routing, plan.on_cpu, raise_flag=join)
         self._count_looked(layer, routing.experts)  # (a count alone: after the CPU's job is under way)
         self._queue_device(layer, x, y, routing, topk_ids, plan, pending is not None, streaming)
-        cpu = self._collect_cpu(pending, y, routing, plan, routed_at)
+        cpu = self._join_cpu(pending, y, routing, plan, routed_at) if join and pending is not None \
+            else self._collect_cpu(pending, y, routing, plan, routed_at)
         self._unlock()
         self._count(layer, len(plan.hits), len(plan.misses), len(plan.fills), len(plan.on_cpu))
         out = combine(y, topk_w)
         self._mark_exit(layer)
         if self.call_log is not None:
-            self._log_call(layer, "routed", t_in, len(plan.hits), len(plan.misses), len(plan.fills), len(plan.on_cpu),
-                           len(self._looked.get(plan.ahead[0], ())) if plan.ahead else 0, plan.behind, routed_at,
-                           cpu.started, cpu.seconds, cpu.waited, planned, cpu.woke)
+            self._log_call(layer, "joined" if cpu.joined else "routed", t_in, len(plan.hits), len(plan.misses),
+                           len(plan.fills), len(plan.on_cpu), len(self._looked.get(plan.ahead[0], ())) if plan.ahead
+                           else 0, plan.behind, routed_at, cpu.started, cpu.seconds, cpu.waited, planned, cpu.woke)
         return out
 
     # --- a layer call's steps, in forward's order
@@ -312,24 +308,6 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
                                      topk_ids)
         if plan.ahead and len(plan.ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
             self._copy_ahead(*plan.ahead, with_cpu=with_cpu, after=None if in_rounds else read, then=not in_rounds)
-
-    def _collect_cpu(self, pending, y: torch.Tensor, routing: Routing, plan: CallPlan, routed_at: float) -> CpuWait:
-        """The CPU job's outputs placed into y, its rate observed (the estimate's, the split's, the handoff's)."""
-        if pending is None:
-            return _NO_CPU
-        waited = time.perf_counter()
-        done = pending.result()
-        seconds, started = done.seconds, done.started
-        woke = time.perf_counter()
-        self.cpu_jobs.place(y, done)
-        nbytes = len(plan.on_cpu) * self.pool.expert_bytes
-        self.estimate.observe_cpu(nbytes, seconds, sample_weight(nbytes, self.pool.expert_bytes))
-        # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too
-        copying = bool(plan.fills) or (plan.ahead is not None and len(plan.ahead[1]) > 0)
-        self.observe("cpu", nbytes, seconds, together=copying, per=float(routing.counts[plan.on_cpu].mean()))
-        if self._timing_handoff():
-            self.handoff_clock.observe(started - routed_at)
-        return CpuWait(started, seconds, woke - waited, woke)
 
     def _unlock(self) -> None:
         self.cache.table.unlock_all()

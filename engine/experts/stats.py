@@ -61,7 +61,9 @@ class LayerCall(NamedTuple):
     its plan and where the host's time went, in ms from the call's start."""
 
     layer: int
-    kind: str  # "routed" (its routing read back: fills and CPU runs planned) or "unread" (every expert in a slot)
+    # "routed" (its routing read back: fills and CPU runs planned), "joined" (routed, its CPU job joined on the
+    # device: the cpu fields filled in when collected) or "unread" (every expert in a slot)
+    kind: str
     hits: int  # -1: not read back (unread)
     misses: int
     fills: int  # of the misses, copied in now
@@ -77,3 +79,16 @@ class LayerCall(NamedTuple):
     end_ms: float  # when the call returned
     planned_ms: float = -1.0  # when its split was made, the CPU job about to start (-1: unread)
     woke_ms: float = -1.0  # when the engine thread had the CPU job's result (-1: none)
+
+
+class CpuWait(NamedTuple):
+    """A routed layer call's CPU job as the engine thread saw it (the call log's; None without one)."""
+
+    started: float | None  # perf_counter when the job began
+    seconds: float | None  # its run
+    waited: float | None  # the engine thread's wait for its result
+    woke: float | None  # perf_counter when the engine thread had it
+    joined: bool = False  # joined on the device, not waited for: the rest is filled in when it is collected
+
+
+NO_CPU = CpuWait(None, None, None, None)

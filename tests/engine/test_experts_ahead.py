@@ -441,3 +441,55 @@ def test_an_unread_layer_counts_its_routing_as_it_was_when_called():
     heat = b.cache.table.heat[b.pool.row[0]]
     assert np.flatnonzero(heat).tolist() == routed
     b.close()
+
+
+@pytest.mark.parametrize("cls", [HybridBackend, CpuBackend])
+def test_a_prompts_cpu_job_joined_on_the_device_gives_the_host_joins_outputs(cls, monkeypatch):
+    """cpu_jobs.JOIN_ON_DEVICE (grouped kernels, here under Triton's interpreter): a held prompt's routed layer
+    call queues the wait for its CPU job's flag and the scatter of its rows, and returns without waiting for the
+    job; the job is collected at the next routed call or end_forward. Outputs equal the reference's; the cpu
+    backend's counts equal the host join's; the call log marks those calls `joined`, with the job's run filled in
+    once collected. A job that fails fails the forward (at its collection), and the next forward runs."""
+    pytest.importorskip("triton")
+    from engine.experts import cpu_jobs
+
+    src, deep = deep_pool()
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+    seed = int(torch.randint(1 << 30, ()))
+    x, ids, w = routing(40, seed=seed)  # 40 tokens: a prompt's call (cpu_jobs.PROMPT_TOKENS)
+
+    def forward(b):
+        b.begin_forward(40, K, hold=True, span=40)
+        outs = [b.forward(layer, x, ids, w) for layer in range(6)]
+        b.end_forward()
+        return outs
+
+    got = {}
+    for join in (False, True):
+        monkeypatch.setattr(cpu_jobs, "JOIN_ON_DEVICE", join)
+        b = cls(deep, 2 * E, "cpu", estimate=est, stream_prefill="off", slot_policy="lfu", lookahead="on",
+                grouped=True)
+        b.call_log = []
+        for layer, y in enumerate(forward(b)):
+            torch.testing.assert_close(y, reference(src, layer, x, ids, w), rtol=1e-5, atol=1e-5,
+                                       msg=f"seed {seed}")
+        got[join] = b.stats()["total"]
+        with_cpu = [c for c in b.call_log if c.cpu]
+        assert with_cpu and all(c.kind == ("joined" if join else "routed") for c in with_cpu)
+        assert all(c.cpu_ms > 0 and 0 <= c.cpu_start_ms <= c.woke_ms for c in with_cpu)
+        if join:
+            assert all(c.cpu_wait_ms == 0 for c in with_cpu)
+
+            def fail(*a, **k):
+                raise RuntimeError("a job that fails")
+
+            with monkeypatch.context() as m:
+                m.setattr(cpu_jobs, "run_on_cpu", fail)
+                with pytest.raises(RuntimeError, match="a job that fails"):
+                    forward(b)
+            for layer, y in enumerate(forward(b)):  # the next forward: the failed one's job is gone
+                torch.testing.assert_close(y, reference(src, layer, x, ids, w), rtol=1e-5, atol=1e-5)
+        check_table(b)
+        b.close()
+    if cls is CpuBackend:
+        assert got[True] == got[False]
