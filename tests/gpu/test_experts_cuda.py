@@ -201,3 +201,26 @@ def test_read_beside_copy_measures_both_rates(ckpt):
     assert both is not None and both.read > 1e9 and both.copy > 1e9
     assert both.read < 2 * host_read_rate(pool)
     eng.model.experts.close()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "hybrid"])
+def test_cuda_prompts_with_cpu_jobs_joined_on_the_device_match_fused(ckpt, backend, monkeypatch):
+    """cpu_jobs.JOIN_ON_DEVICE: routed prompts (streaming off) whose CPU jobs the device waits for (wait_flag)
+    while the host queues the layers after: greedy output equals the fused reference's, the call log says
+    `joined`, and no wait was given up."""
+    from engine.experts import cpu_jobs
+
+    monkeypatch.setattr(cpu_jobs, "JOIN_ON_DEVICE", True)
+    prompts = [[(13 * i + 1) % 250 for i in range(300)], [(11 * i + 5) % 250 for i in range(300)]]
+    fused = Engine.from_pretrained(ckpt, device="cuda")
+    refs = [fused.generate(p, 6) for p in prompts]
+    est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+    eng = Engine.from_pretrained(ckpt, device="cuda", expert_device="cpu",
+                                 experts=experts_factory(backend, device="cuda", slots=8, estimate=est,
+                                                         stream_prefill="off"))
+    b = eng.model.experts
+    b.call_log = []
+    assert [eng.generate(p, 6) for p in prompts] == refs
+    joined = [c for c in b.call_log if c.kind == "joined"]
+    assert joined and all(c.cpu_ms > 0 for c in joined) and int(b.cpu_jobs._err[0]) == 0
+    b.close()
