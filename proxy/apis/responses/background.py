@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from contextlib import AsyncExitStack
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, NamedTuple
 
 from aiohttp import web
 
@@ -119,6 +119,16 @@ class Job:
             self.tick = asyncio.Event()
 
 
+class EndedStream(NamedTuple):
+    """What follow() reads of a streamed job that has ended."""
+
+    fixed: dict
+    events: list[bytes]
+    event_bytes: int
+    final: dict | None
+    tick: asyncio.Event
+
+
 class EndedStreams:
     """The streamed jobs that ended last, kept for their events: a client whose stream broke just before the end
     can still read its tail. At most `capacity` jobs and `max_bytes` of events (Job.event_bytes as each ended),
@@ -128,15 +138,15 @@ class EndedStreams:
     def __init__(self, capacity: int = ENDED_STREAMS, max_bytes: int = ENDED_STREAMS_MB * MB):
         self.capacity, self.max_bytes = capacity, max_bytes
         self.held_bytes = 0
-        self._jobs: OrderedDict[str, tuple[Job, int]] = OrderedDict()  # with its event_bytes when put
+        self._jobs: OrderedDict[str, tuple[EndedStream, int]] = OrderedDict()  # with its event_bytes when put
 
-    def put(self, job: Job) -> None:
+    def put(self, job: EndedStream | Job) -> None:
         self._jobs[job.fixed["id"]] = (job, job.event_bytes)
         self.held_bytes += job.event_bytes
         while len(self._jobs) > 1 and (len(self._jobs) > self.capacity or self.held_bytes > self.max_bytes):
             self.held_bytes -= self._jobs.popitem(last=False)[1][1]
 
-    def get(self, response_id: str) -> Job | None:
+    def get(self, response_id: str) -> EndedStream | Job | None:
         kept = self._jobs.get(response_id)
         return kept[0] if kept is not None else None
 
@@ -161,7 +171,7 @@ class BackgroundJobs:
     def get(self, response_id: str) -> Job | None:
         return self._jobs.get(response_id)
 
-    def streamed(self, response_id: str) -> Job | None:
+    def streamed(self, response_id: str) -> Job | EndedStream | None:
         """The job whose events a stream can follow: running (events None where it keeps none), or a streamed
         one that ended lately."""
         return self._jobs.get(response_id) or self.ended.get(response_id)
@@ -180,7 +190,10 @@ class BackgroundJobs:
     def _retire(self, job: Job) -> None:
         self._jobs.pop(job.fixed["id"], None)
         if job.events is not None:
-            self.ended.put(job)
+            # its events and end alone (the job holds the request's prompt and history too), once it has its end: a
+            # job cancelled before it ran gets it from stopped(), after this
+            self.ended.put(job if job.final is None else
+                           EndedStream(job.fixed, job.events, job.event_bytes, job.final, job.tick))
 
     def after_end(self, ended: asyncio.Event, report: Callable[[], Awaitable[None]]) -> None:
         """report() once a job has ended (`ended`: its Job.ended), in a task close() waits for."""
@@ -219,7 +232,8 @@ async def background_lifetime(app: web.Application):
     await app[BACKGROUND].close()
 
 
-async def follow(request: web.Request, job: Job, keepalive_s: float, after: int = -1) -> web.StreamResponse:
+async def follow(request: web.Request, job: Job | EndedStream, keepalive_s: float,
+                 after: int = -1) -> web.StreamResponse:
     """The job's events as SSE, those whose sequence_number is over `after`, until it ends; a keep-alive comment
     when nothing came for keepalive_s. Any number of streams may follow one job, each at its own pace."""
     sse = SSEWriter(request)

@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 from conftest import FORCED
-from proxy.apis.responses.background import BACKGROUND, BackgroundJobs, EndedStreams
+from proxy.apis.responses.background import BACKGROUND, BackgroundJobs, EndedStream, EndedStreams
 from proxy.apis.responses.store import RESPONSES
 from proxy.context import CTX
 
@@ -296,6 +296,8 @@ async def test_a_stream_resumes_after_the_end_until_its_events_are_dropped(aioht
     first = await streamed()
     first_id = first[0]["response"]["id"]
     await retired(app)
+    kept = app[BACKGROUND].ended.get(first_id)  # its events and end, not the job with the request's prompt
+    assert isinstance(kept, EndedStream) and kept.final["status"] == "completed"
     assert await resumed(client, first_id, len(first) - 3) == first[-2:]
     assert await resumed(client, first_id) == first and await resumed(client, first_id, len(first) + 5) == []
     second, third = await streamed(), await streamed()
