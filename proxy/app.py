@@ -222,6 +222,8 @@ def access_middleware(log_lines: bool):
 
         async def done(status: int) -> None:
             request.app[CTX].metrics.request_done(_route_label(request), status)
+            if status == CLIENT_CLOSED:
+                idle_abort_hint(request, time.monotonic() - started)
             if not log_lines:
                 return
             turn = request.get(TURN)
@@ -236,6 +238,25 @@ def access_middleware(log_lines: bool):
         return await answered(request, handler, done)
 
     return access
+
+
+# Claude Code gives up on a stream that sends no event for 300 s unless CLAUDE_STREAM_IDLE_TIMEOUT_MS says longer
+# (keep-alive pings do not count): a client of it that left this long after its request, with no output sent yet,
+# most likely did
+CLAUDE_IDLE_ABORT_S = 290.0
+
+
+def idle_abort_hint(request: web.Request, seconds: float) -> None:
+    """A warning naming the fix when a Claude Code request was given up by its client after CLAUDE_IDLE_ABORT_S
+    or more without output (a long prefill, or a queue): `killick launch claude` sets the timeout; a bare
+    `claude` needs it set."""
+    turn = request.get(TURN)
+    if seconds < CLAUDE_IDLE_ABORT_S or "claude-cli/" not in request.headers.get("User-Agent", "") or (
+            turn is not None and turn.first_output_s is not None):
+        return
+    log.warning("Claude Code gave up on %s after %.0f s with no output yet: it aborts a stream that sends no event "
+                "for 300 s (keep-alive pings do not count). Start it with `killick launch claude`, or set "
+                "CLAUDE_STREAM_IDLE_TIMEOUT_MS=3600000 in its environment", request.path, seconds)
 
 
 def _route_label(request: web.Request) -> str:

@@ -112,6 +112,42 @@ async def test_the_access_line_of_a_request_failed_before_any_output_has_no_ttft
     assert int(re.search(r" out=(\d+) ", mid)[1]) > 0 and " ttft=" in mid and " error" not in mid
 
 
+@pytest.mark.parametrize("agent,leave_after,hinted", [("claude-cli/2.1.197 (external, cli)", 1.3, True),
+                                                      ("claude-cli/2.1.197 (external, cli)", 0.05, False),
+                                                      ("OpenAI/Python 1.99", 1.3, False)])
+async def test_claude_code_giving_up_a_silent_stream_is_a_warning_naming_the_fix(aiohttp_server, fake_stack,
+                                                                                  monkeypatch, caplog, agent,
+                                                                                  leave_after, hinted):
+    """A Claude Code client that leaves a streamed request after its idle limit (here 1 s for 300) with no
+    output sent yet (a long prefill: pings do not count for it) gets a warning naming `killick launch claude` and
+    CLAUDE_STREAM_IDLE_TIMEOUT_MS; one leaving sooner, or another client, does not."""
+    import logging
+
+    import aiohttp
+
+    from proxy import app as app_module
+
+    monkeypatch.setattr(app_module, "CLAUDE_IDLE_ABORT_S", 1.0)
+    app, core = fake_stack(prefill_s=5.0, keepalive_s=0.05)
+    server = await aiohttp_server(app)
+    body = {"model": "m", "max_tokens": 5, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with caplog.at_level(logging.WARNING, logger="killick.proxy"):
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(server.make_url("/v1/messages"), json=body, headers={"User-Agent": agent})
+            assert (await resp.content.readline()).startswith(b"event: message_start")
+            await asyncio.sleep(leave_after)
+            resp.close()
+        for _ in range(100):
+            if core.aborted:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+    warned = [r.getMessage() for r in caplog.records if "Claude Code gave up" in r.getMessage()]
+    assert core.aborted and len(warned) == int(hinted)
+    if hinted:
+        assert "killick launch claude" in warned[0] and "CLAUDE_STREAM_IDLE_TIMEOUT_MS=3600000" in warned[0]
+
+
 async def test_access_log_counts_tokens_held_back_before_the_first_output(aiohttp_server, fake_stack, sdk, caplog):
     """The first output event leaves with the sixth token of "</think>\\n\\n<toolbox" (the thinking block's end
     and the blank line make no event, "<" and "<t" may open a tool call) and the access line says so (held=6),
