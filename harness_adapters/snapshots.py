@@ -10,8 +10,10 @@ restarted.
 
 A conversation is the harness's session id together with its first conversation message (sub-agents share
 the main session id but open with their own task). A request without an assistant message starts one and
-sets its snapshot; so does the first request this server sees of a conversation. Bounded: the least recently
-used conversations are forgotten, and a forgotten one just keeps the snapshot it sends.
+sets its snapshot; so does the first request this server sees of a conversation. Either is set once the
+request is admitted (`commit`, with what `keep` left in conv.extras["snapshot"]): one refused after planning,
+or only counted, sets nothing. Bounded: the least recently used conversations are forgotten, and a forgotten
+one just keeps the snapshot it sends.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 from harness_adapters.rules import VolatileText, rules_of
 from proxy.conversation import Conversation, Message, TextPart
@@ -35,7 +37,8 @@ class Snapshots:
     def keep(self, conv: Conversation, rules: Iterable, session: Optional[str]) -> Conversation:
         """conv with the first match of each snapshot rule in its first system message (matches that do not
         overlap) as its conversation's first request had it. `session`: the harness's session id (None: not
-        said, so nothing is kept)."""
+        said, so nothing is kept). A request that sets its conversation's snapshot carries it in
+        extras["snapshot"], for commit() once admitted."""
         rules = [r for r in rules_of(rules, VolatileText) if r.snapshot]
         first = conv.messages[0] if conv.messages else None
         opening = next((m for m in conv.messages[1:] if m.role != "system"), None)
@@ -48,17 +51,39 @@ class Snapshots:
         resumed = any(m.role == "assistant" for m in conv.messages)
         with self._lock:
             kept = self._texts.get(key) if resumed else None
-            self._texts[key] = sent if kept is None else kept
-            self._texts.move_to_end(key)
-            while len(self._texts) > self.capacity:
-                self._texts.popitem(last=False)
-        if kept is None or kept == sent:
+            if kept is not None:
+                self._texts.move_to_end(key)
+        if kept is None:  # this request's own snapshot, kept for its conversation once it is admitted
+            return replace(conv, extras={**conv.extras, "snapshot": Pending(key, sent, not resumed)})
+        if kept == sent:
             return conv
         swaps = sorted((span, old) for span, old in zip(spans, kept) if span is not None and old is not None)
         for (start, end), old in reversed(swaps):  # from the end, so earlier spans keep their offsets
             text = text[:start] + old + text[end:]
         parts = (TextPart(text),) + tuple(p for p in first.parts if not isinstance(p, TextPart))
         return replace(conv, messages=(Message("system", parts),) + conv.messages[1:])
+
+
+    def commit(self, pending: Optional["Pending"]) -> None:
+        """An admitted request's snapshot (keep's extras["snapshot"]; None: nothing) kept for its conversation: a
+        conversation's start replaces what was kept; a resumed one unknown here sets it unless a request of it
+        admitted meanwhile did."""
+        if pending is None:
+            return
+        with self._lock:
+            if pending.starts or pending.key not in self._texts:
+                self._texts[pending.key] = pending.texts
+            self._texts.move_to_end(pending.key)
+            while len(self._texts) > self.capacity:
+                self._texts.popitem(last=False)
+
+
+class Pending(NamedTuple):
+    """A request's snapshot, to keep for its conversation once admitted (Snapshots.commit)."""
+
+    key: tuple[str, str]  # (session id, digest of the opening message)
+    texts: tuple[Optional[str], ...]  # each snapshot rule's match in the request (None: none)
+    starts: bool  # the request starts its conversation (no assistant message yet)
 
 
 def snapshot_span(text: str, rule: VolatileText) -> Optional[tuple[int, int]]:

@@ -89,7 +89,7 @@ class CachePolicy:
         return TurnPlan(checkpoint_positions=anchors.checkpoint_positions, session_key=key, record=record,
                         session_source=source, kind=kind, harness=adapter.name, edit=edit, resume_at=resume,
                         anchors=anchors, prompt_ids=tuple(rendered.ids), segments=tuple(rendered.segments),
-                        conversation=conv)
+                        conversation=conv, snapshot=conv.extras.get("snapshot"))
 
     def admit_turn(self, turn: TurnPlan) -> TurnPlan:
         """The turn numbered, once the engine (or an upstream) took the request: one refused after planning (a
@@ -144,6 +144,7 @@ class PolicyPlanner:
         return self.policy.plan_turn(request or {}, headers, conv, rendered, adapter)
 
     def admit(self, plan: TurnPlan) -> TurnPlan:
+        self.harness.snapshots.commit(plan.snapshot)
         return self.policy.admit_turn(plan)
 
     def finish(self, plan: TurnPlan, output_ids: Sequence[int], usage: Usage) -> TurnRecord:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 from harness_adapters import Adapter, Registry, default_registry
 from harness_adapters.layout import LAYOUTS, name_served_model, stable_first
 from harness_adapters.normalize import normalize
-from harness_adapters.snapshots import Snapshots
+from harness_adapters.snapshots import Pending, Snapshots
 from proxy.conversation import Conversation
 from proxy.policy.sessions import session_hint
 from proxy.policy.turns import RenderedLike, TurnRecord, from_other_sessions
@@ -41,6 +41,7 @@ class Plan:
     checkpoint_positions: tuple[int, ...] = ()
     session_key: Optional[str] = None
     record: Optional[TurnRecord] = None
+    snapshot: Optional[Pending] = None  # the harness snapshot to keep once the request is admitted (Snapshots)
 
     @property
     def side_kind(self) -> Optional[str]:
@@ -124,9 +125,11 @@ class NoAnchors:
 
     def __call__(self, conv: Conversation, rendered: RenderedLike, headers: Mapping[str, str],
                  request: Optional[Mapping] = None) -> Plan:
-        return Plan()
+        return Plan(snapshot=conv.extras.get("snapshot"))
 
     def admit(self, plan: Plan) -> Plan:
+        if self.harness is not None:
+            self.harness.snapshots.commit(plan.snapshot)
         return plan
 
     def finish(self, plan: Plan, output_ids: Sequence[int], usage: Usage) -> None:

@@ -104,38 +104,63 @@ def status(c: Conversation) -> str:
     return c.messages[0].text.split("Status:\n")[1].split("\n")[0]
 
 
+def admitted(snaps: Snapshots, c: Conversation, session) -> Conversation:
+    """keep(), then commit() as the request's admission does."""
+    out = snaps.keep(c, SNAP, session)
+    snaps.commit(out.extras.get("snapshot"))
+    return out
+
+
 def test_a_resumed_conversation_keeps_the_snapshot_it_started_with():
     snaps = Snapshots()
-    assert status(snaps.keep(conv(), SNAP, "s1")) == "(clean)"  # the first request sets it
-    assert status(snaps.keep(conv(history=TURN), SNAP, "s1")) == "(clean)"
-    resumed = snaps.keep(conv(status="M calc.py", history=TURN * 2), SNAP, "s1")  # --continue: a new snapshot
+    assert status(admitted(snaps, conv(), "s1")) == "(clean)"  # the first request sets it
+    assert status(admitted(snaps, conv(history=TURN), "s1")) == "(clean)"
+    resumed = admitted(snaps, conv(status="M calc.py", history=TURN * 2), "s1")  # --continue: a new snapshot
     assert resumed == conv(status="(clean)", history=TURN * 2)
     # another session, a sub-agent (own first message) and a request naming no session keep what they send
-    assert status(snaps.keep(conv(status="M calc.py", history=TURN), SNAP, "s2")) == "M calc.py"
+    assert status(admitted(snaps, conv(status="M calc.py", history=TURN), "s2")) == "M calc.py"
     sub = conv(status="M calc.py", history=TURN)
     sub = Conversation((sub.messages[0], user("Explore the repo")) + TURN, tools=sub.tools)
-    assert status(snaps.keep(sub, SNAP, "s1")) == "M calc.py"
-    assert status(snaps.keep(conv(status="M calc.py", history=TURN), SNAP, None)) == "M calc.py"
+    assert status(admitted(snaps, sub, "s1")) == "M calc.py"
+    assert status(admitted(snaps, conv(status="M calc.py", history=TURN), None)) == "M calc.py"
     # a request without an assistant message starts the conversation again: its snapshot wins from then on
-    assert status(snaps.keep(conv(status="D x.py"), SNAP, "s1")) == "D x.py"
-    assert status(snaps.keep(conv(status="M calc.py", history=TURN), SNAP, "s1")) == "D x.py"
+    assert status(admitted(snaps, conv(status="D x.py"), "s1")) == "D x.py"
+    assert status(admitted(snaps, conv(status="M calc.py", history=TURN), "s1")) == "D x.py"
 
 
 def test_only_the_snapshot_is_kept_not_what_follows_it():
     snaps = Snapshots()
-    snaps.keep(conv(), SNAP, "s1")
+    admitted(snaps, conv(), "s1")
     later = conv(status="M calc.py", history=TURN)
     styled = Message("system", (TextPart(later.messages[0].text + "\n\nOutput style: explanatory."),))
-    out = snaps.keep(Conversation((styled,) + later.messages[1:], tools=later.tools), SNAP, "s1")
+    out = admitted(snaps, Conversation((styled,) + later.messages[1:], tools=later.tools), "s1")
     assert out.messages[0].text == conv().messages[0].text + "\n\nOutput style: explanatory."
 
 
 def test_snapshots_are_bounded_and_a_forgotten_conversation_keeps_what_it_sends():
     snaps = Snapshots(capacity=2)
     for sid in ("s1", "s2", "s3"):
-        snaps.keep(conv(), SNAP, sid)
-    assert status(snaps.keep(conv(status="M calc.py", history=TURN), SNAP, "s1")) == "M calc.py"
-    assert status(snaps.keep(conv(status="M calc.py", history=TURN), SNAP, "s3")) == "(clean)"
+        admitted(snaps, conv(), sid)
+    assert status(admitted(snaps, conv(status="M calc.py", history=TURN), "s1")) == "M calc.py"
+    assert status(admitted(snaps, conv(status="M calc.py", history=TURN), "s3")) == "(clean)"
+
+
+def test_a_snapshot_is_kept_only_once_its_request_is_admitted():
+    """A first request refused after planning (or only counted) sets nothing: the next one of its conversation
+    keeps its own; two first requests admitted in turn: the later start wins; a resumed request this server has
+    not seen sets it unless one admitted meanwhile did."""
+    snaps = Snapshots()
+    snaps.keep(conv(status="D refused.py"), SNAP, "s1")  # planned, never admitted
+    assert status(admitted(snaps, conv(status="M calc.py", history=TURN), "s1")) == "M calc.py"
+    assert status(admitted(snaps, conv(status="A new.py", history=TURN * 2), "s1")) == "M calc.py"
+    early, late = snaps.keep(conv(status="A a.py"), SNAP, "s2"), snaps.keep(conv(status="A b.py"), SNAP, "s2")
+    snaps.commit(early.extras["snapshot"])
+    snaps.commit(late.extras["snapshot"])
+    assert status(admitted(snaps, conv(status="x", history=TURN), "s2")) == "A b.py"
+    one, other = (snaps.keep(conv(status=st, history=TURN), SNAP, "s3") for st in ("M one.py", "M other.py"))
+    snaps.commit(other.extras["snapshot"])
+    snaps.commit(one.extras["snapshot"])
+    assert status(admitted(snaps, conv(status="x", history=TURN), "s3")) == "M other.py"
 
 
 def test_the_normalizer_keeps_snapshots_per_session_hint_in_the_stable_layout_only():
@@ -143,7 +168,7 @@ def test_the_normalizer_keeps_snapshots_per_session_hint_in_the_stable_layout_on
     body = {"metadata": {"user_id": json.dumps({"session_id": "0b8c2a9e-5d1f-4c7a-9e3b-2f6d8a1c4e7b"})}}
     stable, template = HarnessNormalizer(served_model="demo"), HarnessNormalizer(layout="template")
     for harness in (stable, template):
-        harness.normalize(conv(), headers, body)
+        harness.snapshots.commit(harness.normalize(conv(), headers, body).extras.get("snapshot"))
     resumed = conv(status="M calc.py", line="killick-other.", trailer="", history=TURN)
     out = stable.normalize(resumed, headers, body)
     first = stable.normalize(conv(history=TURN), headers, body)

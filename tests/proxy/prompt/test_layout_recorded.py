@@ -123,8 +123,13 @@ def test_a_continue_with_another_model_keeps_the_system_turn():
     assert len(session) == 8 and resumed.body["model"] != session[0].body["model"]
     for layout in ("stable", "template"):
         harness = HarnessNormalizer(layout=layout, served_model=session[0].body["model"])
-        last, cont = [renderer.render(harness.normalize(conversation(e), e.headers, e.body))
-                      for e in session + [resumed]][-2:]
+
+        def admitted(e):  # normalised, then its snapshot kept as the request's admission does
+            out = harness.normalize(conversation(e), e.headers, e.body)
+            harness.snapshots.commit(out.extras.get("snapshot"))
+            return out
+
+        last, cont = [renderer.render(admitted(e)) for e in session + [resumed]][-2:]
         shared = common_prefix_len(last.ids, cont.ids)
         (system,) = cont.of_kind("system")
         if layout == "stable":
