@@ -63,7 +63,6 @@ class Snapshots:
         parts = (TextPart(text),) + tuple(p for p in first.parts if not isinstance(p, TextPart))
         return replace(conv, messages=(Message("system", parts),) + conv.messages[1:])
 
-
     def commit(self, pending: Optional["Pending"]) -> None:
         """An admitted request's snapshot (keep's extras["snapshot"]; None: nothing) kept for its conversation: a
         conversation's start replaces what was kept; a resumed one unknown here sets it unless a request of it
