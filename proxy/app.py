@@ -19,7 +19,7 @@ import hmac
 import logging
 import re
 import time
-from typing import Protocol
+from typing import Awaitable, Callable, Protocol
 from urllib.parse import quote
 
 from aiohttp import web
@@ -159,15 +159,20 @@ def observe_middleware(observer: TurnObserver):
             if not request.get(AUTHENTICATED):
                 return
             turn = request.get(TURN)
-            report = functools.partial(observer.turn_done, request, turn, status, started)
-            if turn is not None and turn.ended is not None and not turn.ended.is_set():
-                request.app[BACKGROUND].after_end(turn.ended, report)  # heard of as the response ended
-            else:
-                await report()
+            await when_over(request, functools.partial(observer.turn_done, request, turn, status, started))
 
         return await answered(request, handler, done)
 
     return observe
+
+
+async def when_over(request: web.Request, report: Callable[[], Awaitable[None]]) -> None:
+    """report() now, or for a background response's create call once its response has ended (Turn.ended)."""
+    turn = request.get(TURN)
+    if turn is not None and turn.ended is not None and not turn.ended.is_set():
+        request.app[BACKGROUND].after_end(turn.ended, report)
+    else:
+        await report()
 
 
 async def plan_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -224,16 +229,8 @@ def access_middleware(log_lines: bool):
             request.app[CTX].metrics.request_done(_route_label(request), status)
             if status == CLIENT_CLOSED:
                 idle_abort_hint(request, time.monotonic() - started)
-            if not log_lines:
-                return
-            turn = request.get(TURN)
-            if turn is not None and turn.ended is not None and not turn.ended.is_set():
-                async def log_ended() -> None:
-                    access_logger.info("%s", access_line(request, status, time.monotonic() - started))
-
-                request.app[BACKGROUND].after_end(turn.ended, log_ended)
-            else:
-                access_logger.info("%s", access_line(request, status, time.monotonic() - started))
+            if log_lines:
+                await when_over(request, functools.partial(log_access, request, status, started))
 
         return await answered(request, handler, done)
 
@@ -257,6 +254,10 @@ def idle_abort_hint(request: web.Request, seconds: float) -> None:
     log.warning("Claude Code gave up on %s after %.0f s with no output yet: it aborts a stream that sends no event "
                 "for 300 s (keep-alive pings do not count). Start it with `killick launch claude`, or set "
                 "CLAUDE_STREAM_IDLE_TIMEOUT_MS=3600000 in its environment", request.path, seconds)
+
+
+async def log_access(request: web.Request, status: int, started: float) -> None:
+    access_logger.info("%s", access_line(request, status, time.monotonic() - started))
 
 
 def _route_label(request: web.Request) -> str:
