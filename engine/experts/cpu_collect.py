@@ -3,7 +3,7 @@ job is done (_collect_cpu), or joined on the device while the host goes on (_joi
 the job's rate counted when it is collected later); either way the job's rate observed (_observe_cpu).
 
 CpuCollect is the part of OffloadBackend that does it; it reads the backend's cpu_jobs, pool, estimate, observe,
-handoff_clock, _timing_handoff and call_log.
+handoff_clock, _timing_handoff, call_log and _log_joined_job.
 """
 from __future__ import annotations
 
@@ -48,8 +48,4 @@ class CpuCollect:
         self.observe("cpu", nbytes, seconds, together=copying, per=float(routing.counts[plan.on_cpu].mean()))
         if self._timing_handoff():
             self.handoff_clock.observe(started - routed_at)
-        if entry is not None and self.call_log is not None and entry < len(self.call_log):
-            call = self.call_log[entry]
-            ms = lambda t: (t - call.at) * 1e3  # noqa: E731
-            self.call_log[entry] = call._replace(cpu_start_ms=ms(started), cpu_ms=seconds * 1e3,
-                                                 woke_ms=ms(time.perf_counter()))
+        self._log_joined_job(entry, started, seconds)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -158,7 +158,7 @@ class CpuJobs:
         """The deferred job, if any, waited for and forgotten, its outcome with it (its forward has failed)."""
         if self._deferred is not None:
             pending, self._deferred = self._deferred[0], None
-            wait((pending,))
+            pending.exception()  # waits; the job's error, if any, goes with it
 
     def place(self, y: torch.Tensor, done: CpuResult) -> None:
         """y [T*K, H] at done.pos <- done.vals: read in place from page-locked memory by a kernel on CUDA, else

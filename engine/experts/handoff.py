@@ -15,6 +15,7 @@ and _looking_ahead.
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from statistics import median
@@ -79,6 +80,11 @@ class HandoffClock:
 
 
 
+def _ms_after(t0: float, t: float | None) -> float:
+    """perf_counter t in ms after t0, as the call log keeps times (-1: none)."""
+    return (t - t0) * 1e3 if t is not None else -1.0
+
+
 class CallTiming:
     """Around each layer call: the handoff clock's marks and the call log's entry (OffloadBackend's part)."""
 
@@ -86,10 +92,19 @@ class CallTiming:
                   ahead: int, behind: int, routed_at: float | None = None, started: float | None = None,
                   seconds: float | None = None, waited: float | None = None, planned: float | None = None,
                   woke: float | None = None) -> None:
-        ms = lambda t: (t - t_in) * 1e3 if t is not None else -1.0  # noqa: E731
+        ms = functools.partial(_ms_after, t_in)
         self.call_log.append(LayerCall(layer, kind, hits, misses, fills, cpu, ahead, behind, self.handoff * 1e3,
                                        t_in, ms(routed_at), ms(started), (seconds or 0.0) * 1e3,
                                        (waited or 0.0) * 1e3, ms(time.perf_counter()), ms(planned), ms(woke)))
+
+    def _log_joined_job(self, entry: int | None, started: float, seconds: float) -> None:
+        """Call log entry `entry` (a joined call's, written as it returned; None: no log) given its CPU job's start
+        and run, and when the engine thread collected it (now)."""
+        if entry is None or self.call_log is None or entry >= len(self.call_log):
+            return
+        call = self.call_log[entry]
+        self.call_log[entry] = call._replace(cpu_start_ms=_ms_after(call.at, started), cpu_ms=seconds * 1e3,
+                                             woke_ms=_ms_after(call.at, time.perf_counter()))
 
     def _mark_enter(self, layer: int) -> None:
         """A routed prompt's MoE layer call begins: the device's time since the last one ended, the layers'
