@@ -116,8 +116,9 @@ class CpuJobs:
         """The number the next raise_flag job raises the flag to, its outputs kept for join_on_device."""
         if self._flag is None:  # page-locked on CUDA: the device reads the flag and writes err in place
             pin = self.device.type == "cuda"
-            self._flag = torch.zeros(1, dtype=torch.long, pin_memory=pin)
-            self._err = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+            with torch.inference_mode(False):  # normal tensors: the job's thread, outside inference mode, writes
+                self._flag = torch.zeros(1, dtype=torch.long, pin_memory=pin)
+                self._err = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self._seq += 1
         self._flagged = (out[0][:rows], out[1][:rows], self._seq)
         return self._seq

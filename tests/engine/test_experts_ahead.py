@@ -458,10 +458,11 @@ def test_a_prompts_cpu_job_joined_on_the_device_gives_the_host_joins_outputs(cls
     seed = int(torch.randint(1 << 30, ()))
     x, ids, w = routing(40, seed=seed)  # 40 tokens: a prompt's call (cpu_jobs.PROMPT_TOKENS)
 
-    def forward(b):
-        b.begin_forward(40, K, hold=True, span=40)
-        outs = [b.forward(layer, x, ids, w) for layer in range(6)]
-        b.end_forward()
+    def forward(b):  # in inference mode, as the engine runs: the job's thread writes the flag outside it
+        with torch.inference_mode():
+            b.begin_forward(40, K, hold=True, span=40)
+            outs = [b.forward(layer, x, ids, w) for layer in range(6)]
+            b.end_forward()
         return outs
 
     got = {}
