@@ -123,14 +123,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "auto: on CUDA)")
     p.add_argument("--moe-decode", default="auto", choices=["auto", "mapped", "host"],
                    help="how decode goes through the expert cache (as serve; default auto)")
-    p.add_argument("--expert-threads", type=int,
-                   help="CPU expert workers for cpu / hybrid (default as serve: half the cores on CUDA)")
-    p.add_argument("--prompt-expert-threads", type=_at_least(1),
-                   help="CPU expert workers for a prompt's layer calls (32 tokens or more; default as serve: "
-                        "every physical core but three on CUDA)")
-    p.add_argument("--expert-tile-tokens", type=_at_least(0),
-                   help="CPU expert layer calls averaging this many tokens an expert run on the CPU's matrix tiles "
-                        "(as serve; 0: never; default 5 where the CPU has AMX)")
+    add_expert_thread_arguments(p)
     p.add_argument("--cpu-share", type=float,
                    help="hybrid mapped decode: this share of the non-resident experts runs on the CPU, fixed "
                         "(default: searched for the shortest measured step, per batch size)")
@@ -145,6 +138,32 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "the job's flag) and goes on queuing the layers after instead of waiting for the job (off "
                         "by default until run on a GPU: engine/experts/cpu_jobs.py JOIN_ON_DEVICE)")
     p.add_argument("--json", help="write the results here")
+
+
+def add_expert_thread_arguments(p: argparse.ArgumentParser) -> None:
+    """The CPU expert runner's worker counts and tile setting (bench model, profile_decode), as serve takes them;
+    set_expert_threads_from applies them."""
+    p.add_argument("--expert-threads", type=int,
+                   help="CPU expert workers for cpu / hybrid (default as serve: half the cores on CUDA)")
+    p.add_argument("--prompt-expert-threads", type=_at_least(1),
+                   help="CPU expert workers for a prompt's layer calls (32 tokens or more; default as serve: "
+                        "every physical core but three on CUDA)")
+    p.add_argument("--expert-tile-tokens", type=_at_least(0),
+                   help="CPU expert layer calls averaging this many tokens an expert run on the CPU's matrix tiles "
+                        "(as serve; 0: never; default 5 where the CPU has AMX)")
+
+
+def set_expert_threads_from(args: argparse.Namespace) -> None:
+    """The CPU expert runner set up from add_expert_thread_arguments' options on args.device, as serve sets it
+    (engine/build.py): a benchmark that leaves it at torch's thread count runs a prompt's CPU experts on every
+    core, beside the engine's own threads."""
+    import torch
+
+    from engine.build import EngineOptions, set_expert_threads
+
+    set_expert_threads(EngineOptions(device=args.device, expert_threads=args.expert_threads,
+                                     prompt_expert_threads=args.prompt_expert_threads,
+                                     expert_tile_tokens=args.expert_tile_tokens), torch.device(args.device))
 
 
 def _rule_tiles(text: str):

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine.bench.args import set_expert_threads_from
 from engine.bench.report import batch_scaling
 from engine.bench.traffic import ExpertTraffic
 
@@ -252,12 +253,8 @@ def build(args):
     dtype = parse_dtype(args.dtype)
     zipf = args.router_zipf
     cached = args.moe_backend != "fused"
-    if cached:  # as serve: --expert-threads, else half the cores on CUDA (engine/build.py expert_threads)
-        from engine.build import set_expert_threads
-
-        set_expert_threads(EngineOptions(device=args.device, expert_threads=args.expert_threads,
-                                         prompt_expert_threads=args.prompt_expert_threads,
-                                         expert_tile_tokens=args.expert_tile_tokens), torch.device(args.device))
+    if cached:
+        set_expert_threads_from(args)
     where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
                                          slot_policy=args.slot_policy, decode=args.moe_decode,
                                          prefetch=args.moe_prefetch, lookahead=args.moe_lookahead,

@@ -31,6 +31,7 @@ from collections import defaultdict
 
 import torch
 
+from engine.bench.args import add_expert_thread_arguments, set_expert_threads_from
 from engine.bench.report import print_buckets, print_split
 from engine.flags import device_arg, moe_slots_arg
 from engine.bench.syncs import SyncSites
@@ -44,6 +45,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--synthetic", default="qwen3.6-35b-a3b", help="synthetic size (default %(default)s)")
+    p.add_argument("--router-zipf", type=float, default=None,
+                   help="routers skewed so expert popularity follows a Zipf law of this exponent (as bench model's)")
     p.add_argument("--device", type=device_arg, default="cuda", help="cuda (a CPU run only checks the script)")
     p.add_argument("--moe-backend", choices=("fused", "offload", "cpu", "hybrid"), default="fused")
     p.add_argument("--moe-slots", type=moe_slots_arg, default="37.5%",
@@ -55,6 +58,7 @@ def main(argv=None) -> int:
                    help="how decode goes through the expert cache (as serve)")
     p.add_argument("--moe-prefetch", choices=("auto", "on", "off"), default="auto",
                    help="a mapped decode copies each layer's likely expert in while its mixer runs (as serve)")
+    add_expert_thread_arguments(p)
     p.add_argument("--trace", help="with --prefill: write the profiled prompt's Chrome trace here (copy and "
                                   "compute streams on one time line: does the stream hide under the compute?)")
     p.add_argument("--decode-trace", help="write the profiled decode steps' Chrome trace here (every stream's "
@@ -80,10 +84,13 @@ def main(argv=None) -> int:
     if cached:
         from engine.experts.registry import experts_factory
 
+        set_expert_threads_from(args)
+
         where = dict(experts=experts_factory(args.moe_backend, device=args.device, slots=args.moe_slots,
                                              decode=args.moe_decode, prefetch=args.moe_prefetch),
                      expert_device="cpu")
-    model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=torch.bfloat16, **where)
+    model, _ = synth_model(args.synthetic, args.layers, device=args.device, dtype=torch.bfloat16,
+                           router_zipf=args.router_zipf, **where)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     if model.device.type == "cuda":
         model.enable_fast(slots=args.batch + (1 if args.prefill else 0), graphs=True,

@@ -246,6 +246,29 @@ def test_bench_model_refuses_a_decode_window_it_cannot_time(capsys):
         assert f"argument {flag}: must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_profile_decode_runs_a_prompts_cpu_experts_on_the_workers_serve_would(monkeypatch, capsys, tmp_path):
+    """profile_decode sets the CPU expert runner up as serve and bench model do (--expert-threads,
+    --prompt-expert-threads; else engine/build.py's defaults), not at torch's thread count, so its extend's layer
+    log is the served extend's; --router-zipf skews the synthetic routers as bench model's does."""
+    from engine import synth
+    from engine.bench import profile_decode
+    from engine.experts import cpu_runner
+
+    for name in ("_threads", "_prompt_threads", "_tile_tokens"):
+        monkeypatch.setattr(cpu_runner, name, [None])
+    skewed, skew = [], synth._skew_routers
+    monkeypatch.setattr(synth, "_skew_routers", lambda t, cfg, a, seed: skewed.append(a) or skew(t, cfg, a, seed))
+    out = tmp_path / "p.json"
+    assert profile_decode.main(["--device", "cpu", "--synthetic", "tiny", "--layers", "2", "--moe-backend", "hybrid",
+                                "--moe-slots", "50%", "--router-zipf", "1.0", "--prefill", "64", "--extend", "32",
+                                "--extend-runs", "1", "--steps", "2", "--expert-threads", "1",
+                                "--prompt-expert-threads", "2", "--json", str(out)]) == 0
+    assert cpu_runner.expert_threads() == 1 and cpu_runner.prompt_threads() == 2
+    assert skewed == [1.0]
+    assert json.loads(out.read_text())["extend"]["tokens"] == 32
+    assert "extend 32 tokens after a cached 64" in capsys.readouterr().out
+
+
 def test_profile_decode_counts_overlapping_spans_once():
     from engine.bench.profile_decode import _union_us
 
