@@ -196,8 +196,11 @@ def forced_ids(renderer, tokenizer, conv: Conversation, prompt_text: str, reply:
     """Token ids of `reply` as the model would write them after the generation prompt, ending at <|im_end|>.
 
     The chat template renders the conversation with the reply appended; the text after `prompt_text` is what
-    the model writes. Templates that re-shape the last turn fall back to the plain Qwen layout.
+    the model writes. Templates that re-shape the last turn fall back to the plain Qwen layout, as does a
+    conversation whose last message the reply goes on from (continue_last: the reply writes on in that turn).
     """
+    if conv.continue_last:
+        return list(tokenizer.encode(_plain_layout(reply, prompt_text)))
     parts = ([ThinkingPart(reply.thinking)] if reply.thinking else []) + \
             ([TextPart(reply.text)] if reply.text else []) + \
             [ToolCallPart(n, a, f"call_{i}") for i, (n, a) in enumerate(reply.tool_calls)]

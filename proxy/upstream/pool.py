@@ -270,7 +270,7 @@ class _Call:
         reply = _ReplyParts()
         try:
             while True:
-                reader, failure = ChunkReader(self.prep.params), None
+                reader, failure = ChunkReader(self.prep.params, continues=self.prep.conv.continue_last), None
                 async for item in self._chunks(reader):
                     if isinstance(item, _Failure):  # always the last item
                         failure = item.why

@@ -1,7 +1,7 @@
 """What goes to an OpenAI-compatible upstream and what comes back. Torch-free and aiohttp-free.
 
     body = chat_body(conv, params, max_tokens, model)       # the normalised Conversation as /v1/chat/completions
-    reader = ChunkReader(params)
+    reader = ChunkReader(params, continues=conv.continue_last)
     items = reader.feed(chunk)     # one decoded `data:` JSON object -> OutputEvents (thinking, text, tool calls)
     items = reader.close()         # the stream ended: a tool call still being assembled, held-back text
     reader.finish, reader.usage    # the upstream's finish_reason and usage (cached tokens included)
@@ -55,6 +55,8 @@ def chat_body(conv: Conversation, params: GenParams, max_tokens: int, model: str
             body["parallel_tool_calls"] = False
     if not conv.enable_thinking:
         body["chat_template_kwargs"] = {"enable_thinking": False}
+    if conv.continue_last:  # a prefill, continued (vLLM's fields; SGLang, llama.cpp and killick read them too)
+        body["continue_final_message"], body["add_generation_prompt"] = True, False
     return body
 
 
@@ -102,9 +104,11 @@ class ChunkReader:
     """chat.completion.chunk objects -> OutputEvents. Tool calls arrive in pieces (id and name first, then
     argument fragments, each under its index); one goes out whole when the next begins or the stream ends."""
 
-    def __init__(self, params: GenParams):
+    def __init__(self, params: GenParams, continues: bool = False):
+        """continues: the answer goes on from the conversation's last message (Conversation.continue_last)."""
         self.parser = OutputParser(thinking_open=False, parse_tools=params.parse_tools,
-                                   stop_sequences=params.stop_sequences, max_tool_calls=params.max_tool_calls)
+                                   stop_sequences=params.stop_sequences, max_tool_calls=params.max_tool_calls,
+                                   continues=continues)
         self.max_tool_calls = params.max_tool_calls
         self.calls = 0  # tool calls emitted (structured and parsed from text)
         self.reasoning_chunks = 0

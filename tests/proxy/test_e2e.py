@@ -290,6 +290,36 @@ async def test_anthropic_prefill_is_continued(serve, sdk):
     assert core.stats()["active"] == 0
 
 
+async def test_chat_continue_final_message_is_continued(serve, sdk):
+    """continue_final_message (vLLM's and SGLang's, which upstream mode sends for a prefill): the final assistant
+    message is left open and the answer holds its continuation alone, on a prompt shorter than the same messages
+    answered anew (no end of turn and generation prompt after it); refused beside a generation prompt, with no
+    final assistant message or tool calls in it, and add_generation_prompt false alone."""
+    base, core, _ = await serve()
+    messages = [{"role": "user", "content": "What is the answer?"}, {"role": "assistant", "content": "The answer"}]
+    go_on = {"continue_final_message": True, "add_generation_prompt": False}
+    forced = sdk.openai(base, default_headers={FORCED: "s: 42."})
+    out = await forced.chat.completions.create(model="m", max_tokens=20, messages=messages, extra_body=go_on)
+    assert out.choices[0].message.content == "s: 42." and out.choices[0].finish_reason == "stop"
+    anew = await forced.chat.completions.create(model="m", max_tokens=20, messages=messages)
+    assert out.usage.prompt_tokens < anew.usage.prompt_tokens
+    reasoned = messages[:1] + [{"role": "assistant", "content": "", "reasoning_content": "Think it through."}]
+    after_thinking = await forced.chat.completions.create(model="m", max_tokens=20, messages=reasoned,
+                                                          extra_body=go_on)
+    assert after_thinking.choices[0].message.content == "s: 42."
+    client = sdk.openai(base, max_retries=0)
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]}
+    refused = [(messages, {"continue_final_message": True, "add_generation_prompt": True}, "cannot both be true"),
+               (messages[:1], go_on, "must be the assistant's"),
+               (messages[:1] + [call], go_on, "not tool calls"),
+               (messages, {"add_generation_prompt": False}, "served only with continue_final_message")]
+    for msgs, extra, needle in refused:
+        with pytest.raises(openai.BadRequestError, match=needle):
+            await client.chat.completions.create(model="m", max_tokens=5, messages=msgs, extra_body=extra)
+    assert core.stats()["active"] == 0
+
+
 async def test_chat_penalties_change_the_greedy_answer_and_zero_changes_nothing(serve, sdk):
     base, core, _ = await serve()
     client = sdk.openai(base)

@@ -3,6 +3,7 @@
 Accepts what real agents send: `developer` role (as system), `reasoning_content` (or `reasoning`) on
 assistant messages, `max_completion_tokens`, content as string or parts, `chat_template_kwargs`
 (enable_thinking) and `reasoning_effort: "none"` to switch thinking off. Images become a text placeholder.
+`continue_final_message` (vLLM's and SGLang's) continues a final assistant message instead of answering it.
 `frequency_penalty` / `presence_penalty` (OpenAI's range, -2..2) reach the engine's sampling.
 """
 from __future__ import annotations
@@ -101,6 +102,9 @@ class ChatRequest(_Model):
     logit_bias: Optional[dict] = None
     reasoning_effort: Optional[str] = None
     chat_template_kwargs: Optional[dict] = None
+    # vLLM's and SGLang's: the last message, the assistant's, left open for the answer to go on from
+    continue_final_message: Optional[bool] = None
+    add_generation_prompt: Optional[bool] = None
     user: Optional[str] = None
     response_format: Optional[dict] = None
 
@@ -128,7 +132,31 @@ def to_conversation(req: ChatRequest) -> Conversation:
     kwargs = req.chat_template_kwargs or {}
     thinking_on = kwargs.get("enable_thinking", True) is not False and req.reasoning_effort not in ("none",)
     extras = {"session_hint": req.user} if req.user else {}
-    return Conversation(messages, tools, enable_thinking=thinking_on, extras=extras)
+    continues = _continues(req, messages)
+    return Conversation(messages, tools, enable_thinking=thinking_on and not continues, extras=extras,
+                        continue_last=continues)
+
+
+def _continues(req: ChatRequest, messages: tuple[Message, ...]) -> bool:
+    """continue_final_message (as vLLM and SGLang take it): the last message, the assistant's text or reasoning, is
+    left open and the answer goes on from it (its continuation alone comes back), with no generation prompt after
+    it; add_generation_prompt false goes with it and alone is not served."""
+    if not req.continue_final_message:
+        if req.add_generation_prompt is False:
+            raise ApiError(400, "add_generation_prompt: false is served only with continue_final_message: true (a "
+                           "final assistant message the answer goes on from)", param="add_generation_prompt")
+        return False
+    if req.add_generation_prompt:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true: leave "
+                       "add_generation_prompt out or false", param="add_generation_prompt")
+    last = messages[-1]
+    if last.role != "assistant":
+        raise ApiError(400, "continue_final_message: the last message must be the assistant's, which the answer "
+                       "goes on from", param="messages")
+    if any(isinstance(p, ToolCallPart) for p in last.parts):
+        raise ApiError(400, "continue_final_message: the final assistant message may hold content and reasoning, "
+                       "not tool calls", param=f"messages.{len(messages) - 1}.tool_calls")
+    return True
 
 
 def gen_params(req: ChatRequest) -> GenParams:

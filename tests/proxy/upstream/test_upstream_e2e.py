@@ -59,6 +59,19 @@ async def test_anthropic_tool_turns_through_one_replica(upstream_proxy, sdk):
     assert (s["turns"], s["moves"], s["cached_tokens"]) == (2, 0, second.usage.cache_read_input_tokens)
 
 
+async def test_an_anthropic_prefill_is_continued_by_the_replica(upstream_proxy, sdk):
+    """A final assistant message (Anthropic's prefill) goes upstream with continue_final_message: the replica
+    leaves that turn open, so its prompt is the proxy's own count of it, and the answer is the continuation alone."""
+    base, _ = await upstream_proxy()
+    messages = [{"role": "user", "content": "What is the answer?"}, {"role": "assistant", "content": "The answer"}]
+    client = sdk.anthropic(base, default_headers=forced(Reply("", "s: 42."), "t-prefill"))
+    msg = await client.messages.create(model="claude-opus-4-8", max_tokens=20, messages=messages)
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "s: 42."
+    assert msg.stop_reason == "end_turn"
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == await _count(
+        base, {"model": "m", "messages": messages})
+
+
 async def test_chat_completions_stream_tools_and_cached_usage(upstream_proxy, sdk):
     base, pool = await upstream_proxy()
     client = sdk.openai(base, default_headers=forced(THINK_AND_CALL, "t-chat"))
