@@ -72,6 +72,26 @@ async def test_an_anthropic_prefill_is_continued_by_the_replica(upstream_proxy, 
         base, {"model": "m", "messages": messages})
 
 
+async def test_a_thinking_budget_is_kept_by_continuing_the_turn_after_the_thinking(upstream_proxy, sdk):
+    """thinking.budget_tokens in upstream mode: once the answer has thought the budget's tokens (the proxy's count)
+    with nothing else written, the proxy closes it and the same replica continues the turn after the thinking,
+    closed there; the thinking holds the budget, the answer follows it, and the usage counts both parts."""
+    from proxy.prompt.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    base, pool = await upstream_proxy()
+    thought = "Counting: " + "0123456789" * 150  # a token a digit: more than the budget, in a header's room
+    assert len(tok.encode(thought)) > 1500
+    client = sdk.anthropic(base, default_headers=forced(Reply(thought, "Done."), "t-budget"))
+    msg = await client.messages.create(model="claude-opus-4-8", max_tokens=1100, thinking={
+        "type": "enabled", "budget_tokens": 1024}, messages=[{"role": "user", "content": "Think it over."}])
+    assert [b.type for b in msg.content] == ["thinking", "text"] and msg.content[1].text == "Done."
+    kept = msg.content[0].thinking
+    assert thought.startswith(kept.strip()) and 1024 <= len(tok.encode(kept)) <= 1024 + 4
+    assert msg.stop_reason == "end_turn" and msg.usage.output_tokens >= len(tok.encode(kept)) + 2
+    assert _session(pool, "t-budget")["turns"] == 1
+
+
 async def test_chat_completions_stream_tools_and_cached_usage(upstream_proxy, sdk):
     base, pool = await upstream_proxy()
     client = sdk.openai(base, default_headers=forced(THINK_AND_CALL, "t-chat"))

@@ -28,7 +28,8 @@ def replica(mode: str, asked: list | None = None, hung_up: asyncio.Event | None 
     its headers and "hang-mid" after its first chunk, as a stopped process: from then on its /health does not
     answer either; `hung_up` is set when the proxy closes the stalled connection. "slow" is healthy but silent
     for SLOW_S before its headers and again mid-answer, as a server that sends no keep-alives. "generating" streams
-    WORDS, and while it does its /health answers after SLOW_S, as a loaded server's."""
+    WORDS, and while it does its /health answers after SLOW_S, as a loaded server's. "thinks" thinks past any
+    thinking budget and refuses to continue a turn."""
     hung, generating = asyncio.Event(), asyncio.Event()
 
     async def hang():  # inside an answer
@@ -56,8 +57,11 @@ def replica(mode: str, asked: list | None = None, hung_up: asyncio.Event | None 
                                                               "context_length": 4096}]})
 
     async def chat(request):
+        body = await request.json()
         if asked is not None:
-            asked.append((await request.json())["model"])
+            asked.append(body["model"])
+        if mode == "thinks" and body.get("continue_final_message"):  # a server that cannot continue a turn
+            return web.json_response({"error": {"message": "continue_final_message is not supported"}}, status=400)
         if mode == "keyed":  # a replica started with --api-key: killick serve was not given it
             return refused()
         if mode == "busy":
@@ -68,6 +72,9 @@ def replica(mode: str, asked: list | None = None, hung_up: asyncio.Event | None 
             await asyncio.sleep(SLOW_S)  # before its headers, as a replica that sends them after the prefill
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if mode == "thinks":  # thinking without end, a token a chunk
+            for _ in range(1100):
+                await resp.write(b'data: {"choices":[{"index":0,"delta":{"reasoning_content":"7"}}]}\n\n')
         if mode in ("hang-mid", "slow"):
             await resp.write(PART)
             await (hang() if mode == "hang-mid" else asyncio.sleep(SLOW_S))
@@ -120,6 +127,25 @@ async def test_a_chunk_not_in_the_openai_shape_fails_that_replica_over(aiohttp_s
     stats = pool.stats()
     assert stats["active"] == 0 and stats["failures"] == len(modes) - (status == 200)
     assert stats["retries"] == len(modes) - 1  # each move to another replica; none once no replica is left
+
+
+async def test_a_replica_that_cannot_continue_after_the_thinking_budget_ends_the_answer_with_an_error(
+        aiohttp_server, upstream_front):
+    """The thinking reached thinking.budget_tokens, and the replica refused to continue the turn after it (a 400 to
+    continue_final_message): the streamed answer ends with an error event naming why, after the thinking it had;
+    the replica is not marked down (it answered) and nothing stays in flight."""
+    base, pool = await upstream_front([await _url(aiohttp_server, replica("thinks"))])
+    ask = {**MESSAGE, "max_tokens": 2048, "stream": True, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/v1/messages", json=ask) as r:
+            assert r.status == 200
+            text = await r.text()
+    events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+    thought = "".join(e["delta"].get("thinking", "") for e in events if e["type"] == "content_block_delta")
+    assert thought == "7" * 1024
+    assert events[-1]["type"] == "error" and "continue_final_message is not supported" in events[-1]["error"]["message"]
+    stats = pool.stats()
+    assert stats["active"] == 0 and stats["failures"] == 0 and all(r["healthy"] for r in stats["replicas"])
 
 
 @pytest.mark.parametrize("fault", ["refused", "busy"])
