@@ -209,9 +209,12 @@ class UpstreamCall:
         reader = ChunkReader(prep.params, continues=True)
         url = self.replica.url
         try:
-            resp = await self.pool.http.post(url + "/v1/chat/completions", json=body, headers=self.headers)
+            async with asyncio.timeout(None) as self._waiting:  # as connect(): a failed health check cuts the wait
+                resp = await self.pool.http.post(url + "/v1/chat/completions", json=body, headers=self.headers)
         except NET_ERRORS as exc:
-            return reader, describe(exc)
+            return reader, self.cut_why or describe(exc)
+        finally:
+            self._waiting = None
         if resp.status != 200:
             message = _error_message(await resp.text())
             resp.release()
