@@ -27,9 +27,9 @@ LAYERS, EXPERTS, TOP_K, HIDDEN, INTER = 8, 256, 8, 64, 32
 
 def _backend(seed: int) -> HybridBackend:
     g = torch.Generator().manual_seed(seed)
-    gate_up = {l: (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.3).to(torch.bfloat16)
-               for l in range(LAYERS)}
-    down = {l: (torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.3).to(torch.bfloat16) for l in range(LAYERS)}
+    gate_up = {i: (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.3).to(torch.bfloat16)
+               for i in range(LAYERS)}
+    down = {i: (torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.3).to(torch.bfloat16) for i in range(LAYERS)}
     est = BandwidthEstimate(bp=53e9, bh=80e9, frozen=True)  # the box's rates: the split gives the CPU a share
     return HybridBackend(pool_from_source(ExpertWeights(gate_up, down)), int(0.375 * LAYERS * EXPERTS), "cpu",
                          estimate=est, stream_prefill="off", slot_policy="lfu", lookahead="on")

@@ -217,7 +217,7 @@ def victims_reference(stamp, locked, k: int, heat=None, bonus=None) -> list[int]
     (heat + bonus, stamp) — for lru (heat None) (has a bonus, stamp); bonus in the heat's units."""
     taken: list[int] = []
     for _ in range(k):
-        best = None
+        best = best_key = None
         for s in range(len(stamp)):
             if locked[s] or s in taken:
                 continue
