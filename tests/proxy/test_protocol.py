@@ -18,17 +18,85 @@ async def _server(aiohttp_server, fake_stack, **kw):
     return str(server.make_url("")).rstrip("/"), core
 
 
-async def test_anthropic_keepalive_pings_during_slow_prefill(aiohttp_server, aiohttp_client, fake_stack):
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+
+
+async def test_anthropic_keepalive_during_slow_prefill_is_an_empty_thinking_delta(aiohttp_client, fake_stack):
+    """Claude Code's idle timeout skips pings: once message_start is out, a keep-alive of an answer that starts in
+    thinking opens the thinking block and sends it empty deltas; the model's thinking then streams into that
+    block, and the message is what it would have been with no wait."""
     app, core = fake_stack(prefill_s=1.0, keepalive_s=0.2)
     client = await aiohttp_client(app)
-    resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 5, "stream": True,
-                                                   "messages": [{"role": "user", "content": "hi"}]})
-    text = await resp.text()
-    events = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
-    first_block = events.index("content_block_start")
-    assert events[0] == "message_start"
-    assert events[:first_block].count("ping") >= 4  # 1 s of prefill at 0.2 s
-    assert events[-2:] == ["message_delta", "message_stop"]
+    resp = await client.post("/v1/messages", headers={FORCED: "Hm.\\n</think>\\n\\nok"}, json={
+        "model": "m", "max_tokens": 50, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    events = _events(await resp.text())
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"]
+    assert events[2]["content_block"]["type"] == "thinking" and events[2]["index"] == 0
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    empties = [d for d in deltas if d == {"type": "thinking_delta", "thinking": ""}]
+    assert len(empties) >= 4 and deltas[:len(empties)] == empties  # 1 s of prefill at 0.2 s, then the thinking
+    assert "".join(d.get("thinking", "") for d in deltas) == "Hm."
+    starts = [(e["index"], e["content_block"]["type"]) for e in events if e["type"] == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "text")] and kinds.count("ping") == 1
+    assert kinds[-2:] == ["message_delta", "message_stop"]
+
+
+async def test_an_empty_thinking_block_a_keep_alive_opened_changes_nothing_downstream(aiohttp_server, fake_stack,
+                                                                                     sdk):
+    """The SDK's message after keep-alive deltas equals the one with no wait; where the model then thought
+    nothing, the block stays empty, and sent back in the next turn's history it counts as no thinking at all."""
+    messages = [{"role": "user", "content": "hi"}]
+    got = []
+    for prefill_s in (0.0, 0.5):
+        base, core = await _server(aiohttp_server, fake_stack, prefill_s=prefill_s, keepalive_s=0.1)
+        client = sdk.anthropic(base, default_headers={FORCED: "Hm.\\n</think>\\n\\nok"})
+        async with client.messages.stream(model="m", max_tokens=50, messages=messages) as stream:
+            got.append((await stream.get_final_message()).content)
+    assert got[0] == got[1] and [b.type for b in got[1]] == ["thinking", "text"]
+    client = sdk.anthropic(base, default_headers={FORCED: "\\n</think>\\n\\nok"})
+    async with client.messages.stream(model="m", max_tokens=50, messages=messages) as stream:
+        empty = (await stream.get_final_message()).content
+    assert [(b.type, getattr(b, "thinking", None)) for b in empty] == [("thinking", ""), ("text", None)]
+    later = [{"role": "user", "content": "and?"}]
+    counts = []
+    for content in ([b.model_dump(exclude_none=True) for b in empty], [{"type": "text", "text": "ok"}]):
+        history = messages + [{"role": "assistant", "content": content}] + later
+        counts.append((await client.messages.count_tokens(model="m", messages=history)).input_tokens)
+    assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("thinking", [{"type": "disabled"}, None])
+async def test_anthropic_keepalive_is_a_ping_where_no_block_can_take_it(aiohttp_client, fake_stack, thinking):
+    """Thinking off: no block is opened for a keep-alive (an empty text block would be content), so it is a ping.
+    Queued past QUEUED_START_S: message_start goes out before the admission (the whole prompt as input), then the
+    keep-alives are the thinking block's empty deltas."""
+    from proxy.apis.anthropic import handlers
+
+    app, core = fake_stack(prefill_s=0.6, keepalive_s=0.1)
+    client = await aiohttp_client(app)
+    body = {"model": "m", "max_tokens": 5, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    if thinking:
+        body["thinking"] = thinking
+    else:
+        core.queue_s, handlers.QUEUED_START_S = 0.6, 0.25
+    try:
+        events = _events(await (await client.post("/v1/messages", json=body)).text())
+    finally:
+        handlers.QUEUED_START_S = 60.0
+    kinds = [e["type"] for e in events]
+    first_block = kinds.index("content_block_start")
+    if thinking:
+        assert kinds[0] == "message_start" and kinds[:first_block].count("ping") >= 4
+        assert events[first_block]["content_block"]["type"] == "text"
+    else:
+        usage = next(e for e in events if e["type"] == "message_start")["message"]["usage"]
+        assert kinds[0] == "ping" and "message_start" in kinds[:kinds.index("content_block_start")]
+        assert usage["cache_read_input_tokens"] == 0 and usage["input_tokens"] > 0  # before the admission
+        assert events[first_block]["content_block"]["type"] == "thinking"
+        assert kinds.count("content_block_delta") >= 8  # queued 0.35 s more and prefilling 0.6 s, at 0.1 s
+    assert kinds[-2:] == ["message_delta", "message_stop"]
 
 
 @pytest.mark.parametrize("path,body", [

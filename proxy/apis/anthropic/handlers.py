@@ -2,18 +2,25 @@
 
 Streaming grammar: message_start, ping, then per content block content_block_start / *_delta /
 content_block_stop (thinking_delta + signature_delta, text_delta, input_json_delta), message_delta with
-stop_reason and the final usage, message_stop. Pings are also the keep-alive while queued or prefilling.
+stop_reason and the final usage, message_stop.
 
 message_start goes out once the engine has admitted the request, so its usage carries the real split of the
-prompt into input_tokens and cache_read_input_tokens (Claude Code reads it there); pings keep a queued request
-alive before it. An engine failure before anything was sent is an error answer of its own (HTTP status and the
-API's error body); once bytes are out, it is an `error` event.
+prompt into input_tokens and cache_read_input_tokens (Claude Code reads it there), or after QUEUED_START_S in the
+queue (the whole prompt as input then; message_delta has the split). An engine failure before anything was sent is
+an error answer of its own (HTTP status and the API's error body); once bytes are out, it is an `error` event.
+
+Keep-alives (nothing sent for --keepalive seconds, queued or prefilling): pings before message_start. After it,
+an empty delta of the open block, and where the answer starts in thinking and no block is open yet, the thinking
+block opened for it (its thinking streams into it later): Claude Code skips pings and comments, and gives up on a
+stream 300 s after its last other event (CLAUDE_STREAM_IDLE_TIMEOUT_MS can only raise that), whereas an empty
+delta counts for it and adds nothing to the message.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
+import time
 import uuid
 
 from aiohttp import web
@@ -29,6 +36,9 @@ from proxy.sse import SSEWriter
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens",
                 "stop_sequence": "stop_sequence", "abort": "end_turn", "error": "end_turn"}
+QUEUED_START_S = 60.0  # a request still queued after this long gets its message_start (keep-alives need one)
+EMPTY_DELTAS = {"thinking": {"type": "thinking_delta", "thinking": ""}, "text": {"type": "text_delta", "text": ""},
+                "tool_use": {"type": "input_json_delta", "partial_json": ""}}
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
@@ -141,15 +151,16 @@ async def _stream(request: web.Request, msg: dict, prompt_tokens: int, gen: Gene
     sse = SSEWriter(request)
     blocks = _BlockStream(sse)
     started = False  # message_start is out
+    t0 = time.monotonic()
     async for item in gen:
-        if isinstance(item, Keepalive):  # (Claude Code's idle timeout counts neither pings nor comments: its SDK
-            await sse.event({"type": "ping"}, "ping")  # skips pings; it gives up on a stream 300 s after the last
-            continue  # other event unless CLAUDE_STREAM_IDLE_TIMEOUT_MS says longer, as `killick launch` does)
+        if isinstance(item, Keepalive):
+            if not started and time.monotonic() - t0 >= QUEUED_START_S:
+                await _message_start(sse, msg, _start_usage(None, prompt_tokens))
+                started = True
+            await _keep_alive(blocks, started, gen.parser.mode == "think")
+            continue
         if not started and not (isinstance(item, Finished) and item.finish == "error"):
-            await sse.event({"type": "message_start", "message": {
-                **msg, "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": _start_usage(item, prompt_tokens)}}, "message_start")
-            await sse.event({"type": "ping"}, "ping")
+            await _message_start(sse, msg, _start_usage(item, prompt_tokens))
             started = True
         if isinstance(item, Finished):
             if not sse.started:
@@ -159,6 +170,23 @@ async def _stream(request: web.Request, msg: dict, prompt_tokens: int, gen: Gene
         elif not isinstance(item, Admitted):
             await blocks.item(item)
     return await sse.finish()
+
+
+async def _message_start(sse: SSEWriter, msg: dict, usage: dict) -> None:
+    await sse.event({"type": "message_start", "message": {
+        **msg, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}}, "message_start")
+    await sse.event({"type": "ping"}, "ping")
+
+
+async def _keep_alive(blocks: _BlockStream, started: bool, thinks: bool) -> None:
+    """A ping before message_start; after it an empty delta of the open block, the thinking block opened first
+    where nothing was written yet and the answer starts in thinking; a ping where no block can take one."""
+    if started and blocks.kind is None and blocks.index < 0 and thinks:
+        await blocks.open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+    if started and blocks.kind in EMPTY_DELTAS:
+        await blocks.delta(EMPTY_DELTAS[blocks.kind])
+    else:
+        await blocks.sse.event({"type": "ping"}, "ping")
 
 
 def _start_usage(first, prompt_tokens: int) -> dict:

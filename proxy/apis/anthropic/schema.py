@@ -225,8 +225,8 @@ def _convert_message(msg: AnthropicMessage) -> list[Message]:
 def _convert_block(block) -> Part | None:
     if isinstance(block, TextBlock):
         return TextPart(block.text)
-    if isinstance(block, ThinkingBlock):
-        return ThinkingPart(block.thinking)
+    if isinstance(block, ThinkingBlock):  # an empty one (a keep-alive opened it, then the model thought nothing)
+        return ThinkingPart(block.thinking) if block.thinking else None  # is no thinking: the prompt stays the same
     if isinstance(block, ToolUseBlock):
         return ToolCallPart(block.name, canonical_json(block.input), block.id)
     if isinstance(block, RedactedThinkingBlock):
