@@ -63,6 +63,7 @@ class UpstreamCall:
         self.first: Optional[float] = None
         self.last: Optional[float] = None
         self.past: Optional[ThinkingMeter] = None  # the thinking, where the answer was cut at its budget
+        self.broke: Optional[str] = None  # why the last leg's stream broke before its end (_leg)
         self._items = self.items()
 
     def __aiter__(self) -> "UpstreamCall":
@@ -149,12 +150,10 @@ class UpstreamCall:
         meter = ThinkingMeter.of(self.ctx.tokenizer, self.prep.params.thinking_budget)
         try:
             while True:
-                reader, failure = ChunkReader(self.prep.params, continues=self.prep.conv.continue_last), None
+                reader = ChunkReader(self.prep.params, continues=self.prep.conv.continue_last)
                 async for item in self._leg(reader, reply, meter):
-                    if isinstance(item, _Failure):  # always the last item
-                        failure = item.why
-                    else:
-                        yield item
+                    yield item
+                failure = self.broke
                 if failure is None or reply.started:
                     break
                 self._failed(failure, down=True)  # nothing went to the agent yet: the next replica answers instead
@@ -173,10 +172,8 @@ class UpstreamCall:
                     return
                 if failure is None:
                     async for item in self._leg(reader, reply, None):
-                        if isinstance(item, _Failure):
-                            failure = item.why
-                        else:
-                            yield item
+                        yield item
+                    failure = self.broke
             for item in reader.close():
                 reply.add(item, self)
                 yield item
@@ -185,13 +182,17 @@ class UpstreamCall:
             self._close()
 
     async def _leg(self, reader: ChunkReader, reply: "_ReplyParts",
-                   meter: Optional[ThinkingMeter]) -> AsyncIterator[OutputEvent | "_Failure"]:
-        """One upstream answer's items, booked in reply; it ends early where the thinking reached the budget."""
+                   meter: Optional[ThinkingMeter]) -> AsyncIterator[OutputEvent]:
+        """One upstream answer's items, booked in reply; self.broke then says why its stream broke before its end
+        (None: it did not). It ends early where the thinking reached the budget."""
+        self.broke = None
         chunks = self._chunks(reader)
         try:
             async for item in chunks:
-                if not isinstance(item, _Failure):
-                    reply.add(item, self)
+                if isinstance(item, _Failure):  # always the last item
+                    self.broke = item.why
+                    return
+                reply.add(item, self)
                 yield item
                 if meter is not None and meter.add(item):
                     return
