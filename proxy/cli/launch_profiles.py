@@ -76,9 +76,11 @@ def scrubbed(env: Mapping[str, str], keep: Mapping[str, str]) -> list[str]:
     return sorted(n for n in env if risky(n) and n not in keep)
 
 
-# --- Claude Code: all by environment -------------------------------------------------------------------
+# An agent's stream idle timeout (Claude Code's, Codex's: 300 s by default, keep-alive pings and comments not
+# counted), raised to an hour: a whole-context prefill off the GPU, or a queue behind other requests, takes minutes
+STREAM_IDLE_MS = 3_600_000
 
-CLAUDE_STREAM_IDLE_MS = 3_600_000  # an hour: a whole-context prefill off the GPU takes minutes
+# --- Claude Code: all by environment -------------------------------------------------------------------
 
 
 def _claude_env(served: Served) -> dict[str, str]:
@@ -99,9 +101,9 @@ def _claude_env(served: Served) -> dict[str, str]:
         "DISABLE_ERROR_REPORTING": "1",
         "DISABLE_BUG_COMMAND": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        # it gives up on a stream that sends no event for max(this, 300 s) (its SDK skips pings): a long prompt's
-        # prefill on this machine, or a queue behind other requests, can take longer before the first token
-        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(CLAUDE_STREAM_IDLE_MS),
+        # it gives up on a stream that sends no event for max(this, 300 s); serve's empty thinking deltas count,
+        # but not with thinking off
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(STREAM_IDLE_MS),
     }
 
 
@@ -178,6 +180,9 @@ def _codex_argv(served: Served) -> list[str]:
         "model_providers.killick.base_url": _toml_str(f"{served.url}/v1"),
         "model_providers.killick.env_key": _toml_str(KEY_ENV),
         "model_providers.killick.wire_api": '"responses"',
+        # it gives up on a stream with no event for this long (300 s by default; SSE comments, serve's keep-alives
+        # on the OpenAI APIs, are no event) and sends the whole request again, five times
+        "model_providers.killick.stream_idle_timeout_ms": str(STREAM_IDLE_MS),
         "model_context_window": str(served.context),
         "sandbox_mode": '"workspace-write"',  # its default (read-only) lets the shell tool write nothing
         "check_for_update_on_startup": "false",

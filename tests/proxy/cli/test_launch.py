@@ -69,6 +69,8 @@ def test_claude_and_codex_point_at_server():
     assert 'model_providers.killick.base_url="http://127.0.0.1:9/v1"' in argv
     assert 'model_providers.killick.wire_api="responses"' in argv and argv[-2:] == ["exec", "hi"]
     assert "analytics.enabled=false" in argv and "features.plugins=false" in argv
+    idle = next(a for a in argv if a.startswith("model_providers.killick.stream_idle_timeout_ms="))
+    assert int(idle.split("=")[1]) > 300_000  # its default: a longer prefill or queue is no abort
     mini = plan("mini-swe-agent", Served("http://127.0.0.1:9", "m"), {}, []).argv
     assert mini[:3] == ["mini", "-m", "openai/m"] and "model.model_kwargs.api_base=http://127.0.0.1:9/v1" in mini
 
