@@ -180,8 +180,8 @@ def _codex_argv(served: Served) -> list[str]:
         "model_providers.killick.base_url": _toml_str(f"{served.url}/v1"),
         "model_providers.killick.env_key": _toml_str(KEY_ENV),
         "model_providers.killick.wire_api": '"responses"',
-        # it gives up on a stream with no event for this long (300 s by default; SSE comments, serve's keep-alives
-        # on the OpenAI APIs, are no event) and sends the whole request again, five times
+        # it gives up on a stream with no SSE event (comments are none) for this long, 300 s by default, and sends
+        # the whole request again, five times; serve's Responses keep-alives are events, this guards the rest
         "model_providers.killick.stream_idle_timeout_ms": str(STREAM_IDLE_MS),
         "model_context_window": str(served.context),
         "sandbox_mode": '"workspace-write"',  # its default (read-only) lets the shell tool write nothing

@@ -3,6 +3,7 @@ import asyncio
 import json
 import re
 
+import aiohttp
 import anthropic
 import openai
 import pytest
@@ -99,15 +100,35 @@ async def test_anthropic_keepalive_is_a_ping_where_no_block_can_take_it(aiohttp_
     assert kinds[-2:] == ["message_delta", "message_stop"]
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/chat/completions", {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}),
-    ("/v1/responses", {"model": "m", "stream": True, "input": "hi"}),
-])
-async def test_openai_keepalive_comments_during_slow_prefill(aiohttp_client, fake_stack, path, body):
+async def test_chat_keepalive_comments_during_slow_prefill(aiohttp_client, fake_stack):
     app, core = fake_stack(prefill_s=1.0, keepalive_s=0.2)
     client = await aiohttp_client(app)
-    text = await (await client.post(path, json=body)).text()
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    text = await (await client.post("/v1/chat/completions", json=body)).text()
     assert text.count(": keep-alive\n\n") >= 4
+    assert core.active == 0
+
+
+async def test_responses_keepalive_is_an_in_progress_event(aiohttp_server, fake_stack, sdk):
+    """Codex's stream idle timer (300 s by default) counts SSE events, not comments: a Responses stream's
+    keep-alive is `response.in_progress` again, numbered in order, with the output items finished so far; the
+    SDK's final response is the one a stream with no wait gives."""
+    base, core = await _server(aiohttp_server, fake_stack, prefill_s=1.0, keepalive_s=0.2)
+    async with aiohttp.ClientSession() as s:
+        text = await (await s.post(base + "/v1/responses", json={"model": "m", "stream": True, "input": "hi"})).text()
+    events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+    kinds = [e["type"] for e in events]
+    assert ": keep-alive" not in text and kinds[0] == "response.created"
+    assert kinds.count("response.in_progress") >= 5 and kinds[-1] == "response.completed"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert all(e["response"]["status"] == "in_progress" for e in events if e["type"] == "response.in_progress")
+    got = []
+    for prefill_s in (1.0, 0.0):
+        core.prefill_s = prefill_s
+        async with sdk.openai(base).responses.stream(model="m", input="hi") as stream:
+            final = await stream.get_final_response()
+        got.append((final.status, final.output_text, [o.type for o in final.output]))
+    assert got[0] == got[1] and got[0][0] == "completed"
     assert core.active == 0
 
 
@@ -190,8 +211,6 @@ async def test_claude_code_giving_up_a_silent_stream_is_a_warning_naming_the_fix
     output sent yet (a long prefill: pings do not count for it) gets a warning naming `killick launch claude` and
     CLAUDE_STREAM_IDLE_TIMEOUT_MS; one leaving sooner, or another client, does not."""
     import logging
-
-    import aiohttp
 
     from proxy import app as app_module
 

@@ -201,8 +201,8 @@ async def _stream(request: web.Request, fixed: dict, out: OutputItems, remember,
     await events.send("response.created", {"response": started})
     await events.send("response.in_progress", {"response": started})
     async for item in gen:
-        if isinstance(item, Keepalive):
-            await sse.comment("keep-alive")
+        if isinstance(item, Keepalive):  # an event, not a comment: Codex's stream idle timer counts events alone
+            await events.send("response.in_progress", {"response": pending(fixed, "in_progress", out)})
             continue
         if isinstance(item, Admitted):  # usage goes out with the final response
             continue
