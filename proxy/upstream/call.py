@@ -82,18 +82,13 @@ class UpstreamCall:
             self._start(self.todo.pop(0))
             url = self.replica.url
             try:
-                async with asyncio.timeout(None) as self._waiting:  # no deadline of its own: cut() sets one
-                    resp = await self.pool.http.post(url + "/v1/chat/completions", json=self.body,
-                                                     headers=self.headers)
-                    message = None if resp.status == 200 else _error_message(await resp.text())
+                resp, message = await self._post(self.body)
             except NET_ERRORS as exc:
                 self._failed(self.cut_why or describe(exc), down=True)
                 continue
             except BaseException:  # cancelled (the agent went away before the replica's headers): not in flight
                 self._leave()
                 raise
-            finally:
-                self._waiting = None
             if resp.status == 200:
                 self.resp, self.heard = resp, time.monotonic()
                 self.router.answered(self.key, self.replica)
@@ -111,6 +106,17 @@ class UpstreamCall:
         status, what = (429, "busy") if self.busy else (503, "unreachable or failing")
         raise ApiError(status, f"no upstream replica answered ({what}): {'; '.join(self.tried)}",
                        code="rate_limit_exceeded" if self.busy else None)
+
+    async def _post(self, body: dict) -> tuple[aiohttp.ClientResponse, Optional[str]]:
+        """body POSTed to self.replica's chat completions -> (its response, the error message it sent; None on a
+        200). The wait has no deadline of its own: cut() sets one, and it raises as a network failure does."""
+        try:
+            async with asyncio.timeout(None) as self._waiting:
+                resp = await self.pool.http.post(self.replica.url + "/v1/chat/completions", json=body,
+                                                 headers=self.headers)
+                return resp, None if resp.status == 200 else _error_message(await resp.text())
+        finally:
+            self._waiting = None
 
     def _start(self, replica: Replica) -> None:
         """In flight at `replica` from here on: its load, and cut() when its health check fails. After a replica
@@ -208,19 +214,14 @@ class UpstreamCall:
         body = chat_body(past_thinking(prep.conv, meter.text), prep.params,
                          max(1, prep.request.max_new_tokens - meter.tokens), self.body["model"])
         reader = ChunkReader(prep.params, continues=True)
-        url = self.replica.url
         try:
-            async with asyncio.timeout(None) as self._waiting:  # as connect(): a failed health check cuts the wait
-                resp = await self.pool.http.post(url + "/v1/chat/completions", json=body, headers=self.headers)
+            resp, message = await self._post(body)
         except NET_ERRORS as exc:
             return reader, self.cut_why or describe(exc)
-        finally:
-            self._waiting = None
-        if resp.status != 200:
-            message = _error_message(await resp.text())
+        if message is not None:
             resp.release()
-            raise ApiError(502, f"upstream {url} refused to continue the answer after its thinking budget "
-                                f"(HTTP {resp.status}: {message})")
+            raise ApiError(502, f"upstream {self.replica.url} refused to continue the answer after its thinking "
+                                f"budget (HTTP {resp.status}: {message})")
         self.resp, self.heard = resp, time.monotonic()
         return reader, None
 
