@@ -52,21 +52,27 @@ def _post_kernel(seq_ptr, posted_ptr):
 
 
 @triton.jit
+def _spin_until(word_ptr, target, err_ptr, LIMIT):
+    """Read word_ptr[0] (host memory, uncached) until it reaches target or LIMIT reads pass; err_ptr[0] <- 1 on
+    the latter. Returns the reads it took."""
+    d = tl.load(word_ptr, volatile=True)
+    i = 0
+    while (d < target) & (i < LIMIT):
+        d = tl.load(word_ptr, volatile=True)
+        i += 1
+    if d < target:
+        tl.store(err_ptr, 1)
+    return i
+
+
+@triton.jit
 def _wait_kernel(ids_ptr, loc_ptr, P, seq_ptr, done_ptr, err_ptr, spins_ptr, LIMIT, BLOCK_P: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     e = tl.load(ids_ptr + p, mask=p < P, other=-1)
     loc = tl.load(loc_ptr + tl.maximum(e, 0), mask=p < P, other=0)
     need = tl.sum(((e >= 0) & (loc == -3)).to(tl.int32), axis=0)
     if need > 0:
-        seq = tl.load(seq_ptr)
-        d = tl.load(done_ptr, volatile=True)
-        i = 0
-        while (d < seq) & (i < LIMIT):
-            d = tl.load(done_ptr, volatile=True)
-            i += 1
-        tl.store(spins_ptr, i)
-        if d < seq:
-            tl.store(err_ptr, 1)
+        tl.store(spins_ptr, _spin_until(done_ptr, tl.load(seq_ptr), err_ptr, LIMIT))
     else:
         tl.store(spins_ptr, 0)
 
@@ -147,13 +153,7 @@ def scatter_rows(y: torch.Tensor, pos: torch.Tensor, src: torch.Tensor) -> None:
 
 @triton.jit
 def _wait_flag_kernel(flag_ptr, target, err_ptr, LIMIT):
-    d = tl.load(flag_ptr, volatile=True)
-    i = 0
-    while (d < target) & (i < LIMIT):
-        d = tl.load(flag_ptr, volatile=True)
-        i += 1
-    if d < target:
-        tl.store(err_ptr, 1)
+    _spin_until(flag_ptr, target, err_ptr, LIMIT)
 
 
 def wait_flag(flag: torch.Tensor, target: int, err: torch.Tensor) -> None:
