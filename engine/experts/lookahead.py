@@ -3,13 +3,14 @@
 Without them PCIe waits for each layer's routing to come back before it starts on that layer's fills. The
 experts copied are those the prompt's tokens touch with probability AHEAD_TOUCHED or more by the slot table's
 heat (prefill_stream.pick_probability, made per forward in OffloadBackend.begin_forward), as many as the
-backend's ahead_fills asks for (offload: all, hybrid: the fill share of the next layer's expected misses, with
-the copies still in flight ahead of them counted), or every expert the next layer lacks when the rest take under
-TOP_UP_S to copy (a backend that fills, `tops_up`), into slots holding experts no later layer will likely read
-(_kept). A layer's own fills place by keep_bonus.
+backend's ahead_fills asks for (offload: all, hybrid: the fill share of the next layer's expected misses, scaled
+by TouchRatio, with the copies still in flight ahead of them counted), or every expert the next layer lacks when
+the rest take under TOP_UP_S to copy (a backend that fills, `tops_up`), into slots holding experts no later layer
+will likely read (_kept). A layer's own fills place by keep_bonus.
 
 CopiesAhead is the part of OffloadBackend that plans them; it reads the backend's cache, pool, stats_,
-lookahead, ahead_fills and _behind, and the forward's _touch, _ahead, _looked, _seen, _tokens, _top_k and _held.
+lookahead, ahead_fills, touch_ratio and _behind, and the forward's _touch, _pick, _ahead, _looked, _seen, _tokens,
+_top_k and _held.
 """
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ AHEAD_TOUCHED = 0.9
 # for 6 misses, took 3.8 ms (H200 box) and 4.8 ms (H100 box), its resident layer 7 1.6 ms (docs/PERF.md,
 # thirty-third session)
 TOP_UP_S = 0.002
+# The heat predicts each expert's share of a layer's routing, not how the tokens of one prompt cluster: similar
+# tokens pick similar experts, so fewer distinct experts are touched than independent picks would touch (the
+# synthetic Zipf 1.0 checkpoint, 256 tokens: ~215 of 256 where the heat's probabilities say ~250, and hybrid's
+# copies ahead, planned for misses that never came, left the CPU idle half of each layer: H100 box, docs/PERF.md
+# thirty-sixth session). A routed call's distinct experts over the predicted ones (TouchRatio) scale the next
+# layers' expected misses.
+TOUCH_ALPHA = 0.25  # the ratio's EMA weight per routed prompt call
+TOUCH_RANGE = (0.25, 1.5)
 LOOKAHEAD_MODES = ("auto", "on", "off")
 
 
@@ -65,17 +74,30 @@ class CopiesAhead:
         likely = np.flatnonzero(missing & (p >= AHEAD_TOUCHED))
         # the running row's own slots count: the copies may take them once its kernels have read them (_copy_ahead)
         spare = int(((~t.locked | self._running_slots(i - 1)) & ~self._kept(i - 1)).sum())
-        # pairs per touched expert of that layer, as its CPU share will run them
-        per = self._tokens * self._top_k / max(1.0, float(p.sum()))
-        want = min(self.ahead_fills(float(p[missing].sum()), len(likely), per, behind), spare)
         heat = t.heat[i]
+        order = likely[np.lexsort((-heat[likely], -p[likely]))]
+        expected = float(p[missing].sum()) * self.touch_ratio.value
+        want = self.ahead_fills(expected, len(likely), self._cpu_pairs(i, missing), behind)
+        if 0 < want < len(order):  # the CPU's share is what the copies leave: under skew, its colder experts
+            rest = missing.copy()
+            rest[order[:want]] = False
+            want = self.ahead_fills(expected, len(likely), self._cpu_pairs(i, rest), behind)
+        want = min(want, spare)
         absent = np.flatnonzero(missing)
         if self.tops_up and want < len(absent) <= spare \
                 and (len(absent) - want) * self.pool.expert_bytes <= TOP_UP_S * self.fill_rate():
             return nxt, absent[np.lexsort((-heat[absent], -p[absent]))], spare
         if want <= 0:
             return None
-        return nxt, likely[np.lexsort((-heat[likely], -p[likely]))][:want], spare
+        return nxt, order[:want], spare
+
+    def _cpu_pairs(self, i: int, experts: np.ndarray) -> float:
+        """The (token, expert) pairs a CPU job of pool row i's `experts` (a mask) is expected to run per expert
+        it touches: the job's rate follows them (policy.PER_BUCKETS). Under skew the experts the copies leave
+        to the CPU are the cold ones, touched by a token or two (256 tokens, Zipf 1.0: ~2-3 where the layer's
+        touched experts average ~9), which run at the rate of few pairs."""
+        touched = float(self._touch[i][experts].sum())
+        return self._tokens * float(self._pick[i][experts].sum()) / touched if touched > 0 else 1.0
 
     def _running_slots(self, row: int) -> np.ndarray:
         """[S] slots holding pool row `row`'s experts (none for row -1)."""
@@ -130,8 +152,12 @@ class CopiesAhead:
         st.ahead += placed
         st.bytes_moved += placed * self.pool.expert_bytes
 
-    def _count_looked(self, layer: int, experts: np.ndarray) -> None:
-        """The copies ahead into `layer` that its routing used (experts: the distinct experts it routed to)."""
+    def _count_looked(self, layer: int, experts: np.ndarray, tokens: int = 0) -> None:
+        """The copies ahead into `layer` that its routing used (experts: the distinct experts it routed to), and
+        for a routed prompt call of `tokens` tokens how many it touched against the heat's prediction."""
+        if tokens > 1 and self._pick is not None:
+            predicted = float((1.0 - (1.0 - self._pick[self.pool.row[layer]]) ** tokens).sum())
+            self.touch_ratio.observe(len(experts), predicted)
         looked = self._looked.pop(layer, None)
         if looked is not None:
             routed = np.zeros(self.pool.num_experts, dtype=bool)
@@ -141,3 +167,16 @@ class CopiesAhead:
     def _looking_ahead(self) -> bool:
         """A routed prompt forward runs with `lookahead` (its touch probabilities known)."""
         return self.lookahead and self._touch is not None
+
+
+class TouchRatio:
+    """The distinct experts a routed prompt call touched over the number its heat predicted (TOUCH_ALPHA's EMA,
+    kept in TOUCH_RANGE): 1 until a call is seen."""
+
+    def __init__(self) -> None:
+        self.value = 1.0
+
+    def observe(self, touched: int, predicted: float) -> None:
+        if predicted > 0:
+            ratio = min(TOUCH_RANGE[1], max(TOUCH_RANGE[0], touched / predicted))
+            self.value += TOUCH_ALPHA * (ratio - self.value)

@@ -29,7 +29,7 @@ from engine.experts.cpu_jobs import PROMPT_TOKENS, CpuJobs
 from engine.experts.device_runs import DeviceRuns
 from engine.experts.handoff import CallTiming, HandoffClock
 from engine.experts.host_pool import HostPool
-from engine.experts.lookahead import LOOKAHEAD_MODES, CopiesAhead
+from engine.experts.lookahead import LOOKAHEAD_MODES, CopiesAhead, TouchRatio
 from engine.experts.policy import BandwidthEstimate
 from engine.experts.prefill_stream import REFILL_USES, STREAM_MODES, PrefillStreamer, pick_probability
 from engine.experts.refresh import REFRESH_MODES, IdleRefresh
@@ -86,6 +86,8 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         # [L, E]: heat a routed prompt forward will add to each expert, plus a refill (begin_forward)
         self._ahead = None
         self._touch = None  # [L, E]: the probability a routed prompt forward's tokens touch each expert (begin_forward)
+        self._pick = None  # [L, E]: ... that one of its tokens routes to each (pick_probability)
+        self.touch_ratio = TouchRatio()  # distinct experts a routed prompt call touches / the heat's prediction
         self._looked: dict[int, np.ndarray] = {}  # layer -> experts copied in ahead of its routing, not yet counted
         self._seen: dict[int, int] = {}  # pool row -> tokens its calls have run in this forward
         self._tokens = self._top_k = 0  # tokens and experts per token of the forward (begin_forward)
@@ -182,12 +184,12 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
             span > 1 or (self.streamer is not None and not decode)) else None
         if self.streamer is not None:
             self.streamer.begin(num_tokens, top_k, q, decode=decode)
-        self._ahead = self._touch = None
+        self._ahead = self._touch = self._pick = None
         self.handoff_clock.begin()
         self.handoff_clock.read_gaps()  # the last forward's, done by now
         self._looked, self._seen, self._tokens, self._top_k = {}, {}, num_tokens, top_k
         if span > 1 and not (self.streamer is not None and self.streamer.active):
-            self._touch = 1.0 - (1.0 - q) ** num_tokens
+            self._pick, self._touch = q, 1.0 - (1.0 - q) ** num_tokens
             self._ahead = self._use_weights(num_tokens * q, span) + REFILL_USES * self._touch
         self._span = max(1, int(span))
         self.cache.table.tokens_passed(self._span - 1)
@@ -203,7 +205,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         self.cpu_jobs.collect()  # the last CPU job joined on the device, its rate counted while the forward's on
         self._held = False
         self.settle()  # before _looked goes: a resident layer's copies ahead are counted there
-        self._ahead = self._touch = None
+        self._ahead = self._touch = self._pick = None
         self._looked = {}
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
@@ -224,7 +226,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         planned = time.perf_counter()
         join = cpu_jobs.JOIN_ON_DEVICE and self.grouped and self._held and x.shape[0] >= PROMPT_TOKENS
         pending = self.cpu_jobs.start(layer, x, routing, plan.on_cpu, raise_flag=join)
-        self._count_looked(layer, routing.experts)  # (a count alone: after the CPU's job is under way)
+        self._count_looked(layer, routing.experts, x.shape[0])  # (counts alone: after the CPU's job is under way)
         self._queue_device(layer, x, y, routing, topk_ids, plan, pending is not None, streaming)
         cpu = self._join_cpu(pending, y, routing, plan, routed_at) if join and pending is not None \
             else self._collect_cpu(pending, y, routing, plan, routed_at)

@@ -494,3 +494,35 @@ def test_a_prompts_cpu_job_joined_on_the_device_gives_the_host_joins_outputs(cls
         b.close()
     if cls is CpuBackend:
         assert got[True] == got[False]
+
+
+def test_a_prompt_whose_tokens_cluster_plans_hybrids_copies_ahead_for_the_misses_it_touches(monkeypatch):
+    """Tokens that pick alike touch fewer distinct experts than the heat's independent picks predict; each routed
+    prompt call's touched / predicted moves lookahead.TouchRatio, which scales the next layers' expected misses
+    that hybrid's copies ahead take their fill share of. Independent routing leaves it near 1; outputs are the
+    reference's either way."""
+    src, deep = deep_pool()
+    est = BandwidthEstimate(bp=1e9, bh=1e9, frozen=True)
+    x, ids, w = routing(40, seed=3)
+    for clustered, want in ((False, (0.9, 1.1)), (True, (lookahead.TOUCH_RANGE[0], 0.6))):
+        b = HybridBackend(deep, 2 * E, "cpu", estimate=est, stream_prefill="off", lookahead="on")
+        call_ids = torch.tensor([[0, 1, 2]] * 40) if clustered else ids
+        b.begin_forward(40, K, hold=True, span=40)
+        for layer in range(6):
+            torch.testing.assert_close(b.forward(layer, x, call_ids, w), reference(src, layer, x, call_ids, w),
+                                       rtol=1e-5, atol=1e-5)
+        b.end_forward()
+        assert want[0] <= b.touch_ratio.value <= want[1], (clustered, b.touch_ratio.value)
+        learned = b.touch_ratio.value
+        b.close()
+        b = HybridBackend(deep, 2 * E, "cpu", estimate=est, stream_prefill="off", lookahead="on")
+        b.begin_forward(40, K, hold=True, span=40)  # no heat, no residents: every expert a likely miss
+        planned = {}
+        for ratio in (1.0, learned):
+            b.touch_ratio.value = ratio
+            plan = b._plan_row(3, 0)
+            planned[ratio] = 0 if plan is None else len(plan[1])
+        b.end_forward()
+        assert planned[1.0] == E // 2  # the balance of equal rates: half of the 8 expected misses
+        assert (planned[learned] < planned[1.0]) == clustered, planned
+        b.close()
