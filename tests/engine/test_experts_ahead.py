@@ -526,3 +526,25 @@ def test_a_prompt_whose_tokens_cluster_plans_hybrids_copies_ahead_for_the_misses
         assert planned[1.0] == E // 2  # the balance of equal rates: half of the 8 expected misses
         assert (planned[learned] < planned[1.0]) == clustered, planned
         b.close()
+
+
+def test_hybrids_copies_ahead_price_the_cpus_share_at_the_pairs_of_the_experts_they_leave_it():
+    """Under skew the copies ahead take the hot experts and leave the CPU the cold ones, touched by a token or two:
+    the CPU's rate is taken for their pairs per expert (policy.PER_BUCKETS), not the layer's mean. Uniform heat
+    leaves both the same."""
+    _, deep = deep_pool()
+    est = BandwidthEstimate(bp=1e9, bh=1e9, frozen=True)
+    for skew in (False, True):
+        b = HybridBackend(deep, 2 * E, "cpu", estimate=est, stream_prefill="off", lookahead="on")
+        if skew:
+            b.cache.table.heat[:] = 40.0 / np.arange(1, E + 1) ** 2  # uses now, hottest first in every layer
+        asked, plain = [], b.ahead_fills
+        b.ahead_fills = lambda expected, likely, per=1.0, behind=0: asked.append(per) or plain(expected, likely, per,
+                                                                                                  behind)
+        b.begin_forward(40, K, hold=True, span=40)
+        asked.clear()
+        b._plan_row(3, 0)
+        b.end_forward()
+        assert len(asked) == 2, asked  # the layer's mean, then the rest's once the copies are chosen
+        assert (asked[1] < 0.8 * asked[0]) == skew and asked[1] <= asked[0] * 1.0001, asked
+        b.close()
