@@ -23,7 +23,9 @@ def print_split(res: dict) -> None:
         return
     sp = res["split"]
     rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sp["rates"].items())
-    print(f"hybrid split over the run: choices {sp['arms']} ({sp['explored']} explorations); rates GB/s: {rates}")
+    touched = f"; a prompt's experts touched / predicted {sp['touch_ratio']:.2f}" if "touch_ratio" in sp else ""
+    print(f"hybrid split over the run: choices {sp['arms']} ({sp['explored']} explorations); rates GB/s: {rates}"
+          + touched)
 
 
 def print_table(res: dict) -> None:

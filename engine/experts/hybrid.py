@@ -4,7 +4,8 @@ m - q run on the CPU concurrently; the partial sums are added (FreeToken).
 q comes from policy.SplitPolicy: the balanced split q = round(m * B_P / (B_P + B_H)) at the rates both paths
 reach together, or every miss one way when a path alone is predicted faster, by the fills and CPU runs this
 backend measures (seeded from the estimate, i.e. the bench profile). `estimate.frozen = True` keeps the rates,
-so the split is a fixed function of m. `stats()["split"]` counts the choices taken and the explorations."""
+so the split is a fixed function of m. `stats()["split"]` counts the choices taken and the explorations, with the
+rates and the touched / predicted experts of routed prompt calls that its copies ahead plan by (TouchRatio)."""
 from __future__ import annotations
 
 from engine.experts.offload import OffloadBackend
@@ -40,4 +41,4 @@ class HybridBackend(OffloadBackend):
         self.policy.observe(path, nbytes, seconds, together, per)
 
     def stats(self) -> dict:
-        return {**super().stats(), "split": self.policy.stats()}
+        return {**super().stats(), "split": {**self.policy.stats(), "touch_ratio": self.touch_ratio.value}}

@@ -186,9 +186,11 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys, monkeypatc
 
 def test_bench_model_says_what_each_extend_did(tmp_path, capsys):
     """Several timed extends of one process: each run's TTFT with its fills, CPU runs and copies ahead and, with
-    hybrid, the split's choices and explorations in that extend; the last run's counters are the row's. An
-    extend as long as the prompt: the warm-up extends too fit the context the run sizes for one."""
+    hybrid, the split's choices and explorations in that extend, and over the run the experts its prompts'
+    calls touched against the heat's prediction; the last run's counters are the row's. An extend as long as the
+    prompt: the warm-up extends too fit the context the run sizes for one."""
     from engine.bench import model as bench_model
+    from engine.experts import lookahead
 
     out = tmp_path / "ext.json"
     assert bench_model.main(["--synthetic", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1",
@@ -205,8 +207,11 @@ def test_bench_model_says_what_each_extend_did(tmp_path, capsys):
         assert set(r["arms"]) == {"split", "fill", "cpu"} and 0 <= r["explored"] <= sum(r["arms"].values())
         assert r["fills"] + r["cpu_runs"] > 0 and sum(r["arms"].values()) > 0
     assert sum(sum(r["arms"].values()) for r in runs) <= sum(res["split"]["arms"].values())
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("extend_64 runs: "))
+    printed = capsys.readouterr().out.splitlines()
+    line = next(x for x in printed if x.startswith("extend_64 runs: "))
     assert line.count(" ms: ") == 3 and "split/fill/cpu" in line and "explored" in line
+    touched = lookahead.TOUCH_RANGE[0] <= res["split"]["touch_ratio"] <= lookahead.TOUCH_RANGE[1]
+    assert touched and any(x.startswith("hybrid split over") and "touched / predicted" in x for x in printed)
 
 
 def test_bench_model_runs_the_rule_in_the_tiles_and_the_routing_asked_for(tmp_path, capsys):
