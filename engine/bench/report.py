@@ -23,7 +23,8 @@ def print_split(res: dict) -> None:
         return
     sp = res["split"]
     rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sp["rates"].items())
-    touched = f"; a prompt's experts touched / predicted {sp['touch_ratio']:.2f}" if "touch_ratio" in sp else ""
+    ratios = ", ".join(f"{n}+ tokens {r:.2f}" for n, r in sorted(sp.get("touch_ratio", {}).items()))
+    touched = f"; a prompt's experts touched / predicted: {ratios}" if ratios else ""
     print(f"hybrid split over the run: choices {sp['arms']} ({sp['explored']} explorations); rates GB/s: {rates}"
           + touched)
 

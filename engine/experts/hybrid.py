@@ -41,4 +41,4 @@ class HybridBackend(OffloadBackend):
         self.policy.observe(path, nbytes, seconds, together, per)
 
     def stats(self) -> dict:
-        return {**super().stats(), "split": {**self.policy.stats(), "touch_ratio": self.touch_ratio.value}}
+        return {**super().stats(), "split": {**self.policy.stats(), "touch_ratio": dict(self.touch_ratio.values)}}

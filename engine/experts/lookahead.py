@@ -76,7 +76,7 @@ class CopiesAhead:
         spare = int(((~t.locked | self._running_slots(i - 1)) & ~self._kept(i - 1)).sum())
         heat = t.heat[i]
         order = likely[np.lexsort((-heat[likely], -p[likely]))]
-        expected = float(p[missing].sum()) * self.touch_ratio.value
+        expected = float(p[missing].sum()) * self.touch_ratio.of(self._tokens)
         want = self.ahead_fills(expected, len(likely), self._cpu_pairs(i, missing), behind)
         if 0 < want < len(order):  # the CPU's share is what the copies leave: under skew, its colder experts
             rest = missing.copy()
@@ -157,7 +157,7 @@ class CopiesAhead:
         for a routed prompt call of `tokens` tokens how many it touched against the heat's prediction."""
         if tokens > 1 and self._pick is not None:
             predicted = float((1.0 - (1.0 - self._pick[self.pool.row[layer]]) ** tokens).sum())
-            self.touch_ratio.observe(len(experts), predicted)
+            self.touch_ratio.observe(tokens, len(experts), predicted)
         looked = self._looked.pop(layer, None)
         if looked is not None:
             routed = np.zeros(self.pool.num_experts, dtype=bool)
@@ -170,13 +170,27 @@ class CopiesAhead:
 
 
 class TouchRatio:
-    """The distinct experts a routed prompt call touched over the number its heat predicted (TOUCH_ALPHA's EMA,
-    kept in TOUCH_RANGE): 1 until a call is seen."""
+    """Per power of two of a routed prompt call's tokens, the distinct experts such calls touched over the number
+    the heat predicted (TOUCH_ALPHA's EMA, kept in TOUCH_RANGE): clustering shows most in short prompts (2,048
+    tokens touch nearly every expert however alike they are). A size never seen takes the nearest size's; 1
+    until a call is seen."""
 
     def __init__(self) -> None:
-        self.value = 1.0
+        self.values: dict[int, float] = {}  # 2^k -> ratio of calls of 2^k to 2^(k+1) - 1 tokens
 
-    def observe(self, touched: int, predicted: float) -> None:
+    def of(self, tokens: int) -> float:
+        if not self.values:
+            return 1.0
+        k = _size(tokens)
+        return self.values[min(self.values, key=lambda size: (abs(size.bit_length() - k.bit_length()), -size))]
+
+    def observe(self, tokens: int, touched: int, predicted: float) -> None:
         if predicted > 0:
             ratio = min(TOUCH_RANGE[1], max(TOUCH_RANGE[0], touched / predicted))
-            self.value += TOUCH_ALPHA * (ratio - self.value)
+            k = _size(tokens)
+            value = self.values.get(k, self.of(tokens))
+            self.values[k] = value + TOUCH_ALPHA * (ratio - value)
+
+
+def _size(tokens: int) -> int:
+    return 1 << (max(1, tokens).bit_length() - 1)

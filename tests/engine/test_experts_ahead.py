@@ -512,14 +512,15 @@ def test_a_prompt_whose_tokens_cluster_plans_hybrids_copies_ahead_for_the_misses
             torch.testing.assert_close(b.forward(layer, x, call_ids, w), reference(src, layer, x, call_ids, w),
                                        rtol=1e-5, atol=1e-5)
         b.end_forward()
-        assert want[0] <= b.touch_ratio.value <= want[1], (clustered, b.touch_ratio.value)
-        learned = b.touch_ratio.value
+        assert list(b.touch_ratio.values) == [32], b.touch_ratio.values  # calls of 40 tokens
+        learned = b.touch_ratio.of(40)
+        assert want[0] <= learned <= want[1] and b.touch_ratio.of(1000) == learned, (clustered, learned)
         b.close()
         b = HybridBackend(deep, 2 * E, "cpu", estimate=est, stream_prefill="off", lookahead="on")
         b.begin_forward(40, K, hold=True, span=40)  # no heat, no residents: every expert a likely miss
         planned = {}
         for ratio in (1.0, learned):
-            b.touch_ratio.value = ratio
+            b.touch_ratio.values = {32: ratio}
             plan = b._plan_row(3, 0)
             planned[ratio] = 0 if plan is None else len(plan[1])
         b.end_forward()
@@ -548,3 +549,20 @@ def test_hybrids_copies_ahead_price_the_cpus_share_at_the_pairs_of_the_experts_t
         assert len(asked) == 2, asked  # the layer's mean, then the rest's once the copies are chosen
         assert (asked[1] < 0.8 * asked[0]) == skew and asked[1] <= asked[0] * 1.0001, asked
         b.close()
+
+
+def test_the_touch_ratio_is_kept_per_size_of_call_and_bounded():
+    """TouchRatio: an EMA per power of two of a call's tokens, clamped to TOUCH_RANGE; a size not seen takes the
+    nearest seen (the larger on a tie), 1 before any call."""
+    r = lookahead.TouchRatio()
+    assert r.of(256) == 1.0
+    r.observe(256, 100, 200.0)  # 0.5 from 1: one step of TOUCH_ALPHA
+    assert r.of(300) == pytest.approx(1 - lookahead.TOUCH_ALPHA * 0.5) and list(r.values) == [256]
+    for _ in range(60):
+        r.observe(300, 0, 200.0)  # below the range: held at its floor
+        r.observe(4000, 250, 250.0)
+    assert r.of(256) == pytest.approx(lookahead.TOUCH_RANGE[0]) and r.of(4096) == pytest.approx(1.0)
+    assert r.of(16) == r.of(256) and r.of(1 << 20) == r.of(4096)
+    assert r.of(1024) == r.of(4096) and r.of(512) == r.of(256)  # nearest; 1024 is as near to 4096 as to 256
+    r.observe(256, 10, 0.0)  # nothing predicted: nothing learned
+    assert r.of(256) == pytest.approx(lookahead.TOUCH_RANGE[0])
