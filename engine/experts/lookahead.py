@@ -30,7 +30,7 @@ AHEAD_TOUCHED = 0.9
 TOP_UP_S = 0.002
 # The heat predicts each expert's share of a layer's routing, not how the tokens of one prompt cluster: similar
 # tokens pick similar experts, so fewer distinct experts are touched than independent picks would touch (the
-# synthetic Zipf 1.0 checkpoint, 256 tokens: ~215 of 256 where the heat's probabilities say ~250, and hybrid's
+# synthetic Zipf 1.0 checkpoint, 256 tokens: ~215 of 256 where independent picks by the heat say ~234-252, and hybrid's
 # copies ahead, planned for misses that never came, left the CPU idle half of each layer: H100 box, docs/PERF.md
 # thirty-sixth session). A routed call's distinct experts over the predicted ones (TouchRatio) scale the next
 # layers' expected misses.
