@@ -94,8 +94,8 @@ class CopiesAhead:
     def _cpu_pairs(self, i: int, experts: np.ndarray) -> float:
         """The (token, expert) pairs a CPU job of pool row i's `experts` (a mask) is expected to run per expert
         it touches: the job's rate follows them (policy.PER_BUCKETS). Under skew the experts the copies leave
-        to the CPU are the cold ones, touched by a token or two (256 tokens, Zipf 1.0: ~2-3 where the layer's
-        touched experts average ~9), which run at the rate of few pairs."""
+        to the CPU are the cold ones (256 tokens, a Zipf 1.0 heat: ~4 pairs each where the layer's touched
+        experts average ~8-9), which run at the rate of fewer pairs."""
         touched = float(self._touch[i][experts].sum())
         return self._tokens * float(self._pick[i][experts].sum()) / touched if touched > 0 else 1.0
 
