@@ -32,8 +32,11 @@ TOP_UP_S = 0.002
 # tokens pick similar experts, so fewer distinct experts are touched than independent picks would touch (the
 # synthetic Zipf 1.0 checkpoint, 256 tokens: ~215 of 256 where independent picks by the heat say ~234-252, and hybrid's
 # copies ahead, planned for misses that never came, left the CPU idle half of each layer: H100 box, docs/PERF.md
-# thirty-sixth session). A routed call's distinct experts over the predicted ones (TouchRatio) scale the next
-# layers' expected misses.
+# thirty-sixth session). Among the experts a call's tokens touch with less than TOUCH_CERTAIN probability by the
+# heat, the distinct ones they touched over the predicted number (TouchRatio) scales the next layers' expected
+# misses of that kind; the near-certain ones are touched whatever the clustering (and a uniform heat makes every
+# expert near-certain from ~150 tokens of top 8 of 256 on: no ratio is learned, none applied).
+TOUCH_CERTAIN = 0.99
 TOUCH_ALPHA = 0.25  # the ratio's EMA weight per routed prompt call
 TOUCH_RANGE = (0.25, 1.5)
 LOOKAHEAD_MODES = ("auto", "on", "off")
@@ -76,7 +79,8 @@ class CopiesAhead:
         spare = int(((~t.locked | self._running_slots(i - 1)) & ~self._kept(i - 1)).sum())
         heat = t.heat[i]
         order = likely[np.lexsort((-heat[likely], -p[likely]))]
-        expected = float(p[missing].sum()) * self.touch_ratio.of(self._tokens)
+        unsure = missing & (p < TOUCH_CERTAIN)
+        expected = float(p[missing & ~unsure].sum()) + float(p[unsure].sum()) * self.touch_ratio.of(self._tokens)
         want = self.ahead_fills(expected, len(likely), self._cpu_pairs(i, missing), behind)
         if 0 < want < len(order):  # the CPU's share is what the copies leave: under skew, its colder experts
             rest = missing.copy()
@@ -156,8 +160,10 @@ class CopiesAhead:
         """The copies ahead into `layer` that its routing used (experts: the distinct experts it routed to), and
         for a routed prompt call of `tokens` tokens how many it touched against the heat's prediction."""
         if tokens > 1 and self._pick is not None:
-            predicted = float((1.0 - (1.0 - self._pick[self.pool.row[layer]]) ** tokens).sum())
-            self.touch_ratio.observe(tokens, len(experts), predicted)
+            p = 1.0 - (1.0 - self._pick[self.pool.row[layer]]) ** tokens
+            unsure = p < TOUCH_CERTAIN
+            if unsure.any():
+                self.touch_ratio.observe(tokens, int(unsure[experts].sum()), float(p[unsure].sum()))
         looked = self._looked.pop(layer, None)
         if looked is not None:
             routed = np.zeros(self.pool.num_experts, dtype=bool)
@@ -171,9 +177,9 @@ class CopiesAhead:
 
 class TouchRatio:
     """Per power of two of a routed prompt call's tokens, the distinct experts such calls touched over the number
-    the heat predicted (TOUCH_ALPHA's EMA, kept in TOUCH_RANGE): clustering shows most in short prompts (2,048
-    tokens touch nearly every expert however alike they are). A size never seen takes the nearest size's; 1
-    until a call is seen."""
+    the heat predicted, both among the experts it gave under TOUCH_CERTAIN (TOUCH_ALPHA's EMA, kept in
+    TOUCH_RANGE): clustering shows most in short prompts. A size never seen takes the nearest size's; 1 until a
+    call is seen."""
 
     def __init__(self) -> None:
         self.values: dict[int, float] = {}  # 2^k -> ratio of calls of 2^k to 2^(k+1) - 1 tokens
