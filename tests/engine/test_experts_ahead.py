@@ -496,7 +496,7 @@ def test_a_prompts_cpu_job_joined_on_the_device_gives_the_host_joins_outputs(cls
         assert got[True] == got[False]
 
 
-def test_a_prompt_whose_tokens_cluster_plans_hybrids_copies_ahead_for_the_misses_it_touches(monkeypatch):
+def test_a_prompt_whose_tokens_cluster_plans_hybrids_copies_ahead_for_the_misses_it_touches():
     """Tokens that pick alike touch fewer distinct experts than the heat's independent picks predict; each routed
     prompt call's touched / predicted (among the experts not near-certain: 8 tokens of top 3 of 8 touch each with
     p = 0.98) moves lookahead.TouchRatio, which scales the next layers' expected misses that hybrid's copies ahead
