@@ -79,7 +79,8 @@ class Job:
 
     async def _generate(self, gen: Generation) -> None:
         async for item in gen:
-            if isinstance(item, Keepalive):
+            if isinstance(item, Keepalive):  # an event, numbered and kept: a follower's idle timer may count
+                self._emit(f"response.{self.status}", {"response": self.state()})  # events alone (Codex's does)
                 continue
             if self.status == "queued":  # admitted (an upstream's answer says so with its first output)
                 self.status = "in_progress"
@@ -234,8 +235,9 @@ async def background_lifetime(app: web.Application):
 
 async def follow(request: web.Request, job: Job | EndedStream, keepalive_s: float,
                  after: int = -1) -> web.StreamResponse:
-    """The job's events as SSE, those whose sequence_number is over `after`, until it ends; a keep-alive comment
-    when nothing came for keepalive_s. Any number of streams may follow one job, each at its own pace."""
+    """The job's events as SSE, those whose sequence_number is over `after`, until it ends (the job's keep-alives
+    among them: response.queued or response.in_progress again); a keep-alive comment when nothing came for
+    keepalive_s. Any number of streams may follow one job, each at its own pace."""
     sse = SSEWriter(request)
     sent = after + 1
     while True:

@@ -233,13 +233,30 @@ async def test_cancelling_a_streamed_job_ends_its_stream_with_an_error_event(aio
     assert events[-1]["type"] == "error" and events[-1]["code"] == "response_cancelled"
 
 
-async def test_a_queued_streamed_job_keeps_its_stream_alive(aiohttp_client, fake_stack):
+async def test_a_queued_streamed_job_keeps_its_stream_alive_with_events(aiohttp_client, fake_stack):
+    """While queued (and while a prefill runs) the job's stream gets response.queued (response.in_progress) again
+    each keepalive_s: events, numbered in order and kept for a follower that resumes, since a client's idle timer
+    may count events alone (Codex's does). The response is the one a job without a wait gives."""
     app, core = fake_stack(keepalive_s=0.05)
-    core.queue_s = 0.3
     client = await aiohttp_client(app)
-    resp = await client.post("/v1/responses", json={"model": "m", "input": "hi", "background": True, "stream": True})
-    text = await resp.text()
-    assert ": keep-alive" in text and sse_events(text)[-1]["type"] == "response.completed"
+    body = {"model": "m", "input": "hi", "background": True, "stream": True}
+    plain = sse_events(await (await client.post("/v1/responses", json=body)).text())
+    core.queue_s, core.prefill_s = 0.3, 0.3
+    events = sse_events(await (await client.post("/v1/responses", json=body)).text())
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    queued = [e for e in events if e["type"] == "response.queued"]
+    assert len(queued) >= 3 and all(e["response"]["status"] == "queued" for e in queued)
+    assert kinds.count("response.in_progress") >= 3 and kinds[-1] == "response.completed"
+    assert max(kinds.index(k) for k in kinds if k == "response.queued") < kinds.index("response.in_progress")
+    def unnamed(response):  # (ids and times differ between two responses)
+        out = [{k: v for k, v in item.items() if k != "id"} for item in response["output"]]
+        return {**{k: v for k, v in response.items() if k not in ("id", "created_at", "completed_at")}, "output": out}
+
+    assert unnamed(events[-1]["response"]) == unnamed(plain[-1]["response"])
+    resumed = sse_events(await (await client.get(f"/v1/responses/{events[0]['response']['id']}",
+                                                 params={"stream": "true", "starting_after": "1"})).text())
+    assert resumed == events[2:]
 
 
 async def test_a_bug_in_a_job_fails_that_response_alone(aiohttp_client, fake_stack, monkeypatch, caplog):

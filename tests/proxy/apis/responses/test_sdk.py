@@ -1,5 +1,6 @@
 """Background responses and truncation through the official `openai` SDK, against the real renderer and
-EngineCore on a synthetic checkpoint (random weights: long answers are forced through the test hook)."""
+EngineCore on a synthetic checkpoint (random weights: long answers are forced through the test hook); a queued
+stream's keep-alives against the protocol-only stand-in, whose queue and prefill take as long as asked."""
 import asyncio
 
 import openai
@@ -98,3 +99,18 @@ async def test_truncation_through_the_sdk(serve, sdk):
                                            instructions="Be brief.", extra_headers={FORCED: "Fine."})
     assert answer.truncation == "auto" and answer.status == "completed"
     assert 512 // 2 < answer.usage.input_tokens <= 512 - 32
+
+
+async def test_a_background_streams_keep_alives_parse_in_the_sdk(aiohttp_server, fake_stack, sdk):
+    """The keep-alives of a queued, then prefilling background stream (response.queued, response.in_progress
+    again) are events the SDK knows: typed, numbered in order, the stream ending completed."""
+    app, core = fake_stack(keepalive_s=0.05)
+    core.queue_s, core.prefill_s = 0.3, 0.3
+    server = await aiohttp_server(app)
+    client = sdk.openai(str(server.make_url("")).rstrip("/"), max_retries=0)
+    stream = await client.responses.create(model="m", input="hi", background=True, stream=True)
+    events = [event async for event in stream]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    queued = [e for e in events if isinstance(e, openai.types.responses.ResponseQueuedEvent)]
+    assert len(queued) >= 3 and all(e.response.status == "queued" for e in queued)
+    assert events[-1].type == "response.completed" and events[-1].response.output
