@@ -330,7 +330,8 @@ def _extend(model, args, sync, g) -> dict:
 def _print_calls(calls) -> None:
     """The last timed extend's MoE layer calls (OffloadBackend.call_log): what each planned, and when (ms from the
     call's start, which is ms from the first call's start) its routing came back, its split was made, its CPU job
-    ran, the engine thread had the job's result and the call returned."""
+    ran, the engine thread had the job's result and the call returned; then how long the CPU sat idle between its
+    jobs (a copy engine behind on copies ahead, or a device behind on the layers between, keeps it waiting)."""
     print("\nthe last timed extend's MoE layer calls (ms; 'unread': every expert in a slot, routing not read back; "
           "'joined': the CPU job joined on the device, its 'woke' when the engine thread collected it)")
     head = ("layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "behind", "handoff", "routed",
@@ -344,6 +345,13 @@ def _print_calls(calls) -> None:
         print(f"{c.layer:>8}{c.kind:>8}{(c.at - t0) * 1e3:>8.2f}{c.hits:>8}{c.misses:>8}{c.fills:>8}{c.cpu:>8}"
               f"{c.ahead:>8}{c.behind:>8}{c.handoff_ms:>8.2f}{at(c.routed_ms)}{at(c.planned_ms)}{cpu}"
               f"{at(c.woke_ms)}{c.end_ms:>8.2f}")
+    jobs = [((c.at - t0) * 1e3 + c.cpu_start_ms, c.cpu_ms) for c in calls if c.cpu_start_ms >= 0]
+    if jobs:
+        span = jobs[-1][0] + jobs[-1][1] - jobs[0][0]
+        run = sum(ms for _, ms in jobs)
+        print(f"the CPU's {len(jobs)} jobs ran {run:.2f} ms of the {span:.2f} from the first's start to the last's "
+              f"end (idle between them {span - run:.2f} ms); {sum(c.ahead for c in calls)} experts copied ahead, "
+              f"{sum(c.fills for c in calls)} filled, {sum(c.cpu for c in calls)} run on the CPU")
 
 
 GAP_US = 100  # compute-stream gaps shorter than this are launch spacing, not the host holding the device up
