@@ -79,8 +79,10 @@ class Job:
 
     async def _generate(self, gen: Generation) -> None:
         async for item in gen:
-            if isinstance(item, Keepalive):  # an event, numbered and kept: a follower's idle timer may count
-                self._emit(f"response.{self.status}", {"response": self.state()})  # events alone (Codex's does)
+            if isinstance(item, Keepalive):
+                # an event, numbered and kept, not a comment: a follower's idle timer may count events alone
+                # (Codex's does)
+                self._emit(f"response.{self.status}", {"response": self.state()})
                 continue
             if self.status == "queued":  # admitted (an upstream's answer says so with its first output)
                 self.status = "in_progress"
