@@ -156,14 +156,17 @@ class CopiesAhead:
         st.ahead += placed
         st.bytes_moved += placed * self.pool.expert_bytes
 
-    def _count_looked(self, layer: int, experts: np.ndarray, tokens: int = 0) -> None:
-        """The copies ahead into `layer` that its routing used (experts: the distinct experts it routed to), and
-        for a routed prompt call of `tokens` tokens how many it touched against the heat's prediction."""
+    def _observe_touch(self, layer: int, experts: np.ndarray, tokens: int) -> None:
+        """A routed prompt call of `tokens` tokens to `experts` (distinct) of `layer`: how many of those the heat
+        gave under TOUCH_CERTAIN it touched, against the heat's prediction (touch_ratio)."""
         if tokens > 1 and self._pick is not None:
             p = 1.0 - (1.0 - self._pick[self.pool.row[layer]]) ** tokens
             unsure = p < TOUCH_CERTAIN
             if unsure.any():
                 self.touch_ratio.observe(tokens, int(unsure[experts].sum()), float(p[unsure].sum()))
+
+    def _count_looked(self, layer: int, experts: np.ndarray) -> None:
+        """The copies ahead into `layer` that its routing used (experts: the distinct experts it routed to)."""
         looked = self._looked.pop(layer, None)
         if looked is not None:
             routed = np.zeros(self.pool.num_experts, dtype=bool)

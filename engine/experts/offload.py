@@ -226,7 +226,8 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         planned = time.perf_counter()
         join = cpu_jobs.JOIN_ON_DEVICE and self.grouped and self._held and x.shape[0] >= PROMPT_TOKENS
         pending = self.cpu_jobs.start(layer, x, routing, plan.on_cpu, raise_flag=join)
-        self._count_looked(layer, routing.experts, x.shape[0])  # (counts alone: after the CPU's job is under way)
+        self._count_looked(layer, routing.experts)  # (counts alone: after the CPU's job is under way)
+        self._observe_touch(layer, routing.experts, x.shape[0])
         self._queue_device(layer, x, y, routing, topk_ids, plan, pending is not None, streaming)
         cpu = self._join_cpu(pending, y, routing, plan, routed_at) if join and pending is not None \
             else self._collect_cpu(pending, y, routing, plan, routed_at)
