@@ -29,10 +29,20 @@ def print_split(res: dict) -> None:
           + touched)
 
 
+def _numa(res: dict) -> str:
+    """Where the pool's pages and the GPU sit, for the header line, where the host has more than one NUMA node."""
+    if res.get("numa_nodes", 0) < 2:
+        return ""
+    shares = ", ".join(f"node {node} {share:.0%}" for node, share in res.get("pool_by_node", {}).items())
+    gpus = ", ".join(str(n) for n in res.get("gpu_numa_nodes", [])) or "unknown"
+    return f" ({shares or 'nodes unknown'}; GPU on node {gpus})"
+
+
 def print_table(res: dict) -> None:
     cached = (f", experts {res['variant']} {res['slots']} {res['slot_policy']} slots ({res['experts_on_gpu']}, "
               f"as llama.cpp {res['placement']}), decode {res['decode_path']}, CPU experts {res['cpu_experts']}, "
-              f"pool {res.get('pool_huge', 0):.0%} in huge pages, prefill stream {res.get('prefill_stream', 'auto')}, "
+              f"pool {res.get('pool_huge', 0):.0%} in huge pages{_numa(res)}, "
+              f"prefill stream {res.get('prefill_stream', 'auto')}, "
               f"prefetch {res.get('prefetch', 'off')}, lookahead {res.get('lookahead', 'off')}, "
               f"B_P {res['bp_gbs']:.1f} GB/s, host read {res.get('host_read_gbs', 0):.1f} GB/s"
               + (f" ({res['read_beside_copy_gbs']:.1f} beside copies to the device at "

@@ -2,6 +2,7 @@
 and the bounds an expert cache's rows are measured against (the pool at B_P, the host DRAM's read rate)."""
 from __future__ import annotations
 
+import os
 import time
 from typing import NamedTuple
 
@@ -59,6 +60,7 @@ class ExpertTraffic:
                 "lookahead": "on" if getattr(self.backend, "lookahead", False) else "off",
                 "decode_path": "mapped" if self.backend.mapped is not None else "host",
                 "cpu_experts": _cpu_path(), "pool_huge": self.backend.pool.huge_bytes() / self.pool_bytes,
+                **numa_placement(self.backend.pool),
                 "experts_on_gpu": f"{self.share():.1%}", "slots": self.backend.cache.num_slots}
 
     def split(self) -> dict:
@@ -179,8 +181,6 @@ def _read_rows(pool, limit: int = 2 << 30) -> list:
 
 def _read_runner():
     """The native read pass on every core (None without the native kernels)."""
-    import os
-
     from engine.experts.cpu_runner import native_runner
 
     return native_runner(os.cpu_count() or 1)
@@ -223,6 +223,39 @@ def read_beside_copy(pool, chunk_mib: int = 256, chunks: int = 24) -> BesideCopy
         end.synchronize()
     del dst
     return BesideCopy(read / seconds, chunks * src.numel() / (start.elapsed_time(end) / 1e3))
+
+
+def numa_placement(pool, root: str = "/sys") -> dict:
+    """Where the host pool's pages and the GPUs sit among the host's NUMA nodes: `numa_nodes` (the count),
+    `pool_by_node` ({node: share of the pool's touched pages}) and `gpu_numa_nodes` (each NVIDIA device's node by
+    sysfs, -1 where it names none). A process whose pool sits away from the GPU or the expert workers' cores reads
+    it slower, by its fills and by its CPU runs alike. root: where sysfs is (tests)."""
+    nodes = [d for d in _listdir(f"{root}/devices/system/node") if d.startswith("node") and d[4:].isdigit()]
+    gpus = []
+    for dev in sorted(_listdir(f"{root}/bus/pci/devices")):
+        base = f"{root}/bus/pci/devices/{dev}"
+        if _read(f"{base}/vendor") == "0x10de" and _read(f"{base}/class").startswith("0x03"):
+            node = _read(f"{base}/numa_node")
+            gpus.append(int(node) if node.lstrip("-").isdigit() else -1)
+    placed = pool.bytes_by_node()
+    total = sum(placed.values())
+    return {"numa_nodes": len(nodes), "gpu_numa_nodes": gpus,
+            "pool_by_node": {node: n / total for node, n in sorted(placed.items())} if total else {}}
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
 
 
 def _cpu_path() -> str:

@@ -155,6 +155,20 @@ class HostPool:
             return 0
         return min(total, self.nbytes)
 
+    def bytes_by_node(self) -> dict[int, int]:
+        """Bytes of the loaded layers' pages on each NUMA node, of the pages touched so far (from /proc/self/maps and
+        numa_maps: the mappings that hold the buffers; {} where the kernel does not say). Both a fill's DMA and
+        the CPU's expert runs read them: pages on a node away from the GPU or from the workers' cores read slower."""
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in self.buffers if b is not None]
+        try:
+            with open("/proc/self/maps") as fh:
+                maps = fh.read()
+            with open("/proc/self/numa_maps") as fh:
+                numa_maps = fh.read()
+        except OSError:
+            return {}
+        return bytes_by_node(spans, maps, numa_maps)
+
     def close(self) -> None:
         """Unpin (the pool normally lives as long as the process)."""
         if self._thread is not None:
@@ -184,6 +198,37 @@ def host_buffer(shape: Sequence[int], dtype: torch.dtype, hugepages: bool = True
     except OSError:  # a kernel without THP: plain pages
         pass
     return base[skip:skip + n * size].view(dtype).view(*shape)
+
+
+def bytes_by_node(spans: Sequence[tuple[int, int]], maps: str, numa_maps: str) -> dict[int, int]:
+    """Bytes on each NUMA node of the mappings that overlap any [start, end) of spans: maps is /proc/<pid>/maps'
+    text (each mapping's extent), numa_maps /proc/<pid>/numa_maps' (per mapping, by its start address, N<node>=<pages>
+    of kernelpagesize_kB each)."""
+    ends = {}
+    for line in maps.splitlines():
+        head = line.split(None, 1)[0] if line.strip() else ""
+        if "-" in head:
+            a, b = (int(x, 16) for x in head.split("-"))
+            ends[a] = b
+    out: dict[int, int] = {}
+    for line in numa_maps.splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        a = int(parts[0], 16)
+        b = ends.get(a)
+        if b is None or not any(a < e and s < b for s, e in spans):
+            continue
+        page_kb, pages = 4, {}
+        for part in parts[1:]:
+            key, _, value = part.partition("=")
+            if key == "kernelpagesize_kB":
+                page_kb = int(value)
+            elif key[:1] == "N" and key[1:].isdigit():
+                pages[int(key[1:])] = int(value)
+        for node, n in pages.items():
+            out[node] = out.get(node, 0) + n * page_kb * 1024
+    return out
 
 
 def anon_huge_kb() -> int:

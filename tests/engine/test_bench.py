@@ -164,6 +164,9 @@ def test_bench_model_reports_expert_traffic_per_row(tmp_path, capsys, monkeypatc
         assert ext["dram_bound_s"] == pytest.approx(miss_bytes / (ext["host_read_gbs"] * 1e9))
         assert ext["of_dram_bound"] == pytest.approx(ext["dram_bound_s"] * 1e3 / ext["ttft_ms"])
         assert res["read_beside_copy_gbs"] == 30 and res["copy_beside_read_gbs"] == 20
+        # where the pool's pages sit among the host's NUMA nodes (the whole pool, where the kernel says)
+        assert res["numa_nodes"] >= 0 and isinstance(res["gpu_numa_nodes"], list)
+        assert res["pool_by_node"] == {} or sum(res["pool_by_node"].values()) == pytest.approx(1.0)
         assert ext["both_bound_s"] == pytest.approx(miss_bytes / 50e9)  # the cores and the copy engine at once
     assert passes[None] < 1.5 and passes[64] > 3.5
     printed = capsys.readouterr().out
@@ -505,3 +508,36 @@ def test_bench_model_header_names_the_prompt_rule(capsys):
         assert said in capsys.readouterr().out
     print_table({**res, "path": "eager", "prompt_rule": None})
     assert "DeltaNet rule" not in capsys.readouterr().out
+
+
+def test_numa_placement_names_the_pools_nodes_and_the_gpus(tmp_path, capsys):
+    """The header says where the pool's pages and the GPU sit where the host has several NUMA nodes: a pool on
+    the node away from the GPU reads slower by its fills and its CPU runs alike."""
+    from engine.bench.report import print_table
+    from engine.bench.traffic import numa_placement
+
+    for node in ("node0", "node1", "possible"):
+        (tmp_path / "devices/system/node" / node).mkdir(parents=True)
+    for dev, vendor, cls, node in (("0000:17:00.0", "0x10de", "0x030200", "1"),  # an NVIDIA GPU
+                                   ("0000:17:00.1", "0x10de", "0x040300", "1"),  # its audio function
+                                   ("0000:03:00.0", "0x8086", "0x020000", "0"),  # a NIC
+                                   ("0000:65:00.0", "0x10de", "0x030200", "-1")):  # a GPU sysfs gives no node
+        d = tmp_path / "bus/pci/devices" / dev
+        d.mkdir(parents=True)
+        for name, value in (("vendor", vendor), ("class", cls), ("numa_node", node)):
+            (d / name).write_text(value + "\n")
+
+    class Pool:
+        def bytes_by_node(self):
+            return {1: 3 << 30, 0: 1 << 30}
+
+    placed = numa_placement(Pool(), root=str(tmp_path))
+    assert placed == {"numa_nodes": 2, "gpu_numa_nodes": [1, -1], "pool_by_node": {0: 0.25, 1: 0.75}}
+    res = {"what": "whole engine", "model": "synthetic", "dtype": "bfloat16", "path": "fast", "device": "GPU",
+           "hbm_copy_gbs": 1.0, "commit": "abc", "rows": [], "variant": "hybrid", "slots": 96, "slot_policy": "lru",
+           "experts_on_gpu": "37.5%", "placement": "ncmoe5", "decode_path": "mapped", "cpu_experts": "native",
+           "pool_huge": 1.0, "bp_gbs": 50.0, "host_read_gbs": 100.0}
+    print_table({**res, **placed})
+    assert "pool 100% in huge pages (node 0 25%, node 1 75%; GPU on node 1, -1)," in capsys.readouterr().out
+    print_table({**res, **numa_placement(Pool(), root=str(tmp_path / "none"))})  # one node or none: said nothing
+    assert "in huge pages, prefill stream" in capsys.readouterr().out

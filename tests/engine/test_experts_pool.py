@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine.experts.block_layout import ExpertLayout, split_block
-from engine.experts.host_pool import HUGE, HostPool, host_buffer
+from engine.experts.host_pool import HUGE, HostPool, bytes_by_node, host_buffer
 from engine.experts.offload import OffloadBackend
 from engine.experts.synthetic import get_shape, synthetic_pool
 
@@ -67,6 +67,34 @@ def test_pool_layers_sit_in_huge_pages_where_the_kernel_offers_them():
     assert 0 <= huge.huge_bytes() <= huge.nbytes
     tiny = host_buffer((3, 5), torch.float32)  # under 2 MB: plain allocation, any shape and dtype
     assert tiny.shape == (3, 5) and tiny.dtype == torch.float32
+
+
+def test_bytes_by_node_counts_the_pages_of_the_mappings_that_hold_the_spans():
+    maps = ("7f0000000000-7f0000400000 rw-p 00000000 00:00 0\n"  # holds the first span
+            "7f0000400000-7f0000600000 rw-p 00000000 00:00 0\n"  # holds none
+            "7f1000000000-7f1000800000 rw-p 00000000 00:00 0 \n"  # the second span's end lies inside it
+            "55aa00000000-55aa00001000 r-xp 00000000 08:01 12 /usr/bin/python3\n")
+    numa_maps = ("7f0000000000 default anon=3 dirty=3 N0=2 N1=1 kernelpagesize_kB=4\n"
+                 "7f0000400000 default anon=512 N0=512 kernelpagesize_kB=4\n"
+                 "7f1000000000 bind:1 anon=2 N1=2 kernelpagesize_kB=2048\n"
+                 "55aa00000000 default file=/usr/bin/python3 mapped=1 N0=1 kernelpagesize_kB=4\n\n")
+    spans = [(0x7F0000001000, 0x7F0000002000), (0x7F0FFFFFF000, 0x7F1000000800)]
+    assert bytes_by_node(spans, maps, numa_maps) == {0: 2 * 4096, 1: 4096 + 2 * (2 << 20)}
+    assert bytes_by_node([], maps, numa_maps) == {}
+    assert bytes_by_node(spans, "", numa_maps) == {}  # a mapping's extent unknown: not counted
+
+
+def test_a_loaded_pool_says_where_its_pages_sit():
+    pool = HostPool([0, 1], 16, ExpertLayout(hidden=256, inter=128, itemsize=2), torch.bfloat16).load(counting_fill)
+    placed = pool.bytes_by_node()
+    try:
+        open("/proc/self/numa_maps").close()
+    except OSError:
+        assert placed == {}
+        return
+    # every page of both layers was written by the fill; the mappings hold at most a huge page more each
+    assert pool.nbytes <= sum(placed.values()) <= pool.nbytes + 2 * HUGE
+    assert all(node >= 0 for node in placed)
 
 
 def test_resize_keeps_residents_and_rejects_impossible_sizes():
