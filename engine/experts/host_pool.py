@@ -140,7 +140,7 @@ class HostPool:
     def huge_bytes(self) -> int:
         """Bytes of the loaded layers that sit in transparent huge pages (from /proc/self/smaps: the mappings
         that hold the buffers; 0 where the kernel does not say)."""
-        spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in self.buffers if b is not None]
+        spans = self._spans()
         total, ours = 0, False  # ours: the mapping whose lines follow holds part of a buffer
         try:
             with open("/proc/self/smaps") as fh:
@@ -155,11 +155,15 @@ class HostPool:
             return 0
         return min(total, self.nbytes)
 
+    def _spans(self) -> list[tuple[int, int]]:
+        """[start, end) addresses of the loaded layers' buffers."""
+        return [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in self.buffers if b is not None]
+
     def bytes_by_node(self) -> dict[int, int]:
         """Bytes of the loaded layers' pages on each NUMA node, of the pages touched so far (from /proc/self/maps and
         numa_maps: the mappings that hold the buffers; {} where the kernel does not say). Both a fill's DMA and
         the CPU's expert runs read them: pages on a node away from the GPU or from the workers' cores read slower."""
-        spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in self.buffers if b is not None]
+        spans = self._spans()
         try:
             with open("/proc/self/maps") as fh:
                 maps = fh.read()
