@@ -145,11 +145,10 @@ class HostPool:
         try:
             with open("/proc/self/smaps") as fh:
                 for line in fh:
-                    head = line.split(None, 1)[0]
-                    if "-" in head and ":" not in head:
-                        a, b = (int(x, 16) for x in head.split("-"))
-                        ours = any(a < e and s < b for s, e in spans)
-                    elif ours and head == "AnonHugePages:":
+                    extent = mapping_extent(line)
+                    if extent is not None:
+                        ours = holds(extent, spans)
+                    elif ours and line.startswith("AnonHugePages:"):
                         total += int(line.split()[1]) * 1024
         except OSError:
             return 0
@@ -204,16 +203,27 @@ def host_buffer(shape: Sequence[int], dtype: torch.dtype, hugepages: bool = True
     return base[skip:skip + n * size].view(dtype).view(*shape)
 
 
+def mapping_extent(line: str) -> tuple[int, int] | None:
+    """The [start, end) addresses of a mapping's line of /proc/<pid>/maps or smaps; None for any other line (smaps'
+    fields, named with a colon)."""
+    head = line.split(None, 1)[0] if line.strip() else ""
+    if "-" not in head or ":" in head:
+        return None
+    a, b = (int(x, 16) for x in head.split("-"))
+    return a, b
+
+
+def holds(extent: tuple[int, int], spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether the mapping [a, b) holds part of any [start, end) of spans."""
+    a, b = extent
+    return any(a < e and s < b for s, e in spans)
+
+
 def bytes_by_node(spans: Sequence[tuple[int, int]], maps: str, numa_maps: str) -> dict[int, int]:
     """Bytes on each NUMA node of the mappings that overlap any [start, end) of spans: maps is /proc/<pid>/maps'
     text (each mapping's extent), numa_maps /proc/<pid>/numa_maps' (per mapping, by its start address, N<node>=<pages>
     of kernelpagesize_kB each)."""
-    ends = {}
-    for line in maps.splitlines():
-        head = line.split(None, 1)[0] if line.strip() else ""
-        if "-" in head:
-            a, b = (int(x, 16) for x in head.split("-"))
-            ends[a] = b
+    ends = dict(extent for extent in map(mapping_extent, maps.splitlines()) if extent is not None)
     out: dict[int, int] = {}
     for line in numa_maps.splitlines():
         parts = line.split()
@@ -221,7 +231,7 @@ def bytes_by_node(spans: Sequence[tuple[int, int]], maps: str, numa_maps: str) -
             continue
         a = int(parts[0], 16)
         b = ends.get(a)
-        if b is None or not any(a < e and s < b for s, e in spans):
+        if b is None or not holds((a, b), spans):
             continue
         page_kb, pages = 4, {}
         for part in parts[1:]:
