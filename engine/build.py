@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.flags import device_arg, moe_slots_arg
+from engine.flags import CPU_JOINS, device_arg, moe_slots_arg
 from engine.serving import EngineCore
 
 log = logging.getLogger("killick.engine")
@@ -35,6 +35,7 @@ class EngineOptions:
     expert_threads: int | None = None  # CPU expert workers (cpu/hybrid); None: see expert_threads()
     prompt_expert_threads: int | None = None  # the same for a prompt's experts; None: expert_threads
     expert_tile_tokens: int | None = None  # CPU experts' tile path from this many tokens an expert; None: ISA's
+    cpu_join: str = "device"  # where a prompt's CPU expert outputs join the layer: device | host (cpu_jobs.py)
     slot_policy: str = "lfu"  # which expert slot a fill evicts: lfu (popularity, decayed) or lru
     moe_decode: str = "auto"  # fast-path decode through the expert cache: mapped | host | auto (offload.py)
     moe_prefetch: str = "auto"  # on: a mapped decode copies each layer's likely expert in while its mixer runs
@@ -63,6 +64,8 @@ class EngineOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
         if self.expert_tile_tokens is not None and self.expert_tile_tokens < 0:
             raise ValueError(f"--expert-tile-tokens must be >= 0 (0: never), got {self.expert_tile_tokens}")
+        if self.cpu_join not in CPU_JOINS:
+            raise ValueError(f"--cpu-join must be device or host, got {self.cpu_join!r}")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +142,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a layer call whose CPU experts average this many tokens or more runs on the CPU's matrix "
                         "tiles (AMX-BF16: 16 tokens a pass over an expert's weights, where the vector kernels take "
                         "4); 0: never (default: 5 where the CPU has AMX)")
+    g.add_argument("--cpu-join", default="device", choices=CPU_JOINS,
+                   help="where a prompt's CPU experts (cpu/hybrid on CUDA) join the layer's output: device (the "
+                        "GPU waits for the job's flag while the host queues the layers after; default: 256-token "
+                        "extends 8-23%% faster on an H100, docs/PERF.md) or host (the host waits for the job, then "
+                        "queues the rest)")
 
 
 def options_from_args(args: argparse.Namespace) -> EngineOptions:
@@ -364,13 +372,15 @@ def expert_threads(opts: EngineOptions, device) -> int:
 
 
 def set_expert_threads(opts: EngineOptions, device) -> None:
-    """The CPU expert runner's worker counts from `opts` (expert_threads, prompt_expert_threads) and its tile
-    setting (expert_tile_tokens), as serve and bench model use them."""
-    from engine.experts import cpu_runner
+    """The CPU expert runner's worker counts from `opts` (expert_threads, prompt_expert_threads), its tile
+    setting (expert_tile_tokens) and where a prompt's CPU experts join (cpu_join), as serve and bench model use
+    them."""
+    from engine.experts import cpu_jobs, cpu_runner
 
     cpu_runner.set_threads(expert_threads(opts, device))
     cpu_runner.set_prompt_threads(prompt_expert_threads(opts, device))
     cpu_runner.set_tile_tokens(opts.expert_tile_tokens)
+    cpu_jobs.set_join_on_device(opts.cpu_join == "device")
 
 
 def prompt_expert_threads(opts: EngineOptions, device) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+CPU_JOINS = ("device", "host")  # --cpu-join: where a prompt's CPU expert outputs join its layer (experts/cpu_jobs.py)
+
 
 def device_arg(text: str) -> str:
     """An argparse type: cpu, cuda or cuda:N that this torch and machine can run on."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.flags import device_arg, moe_slots_arg
+from engine.flags import CPU_JOINS, device_arg, moe_slots_arg
 
 DEFAULT_SHAPE = "qwen3.6-35b-a3b"
 
@@ -133,10 +133,6 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seam-topk", action="store_true",
                    help="decode steps of 2-16 tokens route each row in the add+norm+router launch (one launch a MoE "
                         "layer fewer; off by default until run on a GPU: engine/models/fast.py SEAM_TOPK)")
-    p.add_argument("--cpu-join-device", action="store_true",
-                   help="a prompt's layer call queues its CPU experts' join on the device (the device waits for "
-                        "the job's flag) and goes on queuing the layers after instead of waiting for the job (off "
-                        "by default until run on a GPU: engine/experts/cpu_jobs.py JOIN_ON_DEVICE)")
     p.add_argument("--json", help="write the results here")
 
 
@@ -151,6 +147,10 @@ def add_expert_thread_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-tile-tokens", type=_at_least(0),
                    help="CPU expert layer calls averaging this many tokens an expert run on the CPU's matrix tiles "
                         "(as serve; 0: never; default 5 where the CPU has AMX)")
+    p.add_argument("--cpu-join", default="device", choices=CPU_JOINS,
+                   help="where a prompt's CPU experts join the layer (as serve): device (the device waits for the "
+                        "job's flag while the host queues the layers after; default) or host (the host waits for "
+                        "the job)")
 
 
 def set_expert_threads_from(args: argparse.Namespace) -> None:
@@ -163,7 +163,8 @@ def set_expert_threads_from(args: argparse.Namespace) -> None:
 
     set_expert_threads(EngineOptions(device=args.device, expert_threads=args.expert_threads,
                                      prompt_expert_threads=args.prompt_expert_threads,
-                                     expert_tile_tokens=args.expert_tile_tokens), torch.device(args.device))
+                                     expert_tile_tokens=args.expert_tile_tokens, cpu_join=args.cpu_join),
+                       torch.device(args.device))
 
 
 def _rule_tiles(text: str):

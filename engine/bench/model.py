@@ -290,10 +290,9 @@ def run(args) -> dict:
 
     from engine.experts import cpu_jobs
 
-    seam, join = fast.SEAM_TOPK, cpu_jobs.JOIN_ON_DEVICE
+    seam, join = fast.SEAM_TOPK, cpu_jobs.JOIN_ON_DEVICE  # (--cpu-join sets the join as serve does, in _run)
     set_rule_tiles(args.rule_tiles)
     fast.set_seam_topk(args.seam_topk or seam)
-    cpu_jobs.set_join_on_device(args.cpu_join_device or join)
     try:
         res = _run(args)
     finally:
@@ -302,7 +301,7 @@ def run(args) -> dict:
         cpu_jobs.set_join_on_device(join)
     if args.rule_tiles is not None:
         res["rule_tiles"] = list(args.rule_tiles)
-    return dict(res, seam_topk=args.seam_topk or seam, cpu_join="device" if args.cpu_join_device or join else "host")
+    return dict(res, seam_topk=args.seam_topk or seam, cpu_join=args.cpu_join if args.moe_backend != "fused" else None)
 
 
 def _run(args) -> dict:

@@ -67,16 +67,10 @@ def main(argv=None) -> int:
                    help="with --prefill: also time and profile an extend of this many tokens after the prompt")
     p.add_argument("--extend-runs", type=int, default=3, help="timed extends, each after a prompt of its own")
     p.add_argument("--extend-trace", help="with --extend: write the profiled extend's Chrome trace here")
-    p.add_argument("--cpu-join-device", action="store_true",
-                   help="a prompt's CPU experts joined on the device (as bench model's; the layer log says 'joined')")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.extend and not args.prefill:
         p.error("--extend needs --prefill (the cached prompt it extends)")
-    if args.cpu_join_device:
-        from engine.experts import cpu_jobs
-
-        cpu_jobs.set_join_on_device(True)
     from engine.synth import synth_model
 
     cached = args.moe_backend != "fused"

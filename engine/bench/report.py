@@ -53,8 +53,8 @@ def print_table(res: dict) -> None:
         overlap += f", decode sampled at temperature {res['temperature']}"
     if res.get("seam_topk"):
         overlap += ", 2-16 tokens routed in the add+norm+router launch"
-    if res.get("cpu_join") == "device":
-        overlap += ", a prompt's CPU experts joined on the device"
+    if res.get("cpu_join"):
+        overlap += f", a prompt's CPU experts joined on the {res['cpu_join']}"
     if res.get("prompt_rule"):
         overlap += f", a prompt's DeltaNet rule {res['prompt_rule']}" + (" (fla-core not installed)" if
                                                                        res["prompt_rule"] == "torch" else "")

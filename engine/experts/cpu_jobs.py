@@ -35,9 +35,12 @@ from engine.experts.host_pool import HostPool
 # a layer call of at least this many tokens (a prompt's) runs its CPU experts on cpu_runner.prompt_threads()
 PROMPT_TOKENS = 32
 # whether such a call with the grouped kernels joins its CPU job on the device (raise_flag), the host queuing the
-# layers after while the job runs, instead of waiting for it: off until measured on a GPU (bench model
-# --cpu-join-device); set_join_on_device() switches it
-JOIN_ON_DEVICE = False
+# layers after while the job runs, instead of waiting for it (the host's work between one job's end and the next
+# job's start, ~3 ms a layer, then overlaps the job). H100 boxes, 256-token extends after an 8k prompt, Zipf 1.0,
+# alternated processes: 85.8 / 90.2 ms against the host's 112.0 / 96.8 (docs/PERF.md thirty-eighth session), and
+# four of five such pairs over two sessions. EngineOptions.cpu_join (serve and the benches' --cpu-join) sets it
+# through set_join_on_device()
+JOIN_ON_DEVICE = True
 
 
 def set_join_on_device(on: bool) -> None:

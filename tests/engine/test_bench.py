@@ -219,7 +219,7 @@ def test_bench_model_says_what_each_extend_did(tmp_path, capsys):
 
 
 def test_bench_model_runs_the_rule_in_the_tiles_and_the_routing_asked_for(tmp_path, capsys):
-    """--rule-tiles NORM,BLOCK_V,WARPS, --seam-topk and --cpu-join-device: the run says which (JSON and header)
+    """--rule-tiles NORM,BLOCK_V,WARPS, --seam-topk and --cpu-join host: the run says which (JSON and header)
     and leaves the defaults as they were; a bad value is one usage line naming the form."""
     from engine.bench import model as bench_model
     from engine.experts import cpu_jobs
@@ -229,15 +229,15 @@ def test_bench_model_runs_the_rule_in_the_tiles_and_the_routing_asked_for(tmp_pa
     out = tmp_path / "tiles.json"
     assert bench_model.main(["--synthetic", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1",
                              "--steps", "2", "--warmup", "1", "--prompt", "8", "--prefill", "0",
-                             "--rule-tiles", "last,16,2", "--seam-topk", "--cpu-join-device",
-                             "--json", str(out)]) == 0
+                             "--rule-tiles", "last,16,2", "--seam-topk", "--cpu-join", "host",
+                             "--moe-backend", "hybrid", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["rule_tiles"] == ["last", 16, 2] and res["seam_topk"] is True and res["cpu_join"] == "device"
+    assert res["rule_tiles"] == ["last", 16, 2] and res["seam_topk"] is True and res["cpu_join"] == "host"
     printed = capsys.readouterr().out
     assert "DeltaNet decode rule in tiles last,16,2" in printed and "routed in the add+norm+router launch" in printed
-    assert "a prompt's CPU experts joined on the device" in printed
+    assert "a prompt's CPU experts joined on the host" in printed
     assert rule_tiles(128) == RuleTiles("fused", 128, 8) and fast.SEAM_TOPK is False
-    assert cpu_jobs.JOIN_ON_DEVICE is False
+    assert cpu_jobs.JOIN_ON_DEVICE is True
     for bad in ("after,16,2", "last,16", "last,x,2"):
         with pytest.raises(SystemExit) as exit_:
             bench_model.main(["--synthetic", "tiny", "--device", "cpu", "--rule-tiles", bad])

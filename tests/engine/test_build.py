@@ -108,11 +108,12 @@ def test_a_prompts_cpu_experts_leave_three_cores_on_cuda(monkeypatch):
 
 def test_expert_threads_are_the_engines_own_setting(checkpoints):
     """--expert-threads sets the native CPU expert workers; without it a CPU engine gives them every core.
-    --prompt-expert-threads sets a prompt's (default: the same on a CPU engine, all cores but three on CUDA)."""
+    --prompt-expert-threads sets a prompt's (default: the same on a CPU engine, all cores but three on CUDA);
+    --expert-tile-tokens and --cpu-join reach the runner and the CPU jobs."""
     import torch
 
     from engine.build import expert_threads, prompt_expert_threads
-    from engine.experts import cpu_runner
+    from engine.experts import cpu_jobs, cpu_runner
     from engine.experts.cpu_kernels import physical_cores
 
     path = checkpoints["qwen3_5_moe", "fused"]
@@ -136,16 +137,28 @@ def test_expert_threads_are_the_engines_own_setting(checkpoints):
         if cpu_runner.NATIVE:
             assert cpu_runner._tile_tokens[0] == 0 and cpu_runner.native_runner(1).tile_tokens == 0
         core.runner.model.experts.close()
+        # --cpu-join: where a prompt's CPU experts join (the device by default)
+        assert EngineOptions().cpu_join == "device"
+        core = build_core(path, EngineOptions(moe_backend="hybrid", moe_slots="25%", expert_threads=1,
+                                              cpu_join="host"))
+        assert cpu_jobs.JOIN_ON_DEVICE is False
+        core.runner.model.experts.close()
+        core = build_core(path, EngineOptions(moe_backend="hybrid", moe_slots="25%", expert_threads=1))
+        assert cpu_jobs.JOIN_ON_DEVICE is True
+        core.runner.model.experts.close()
     finally:
         cpu_runner.set_threads(before)
         cpu_runner.set_prompt_threads(before_prompt)
         cpu_runner.set_tile_tokens(None)
+        cpu_jobs.set_join_on_device(True)
     with pytest.raises(ValueError, match="--expert-threads"):
         EngineOptions(expert_threads=0)
     with pytest.raises(ValueError, match="--prompt-expert-threads"):
         EngineOptions(prompt_expert_threads=0)
     with pytest.raises(ValueError, match="--expert-tile-tokens"):
         EngineOptions(expert_tile_tokens=-1)
+    with pytest.raises(ValueError, match="--cpu-join must be device or host"):
+        EngineOptions(cpu_join="gpu")
     with pytest.raises(ValueError, match="tile tokens"):
         cpu_runner.set_tile_tokens(-2)
 
