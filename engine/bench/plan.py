@@ -1,10 +1,11 @@
 """The host's planning in a routed prompt's MoE layer call (an extend's), on this machine's CPU: from the routing
 on the host to the start of the CPU's share (OffloadBackend.forward's hits, misses, copies ahead, split and the
-job's pairs), the time the CPU waits in each such call besides the device's. A hybrid backend on a CPU device
-over a synthetic pool of the real expert counts (Qwen3.6-35B-A3B: 256 experts, top-8) at small widths, so the
-experts themselves take little; 37.5% of the pool in slots. A part of the engine, not the engine: on the GPU box
-the same code runs between the routing's read-back and the job (profile_decode --extend's 'routed' and 'cpu at'
-columns).
+job's pairs), the time the CPU waits in each such call besides the device's, in two parts: to the split made, and
+from there to the job's start (its pairs, buffers and rows handed to the job's thread until it runs). A hybrid
+backend on a CPU device over a synthetic pool of the real expert counts (Qwen3.6-35B-A3B: 256 experts, top-8) at
+small widths, so the experts themselves take little; 37.5% of the pool in slots. A part of the engine, not the
+engine: on the GPU box the same code runs between the routing's read-back and the job (profile_decode --extend's
+'routed', 'planned' and 'cpu at' columns).
 
     python -m engine.bench.plan [--tokens 256] [--extends 40] [--json out.json]
 """
@@ -51,13 +52,16 @@ def run(tokens: int, extends: int, warmup: int = 6) -> dict:
     try:
         for s in range(warmup):
             _extend(backend, tokens, s)
-        plans, calls = [], 0
+        plans, parts, calls = [], {"split": [], "start": []}, 0
         t0 = time.perf_counter()
         for s in range(warmup, warmup + extends):
             backend.call_log = []
             _extend(backend, tokens, s)
             calls += len(backend.call_log)
-            plans += [c.cpu_start_ms - c.routed_ms for c in backend.call_log if c.cpu_start_ms >= 0]
+            timed = [c for c in backend.call_log if c.cpu_start_ms >= 0]
+            plans += [c.cpu_start_ms - c.routed_ms for c in timed]
+            parts["split"] += [c.planned_ms - c.routed_ms for c in timed]
+            parts["start"] += [c.cpu_start_ms - c.planned_ms for c in timed]
         wall = time.perf_counter() - t0
     finally:
         backend.close()
@@ -67,6 +71,7 @@ def run(tokens: int, extends: int, warmup: int = 6) -> dict:
             "tokens": tokens, "extends": extends, "layer_calls": calls, "timed_calls": len(plans),
             "plan_ms_median": statistics.median(plans), "plan_ms_mean": statistics.fmean(plans),
             "plan_ms_max": max(plans), "extend_ms_mean": wall / extends * 1e3,
+            **{f"{part}_ms_median": statistics.median(v) for part, v in parts.items()},
             "date": time.strftime("%Y-%m-%d")}
 
 
@@ -83,6 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.tokens}-token extends")
     print(f"{'routing -> CPU job start':28s} median {res['plan_ms_median']:.3f} ms   mean {res['plan_ms_mean']:.3f}"
           f"   max {res['plan_ms_max']:.3f}")
+    print(f"{'  routing -> split made':28s} median {res['split_ms_median']:.3f} ms")
+    print(f"{'  split made -> job start':28s} median {res['start_ms_median']:.3f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -12,7 +12,9 @@ def test_plan_bench_times_the_calls_with_a_cpu_share(tmp_path, capsys):
     assert json.loads(out.read_text()) == res
     assert res["layer_calls"] == 2 * plan.LAYERS and 0 < res["timed_calls"] <= res["layer_calls"]
     assert 0 < res["plan_ms_median"] <= res["plan_ms_max"]
-    assert "routing -> CPU job start" in capsys.readouterr().out
+    assert 0 < res["split_ms_median"] < res["plan_ms_max"] and 0 < res["start_ms_median"] < res["plan_ms_max"]
+    printed = capsys.readouterr().out
+    assert "routing -> CPU job start" in printed and "split made -> job start" in printed
 
 
 def test_plan_bench_refuses_no_tokens():
