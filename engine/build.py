@@ -145,8 +145,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-join", default="device", choices=CPU_JOINS,
                    help="where a prompt's CPU experts (cpu/hybrid on CUDA) join the layer's output: device (the "
                         "GPU waits for the job's flag while the host queues the layers after; default: 256-token "
-                        "extends 8-23%% faster on an H100, docs/PERF.md) or host (the host waits for the job, then "
-                        "queues the rest)")
+                        "extends in 0.77-0.93 of the host's time on an H100, docs/PERF.md) or host (the host waits "
+                        "for the job, then queues the rest)")
 
 
 def options_from_args(args: argparse.Namespace) -> EngineOptions:
