@@ -157,7 +157,7 @@ def print_extend_runs(res: dict) -> None:
         parts = []
         for run in runs:
             part = f"{run['ms']:.1f} ms: {run['fills']} fills ({run['ahead']} ahead, {run['ahead_used']} read), " \
-                   f"{run['cpu_runs']} on the CPU"
+                   f"{run['cpu_runs']} on the CPU" + (f" at {run['cpu_gbs']:.1f} GB/s" if "cpu_gbs" in run else "")
             if "arms" in run:
                 part += f", split/fill/cpu {'/'.join(str(run['arms'].get(a, 0)) for a in ('split', 'fill', 'cpu'))}" \
                         f" ({run['explored']} explored)"

@@ -80,12 +80,15 @@ class ExpertTraffic:
 
     def extend_run(self, mark: dict | None, chose: dict) -> dict:
         """What one extend's expert cache did since `mark` (taken as it arrived) and `chose` (choices() then):
-        fills, CPU runs, copies ahead (and those read), and with hybrid the split's choices and explorations, so
-        extends of one process that differ in time can be told apart."""
+        fills, CPU runs and the rate its CPU jobs read their experts at (cpu_gbs: a slow one says the host's
+        cores or DRAM were busy then), copies ahead (and those read), and with hybrid the split's choices and
+        explorations, so extends of one process that differ in time can be told apart."""
         if mark is None:
             return {}
         ex = self.since(mark)["experts"]
         out = {k: ex[k] for k in ("fills", "cpu_runs", "ahead", "ahead_used")}
+        if ex["cpu_seconds"] > 0:
+            out["cpu_gbs"] = ex["cpu_runs"] * self.backend.pool.expert_bytes / ex["cpu_seconds"] / 1e9
         if chose:
             now = self.choices()
             out["arms"] = {a: n - chose["arms"].get(a, 0) for a, n in now["arms"].items()}

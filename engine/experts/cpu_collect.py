@@ -3,7 +3,7 @@ job is done (_collect_cpu), or joined on the device while the host goes on (_joi
 the job's rate counted when it is collected later); either way the job's rate observed (_observe_cpu).
 
 CpuCollect is the part of OffloadBackend that does it; it reads the backend's cpu_jobs, pool, estimate, observe,
-handoff_clock, _timing_handoff, call_log and _log_joined_job.
+stats_, handoff_clock, _timing_handoff, call_log and _log_joined_job.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from engine.experts.stats import NO_CPU, CpuWait
 
 
 class CpuCollect:
-    def _collect_cpu(self, pending, y: torch.Tensor, routing: Routing, plan, routed_at: float) -> CpuWait:
+    def _collect_cpu(self, layer: int, pending, y: torch.Tensor, routing: Routing, plan, routed_at: float) -> CpuWait:
         """The CPU job's outputs placed into y, its rate observed."""
         if pending is None:
             return NO_CPU
@@ -25,22 +25,24 @@ class CpuCollect:
         done = pending.result()
         woke = time.perf_counter()
         self.cpu_jobs.place(y, done)
-        self._observe_cpu(routing, plan, routed_at, None, done)
+        self._observe_cpu(layer, routing, plan, routed_at, None, done)
         return CpuWait(done.started, done.seconds, woke - waited, woke)
 
-    def _join_cpu(self, pending, y: torch.Tensor, routing: Routing, plan, routed_at: float) -> CpuWait:
+    def _join_cpu(self, layer: int, pending, y: torch.Tensor, routing: Routing, plan, routed_at: float) -> CpuWait:
         """The CPU job's outputs joined into y on the device (cpu_jobs.JOIN_ON_DEVICE) and the call returning at once;
         its rate observed when the job is collected (the next routed call's, or end_forward), which also fills in
         this call's log entry, written next."""
         self.cpu_jobs.join_on_device(y)
         entry = len(self.call_log) if self.call_log is not None else None
-        self.cpu_jobs.defer(pending, lambda done: self._observe_cpu(routing, plan, routed_at, entry, done))
+        self.cpu_jobs.defer(pending, lambda done: self._observe_cpu(layer, routing, plan, routed_at, entry, done))
         return CpuWait(None, None, 0.0, None, joined=True)
 
-    def _observe_cpu(self, routing: Routing, plan, routed_at: float, entry: int | None, done) -> None:
-        """A CPU job's rate observed (the estimate's, the split's, the handoff's); a joined call's log entry
-        (`entry`) given the job's start, run and when the engine thread had its result."""
+    def _observe_cpu(self, layer: int, routing: Routing, plan, routed_at: float, entry: int | None, done) -> None:
+        """A CPU job's rate observed (the estimate's, the split's, the handoff's) and its run counted in the
+        layer's cpu_seconds; a joined call's log entry (`entry`) given the job's start, run and when the engine
+        thread had its result."""
         seconds, started = done.seconds, done.started
+        self.stats_[layer].cpu_seconds += seconds
         nbytes = len(plan.on_cpu) * self.pool.expert_bytes
         self.estimate.observe_cpu(nbytes, seconds, sample_weight(nbytes, self.pool.expert_bytes))
         # alongside this layer's fills or the next one's copies ahead: the copy engine read host DRAM too

@@ -229,8 +229,8 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         self._count_looked(layer, routing.experts)  # (counts alone: after the CPU's job is under way)
         self._observe_touch(layer, routing.experts, x.shape[0])
         self._queue_device(layer, x, y, routing, topk_ids, plan, pending is not None, streaming)
-        cpu = self._join_cpu(pending, y, routing, plan, routed_at) if join and pending is not None \
-            else self._collect_cpu(pending, y, routing, plan, routed_at)
+        cpu = self._join_cpu(layer, pending, y, routing, plan, routed_at) if join and pending is not None \
+            else self._collect_cpu(layer, pending, y, routing, plan, routed_at)
         self._unlock()
         self._count(layer, len(plan.hits), len(plan.misses), len(plan.fills), len(plan.on_cpu))
         out = combine(y, topk_w)

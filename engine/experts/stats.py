@@ -4,9 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
-FIELDS = ("hits", "misses", "fills", "cpu_runs", "bytes_moved", "direct_reads", "bytes_read", "guesses",
-          "guesses_right", "bytes_guessed", "ahead", "ahead_used",
-          "refreshed")
+FIELDS = ("hits", "misses", "fills", "cpu_runs", "cpu_seconds", "bytes_moved", "direct_reads", "bytes_read",
+          "guesses", "guesses_right", "bytes_guessed", "ahead", "ahead_used", "refreshed")
 
 
 @dataclass
@@ -15,6 +14,7 @@ class LayerStats:
     misses: int = 0  # (step, expert) pairs not resident when routed
     fills: int = 0  # experts copied host -> slot (misses filled and streamed prefill layers)
     cpu_runs: int = 0  # (step, expert) pairs run on the CPU from the host pool
+    cpu_seconds: float = 0.0  # how long a layer call's CPU jobs ran (not a mapped decode's share in its graph)
     bytes_moved: int = 0  # host -> device bytes copied into slots
     direct_reads: int = 0  # (token, expert) pairs whose weights a mapped decode read in place from the host pool
     bytes_read: int = 0  # host bytes those in-place reads took over PCIe (a right guess's gate/up among them)

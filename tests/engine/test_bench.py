@@ -209,10 +209,13 @@ def test_bench_model_says_what_each_extend_did(tmp_path, capsys):
     for r in runs:  # every routed layer call with misses chose one arm; explorations are some of them
         assert set(r["arms"]) == {"split", "fill", "cpu"} and 0 <= r["explored"] <= sum(r["arms"].values())
         assert r["fills"] + r["cpu_runs"] > 0 and sum(r["arms"].values()) > 0
+        # the CPU jobs' read rate: their experts' bytes over the seconds they ran, where any ran
+        assert ("cpu_gbs" in r) == (r["cpu_runs"] > 0) and r.get("cpu_gbs", 1.0) > 0
     assert sum(sum(r["arms"].values()) for r in runs) <= sum(res["split"]["arms"].values())
     printed = capsys.readouterr().out.splitlines()
     line = next(x for x in printed if x.startswith("extend_64 runs: "))
     assert line.count(" ms: ") == 3 and "split/fill/cpu" in line and "explored" in line
+    assert line.count(" GB/s") == sum("cpu_gbs" in r for r in runs)
     lo, hi = lookahead.TOUCH_RANGE  # (the 8-token prompt: tiny's experts, top 2 of 8, not near-certain)
     assert res["split"]["touch_ratio"] and all(lo <= r <= hi for r in res["split"]["touch_ratio"].values())
     assert any(x.startswith("hybrid split over") and "touched / predicted: 8+ tokens" in x for x in printed)
