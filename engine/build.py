@@ -65,7 +65,7 @@ class EngineOptions:
         if self.expert_tile_tokens is not None and self.expert_tile_tokens < 0:
             raise ValueError(f"--expert-tile-tokens must be >= 0 (0: never), got {self.expert_tile_tokens}")
         if self.cpu_join not in CPU_JOINS:
-            raise ValueError(f"--cpu-join must be device or host, got {self.cpu_join!r}")
+            raise ValueError(f"--cpu-join must be {' or '.join(CPU_JOINS)}, got {self.cpu_join!r}")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
