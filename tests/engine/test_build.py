@@ -117,7 +117,7 @@ def test_expert_threads_are_the_engines_own_setting(checkpoints):
     from engine.experts.cpu_kernels import physical_cores
 
     path = checkpoints["qwen3_5_moe", "fused"]
-    before, before_prompt = cpu_runner._threads[0], cpu_runner._prompt_threads[0]
+    before, before_prompt, before_join = cpu_runner._threads[0], cpu_runner._prompt_threads[0], cpu_jobs.JOIN_ON_DEVICE
     try:
         core = build_core(path, EngineOptions(moe_backend="hybrid", moe_slots="25%", expert_threads=1))
         assert cpu_runner.expert_threads() == 1 and cpu_runner.prompt_threads() == 1  # CPU: the same by default
@@ -150,7 +150,7 @@ def test_expert_threads_are_the_engines_own_setting(checkpoints):
         cpu_runner.set_threads(before)
         cpu_runner.set_prompt_threads(before_prompt)
         cpu_runner.set_tile_tokens(None)
-        cpu_jobs.set_join_on_device(True)
+        cpu_jobs.set_join_on_device(before_join)
     with pytest.raises(ValueError, match="--expert-threads"):
         EngineOptions(expert_threads=0)
     with pytest.raises(ValueError, match="--prompt-expert-threads"):
