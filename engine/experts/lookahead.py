@@ -14,6 +14,8 @@ _top_k and _held.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from engine.experts.prefill_stream import KEEP_RATIO, LIKELY_READ
@@ -61,39 +63,56 @@ class CopiesAhead:
         out[later] = (KEEP_RATIO - 1) * heat + KEEP_RATIO * self._ahead[rows[later], owner[later] % e]
         return out
 
-    def _ahead_plan(self, layer: int, behind: int):
+    def _ahead_plan(self, layer: int, behind: int, inputs: "AheadInputs | None" = None):
         """For a routed prompt forward with `lookahead`: (the next MoE layer, its likely misses to copy in
         while this layer runs, most likely first, the slots they and this layer's fills may take: unlocked and
-        not _kept) or None. behind: experts' worth of copies still in flight, that these queue behind."""
-        return self._plan_row(self.pool.row[layer] + 1, behind) if self._looking_ahead() else None
+        not _kept) or None. behind: experts' worth of copies still in flight, that these queue behind; inputs:
+        the next row's _ahead_inputs, made earlier in the call."""
+        return self._plan_row(self.pool.row[layer] + 1, behind, inputs) if self._looking_ahead() else None
 
-    def _plan_row(self, i: int, behind: int):
-        """_ahead_plan for pool row i, the rows before it run (none: i = 0, copied before the forward's first
-        layer)."""
-        if i == len(self.pool.layers):
-            return None
-        nxt, t = self.pool.layers[i], self.cache.table
-        p, missing = self._touch[i], t.resident[i] < 0
+    def _ahead_inputs(self, layer: int) -> "AheadInputs | None":
+        """What _ahead_plan reads of the layer after `layer` that this layer's routing leaves as it is (None
+        outside a routed prompt forward with `lookahead`, or at the last MoE layer): made while the host waits
+        for the routing's read-back (OffloadBackend.forward), where it cost ~0.2 ms of the CPU's idle between two
+        jobs of an extend (dev box; twice that on the GPU box). The copies still in flight and the split's rates
+        are read after the read-back: earlier, they counted copies that end before these queue (docs/PERF.md,
+        thirty-eighth session)."""
+        i = self.pool.row[layer] + 1
+        return self._row_inputs(i) if self._looking_ahead() and i < len(self.pool.layers) else None
+
+    def _row_inputs(self, i: int) -> "AheadInputs":
+        t, p = self.cache.table, self._touch[i]
+        missing = t.resident[i] < 0
         likely = np.flatnonzero(missing & (p >= AHEAD_TOUCHED))
         # the running row's own slots count: the copies may take them once its kernels have read them (_copy_ahead)
         spare = int(((~t.locked | self._running_slots(i - 1)) & ~self._kept(i - 1)).sum())
-        heat = t.heat[i]
-        order = likely[np.lexsort((-heat[likely], -p[likely]))]
         unsure = missing & (p < TOUCH_CERTAIN)
         expected = float(p[missing & ~unsure].sum()) + float(p[unsure].sum()) * self.touch_ratio.of(self._tokens)
-        want = self.ahead_fills(expected, len(likely), self._cpu_pairs(i, missing), behind)
+        order = likely[np.lexsort((-t.heat[i][likely], -p[likely]))]
+        return AheadInputs(i, missing, order, spare, expected, self._cpu_pairs(i, missing))
+
+    def _plan_row(self, i: int, behind: int, inputs: "AheadInputs | None" = None):
+        """_ahead_plan for pool row i, the rows before it run (none: i = 0, copied before the forward's first
+        layer), from its _row_inputs (made now unless given)."""
+        if i == len(self.pool.layers):
+            return None
+        if inputs is None or inputs.row != i:
+            inputs = self._row_inputs(i)
+        _, missing, order, spare, expected, pairs = inputs
+        want = self.ahead_fills(expected, len(order), pairs, behind)
         if 0 < want < len(order):  # the CPU's share is what the copies leave: under skew, its colder experts
             rest = missing.copy()
             rest[order[:want]] = False
-            want = self.ahead_fills(expected, len(likely), self._cpu_pairs(i, rest), behind)
+            want = self.ahead_fills(expected, len(order), self._cpu_pairs(i, rest), behind)
         want = min(want, spare)
         absent = np.flatnonzero(missing)
         if self.tops_up and want < len(absent) <= spare \
                 and (len(absent) - want) * self.pool.expert_bytes <= TOP_UP_S * self.fill_rate():
-            return nxt, absent[np.lexsort((-heat[absent], -p[absent]))], spare
+            heat, p = self.cache.table.heat[i], self._touch[i]
+            return self.pool.layers[i], absent[np.lexsort((-heat[absent], -p[absent]))], spare
         if want <= 0:
             return None
-        return nxt, order[:want], spare
+        return self.pool.layers[i], order[:want], spare
 
     def _cpu_pairs(self, i: int, experts: np.ndarray) -> float:
         """The (token, expert) pairs a CPU job of pool row i's `experts` (a mask) is expected to run per expert
@@ -176,6 +195,18 @@ class CopiesAhead:
     def _looking_ahead(self) -> bool:
         """A routed prompt forward runs with `lookahead` (its touch probabilities known)."""
         return self.lookahead and self._touch is not None
+
+
+class AheadInputs(NamedTuple):
+    """Pool row i's part of its copies-ahead plan that the running layer's routing leaves as it is
+    (CopiesAhead._row_inputs)."""
+
+    row: int
+    missing: np.ndarray  # [E] bool: not in a slot
+    order: np.ndarray  # the missing experts touched with p >= AHEAD_TOUCHED, most likely first, then hottest
+    spare: int  # slots the copies may take
+    expected: float  # misses the heat predicts, scaled by TouchRatio
+    pairs: float  # _cpu_pairs of every missing expert
 
 
 class TouchRatio:

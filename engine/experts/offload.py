@@ -215,13 +215,15 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         slots = self._unread_slots(layer, x, streaming)
         if slots is not None:
             return self._forward_unread(layer, x, topk_ids, topk_w, slots, t_in)
+        early = None
         if not streaming:
             self._mark_enter(layer)
+            early = self._ahead_inputs(layer)  # while the device computes the routing
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
         self.handoff_clock.read_gaps()  # the routing's read-back waited for the device: earlier gaps' are done
         self.cpu_jobs.collect()  # a CPU job joined on the device, whose outputs this routing read: its rate counted
-        plan = self._plan_call(layer, routing, streaming)
+        plan = self._plan_call(layer, routing, streaming, early)
         y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
         planned = time.perf_counter()
         join = cpu_jobs.JOIN_ON_DEVICE and self.grouped and self._held and x.shape[0] >= PROMPT_TOKENS
@@ -272,9 +274,10 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
             return slots
         return None
 
-    def _plan_call(self, layer: int, routing: Routing, streaming: bool) -> CallPlan:
+    def _plan_call(self, layer: int, routing: Routing, streaming: bool, early=None) -> CallPlan:
         """A routed call's plan: its heat noted, its hits touched and locked for the call, its misses ordered and
-        split (split(); a streamed layer's all filled) and the next layer's copies ahead (none while streaming)."""
+        split (split(); a streamed layer's all filled) and the next layer's copies ahead (none while streaming;
+        early: their _ahead_inputs, made before the routing came back)."""
         table, row = self.cache.table, self.pool.row[layer]
         table.note_use(row, routing.experts, weights=self._use_weights(routing.counts, self._span))
         slots = self.cache.lookup(layer, routing.experts)
@@ -289,7 +292,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         table.lock(hit_slots)
         # copies still in flight: this call's fills and the next layer's copies ahead queue behind them
         behind = self._behind() if not streaming and (len(miss) or self._looking_ahead()) else 0
-        ahead = None if streaming else self._ahead_plan(layer, behind)
+        ahead = None if streaming else self._ahead_plan(layer, behind, early)
         per = float(routing.counts[miss].mean()) if len(miss) else 1.0
         q = len(miss) if streaming else self.split(len(miss), busy=(len(ahead[1]) if ahead else 0) + behind, per=per)
         misses = miss.tolist()

@@ -5,12 +5,15 @@ import pytest
 import torch
 
 from engine.experts import lookahead
+from engine.experts.compute import expert_mlp
 from engine.experts.cpu import CpuBackend
+from engine.experts.host_pool import pool_from_source
 from engine.experts.hybrid import HybridBackend
 from engine.experts.offload import OffloadBackend
 from engine.experts.policy import BandwidthEstimate
+from engine.experts.source import ExpertWeights
 
-from tests.engine.backends_util import E, H, K, L_IDS, check_table, deep_pool, reference, routing
+from tests.engine.backends_util import E, H, I, K, L_IDS, check_table, deep_pool, reference, routing
 from tests.engine.backends_util import pool, src  # noqa: F401 (pytest fixtures)
 
 
@@ -573,3 +576,47 @@ def test_the_touch_ratio_is_kept_per_size_of_call_and_bounded():
     assert r.of(1024) == r.of(4096) and r.of(512) == r.of(256)  # nearest; 1024 is as near to 4096 as to 256
     r.observe(256, 10, 0.0)  # nothing predicted: nothing learned
     assert r.of(256) == pytest.approx(lookahead.TOUCH_RANGE[0])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_copies_ahead_planned_from_inputs_made_before_the_routing_came_back_equal_those_made_after(seed,
+                                                                                                  monkeypatch):
+    """forward makes the next layer's _ahead_inputs before the routing's read-back, where the host waits for the
+    device; the copies ahead planned from them are the ones planned wholly after it (the layer's heat noted, its
+    hits locked, the copies in flight counted), in every routed layer call of skewed prompts, fresh routings."""
+    experts, top_k, layers = 32, 4, 5
+    g = torch.Generator().manual_seed(seed)
+    src = ExpertWeights({i: torch.randn(experts, 2 * I, H, generator=g) * 0.3 for i in range(layers)},
+                        {i: torch.randn(experts, H, I, generator=g) * 0.3 for i in range(layers)})
+    b = HybridBackend(pool_from_source(src), layers * experts * 3 // 10, "cpu",
+                      estimate=BandwidthEstimate(bp=1e9, bh=1e9, frozen=True), stream_prefill="off",
+                      slot_policy="lfu", lookahead="on")
+    pairs, plan_row = [], lookahead.CopiesAhead._plan_row
+
+    def both(self, i, behind, inputs=None):
+        got = plan_row(self, i, behind, inputs)
+        if inputs is not None:
+            pairs.append((got, plan_row(self, i, behind)))
+        return got
+
+    monkeypatch.setattr(lookahead.CopiesAhead, "_plan_row", both)
+    zipf = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64)
+    for prompt in range(4):
+        T = 24 + 8 * prompt
+        b.begin_forward(T, top_k, hold=True, span=T)
+        for layer in range(layers):
+            perm = torch.randperm(experts, generator=g)  # each layer's hot experts its own
+            ids = perm[torch.multinomial(zipf.expand(T, -1), top_k, generator=g)]
+            w = torch.softmax(torch.randn(T, top_k, generator=g), -1)
+            x = torch.randn(T, H, generator=g)
+            want = sum((w * (ids == e)).sum(1, keepdim=True) * expert_mlp(x, src.gate_up(layer, e),
+                                                                          src.down(layer, e)) for e in range(experts))
+            torch.testing.assert_close(b.forward(layer, x, ids, w), want, rtol=1e-5, atol=1e-5)
+        b.end_forward()
+    b.close()
+    planned = [p for p in pairs if p[1] is not None]
+    assert len(pairs) >= 3 * (layers - 1) and planned, pairs  # every routed call but the last layer's
+    for got, want in pairs:
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got[0] == want[0] and got[2] == want[2] and np.array_equal(got[1], want[1])
