@@ -219,6 +219,8 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         if not streaming:
             self._mark_enter(layer)
             early = self._ahead_inputs(layer)  # while the device computes the routing
+            if x.shape[0] >= PROMPT_TOKENS and self.cpu_share() > 0:
+                self.cpu_jobs.stage(x)
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
         self.handoff_clock.read_gaps()  # the routing's read-back waited for the device: earlier gaps' are done

@@ -209,10 +209,12 @@ def test_cuda_prompts_with_cpu_jobs_joined_on_the_device_or_host_match_fused(ckp
     """cpu_jobs.JOIN_ON_DEVICE (the default): routed prompts (streaming off) whose CPU jobs the device waits for
     (wait_flag) while the host queues the layers after, and (--cpu-join host) whose jobs the host waits for:
     greedy output equals the fused reference's, the prompts' calls are logged `joined` or `routed`, and no wait
-    was given up."""
+    was given up. Their rows' copies for the jobs were queued before the routing's read-back (CpuJobs.stage)."""
     from engine.experts import cpu_jobs
 
     monkeypatch.setattr(cpu_jobs, "JOIN_ON_DEVICE", join)
+    staged, stage = [], cpu_jobs.CpuJobs.stage
+    monkeypatch.setattr(cpu_jobs.CpuJobs, "stage", lambda self, x: staged.append(x.shape[0]) or stage(self, x))
     prompts = [[(13 * i + 1) % 250 for i in range(300)], [(11 * i + 5) % 250 for i in range(300)]]
     fused = Engine.from_pretrained(ckpt, device="cuda")
     refs = [fused.generate(p, 6) for p in prompts]
@@ -226,5 +228,6 @@ def test_cuda_prompts_with_cpu_jobs_joined_on_the_device_or_host_match_fused(ckp
     with_cpu = [c for c in b.call_log if c.cpu]  # (a decode step's calls are `routed` either way)
     assert with_cpu and all(c.cpu_ms > 0 for c in with_cpu)
     assert any(c.kind == "joined" for c in with_cpu) == join
+    assert staged and min(staged) >= cpu_jobs.PROMPT_TOKENS  # the prompts' rows copied before their routing
     assert b.cpu_jobs._err is None or int(b.cpu_jobs._err[0]) == 0
     b.close()
