@@ -38,9 +38,10 @@ PROMPT_TOKENS = 32
 # whether such a call with the grouped kernels joins its CPU job on the device (raise_flag), the host queuing the
 # layers after while the job runs, instead of waiting for it (the host's work between one job's end and the next
 # job's start, ~3 ms a layer, then overlaps the job). H100 boxes, 256-token extends after an 8k prompt, Zipf 1.0,
-# alternated processes: 85.8 / 90.2 ms against the host's 112.0 / 96.8 (docs/PERF.md thirty-eighth session), and
-# four of five such pairs over two sessions. EngineOptions.cpu_join (serve and the benches' --cpu-join) sets it
-# through set_join_on_device()
+# alternated processes: 85.8 / 90.2 ms against the host's 112.0 / 96.8 (docs/PERF.md thirty-eighth session); seven
+# of eleven such pairs over three sessions, though only three of six on the thirty-ninth's two boxes (medians 86.2
+# against 83.2 ms): within the boxes' noise there. EngineOptions.cpu_join (serve and the benches' --cpu-join) sets
+# it through set_join_on_device()
 JOIN_ON_DEVICE = True
 
 
