@@ -1,9 +1,12 @@
-"""A slot backend's CPU share of one layer call: its missing experts run from the host pool on a worker thread
-while the device runs the rest, their outputs then placed into the layer's rows (OffloadBackend.forward).
+"""A slot backend's CPU share of one layer call: its missing experts run from the host pool while the device runs
+the rest, their outputs then placed into the layer's rows (OffloadBackend.forward). The job goes to the native
+runner's job thread, its pool's workers on it as start() returns (CpuExpertRunner.post_gather); without the
+extension, or for a pool or activations its kernels do not take, a Python worker thread runs it
+(cpu_runner.run_on_cpu).
 
     jobs = CpuJobs(pool, device, zero_copy)
     jobs.stage(x)                                        # optional, before the routing's read-back (CUDA)
-    pending = jobs.start(layer, x, routing, on_cpu)      # None without CPU work; else a Future of a CpuResult
+    pending = jobs.start(layer, x, routing, on_cpu)      # None without CPU work; else .result() -> CpuResult
     done = pending.result()
     jobs.place(y, done)                                  # y [T*K, H] at done.pos <- done.vals
 
@@ -15,10 +18,11 @@ or, joined on the device (`raise_flag`: the host goes on queuing the layers afte
     ...
     jobs.collect()                                       # later: on_done(its result), or its error raised
 
-T = tokens, K = experts per token, H = hidden. zero_copy (CUDA, grouped kernels): the job writes its positions
-and outputs into page-locked buffers kept for the next call, which the device reads in place
-(mailbox_triton.scatter_rows); else they are copied to the device. A job started with raise_flag writes there
-too, then raises a page-locked flag the device waits on (mailbox_triton.wait_flag) before reading them.
+T = tokens, K = experts per token, H = hidden. A native job, or one with zero_copy (CUDA, grouped kernels), writes
+its positions and outputs into buffers kept for the next call, page-locked on CUDA; with zero_copy the device
+reads them in place (mailbox_triton.scatter_rows), else they are copied to it. A job started with raise_flag
+writes there too, then raises a page-locked flag the device waits on (mailbox_triton.wait_flag) before reading
+them.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from engine.experts.compute import Routing
-from engine.experts.cpu_runner import Pairs, layer_table, run_on_cpu
+from engine.experts.cpu_runner import GATHER_DTYPES, Pairs, job_threads, layer_table, native_runner, run_on_cpu
 from engine.experts.host_pool import HostPool
 
 # a layer call of at least this many tokens (a prompt's) runs its CPU experts on cpu_runner.prompt_threads()
@@ -75,9 +79,10 @@ class CpuJobs:
         self._flagged = None
         self._deferred = None  # a joined job to collect: (its Future, on_done)
         self._staged = None  # stage()'s (x, (rows, event))
+        self._posted = None  # the runner the last _post went to
 
     def start(self, layer: int, x: torch.Tensor, routing: Routing, on_cpu: list[int],
-              raise_flag: bool = False) -> Future | None:
+              raise_flag: bool = False) -> "Future | PostedJob | None":
         """Run Routing.experts[i] for i in on_cpu on the CPU over their tokens of x [T, H] (a prompt's layer call,
         PROMPT_TOKENS or more, on the prompt runner). raise_flag: its outputs are joined on the device
         (join_on_device), the flag raised as the job ends, failed or not."""
@@ -87,10 +92,16 @@ class CpuJobs:
         if layer not in self._tables:
             self._tables[layer] = layer_table(host, self.pool.layout)
         jobs = Pairs(*routing.pairs(on_cpu))
-        out = self._buffers(x.dtype, len(jobs.pos)) if self.zero_copy or raise_flag else None
+        table = self._tables[layer]
+        runner = native_runner(job_threads(x.shape[0] >= PROMPT_TOKENS)) \
+            if table is not None and x.dtype in GATHER_DTYPES else None
+        out = self._buffers(x.dtype, len(jobs.pos)) if self.zero_copy or raise_flag or runner is not None else None
         seq = self._next_flag(out, len(jobs.pos)) if raise_flag else None
         staged, self._staged = self._staged, None
         rows, copied = staged[1] if staged is not None and staged[0] is x else self._host_rows(x)
+        if runner is not None:
+            return self._post(runner, rows, jobs, routing.top_k, table, out, copied, seq,
+                              self.device.type == "cuda" and (self.zero_copy or raise_flag))
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu")
         entered = threading.Event()
@@ -102,6 +113,22 @@ class CpuJobs:
         # the dev box)
         entered.wait()
         return pending
+
+    def _post(self, runner, rows: torch.Tensor, jobs: Pairs, top_k: int, table, out, copied, seq: int | None,
+              in_place: bool) -> "PostedJob":
+        """start()'s job on the native runner's job thread (CpuExpertRunner.post_gather), into out's rows: the
+        pool's workers are on it as this returns, with no Python thread to wake and hand the GIL to between
+        (that hand-over took most of the ~0.3 ms from the plan to the job's start on the H100 box). in_place: the
+        device reads out's rows where they are (CpuResult.pinned)."""
+        n = len(jobs.pos)
+        pos, vals = out[0][:n], out[1][:n]
+        pos.copy_(torch.from_numpy(jobs.pos))
+        if copied is not None:
+            copied.synchronize()  # (done already where stage() queued the copy: the routing's read-back waited)
+        runner.post_gather(table, jobs.experts.tolist(), (jobs.pos // top_k).tolist(), rows, vals,
+                           self._flag if seq is not None else None, seq or 0)
+        self._posted = runner
+        return PostedJob(runner, pos, vals, in_place)
 
     def stage(self, x: torch.Tensor) -> None:
         """x's rows' copy for the next start() of x, queued now on CUDA: before the routing's read-back
@@ -189,10 +216,14 @@ class CpuJobs:
             y[done.pos.to(self.device)] = done.vals.to(self.device, y.dtype)
 
     def close(self) -> None:
-        """End the worker thread (after its job); the next start() makes a new one. Again: nothing happens."""
+        """End the worker thread (after its job) and wait for a job on the native job thread, which writes this
+        object's buffers; the next start() makes a new worker. Again: nothing happens."""
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        if self._posted is not None:  # its job writes this object's buffers until done
+            self._posted.wait_gather()
+            self._posted = None
         self._deferred = self._staged = None
         self._tables.clear()
 
@@ -237,6 +268,26 @@ class CpuJobs:
             buf = self._out[dtype] = (torch.empty(cap, dtype=torch.long, pin_memory=pin),
                                       torch.empty(cap, self.pool.layout.hidden, dtype=dtype, pin_memory=pin))
         return buf
+
+
+class PostedJob(NamedTuple):
+    """A job on a native runner's job thread (CpuJobs._post), its result waited for as a Future's."""
+
+    runner: object  # cpu_kernels.CpuExpertRunner
+    pos: torch.Tensor
+    vals: torch.Tensor
+    pinned: bool
+
+    def result(self) -> CpuResult:
+        started, seconds = self.runner.wait_gather()
+        return CpuResult(self.pos, self.vals, seconds, started, self.pinned)
+
+    def exception(self) -> BaseException | None:
+        try:
+            self.result()
+        except Exception as exc:
+            return exc
+        return None
 
 
 def _capacity(rows: int) -> int:

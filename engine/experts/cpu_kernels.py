@@ -264,6 +264,7 @@ class CpuExpertRunner:
         self.least_rows = int(least_rows)
         self._lock = threading.Lock()
         self._pending: CpuFuture | None = None
+        self._jobs = self._posted = None  # post_gather's native GatherJobs, made on first use; the x it reads
         if backend == "torch" or _native is None:
             if backend == "auto":
                 _warn_fallback_once()
@@ -332,6 +333,46 @@ class CpuExpertRunner:
         (cpu_runner.run_on_cpu). x [T, H] and out [n, H]: CPU, f32 or bf16, unit inner stride; experts, rows:
         lists of ints. Native only. Few torch calls on purpose: it runs every MoE layer, each time with the
         caller's code and data evicted by the previous call's streaming (see run_io)."""
+        x, io = self._gather_io(table, experts, x, out)
+        with self._lock:
+            if self._pending is not None:
+                self._pending.wait()
+                self._pending = None
+            try:
+                self._pool.run_gather(table._native, experts, rows, *io)
+            except TypeError as exc:  # pybind: ids not ints (out-of-range ids raise ValueError already)
+                raise ValueError(f"bad routed task list: {exc}") from exc
+
+    def post_gather(self, table: ExpertTable, experts: list, rows: list, x: torch.Tensor, out: torch.Tensor,
+                    flag: torch.Tensor | None = None, seq: int = 0) -> None:
+        """run_gather's job started, not waited for: the pool's workers take it at once and the caller goes on (a
+        prompt's CPU job with no Python thread between: cpu_jobs.CpuJobs). When it is done the runner's job
+        thread stores seq into flag (int64 [1], page-locked on CUDA for mailbox_triton.wait_flag) and
+        wait_gather() returns. x and out are read and written until then: the caller keeps them. Native only;
+        one such job at a time (a second waits for the first)."""
+        x, io = self._gather_io(table, experts, x, out)
+        if flag is not None and (flag.dtype != torch.int64 or not flag.is_cpu or flag.numel() != 1):
+            raise ValueError("post_gather: flag is an int64 [1] tensor in host memory")
+        with self._lock:
+            if self._pending is not None:
+                self._pending.wait()
+                self._pending = None
+            if self._jobs is None:
+                self._jobs = _native.GatherJobs(self._pool)
+            try:
+                self._jobs.post(table._native, experts, rows, *io, 0 if flag is None else flag.data_ptr(), seq)
+            except TypeError as exc:
+                raise ValueError(f"bad routed task list: {exc}") from exc
+        self._posted = x  # read by the job: kept until the next one
+
+    def wait_gather(self) -> tuple[float, float]:
+        """-> (when the last post_gather's job began, on time.perf_counter's clock; seconds it ran), once done."""
+        started_ns, seconds = self._jobs.wait()
+        return started_ns * 1e-9, seconds
+
+    def _gather_io(self, table: ExpertTable, experts: list, x: torch.Tensor, out: torch.Tensor):
+        """run_gather's arguments checked: -> (x, unit inner stride; its and out's address, format, row stride
+        and x's rows, as the native calls take them)."""
         fx, fo = _FORMATS.get(x.dtype), _FORMATS.get(out.dtype)
         (T, hidden), sx, so = x.shape, x.stride(), out.stride()
         if self.backend != "native" or fx is None or fo is None or so[1] != 1:
@@ -343,15 +384,7 @@ class CpuExpertRunner:
         if hidden != table.hidden or not (x.is_cpu and out.is_cpu) or tuple(out.shape) != (len(experts), hidden):
             raise ValueError(f"run_gather: x [T, {table.hidden}] and out [{len(experts)}, {table.hidden}] on the "
                              f"CPU, got {tuple(x.shape)} and {tuple(out.shape)}")
-        with self._lock:
-            if self._pending is not None:
-                self._pending.wait()
-                self._pending = None
-            try:
-                self._pool.run_gather(table._native, experts, rows, x.data_ptr(), fx, sx[0], T, out.data_ptr(), fo,
-                                      so[0])
-            except TypeError as exc:  # pybind: ids not ints (out-of-range ids raise ValueError already)
-                raise ValueError(f"bad routed task list: {exc}") from exc
+        return x, (x.data_ptr(), fx, sx[0], T, out.data_ptr(), fo, so[0])
 
     def submit_routed(self, table: ExpertTable, experts, tokens, weights, x: torch.Tensor,
                       y: torch.Tensor) -> CpuFuture:

@@ -97,6 +97,11 @@ def prompt_threads() -> int:
     return _prompt_threads[0] or expert_threads()
 
 
+def job_threads(prompt: bool) -> int:
+    """Workers of a layer call's CPU job: prompt_threads() for a prompt's, else expert_threads()."""
+    return prompt_threads() if prompt else _threads[0] or expert_threads()
+
+
 def set_tile_tokens(tokens: int | None) -> None:
     """Layer calls whose experts average this many tokens or more run on the CPU's tile path where it has
     one (CpuExpertRunner tile_tokens; 0: never; None: the runner's default). Runners made before are dropped."""
@@ -139,13 +144,12 @@ def _native_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: Expert
         flat = pos.tolist()
         experts = [e for _, e in jobs] if len(flat) == len(jobs) else [e for p, e in jobs for _ in range(len(p))]
         rows = [q // top_k for q in flat]
-    native = x.dtype in _GATHER_DTYPES  # else (fp16) through f32, two more torch calls
+    native = x.dtype in GATHER_DTYPES  # else (fp16) through f32, two more torch calls
     if native and out is not None:
         y = out[: len(flat)]  # [N, H], overwritten
     else:
         y = torch.empty(len(flat), layout.hidden, dtype=x.dtype if native else torch.float32)
-    threads = prompt_threads() if prompt else _threads[0] or expert_threads()
-    runner, x_in = native_runner(threads), x if native else x.float()
+    runner, x_in = native_runner(job_threads(prompt)), x if native else x.float()
     if entered is not None:
         entered.set()
     runner.run_gather(table, experts, rows, x_in, y)
@@ -154,7 +158,7 @@ def _native_run_on_cpu(x: torch.Tensor, host: torch.Tensor, jobs, layout: Expert
     return pos, y
 
 
-_GATHER_DTYPES = (torch.bfloat16, torch.float32)  # activation dtypes run_gather reads and writes
+GATHER_DTYPES = (torch.bfloat16, torch.float32)  # activation dtypes run_gather reads and writes
 
 
 def native_runner(threads: int):

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -171,10 +172,8 @@ struct Runner {
   void run_gather(const Table& t, const std::vector<int64_t>& experts, const std::vector<int64_t>& rows,
                   uint64_t x, int x_fmt, int64_t x_stride, int T, uint64_t out, int out_fmt, int64_t out_stride) {
     const size_t n = experts.size();
-    if (rows.size() != n) throw std::invalid_argument("experts and rows must have one entry per task");
     Format xf = Table::check_format(x_fmt), of = Table::check_format(out_fmt);
-    check_tokens(rows, T);
-    check_experts(t, experts);
+    check_gather(t, experts, rows, T);
     py::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(mu_);
     gather(t, n, experts.data(), rows.data(), x, xf, x_stride, T, out, of, out_stride, nullptr);
@@ -185,6 +184,12 @@ struct Runner {
   // (its workers, not this thread, convert). The graph mailbox (Mailbox below) calls it from its thread.
   void gather(const Table& t, size_t n, const int64_t* experts, const int64_t* rows, uint64_t x, Format xf,
               int64_t x_stride, int T, uint64_t out, Format of, int64_t out_stride, const int64_t* out_rows) {
+    submit_gather(t, n, experts, rows, x, xf, x_stride, T, out, of, out_stride, out_rows);
+    pool.wait();
+  }
+  // gather's job submitted, not waited for (GatherJobs).
+  void submit_gather(const Table& t, size_t n, const int64_t* experts, const int64_t* rows, uint64_t x, Format xf,
+                     int64_t x_stride, int T, uint64_t out, Format of, int64_t out_stride, const int64_t* out_rows) {
     pool.wait();  // the planner's job and the addresses below may still be in use
     if (!out_rows) {
       for (size_t i = iota_.size(); i < n; ++i) iota_.push_back(int64_t(i));
@@ -193,7 +198,13 @@ struct Runner {
     addresses(t, experts, n);
     MoeArgs a = args(t.fmt, t.H, t.I, t.ld_gu, t.ld_dn, x, xf, x_stride, out, of, out_stride, T);
     pool.submit(planner_.plan(a, n, gu_.data(), dn_.data(), rows, nullptr, out_rows));
-    pool.wait();
+  }
+  // run_gather's checks, for GatherJobs::post.
+  static void check_gather(const Table& t, const std::vector<int64_t>& experts, const std::vector<int64_t>& rows,
+                           int T) {
+    if (rows.size() != experts.size()) throw std::invalid_argument("experts and rows must have one entry per task");
+    check_tokens(rows, T);
+    check_experts(t, experts);
   }
 
   bool planner_last_tiles() {
@@ -384,6 +395,98 @@ class Mailbox {
   std::atomic<uint64_t> publishes_{0}, pairs_{0}, layers_run_{0}, skipped_{0}, busy_ns_{0};
 };
 
+// A prompt layer call's CPU job handed over with no Python thread between (engine/experts/cpu_jobs.py): post()
+// checks the tasks and submits run_gather's job to the runner's pool from the calling thread, which returns at
+// once, the pool's workers already on it; this object's thread waits for the job (running worker 0's share where
+// the pool's caller joins), then stores `seq` into *flag when given (page-locked: the device's wait_flag reads
+// it) and marks the job done; wait() returns when it began and how long it ran. One job at a time: post() waits
+// for the last. The job reads x and writes out until done: the caller keeps them.
+class GatherJobs {
+ public:
+  explicit GatherJobs(Runner& runner) : r_(runner), thread_([this] { loop(); }) {}
+  ~GatherJobs() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  GatherJobs(const GatherJobs&) = delete;
+  GatherJobs& operator=(const GatherJobs&) = delete;
+
+  void post(const Table& t, const std::vector<int64_t>& experts, const std::vector<int64_t>& rows, uint64_t x,
+            int x_fmt, int64_t x_stride, int T, uint64_t out, int out_fmt, int64_t out_stride, uint64_t flag,
+            int64_t seq) {
+    Format xf = Table::check_format(x_fmt), of = Table::check_format(out_fmt);
+    Runner::check_gather(t, experts, rows, T);
+    py::gil_scoped_release release;
+    std::unique_lock<std::mutex> lock(m_);
+    done_cv_.wait(lock, [&] { return done_ == posted_; });
+    experts_ = experts;  // the job reads the addresses and rows until done
+    rows_ = rows;
+    {
+      std::lock_guard<std::mutex> run(r_.mu_);
+      started_ = now();
+      r_.submit_gather(t, experts_.size(), experts_.data(), rows_.data(), x, xf, x_stride, T, out, of, out_stride,
+                       nullptr);
+    }
+    flag_ = reinterpret_cast<int64_t*>(flag);
+    seq_ = seq;
+    ++posted_;
+    lock.unlock();
+    cv_.notify_one();
+  }
+
+  // -> (when the last posted job began, steady-clock ns; seconds it ran), once it is done.
+  std::pair<int64_t, double> wait() {
+    py::gil_scoped_release release;
+    std::unique_lock<std::mutex> lock(m_);
+    done_cv_.wait(lock, [&] { return done_ == posted_; });
+    return {started_, seconds_};
+  }
+  bool done() {
+    std::lock_guard<std::mutex> lock(m_);
+    return done_ == posted_;
+  }
+
+ private:
+  static int64_t now() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(m_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || posted_ != done_; });
+      if (posted_ == done_) return;  // stopped with nothing in flight
+      lock.unlock();
+      {
+        std::lock_guard<std::mutex> run(r_.mu_);  // no other job submitted before this one is seen done
+        r_.pool.wait();  // (a waiter with a core of its own spins: the flag goes up as the job ends)
+      }
+      const int64_t end = now();
+      lock.lock();
+      if (flag_) __atomic_store_n(flag_, seq_, __ATOMIC_RELEASE);
+      seconds_ = (end - started_) * 1e-9;
+      done_ = posted_;
+      done_cv_.notify_all();
+    }
+  }
+
+  Runner& r_;
+  std::mutex m_;
+  std::condition_variable cv_, done_cv_;
+  uint64_t posted_ = 0, done_ = 0;
+  bool stop_ = false;
+  std::vector<int64_t> experts_, rows_;
+  int64_t* flag_ = nullptr;
+  int64_t seq_ = 0, started_ = 0;
+  double seconds_ = 0;
+  std::thread thread_;  // last: started once the rest is made
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_experts, m) {
@@ -441,6 +544,13 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def("done", [](Runner& r) { return r.pool.done(); })
       .def("read", &Runner::read, py::arg("p"), py::arg("nbytes"), py::arg("streams") = 1,
            py::arg("chunk_bytes") = 0);
+  py::class_<GatherJobs>(m, "GatherJobs")
+      .def(py::init<Runner&>(), py::keep_alive<1, 2>(), py::arg("runner"))
+      .def("post", &GatherJobs::post, py::arg("table"), py::arg("experts"), py::arg("rows"), py::arg("x"),
+           py::arg("x_fmt"), py::arg("x_stride"), py::arg("T"), py::arg("out"), py::arg("out_fmt"),
+           py::arg("out_stride"), py::arg("flag") = 0, py::arg("seq") = 0)
+      .def("wait", &GatherJobs::wait)
+      .def("done", &GatherJobs::done);
   py::class_<Mailbox>(m, "Mailbox")
       .def(py::init<Runner&, std::vector<Table>, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, int, uint64_t, int,
                     int, int, int, uint64_t, int, int>(),

@@ -452,9 +452,10 @@ def test_a_prompts_cpu_job_joined_on_the_device_gives_the_host_joins_outputs(cls
     call queues the wait for its CPU job's flag and the scatter of its rows, and returns without waiting for the
     job; the job is collected at the next routed call or end_forward. Outputs equal the reference's; the cpu
     backend's counts equal the host join's; the call log marks those calls `joined`, with the job's run filled in
-    once collected. A job that fails fails the forward (at its collection), and the next forward runs."""
+    once collected. A job that fails fails the forward (at its start or its collection), and the next forward
+    runs."""
     pytest.importorskip("triton")
-    from engine.experts import cpu_jobs
+    from engine.experts import cpu_jobs, cpu_kernels, cpu_runner
 
     src, deep = deep_pool()
     est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
@@ -483,12 +484,14 @@ def test_a_prompts_cpu_job_joined_on_the_device_gives_the_host_joins_outputs(cls
         assert all(c.cpu_ms > 0 and 0 <= c.cpu_start_ms <= c.woke_ms for c in with_cpu)
         if join:
             assert all(c.cpu_wait_ms == 0 for c in with_cpu)
+            assert (b.cpu_jobs._posted is not None) == cpu_runner.NATIVE  # the native job thread ran them
 
             def fail(*a, **k):
                 raise RuntimeError("a job that fails")
 
             with monkeypatch.context() as m:
-                m.setattr(cpu_jobs, "run_on_cpu", fail)
+                m.setattr(cpu_jobs, "run_on_cpu", fail)  # a job on the Python thread
+                m.setattr(cpu_kernels.CpuExpertRunner, "post_gather", fail)  # or handed to the native job thread
                 with pytest.raises(RuntimeError, match="a job that fails"):
                     forward(b)
             for layer, y in enumerate(forward(b)):  # the next forward: the failed one's job is gone

@@ -185,6 +185,7 @@ def test_pairs_routed_to_no_expert_read_zero_and_never_reach_the_cache(pool, src
 def test_backends_bit_identical(dtype, monkeypatch):
     """With one expert implementation on both sides, where an expert runs changes no bit of the output."""
     monkeypatch.setattr(cpu_jobs, "run_on_cpu", cpu_runner._torch_run_on_cpu)
+    monkeypatch.setattr(cpu_jobs, "native_runner", lambda threads: None)  # (its jobs would take the native kernels)
     pool = pool_from_source(make_source(dtype=dtype))
     outs = []
     for cls, slots in [(OffloadBackend, 2), (CpuBackend, 5), (HybridBackend, 17), (OffloadBackend, 24)]:
@@ -300,13 +301,17 @@ def test_a_prompts_cpu_experts_run_on_the_prompt_threads(pool, src, monkeypatch)
     """A layer call of PROMPT_TOKENS tokens or more runs its CPU share with prompt=True (the runner of
     cpu_runner.prompt_threads()), a decode-sized one without; outputs equal the reference either way."""
     seen = []
-    real = cpu_jobs.run_on_cpu
+    if cpu_runner.NATIVE:  # the runner a job goes to, chosen in start()
+        threads = cpu_jobs.job_threads
+        monkeypatch.setattr(cpu_jobs, "job_threads", lambda prompt: seen.append(prompt) or threads(prompt))
+    else:
+        real = cpu_jobs.run_on_cpu
 
-    def spy(*a, prompt=False, **kw):
-        seen.append(prompt)
-        return real(*a, prompt=prompt, **kw)
+        def spy(*a, prompt=False, **kw):
+            seen.append(prompt)
+            return real(*a, prompt=prompt, **kw)
 
-    monkeypatch.setattr(cpu_jobs, "run_on_cpu", spy)
+        monkeypatch.setattr(cpu_jobs, "run_on_cpu", spy)
     b = CpuBackend(pool, 1, "cpu")
     for T in (cpu_jobs.PROMPT_TOKENS, 3):
         x, ids, w = routing(T, seed=T)
@@ -336,10 +341,10 @@ def test_prompt_threads_default_to_the_expert_threads_and_take_their_own_runner(
 
 @pytest.mark.skipif(not cpu_runner.NATIVE, reason="native CPU kernels not built")
 def test_a_cpu_job_starts_before_the_engine_thread_goes_on(pool, monkeypatch):
-    """CpuJobs.start returns once its job is at the native call, which needs no GIL: the engine thread, going on
-    to queue the device's work in Python, would otherwise hold the GIL the job's Python needs for up to the
-    interpreter's switch interval. A job that fails still lets start return, and its error comes from
-    result()."""
+    """On the Python worker thread (a job the native job thread does not take), CpuJobs.start returns once its
+    job is at the native call, which needs no GIL: the engine thread, going on to queue the device's work in
+    Python, would otherwise hold the GIL the job's Python needs for up to the interpreter's switch interval. A job
+    that fails still lets start return, and its error comes from result()."""
     import sys
     import threading
 
@@ -354,6 +359,7 @@ def test_a_cpu_job_starts_before_the_engine_thread_goes_on(pool, monkeypatch):
                 y.zero_()
 
         monkeypatch.setattr(cpu_runner, "native_runner", lambda threads: Runner())
+        monkeypatch.setattr(cpu_jobs, "native_runner", lambda threads: None)
         jobs = cpu_jobs.CpuJobs(pool, torch.device("cpu"), zero_copy=False)
         x, ids, _ = routing(6, seed=int(torch.randint(1 << 30, ())))
         r = Routing.of(ids)

@@ -339,3 +339,41 @@ def test_run_gather_equals_run_io_on_gathered_rows_and_converts_like_torch():
     with pytest.raises(ValueError):
         runner.run_gather(table, ["a"], [0], x, torch.empty(1, hidden))
     runner.run_gather(table, [1], [1], x[:, :hidden], out[:1])  # still serving after the errors
+
+
+@native
+@pytest.mark.parametrize("joins", [False, True])
+def test_post_gather_runs_run_gathers_job_on_the_job_thread_and_raises_the_flag(joins):
+    """post_gather (a prompt's CPU job with no Python thread between: cpu_jobs.CpuJobs): the outputs run_gather
+    gives, the flag raised to seq once they are written, wait_gather's start on perf_counter's clock within the
+    call; a second post waits for the first, whose outputs stand; bad ids, rows and flags raise and the runner
+    serves on. Fresh random inputs; with and without the caller joining the pool (the job thread is then worker
+    0)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    hidden, inter, n = 64, 32, 40
+    table = ck.ExpertTable.from_blocks((torch.randn(8, 3 * inter * hidden, generator=gen) * 0.1).bfloat16(),
+                                       hidden, inter)
+    x = torch.randn(16, hidden, generator=gen).bfloat16()
+    experts = torch.randint(8, (n,), generator=gen).tolist()
+    rows = torch.randint(16, (n,), generator=gen).tolist()
+    runner = CpuExpertRunner(threads=2, caller_joins=joins)
+    want = torch.empty(n, hidden, dtype=torch.bfloat16)
+    runner.run_gather(table, experts, rows, x, want)
+    flag = torch.zeros(1, dtype=torch.long)
+    outs = [torch.full((n, hidden), float("nan")).bfloat16() for _ in range(2)]
+    t0 = time.perf_counter()
+    runner.post_gather(table, experts, rows, x, outs[0], flag, 3)
+    runner.post_gather(table, experts[::-1], rows[::-1], x, outs[1], flag, 4)
+    assert torch.equal(outs[0], want)  # the first is done once the second is posted
+    started, seconds = runner.wait_gather()
+    assert int(flag[0]) == 4 and t0 <= started <= time.perf_counter() and seconds > 0
+    assert torch.equal(outs[1], want.flip(0))
+    with pytest.raises(ValueError, match="outside"):
+        runner.post_gather(table, [8], [0], x, outs[0][:1], flag, 5)
+    with pytest.raises(ValueError, match="outside"):
+        runner.post_gather(table, [0], [16], x, outs[0][:1], flag, 5)
+    with pytest.raises(ValueError, match="int64"):
+        runner.post_gather(table, [0], [0], x, outs[0][:1], flag.int(), 5)
+    runner.post_gather(table, experts, rows, x, outs[0])  # still serving after the errors; no flag
+    runner.wait_gather()
+    assert torch.equal(outs[0], want) and int(flag[0]) == 4
