@@ -371,8 +371,8 @@ class CpuExpertRunner:
         return started_ns * 1e-9, seconds
 
     def _gather_io(self, table: ExpertTable, experts: list, x: torch.Tensor, out: torch.Tensor):
-        """run_gather's arguments checked: -> (x, unit inner stride; its and out's address, format, row stride
-        and x's rows, as the native calls take them)."""
+        """run_gather's arguments checked -> (x with unit inner stride, the native calls' x and out arguments:
+        x's address, format, row stride and rows, out's address, format and row stride)."""
         fx, fo = _FORMATS.get(x.dtype), _FORMATS.get(out.dtype)
         (T, hidden), sx, so = x.shape, x.stride(), out.stride()
         if self.backend != "native" or fx is None or fo is None or so[1] != 1:

@@ -73,14 +73,15 @@ class CopiesAhead:
     def _ahead_inputs(self, layer: int) -> "AheadInputs | None":
         """What _ahead_plan reads of the layer after `layer` that this layer's routing leaves as it is (None
         outside a routed prompt forward with `lookahead`, or at the last MoE layer): made while the host waits
-        for the routing's read-back (OffloadBackend.forward), where it cost ~0.2 ms of the CPU's idle between two
-        jobs of an extend (dev box; twice that on the GPU box). The copies still in flight and the split's rates
-        are read after the read-back: earlier, they counted copies that end before these queue (docs/PERF.md,
-        thirty-eighth session)."""
+        for the routing's read-back (OffloadBackend.forward), not in the CPU's idle time between two jobs of an
+        extend, where it took ~0.09 ms a layer call on the dev box and ~0.15 ms on the H100 box. The copies still
+        in flight and the split's rates are read after the read-back: earlier, they counted copies that end
+        before these queue (docs/PERF.md, thirty-eighth session)."""
         i = self.pool.row[layer] + 1
         return self._row_inputs(i) if self._looking_ahead() and i < len(self.pool.layers) else None
 
     def _row_inputs(self, i: int) -> "AheadInputs":
+        """Pool row i's AheadInputs, as the slot table and the forward's touch probabilities stand now."""
         t, p = self.cache.table, self._touch[i]
         missing = t.resident[i] < 0
         likely = np.flatnonzero(missing & (p >= AHEAD_TOUCHED))
