@@ -280,6 +280,12 @@ struct Runner {
 // the pairs and takes the newer one instead. Between bursts it spins spin_us, then polls every 50 us.
 constexpr int32_t kLocCpu = -3;  // moe_triton.LOC_CPU
 
+// steady-clock nanoseconds (CLOCK_MONOTONIC on Linux: time.perf_counter's clock, in ns)
+int64_t now() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 class Mailbox {
  public:
   Mailbox(Runner& runner, std::vector<Table> tables, uint64_t posted, uint64_t done, uint64_t meta, uint64_t ids,
@@ -318,11 +324,6 @@ class Mailbox {
   uint64_t skipped() const { return skipped_.load(); }
 
  private:
-  static int64_t now() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-        std::chrono::steady_clock::now().time_since_epoch()).count();
-  }
-
   void loop() {
     int64_t last = __atomic_load_n(done_, __ATOMIC_ACQUIRE), idle_since = now();
     std::vector<int64_t> experts, rows, outs;
@@ -445,17 +446,8 @@ class GatherJobs {
     done_cv_.wait(lock, [&] { return done_ == posted_; });
     return {started_, seconds_};
   }
-  bool done() {
-    std::lock_guard<std::mutex> lock(m_);
-    return done_ == posted_;
-  }
 
  private:
-  static int64_t now() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-        std::chrono::steady_clock::now().time_since_epoch()).count();
-  }
-
   void loop() {
     std::unique_lock<std::mutex> lock(m_);
     for (;;) {
@@ -549,8 +541,7 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def("post", &GatherJobs::post, py::arg("table"), py::arg("experts"), py::arg("rows"), py::arg("x"),
            py::arg("x_fmt"), py::arg("x_stride"), py::arg("T"), py::arg("out"), py::arg("out_fmt"),
            py::arg("out_stride"), py::arg("flag") = 0, py::arg("seq") = 0)
-      .def("wait", &GatherJobs::wait)
-      .def("done", &GatherJobs::done);
+      .def("wait", &GatherJobs::wait);
   py::class_<Mailbox>(m, "Mailbox")
       .def(py::init<Runner&, std::vector<Table>, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, int, uint64_t, int,
                     int, int, int, uint64_t, int, int>(),
