@@ -144,9 +144,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "4); 0: never (default: 5 where the CPU has AMX)")
     g.add_argument("--cpu-join", default="device", choices=CPU_JOINS,
                    help="where a prompt's CPU experts (cpu/hybrid on CUDA) join the layer's output: device (the "
-                        "GPU waits for the job's flag while the host queues the layers after; default: 256-token "
-                        "extends in 0.77-0.93 of the host's time on an H100, docs/PERF.md) or host (the host waits "
-                        "for the job, then queues the rest)")
+                        "GPU waits for the job's flag while the host queues the layers after; default: the faster in "
+                        "seven of eleven alternated H100 runs of 256-token extends, docs/PERF.md) or host (the host "
+                        "waits for the job, then queues the rest)")
 
 
 def options_from_args(args: argparse.Namespace) -> EngineOptions:

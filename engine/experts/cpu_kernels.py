@@ -264,7 +264,7 @@ class CpuExpertRunner:
         self.least_rows = int(least_rows)
         self._lock = threading.Lock()
         self._pending: CpuFuture | None = None
-        self._jobs = self._posted = None  # post_gather's native GatherJobs, made on first use; the x it reads
+        self._jobs = self._posted_x = None  # post_gather's native GatherJobs, made on first use; the x it reads
         if backend == "torch" or _native is None:
             if backend == "auto":
                 _warn_fallback_once()
@@ -363,7 +363,7 @@ class CpuExpertRunner:
                 self._jobs.post(table._native, experts, rows, *io, 0 if flag is None else flag.data_ptr(), seq)
             except TypeError as exc:
                 raise ValueError(f"bad routed task list: {exc}") from exc
-        self._posted = x  # read by the job: kept until the next one
+        self._posted_x = x  # read by the job: kept until the next one
 
     def wait_gather(self) -> tuple[float, float]:
         """-> (when the last post_gather's job began, on time.perf_counter's clock; seconds it ran), once done."""
