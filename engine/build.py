@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.flags import CPU_JOINS, device_arg, moe_slots_arg
+from engine.flags import CPU_JOINS, add_cpu_expert_arguments, device_arg, moe_slots_arg
 from engine.serving import EngineCore
 
 log = logging.getLogger("killick.engine")
@@ -131,22 +131,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "request arriving meanwhile waits at most): a long prompt streamed through the slots leaves "
                         "whole layers there, and an agent's next turn routes to every layer's hottest experts "
                         "(default auto: on CUDA; counted as fills and as `refreshed` in the expert stats)")
-    g.add_argument("--expert-threads", type=int,
-                   help="CPU threads running experts for cpu/hybrid (default: every core on a CPU engine; on "
-                        "CUDA half the cores: host DRAM bounds the experts, and the engine thread keeps a core)")
-    g.add_argument("--prompt-expert-threads", type=int,
-                   help="CPU threads running a prompt's experts for cpu/hybrid (a layer call of 32 tokens or more: "
-                        "several tokens an expert, compute-bound kernels that more cores speed up; default: on "
-                        "CUDA every physical core but three, else --expert-threads)")
-    g.add_argument("--expert-tile-tokens", type=int,
-                   help="a layer call whose CPU experts average this many tokens or more runs on the CPU's matrix "
-                        "tiles (AMX-BF16: 16 tokens a pass over an expert's weights, where the vector kernels take "
-                        "4); 0: never (default: 5 where the CPU has AMX)")
-    g.add_argument("--cpu-join", default="device", choices=CPU_JOINS,
-                   help="where a prompt's CPU experts (cpu/hybrid on CUDA) join the layer's output: device (the "
-                        "GPU waits for the job's flag while the host queues the layers after; default: the faster in "
-                        "seven of eleven alternated H100 runs of 256-token extends, docs/PERF.md) or host (the host "
-                        "waits for the job, then queues the rest)")
+    add_cpu_expert_arguments(g)
 
 
 def options_from_args(args: argparse.Namespace) -> EngineOptions:

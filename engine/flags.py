@@ -43,3 +43,37 @@ def moe_slots_arg(text: str) -> str:
         return slots_spec(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def at_least(low: int):
+    """An argparse type: an integer >= low (a bad value is one usage line naming it)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+def add_cpu_expert_arguments(g) -> None:
+    """The CPU expert runner's worker counts, tile setting and join (cpu / hybrid), as `killick serve` and the
+    benchmarks that run the whole engine (bench model, profile_decode) take them."""
+    g.add_argument("--expert-threads", type=at_least(1),
+                   help="CPU threads running experts for cpu/hybrid (default: every core on a CPU engine; on "
+                        "CUDA half the cores: host DRAM bounds the experts, and the engine thread keeps a core)")
+    g.add_argument("--prompt-expert-threads", type=at_least(1),
+                   help="CPU threads running a prompt's experts for cpu/hybrid (a layer call of 32 tokens or more: "
+                        "several tokens an expert, compute-bound kernels that more cores speed up; default: on "
+                        "CUDA every physical core but three, else --expert-threads)")
+    g.add_argument("--expert-tile-tokens", type=at_least(0),
+                   help="a layer call whose CPU experts average this many tokens or more runs on the CPU's matrix "
+                        "tiles (AMX-BF16: 16 tokens a pass over an expert's weights, where the vector kernels take "
+                        "4); 0: never (default: 5 where the CPU has AMX)")
+    g.add_argument("--cpu-join", default="device", choices=CPU_JOINS,
+                   help="where a prompt's CPU experts (cpu/hybrid on CUDA) join the layer's output: device (the "
+                        "GPU waits for the job's flag while the host queues the layers after; default: the faster in "
+                        "seven of eleven alternated H100 runs of 256-token extends, docs/PERF.md) or host (the host "
+                        "waits for the job, then queues the rest)")

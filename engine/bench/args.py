@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.flags import CPU_JOINS, device_arg, moe_slots_arg
+from engine.flags import add_cpu_expert_arguments, at_least, device_arg, moe_slots_arg
 
 DEFAULT_SHAPE = "qwen3.6-35b-a3b"
 
@@ -16,12 +16,12 @@ def add_bw_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--small", action="store_true", help="scaled-down shape: a seconds-long smoke run")
     ap.add_argument("--threads", type=_counts, default=None,
                     help="comma-separated CPU thread counts (default 1..cores)")
-    ap.add_argument("--experts", type=_at_least(1), default=256,
+    ap.add_argument("--experts", type=at_least(1), default=256,
                     help="expert blocks in the pool B_H draws 8 a call from (default 256: one layer)")
-    ap.add_argument("--stream-mib", type=_at_least(1), default=1024,
+    ap.add_argument("--stream-mib", type=at_least(1), default=1024,
                     help="the pool holds at least this many MiB (far above the LLC); STREAM reads the same pool")
     ap.add_argument("--seconds", type=_positive, default=0.5, help="length of each B_H and STREAM window")
-    ap.add_argument("--rounds", type=_at_least(1), default=3, help="alternated B_H / STREAM windows per thread count")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="alternated B_H / STREAM windows per thread count")
     ap.add_argument("--json", default=None, help="also write the profile here")
 
 
@@ -35,9 +35,9 @@ def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
                          "6, at most this machine's cores)")
     ap.add_argument("--backends", type=_names(SLOT_BACKENDS), default=list(SLOT_BACKENDS),
                     help=f"comma-separated, of {','.join(SLOT_BACKENDS)} (default all)")
-    ap.add_argument("--steps", type=_at_least(1), default=32)
-    ap.add_argument("--warmup", type=_at_least(0), default=40)
-    ap.add_argument("--prefill-tokens", type=_at_least(0), default=8192)
+    ap.add_argument("--steps", type=at_least(1), default=32)
+    ap.add_argument("--warmup", type=at_least(0), default=40)
+    ap.add_argument("--prefill-tokens", type=at_least(0), default=8192)
     ap.add_argument("--warm-prefill", type=int, default=1024,
                     help="prompt tokens prefilled before each decode run (0: start from an empty cache)")
     ap.add_argument("--routing", default="uniform", help="uniform and/or zipf, comma-separated")
@@ -71,8 +71,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--batches", default="1,4,8", help="decode batch sizes (default 1,4,8)")
-    p.add_argument("--steps", type=_at_least(1), default=64, help="timed decode steps per batch size (default 64)")
-    p.add_argument("--warmup", type=_at_least(1), default=8,
+    p.add_argument("--steps", type=at_least(1), default=64, help="timed decode steps per batch size (default 64)")
+    p.add_argument("--warmup", type=at_least(1), default=8,
                    help="decode steps before timing, at least 1: the first token is the prompt's (default 8)")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens of each decode request (default 64)")
     p.add_argument("--prefill", type=int, default=8192, help="tokens of the long prompt (default 8192; 0: skip)")
@@ -123,7 +123,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "auto: on CUDA)")
     p.add_argument("--moe-decode", default="auto", choices=["auto", "mapped", "host"],
                    help="how decode goes through the expert cache (as serve; default auto)")
-    add_expert_thread_arguments(p)
+    add_cpu_expert_arguments(p)
     p.add_argument("--cpu-share", type=float,
                    help="hybrid mapped decode: this share of the non-resident experts runs on the CPU, fixed "
                         "(default: searched for the shortest measured step, per batch size)")
@@ -136,25 +136,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the results here")
 
 
-def add_expert_thread_arguments(p: argparse.ArgumentParser) -> None:
-    """The CPU expert runner's worker counts and tile setting (bench model, profile_decode), as serve takes them;
-    set_expert_threads_from applies them."""
-    p.add_argument("--expert-threads", type=int,
-                   help="CPU expert workers for cpu / hybrid (default as serve: half the cores on CUDA)")
-    p.add_argument("--prompt-expert-threads", type=_at_least(1),
-                   help="CPU expert workers for a prompt's layer calls (32 tokens or more; default as serve: "
-                        "every physical core but three on CUDA)")
-    p.add_argument("--expert-tile-tokens", type=_at_least(0),
-                   help="CPU expert layer calls averaging this many tokens an expert run on the CPU's matrix tiles "
-                        "(as serve; 0: never; default 5 where the CPU has AMX)")
-    p.add_argument("--cpu-join", default="device", choices=CPU_JOINS,
-                   help="where a prompt's CPU experts join the layer (as serve): device (the device waits for the "
-                        "job's flag while the host queues the layers after; default) or host (the host waits for "
-                        "the job)")
-
-
 def set_expert_threads_from(args: argparse.Namespace) -> None:
-    """The CPU expert runner set up from add_expert_thread_arguments' options on args.device, as serve sets it
+    """The CPU expert runner set up from add_cpu_expert_arguments' options on args.device, as serve sets it
     (engine/build.py): a benchmark that leaves it at torch's thread count runs a prompt's CPU experts on every
     core, beside the engine's own threads."""
     import torch
@@ -211,19 +194,6 @@ def _positive(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
     return value
-
-
-def _at_least(low: int):
-    """An argparse type: an integer >= low (a bad value is one usage line naming it)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-    return parse
 
 
 def _floats(text: str) -> list[float]:

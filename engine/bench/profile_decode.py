@@ -31,7 +31,8 @@ from collections import defaultdict
 
 import torch
 
-from engine.bench.args import add_expert_thread_arguments, set_expert_threads_from
+from engine.bench.args import set_expert_threads_from
+from engine.flags import add_cpu_expert_arguments
 from engine.bench.report import print_buckets, print_split
 from engine.flags import device_arg, moe_slots_arg
 from engine.bench.syncs import SyncSites
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
                    help="how decode goes through the expert cache (as serve)")
     p.add_argument("--moe-prefetch", choices=("auto", "on", "off"), default="auto",
                    help="a mapped decode copies each layer's likely expert in while its mixer runs (as serve)")
-    add_expert_thread_arguments(p)
+    add_cpu_expert_arguments(p)
     p.add_argument("--trace", help="with --prefill: write the profiled prompt's Chrome trace here (copy and "
                                   "compute streams on one time line: does the stream hide under the compute?)")
     p.add_argument("--decode-trace", help="write the profiled decode steps' Chrome trace here (every stream's "
