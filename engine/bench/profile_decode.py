@@ -277,6 +277,7 @@ def _extend(model, args, sync, g) -> dict:
     if args.extend_trace:
         prof.export_chrome_trace(args.extend_trace)
     gaps = _compute_gaps(prof)
+    kernels = _extend_kernels(prof)
     cp = cProfile.Profile()  # a context manager: enabled inside once()'s `with`
     cprofile_wall = once(cp)
     syncs = SyncSites()
@@ -294,6 +295,9 @@ def _extend(model, args, sync, g) -> dict:
           f"idle {gaps['idle_ms']:.1f} ms in {len(gaps['gaps'])} gaps of {GAP_US} us or more; every stream busy "
           + ", ".join(f"{s} {ms:.1f} ms" for s, ms in gaps["streams"].items()) + " (compute: "
           + str(gaps.get("stream")) + ")")
+    print(f"{'kernel (the profiled extend, every stream)':<72}{'calls':>7}{'ms':>9}")
+    for name, calls, ms in kernels:
+        print(f"{name[:71]:<72}{calls:>7}{ms:>9.2f}")
     buckets = model.fast.bucket_modes() if model.fast is not None else {}
     print_buckets({"prompt_buckets": buckets})  # whether the short runs replayed graphs (token_graphs.py)
     if policy:
@@ -318,7 +322,7 @@ def _extend(model, args, sync, g) -> dict:
     return {"tokens": args.extend, "after": args.prefill, "walls_ms": walls_ms, "profiled_ms": profiled_wall * 1e3,
             "cprofile_ms": cprofile_wall * 1e3, "layer_calls": [c._asdict() for c in layer_calls],
             "prompt_buckets": buckets, "policy_at_start": policy,
-            "compute_stream": gaps, "functions_own": own,
+            "compute_stream": gaps, "kernels": kernels, "functions_own": own,
             "functions_cumulative": cumulative, "syncs": syncs.sites()}
 
 
@@ -391,6 +395,18 @@ def _compute_gaps(prof) -> dict:
     return {"stream": stream, "busy_ms": busy / 1e3, "span_ms": (reach - origin) / 1e3,
             "idle_ms": sum(x["ms"] for x in gaps), "gaps": gaps,
             "streams": {str(s): _union_us(v) / 1e3 for s, v in dev.items()}}
+
+
+def _extend_kernels(prof, top: int = 20) -> list[tuple[str, int, float]]:
+    """The profiled extend's device work by kernel name, copies included: (name, calls, ms), most time first. A
+    CPU job joined on the device shows as the kernel that waits for its flag (mailbox_triton.py), busy while the
+    device waits."""
+    calls, us = defaultdict(int), defaultdict(float)
+    for ev in prof.events():
+        if ev.time_range is not None and ev.device_type == torch.autograd.DeviceType.CUDA:
+            calls[ev.name] += 1
+            us[ev.name] += ev.time_range.end - ev.time_range.start
+    return [(name, calls[name], us[name] / 1e3) for name in sorted(us, key=lambda n: -us[n])[:top]]
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:
