@@ -182,15 +182,16 @@ def _tiles(bm: int, n: int, k: int, up: bool) -> tuple[int, int, int, int]:
 STAGE_SPIN = 8192
 
 
-def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor | None,
                 weights: torch.Tensor, blocks: Blocks, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 tiles: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None,
                 mapped: ExpertMap | None = None):
     """x [N, H]; gate_up [E, 2I, H]; down [E, H, I]; ids / weights [N, KP] -> y [N, KP, H] (x's dtype).
 
-    Rows of pairs with id -1 (padding) are left unwritten. out = (act [P, I], y [N, KP, H]) reuses buffers.
-    tiles = ((BN, BK, warps, stages) of the gate/up kernel, the same of the down kernel) overrides _tiles
-    (engine/bench/tiles.py sweeps them). mapped: gate_up / down are an expert cache's slots, looked up
+    The kernels read the pairs through blocks alone: ids may be None where blocks were made without them (a routed
+    call's, host_blocks). Rows of pairs with id -1 (padding) are left unwritten. out = (act [P, I], y [N, KP, H])
+    reuses buffers. tiles = ((BN, BK, warps, stages) of the gate/up kernel, the same of the down kernel) overrides
+    _tiles (engine/bench/tiles.py sweeps them). mapped: gate_up / down are an expert cache's slots, looked up
     through mapped.loc (ExpertMap)."""
     _check(x, gate_up, down, ids, weights, mapped)
     return _launch(x, gate_up, down, blocks, weights, out, tiles, None, mapped)
@@ -226,9 +227,10 @@ def run_experts_routed(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
 def _check(x, gate_up, down, ids, weights, mapped: ExpertMap | None = None) -> None:
     N, H = x.shape
     E, two_i, Hw = gate_up.shape
-    if Hw != H or down.shape != (E, H, two_i // 2) or ids.shape != weights.shape or ids.shape[0] != N:
+    pairs = weights.shape if ids is None else ids.shape
+    if Hw != H or down.shape != (E, H, two_i // 2) or pairs != weights.shape or pairs[0] != N:
         raise ValueError(f"run_experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down "
-                         f"{tuple(down.shape)}, ids {tuple(ids.shape)} do not fit together")
+                         f"{tuple(down.shape)}, ids {tuple(pairs)} do not fit together")
     if not (x.is_contiguous() and _rows_packed(gate_up) and _rows_packed(down)):
         raise ValueError("run_experts wants contiguous x and each expert's gate_up / down packed row-major "
                          "(the expert stride may be larger: an expert cache's slots hold both in one block)")

@@ -125,13 +125,14 @@ def test_grouped_device_experts_match_one_at_a_time(pool, cls, slots):
     """The grouped Triton kernels reading the slots in place (the CUDA default; here under Triton's
     interpreter) against one expert at a time through torch, on fresh routing: same outputs to fp32 rounding,
     the same experts counted, every miss served. With 3 slots a 40-token step fills in rounds and takes the torch
-    path. (Hits may differ: a wholly resident layer's grouped call counts its experts' use only at the forward's
-    end, settle(), so a later layer's fills in the same forward may evict other slots than the torch path's.)"""
+    path; a 64-token step's grouped calls take blocks made on the host (SlotRunner.launch_blocks). (Hits may
+    differ: a wholly resident layer's grouped call counts its experts' use only at the forward's end, settle(),
+    so a later layer's fills in the same forward may evict other slots than the torch path's.)"""
     pytest.importorskip("triton")
     est = dict(estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True))
     grouped, single = cls(pool, slots, "cpu", grouped=True, **est), cls(pool, slots, "cpu", grouped=False, **est)
     seed = int(torch.randint(1 << 30, ()))
-    for step, T in enumerate([5, 1, 1, 7, 1, 40, 1]):
+    for step, T in enumerate([5, 1, 1, 7, 1, 40, 1, 64]):
         for b in (grouped, single):
             b.begin_forward(T, K)
         for layer in L_IDS:

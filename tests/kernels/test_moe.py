@@ -1,9 +1,11 @@
 """Router top-k and the grouped expert kernels against the slow per-pair reference, for both block mappings."""
+import numpy as np
 import pytest
 import torch
 
-from engine.kernels.moe_pairs_triton import (LOC_CPU, LOC_HOST, LOC_SHARED, PAIR_ROWS, ExpertMap, expert_blocks,
-                                             group_blocks, pair_blocks, route_topk, route_topk_ref)
+from engine.kernels.moe_pairs_triton import (LOC_CPU, LOC_HOST, LOC_SHARED, PAIR_ROWS, Blocks, ExpertMap,
+                                             expert_blocks, group_blocks, host_blocks, pair_blocks, route_topk,
+                                             route_topk_ref)
 from engine.kernels.moe_triton import run_experts, run_experts_ref, run_experts_routed
 from engine.kernels.stage_triton import stage_guess, stage_guess_ref, stage_programs
 from tests.kernels.conftest import float_dtypes, rel_err, tol
@@ -42,6 +44,53 @@ def test_expert_blocks_cover_every_pair_once(dev, padding):
             assert torch.equal(r, r.sort().values)  # pair order kept inside an expert
         else:
             assert expert[blk] == -1
+
+
+def _grouped_on_host(ids: torch.Tensor, bm: int):
+    """host_blocks' inputs as a routed call's host holds them (compute.Routing's grouping), from ids [N, KP]."""
+    flat = ids.flatten().numpy()
+    order = np.argsort(flat, kind="stable")
+    order = order[flat[order] >= 0]
+    run_ids, counts = np.unique(flat[order], return_counts=True)
+    return host_blocks(order, counts, run_ids, bm)
+
+
+@pytest.mark.parametrize("bm", [1, 4, 16])
+def test_host_blocks_are_expert_blocks_without_the_idle_ones(dev, bm):
+    """Fresh random routing each run, some pairs padding: the blocks made on the host from the grouped pairs are
+    expert_blocks' used blocks, in the same order, and every block expert_blocks adds past them is idle."""
+    seed = int(torch.randint(1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    E = int(torch.randint(2, 40, (), generator=g))
+    ids = torch.randint(0, E, (int(torch.randint(1, 60, (), generator=g)), 3), generator=g).int()
+    ids[torch.rand(ids.shape, generator=g) < 0.1] = -1
+    rows, expert = _grouped_on_host(ids, bm)
+    ref = expert_blocks(ids.to(dev), E, bm)
+    nb = len(expert)
+    assert torch.equal(torch.from_numpy(rows), ref.rows[:nb].cpu()), f"seed {seed}"
+    assert torch.equal(torch.from_numpy(expert), ref.expert[:nb].cpu()), f"seed {seed}"
+    assert (ref.expert[nb:] == -1).all() and (ref.rows[nb:] == -1).all()
+
+
+def test_experts_over_host_blocks_equal_expert_blocks(dev):
+    """The same kernels over host_blocks' mapping (no ids given) and over expert_blocks': the same bits."""
+    seed = int(torch.randint(1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    N, E, KP, H, I = 24, 6, 4, 48, 40
+    dtype = float_dtypes()[-1]
+    x = (torch.randn(N, H, generator=g) * 0.5).to(dev, dtype)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(dev, dtype)
+    down = (torch.randn(E, H, I, generator=g) * 0.2).to(dev, dtype)
+    ids = torch.randint(0, E, (N, KP), generator=g).int()
+    ids[3, 1] = -1
+    w = torch.ones(N, KP, device=dev)
+    rows, expert = _grouped_on_host(ids, 16)
+    host = Blocks(torch.from_numpy(rows).to(dev), torch.from_numpy(expert).to(dev))
+    want = run_experts(x, gate_up, down, ids.to(dev), w, expert_blocks(ids.to(dev), E, 16))
+    got = run_experts(x, gate_up, down, None, w, host, out=(torch.empty(N * KP, I, dtype=dtype, device=dev),
+                                                          want.new_zeros(want.shape)))
+    live = (ids >= 0).to(dev)
+    assert torch.equal(got[live], want[live]), f"seed {seed}"
 
 
 @pytest.mark.parametrize("dtype", float_dtypes())
