@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+SYNTH_SIZES = ("tiny", "demo", "qwen3.6-35b-a3b")  # --synthetic of the whole-model benches (engine/synth.py)
+EXPERT_SHAPES = ("qwen3.6-35b-a3b",)  # --synthetic of the expert benches (engine/experts/synthetic.py SHAPES)
 CPU_JOINS = ("device", "host")  # --cpu-join: where a prompt's CPU expert outputs join its layer (experts/cpu_jobs.py)
 
 

@@ -22,11 +22,12 @@ import torch
 from safetensors.torch import save_file
 
 from engine.config import FULL, LINEAR, config_from_dict
+from engine.flags import SYNTH_SIZES
 from engine.weight_names import (FUSED, LAYOUTS, fused_expert_shapes, layer_prefix, non_expert_shapes,
                                  per_expert_shapes)
 
 ARCHS = ("qwen3_5_moe", "qwen3_moe", "qwen3_next")
-SIZES = ("tiny", "demo", "qwen3.6-35b-a3b")
+SIZES = SYNTH_SIZES
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 _TEXT_SIZES = {

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import argparse
 
-from engine.flags import add_cpu_expert_arguments, at_least, device_arg, moe_slots_arg
+from engine.flags import (EXPERT_SHAPES, SYNTH_SIZES, add_cpu_expert_arguments, at_least, device_arg,
+                          moe_slots_arg)
 
 DEFAULT_SHAPE = "qwen3.6-35b-a3b"
 
 
 def add_bw_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--synthetic", default=DEFAULT_SHAPE, help="expert format (shape and dtype) to measure")
+    ap.add_argument("--synthetic", default=DEFAULT_SHAPE, choices=EXPERT_SHAPES,
+                    help="expert format (shape and dtype) to measure")
     ap.add_argument("--small", action="store_true", help="scaled-down shape: a seconds-long smoke run")
     ap.add_argument("--threads", type=_counts, default=None,
                     help="comma-separated CPU thread counts (default 1..cores)")
@@ -26,7 +28,8 @@ def add_bw_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--synthetic", default=DEFAULT_SHAPE, help="model shape of the synthetic expert pool")
+    ap.add_argument("--synthetic", default=DEFAULT_SHAPE, choices=EXPERT_SHAPES,
+                    help="model shape of the synthetic expert pool")
     ap.add_argument("--small", action="store_true", help="scaled-down shape for a CPU smoke test")
     ap.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--slots", default="37%", help="slot count or percentage of all experts")
@@ -63,7 +66,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """`killick bench model`: the whole engine on a checkpoint or a synthetic model of real widths."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint directory (default: a synthetic model, see --synthetic)")
-    src.add_argument("--synthetic", default="qwen3.6-35b-a3b", help="synthetic size (default qwen3.6-35b-a3b)")
+    src.add_argument("--synthetic", default="qwen3.6-35b-a3b", choices=SYNTH_SIZES,
+                     help="synthetic size (default qwen3.6-35b-a3b)")
     p.add_argument("--layers", type=int, help="decoder layers of the synthetic model (default: all)")
     p.add_argument("--router-zipf", type=float, default=None,
                    help="synthetic model only: routers skewed so expert popularity follows a Zipf law of this "
@@ -205,7 +209,7 @@ def _floats(text: str) -> list[float]:
 
 def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     """`killick bench routing`: slot-cache hit rates vs llama.cpp's static placement on a skewed synthetic model."""
-    p.add_argument("--synthetic", default="demo", help="synthetic size (engine.synth: tiny, demo, qwen3.6-35b-a3b)")
+    p.add_argument("--synthetic", default="demo", choices=SYNTH_SIZES, help="synthetic size (default demo)")
     p.add_argument("--layers", type=int, help="decoder layers (default: the size's own)")
     p.add_argument("--router-zipf", type=_floats, default=[0.0, 1.0],
                    help="Zipf exponents of the router skew, comma-separated; 0 is today's checkpoint (default 0,1)")

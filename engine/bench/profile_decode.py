@@ -32,7 +32,7 @@ from collections import defaultdict
 import torch
 
 from engine.bench.args import set_expert_threads_from
-from engine.flags import add_cpu_expert_arguments
+from engine.flags import SYNTH_SIZES, add_cpu_expert_arguments
 from engine.bench.report import print_buckets, print_split
 from engine.flags import device_arg, moe_slots_arg
 from engine.bench.syncs import SyncSites
@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--context", type=int, default=128)
-    p.add_argument("--synthetic", default="qwen3.6-35b-a3b", help="synthetic size (default %(default)s)")
+    p.add_argument("--synthetic", default="qwen3.6-35b-a3b", choices=SYNTH_SIZES,
+                   help="synthetic size (default %(default)s)")
     p.add_argument("--router-zipf", type=float, default=None,
                    help="routers skewed so expert popularity follows a Zipf law of this exponent (as bench model's)")
     p.add_argument("--device", type=device_arg, default="cuda", help="cuda (a CPU run only checks the script)")

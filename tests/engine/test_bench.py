@@ -281,6 +281,41 @@ def test_profile_decode_runs_a_prompts_cpu_experts_on_the_workers_serve_would(mo
     assert "extend 32 tokens after a cached 64" in capsys.readouterr().out
 
 
+def test_a_synthetic_size_no_bench_knows_is_one_usage_line(capsys):
+    """--synthetic names a size of engine/synth.py (whole-model benches) or of experts/synthetic.py's SHAPES
+    (expert benches); another name was a traceback from deep inside the build."""
+    from engine.bench import model as bench_model
+    from engine.bench import profile_decode
+    from engine.experts.synthetic import SHAPES
+    from engine.flags import EXPERT_SHAPES, SYNTH_SIZES
+    from engine.synth import SIZES
+
+    assert EXPERT_SHAPES == tuple(SHAPES) and SYNTH_SIZES == SIZES
+    for main in (bench_model.main, profile_decode.main, bench_bw.main, bench_decode.main):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--synthetic", "nope"])
+        assert exit_.value.code == 2
+        assert "argument --synthetic: invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_profile_decode_sums_the_extends_device_work_by_kernel():
+    """Every stream's kernels and copies by name, most time first; host ops and events without a span left out."""
+    from types import SimpleNamespace as NS
+
+    from engine.bench.profile_decode import _extend_kernels
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(start, end, name, device=cuda):
+        return NS(time_range=NS(start=start, end=end), name=name, device_type=device)
+
+    events = [ev(0, 500, "_expert_up_kernel"), ev(600, 700, "_expert_up_kernel"), ev(0, 2000, "Memcpy HtoD"),
+              ev(0, 9000, "aten::mm", cpu), ev(800, 1200, "_wait_flag_kernel"), NS(time_range=None, name="x")]
+    assert _extend_kernels(NS(events=lambda: events)) == [("Memcpy HtoD", 1, 2.0), ("_expert_up_kernel", 2, 0.6),
+                                                          ("_wait_flag_kernel", 1, 0.4)]
+    assert _extend_kernels(NS(events=lambda: events), top=1) == [("Memcpy HtoD", 1, 2.0)]
+
+
 def test_profile_decode_counts_overlapping_spans_once():
     from engine.bench.profile_decode import _union_us
 
