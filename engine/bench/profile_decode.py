@@ -19,7 +19,7 @@ tool result extends its cached context: its wall time; with an expert cache, eac
 extend (its misses filled, run on the CPU or copied ahead for the next layer, and when its routing came back and its
 CPU job ran: OffloadBackend.call_log); under the profiler where the compute stream waited (its idle gaps over the
 extend, and the engine thread's torch ops inside them: what the host was doing while the device had nothing
-queued), then the Python functions by their own and cumulative time (cProfile, another run), and on CUDA the host
+queued; and its device work by kernel, copies and the wait for a joined CPU job among them), then the Python functions by their own and cumulative time (cProfile, another run), and on CUDA the host
 syncs of one more extend by the engine line that made each (syncs.SyncSites).
 """
 from __future__ import annotations
@@ -32,11 +32,11 @@ from collections import defaultdict
 import torch
 
 from engine.bench.args import set_expert_threads_from
-from engine.flags import SYNTH_SIZES, add_cpu_expert_arguments
+from engine.bench.prof_events import GAP_US, compute_gaps, device_work_by_kernel, host_ops, union_us
 from engine.bench.report import print_buckets, print_split
-from engine.flags import device_arg, moe_slots_arg
 from engine.bench.syncs import SyncSites
 from engine.bench.traffic import ExpertTraffic
+from engine.flags import SYNTH_SIZES, add_cpu_expert_arguments, device_arg, moe_slots_arg
 
 
 def main(argv=None) -> int:
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         print(f"{name[:71]:<72}{calls:>7.0f}{us:>10.1f}{us / total:>8.1%}")
     cpu_ops = []
     if cached:
-        cpu_ops = [(name, calls / args.steps, us / args.steps) for name, calls, us in _host_ops(prof)]
+        cpu_ops = [(name, calls / args.steps, us / args.steps) for name, calls, us in host_ops(prof)]
         print(f"\n{'torch op (host)':<72}{'calls':>7}{'self us/step':>14}")
         for name, calls, us in cpu_ops[:25]:
             print(f"{name[:71]:<72}{calls:>7.0f}{us:>14.1f}")
@@ -211,8 +211,8 @@ def _prefill(model, args, sync, g) -> dict:
                 spans[kind].append((ev.time_range.start, ev.time_range.end))
     fast = getattr(st, "slot", None) is not None
     _release(st)
-    busy = {k: _union_us(v) for k, v in spans.items()}
-    both = _union_us(spans["copy"] + spans["kernels"]) if spans else 0.0
+    busy = {k: union_us(v) for k, v in spans.items()}
+    both = union_us(spans["copy"] + spans["kernels"]) if spans else 0.0
     overlap_s = (busy.get("copy", 0.0) + busy.get("kernels", 0.0) - both) / 1e6
     out = {"tokens": args.prefill, "fast_path": fast, "piece_tokens": model.piece_tokens, "wall_s": walls[-1],
            "profiled": {k: v / 1e6 for k, v in kinds.items()}, "overlap_s": overlap_s,
@@ -220,7 +220,7 @@ def _prefill(model, args, sync, g) -> dict:
     moved = traffic.since(before)
     if moved:
         out["pools_moved"] = moved["pool_passes"]
-    prof_rows = _host_ops(prof)
+    prof_rows = host_ops(prof)
     out["host_ops"] = prof_rows[:15]
     print(f"\nprefill {args.prefill} tokens ({'fast' if fast else 'eager'} path), pieces of {model.piece_tokens}: "
           f"wall {walls[-1] * 1e3:.1f} ms (first {walls[0] * 1e3:.1f}); under the profiler, copies "
@@ -277,8 +277,8 @@ def _extend(model, args, sync, g) -> dict:
     profiled_wall = once(prof)
     if args.extend_trace:
         prof.export_chrome_trace(args.extend_trace)
-    gaps = _compute_gaps(prof)
-    kernels = _extend_kernels(prof)
+    gaps = compute_gaps(prof)
+    kernels = device_work_by_kernel(prof)
     cp = cProfile.Profile()  # a context manager: enabled inside once()'s `with`
     cprofile_wall = once(cp)
     syncs = SyncSites()
@@ -354,72 +354,6 @@ def _print_calls(calls) -> None:
               f"{sum(c.fills for c in calls)} filled, {sum(c.cpu for c in calls)} run on the CPU")
 
 
-GAP_US = 100  # compute-stream gaps shorter than this are launch spacing, not the host holding the device up
-
-
-def _compute_gaps(prof) -> dict:
-    """The stream with the most kernel time ("compute"; not copies: an extend's copy stream is busier): its busy
-    time, and its gaps of GAP_US or more between consecutive kernels or copies in time order, each with the
-    top-level torch ops (clipped to the gap) of the thread with the most of them (the engine thread); and each
-    stream's busy time, copies included ("streams")."""
-    dev, kernel_us, cpu = defaultdict(list), defaultdict(float), defaultdict(list)
-    for ev in prof.events():
-        if ev.time_range is None:
-            continue
-        span = (ev.time_range.start, ev.time_range.end)
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            dev[ev.device_resource_id].append(span)
-            if not ev.name.lower().startswith(("memcpy", "memset")):
-                kernel_us[ev.device_resource_id] += span[1] - span[0]
-        elif ev.cpu_parent is None:
-            cpu[ev.thread].append((*span, ev.name))
-    if not dev:
-        return {"busy_ms": 0.0, "span_ms": 0.0, "idle_ms": 0.0, "gaps": [], "streams": {}}
-    stream = max(dev, key=lambda s: kernel_us.get(s, 0.0))
-    spans = sorted(dev[stream])
-    thread = max(cpu, key=lambda t: len(cpu[t])) if cpu else None
-    ops = sorted(cpu.get(thread, []))
-    origin = spans[0][0]
-    gaps, reach = [], spans[0][1]
-    for a, b in spans[1:]:
-        if a - reach >= GAP_US:
-            inside = defaultdict(float)
-            for oa, ob, name in ops:
-                if ob > reach and oa < a:
-                    inside[name] += min(ob, a) - max(oa, reach)
-            covered = sum(inside.values())
-            inside["(no torch op: Python)"] = max(0.0, (a - reach) - covered)
-            gaps.append({"start_ms": (reach - origin) / 1e3, "ms": (a - reach) / 1e3,
-                         "ops": sorted(((n, us / 1e3) for n, us in inside.items()), key=lambda r: -r[1])})
-        reach = max(reach, b)
-    busy = _union_us(spans)
-    return {"stream": stream, "busy_ms": busy / 1e3, "span_ms": (reach - origin) / 1e3,
-            "idle_ms": sum(x["ms"] for x in gaps), "gaps": gaps,
-            "streams": {str(s): _union_us(v) / 1e3 for s, v in dev.items()}}
-
-
-def _extend_kernels(prof, top: int = 20) -> list[tuple[str, int, float]]:
-    """The profiled extend's device work by kernel name, copies included: (name, calls, ms), most time first. A
-    CPU job joined on the device shows as the kernel that waits for its flag (mailbox_triton.py), busy while the
-    device waits."""
-    calls, us = defaultdict(int), defaultdict(float)
-    for ev in prof.events():
-        if ev.time_range is not None and ev.device_type == torch.autograd.DeviceType.CUDA:
-            calls[ev.name] += 1
-            us[ev.name] += ev.time_range.end - ev.time_range.start
-    return [(name, calls[name], us[name] / 1e3) for name in sorted(us, key=lambda n: -us[n])[:top]]
-
-
-def _union_us(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) spans (microseconds): the time a stream kind was busy at all."""
-    total, reach = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > reach:
-            total += b - max(a, reach)
-            reach = b
-    return total
-
-
 def _host_side(model, step, steps: int, sync) -> dict:
     """cProfile over `steps` decode steps: each Python function's own time per step, and the expert
     counters those steps moved."""
@@ -438,12 +372,6 @@ def _host_side(model, step, steps: int, sync) -> dict:
     funcs = sorted(((f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]} {fn[2]}", v[1] / steps, v[2] / steps * 1e6)
                     for fn, v in st.stats.items()), key=lambda r: -r[2])
     return {"experts": traffic.since(before)["experts"], "functions": funcs}
-
-
-def _host_ops(prof) -> list[tuple[str, int, float]]:
-    """(torch op, calls, self CPU microseconds) of a profile's host side, the costliest first."""
-    return sorted(((e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages()
-                   if e.device_type == torch.autograd.DeviceType.CPU), key=lambda r: -r[2])
 
 
 if __name__ == "__main__":

@@ -302,7 +302,7 @@ def test_profile_decode_sums_the_extends_device_work_by_kernel():
     """Every stream's kernels and copies by name, most time first; host ops and events without a span left out."""
     from types import SimpleNamespace as NS
 
-    from engine.bench.profile_decode import _extend_kernels
+    from engine.bench.prof_events import device_work_by_kernel
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -311,18 +311,18 @@ def test_profile_decode_sums_the_extends_device_work_by_kernel():
 
     events = [ev(0, 500, "_expert_up_kernel"), ev(600, 700, "_expert_up_kernel"), ev(0, 2000, "Memcpy HtoD"),
               ev(0, 9000, "aten::mm", cpu), ev(800, 1200, "_wait_flag_kernel"), NS(time_range=None, name="x")]
-    assert _extend_kernels(NS(events=lambda: events)) == [("Memcpy HtoD", 1, 2.0), ("_expert_up_kernel", 2, 0.6),
+    assert device_work_by_kernel(NS(events=lambda: events)) == [("Memcpy HtoD", 1, 2.0), ("_expert_up_kernel", 2, 0.6),
                                                           ("_wait_flag_kernel", 1, 0.4)]
-    assert _extend_kernels(NS(events=lambda: events), top=1) == [("Memcpy HtoD", 1, 2.0)]
+    assert device_work_by_kernel(NS(events=lambda: events), top=1) == [("Memcpy HtoD", 1, 2.0)]
 
 
 def test_profile_decode_counts_overlapping_spans_once():
-    from engine.bench.profile_decode import _union_us
+    from engine.bench.prof_events import union_us
 
-    assert _union_us([]) == 0.0
-    assert _union_us([(20, 25), (0, 10), (5, 15), (6, 7)]) == 20.0  # [0, 15) and [20, 25)
+    assert union_us([]) == 0.0
+    assert union_us([(20, 25), (0, 10), (5, 15), (6, 7)]) == 20.0  # [0, 15) and [20, 25)
     copies, kernels = [(0, 30), (60, 90)], [(25, 40), (85, 100)]
-    assert _union_us(copies) + _union_us(kernels) - _union_us(copies + kernels) == 10.0  # ran at once
+    assert union_us(copies) + union_us(kernels) - union_us(copies + kernels) == 10.0  # ran at once
 
 
 def test_profile_decode_extend_gaps_name_the_engine_threads_ops_inside_them():
@@ -333,7 +333,7 @@ def test_profile_decode_extend_gaps_name_the_engine_threads_ops_inside_them():
 
     import torch
 
-    from engine.bench.profile_decode import GAP_US, _compute_gaps
+    from engine.bench.prof_events import GAP_US, compute_gaps
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -348,7 +348,7 @@ def test_profile_decode_extend_gaps_name_the_engine_threads_ops_inside_them():
               ev(1300, 1400, "aten::add"), ev(1400, 1450, "fla::chunk"), ev(1500, 1700, "aten::zeros", thread=2),
               ev(2000, 2100, "other thread", thread=2), ev(5, 6, "no span", cuda, 7)]
     events[-1].time_range = None
-    gaps = _compute_gaps(NS(events=lambda: events))
+    gaps = compute_gaps(NS(events=lambda: events))
     assert gaps["stream"] == 7 and gaps["busy_ms"] == (1000 + 10 + 3000 - 1560) / 1e3
     assert gaps["streams"] == {"7": gaps["busy_ms"], "9": 2.9}
     (gap,) = gaps["gaps"]
@@ -357,7 +357,7 @@ def test_profile_decode_extend_gaps_name_the_engine_threads_ops_inside_them():
     assert ops == {"aten::linear": 0.24, "aten::add": 0.1, "fla::chunk": 0.05,
                    "(no torch op: Python)": (GAP_US + 400 - 240 - 100 - 50) / 1e3}
     assert gap["ops"][0][0] == "aten::linear"  # the largest first
-    assert _compute_gaps(NS(events=lambda: [top]))["gaps"] == []  # no device work: nothing to say
+    assert compute_gaps(NS(events=lambda: [top]))["gaps"] == []  # no device work: nothing to say
 
 
 def test_profile_decode_prints_an_extends_layer_calls(capsys):
