@@ -19,7 +19,7 @@ from typing import Awaitable, Callable, NamedTuple
 from aiohttp import web
 
 from proxy.apis.responses.output import OutputItems
-from proxy.apis.responses.response import TERMINAL_EVENTS, ended, final, pending
+from proxy.apis.responses.response import TERMINAL_EVENTS, ended, final, pending, state_event
 from proxy.apis.responses.store import MB
 from proxy.errors import ApiError
 from proxy.generation import Admitted, Finished, Generation, Keepalive
@@ -79,14 +79,12 @@ class Job:
 
     async def _generate(self, gen: Generation) -> None:
         async for item in gen:
-            if isinstance(item, Keepalive):
-                # an event, numbered and kept, not a comment: a follower's idle timer may count events alone
-                # (Codex's does)
-                self._emit(f"response.{self.status}", {"response": self.state()})
+            if isinstance(item, Keepalive):  # numbered and kept like the other events
+                self._emit(*state_event(self.fixed, self.status, self.out))
                 continue
             if self.status == "queued":  # admitted (an upstream's answer says so with its first output)
                 self.status = "in_progress"
-                self._emit("response.in_progress", {"response": self.state()})
+                self._emit(*state_event(self.fixed, self.status, self.out))
             if isinstance(item, Finished):
                 self._end(lambda: final(self.fixed, self.out, item))
                 return

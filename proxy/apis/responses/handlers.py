@@ -15,7 +15,7 @@ from aiohttp import web
 
 from proxy.apis.responses.background import BACKGROUND, Job, follow
 from proxy.apis.responses.output import OutputItems
-from proxy.apis.responses.response import TERMINAL_EVENTS, final, head, pending
+from proxy.apis.responses.response import TERMINAL_EVENTS, final, head, pending, state_event
 from proxy.apis.responses.schema import ResponsesRequest, check_supported, gen_params, to_conversation
 from proxy.apis.responses.store import RESPONSES, ResponseStore
 from proxy.apis.responses.tools import offered_tools
@@ -197,12 +197,11 @@ class _Events:
 async def _stream(request: web.Request, fixed: dict, out: OutputItems, remember, gen: Generation) -> web.StreamResponse:
     sse = SSEWriter(request)
     events = _Events(sse)
-    started = pending(fixed, "in_progress", out)
-    await events.send("response.created", {"response": started})
-    await events.send("response.in_progress", {"response": started})
+    await events.send("response.created", {"response": pending(fixed, "in_progress", out)})
+    await events.send(*state_event(fixed, "in_progress", out))
     async for item in gen:
-        if isinstance(item, Keepalive):  # an event, not a comment: Codex's stream idle timer counts events alone
-            await events.send("response.in_progress", {"response": pending(fixed, "in_progress", out)})
+        if isinstance(item, Keepalive):
+            await events.send(*state_event(fixed, "in_progress", out))
             continue
         if isinstance(item, Admitted):  # usage goes out with the final response
             continue

@@ -44,6 +44,13 @@ def pending(fixed: dict, status: str, out: OutputItems) -> dict:
     return {**fixed, "status": status, "output": list(out.items), "usage": None}
 
 
+def state_event(fixed: dict, status: str, out: OutputItems) -> tuple[str, dict]:
+    """response.queued / response.in_progress with the response as it stands: sent as a response starts or is
+    admitted, and again as its keep-alive (an event, not an SSE comment: Codex's stream idle timer counts events
+    alone), in the foreground stream and a background job's alike."""
+    return f"response.{status}", {"response": pending(fixed, status, out)}
+
+
 def final(fixed: dict, out: OutputItems, fin: Finished) -> dict:
     status = {"length": "incomplete", "error": "failed"}.get(fin.finish, "completed")
     body = {**fixed, "status": status, "output": out.items, "usage": usage_json(fin)}
