@@ -46,6 +46,14 @@ def test_expert_blocks_cover_every_pair_once(dev, padding):
             assert expert[blk] == -1
 
 
+def _random_experts(g, dev, dtype, N: int, E: int, KP: int, H: int, I: int):
+    """x [N, H], gate_up [E, 2I, H], down [E, H, I] on dev in dtype, and ids [N, KP] int32 on the CPU, drawn from g."""
+    x = (torch.randn(N, H, generator=g) * 0.5).to(dev, dtype)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(dev, dtype)
+    down = (torch.randn(E, H, I, generator=g) * 0.2).to(dev, dtype)
+    return x, gate_up, down, torch.randint(0, E, (N, KP), generator=g).int()
+
+
 def _grouped_on_host(ids: torch.Tensor, bm: int):
     """host_blocks' inputs as a routed call's host holds them (compute.Routing's grouping), from ids [N, KP]."""
     flat = ids.flatten().numpy()
@@ -76,12 +84,9 @@ def test_experts_over_host_blocks_equal_expert_blocks(dev):
     """The same kernels over host_blocks' mapping (no ids given) and over expert_blocks': the same bits."""
     seed = int(torch.randint(1 << 30, ()))
     g = torch.Generator().manual_seed(seed)
-    N, E, KP, H, I = 24, 6, 4, 48, 40
+    N, E, KP, I = 24, 6, 4, 40
     dtype = float_dtypes()[-1]
-    x = (torch.randn(N, H, generator=g) * 0.5).to(dev, dtype)
-    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(dev, dtype)
-    down = (torch.randn(E, H, I, generator=g) * 0.2).to(dev, dtype)
-    ids = torch.randint(0, E, (N, KP), generator=g).int()
+    x, gate_up, down, ids = _random_experts(g, dev, dtype, N, E, KP, 48, I)
     ids[3, 1] = -1
     w = torch.ones(N, KP, device=dev)
     rows, expert = _grouped_on_host(ids, 16)
@@ -98,10 +103,7 @@ def test_experts_over_host_blocks_equal_expert_blocks(dev):
 def test_run_experts_matches_reference(dev, dtype, mapping):
     g = torch.Generator().manual_seed(5 if mapping == "pair" else 6)
     N, E, KP, H, I = 6, 7, 3, 48, 40  # H, I not multiples of the tiles: masked edges
-    x = (torch.randn(N, H, generator=g) * 0.5).to(dev, dtype)
-    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(dev, dtype)
-    down = (torch.randn(E, H, I, generator=g) * 0.2).to(dev, dtype)
-    ids = torch.randint(0, E, (N, KP), generator=g).int()
+    x, gate_up, down, ids = _random_experts(g, dev, dtype, N, E, KP, H, I)
     ids[4, 2] = -1
     w = torch.rand(N, KP, generator=g)
     ids, w = ids.to(dev), w.to(dev)
