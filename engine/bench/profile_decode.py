@@ -18,9 +18,10 @@ With --extend N (after --prefill P), a short prompt of N tokens on a state holdi
 tool result extends its cached context: its wall time; with an expert cache, each MoE layer call of the last timed
 extend (its misses filled, run on the CPU or copied ahead for the next layer, and when its routing came back and its
 CPU job ran: OffloadBackend.call_log); under the profiler where the compute stream waited (its idle gaps over the
-extend, and the engine thread's torch ops inside them: what the host was doing while the device had nothing
-queued; and its device work by kernel, copies and the wait for a joined CPU job among them), then the Python functions by their own and cumulative time (cProfile, another run), and on CUDA the host
-syncs of one more extend by the engine line that made each (syncs.SyncSites).
+extend, and the engine thread's torch ops inside them: what the host was doing while the device had nothing queued;
+and its device work by kernel, copies and the wait for a joined CPU job among them), then the Python functions by
+their own and cumulative time (cProfile, another run), and on CUDA the host syncs of one more extend by the engine
+line that made each (syncs.SyncSites).
 """
 from __future__ import annotations
 
