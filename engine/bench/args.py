@@ -68,26 +68,26 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="checkpoint directory (default: a synthetic model, see --synthetic)")
     src.add_argument("--synthetic", default="qwen3.6-35b-a3b", choices=SYNTH_SIZES,
                      help="synthetic size (default qwen3.6-35b-a3b)")
-    p.add_argument("--layers", type=int, help="decoder layers of the synthetic model (default: all)")
-    p.add_argument("--router-zipf", type=float, default=None,
+    p.add_argument("--layers", type=at_least(1), help="decoder layers of the synthetic model (default: all)")
+    p.add_argument("--router-zipf", type=_positive, default=None,
                    help="synthetic model only: routers skewed so expert popularity follows a Zipf law of this "
                         "exponent (the weights `llama_cpp.sh --router-zipf` converts; default: off)")
     p.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--batches", default="1,4,8", help="decode batch sizes (default 1,4,8)")
+    p.add_argument("--batches", type=_counts, default=[1, 4, 8], help="decode batch sizes (default 1,4,8)")
     p.add_argument("--steps", type=at_least(1), default=64, help="timed decode steps per batch size (default 64)")
     p.add_argument("--warmup", type=at_least(1), default=8,
                    help="decode steps before timing, at least 1: the first token is the prompt's (default 8)")
-    p.add_argument("--prompt", type=int, default=64, help="prompt tokens of each decode request (default 64)")
-    p.add_argument("--prefill", type=int, default=8192, help="tokens of the long prompt (default 8192; 0: skip)")
-    p.add_argument("--prefill-runs", type=int, default=3,
+    p.add_argument("--prompt", type=at_least(1), default=64, help="prompt tokens of each decode request (default 64)")
+    p.add_argument("--prefill", type=at_least(0), default=8192, help="tokens of the long prompt (default 8192; 0: skip)")
+    p.add_argument("--prefill-runs", type=at_least(1), default=3,
                    help="fresh long prompts timed after a warm-up one (and two extends of it); the row is their "
                         "median (default 3)")
-    p.add_argument("--extend", type=int, default=256, help="tokens appended after the cached prompt (default 256)")
-    p.add_argument("--extend-runs", type=int, default=1,
+    p.add_argument("--extend", type=at_least(1), default=256, help="tokens appended after the cached prompt (default 256)")
+    p.add_argument("--extend-runs", type=at_least(1), default=1,
                    help="extends timed, each after a long prompt of its own (the first after the last timed one, "
                         "the others after an untimed one); the row is their median (default 1)")
-    p.add_argument("--extend-idle-ms", type=float, default=0.0,
+    p.add_argument("--extend-idle-ms", type=_at_least_zero, default=0.0,
                    help="milliseconds the engine idles between the cached prompt's end and the extend's arrival, as "
                         "an agent's tool call between two turns (idle time the expert cache's --moe-refresh uses; "
                         "default 0: back to back)")
@@ -95,11 +95,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts of the text `python -m engine.bench.serve` sends, tokenized with the checkpoint's "
                         "tokenizer (--model DIR), instead of uniform random ids: experts routed as a serve "
                         "request's are, for comparing the two (default: random ids)")
-    p.add_argument("--max-step-tokens", type=int, help="prefill chunk (default: the serve default for the device)")
+    p.add_argument("--max-step-tokens", type=at_least(1), help="prefill chunk (default: the serve default for the device)")
     p.add_argument("--eager", action="store_true", help="the eager reference path instead of the fast one")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="read each decode step's tokens before queuing the next (as serve --no-overlap)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=_at_least_zero, default=0.0,
                    help="decode requests sample at this temperature (default 0: greedy; agents that send no "
                         "sampling fields get 1.0 from the APIs)")
     p.add_argument("--moe-backend", default="fused", choices=["fused", "offload", "cpu", "hybrid"],
@@ -107,7 +107,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "in a host-RAM pool with --moe-slots of them cached on the device, as serve does")
     p.add_argument("--moe-slots", type=moe_slots_arg, metavar="N|P%",
                    help="device expert slots for offload/cpu/hybrid (default: the memory left)")
-    p.add_argument("--max-prefill-tokens", type=int,
+    p.add_argument("--max-prefill-tokens", type=at_least(1),
                    help="prompt tokens per step (default as serve: the whole context with an expert cache)")
     p.add_argument("--prefill-stream", default="auto", choices=["auto", "on", "off"],
                    help="with an expert cache: auto (as serve) streams whole layers through the slots when "
@@ -128,7 +128,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-decode", default="auto", choices=["auto", "mapped", "host"],
                    help="how decode goes through the expert cache (as serve; default auto)")
     add_cpu_expert_arguments(p)
-    p.add_argument("--cpu-share", type=float,
+    p.add_argument("--cpu-share", type=_share,
                    help="hybrid mapped decode: this share of the non-resident experts runs on the CPU, fixed "
                         "(default: searched for the shortest measured step, per batch size)")
     p.add_argument("--rule-tiles", type=_rule_tiles, metavar="NORM,BLOCK_V,WARPS",
@@ -197,6 +197,28 @@ def _positive(text: str) -> float:
         value = 0.0
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return value
+
+
+def _at_least_zero(text: str) -> float:
+    """An argparse type: a number of 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of 0 or more, got {text!r}")
+    return value
+
+
+def _share(text: str) -> float:
+    """An argparse type: a share in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1, got {text!r}")
     return value
 
 

@@ -270,7 +270,7 @@ def build(args):
                                **where)
         name = f"synthetic {args.synthetic}, {model.config.num_layers} layers" + (
             f", router Zipf a={zipf}" if zipf else "")
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     context = args.prefill + args.extend + 64 if args.prefill else args.prompt + args.warmup + args.steps + 64
     given = {k: getattr(args, k) for k in ("max_step_tokens", "max_prefill_tokens") if getattr(args, k)}
     opts = EngineOptions(device=args.device, dtype=args.dtype, max_running=max(batches), context_length=context,

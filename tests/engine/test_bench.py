@@ -247,6 +247,23 @@ def test_bench_model_runs_the_rule_in_the_tiles_and_the_routing_asked_for(tmp_pa
         assert exit_.value.code == 2 and "expected NORM,BLOCK_V,WARPS" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, says", [
+    ("--layers", "0", "must be at least 1, got 0"), ("--prompt", "0", "must be at least 1, got 0"),
+    ("--prefill", "-5", "must be at least 0, got -5"), ("--extend", "0", "must be at least 1, got 0"),
+    ("--extend-runs", "0", "must be at least 1, got 0"), ("--batches", "1,x", "expected comma-separated counts"),
+    ("--router-zipf", "-1", "expected a number above 0"), ("--temperature", "-1", "expected a number of 0 or more"),
+    ("--extend-idle-ms", "x", "expected a number of 0 or more"), ("--cpu-share", "1.5", "expected a share from 0 to 1"),
+    ("--max-step-tokens", "0", "must be at least 1, got 0")])
+def test_bench_model_names_a_bad_value_in_one_usage_line(capsys, flag, value, says):
+    """Each was a traceback from inside the build or the run (or, for --max-step-tokens 0, silently the default)."""
+    from engine.bench import model as bench_model
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_model.main(["--synthetic", "tiny", "--device", "cpu", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {says}" in capsys.readouterr().err
+
+
 def test_bench_model_refuses_a_decode_window_it_cannot_time(capsys):
     """--warmup 0 timed from the first token (the prompt's) and printed a negative rate; the parser says so."""
     from engine.bench import model as bench_model
