@@ -32,7 +32,7 @@ def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
                     help="model shape of the synthetic expert pool")
     ap.add_argument("--small", action="store_true", help="scaled-down shape for a CPU smoke test")
     ap.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
-    ap.add_argument("--slots", default="37%", help="slot count or percentage of all experts")
+    ap.add_argument("--slots", type=moe_slots_arg, default="37%", help="slot count or percentage of all experts")
     ap.add_argument("--threads", type=_counts, default=None,
                     help="CPU threads for the CPU expert path; a list (6,16) repeats the cpu/hybrid runs (default: "
                          "6, at most this machine's cores)")
@@ -41,7 +41,7 @@ def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=at_least(1), default=32)
     ap.add_argument("--warmup", type=at_least(0), default=40)
     ap.add_argument("--prefill-tokens", type=at_least(0), default=8192)
-    ap.add_argument("--warm-prefill", type=int, default=1024,
+    ap.add_argument("--warm-prefill", type=at_least(0), default=1024,
                     help="prompt tokens prefilled before each decode run (0: start from an empty cache)")
     ap.add_argument("--routing", default="uniform", help="uniform and/or zipf, comma-separated")
     ap.add_argument("--freeze", action="store_true",
@@ -232,13 +232,13 @@ def _floats(text: str) -> list[float]:
 def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     """`killick bench routing`: slot-cache hit rates vs llama.cpp's static placement on a skewed synthetic model."""
     p.add_argument("--synthetic", default="demo", choices=SYNTH_SIZES, help="synthetic size (default demo)")
-    p.add_argument("--layers", type=int, help="decoder layers (default: the size's own)")
+    p.add_argument("--layers", type=at_least(1), help="decoder layers (default: the size's own)")
     p.add_argument("--router-zipf", type=_floats, default=[0.0, 1.0],
                    help="Zipf exponents of the router skew, comma-separated; 0 is today's checkpoint (default 0,1)")
     p.add_argument("--gpu-fraction", type=_floats, default=[0.25, 0.37, 0.5],
                    help="GPU expert memory as fractions of all experts (default 0.25,0.37,0.5)")
-    p.add_argument("--tokens", type=int, default=1024, help="random tokens routed (default 1024)")
-    p.add_argument("--warmup", type=int, default=256, help="tokens before hit rates are counted (default 256)")
+    p.add_argument("--tokens", type=at_least(1), default=1024, help="random tokens routed (default 1024)")
+    p.add_argument("--warmup", type=at_least(0), default=256, help="tokens before hit rates are counted (default 256)")
     p.add_argument("--device", type=device_arg, default="cpu", help="where the model runs (default cpu)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--seed", type=int, default=0, help="weights seed; the token stream uses seed + 1")

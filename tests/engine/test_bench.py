@@ -264,6 +264,22 @@ def test_bench_model_names_a_bad_value_in_one_usage_line(capsys, flag, value, sa
     assert f"argument {flag}: {says}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bench, flag, value, says", [
+    ("decode", "--slots", "abc", "takes a count of at least 1 or a share"),
+    ("decode", "--warm-prefill", "-3", "must be at least 0, got -3"),
+    ("routing", "--tokens", "0", "must be at least 1, got 0"), ("routing", "--layers", "0", "must be at least 1")])
+def test_expert_benches_name_a_bad_value_in_one_usage_line(capsys, bench, flag, value, says):
+    """bench decode's --slots and --warm-prefill, bench routing's --tokens and --layers: tracebacks or a numpy error
+    from deep inside before ("need at least one array to stack"), or a negative prompt taken as none."""
+    from engine.bench import routing as bench_routing
+
+    main = {"decode": bench_decode.main, "routing": bench_routing.main}[bench]
+    with pytest.raises(SystemExit) as exit_:
+        main([flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: " in (err := capsys.readouterr().err) and says in err
+
+
 def test_bench_model_refuses_a_decode_window_it_cannot_time(capsys):
     """--warmup 0 timed from the first token (the prompt's) and printed a negative rate; the parser says so."""
     from engine.bench import model as bench_model
