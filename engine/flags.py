@@ -43,8 +43,8 @@ def moe_slots_arg(text: str) -> str:
 
     try:
         return slots_spec(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except ValueError as exc:  # argparse names the flag (bench decode calls it --slots)
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--moe-slots ")) from None
 
 
 def at_least(low: int):
