@@ -189,37 +189,22 @@ def _names(allowed: tuple[str, ...]):
     return parse
 
 
-def _positive(text: str) -> float:
-    """An argparse type: a number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
-    return value
+def _number(holds, wants: str):
+    """An argparse type: a number for which holds(value) is true, else one usage line saying what it wants."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")  # holds nothing
+        if not holds(value):
+            raise argparse.ArgumentTypeError(f"expected {wants}, got {text!r}")
+        return value
+    return parse
 
 
-def _at_least_zero(text: str) -> float:
-    """An argparse type: a number of 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number of 0 or more, got {text!r}")
-    return value
-
-
-def _share(text: str) -> float:
-    """An argparse type: a share in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1, got {text!r}")
-    return value
+_positive = _number(lambda v: v > 0, "a number above 0")
+_at_least_zero = _number(lambda v: v >= 0, "a number of 0 or more")
+_share = _number(lambda v: 0 <= v <= 1, "a share from 0 to 1")
 
 
 def _floats(text: str) -> list[float]:
