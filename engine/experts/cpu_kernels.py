@@ -16,6 +16,7 @@ import functools
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -334,14 +335,8 @@ class CpuExpertRunner:
         lists of ints. Native only. Few torch calls on purpose: it runs every MoE layer, each time with the
         caller's code and data evicted by the previous call's streaming (see run_io)."""
         x, io = self._gather_io(table, experts, x, out)
-        with self._lock:
-            if self._pending is not None:
-                self._pending.wait()
-                self._pending = None
-            try:
-                self._pool.run_gather(table._native, experts, rows, *io)
-            except TypeError as exc:  # pybind: ids not ints (out-of-range ids raise ValueError already)
-                raise ValueError(f"bad routed task list: {exc}") from exc
+        with self._routed_call():
+            self._pool.run_gather(table._native, experts, rows, *io)
 
     def post_gather(self, table: ExpertTable, experts: list, rows: list, x: torch.Tensor, out: torch.Tensor,
                     flag: torch.Tensor | None = None, seq: int = 0) -> None:
@@ -353,16 +348,10 @@ class CpuExpertRunner:
         x, io = self._gather_io(table, experts, x, out)
         if flag is not None and (flag.dtype != torch.int64 or not flag.is_cpu or flag.numel() != 1):
             raise ValueError("post_gather: flag is an int64 [1] tensor in host memory")
-        with self._lock:
-            if self._pending is not None:
-                self._pending.wait()
-                self._pending = None
+        with self._routed_call():
             if self._jobs is None:
                 self._jobs = _native.GatherJobs(self._pool)
-            try:
-                self._jobs.post(table._native, experts, rows, *io, 0 if flag is None else flag.data_ptr(), seq)
-            except TypeError as exc:
-                raise ValueError(f"bad routed task list: {exc}") from exc
+            self._jobs.post(table._native, experts, rows, *io, 0 if flag is None else flag.data_ptr(), seq)
         self._posted_x = x  # read by the job: kept until the next one
 
     def wait_gather(self) -> tuple[float, float]:
@@ -415,17 +404,24 @@ class CpuExpertRunner:
         """Native: the tasks (lists) on the table, x/y as (x_ptr, x_stride, y_ptr, y_stride, T). keep None: the
         result is waited for inside the same native call; else returns a future that keeps `keep` alive until
         waited on."""
+        with self._routed_call():
+            self._pool.submit_table(table._native, experts, tokens, weights, *xy, keep is None)
+            if keep is not None:
+                self._pending = CpuFuture(self._pool.wait, keep, self._pool.done)
+            return self._pending
+
+    @contextmanager
+    def _routed_call(self):
+        """A native call on a routed task list: the runner's lock held and its last submitted job waited for; a
+        pybind TypeError (ids not ints; out-of-range ids raise ValueError already) raised as a ValueError."""
         with self._lock:
             if self._pending is not None:
                 self._pending.wait()
                 self._pending = None
             try:
-                self._pool.submit_table(table._native, experts, tokens, weights, *xy, keep is None)
-            except TypeError as exc:  # pybind: ids not ints (out-of-range ids raise ValueError already)
+                yield
+            except TypeError as exc:
                 raise ValueError(f"bad routed task list: {exc}") from exc
-            if keep is not None:
-                self._pending = CpuFuture(self._pool.wait, keep, self._pool.done)
-            return self._pending
 
     def _submit_torch(self, tasks, x, y) -> CpuFuture:
         fut: Future = self._executor.submit(torch_experts, tasks, x, y)
