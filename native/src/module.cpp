@@ -143,7 +143,7 @@ struct Runner {
       throw std::invalid_argument("task arrays differ in length");
     check_tokens(tokens, T);
     py::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(mu_);
+    auto lock = hold();
     start(a, gate_up, down, tokens, weights, false);
   }
 
@@ -159,7 +159,7 @@ struct Runner {
     check_tokens(tokens, T);
     check_experts(t, experts);
     py::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(mu_);
+    auto lock = hold();
     addresses(t, experts);
     start(a, gu_, dn_, tokens, weights, wait);
   }
@@ -175,7 +175,7 @@ struct Runner {
     Format xf = Table::check_format(x_fmt), of = Table::check_format(out_fmt);
     check_gather(t, experts, rows, T);
     py::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(mu_);
+    auto lock = hold();
     gather(t, n, experts.data(), rows.data(), x, xf, x_stride, T, out, of, out_stride, nullptr);
   }
 
@@ -208,11 +208,21 @@ struct Runner {
   }
 
   bool planner_last_tiles() {
-    std::lock_guard<std::mutex> lock(mu_);
+    auto lock = hold();
     return planner_.last_tiles();
   }
 
+  // mu_ taken once no GatherJobs job holds the runner: every entry point that submits or reads the planner. A
+  // posted job holds it from its post() until its flag is up (GatherJobs::loop takes mu_ directly and clears
+  // held_), so no other call's job queues between and delays that flag.
+  std::unique_lock<std::mutex> hold() {
+    std::unique_lock<std::mutex> lock(mu_);
+    free_.wait(lock, [&] { return !held_; });
+    return lock;
+  }
   std::mutex mu_;  // one submitting thread at a time: the planner's job and gu_/dn_ are shared
+  std::condition_variable free_;
+  bool held_ = false;  // a GatherJobs job is in flight (mu_ guards it)
 
   uint64_t read(uint64_t p, size_t nbytes, int streams, size_t chunk_bytes) {
     if (streams != 1 && streams != 2 && streams != 4)
@@ -220,7 +230,7 @@ struct Runner {
     if (chunk_bytes % 64)
       throw std::invalid_argument("read chunks must be a multiple of 64 bytes, got " + std::to_string(chunk_bytes));
     py::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(mu_);
+    auto lock = hold();
     return pool_read(pool, kernels, reinterpret_cast<const void*>(p), nbytes, streams, chunk_bytes);
   }
 
@@ -362,7 +372,7 @@ class Mailbox {
       if (!experts.empty()) {
         const int64_t t0 = now();
         {
-          std::lock_guard<std::mutex> lock(r_.mu_);
+          auto lock = r_.hold();
           r_.gather(tables_[row], experts.size(), experts.data(), rows.data(), x_, xf_, H_, n, out_, of_, H_,
                     outs.data());
         }
@@ -401,7 +411,9 @@ class Mailbox {
 // once, the pool's workers already on it; this object's thread waits for the job (running worker 0's share where
 // the pool's caller joins), then stores `seq` into *flag when given (page-locked: the device's wait_flag reads
 // it) and marks the job done; wait() returns when it began and how long it ran. One job at a time: post() waits
-// for the last. The job reads x and writes out until done: the caller keeps them.
+// for the last. From post() until the flag is up the runner is held (Runner::hold): a call on it from another
+// thread waits rather than queueing its job in front of the flag. The job reads x and writes out until done: the
+// caller keeps them.
 class GatherJobs {
  public:
   explicit GatherJobs(Runner& runner) : r_(runner), thread_([this] { loop(); }) {}
@@ -427,10 +439,11 @@ class GatherJobs {
     experts_ = experts;  // the job reads the addresses and rows until done
     rows_ = rows;
     {
-      std::lock_guard<std::mutex> run(r_.mu_);
+      auto run = r_.hold();
       started_ = now();
       r_.submit_gather(t, experts_.size(), experts_.data(), rows_.data(), x, xf, x_stride, T, out, of, out_stride,
                        nullptr);
+      r_.held_ = true;  // until loop() has raised the flag
     }
     flag_ = reinterpret_cast<int64_t*>(flag);
     seq_ = seq;
@@ -453,14 +466,19 @@ class GatherJobs {
     for (;;) {
       cv_.wait(lock, [&] { return stop_ || posted_ != done_; });
       if (posted_ == done_) return;  // stopped with nothing in flight
+      int64_t* const flag = flag_;
+      const int64_t seq = seq_;
       lock.unlock();
+      int64_t end;
       {
-        std::lock_guard<std::mutex> run(r_.mu_);  // no other job submitted before this one is seen done
+        std::lock_guard<std::mutex> run(r_.mu_);  // the runner is held for this job (post): no waiting for free_
         r_.pool.wait();  // (a waiter with a core of its own spins: the flag goes up as the job ends)
+        end = now();
+        if (flag) __atomic_store_n(flag, seq, __ATOMIC_RELEASE);
+        r_.held_ = false;
       }
-      const int64_t end = now();
+      r_.free_.notify_all();
       lock.lock();
-      if (flag_) __atomic_store_n(flag_, seq_, __ATOMIC_RELEASE);
       seconds_ = (end - started_) * 1e-9;
       done_ = posted_;
       done_cv_.notify_all();

@@ -377,3 +377,37 @@ def test_post_gather_runs_run_gathers_job_on_the_job_thread_and_raises_the_flag(
     runner.post_gather(table, experts, rows, x, outs[0])  # still serving after the errors; no flag
     runner.wait_gather()
     assert torch.equal(outs[0], want) and int(flag[0]) == 4
+
+
+@native
+@pytest.mark.parametrize("joins", [False, True])
+def test_a_posted_job_holds_the_runner_until_its_flag_is_up(joins):
+    """A run_gather on the runner from another thread while a post_gather's job runs waits for that job's flag:
+    when it returns the flag stands at the posted seq and both outputs are run_gather's (no other job queued
+    between the posted job and its flag). Fresh random inputs, a job big enough to be in flight."""
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    hidden, inter, n = 512, 256, 96
+    table = ck.ExpertTable.from_blocks((torch.randn(16, 3 * inter * hidden, generator=gen) * 0.05).bfloat16(),
+                                       hidden, inter)
+    x = torch.randn(8, hidden, generator=gen).bfloat16()
+    experts = torch.randint(16, (n,), generator=gen).tolist()
+    rows = torch.randint(8, (n,), generator=gen).tolist()
+    runner = CpuExpertRunner(threads=2, caller_joins=joins)
+    want = torch.empty(n, hidden, dtype=torch.bfloat16)
+    runner.run_gather(table, experts, rows, x, want)
+    for seq in range(1, 6):
+        flag = torch.zeros(1, dtype=torch.long)
+        posted, other = torch.empty_like(want), torch.empty(1, hidden, dtype=torch.bfloat16)
+        seen = []
+        runner.post_gather(table, experts, rows, x, posted, flag, seq)
+
+        def beside():
+            runner.run_gather(table, experts[:1], rows[:1], x, other)
+            seen.append(int(flag[0]))
+
+        thread = threading.Thread(target=beside)
+        thread.start()
+        thread.join(60)
+        assert seen == [seq]
+        runner.wait_gather()
+        assert torch.equal(posted, want) and torch.equal(other, want[:1])
