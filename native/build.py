@@ -16,14 +16,14 @@ from setuptools.command.build_ext import build_ext
 
 SRC = os.path.join("native", "src")
 GENERIC = ["module.cpp", "pool.cpp", "moe.cpp", "kernel_scalar.cpp"]
-HEADERS = ["kernels.h", "kernel_impl.h", "pool.h", "moe.h", "kernel_avx512.cpp"]
+HEADERS = ["kernels.h", "kernel_impl.h", "pool.h", "moe.h", "runner.h", "job_threads.h", "kernel_avx512.cpp"]
 BASE_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno"]
 # GCC 12's AVX-512 headers warn about their own _mm512_undefined_*() helpers. -ffp-contract=off: the scalar tails
 # of the row dots stay a multiply then an add in every walk; GCC's default contracted them into FMAs in some
 # template instances and not others, so on the box's AVX-512 a row's bits depended on the walk a claim's size
 # chose for it (a claim of 7 rows: its last row through the two-stream walk, 6e-8 apart).
 ISA_EXTRA = ["-fPIC", "-Wno-uninitialized", "-Wno-maybe-uninitialized", "-ffp-contract=off"]
-# (name, source, flags); the name becomes KILLICK_HAVE_<NAME> for module.cpp's dispatch table.
+# (name, source, flags); the name becomes KILLICK_HAVE_<NAME> for runner.h's dispatch table.
 ISA_UNITS = [
     ("avx2", "kernel_avx2.cpp", ["-mavx2", "-mfma", "-mf16c"]),
     ("avx512", "kernel_avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"]),

@@ -3,7 +3,7 @@ pool while the device reads the others over PCIe, inside the step's one CUDA gra
 
 A graphed step has no host code between its layers, so the device and a native thread hand off through a
 mailbox in page-locked host memory (kernels: engine/kernels/mailbox_triton.py; thread: native Mailbox in
-native/src/module.cpp). MappedExperts marks a share of each layer's non-resident experts LOC_CPU in the
+native/src/job_threads.h). MappedExperts marks a share of each layer's non-resident experts LOC_CPU in the
 location table (device copy for the kernels, host copy for the thread): the expert kernels skip those pairs,
 the thread runs them while the device runs the rest, and the join kernel scales their rows into the layer's
 output. The pool's two readers, PCIe and the CPU cores, then share the layer's misses instead of PCIe
