@@ -341,6 +341,21 @@ def test_run_gather_equals_run_io_on_gathered_rows_and_converts_like_torch():
     runner.run_gather(table, [1], [1], x[:, :hidden], out[:1])  # still serving after the errors
 
 
+def _gather_case(hidden: int, inter: int, num_experts: int, tokens: int, n: int, joins: bool):
+    """Fresh random bf16 experts, x [tokens, hidden] and n (expert, row) tasks, a 2-thread runner -> (table, x,
+    experts, rows, runner, run_gather's outputs for the tasks)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    table = ck.ExpertTable.from_blocks((torch.randn(num_experts, 3 * inter * hidden, generator=gen) * 0.05)
+                                       .bfloat16(), hidden, inter)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    experts = torch.randint(num_experts, (n,), generator=gen).tolist()
+    rows = torch.randint(tokens, (n,), generator=gen).tolist()
+    runner = CpuExpertRunner(threads=2, caller_joins=joins)
+    want = torch.empty(n, hidden, dtype=torch.bfloat16)
+    runner.run_gather(table, experts, rows, x, want)
+    return table, x, experts, rows, runner, want
+
+
 @native
 @pytest.mark.parametrize("joins", [False, True])
 def test_post_gather_runs_run_gathers_job_on_the_job_thread_and_raises_the_flag(joins):
@@ -349,16 +364,9 @@ def test_post_gather_runs_run_gathers_job_on_the_job_thread_and_raises_the_flag(
     call; a second post waits for the first, whose outputs stand; bad ids, rows and flags raise and the runner
     serves on. Fresh random inputs; with and without the caller joining the pool (the job thread is then worker
     0)."""
-    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
-    hidden, inter, n = 64, 32, 40
-    table = ck.ExpertTable.from_blocks((torch.randn(8, 3 * inter * hidden, generator=gen) * 0.1).bfloat16(),
-                                       hidden, inter)
-    x = torch.randn(16, hidden, generator=gen).bfloat16()
-    experts = torch.randint(8, (n,), generator=gen).tolist()
-    rows = torch.randint(16, (n,), generator=gen).tolist()
-    runner = CpuExpertRunner(threads=2, caller_joins=joins)
-    want = torch.empty(n, hidden, dtype=torch.bfloat16)
-    runner.run_gather(table, experts, rows, x, want)
+    hidden = 64
+    table, x, experts, rows, runner, want = _gather_case(hidden, 32, 8, 16, 40, joins)
+    n = len(experts)
     flag = torch.zeros(1, dtype=torch.long)
     outs = [torch.full((n, hidden), float("nan")).bfloat16() for _ in range(2)]
     t0 = time.perf_counter()
@@ -385,16 +393,8 @@ def test_a_posted_job_holds_the_runner_until_its_flag_is_up(joins):
     """A run_gather on the runner from another thread while a post_gather's job runs waits for that job's flag:
     when it returns the flag stands at the posted seq and both outputs are run_gather's (no other job queued
     between the posted job and its flag). Fresh random inputs, a job big enough to be in flight."""
-    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
-    hidden, inter, n = 512, 256, 96
-    table = ck.ExpertTable.from_blocks((torch.randn(16, 3 * inter * hidden, generator=gen) * 0.05).bfloat16(),
-                                       hidden, inter)
-    x = torch.randn(8, hidden, generator=gen).bfloat16()
-    experts = torch.randint(16, (n,), generator=gen).tolist()
-    rows = torch.randint(8, (n,), generator=gen).tolist()
-    runner = CpuExpertRunner(threads=2, caller_joins=joins)
-    want = torch.empty(n, hidden, dtype=torch.bfloat16)
-    runner.run_gather(table, experts, rows, x, want)
+    hidden = 512
+    table, x, experts, rows, runner, want = _gather_case(hidden, 256, 16, 8, 96, joins)
     for seq in range(1, 6):
         flag = torch.zeros(1, dtype=torch.long)
         posted, other = torch.empty_like(want), torch.empty(1, hidden, dtype=torch.bfloat16)
