@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.experts import cpu_kernels as ck
-from engine.experts.cpu_kernels import CpuExpertRunner, reference_experts
+from engine.experts.cpu_kernels import CpuExpertRunner
+from engine.experts.cpu_tasks import reference_experts
 
 native = pytest.mark.skipif(not ck.native_available(), reason="native extension not built")
 
