@@ -14,32 +14,38 @@ DEADLINE=${DEADLINE:-100000}
 left() { echo $(( DEADLINE - SECONDS )); }
 upto() { local l; l=$(left); echo $(( $1 < l ? $1 : (l > 1 ? l : 1) )); }
 status() { echo "$1 rc=$2 at ${SECONDS}s" | tee -a "$OUT/summary.txt"; }
-pack() { [ -n "${PACK:-}" ] && tar czf "$PACK.part" --exclude=./box-cache.tgz -C "$OUT" . 2>/dev/null &&
+pack() { [ -n "${PACK:-}" ] && tar czf "$PACK.part" --exclude="./box-cache*.tgz" -C "$OUT" . 2>/dev/null &&
          mv -f "$PACK.part" "$PACK"; true; }
 # What a fresh machine spends before the first measurement, kept from one call for the next: the native CPU
 # kernels' build (75-91 s on the box) and Triton's compiled kernels with their autotuning results (the first
-# process compiles and autotunes them all: past 80 s). A call that carries .box-cache.tgz (repo root, ignored
-# by git: copy it there from the last call's $OUT) starts with both; every call leaves $OUT/box-cache.tgz (the
-# Triton part only when the whole stays under BOX_CACHE_MIB, default 48: a call carries 64 MiB at most).
-# The native build is reused only while native/src and setup.py hash the same; Triton keys its own cache.
+# process compiles and autotunes them all: past 80 s). A call that carries .box-cache.tgz and
+# .box-cache-triton.tgz (repo root, ignored by git: copy them there from the last call's $OUT) starts with both;
+# every call leaves them in $OUT, the native build and the Triton cache in a file each (a file comes back from
+# $OUT up to 16 MiB: together they passed it once the native build was fresh); the Triton one only while it stays
+# under BOX_CACHE_MIB (default 15). The native build is reused only while native/src and setup.py hash the same;
+# Triton keys its own cache.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/killick-triton-cache} TRITON_CACHE_AUTOTUNING=1
 NATIVE_HASH=$(cat setup.py native/build.py native/src/* 2>/dev/null | sha1sum | cut -c1-16)
-if [ -f .box-cache.tgz ]; then
+for f in .box-cache.tgz .box-cache-triton.tgz; do
+    [ -f "$f" ] || continue
     mkdir -p "$TRITON_CACHE_DIR" /tmp/killick-box-cache
-    tar xzf .box-cache.tgz -C /tmp/killick-box-cache 2>/dev/null
-    [ -d /tmp/killick-box-cache/triton ] && cp -rn /tmp/killick-box-cache/triton/. "$TRITON_CACHE_DIR"/
-    if [ "$(cat /tmp/killick-box-cache/native/hash 2>/dev/null)" = "$NATIVE_HASH" ]; then
-        cp /tmp/killick-box-cache/native/*.so native/ 2>/dev/null
-    fi
+    tar xzf "$f" -C /tmp/killick-box-cache 2>/dev/null
+done
+[ -d /tmp/killick-box-cache/triton ] && cp -rn /tmp/killick-box-cache/triton/. "$TRITON_CACHE_DIR"/
+if [ "$(cat /tmp/killick-box-cache/native/hash 2>/dev/null)" = "$NATIVE_HASH" ]; then
+    cp /tmp/killick-box-cache/native/*.so native/ 2>/dev/null
 fi
-box_cache() {  # $OUT/box-cache.tgz: this machine's native build and Triton cache, for the next call to carry
+box_cache() {  # $OUT/box-cache.tgz and box-cache-triton.tgz: this machine's native build and Triton cache
     local d=/tmp/killick-box-cache-out
     rm -rf "$d" && mkdir -p "$d/native"
     cp native/_cpu_experts*.so "$d/native/" 2>/dev/null && echo "$NATIVE_HASH" > "$d/native/hash"
-    [ -d "$TRITON_CACHE_DIR" ] && cp -r "$TRITON_CACHE_DIR" "$d/triton"
-    tar czf "$OUT/box-cache.tgz" -C "$d" . 2>/dev/null
-    if [ "$(stat -c %s "$OUT/box-cache.tgz" 2>/dev/null || echo 0)" -gt $(( ${BOX_CACHE_MIB:-48} << 20 )) ]; then
-        tar czf "$OUT/box-cache.tgz" -C "$d" native 2>/dev/null  # too big to carry: the native build alone
+    tar czf "$OUT/box-cache.tgz" -C "$d" native 2>/dev/null
+    if [ -d "$TRITON_CACHE_DIR" ]; then
+        cp -r "$TRITON_CACHE_DIR" "$d/triton"
+        tar czf "$OUT/box-cache-triton.tgz" -C "$d" triton 2>/dev/null
+        if [ "$(stat -c %s "$OUT/box-cache-triton.tgz" 2>/dev/null || echo 0)" -gt $(( ${BOX_CACHE_MIB:-15} << 20 )) ]; then
+            rm -f "$OUT/box-cache-triton.tgz"  # would not come back
+        fi
     fi
     rm -rf "$d"
 }
