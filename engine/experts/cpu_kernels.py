@@ -22,8 +22,8 @@ from typing import Sequence
 
 import torch
 
-from engine.experts.cpu_tasks import (_FORMATS, CpuFuture, ExpertTable, RoutedIO, Task, _as_lists, _fp32_rows,
-                                      check_tasks, check_xy, torch_experts)
+from engine.experts.cpu_tasks import (FORMATS, CpuFuture, ExpertTable, RoutedIO, Task, as_lists, check_tasks,
+                                      check_xy, fp32_rows, torch_experts)
 
 try:
     from native import _cpu_experts as _native
@@ -184,7 +184,7 @@ class CpuExpertRunner:
 
     def run_routed(self, table: ExpertTable, experts, tokens, weights, x: torch.Tensor, y: torch.Tensor) -> None:
         """submit_routed(...).wait(), in one native call (see run_io)."""
-        self.run_io(table, experts, tokens, weights, RoutedIO(_fp32_rows(x), y))
+        self.run_io(table, experts, tokens, weights, RoutedIO(fp32_rows(x), y))
 
     def run_io(self, table: ExpertTable, experts, tokens, weights, io: "RoutedIO") -> None:
         """run_routed on buffers checked once (RoutedIO): y[token] += ... for io.x and io.y. A decode loop's
@@ -198,7 +198,7 @@ class CpuExpertRunner:
             self.submit_routed(table, experts, tokens, weights, io.x, io.y).wait()
             return
         if type(experts) is not list or type(tokens) is not list or type(weights) is not list:
-            experts, tokens, weights = _as_lists(experts, tokens, weights)
+            experts, tokens, weights = as_lists(experts, tokens, weights)
         self._submit_table(table, experts, tokens, weights, io.ptrs, None)
 
     def run_gather(self, table: ExpertTable, experts: list, rows: list, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -235,7 +235,7 @@ class CpuExpertRunner:
     def _gather_io(self, table: ExpertTable, experts: list, x: torch.Tensor, out: torch.Tensor):
         """run_gather's arguments checked -> (x with unit inner stride, the native calls' x and out arguments:
         x's address, format, row stride and rows, out's address, format and row stride)."""
-        fx, fo = _FORMATS.get(x.dtype), _FORMATS.get(out.dtype)
+        fx, fo = FORMATS.get(x.dtype), FORMATS.get(out.dtype)
         (T, hidden), sx, so = x.shape, x.stride(), out.stride()
         if self.backend != "native" or fx is None or fo is None or so[1] != 1:
             raise ValueError("run_gather needs the native runner, x and out in f32 or bf16, out with unit inner "
@@ -252,7 +252,7 @@ class CpuExpertRunner:
                       y: torch.Tensor) -> CpuFuture:
         """The per-layer fast path: task i is (table expert experts[i], token tokens[i], weight weights[i]).
         experts/tokens/weights are int/float sequences or 1-D tensors (e.g. a MoE layer's misses)."""
-        experts, tokens, weights = _as_lists(experts, tokens, weights)
+        experts, tokens, weights = as_lists(experts, tokens, weights)
         T, hidden = check_xy(x, y)
         if hidden != table.hidden:
             raise ValueError(f"x has hidden size {hidden}, the expert table {table.hidden}")
@@ -269,7 +269,7 @@ class CpuExpertRunner:
                     self._pending.wait()
                 self._pending = self._submit_torch(tasks, x, y)
                 return self._pending
-        xf = _fp32_rows(x)
+        xf = fp32_rows(x)
         return self._submit_table(table, experts, tokens, weights,
                                   (xf.data_ptr(), xf.stride(0), y.data_ptr(), y.stride(0), T), (table, xf, y))
 
@@ -307,10 +307,10 @@ class CpuExpertRunner:
                 self._pending = None
 
     def _submit_native(self, tasks, x, y, hidden, inter, dtype) -> CpuFuture:
-        xf = _fp32_rows(x)
+        xf = fp32_rows(x)
         gu0, dn0 = (tasks[0][0], tasks[0][1]) if tasks else (None, None)
         self._pool.submit_moe(
-            _FORMATS[dtype], hidden, inter, gu0.stride(0) if tasks else hidden, dn0.stride(0) if tasks else inter,
+            FORMATS[dtype], hidden, inter, gu0.stride(0) if tasks else hidden, dn0.stride(0) if tasks else inter,
             [t[0].data_ptr() for t in tasks], [t[1].data_ptr() for t in tasks],
             [int(t[2]) for t in tasks], [float(t[3]) for t in tasks],
             xf.data_ptr(), xf.stride(0), y.data_ptr(), y.stride(0), x.shape[0])

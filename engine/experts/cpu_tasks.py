@@ -18,7 +18,7 @@ except ImportError:  # not built: tables carry no native handle
 
 Task = tuple[torch.Tensor, torch.Tensor, int, float]  # (gate_up [2I, H], down [H, I], token, weight)
 
-_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
+FORMATS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def split_expert_block(block: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,14 +59,14 @@ class ExpertTable:
         self.inter = two_i // 2
         if tuple(down.shape[1:]) != (self.hidden, self.inter) or two_i % 2:
             raise ValueError(f"down must be [E, H, I] = [E, {self.hidden}, {self.inter}], got {tuple(down.shape)}")
-        if gate_up.dtype not in _FORMATS or down.dtype != gate_up.dtype:
+        if gate_up.dtype not in FORMATS or down.dtype != gate_up.dtype:
             raise ValueError(f"expert weights must be bf16 or fp32, one dtype (got {gate_up.dtype}/{down.dtype})")
         on_cpu = gate_up.device.type == "cpu" and down.device.type == "cpu"
         if gate_up.stride(2) != 1 or down.stride(2) != 1 or not on_cpu:
             raise ValueError("expert weights must be CPU tensors with unit inner stride")
         self.gate_up, self.down, self.dtype = gate_up, down, gate_up.dtype
         self._native = None if _native is None else _native.Table(
-            _FORMATS[self.dtype], self.hidden, self.inter, gate_up.data_ptr(), gate_up.stride(0), gate_up.stride(1),
+            FORMATS[self.dtype], self.hidden, self.inter, gate_up.data_ptr(), gate_up.stride(0), gate_up.stride(1),
             down.data_ptr(), down.stride(0), down.stride(1), self.num_experts)
 
     @classmethod
@@ -99,7 +99,7 @@ class RoutedIO:
         self.ptrs = (x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), self.rows)  # submit_table's x..T
 
 
-def _fp32_rows(x: torch.Tensor) -> torch.Tensor:
+def fp32_rows(x: torch.Tensor) -> torch.Tensor:
     """x as the kernels read it: float32 rows with unit inner stride (a copy only when it is not already);
     anything but [T, H] passes through for check_xy / RoutedIO to name."""
     if x.dim() != 2 or (x.dtype == torch.float32 and x.stride(1) == 1):
@@ -107,7 +107,7 @@ def _fp32_rows(x: torch.Tensor) -> torch.Tensor:
     return x.float().contiguous()
 
 
-def _as_lists(*columns):
+def as_lists(*columns):
     """Task columns as lists (1-D tensors converted); all one length."""
     out = [v.tolist() if isinstance(v, torch.Tensor) else v for v in columns]
     if len({len(v) for v in out}) > 1:
@@ -134,7 +134,7 @@ def check_tasks(tasks: Sequence[Task], x: torch.Tensor, y: torch.Tensor) -> tupl
     gu0, dn0 = tasks[0][0], tasks[0][1]
     inter = gu0.shape[0] // 2
     for gu, dn, tok, _ in tasks:
-        if gu.dtype not in _FORMATS or dn.dtype != gu.dtype or gu.dtype != gu0.dtype:
+        if gu.dtype not in FORMATS or dn.dtype != gu.dtype or gu.dtype != gu0.dtype:
             raise ValueError(f"expert weights must all be bf16 or all fp32 (got {gu.dtype}/{dn.dtype})")
         if tuple(gu.shape) != (2 * inter, H) or tuple(dn.shape) != (H, inter):
             raise ValueError(f"expert shapes must be gate_up [2I, H] = [{2 * inter}, {H}] and down [H, I] = "

@@ -60,7 +60,7 @@ def available(backend, dtype: torch.dtype) -> str | None:
 class CpuShare:
     def __init__(self, backend, n_max: int, kp: int, dtype: torch.dtype, share: float | None = None,
                  seed: int = 0, tag: str = "") -> None:
-        from engine.experts import cpu_kernels, cpu_runner
+        from engine.experts import cpu_kernels, cpu_runner, cpu_tasks
 
         pool = backend.pool
         self.L, self.E, H = len(pool.layers), pool.num_experts, pool.layout.hidden
@@ -97,7 +97,7 @@ class CpuShare:
         self._warned = False  # about a share that could not be written
         self.share = self.memory.start(1, {}, self.start) if self.adapt else self.start
         self.tables = [cpu_runner.layer_table(pool.wait_layer(layer), pool.layout) for layer in pool.layers]
-        fmt = cpu_kernels._FORMATS
+        fmt = cpu_tasks.FORMATS
         self.box = cpu_kernels._native.Mailbox(
             runner._pool, [t._native for t in self.tables], self.posted.data_ptr(), self.done.data_ptr(),
             self.meta.data_ptr(), self.ids.data_ptr(), self.x.data_ptr(), fmt[dtype], self.out.data_ptr(),
