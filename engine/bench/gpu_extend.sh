@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One GPU-box call for issue 17's extend line: a 256-token extend after a cached 8k prompt (8 layers at the
+# Qwen3.6-35B-A3B widths, 37.5% of the experts in device slots, hybrid, Zipf 1.0 routers), each process a fresh
+# cache with its own B_P, as many processes as RUNS (default 6) and DEADLINE (seconds, default 420) allow; then
+# profile_decode's extend (where its time goes) if 60 s are left; then the table of every process against the line
+# (engine/bench/extend_table.py: table.md, table.json).
+# Run from the repo root on the GPU box with .whl/ (fla-core, einops) and, from an earlier call, .box-cache.tgz
+# and .box-cache-triton.tgz (gpu_prelude.sh):
+#     OUT=/some/dir bash engine/bench/gpu_extend.sh
+#     TESTS=1 ...       first the CUDA expert and kernel tests and the native runner's (~50 s)
+#     ARGS="..." ...    more bench model flags for every process (an arm: --extend-idle-ms 300, --cpu-join host)
+#     PACK=FILE ...     also keeps FILE, a tarball of OUT, fresh every 15 s (see gpu_prelude.sh)
+# Results under $OUT: summary.txt (each step with its rc and the second it ended, the extend lines, the table),
+# run{N}.{txt,json,log}, profile.{txt,json}, table.{md,json}, pytest.txt.
+DEADLINE=${DEADLINE:-420}
+source engine/bench/gpu_prelude.sh
+S="$OUT/summary.txt"
+build_native
+nvidia-smi -L >> "$S"
+if [ -n "${TESTS:-}" ]; then
+    timeout "$(upto 150)" $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_experts_cuda.py \
+        tests/kernels/test_moe.py tests/native/test_runner_api.py > "$OUT/pytest.txt" 2>&1
+    status pytest $?; tail -1 "$OUT/pytest.txt" >> "$S"
+fi
+EXT="--synthetic qwen3.6-35b-a3b --layers 8 --batches 1 --moe-slots 37.5% --moe-backend hybrid --steps 8 --warmup 8
+     --prefill-runs 1 --extend-runs 5 --router-zipf 1.0"
+for i in $(seq 1 "${RUNS:-6}"); do
+    [ "$(left)" -gt 100 ] || break  # a process takes ~25-35 s once the kernels are compiled
+    # shellcheck disable=SC2086  # the flags split on purpose
+    XDG_CACHE_HOME=$(mktemp -d) timeout -s ABRT "$(upto 90)" $PY -X faulthandler -m engine.bench.model $EXT \
+        ${ARGS:-} --json "$OUT/run$i.json" > "$OUT/run$i.txt" 2> "$OUT/run$i.log"
+    status "run$i" $?
+    grep -E "extend_256 " "$OUT/run$i.txt" | cut -c1-190 | sed "s/^/run$i: /" >> "$S"
+done
+if [ "$(left)" -gt 60 ]; then
+    timeout -s ABRT "$(upto 80)" $PY -X faulthandler -m engine.bench.profile_decode --layers 8 --moe-backend hybrid \
+        --moe-slots 37.5% --router-zipf 1.0 --prefill 8192 --extend 256 --json "$OUT/profile.json" \
+        > "$OUT/profile.txt" 2> "$OUT/profile.log"
+    status profile $?
+fi
+ls "$OUT"/run*.json > /dev/null 2>&1 && $PY -m engine.bench.extend_table "$OUT"/run*.json --json "$OUT/table.json" \
+    > "$OUT/table.md" && cat "$OUT/table.md" >> "$S"
+date -u >> "$S"
+exit 0
