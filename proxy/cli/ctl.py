@@ -123,7 +123,7 @@ def _table(turns: list[dict]) -> str:
 
 
 REPLICA_COLUMNS = ("url", "healthy", "in_flight", "requests", "failures", "sessions", "prompt_tokens",
-                   "cached_tokens")
+                   "cached_tokens", "reasoning")
 SESSION_COLUMNS = ("session", "replica", "turns", "moves", "prompt_tokens", "cached_tokens", "last_prompt_tokens",
                    "last_cached_tokens")
 
@@ -136,7 +136,10 @@ def _upstream_lines(engine: dict) -> list[str]:
     totals = ", ".join(f"{k.replace('_', ' ')} {engine[k]}" for k in ("failures", "retries", "session_moves")
                        if k in engine)
     lines = ["", f"upstream replicas (routing {engine.get('routing')}): {engine.get('replicas_up')} of "
-                 f"{engine.get('replicas_total')} up, {totals}", _columns(engine["replicas"], REPLICA_COLUMNS)]
+                 f"{engine.get('replicas_total')} up, {totals}"]
+    reasoning = engine.get("reasoning") or {}  # where each replica sends the thinking (--upstream-reasoning)
+    lines.append(_columns([{**r, "reasoning": reasoning.get(r.get("url"), "-")} for r in engine["replicas"]],
+                          REPLICA_COLUMNS))
     lines += [f"  {url}: {why}" for url, why in (engine.get("last_errors") or {}).items()]
     if engine.get("recent_sessions"):
         lines += ["", "sessions (most recent first)", _columns(engine["recent_sessions"], SESSION_COLUMNS)]

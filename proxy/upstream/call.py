@@ -24,7 +24,7 @@ import aiohttp
 from engine.api import Usage
 from proxy.errors import ApiError
 from proxy.generation import Finished, Prepared
-from proxy.prompt.output_parser import OutputEvent, TextDelta, ThinkingDelta, ToolCall
+from proxy.prompt.output_parser import OutputEvent, TextDelta, ThinkingDelta, ToolCall, generation_opens_think
 from proxy.replay.scripted import Reply, forced_ids
 from proxy.sse import read_lines
 from proxy.upstream.budget import ThinkingMeter, past_thinking
@@ -156,7 +156,7 @@ class UpstreamCall:
         meter = ThinkingMeter.of(self.ctx.tokenizer, self.prep.params.thinking_budget)
         try:
             while True:
-                reader = ChunkReader(self.prep.params, continues=self.prep.conv.continue_last)
+                reader = self._reader()
                 async for item in self._leg(reader, reply, meter):
                     yield item
                 failure = self.broke
@@ -186,6 +186,14 @@ class UpstreamCall:
             yield self._finished(reader, failure, reply)
         finally:
             self._close()
+
+    def _reader(self) -> ChunkReader:
+        """The first leg's reader at this replica: whether the prompt opens the thinking, and where the replica was
+        seen to send it (Replica.reasoning)."""
+        conv = self.prep.conv
+        opens = conv.enable_thinking and not conv.continue_last and generation_opens_think(self.prep.prompt_text)
+        known = {"content": True, "parsed": False}.get(self.replica.reasoning)
+        return ChunkReader(self.prep.params, continues=conv.continue_last, opens_think=opens, in_content=known)
 
     async def _leg(self, reader: ChunkReader, reply: "_ReplyParts",
                    meter: Optional[ThinkingMeter]) -> AsyncIterator[OutputEvent]:
@@ -263,6 +271,8 @@ class UpstreamCall:
                                reader, reply)
         if reader.error is not None:
             return self._error(f"upstream {self.replica.url}: {reader.error}", reader, reply)
+        if reader.in_content is not None:  # the answer showed where this replica sends the thinking
+            self.replica.reasoning = "content" if reader.in_content else "parsed"
         usage = self._usage(reader, reply)
         self._leave(usage)
         parser = reader.parser
@@ -272,7 +282,7 @@ class UpstreamCall:
         elif reply.calls and (finish == "stop" or reader.ended):
             finish = "tool_calls"
         reasoning = reader.usage.reasoning_tokens if reader.usage and reader.usage.reasoning_tokens is not None \
-            else reader.reasoning_chunks
+            else reader.reasoning_chunks or self._tokens(reply.thinking)
         if self.past is not None:  # the thinking was the first answer's, cut at the budget
             reasoning = self.past.tokens
         return Finished(finish, usage, reasoning, stop_sequence=parser.stopped, output_ids=self._output_ids(reply))
@@ -295,6 +305,10 @@ class UpstreamCall:
         return Usage(prompt_tokens=prompt, output_tokens=output,
                      reused_tokens=cached, prefilled_tokens=prompt - cached, ttft_s=first - self.t0,
                      prefill_s=first - self.t0, decode_s=(self.last or first) - first)
+
+    def _tokens(self, pieces: list[str]) -> int:
+        """The proxy's token count of text (the thinking a replica sent as content, when it counts none)."""
+        return len(self.ctx.tokenizer.encode("".join(pieces))) if pieces else 0
 
     def _output_ids(self, reply: "_ReplyParts") -> tuple[int, ...]:
         """The answer as the chat template writes it, in the proxy's tokens: the cache policy's diff of the next

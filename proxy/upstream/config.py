@@ -10,6 +10,9 @@ From the command line (`killick serve --upstream URL ... --upstream-model 'claud
     read_timeout = 600.0             # longest silence inside an answer (a long prefill on a server without keep-alives)
                                      # while the replica's health checks pass; a failed one ends the wait at once
     api_key = "..."                  # sent to the upstreams as Authorization: Bearer
+    reasoning = "parsed"             # where the replicas put the thinking: "parsed" (reasoning_content: their
+                                     # reasoning parser split it), "content" (none: the proxy splits it at </think>)
+                                     # or "auto" (each replica's first thinking answer, held back, shows which)
     [models]                         # the agent's model name -> the upstream's; first match wins, * and ? as in a shell
     "claude-*" = "qwen3.6-35b-a3b"
     "*" = "qwen3.6-35b-a3b"
@@ -29,7 +32,8 @@ from proxy.upstream.routing import POLICIES
 
 _FILE_KEYS = {"upstreams": "urls", "routing": "routing", "health_interval": "health_interval_s",
               "connect_timeout": "connect_timeout_s", "read_timeout": "read_timeout_s", "api_key": "api_key",
-              "models": "model_map"}
+              "models": "model_map", "reasoning": "reasoning"}
+REASONING = ("parsed", "content", "auto")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class UpstreamConfig:
     read_timeout_s: float = 600.0
     api_key: Optional[str] = None
     forward_headers: tuple[str, ...] = ()  # request headers passed on (replay's forced answers)
+    reasoning: str = "parsed"  # one of REASONING (the file's comment above)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "urls", tuple(base_url(u) for u in self.urls))
@@ -50,6 +55,9 @@ class UpstreamConfig:
             raise ValueError("upstream mode needs at least one replica: --upstream URL (repeatable)")
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
+        if self.reasoning not in REASONING:
+            raise ValueError(f"--upstream-reasoning (reasoning) must be one of {', '.join(REASONING)}, got "
+                             f"{self.reasoning!r}")
         for name, flag in (("health_interval_s", "--health-interval"), ("connect_timeout_s", None),
                            ("read_timeout_s", "--upstream-timeout")):
             if not getattr(self, name) > 0:
@@ -132,6 +140,10 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
                    help="longest silence inside an upstream's answer while its health checks pass (default 600; "
                         "a failed check ends the wait at once)")
     g.add_argument("--upstream-api-key", metavar="KEY", help="sent to the upstreams as Authorization: Bearer")
+    g.add_argument("--upstream-reasoning", choices=REASONING, default=None,
+                   help="where the replicas put the thinking: parsed (reasoning_content, from their reasoning "
+                        "parser; default), content (no reasoning parser: the proxy splits it at </think>), auto "
+                        "(learned per replica from its first thinking answer, which is held back until it shows)")
 
 
 def config_from_args(args: argparse.Namespace) -> UpstreamConfig:
@@ -140,6 +152,7 @@ def config_from_args(args: argparse.Namespace) -> UpstreamConfig:
     flags = {"urls": tuple(args.upstream), "model_map": parse_model_map(args.upstream_model),
              "routing": args.routing, "health_interval_s": args.health_interval,
              "read_timeout_s": args.upstream_timeout, "api_key": args.upstream_api_key,
+             "reasoning": args.upstream_reasoning,
              "forward_headers": (FORCE_RESPONSE_HEADER,) if args.allow_forced_responses else ()}
     if args.upstream_config:
         return UpstreamConfig.load(args.upstream_config, **flags)

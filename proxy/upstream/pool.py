@@ -62,7 +62,7 @@ class Unknown(NamedTuple):
 class UpstreamPool:
     def __init__(self, config: UpstreamConfig, unknown: Unknown = Unknown()):
         self.config = config
-        self.router = Router(list(config.urls), config.routing)
+        self.router = Router(list(config.urls), config.routing, reasoning=config.reasoning)
         self.http: Optional[aiohttp.ClientSession] = None
         self.unknown = unknown
         self._ctx = None  # the app's ServerContext (lifetime): what is learned late goes there

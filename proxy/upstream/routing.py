@@ -39,6 +39,10 @@ class Replica:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     last_error: Optional[str] = None
+    # where its answers put the thinking a prompt opened: "parsed" (the reasoning field), "content" (no reasoning
+    # parser: content up to </think>), "unknown" until an answer shows it (--upstream-reasoning auto); an answer
+    # that shows otherwise moves it (wire.ChunkReader's in_content)
+    reasoning: str = "parsed"
 
 
 @dataclass
@@ -68,14 +72,17 @@ def rendezvous_score(key: str, url: str) -> int:
 
 
 class Router:
-    def __init__(self, urls: list[str], policy: str = "session", max_sessions: int = MAX_SESSIONS):
+    def __init__(self, urls: list[str], policy: str = "session", max_sessions: int = MAX_SESSIONS,
+                 reasoning: str = "parsed"):
+        """reasoning: where the replicas put the thinking, as configured (--upstream-reasoning; auto: unknown)."""
         if not urls:
             raise ValueError("upstream mode needs at least one replica URL (--upstream URL)")
         if len(set(urls)) != len(urls):
             raise ValueError(f"an upstream URL is given twice: {urls}")
         if policy not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.replicas = [Replica(u) for u in urls]
+        known = "unknown" if reasoning == "auto" else reasoning
+        self.replicas = [Replica(u, reasoning=known) for u in urls]
         self.policy = policy
         self.homes: OrderedDict[str, str] = OrderedDict()  # routing key -> URL of the replica holding it
         self.sessions: OrderedDict[str, SessionRoute] = OrderedDict()  # session key -> where and what it reused
@@ -186,6 +193,7 @@ class Router:
                           "failures": r.failures, "sessions": held.get(r.url, 0), "prompt_tokens": r.prompt_tokens,
                           "cached_tokens": r.cached_tokens} for r in self.replicas],
             "last_errors": {r.url: r.last_error for r in self.replicas if r.last_error},
+            "reasoning": {r.url: r.reasoning for r in self.replicas},  # where each sends the thinking (Replica)
             "recent_sessions": [{"session": k, "replica": s.replica, "turns": s.turns, "moves": s.moves,
                                  "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                                  "last_prompt_tokens": s.last_prompt_tokens,

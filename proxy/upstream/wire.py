@@ -13,7 +13,11 @@ results become `tool` messages, thinking goes back as `reasoning_content`.
 
 Content passes through the same OutputParser as the engine's text (stop sequences, a `<tool_call>` the upstream
 left unparsed, whitespace at segment edges); `reasoning_content` (or `reasoning`) and structured `tool_calls`
-come already parsed.
+come already parsed. A replica without a reasoning parser sends the thinking as content; where the prompt opens
+the thinking (`<think>` ends the generation prompt) that content runs up to a bare `</think>`. The reader is told
+what the replica was seen to do (`in_content`); not yet seen, it holds the answer's content back until one of them
+shows: a `</think>` in it (the thinking came as content: it goes out as thinking, the rest as the answer), the
+upstream's reasoning field, or the stream's end (no thinking at all).
 """
 from __future__ import annotations
 
@@ -23,8 +27,8 @@ from typing import Optional
 
 from proxy.conversation import Conversation, Message, ThinkingPart, ToolCallPart, ToolResultPart
 from proxy.generation import GenParams
-from proxy.prompt.output_parser import (OutputEvent, OutputParser, ThinkingDelta, ToolCall, ToolCallDelta,
-                                        ToolCallStart)
+from proxy.prompt.output_parser import (THINK_CLOSE, OutputEvent, OutputParser, ThinkingDelta, ToolCall,
+                                        ToolCallDelta, ToolCallStart)
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls",
           "content_filter": "stop"}
@@ -104,11 +108,18 @@ class ChunkReader:
     """chat.completion.chunk objects -> OutputEvents. Tool calls arrive in pieces (id and name first, then
     argument fragments, each under its index); one goes out whole when the next begins or the stream ends."""
 
-    def __init__(self, params: GenParams, continues: bool = False):
-        """continues: the answer goes on from the conversation's last message (Conversation.continue_last)."""
-        self.parser = OutputParser(thinking_open=False, parse_tools=params.parse_tools,
-                                   stop_sequences=params.stop_sequences, max_tool_calls=params.max_tool_calls,
-                                   continues=continues)
+    def __init__(self, params: GenParams, continues: bool = False, opens_think: bool = False,
+                 in_content: Optional[bool] = None):
+        """continues: the answer goes on from the conversation's last message (Conversation.continue_last).
+        opens_think: the rendered prompt leaves the answer inside <think> (thinking on, the template opened it);
+        in_content: whether this replica sends such thinking as content (True: no reasoning parser), as its
+        reasoning field (False), or was not seen yet (None: the answer's content is held back until it shows)."""
+        self._params, self._continues = params, continues
+        self._undecided = opens_think and in_content is None
+        self._opened = opens_think and bool(in_content)  # the parser starts in the thinking, until content comes
+        self._held = ""  # content held back while undecided
+        self.in_content: Optional[bool] = None  # what this answer showed (UpstreamCall keeps it for the replica)
+        self.parser = self._parser(opens_think and bool(in_content))
         self.max_tool_calls = params.max_tool_calls
         self.calls = 0  # tool calls emitted (structured and parsed from text)
         self.reasoning_chunks = 0
@@ -133,19 +144,47 @@ class ChunkReader:
             delta = choice.get("delta") or {}
             thinking = delta.get("reasoning_content") or delta.get("reasoning")
             if thinking and not self.ended:
+                out += self._decided(False)
+                if self._opened:  # a replica known to send its thinking as content has a reasoning parser now
+                    self.parser, self._opened, self.in_content = self._parser(False), False, False
                 self.reasoning_chunks += 1
                 out.append(ThinkingDelta(thinking))
             if delta.get("content"):
-                out += self._text(delta["content"])
+                out += self._content(delta["content"])
             for piece in delta.get("tool_calls") or ():
+                out += self._decided(None)  # a call follows the answer's text: what was held is that text
                 out += self._tool_piece(piece)
             if choice.get("finish_reason"):
                 self.finish = FINISH.get(choice["finish_reason"], "stop")
         return out
 
     def close(self) -> list[OutputEvent]:
-        out = self._flush_call()
+        out = self._decided(None)  # no </think> and no reasoning field: what was held is the answer
+        out += self._flush_call()
         return out + self._count(self.parser.finish())
+
+    def _parser(self, thinking_open: bool) -> OutputParser:
+        p = self._params
+        return OutputParser(thinking_open=thinking_open, parse_tools=p.parse_tools, stop_sequences=p.stop_sequences,
+                            max_tool_calls=p.max_tool_calls, continues=self._continues)
+
+    def _content(self, text: str) -> list[OutputEvent]:
+        self._opened = False
+        if not self._undecided:
+            return self._text(text)
+        self._held += text
+        return self._decided(True) if THINK_CLOSE in self._held else []
+
+    def _decided(self, in_content: Optional[bool]) -> list[OutputEvent]:
+        """An undecided answer showed where its thinking comes (True: as content, False: as the reasoning field,
+        None: nowhere, it ended): the content held back goes through the parser, in the thinking if True."""
+        if not self._undecided:
+            return []
+        self._undecided, self.in_content = False, in_content
+        if in_content:
+            self.parser = self._parser(True)
+        held, self._held = self._held, ""
+        return self._text(held) if held else []
 
     def _text(self, text: str) -> list[OutputEvent]:
         return self._count(self.parser.feed(text)) if not self.ended else []

@@ -108,10 +108,11 @@ def upstream_front(aiohttp_server):
     from proxy.upstream.app import create_upstream_app
     from proxy.upstream.config import UpstreamConfig
 
-    async def start(urls, keepalive_s=5.0, routing="session", health_interval_s=0.2, **options):
+    async def start(urls, keepalive_s=5.0, routing="session", health_interval_s=0.2, reasoning="parsed", **options):
         tok = load_tokenizer(None)
         config = UpstreamConfig(tuple(urls), routing=routing, health_interval_s=health_interval_s,
-                                forward_headers=(FORCE_RESPONSE_HEADER,), model_map=(("claude-*", "mapped"),))
+                                forward_headers=(FORCE_RESPONSE_HEADER,), model_map=(("claude-*", "mapped"),),
+                                reasoning=reasoning)
         app = create_upstream_app(config, tok, ChatRenderer(tok), model_name="up", context_length=32768,
                                   keepalive_s=keepalive_s, planner=PolicyPlanner(), **options)
         server = await aiohttp_server(app)  # (aiohttp's test server cancels a handler whose client left, as serve)

@@ -29,7 +29,8 @@ def replica(mode: str, asked: list | None = None, hung_up: asyncio.Event | None 
     answer either; `hung_up` is set when the proxy closes the stalled connection. "slow" is healthy but silent
     for SLOW_S before its headers and again mid-answer, as a server that sends no keep-alives. "generating" streams
     WORDS, and while it does its /health answers after SLOW_S, as a loaded server's. "thinks" thinks past any
-    thinking budget and refuses to continue a turn."""
+    thinking budget and refuses to continue a turn. "no-parser" sends its thinking as content, up to </think>,
+    as a server without a reasoning parser does where the prompt opened the thinking."""
     hung, generating = asyncio.Event(), asyncio.Event()
 
     async def hang():  # inside an answer
@@ -78,6 +79,9 @@ def replica(mode: str, asked: list | None = None, hung_up: asyncio.Event | None 
         if mode in ("hang-mid", "slow"):
             await resp.write(PART)
             await (hang() if mode == "hang-mid" else asyncio.sleep(SLOW_S))
+        if mode == "no-parser":
+            for piece in ("Need", " ls.</th", "ink>\n\n"):
+                await resp.write(_chunk(piece))
         if mode == "generating":
             generating.set()
             try:
@@ -146,6 +150,36 @@ async def test_a_replica_that_cannot_continue_after_the_thinking_budget_ends_the
     assert events[-1]["type"] == "error" and "continue_final_message is not supported" in events[-1]["error"]["message"]
     stats = pool.stats()
     assert stats["active"] == 0 and stats["failures"] == 0 and all(r["healthy"] for r in stats["replicas"])
+
+
+@pytest.mark.parametrize("reasoning", ["content", "auto", "parsed"])
+async def test_a_replica_without_a_reasoning_parser_has_its_thinking_split_as_configured(aiohttp_server,
+                                                                                         upstream_front, reasoning):
+    """--upstream-reasoning content (or auto, learned from the first answer) splits the thinking a replica without
+    a reasoning parser sends as content at its </think>: the agent gets a thinking block and the answer, streamed
+    or not; parsed (the default) passes the content on as the answer, as the replica wrote it."""
+    url = await _url(aiohttp_server, replica("no-parser"))
+    base, pool = await upstream_front([url], reasoning=reasoning)
+    ask = {**MESSAGE, "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/v1/messages", json=ask) as r:
+            body = await r.json()
+        async with s.post(base + "/v1/messages", json={**ask, "stream": True}) as r:
+            events = [json.loads(line[5:]) for line in (await r.text()).splitlines() if line.startswith("data:")]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    streamed = ("".join(d.get("thinking", "") for d in deltas), "".join(d.get("text", "") for d in deltas))
+    if reasoning == "parsed":
+        assert [b["type"] for b in body["content"]] == ["text"] and "</think>" in body["content"][0]["text"]
+        assert streamed[0] == "" and "</think>" in streamed[1]
+    else:
+        assert [(b["type"], b.get("thinking", b.get("text"))) for b in body["content"]] == [
+            ("thinking", "Need ls."), ("text", "fine")]
+        assert streamed == ("Need ls.", "fine")
+        assert body["usage"]["output_tokens"] > 0
+    found = "content" if reasoning != "parsed" else "parsed"
+    assert pool.stats()["reasoning"] == {url: found}
+    rendered = _render_stats({"engine": pool.stats(), "policy": {}}).splitlines()  # `killick ctl stats`
+    assert any(line.startswith(url) and line.split()[-1] == found for line in rendered)
 
 
 @pytest.mark.parametrize("fault", ["refused", "busy"])

@@ -79,6 +79,50 @@ def test_chunks_become_output_events_with_the_upstream_usage():
     assert (reader.usage.prompt_tokens, reader.usage.output_tokens, reader.usage.cached_tokens) == (90, 12, 80)
 
 
+def _read(reader, chunks):
+    items = []
+    for c in chunks:
+        items += reader.feed(c)
+    return items + reader.close()
+
+
+THOUGHT_AS_CONTENT = [_chunk({"content": "Need"}), _chunk({"content": " ls.</th"}),
+                      _chunk({"content": "ink>\n\nHere"}), _chunk({"content": " it is."}), _chunk(finish="stop")]
+
+
+def test_thinking_sent_as_content_is_split_at_its_close_where_the_prompt_opened_it():
+    """A replica without a reasoning parser (vLLM, SGLang started without one) sends the thinking a prompt opened
+    as content up to a bare </think>. Known to (in_content=True) the reader streams it as thinking at once; not yet
+    known (None) it holds the content back until the close shows, then says so (in_content); a reasoning field
+    first, or no close before the end, and the content is the answer, as before."""
+    known = ChunkReader(GenParams(None), opens_think=True, in_content=True)
+    first = known.feed(THOUGHT_AS_CONTENT[0])
+    assert first == [ThinkingDelta("Need")]  # streamed as it comes
+    assert first + _read(known, THOUGHT_AS_CONTENT[1:]) == [ThinkingDelta("Need"), ThinkingDelta(" ls."),
+                                                            TextDelta("Here"), TextDelta(" it is.")]
+    learning = ChunkReader(GenParams(None), opens_think=True, in_content=None)
+    assert learning.feed(THOUGHT_AS_CONTENT[0]) == [] and learning.feed(THOUGHT_AS_CONTENT[1]) == []  # held back
+    assert learning.feed(THOUGHT_AS_CONTENT[2]) == [ThinkingDelta("Need ls."), TextDelta("Here")]
+    assert _read(learning, THOUGHT_AS_CONTENT[3:]) == [TextDelta(" it is.")] and learning.in_content is True
+    parsed = ChunkReader(GenParams(None), opens_think=True, in_content=None)
+    items = _read(parsed, [_chunk({"reasoning_content": "Need ls."}), _chunk({"content": "Here"}),
+                           _chunk(finish="stop")])
+    assert items == [ThinkingDelta("Need ls."), TextDelta("Here")] and parsed.in_content is False
+    plain = ChunkReader(GenParams(None), opens_think=True, in_content=None)  # no thinking at all: text at the end
+    assert plain.feed(_chunk({"content": "Hi"})) == [] and plain.close() == [TextDelta("Hi")]
+    assert plain.in_content is None
+    calling = ChunkReader(GenParams(None), opens_think=True, in_content=None)  # ... or before a structured call
+    items = _read(calling, [_chunk({"content": "Listing."}),
+                            _chunk({"tool_calls": [{"index": 0, "function": {"name": "bash", "arguments": "{}"}}]})])
+    assert items == [TextDelta("Listing."), ToolCall(0, "bash", "{}")] and calling.in_content is None
+    changed = ChunkReader(GenParams(None), opens_think=True, in_content=True)  # the replica has a parser now
+    items = _read(changed, [_chunk({"reasoning_content": "Need ls."}), _chunk({"content": "Here"})])
+    assert items == [ThinkingDelta("Need ls."), TextDelta("Here")] and changed.in_content is False
+    for reader in (ChunkReader(GenParams(None)), ChunkReader(GenParams(None), opens_think=False, in_content=True)):
+        # the parsed default, or a prompt that does not open the thinking: content is the answer, at once
+        assert reader.feed(THOUGHT_AS_CONTENT[0]) == [TextDelta("Need")] and reader.in_content is None
+
+
 def test_stop_sequences_unparsed_tool_calls_and_bad_arguments():
     reader = ChunkReader(GenParams(None, stop_sequences=("END",)))
     items = reader.feed(_chunk({"content": "one EN"})) + reader.feed(_chunk({"content": "D two"}))
@@ -106,10 +150,14 @@ def test_settings_from_flags_and_file(tmp_path):
         parse_model_map(["=x"])
     f = tmp_path / "up.toml"
     f.write_text('upstreams = ["http://a:1/v1", "http://b:1"]\nrouting = "round-robin"\nread_timeout = 30\n'
-                 '[models]\n"claude-*" = "qwen"\n')
+                 'reasoning = "content"\n[models]\n"claude-*" = "qwen"\n')
     cfg = UpstreamConfig.load(f, routing=None, api_key="k")
     assert cfg.urls == ("http://a:1", "http://b:1") and cfg.routing == "round-robin" and cfg.read_timeout_s == 30
-    assert cfg.upstream_model("claude-3") == "qwen" and cfg.api_key == "k"
+    assert cfg.upstream_model("claude-3") == "qwen" and cfg.api_key == "k" and cfg.reasoning == "content"
+    assert UpstreamConfig.load(f, reasoning="auto").reasoning == "auto"  # the flag wins
+    assert UpstreamConfig(("http://a:1",)).reasoning == "parsed"
+    with pytest.raises(ValueError, match=r"--upstream-reasoning \(reasoning\) must be one of parsed, content, auto"):
+        UpstreamConfig(("http://a:1",), reasoning="think")
     f.write_text('upstream = ["http://a:1"]\n')
     with pytest.raises(ValueError, match="unknown key 'upstream'"):
         UpstreamConfig.load(f)
