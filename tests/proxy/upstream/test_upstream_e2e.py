@@ -173,3 +173,19 @@ async def test_keepalives_while_the_upstream_prefills(upstream_proxy):
             lines = [line.strip() async for line in r.content]
     first_data = next(i for i, line in enumerate(lines) if b'"delta":{"role"' not in line and line.startswith(b"data:"))
     assert b": keep-alive" in lines[:first_data] and lines[-2] == b"data: [DONE]"
+
+
+async def test_auto_reasoning_learns_a_killick_replica_splits_the_thinking(upstream_proxy, sdk):
+    """--upstream-reasoning auto in front of killick replicas (which send the thinking as reasoning_content): the
+    first thinking answer shows it, the replica is taken as parsed from then on, and the agent gets the same
+    thinking and answer as under the default."""
+    base, pool = await upstream_proxy(reasoning="auto")
+    client = sdk.anthropic(base, default_headers=forced(THINK_AND_CALL, "t-auto"))
+    assert set(pool.stats()["reasoning"].values()) == {"unknown"}
+    msg = await client.messages.create(model="claude-opus-4-8", max_tokens=1100, tools=TOOLS_A,
+                                       thinking={"type": "enabled", "budget_tokens": 1024},
+                                       messages=[{"role": "user", "content": "List files."}])
+    assert [b.type for b in msg.content] == ["thinking", "text", "tool_use"]
+    assert (msg.content[0].thinking, msg.content[1].text) == ("Need to list files.", "Listing.")
+    replica = _session(pool, "t-auto")["replica"]
+    assert pool.stats()["reasoning"][replica] == "parsed"
