@@ -1,6 +1,6 @@
-"""Issue 17's extend line over several `bench model` processes: one table row a JSON file, then how many of them
-reach the line (a 256-token extend after a cached prompt at least LINE x faster than the pool streamed once at
-B_P, in that process).
+"""The extend line over several `bench model` processes: one table row a JSON file, then how many of them reach
+it (a 256-token extend after a cached prompt at least LINE x faster than the pool streamed once at B_P, in that
+process: the expert cache's target for an agent's turn).
 
     python -m engine.bench.extend_table out/default*.json [--line 3] [--json summary.json]
 
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-LINE = 3.0  # issue 17: the extend >= 3x faster than streaming every expert once at B_P
+LINE = 3.0  # the extend >= 3x faster than streaming every expert once at B_P
 
 
 class ExtendRow(NamedTuple):

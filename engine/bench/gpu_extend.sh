@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-box call for issue 17's extend line: a 256-token extend after a cached 8k prompt (8 layers at the
+# One GPU-box call for the extend line: a 256-token extend after a cached 8k prompt (8 layers at the
 # Qwen3.6-35B-A3B widths, 37.5% of the experts in device slots, hybrid, Zipf 1.0 routers), each process a fresh
 # cache with its own B_P, as many processes as RUNS (default 6) and DEADLINE (seconds, default 420) allow; then
 # profile_decode's extend (where its time goes) if 60 s are left; then the table of every process against the line

@@ -21,8 +21,8 @@ pack() { [ -n "${PACK:-}" ] && tar czf "$PACK.part" --exclude="./box-cache*.tgz"
 # process compiles and autotunes them all: past 80 s). A call that carries .box-cache.tgz and
 # .box-cache-triton.tgz (repo root, ignored by git: copy them there from the last call's $OUT) starts with both;
 # every call leaves them in $OUT, the native build and the Triton cache in a file each (a file comes back from
-# $OUT up to 16 MiB: together they passed it once the native build was fresh); the Triton one only while it stays
-# under BOX_CACHE_MIB (default 15). The native build is reused only while native/src and setup.py hash the same;
+# $OUT only up to 16 MiB, which the two together can pass); the Triton one only while it stays under BOX_CACHE_MIB
+# (default 15). The native build is reused only while native/src and setup.py hash the same;
 # Triton keys its own cache.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/killick-triton-cache} TRITON_CACHE_AUTOTUNING=1
 NATIVE_HASH=$(cat setup.py native/build.py native/src/* 2>/dev/null | sha1sum | cut -c1-16)

@@ -1,4 +1,4 @@
-"""engine.bench.extend_table: issue 17's extend line over bench model's JSON files (torch-free)."""
+"""engine.bench.extend_table: the extend line over bench model's JSON files (torch-free)."""
 import json
 import statistics
 from pathlib import Path
