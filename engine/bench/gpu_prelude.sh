@@ -43,7 +43,8 @@ box_cache() {  # $OUT/box-cache.tgz and box-cache-triton.tgz: this machine's nat
     if [ -d "$TRITON_CACHE_DIR" ]; then
         cp -r "$TRITON_CACHE_DIR" "$d/triton"
         tar czf "$OUT/box-cache-triton.tgz" -C "$d" triton 2>/dev/null
-        if [ "$(stat -c %s "$OUT/box-cache-triton.tgz" 2>/dev/null || echo 0)" -gt $(( ${BOX_CACHE_MIB:-15} << 20 )) ]; then
+        local size; size=$(stat -c %s "$OUT/box-cache-triton.tgz" 2>/dev/null || echo 0)
+        if [ "$size" -gt $(( ${BOX_CACHE_MIB:-15} << 20 )) ]; then
             rm -f "$OUT/box-cache-triton.tgz"  # would not come back
         fi
     fi
