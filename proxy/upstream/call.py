@@ -192,8 +192,8 @@ class UpstreamCall:
         seen to send it (Replica.reasoning)."""
         conv = self.prep.conv
         opens = conv.enable_thinking and not conv.continue_last and generation_opens_think(self.prep.prompt_text)
-        known = {"content": True, "parsed": False}.get(self.replica.reasoning)
-        return ChunkReader(self.prep.params, continues=conv.continue_last, opens_think=opens, in_content=known)
+        return ChunkReader(self.prep.params, continues=conv.continue_last, opens_think=opens,
+                           reasoning=self.replica.reasoning)
 
     async def _leg(self, reader: ChunkReader, reply: "_ReplyParts",
                    meter: Optional[ThinkingMeter]) -> AsyncIterator[OutputEvent]:
@@ -271,8 +271,8 @@ class UpstreamCall:
                                reader, reply)
         if reader.error is not None:
             return self._error(f"upstream {self.replica.url}: {reader.error}", reader, reply)
-        if reader.in_content is not None:  # the answer showed where this replica sends the thinking
-            self.replica.reasoning = "content" if reader.in_content else "parsed"
+        if reader.shown is not None:  # the answer showed where this replica sends the thinking
+            self.replica.reasoning = reader.shown
         usage = self._usage(reader, reply)
         self._leave(usage)
         parser = reader.parser

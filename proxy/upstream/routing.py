@@ -41,7 +41,7 @@ class Replica:
     last_error: Optional[str] = None
     # where its answers put the thinking a prompt opened: "parsed" (the reasoning field), "content" (no reasoning
     # parser: content up to </think>), "unknown" until an answer shows it (--upstream-reasoning auto); an answer
-    # that shows otherwise moves it (wire.ChunkReader's in_content)
+    # that shows otherwise moves it (wire.ChunkReader's shown)
     reasoning: str = "parsed"
 
 

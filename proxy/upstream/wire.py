@@ -15,9 +15,9 @@ Content passes through the same OutputParser as the engine's text (stop sequence
 left unparsed, whitespace at segment edges); `reasoning_content` (or `reasoning`) and structured `tool_calls`
 come already parsed. A replica without a reasoning parser sends the thinking as content; where the prompt opens
 the thinking (`<think>` ends the generation prompt) that content runs up to a bare `</think>`. The reader is told
-what the replica was seen to do (`in_content`); not yet seen, it holds the answer's content back until one of them
-shows: a `</think>` in it (the thinking came as content: it goes out as thinking, the rest as the answer), the
-upstream's reasoning field, or the stream's end (no thinking at all).
+what the replica was seen to do (`reasoning`, as routing.Replica keeps it); not yet seen, it holds the answer's
+content back until one of them shows: a `</think>` in it (the thinking came as content: it goes out as thinking,
+the rest as the answer), the upstream's reasoning field, or the stream's end (no thinking at all).
 """
 from __future__ import annotations
 
@@ -109,17 +109,17 @@ class ChunkReader:
     argument fragments, each under its index); one goes out whole when the next begins or the stream ends."""
 
     def __init__(self, params: GenParams, continues: bool = False, opens_think: bool = False,
-                 in_content: Optional[bool] = None):
+                 reasoning: str = "parsed"):
         """continues: the answer goes on from the conversation's last message (Conversation.continue_last).
         opens_think: the rendered prompt leaves the answer inside <think> (thinking on, the template opened it);
-        in_content: whether this replica sends such thinking as content (True: no reasoning parser), as its
-        reasoning field (False), or was not seen yet (None: the answer's content is held back until it shows)."""
+        reasoning: where this replica sends such thinking (routing.Replica.reasoning): "parsed" (its reasoning
+        field), "content" (no reasoning parser), "unknown" (the answer's content is held back until it shows)."""
         self._params, self._continues = params, continues
-        self._undecided = opens_think and in_content is None
-        self._opened = opens_think and bool(in_content)  # the parser starts in the thinking, until content comes
+        self._undecided = opens_think and reasoning == "unknown"
+        self._opened = opens_think and reasoning == "content"  # the parser starts in the thinking, until content
         self._held = ""  # content held back while undecided
-        self.in_content: Optional[bool] = None  # what this answer showed (UpstreamCall keeps it for the replica)
-        self.parser = self._parser(opens_think and bool(in_content))
+        self.shown: Optional[str] = None  # "content" / "parsed" where this answer showed it (for the replica)
+        self.parser = self._parser(self._opened)
         self.max_tool_calls = params.max_tool_calls
         self.calls = 0  # tool calls emitted (structured and parsed from text)
         self.reasoning_chunks = 0
@@ -144,9 +144,9 @@ class ChunkReader:
             delta = choice.get("delta") or {}
             thinking = delta.get("reasoning_content") or delta.get("reasoning")
             if thinking and not self.ended:
-                out += self._decided(False)
+                out += self._decided("parsed")
                 if self._opened:  # a replica known to send its thinking as content has a reasoning parser now
-                    self.parser, self._opened, self.in_content = self._parser(False), False, False
+                    self.parser, self._opened, self.shown = self._parser(False), False, "parsed"
                 self.reasoning_chunks += 1
                 out.append(ThinkingDelta(thinking))
             if delta.get("content"):
@@ -173,15 +173,16 @@ class ChunkReader:
         if not self._undecided:
             return self._text(text)
         self._held += text
-        return self._decided(True) if THINK_CLOSE in self._held else []
+        return self._decided("content") if THINK_CLOSE in self._held else []
 
-    def _decided(self, in_content: Optional[bool]) -> list[OutputEvent]:
-        """An undecided answer showed where its thinking comes (True: as content, False: as the reasoning field,
-        None: nowhere, it ended): the content held back goes through the parser, in the thinking if True."""
+    def _decided(self, shown: Optional[str]) -> list[OutputEvent]:
+        """An undecided answer showed where its thinking comes ("content", "parsed": the reasoning field, None:
+        nowhere, it ended or a call followed its text): the content held back goes through the parser, in the
+        thinking if "content"."""
         if not self._undecided:
             return []
-        self._undecided, self.in_content = False, in_content
-        if in_content:
+        self._undecided, self.shown = False, shown
+        if shown == "content":
             self.parser = self._parser(True)
         held, self._held = self._held, ""
         return self._text(held) if held else []

@@ -92,35 +92,35 @@ THOUGHT_AS_CONTENT = [_chunk({"content": "Need"}), _chunk({"content": " ls.</th"
 
 def test_thinking_sent_as_content_is_split_at_its_close_where_the_prompt_opened_it():
     """A replica without a reasoning parser (vLLM, SGLang started without one) sends the thinking a prompt opened
-    as content up to a bare </think>. Known to (in_content=True) the reader streams it as thinking at once; not yet
-    known (None) it holds the content back until the close shows, then says so (in_content); a reasoning field
+    as content up to a bare </think>. Known to ("content") the reader streams it as thinking at once; not yet
+    known ("unknown") it holds the content back until the close shows, then says so (shown); a reasoning field
     first, or no close before the end, and the content is the answer, as before."""
-    known = ChunkReader(GenParams(None), opens_think=True, in_content=True)
+    known = ChunkReader(GenParams(None), opens_think=True, reasoning="content")
     first = known.feed(THOUGHT_AS_CONTENT[0])
     assert first == [ThinkingDelta("Need")]  # streamed as it comes
     assert first + _read(known, THOUGHT_AS_CONTENT[1:]) == [ThinkingDelta("Need"), ThinkingDelta(" ls."),
                                                             TextDelta("Here"), TextDelta(" it is.")]
-    learning = ChunkReader(GenParams(None), opens_think=True, in_content=None)
+    learning = ChunkReader(GenParams(None), opens_think=True, reasoning="unknown")
     assert learning.feed(THOUGHT_AS_CONTENT[0]) == [] and learning.feed(THOUGHT_AS_CONTENT[1]) == []  # held back
     assert learning.feed(THOUGHT_AS_CONTENT[2]) == [ThinkingDelta("Need ls."), TextDelta("Here")]
-    assert _read(learning, THOUGHT_AS_CONTENT[3:]) == [TextDelta(" it is.")] and learning.in_content is True
-    parsed = ChunkReader(GenParams(None), opens_think=True, in_content=None)
+    assert _read(learning, THOUGHT_AS_CONTENT[3:]) == [TextDelta(" it is.")] and learning.shown == "content"
+    parsed = ChunkReader(GenParams(None), opens_think=True, reasoning="unknown")
     items = _read(parsed, [_chunk({"reasoning_content": "Need ls."}), _chunk({"content": "Here"}),
                            _chunk(finish="stop")])
-    assert items == [ThinkingDelta("Need ls."), TextDelta("Here")] and parsed.in_content is False
-    plain = ChunkReader(GenParams(None), opens_think=True, in_content=None)  # no thinking at all: text at the end
+    assert items == [ThinkingDelta("Need ls."), TextDelta("Here")] and parsed.shown == "parsed"
+    plain = ChunkReader(GenParams(None), opens_think=True, reasoning="unknown")  # no thinking at all: text at the end
     assert plain.feed(_chunk({"content": "Hi"})) == [] and plain.close() == [TextDelta("Hi")]
-    assert plain.in_content is None
-    calling = ChunkReader(GenParams(None), opens_think=True, in_content=None)  # ... or before a structured call
+    assert plain.shown is None
+    calling = ChunkReader(GenParams(None), opens_think=True, reasoning="unknown")  # ... or before a structured call
     items = _read(calling, [_chunk({"content": "Listing."}),
                             _chunk({"tool_calls": [{"index": 0, "function": {"name": "bash", "arguments": "{}"}}]})])
-    assert items == [TextDelta("Listing."), ToolCall(0, "bash", "{}")] and calling.in_content is None
-    changed = ChunkReader(GenParams(None), opens_think=True, in_content=True)  # the replica has a parser now
+    assert items == [TextDelta("Listing."), ToolCall(0, "bash", "{}")] and calling.shown is None
+    changed = ChunkReader(GenParams(None), opens_think=True, reasoning="content")  # the replica has a parser now
     items = _read(changed, [_chunk({"reasoning_content": "Need ls."}), _chunk({"content": "Here"})])
-    assert items == [ThinkingDelta("Need ls."), TextDelta("Here")] and changed.in_content is False
-    for reader in (ChunkReader(GenParams(None)), ChunkReader(GenParams(None), opens_think=False, in_content=True)):
+    assert items == [ThinkingDelta("Need ls."), TextDelta("Here")] and changed.shown == "parsed"
+    for reader in (ChunkReader(GenParams(None)), ChunkReader(GenParams(None), opens_think=False, reasoning="content")):
         # the parsed default, or a prompt that does not open the thinking: content is the answer, at once
-        assert reader.feed(THOUGHT_AS_CONTENT[0]) == [TextDelta("Need")] and reader.in_content is None
+        assert reader.feed(THOUGHT_AS_CONTENT[0]) == [TextDelta("Need")] and reader.shown is None
 
 
 def test_stop_sequences_unparsed_tool_calls_and_bad_arguments():
