@@ -1,0 +1,101 @@
+"""engine/bench/gpu_extend.sh end to end on this machine: the GPU box's python replaced by a stand-in that answers
+each bench process with a recorded `bench model` JSON (a box's), so the script's flow — the steps' status lines,
+the extend lines, the table over every process and the box cache it leaves — is checked without a GPU. The real
+extend_table runs on the files the stand-in wrote."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = ROOT / "docs/perf/2026-12-06-h100-s61-call2-default1"
+
+STAND_IN = """#!/usr/bin/env bash
+# python on the GPU box, as gpu_extend.sh calls it
+args="$*"
+case "$args" in
+  *"-m engine.bench.extend_table"*) exec "$REAL_PY" "$@" ;;
+  *"-m engine.bench.model"*)
+    echo "$args" >> "$CALLS"
+    [ "$(wc -l < "$CALLS")" = "${FAIL_RUN:-0}" ] && { echo "CUDA error" >&2; exit 3; }
+    while [ $# -gt 0 ]; do [ "$1" = "--json" ] && out=$2; shift; done
+    cp "$RECORDED.json" "$out"; cat "$RECORDED.txt" ;;
+  *"-m engine.bench.profile_decode"*) echo "profile" ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+@pytest.fixture()
+def box(tmp_path):
+    if shutil.which("bash") is None or shutil.which("timeout") is None:
+        pytest.skip("needs bash and coreutils' timeout")
+    # a checkout of its own (the engine package linked in): the script finds no box cache and no native build
+    # there, so it copies nothing into this checkout's native/
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "engine").symlink_to(ROOT / "engine")
+    py = tmp_path / "python"
+    py.write_text(STAND_IN)
+    py.chmod(0o755)
+    env = {**os.environ, "PY": str(py), "REAL_PY": sys.executable, "RECORDED": str(RECORDED),
+           "CALLS": str(tmp_path / "calls.txt"), "OUT": str(tmp_path / "out"),
+           "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PATH": os.environ.get("PATH", "")}
+    return tmp_path, env
+
+
+def _run(env: dict, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "engine/bench/gpu_extend.sh"], cwd=Path(env["OUT"]).parent / "repo",
+                          env={**env, **extra},
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_every_process_reaches_the_table_with_its_status(box):
+    tmp, env = box
+    done = _run(env, RUNS="3", ARGS="--cpu-join host")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = tmp / "out"
+    summary = (out / "summary.txt").read_text()
+    assert "build_native (kept) rc=0" in summary
+    for i in (1, 2, 3):
+        assert f"run{i} rc=0" in summary
+        assert f"run{i}: extend_256 " in summary
+        assert json.loads((out / f"run{i}.json").read_text())["rows"]
+    assert "run4" not in summary
+    assert "profile rc=0" in summary
+    calls = (tmp / "calls.txt").read_text().splitlines()
+    assert len(calls) == 3 and all("--router-zipf 1.0" in c and c.endswith("--cpu-join host --json " +
+                                                                             str(out / f"run{i}.json"))
+                                   for i, c in enumerate(calls, 1))
+    table = json.loads((out / "table.json").read_text())
+    assert [row["name"] for row in table["rows"]] == ["run1", "run2", "run3"]
+    assert table["past"] == 3  # the recorded process ran at 3.59x
+    assert "3 of 3" in summary  # the table's count, appended to the summary
+    assert (out / "box-cache.tgz").is_file()
+
+
+def test_a_deadline_too_short_for_a_process_runs_none_and_writes_no_table(box):
+    tmp, env = box
+    done = _run(env, DEADLINE="50")
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = (tmp / "out" / "summary.txt").read_text()
+    assert "rc=" in summary and "run1" not in summary and "profile" not in summary
+    assert not (tmp / "out" / "table.json").exists()
+
+
+def test_a_failed_process_is_named_and_the_table_covers_the_others(box):
+    tmp, env = box
+    done = _run(env, RUNS="3", FAIL_RUN="2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = tmp / "out"
+    summary = (out / "summary.txt").read_text()
+    assert "run1 rc=0" in summary and "run2 rc=3" in summary and "run3 rc=0" in summary
+    assert "CUDA error" in (out / "run2.log").read_text()
+    assert [row["name"] for row in json.loads((out / "table.json").read_text())["rows"]] == ["run1", "run3"]
+    assert "2 of 2" in summary
