@@ -20,6 +20,17 @@ from engine.scheduler import Sequence, Work
 SMALL_STEP = 128  # tokens: below this a CPU step runs single-threaded (see ModelRunner.__init__)
 
 
+def cpu_step_threads() -> int:
+    """Intra-op threads for a CPU engine's long steps: OMP_NUM_THREADS where the user set it, else every thread
+    torch would use but one. The proxy's event loop (and the replaying client in `killick demo`) shares the
+    process; where it takes a core from a step's OpenMP team, every op of the step waits for the preempted
+    worker at its barrier. On the 2-core dev box `killick demo`'s uncached prompts of 1.3-1.9k tokens took 0.8x
+    the time with 1 thread that they took with 2 (docs/PERF.md, "CPU steps beside the proxy")."""
+    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit():
+        return max(1, torch.get_num_threads())
+    return max(1, torch.get_num_threads() - 1)
+
+
 class StateCache(Protocol):
     """The prefix cache as the runner sees it (engine/cache/store.PrefixStore implements it)."""
 
@@ -52,8 +63,8 @@ class ModelRunner:
         self.overlap = model.device.type == "cuda" if overlap is None else overlap
         # On CPU, steps of a few tokens run on one intra-op thread: their ops are too small to split, and
         # torch's other threads only fight the proxy's event loop for the cores (a 40-token step took 2x
-        # as long on 2 threads next to a streaming proxy). Long prefill chunks get every thread.
-        self._cpu_threads = torch.get_num_threads() if self.model.device.type == "cpu" else 0
+        # as long on 2 threads next to a streaming proxy). Long prefill chunks get cpu_step_threads().
+        self._cpu_threads = cpu_step_threads() if self.model.device.type == "cpu" else 0
 
     def validate(self, req: GenerateRequest) -> None:
         bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
@@ -94,8 +105,10 @@ class ModelRunner:
         """Queue one step (forward, checkpoints, sampling) on the device; its tokens are read by tokens()."""
         # token ids stay host-side lists: the model moves them (a decode step reads them as ints)
         items = [(w.seq.tokens[w.start : w.end], self._states[w.seq.request_id]) for w in work]
-        if self._cpu_threads > 1:
-            torch.set_num_threads(self._cpu_threads if sum(w.end - w.start for w in work) >= SMALL_STEP else 1)
+        if self._cpu_threads:
+            threads = self._cpu_threads if sum(w.end - w.start for w in work) >= SMALL_STEP else 1
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         if self.cache is not None:
             for w, (_, state) in zip(work, items):
                 state.checkpoint_positions = w.checkpoint_positions  # snapshots inside the chunk, same pass

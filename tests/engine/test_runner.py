@@ -206,3 +206,35 @@ def test_a_turn_ended_by_a_stop_id_is_cached_through_that_token(engine):
     assert out1 == [] and f1.finish_reason == "stop"
     assert f2.usage.reused_tokens == len(turn1) + 1 and f2.usage.prefilled_tokens == 3
     assert out2 == engine.generate(turn2, max_new_tokens=4)
+
+
+def test_cpu_steps_take_one_thread_short_and_cpu_step_threads_long(engine_for, monkeypatch):
+    import engine.runner as runner_mod
+
+    eng = engine_for("qwen3_5_moe")
+    monkeypatch.setattr(runner_mod, "cpu_step_threads", lambda: 3)
+    seen, forward = [], eng.model.forward
+
+    def counting(items, *args, **kwargs):
+        seen.append((sum(len(t) for t, _ in items), torch.get_num_threads()))
+        return forward(items, *args, **kwargs)
+
+    monkeypatch.setattr(eng.model, "forward", counting)
+    prompt = prompts(eng.config.vocab_size, n=1)[0] * 40  # 200 tokens: one long step
+    with EngineCore(ModelRunner(eng.model), max_running=1, max_step_tokens=512) as core:
+        run_all(core, [GenerateRequest(prompt, 4)])
+    assert seen[0] == (len(prompt), 3)
+    assert seen[1:] and all(threads == 1 for tokens, threads in seen[1:] if tokens < runner_mod.SMALL_STEP)
+
+
+def test_cpu_step_threads_leave_a_core_unless_the_user_set_omp_threads(monkeypatch):
+    from engine.runner import cpu_step_threads
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cpu_step_threads() == 7
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert cpu_step_threads() == 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert cpu_step_threads() == 1
