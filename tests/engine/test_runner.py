@@ -8,7 +8,8 @@ import torch
 
 from engine.api import GenerateRequest, SamplingParams
 from engine.cache.store import PrefixStore
-from engine.runner import ModelRunner
+from engine import runner as runner_mod
+from engine.runner import ModelRunner, cpu_step_threads
 from engine.serving import EngineCore
 
 
@@ -209,8 +210,6 @@ def test_a_turn_ended_by_a_stop_id_is_cached_through_that_token(engine):
 
 
 def test_cpu_steps_take_one_thread_short_and_cpu_step_threads_long(engine_for, monkeypatch):
-    import engine.runner as runner_mod
-
     eng = engine_for("qwen3_5_moe")
     monkeypatch.setattr(runner_mod, "cpu_step_threads", lambda: 3)
     seen, forward = [], eng.model.forward
@@ -228,8 +227,6 @@ def test_cpu_steps_take_one_thread_short_and_cpu_step_threads_long(engine_for, m
 
 
 def test_cpu_step_threads_leave_a_core_unless_the_user_set_omp_threads(monkeypatch):
-    from engine.runner import cpu_step_threads
-
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cpu_step_threads() == 7
