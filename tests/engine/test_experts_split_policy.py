@@ -170,9 +170,8 @@ def test_share_search_is_not_moved_by_a_steady_drift():
     from engine.experts.policy import ShareSearch
 
     search = ShareSearch(0.5)
-    share = search.share
     for k in range(400):
-        share = search.observe(4e-3 * 0.99 ** k, rows=1)
+        search.observe(4e-3 * 0.99 ** k, rows=1)
     assert search.moves == 0 and search.best == 0.5
 
 

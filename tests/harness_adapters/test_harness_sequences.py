@@ -192,6 +192,7 @@ def test_openclaw_tail_replacement_resumes_at_the_replaced_message():
     headers = {"user-agent": "openclaw/2026.9"}
     marker = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
     history = (system("You are OpenClaw."), user("check the build"))
+    prev_tail = None
     for k in range(5):
         conv = Conversation(history + (user(f"{marker}\nclock={k}\n<<<END>>>"),), TOOLS)
         reply = assistant("", thinking=f"t{k}", calls=call(k))
