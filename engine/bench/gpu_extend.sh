@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # One GPU-box call for the extend line: a 256-token extend after a cached 8k prompt (8 layers at the
-# Qwen3.6-35B-A3B widths, 37.5% of the experts in device slots, hybrid, Zipf 1.0 routers), each process a fresh
-# cache with its own B_P, as many processes as RUNS (default 6) and DEADLINE (seconds, default 420) allow; then
-# profile_decode's extend (where its time goes) if 60 s are left; then the table of every process against the line
-# (engine/bench/extend_table.py: table.md, table.json).
+# Qwen3.6-35B-A3B widths, 37.5% of the experts in device slots, hybrid, Zipf 1.0 routers unless ZIPF says), each
+# process a fresh cache with its own B_P, as many processes as RUNS (default 6) and DEADLINE (seconds, default 420)
+# allow; then profile_decode's extend (where its time goes) if 60 s are left; then the table of every process
+# against the line (engine/bench/extend_table.py: table.md, table.json).
 # Run from the repo root on the GPU box with .whl/ (fla-core, einops) and, from an earlier call, .box-cache.tgz
 # and .box-cache-triton.tgz (gpu_prelude.sh):
 #     OUT=/some/dir bash engine/bench/gpu_extend.sh
 #     TESTS=1 ...       first the CUDA expert and kernel tests and the native runner's (~50 s)
 #     ARGS="..." ...    more bench model flags for every process (an arm: --extend-idle-ms 300, --cpu-join host)
 #     PACK=FILE ...     also keeps FILE, a tarball of OUT, fresh every 15 s (see gpu_prelude.sh)
+#     ZIPF=A ...        the routers' Zipf exponent (default 1.0); ZIPF= (empty) routes uniformly
 # Results under $OUT: summary.txt (each step with its rc and the second it ended, the extend lines, the table),
 # run{N}.{txt,json,log}, profile.{txt,json}, table.{md,json}, pytest.txt.
 DEADLINE=${DEADLINE:-420}
+ZIPF=${ZIPF-1.0}
 source engine/bench/gpu_prelude.sh
 S="$OUT/summary.txt"
 build_native
@@ -23,7 +25,7 @@ if [ -n "${TESTS:-}" ]; then
     status pytest $?; tail -1 "$OUT/pytest.txt" >> "$S"
 fi
 EXT="--synthetic qwen3.6-35b-a3b --layers 8 --batches 1 --moe-slots 37.5% --moe-backend hybrid --steps 8 --warmup 8
-     --prefill-runs 1 --extend-runs 5 --router-zipf 1.0"
+     --prefill-runs 1 --extend-runs 5 ${ZIPF:+--router-zipf $ZIPF}"
 # a process takes ~25-35 s once the kernels are compiled; the first on a box without the Triton cache compiles and
 # autotunes them all (past 80 s more)
 limit=90; [ -f .box-cache-triton.tgz ] || limit=200
@@ -38,7 +40,7 @@ for i in $(seq 1 "${RUNS:-6}"); do
 done
 if [ "$(left)" -gt 60 ]; then
     timeout -s ABRT "$(upto 80)" $PY -X faulthandler -m engine.bench.profile_decode --layers 8 --moe-backend hybrid \
-        --moe-slots 37.5% --router-zipf 1.0 --prefill 8192 --extend 256 --json "$OUT/profile.json" \
+        --moe-slots 37.5% ${ZIPF:+--router-zipf $ZIPF} --prefill 8192 --extend 256 --json "$OUT/profile.json" \
         > "$OUT/profile.txt" 2> "$OUT/profile.log"
     status profile $?
 fi

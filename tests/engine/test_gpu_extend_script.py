@@ -79,6 +79,15 @@ def test_every_process_reaches_the_table_with_its_status(box):
     assert (out / "box-cache.tgz").is_file()
 
 
+def test_zipf_empty_routes_uniformly_and_a_value_is_passed_on(box):
+    out, _ = _run(box, RUNS="1", ZIPF="")
+    calls = (out.parent / "calls.txt").read_text().splitlines()
+    assert len(calls) == 1 and "--router-zipf" not in calls[0] and "--moe-slots 37.5%" in calls[0]
+    (out.parent / "calls.txt").unlink()
+    out, _ = _run(box, RUNS="1", ZIPF="0.8")
+    assert "--router-zipf 0.8 " in (out.parent / "calls.txt").read_text()
+
+
 def test_a_deadline_too_short_for_a_process_runs_none_and_writes_no_table(box):
     out, summary = _run(box, DEADLINE="50")
     assert "build_native (kept) rc=0" in summary and "run1" not in summary and "profile" not in summary
