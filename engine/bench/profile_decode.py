@@ -246,7 +246,7 @@ def _extend(model, args, sync, g) -> dict:
     vocab = model.config.vocab_size
 
     experts = model.experts if hasattr(model.experts, "call_log") else None  # an expert cache's layer calls
-    layer_calls: list = []  # the last logged extend's (OffloadBackend.call_log)
+    layer_calls: list = []  # each timed extend's (OffloadBackend.call_log)
 
     def once(wrap=None, log: bool = False) -> float:
         st = model.new_state(args.prefill + args.extend + 8)
@@ -265,7 +265,8 @@ def _extend(model, args, sync, g) -> dict:
         sync()
         wall = time.perf_counter() - t
         if log and experts is not None:
-            layer_calls[:], experts.call_log = experts.call_log, None
+            layer_calls.append(experts.call_log)
+            experts.call_log = None
         _release(st)
         return wall
 
@@ -305,8 +306,8 @@ def _extend(model, args, sync, g) -> dict:
     if policy:
         print("\nas the timed extends began:")
         print_split(policy)
-    if layer_calls:
-        _print_calls(layer_calls)
+    for k, calls in enumerate(layer_calls, 1):
+        _print_calls(calls, f"timed extend {k} of {len(layer_calls)}")
     print(f"{'gap start (ms)':>14}{'length':>8}  the engine thread's ops inside it (ms)")
     for gap in gaps["gaps"][:60]:
         ops = ", ".join(f"{n} {ms:.2f}" for n, ms in gap["ops"][:5])
@@ -322,21 +323,24 @@ def _extend(model, args, sync, g) -> dict:
         for site, n in syncs.sites():
             print(f"{site[:71]:<72}{n:>7}")
     return {"tokens": args.extend, "after": args.prefill, "walls_ms": walls_ms, "profiled_ms": profiled_wall * 1e3,
-            "cprofile_ms": cprofile_wall * 1e3, "layer_calls": [c._asdict() for c in layer_calls],
+            "cprofile_ms": cprofile_wall * 1e3,
+            "layer_calls": [c._asdict() for c in layer_calls[-1]] if layer_calls else [],
+            "layer_calls_runs": [[c._asdict() for c in calls] for calls in layer_calls],
             "prompt_buckets": buckets, "policy_at_start": policy,
             "compute_stream": gaps, "kernels": kernels, "functions_own": own,
             "functions_cumulative": cumulative, "syncs": syncs.sites()}
 
 
-def _print_calls(calls) -> None:
-    """The last timed extend's MoE layer calls (OffloadBackend.call_log): what each planned, and when (ms from the
-    call's start, which is ms from the first call's start) its routing came back, its split was made, its CPU job
-    ran, the engine thread had the job's result and the call returned; then how long the CPU sat idle between its
-    jobs (a copy engine behind on copies ahead, or a device behind on the layers between, keeps it waiting)."""
-    print("\nthe last timed extend's MoE layer calls (ms; 'unread': every expert in a slot, routing not read back; "
+def _print_calls(calls, which: str = "the last timed extend") -> None:
+    """An extend's MoE layer calls (OffloadBackend.call_log): what each planned, and when (ms from the call's start,
+    which is ms from the first call's start) its routing came back, its split was made, its CPU job ran, its hits and
+    fills were queued on the device ('ran'), then the next layer's copies ahead ('queued'), the engine thread had the
+    job's result and the call returned; then how long the CPU sat idle between its jobs (a copy engine behind on
+    copies ahead, or a device behind on the layers between, keeps it waiting)."""
+    print(f"\n{which}: its MoE layer calls (ms; 'unread': every expert in a slot, routing not read back; "
           "'joined': the CPU job joined on the device, its 'woke' when the engine thread collected it)")
     head = ("layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "behind", "handoff", "routed",
-            "planned", "cpu at", "cpu run", "waited", "woke", "end")
+            "planned", "cpu at", "cpu run", "waited", "ran", "queued", "woke", "end")
     print("".join(f"{h:>8}" for h in head))
     t0 = calls[0].at
     at = lambda ms: f"{ms:>8.2f}" if ms >= 0 else f"{'-':>8}"  # noqa: E731
@@ -345,7 +349,7 @@ def _print_calls(calls) -> None:
                else f"{'-':>8}" * 3)
         print(f"{c.layer:>8}{c.kind:>8}{(c.at - t0) * 1e3:>8.2f}{c.hits:>8}{c.misses:>8}{c.fills:>8}{c.cpu:>8}"
               f"{c.ahead:>8}{c.behind:>8}{c.handoff_ms:>8.2f}{at(c.routed_ms)}{at(c.planned_ms)}{cpu}"
-              f"{at(c.woke_ms)}{c.end_ms:>8.2f}")
+              f"{at(c.ran_ms)}{at(c.queued_ms)}{at(c.woke_ms)}{c.end_ms:>8.2f}")
     jobs = [((c.at - t0) * 1e3 + c.cpu_start_ms, c.cpu_ms) for c in calls if c.cpu_start_ms >= 0]
     if jobs:
         span = jobs[-1][0] + jobs[-1][1] - jobs[0][0]

@@ -91,11 +91,12 @@ class CallTiming:
     def _log_call(self, layer: int, kind: str, t_in: float, hits: int, misses: int, fills: int, cpu: int,
                   ahead: int, behind: int, routed_at: float | None = None, started: float | None = None,
                   seconds: float | None = None, waited: float | None = None, planned: float | None = None,
-                  woke: float | None = None) -> None:
+                  woke: float | None = None, ran: float | None = None, queued: float | None = None) -> None:
         ms = functools.partial(_ms_after, t_in)
         self.call_log.append(LayerCall(layer, kind, hits, misses, fills, cpu, ahead, behind, self.handoff * 1e3,
                                        t_in, ms(routed_at), ms(started), (seconds or 0.0) * 1e3,
-                                       (waited or 0.0) * 1e3, ms(time.perf_counter()), ms(planned), ms(woke)))
+                                       (waited or 0.0) * 1e3, ms(time.perf_counter()), ms(planned), ms(woke),
+                                       ms(ran), ms(queued)))
 
     def _log_joined_job(self, entry: int | None, started: float, seconds: float) -> None:
         """Call log entry `entry` (a joined call's, written as it returned; None: no log) given its CPU job's start

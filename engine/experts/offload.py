@@ -232,7 +232,8 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         pending = self.cpu_jobs.start(layer, x, routing, plan.on_cpu, raise_flag=join)
         self._count_looked(layer, routing.experts)  # (counts alone: after the CPU's job is under way)
         self._observe_touch(layer, routing.experts, x.shape[0])
-        self._queue_device(layer, x, y, routing, topk_ids, plan, pending is not None, streaming)
+        ran = self._queue_device(layer, x, y, routing, topk_ids, plan, pending is not None, streaming)
+        queued = time.perf_counter()
         cpu = self._join_cpu(layer, pending, y, routing, plan, routed_at) if join and pending is not None \
             else self._collect_cpu(layer, pending, y, routing, plan, routed_at)
         self._unlock()
@@ -242,7 +243,8 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         if self.call_log is not None:
             self._log_call(layer, "joined" if cpu.joined else "routed", t_in, len(plan.hits), len(plan.misses),
                            len(plan.fills), len(plan.on_cpu), len(self._looked.get(plan.ahead[0], ())) if plan.ahead
-                           else 0, plan.behind, routed_at, cpu.started, cpu.seconds, cpu.waited, planned, cpu.woke)
+                           else 0, plan.behind, routed_at, cpu.started, cpu.seconds, cpu.waited, planned, cpu.woke,
+                           ran, queued)
         return out
 
     # --- a layer call's steps, in forward's order
@@ -303,9 +305,9 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         return CallPlan(hit.tolist(), hit_slots, misses, misses[:q], misses[q:], ahead, behind)
 
     def _queue_device(self, layer: int, x: torch.Tensor, y: torch.Tensor, routing: Routing, topk_ids: torch.Tensor,
-                      plan: CallPlan, with_cpu: bool, streaming: bool) -> None:
+                      plan: CallPlan, with_cpu: bool, streaming: bool) -> float:
         """The device's share of a routed call, queued while its CPU job runs: hits and fills into y
-        (DeviceRuns._run_device), then the next layer's copies ahead."""
+        (DeviceRuns._run_device), then the next layer's copies ahead. -> perf_counter between the two."""
         read = self.cache.mark() if plan.ahead else None  # the last reader of an unlocked slot is queued before this...
         if not streaming:
             # hits may sit in slots that copies still in flight fill (the last layer's copies ahead). Waited for
@@ -314,8 +316,10 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
             self.cache.ready()
         in_rounds = self._run_device(layer, x, y, routing, plan.hit_slots.tolist(), plan.hits, plan.fills, with_cpu,
                                      topk_ids)
+        ran = time.perf_counter()
         if plan.ahead and len(plan.ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
             self._copy_ahead(*plan.ahead, with_cpu=with_cpu, after=None if in_rounds else read, then=not in_rounds)
+        return ran
 
     def _unlock(self) -> None:
         self.cache.table.unlock_all()

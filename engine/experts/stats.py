@@ -79,6 +79,8 @@ class LayerCall(NamedTuple):
     end_ms: float  # when the call returned
     planned_ms: float = -1.0  # when its split was made, the CPU job about to start (-1: unread)
     woke_ms: float = -1.0  # when the engine thread had the CPU job's result (-1: none)
+    ran_ms: float = -1.0  # when the device's hits and fills were queued (-1: unread)
+    queued_ms: float = -1.0  # when the next layer's copies ahead were queued too (-1: unread)
 
 
 class CpuWait(NamedTuple):

@@ -117,6 +117,9 @@ def test_copies_ahead_leave_the_cpu_more_behind_copies_in_flight(pool):
     b.close()
     assert seen and set(seen) == {7}
     assert b.call_log and {c.behind for c in b.call_log} == {7}  # the layer-call log shows what the plan counted
+    for c in b.call_log:  # the host's steps in their order, in ms from the call's start
+        if c.kind != "unread":
+            assert 0 <= c.routed_ms <= c.planned_ms <= c.ran_ms <= c.queued_ms <= c.end_ms
 
 
 @pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
