@@ -26,6 +26,12 @@ from engine.experts.stats import LayerCall
 # samples each part of the estimate keeps: their median, so one outlier (a kernel compiled or a graph captured
 # between two MoE layers: 325 ms once, H200 box) moves nothing, and a new regime takes over in half a window
 HANDOFF_WINDOW = 9
+# a device gap is left out where the host took longer than this between the two MoE layer calls: the device then
+# waited for the host (kernels compiled, autotuned or captured between them), which no later forward repeats. An
+# extend's whole first forward did (H100 box, profile_decode: an estimate of 21-27 ms from the untimed extend
+# before, which had the next extend copy 133-229 experts ahead where 73-80 went in the others, and its CPU idle
+# 37-56 ms); the host's own time between two MoE calls is ~1-1.5 ms there
+HOST_STALL_S = 0.010
 
 
 class HandoffClock:
@@ -36,12 +42,13 @@ class HandoffClock:
     whether it is done, elapsed_time(later) in ms, as torch.cuda.Event), None where the device's work is in line
     with the host's (a CPU device: nothing to time)."""
 
-    def __init__(self, event: Callable[[], object] | None = None) -> None:
-        self.event = event
+    def __init__(self, event: Callable[[], object] | None = None, now: Callable[[], float] = time.perf_counter
+                 ) -> None:
+        self.event, self.now = event, now
         self.seconds = 0.0
         self._device: deque[float] = deque(maxlen=HANDOFF_WINDOW)
         self._host: deque[float] = deque(maxlen=HANDOFF_WINDOW)
-        self._last_exit = None  # (pool row, event after that MoE layer call) in this forward
+        self._last_exit = None  # (pool row, event after that MoE layer call, host time then) in this forward
         self._gaps: list = []  # (event, event): the device's time between two MoE layer calls, not yet read
 
     def begin(self) -> None:
@@ -49,16 +56,17 @@ class HandoffClock:
         self._last_exit = None
 
     def enter(self, row: int) -> None:
-        """The MoE layer call of pool row `row` begins: the device's time since row - 1's call ended is a gap."""
+        """The MoE layer call of pool row `row` begins: the device's time since row - 1's call ended is a gap,
+        unless the host took longer than HOST_STALL_S between the two."""
         if self.event is None:
             return
         last, self._last_exit = self._last_exit, None
-        if last is not None and last[0] == row - 1:
+        if last is not None and last[0] == row - 1 and self.now() - last[2] <= HOST_STALL_S:
             self._gaps.append((last[1], self.event()))
 
     def exit(self, row: int) -> None:
         if self.event is not None:
-            self._last_exit = (row, self.event())
+            self._last_exit = (row, self.event(), self.now())
 
     def read_gaps(self) -> None:
         """Take in the gaps whose events are done (after a read-back that waited for the device, all of them)."""

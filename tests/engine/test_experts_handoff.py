@@ -4,7 +4,7 @@ from statistics import median
 
 import pytest
 
-from engine.experts.handoff import HANDOFF_WINDOW, HandoffClock
+from engine.experts.handoff import HANDOFF_WINDOW, HOST_STALL_S, HandoffClock
 
 
 class FakeEvent:
@@ -104,3 +104,20 @@ def test_a_gap_still_running_is_read_once_done():
     assert clock.seconds == pytest.approx(0.003)
     clock.observe(0.0)
     assert clock.seconds == pytest.approx(0.003)
+
+
+def test_a_gap_the_host_held_up_is_left_out():
+    """Where the host took longer than HOST_STALL_S between two MoE layer calls (kernels compiled or captured in a
+    forward's first run at a size), the device waited for it: that gap is no sample, the others are."""
+    dev, host = FakeDevice(), [0.0]
+    clock = HandoffClock(dev.event, now=lambda: host[0])
+    clock.begin()
+    for row in range(HANDOFF_WINDOW):
+        stalled = row % 2 == 1
+        host[0] += 2 * HOST_STALL_S if stalled else HOST_STALL_S / 10
+        dev.queued += 0.030 if stalled else 0.001
+        clock.enter(row)
+        dev.now = dev.queued
+        clock.read_gaps()
+        clock.exit(row)
+    assert clock.seconds == pytest.approx(0.001)  # four gaps of 1 ms; with the stalled four the median were 15.5
