@@ -37,10 +37,11 @@ HOST_STALL_S = 0.010
 class HandoffClock:
     """`seconds`: the handoff's running estimate, the sum of two parts, each the median of its last HANDOFF_WINDOW
     samples: the device's time between two consecutive MoE layer calls, from a pair of timing events around it
-    (every such pair, whether the calls were routed or ran wholly resident), and the host's time from a routed
-    call's routing to its CPU job. event: () -> a timing event recorded now on the device's stream (query()
-    whether it is done, elapsed_time(later) in ms, as torch.cuda.Event), None where the device's work is in line
-    with the host's (a CPU device: nothing to time)."""
+    (every such pair, whether the calls were routed or ran wholly resident, unless the host held the device up
+    between them: HOST_STALL_S), and the host's time from a routed call's routing to its CPU job. event: () -> a
+    timing event recorded now on the device's stream (query() whether it is done, elapsed_time(later) in ms, as
+    torch.cuda.Event), None where the device's work is in line with the host's (a CPU device: nothing to time);
+    now: the host's clock (seconds)."""
 
     def __init__(self, event: Callable[[], object] | None = None, now: Callable[[], float] = time.perf_counter
                  ) -> None:
