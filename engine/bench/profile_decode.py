@@ -331,7 +331,7 @@ def _extend(model, args, sync, g) -> dict:
             "functions_cumulative": cumulative, "syncs": syncs.sites()}
 
 
-def _print_calls(calls, which: str = "the last timed extend") -> None:
+def _print_calls(calls, which: str) -> None:
     """An extend's MoE layer calls (OffloadBackend.call_log): what each planned, and when (ms from the call's start,
     which is ms from the first call's start) its routing came back, its split was made, its CPU job ran, its hits and
     fills were queued on the device ('ran'), then the next layer's copies ahead ('queued'), the engine thread had the
