@@ -23,15 +23,19 @@ class FakeEvent:
 class FakeDevice:
     def __init__(self):
         self.now, self.queued = 0.0, 0.0  # the device's clock; where its queued work ends
+        self.host = 0.0  # the host's clock: still unless a test moves it (a loaded machine's pauses are no stalls)
 
     def event(self):
         return FakeEvent(self, self.queued)
+
+    def host_now(self):
+        return self.host
 
 
 def test_gaps_between_consecutive_moe_layers_count_with_the_hosts_time():
     """The estimate: the median of the last HANDOFF_WINDOW device gaps plus that of the last host times."""
     dev = FakeDevice()
-    clock = HandoffClock(dev.event)
+    clock = HandoffClock(dev.event, dev.host_now)
     clock.begin()
     rng = random.Random()
     gaps, hosts = [], []
@@ -56,7 +60,7 @@ def test_one_long_gap_moves_nothing_and_a_first_one_goes_with_the_next_two():
     later, the median leaves it out; first, it goes once the shorter gaps are the samples' majority."""
     for first in (True, False):
         dev = FakeDevice()
-        clock = HandoffClock(dev.event)
+        clock = HandoffClock(dev.event, dev.host_now)
         clock.begin()
         for row in range(2 * HANDOFF_WINDOW):
             long = row == (1 if first else HANDOFF_WINDOW)
@@ -72,7 +76,7 @@ def test_one_long_gap_moves_nothing_and_a_first_one_goes_with_the_next_two():
 
 def test_no_gap_across_a_skipped_layer_a_new_forward_or_without_events():
     dev = FakeDevice()
-    clock = HandoffClock(dev.event)
+    clock = HandoffClock(dev.event, dev.host_now)
     clock.begin()
     clock.enter(0)
     clock.exit(0)
@@ -91,7 +95,7 @@ def test_no_gap_across_a_skipped_layer_a_new_forward_or_without_events():
 
 def test_a_gap_still_running_is_read_once_done():
     dev = FakeDevice()
-    clock = HandoffClock(dev.event)
+    clock = HandoffClock(dev.event, dev.host_now)
     clock.enter(0)
     clock.exit(0)
     dev.queued = 0.003
@@ -109,12 +113,12 @@ def test_a_gap_still_running_is_read_once_done():
 def test_a_gap_the_host_held_up_is_left_out():
     """Where the host took longer than HOST_STALL_S between two MoE layer calls (kernels compiled or captured in a
     forward's first run at a size), the device waited for it: that gap is no sample, the others are."""
-    dev, host = FakeDevice(), [0.0]
-    clock = HandoffClock(dev.event, now=lambda: host[0])
+    dev = FakeDevice()
+    clock = HandoffClock(dev.event, dev.host_now)
     clock.begin()
     for row in range(HANDOFF_WINDOW):
         stalled = row % 2 == 1
-        host[0] += 2 * HOST_STALL_S if stalled else HOST_STALL_S / 10
+        dev.host += 2 * HOST_STALL_S if stalled else HOST_STALL_S / 10
         dev.queued += 0.030 if stalled else 0.001
         clock.enter(row)
         dev.now = dev.queued
