@@ -294,7 +294,8 @@ def test_bench_model_refuses_a_decode_window_it_cannot_time(capsys):
 def test_profile_decode_runs_a_prompts_cpu_experts_on_the_workers_serve_would(monkeypatch, capsys, tmp_path):
     """profile_decode sets the CPU expert runner up as serve and bench model do (--expert-threads,
     --prompt-expert-threads; else engine/build.py's defaults), not at torch's thread count, so its extend's layer
-    log is the served extend's; --router-zipf skews the synthetic routers as bench model's does."""
+    log is the served extend's; --router-zipf skews the synthetic routers as bench model's does; each timed
+    extend's wall is kept in run order."""
     from engine import synth
     from engine.bench import profile_decode
     from engine.experts import cpu_runner
@@ -306,12 +307,18 @@ def test_profile_decode_runs_a_prompts_cpu_experts_on_the_workers_serve_would(mo
     out = tmp_path / "p.json"
     assert profile_decode.main(["--device", "cpu", "--synthetic", "tiny", "--layers", "2", "--moe-backend", "hybrid",
                                 "--moe-slots", "50%", "--router-zipf", "1.0", "--prefill", "64", "--extend", "32",
-                                "--extend-runs", "1", "--steps", "2", "--expert-threads", "1",
+                                "--extend-runs", "2", "--steps", "2", "--expert-threads", "1",
                                 "--prompt-expert-threads", "2", "--json", str(out)]) == 0
     assert cpu_runner.expert_threads() == 1 and cpu_runner.prompt_threads() == 2
     assert skewed == [1.0]
-    assert json.loads(out.read_text())["extend"]["tokens"] == 32
-    assert "extend 32 tokens after a cached 64" in capsys.readouterr().out
+    ext = json.loads(out.read_text())["extend"]
+    assert ext["tokens"] == 32 and len(ext["walls_ms"]) == len(ext["layer_calls_runs"]) == 2
+    text = capsys.readouterr().out
+    assert "extend 32 tokens after a cached 64" in text
+    # the walls in run order, each beside its extend's layer calls
+    for k, wall in enumerate(ext["walls_ms"], 1):
+        assert f"timed extend {k} of 2 ({wall:.1f} ms): its MoE layer calls" in text
+    assert f"median of {ext['walls_ms'][0]:.1f}, {ext['walls_ms'][1]:.1f}, in run order" in text
 
 
 def test_a_synthetic_size_no_bench_knows_is_one_usage_line(capsys):
