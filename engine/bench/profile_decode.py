@@ -291,8 +291,9 @@ def _extend(model, args, sync, g) -> dict:
     own = [r[:4] for r in sorted(funcs, key=lambda r: -r[2])[:25]]
     cumulative = [r[:4] for r in sorted((r for r in funcs if r[4]), key=lambda r: -r[3])[:25]]
     walls_ms = [w * 1e3 for w in walls]  # in run order: a slow first one shows what it learnt from the untimed one
-    print(f"\nextend {args.extend} tokens after a cached {args.prefill}: wall {sorted(walls_ms)[len(walls_ms) // 2]:.1f} "
-          f"ms (median of {', '.join(f'{w:.1f}' for w in walls_ms)}, in run order); under the profiler "
+    median = sorted(walls_ms)[len(walls_ms) // 2]
+    print(f"\nextend {args.extend} tokens after a cached {args.prefill}: wall {median:.1f} ms "
+          f"(median of {', '.join(f'{w:.1f}' for w in walls_ms)}, in run order); under the profiler "
           f"{profiled_wall * 1e3:.1f} ms, under cProfile {cprofile_wall * 1e3:.1f}")
     print(f"compute stream: busy {gaps['busy_ms']:.1f} ms of {gaps['span_ms']:.1f} from its first kernel to its last; "
           f"idle {gaps['idle_ms']:.1f} ms in {len(gaps['gaps'])} gaps of {GAP_US} us or more; every stream busy "
