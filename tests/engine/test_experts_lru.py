@@ -119,8 +119,9 @@ def test_assign_keeps_table_consistent(uses, num_slots):
 
 def test_victims_prefer_free_then_oldest_and_skip_locked():
     t = SlotTable(1, 8, 4)
-    t.tick(); t.assign(0, 0, 0)
-    t.tick(); t.assign(1, 0, 1)
+    for e in range(2):
+        t.tick()
+        t.assign(e, 0, e)
     t.lock([0])
     assert t.victims(3).tolist() == [2, 3, 1]
     assert t.victims(2, lo=1, hi=3).tolist() == [2, 1]
@@ -129,8 +130,11 @@ def test_victims_prefer_free_then_oldest_and_skip_locked():
 def test_resize_keeps_the_hottest_under_lfu():
     t = SlotTable(1, 8, 4, policy="lfu")
     for e in range(4):
-        t.tick(); t.note_use(0, [e] * 1); t.assign(e, 0, e)
-    t.note_use(0, [1]); t.note_use(0, [1]); t.note_use(0, [2])
+        t.tick()
+        t.note_use(0, [e])
+        t.assign(e, 0, e)
+    for e in (1, 1, 2):  # experts 1 and 2 are used most
+        t.note_use(0, [e])
     t.apply_resize(2, t.plan_resize(2))
     assert sorted(np.flatnonzero(t.resident[0] != EMPTY).tolist()) == [1, 2]
 
@@ -138,8 +142,10 @@ def test_resize_keeps_the_hottest_under_lfu():
 def test_resize_keeps_most_recent():
     t = SlotTable(1, 8, 4)
     for e in range(4):
-        t.tick(); t.assign(e, 0, e)
-    t.tick(); t.touch([0])  # expert 0 is now the newest
+        t.tick()
+        t.assign(e, 0, e)
+    t.tick()
+    t.touch([0])  # expert 0 is now the newest
     moves = t.plan_resize(2)
     t.apply_resize(2, moves)
     assert sorted(t.resident[0][t.resident[0] != EMPTY].tolist()) == [0, 1]
