@@ -38,9 +38,12 @@ def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
                          "6, at most this machine's cores)")
     ap.add_argument("--backends", type=_names(SLOT_BACKENDS), default=list(SLOT_BACKENDS),
                     help=f"comma-separated, of {','.join(SLOT_BACKENDS)} (default all)")
-    ap.add_argument("--steps", type=at_least(1), default=32)
-    ap.add_argument("--warmup", type=at_least(0), default=40)
-    ap.add_argument("--prefill-tokens", type=at_least(0), default=8192)
+    ap.add_argument("--steps", type=at_least(1), default=32, help="timed decode steps a run (default 32)")
+    ap.add_argument("--warmup", type=at_least(0), default=40,
+                    help="untimed decode steps before each slot run (none in the all-resident row), at most "
+                         "2 x slots / (top-k x layers) + 2 (default 40)")
+    ap.add_argument("--prefill-tokens", type=at_least(0), default=8192,
+                    help="prompt of the two prefill rows, streamed and on demand (default 8192)")
     ap.add_argument("--warm-prefill", type=at_least(0), default=1024,
                     help="prompt tokens prefilled before each decode run (0: start from an empty cache)")
     ap.add_argument("--routing", default="uniform", help="uniform and/or zipf, comma-separated")
@@ -48,7 +51,7 @@ def add_decode_arguments(ap: argparse.ArgumentParser) -> None:
                     help="keep the fill/CPU split at the measured profile (no running rates, no exploring)")
     ap.add_argument("--slot-policy", default="lfu", choices=["lfu", "lru"],
                     help="which cached expert a fill evicts (default lfu, as serve)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="also write every run's figures here")
 
 
 def split_decode_lists(args: argparse.Namespace) -> argparse.Namespace:
