@@ -82,11 +82,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=at_least(1), default=8,
                    help="decode steps before timing, at least 1: the first token is the prompt's (default 8)")
     p.add_argument("--prompt", type=at_least(1), default=64, help="prompt tokens of each decode request (default 64)")
-    p.add_argument("--prefill", type=at_least(0), default=8192, help="tokens of the long prompt (default 8192; 0: skip)")
+    p.add_argument("--prefill", type=at_least(0), default=8192,
+                   help="tokens of the long prompt (default 8192; 0: skip)")
     p.add_argument("--prefill-runs", type=at_least(1), default=3,
                    help="fresh long prompts timed after a warm-up one (and two extends of it); the row is their "
                         "median (default 3)")
-    p.add_argument("--extend", type=at_least(1), default=256, help="tokens appended after the cached prompt (default 256)")
+    p.add_argument("--extend", type=at_least(1), default=256,
+                   help="tokens appended after the cached prompt (default 256)")
     p.add_argument("--extend-runs", type=at_least(1), default=1,
                    help="extends timed, each after a long prompt of its own (the first after the last timed one, "
                         "the others after an untimed one); the row is their median (default 1)")
@@ -98,7 +100,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts of the text `python -m engine.bench.serve` sends, tokenized with the checkpoint's "
                         "tokenizer (--model DIR), instead of uniform random ids: experts routed as a serve "
                         "request's are, for comparing the two (default: random ids)")
-    p.add_argument("--max-step-tokens", type=at_least(1), help="prefill chunk (default: the serve default for the device)")
+    p.add_argument("--max-step-tokens", type=at_least(1),
+                   help="prefill chunk (default: the serve default for the device)")
     p.add_argument("--eager", action="store_true", help="the eager reference path instead of the fast one")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="read each decode step's tokens before queuing the next (as serve --no-overlap)")

@@ -120,6 +120,7 @@ def test_a_recorded_namespaced_call_replays_under_the_name_the_model_wrote():
 
     output = [{"type": "function_call", "call_id": "c1", "name": "close_agent", "namespace": "multi_agent_v1",
                "arguments": '{"target": "a1"}'},
-              {"type": "custom_tool_call", "call_id": "c2", "name": "patch", "namespace": "multi_agent_v1", "input": "x"}]
+              {"type": "custom_tool_call", "call_id": "c2", "name": "patch", "namespace": "multi_agent_v1",
+               "input": "x"}]
     reply = reply_from_response("/v1/responses", {"output": output})
     assert [name for name, _ in reply.tool_calls] == ["multi_agent_v1__close_agent", "multi_agent_v1__patch"]
