@@ -76,7 +76,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="synthetic model only: routers skewed so expert popularity follows a Zipf law of this "
                         "exponent (the weights `llama_cpp.sh --router-zipf` converts; default: off)")
     p.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="weights and activations (default bfloat16)")
     p.add_argument("--batches", type=_counts, default=[1, 4, 8], help="decode batch sizes (default 1,4,8)")
     p.add_argument("--steps", type=at_least(1), default=64, help="timed decode steps per batch size (default 64)")
     p.add_argument("--warmup", type=at_least(1), default=8,

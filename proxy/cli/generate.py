@@ -13,11 +13,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens to generate (default 64)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as-is, without the chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="makes sampling repeatable (default: none, each run draws anew)")
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations (default float32; bfloat16 on a GPU halves the memory)")
 
 
 def run(args: argparse.Namespace) -> int:

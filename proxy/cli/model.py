@@ -9,11 +9,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     s = sub.add_parser("synth", help="write a seeded random checkpoint (qwen3_5_moe or qwen3_moe)")
     s.add_argument("out", help="output directory")
-    s.add_argument("--arch", default="qwen3_5_moe", choices=["qwen3_5_moe", "qwen3_moe"])
+    s.add_argument("--arch", default="qwen3_5_moe", choices=["qwen3_5_moe", "qwen3_moe"],
+                   help="qwen3_5_moe: DeltaNet + gated attention + MoE (default); qwen3_moe: attention + MoE")
     s.add_argument("--layout", default="fused", choices=["fused", "per_expert"],
                    help="experts stored fused ([E,2I,H] / [E,H,I], as released) or one tensor per expert")
-    s.add_argument("--size", default="tiny", choices=["tiny", "demo"])
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--size", default="tiny", choices=["tiny", "demo"],
+                   help="tiny: 4 layers, 8 experts (default); demo: the embedded demo model's 8 layers, 16 experts")
+    s.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     s.add_argument("--router-zipf", type=float, default=None, metavar="A",
                    help="skew the routers so expert popularity follows a Zipf law of exponent A (default: off)")
     s.add_argument("--no-tokenizer", action="store_true", help="do not copy the shipped tokenizer")

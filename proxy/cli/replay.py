@@ -39,7 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      f"({URL_FORMS})")
     parser.add_argument("--api-key", help=f"with --url: the server's --api-key (default: ${KEY_ENV})")
     where.add_argument("--model", metavar="DIR", help="checkpoint for the in-process engine (default: demo model)")
-    parser.add_argument("--mode", choices=(*MODES, "all"), default="anchors")
+    parser.add_argument("--mode", choices=(*MODES, "all"), default="anchors",
+                        help="off: no prefix cache; prefix: prompt-end checkpoints only; anchors: the cache "
+                             "policy's anchors (default); all: the three. In-process only: --url replays against "
+                             "the server as it runs")
     parser.add_argument("--json", metavar="OUT", help="write every measurement and the summary here")
     parser.add_argument("--plot", metavar="OUT.png", help="draw TTFT per turn for each mode (needs matplotlib)")
     parser.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
