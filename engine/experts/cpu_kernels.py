@@ -41,20 +41,32 @@ TILE_TOKENS = 5
 
 @functools.lru_cache(maxsize=1)
 def default_walk() -> tuple[int, int, int, str]:
-    """(row_block, prefetch_bytes, claim_rows, prefetch_hint) that measured best on this CPU vendor (docs/PERF.md):
+    """(row_block, prefetch_bytes, claim_rows, prefetch_hint) that measured best on this CPU (docs/PERF.md):
     AMD Zen wants several long sequential streams per core (the four-stream walk: both halves of a claim's
-    gate and up rows, four experts' down rows; 512 B prefetch, 64-row claims); four short rows side by side
-    are its worst walk (kernel/read 0.57). Its software prefetches go out as prefetchnta: each weight line is
-    read once a call, and on the 2-core Zen dev box (EPYC 7001) one token an expert read 1.05-1.07x the rate
-    of prefetcht0 at 1 and 2 workers (kernel/read 0.95-1.00 against 0.86-0.95), with no loss at 4 or 8 tokens.
-    The GPU box's Xeon streams four rows side by side best (the two-stream walk measured no better there),
-    with 32-row claims and prefetcht0 (prefetchnta read 0.58-0.66 of the read rate there)."""
+    gate and up rows, four experts' down rows; 64-row claims); four short rows side by side are its worst walk
+    (kernel/read 0.57). Before AVX-512 (the 2-core EPYC 7001 dev box) its software prefetches, 512 B ahead as
+    prefetchnta, read one token an expert at 1.05-1.07x the rate of prefetcht0 at 1 and 2 workers (kernel/read
+    0.95-1.00 against 0.86-0.95), with no loss at 4 or 8 tokens. A Zen with AVX-512 (a 2-core Zen 4 dev box)
+    runs best with none: one token an expert at the same rate (B_H 22.3 / 29.0 GB/s without, 21.9 / 29.7 with,
+    at 1 / 2 workers, medians of five alternated runs), eight tokens an expert, where its AVX-512 BF16 kernels
+    are compute-bound, 1.25x faster (15.9 against 12.7 GB/s at 2 workers, three alternated pairs). The GPU box's
+    Xeon streams four rows side by side best (the two-stream walk measured no better there), with 32-row claims
+    and prefetcht0 (prefetchnta read 0.58-0.66 of the read rate there)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in fh)
+            return walk_for(fh.read())
     except OSError:
-        amd = False
-    return (3, 512, 64, "nta") if amd else (0, PREFETCH_BYTES, 32, "t0")
+        return walk_for("")
+
+
+def walk_for(cpuinfo: str) -> tuple[int, int, int, str]:
+    """default_walk's choice for a CPU described by this /proc/cpuinfo text."""
+    lines = cpuinfo.splitlines()
+    amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in lines)
+    avx512 = any(line.startswith("flags") and "avx512f" in line.split() for line in lines)
+    if amd:
+        return (3, 0 if avx512 else PREFETCH_BYTES, 64, "nta")
+    return (0, PREFETCH_BYTES, 32, "t0")
 
 
 def native_available() -> bool:

@@ -107,6 +107,23 @@ def test_the_runner_takes_its_prefetch_hint_from_the_cpus_walk(monkeypatch):
     assert CpuExpertRunner(threads=1, prefetch_hint="t2").prefetch_hint == "t2"
 
 
+def test_the_walk_follows_the_cpus_vendor_and_its_avx512():
+    zen = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 fma bmi2\n"
+    zen4 = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_bf16\n"
+    xeon = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 avx512f amx_tile amx_bf16\n"
+    assert ck.walk_for(zen) == (3, ck.PREFETCH_BYTES, 64, "nta")
+    assert ck.walk_for(zen4) == (3, 0, 64, "nta")  # its hardware prefetchers alone
+    assert ck.walk_for(xeon) == (0, ck.PREFETCH_BYTES, 32, "t0")
+    assert ck.walk_for("") == ck.walk_for(xeon)  # no /proc/cpuinfo: the Xeon's walk
+    assert ck.walk_for(zen.replace("avx2", "avx512fake")) == ck.walk_for(zen)  # a whole flag, not a prefix
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            here = fh.read()
+    except OSError:
+        here = ""
+    assert ck.default_walk() == ck.walk_for(here)
+
+
 def test_unknown_prefetch_hint_and_least_claim_are_refused():
     with pytest.raises(ValueError, match="prefetch_hint"):
         CpuExpertRunner(threads=1, prefetch_hint="t3")
