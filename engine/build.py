@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.flags import CPU_JOINS, add_cpu_expert_arguments, device_arg, moe_slots_arg
+from engine.flags import CPU_JOINS, add_cpu_expert_arguments, add_dtype_argument, device_arg, moe_slots_arg
 from engine.serving import EngineCore
 
 log = logging.getLogger("killick.engine")
@@ -71,8 +71,7 @@ class EngineOptions:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N] (default cpu)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations (default float32; bfloat16 on a GPU halves the memory)")
+    add_dtype_argument(g)
     g.add_argument("--max-running", type=int, default=4, help="requests decoded together (default 4)")
     g.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for the engine (default 64); more answer 429")

@@ -60,6 +60,12 @@ def at_least(low: int):
     return parse
 
 
+def add_dtype_argument(g) -> None:
+    """--dtype of the commands that run a checkpoint as serve does (serve, replay, generate): float32 unless said."""
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations (default float32; bfloat16 on a GPU halves the memory)")
+
+
 def add_cpu_expert_arguments(g) -> None:
     """The CPU expert runner's worker counts, tile setting and join (cpu / hybrid), as `killick serve` and the
     benchmarks that run the whole engine (bench model, profile_decode) take them."""

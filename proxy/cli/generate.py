@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.flags import device_arg
+from engine.flags import add_dtype_argument, device_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,8 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="makes sampling repeatable (default: none, each run draws anew)")
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations (default float32; bfloat16 on a GPU halves the memory)")
+    add_dtype_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
