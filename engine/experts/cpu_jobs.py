@@ -1,8 +1,7 @@
 """A slot backend's CPU share of one layer call: its missing experts run from the host pool while the device runs
-the rest, their outputs then placed into the layer's rows (OffloadBackend.forward). The job goes to the native
-runner's job thread, its pool's workers on it as start() returns (CpuExpertRunner.post_gather); without the
-extension, or for a pool or activations its kernels do not take, a Python worker thread runs it
-(cpu_runner.run_on_cpu).
+the rest, their outputs then placed into the layer's rows (OffloadBackend.forward). The job is posted to the native
+runner, its pool's workers on it as start() returns (CpuExpertRunner.post_gather); without the extension, or for a
+pool or activations its kernels do not take, a Python worker thread runs it (cpu_runner.run_on_cpu).
 
     jobs = CpuJobs(pool, device, zero_copy)
     jobs.stage(x)                                        # optional, before the routing's read-back (CUDA)
@@ -116,7 +115,7 @@ class CpuJobs:
 
     def _post(self, runner, rows: torch.Tensor, jobs: Pairs, top_k: int, table, out, copied, seq: int | None,
               in_place: bool) -> "PostedJob":
-        """start()'s job on the native runner's job thread (CpuExpertRunner.post_gather), into out's rows: the
+        """start()'s job posted to the native runner (CpuExpertRunner.post_gather), into out's rows: the
         pool's workers are on it as this returns, with no Python thread to wake and hand the GIL to between
         (that hand-over took most of the ~0.3 ms from the plan to the job's start on the H100 box). in_place: the
         device reads out's rows where they are (CpuResult.pinned)."""
@@ -158,7 +157,7 @@ class CpuJobs:
         """The number the next raise_flag job raises the flag to, its outputs kept for join_on_device."""
         if self._flag is None:  # page-locked on CUDA: the device reads the flag and writes err in place
             pin = self.device.type == "cuda"
-            with torch.inference_mode(False):  # normal tensors: the job's thread, outside inference mode, writes
+            with torch.inference_mode(False):  # normal tensors: the job's worker, outside inference mode, writes
                 self._flag = torch.zeros(1, dtype=torch.long, pin_memory=pin)
                 self._err = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self._seq += 1
@@ -216,7 +215,7 @@ class CpuJobs:
             y[done.pos.to(self.device)] = done.vals.to(self.device, y.dtype)
 
     def close(self) -> None:
-        """End the worker thread (after its job) and wait for a job on the native job thread, which writes this
+        """End the worker thread (after its job) and wait for a job posted to the native runner, which writes this
         object's buffers; the next start() makes a new worker. Again: nothing happens."""
         if self._worker is not None:
             self._worker.shutdown(wait=True)
@@ -271,7 +270,7 @@ class CpuJobs:
 
 
 class PostedJob(NamedTuple):
-    """A job on a native runner's job thread (CpuJobs._post), its result waited for as a Future's."""
+    """A job posted to a native runner (CpuJobs._post), its result waited for as a Future's."""
 
     runner: object  # cpu_kernels.CpuExpertRunner
     pos: torch.Tensor

@@ -1,5 +1,6 @@
 // The runner's own threads: Mailbox, a graphed decode step's CPU share, and GatherJobs, a prompt layer call's CPU
-// job raised as a flag the device waits on. Included by module.cpp alone.
+// job raised as a flag the device waits on (a thread of its own only where the pool's caller joins). Included
+// by module.cpp alone.
 #pragma once
 
 #include <atomic>
@@ -145,22 +146,27 @@ class Mailbox {
 
 // A prompt layer call's CPU job handed over with no Python thread between (engine/experts/cpu_jobs.py): post()
 // checks the tasks and submits run_gather's job to the runner's pool from the calling thread, which returns at
-// once, the pool's workers already on it; this object's thread waits for the job (running worker 0's share where
-// the pool's caller joins), then stores `seq` into *flag when given (page-locked: the device's wait_flag reads
-// it) and marks the job done; wait() returns when it began and how long it ran. One job at a time: post() waits
-// for the last. From post() until the flag is up the runner is held (Runner::hold): a call on it from another
-// thread waits rather than queueing its job in front of the flag. The job reads x and writes out until done: the
-// caller keeps them.
+// once, the pool's workers already on it. The worker that finishes the job's last share ends it there and then
+// (finish): it stores `seq` into *flag when given (page-locked: the device's wait_flag reads it) and marks the
+// job done, with no thread to wake for either; wait() returns when it began and how long it ran. Where the pool's
+// caller joins, this object's thread is that caller: it runs worker 0's share, and the runner is given back and
+// the job marked done after that thread has left the pool's wait. One job at a time: post() waits for the last.
+// From post() until the flag is up the runner is held (Runner::hold): a call on it from another thread waits
+// rather than queueing its job in front of the flag. The job reads x and writes out until done: the caller
+// keeps them.
 class GatherJobs {
  public:
-  explicit GatherJobs(Runner& runner) : r_(runner), thread_([this] { loop(); }) {}
+  explicit GatherJobs(Runner& runner) : r_(runner), joins_(runner.pool.caller_joins()) {
+    if (joins_) thread_ = std::thread([this] { loop(); });
+  }
   ~GatherJobs() {
     {
-      std::lock_guard<std::mutex> lock(m_);
+      std::unique_lock<std::mutex> lock(m_);
+      done_cv_.wait(lock, [&] { return done_ == posted_; });  // finish() touches this object until then
       stop_ = true;
     }
     cv_.notify_all();
-    thread_.join();
+    if (thread_.joinable()) thread_.join();
   }
   GatherJobs(const GatherJobs&) = delete;
   GatherJobs& operator=(const GatherJobs&) = delete;
@@ -175,63 +181,80 @@ class GatherJobs {
     done_cv_.wait(lock, [&] { return done_ == posted_; });
     experts_ = experts;  // the job reads the addresses and rows until done
     rows_ = rows;
+    flag_ = reinterpret_cast<int64_t*>(flag);
+    seq_ = seq;
+    ++posted_;  // finish() takes m_ after this returns
     {
       auto run = r_.hold();
       started_ = now();
       r_.submit_gather(t, experts_.size(), experts_.data(), rows_.data(), x, xf, x_stride, T, out, of, out_stride,
-                       nullptr);
-      r_.held_ = true;  // until loop() has raised the flag
+                       nullptr, [this] { finish(); });
+      r_.held_ = true;  // until finish() (or loop(), where the caller joins) gives it back
     }
-    flag_ = reinterpret_cast<int64_t*>(flag);
-    seq_ = seq;
-    ++posted_;
     lock.unlock();
-    cv_.notify_one();
+    if (joins_) cv_.notify_one();
   }
 
-  // -> (when the last posted job began, steady-clock ns; seconds it ran), once it is done.
+  // -> (when the last posted job began, steady-clock ns; seconds it ran), once it is done. The pool's wait then
+  // counts it waited on (its profile, Pool::set_profile).
   std::pair<int64_t, double> wait() {
     py::gil_scoped_release release;
     std::unique_lock<std::mutex> lock(m_);
     done_cv_.wait(lock, [&] { return done_ == posted_; });
-    return {started_, seconds_};
+    {
+      auto run = r_.hold();
+      r_.pool.wait();
+    }
+    return {started_, (end_ - started_) * 1e-9};
   }
 
  private:
+  // On the worker that ends the job, before the pool counts it done. flag_ and seq_ stand: post() set them
+  // before submitting and waits for this job to be done before setting them again.
+  void finish() {
+    end_ = now();
+    if (flag_) __atomic_store_n(flag_, seq_, __ATOMIC_RELEASE);
+    if (joins_) return;  // loop() gives the runner back once out of the pool's wait
+    {
+      std::lock_guard<std::mutex> run(r_.mu_);  // post() has let go of it: held_ was set under it
+      r_.held_ = false;
+    }
+    r_.free_.notify_all();
+    std::lock_guard<std::mutex> lock(m_);
+    done_ = posted_;
+    done_cv_.notify_all();  // under m_: once done_ is seen, this object may be destroyed
+  }
+
+  // Where the caller joins: worker 0's share of each posted job, then the runner given back.
   void loop() {
     std::unique_lock<std::mutex> lock(m_);
     for (;;) {
-      cv_.wait(lock, [&] { return stop_ || posted_ != done_; });
-      if (posted_ == done_) return;  // stopped with nothing in flight
-      int64_t* const flag = flag_;
-      const int64_t seq = seq_;
+      cv_.wait(lock, [&] { return stop_ || ran_ != posted_; });
+      if (ran_ == posted_) return;  // stopped with nothing in flight
+      ran_ = posted_;
       lock.unlock();
-      int64_t end;
       {
         std::lock_guard<std::mutex> run(r_.mu_);  // the runner is held for this job (post): no waiting for free_
-        r_.pool.wait();  // (a waiter with a core of its own spins: the flag goes up as the job ends)
-        end = now();
-        if (flag) __atomic_store_n(flag, seq, __ATOMIC_RELEASE);
+        r_.pool.wait();
         r_.held_ = false;
       }
       r_.free_.notify_all();
       lock.lock();
-      seconds_ = (end - started_) * 1e-9;
       done_ = posted_;
       done_cv_.notify_all();
     }
   }
 
   Runner& r_;
+  const bool joins_;
   std::mutex m_;
   std::condition_variable cv_, done_cv_;
-  uint64_t posted_ = 0, done_ = 0;
+  uint64_t posted_ = 0, done_ = 0, ran_ = 0;
   bool stop_ = false;
   std::vector<int64_t> experts_, rows_;
   int64_t* flag_ = nullptr;
-  int64_t seq_ = 0, started_ = 0;
-  double seconds_ = 0;
-  std::thread thread_;  // last: started once the rest is made
+  int64_t seq_ = 0, started_ = 0, end_ = 0;
+  std::thread thread_;
 };
 
 }  // namespace

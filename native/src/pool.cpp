@@ -88,8 +88,9 @@ Pool::~Pool() {
   for (auto& t : workers_) t.join();
 }
 
-void Pool::submit(std::shared_ptr<Job> job) {
+void Pool::submit(std::shared_ptr<Job> job, std::function<void()> on_done) {
   wait();
+  on_done_ = std::move(on_done);
   job_profiled_ = profile_on_ && job->phases() <= kMaxProfiledPhases;
   if (job_profiled_) submit_ns_ = now_ns();
   job_ = std::move(job);
@@ -119,6 +120,7 @@ void Pool::wait() {
   done_cv_.wait(lock, [this] { return done(); });
   if (job_ && job_profiled_) fold_profile(now_ns());
   job_.reset();
+  on_done_ = nullptr;
 }
 
 void Pool::set_profile(bool on) {
@@ -189,6 +191,7 @@ void Pool::run_job(int index, uint64_t generation, int& sense) {
     if (p + 1 < phases) barrier(sense);
   }
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    if (on_done_) on_done_();  // no submit() can replace it before finished_ moves on
     {
       std::lock_guard<std::mutex> lock(done_mu_);
       finished_.store(generation, std::memory_order_release);

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -45,7 +46,10 @@ class Pool {
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
 
-  void submit(std::shared_ptr<Job> job);  // waits for the job in flight first
+  // Waits for the job in flight first. on_done, when given, runs once on the thread that finishes the job's
+  // last share, before done() turns true and wait() returns: what must happen the moment the job ends (a
+  // flag the device waits on) happens there, with no other thread to wake for it.
+  void submit(std::shared_ptr<Job> job, std::function<void()> on_done = {});
   void wait();  // blocks until the last submitted job finished (running worker 0's share if the caller joins)
   bool done() const;
   int threads() const { return threads_; }
@@ -75,6 +79,7 @@ class Pool {
   int spin_us_;
   int wait_spin_us_;  // the caller spins only with a core of its own (the pool leaves it one, or it joins)
   std::shared_ptr<Job> job_;
+  std::function<void()> on_done_;  // the current job's (submit)
   bool profile_on_ = false;  // set between jobs only (set_profile waits first)
   bool job_profiled_ = false;
   int64_t submit_ns_ = 0;

@@ -15,6 +15,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -187,9 +188,10 @@ struct Runner {
     submit_gather(t, n, experts, rows, x, xf, x_stride, T, out, of, out_stride, out_rows);
     pool.wait();
   }
-  // gather's job submitted, not waited for (GatherJobs).
+  // gather's job submitted, not waited for (GatherJobs: on_done as Pool::submit's).
   void submit_gather(const Table& t, size_t n, const int64_t* experts, const int64_t* rows, uint64_t x, Format xf,
-                     int64_t x_stride, int T, uint64_t out, Format of, int64_t out_stride, const int64_t* out_rows) {
+                     int64_t x_stride, int T, uint64_t out, Format of, int64_t out_stride, const int64_t* out_rows,
+                     std::function<void()> on_done = {}) {
     pool.wait();  // the planner's job and the addresses below may still be in use
     if (!out_rows) {
       for (size_t i = iota_.size(); i < n; ++i) iota_.push_back(int64_t(i));
@@ -197,7 +199,7 @@ struct Runner {
     }
     addresses(t, experts, n);
     MoeArgs a = args(t.fmt, t.H, t.I, t.ld_gu, t.ld_dn, x, xf, x_stride, out, of, out_stride, T);
-    pool.submit(planner_.plan(a, n, gu_.data(), dn_.data(), rows, nullptr, out_rows));
+    pool.submit(planner_.plan(a, n, gu_.data(), dn_.data(), rows, nullptr, out_rows), std::move(on_done));
   }
   // run_gather's checks, for GatherJobs::post.
   static void check_gather(const Table& t, const std::vector<int64_t>& experts, const std::vector<int64_t>& rows,
@@ -213,8 +215,8 @@ struct Runner {
   }
 
   // mu_ taken once no GatherJobs job holds the runner: every entry point that submits or reads the planner. A
-  // posted job holds it from its post() until its flag is up (GatherJobs::loop takes mu_ directly and clears
-  // held_), so no other call's job queues between and delays that flag.
+  // posted job holds it from its post() until its flag is up (GatherJobs clears held_), so no other call's job
+  // queues between and delays that flag.
   std::unique_lock<std::mutex> hold() {
     std::unique_lock<std::mutex> lock(mu_);
     free_.wait(lock, [&] { return !held_; });

@@ -181,7 +181,7 @@ def test_overlap_is_on_by_default_on_cuda_only_and_no_overlap_turns_it_off(check
 
 
 def test_stop_ends_the_cpu_expert_worker_and_a_later_core_starts_it_again(checkpoints):
-    """An expert cache that runs its misses on the CPU hands its jobs to the native runner's job thread (kept with
+    """An expert cache that runs its misses on the CPU posts its jobs to the native runner (kept with
     the runner's pool, shared by every core) or, without the extension, starts a Python worker thread with its
     first job; EngineCore.stop waits for the last job and ends the worker, and every other thread the core started
     (again: nothing happens); a core built later over the same model runs its jobs again and answers as the first
@@ -204,7 +204,7 @@ def test_stop_ends_the_cpu_expert_worker_and_a_later_core_starts_it_again(checkp
 
 
 def _jobs_ran(jobs) -> bool:
-    """A CPU job went to the native job thread (not yet waited for by close()), or a Python worker runs."""
+    """A CPU job was posted to the native runner (not yet waited for by close()), or a Python worker runs."""
     from engine.experts import cpu_runner
 
     workers = [t for t in threading.enumerate() if t.name.startswith("experts-cpu")]

@@ -464,7 +464,7 @@ def test_a_prompts_cpu_job_joined_on_the_device_gives_the_host_joins_outputs(cls
     seed = int(torch.randint(1 << 30, ()))
     x, ids, w = routing(40, seed=seed)  # 40 tokens: a prompt's call (cpu_jobs.PROMPT_TOKENS)
 
-    def forward(b):  # in inference mode, as the engine runs: the job's thread writes the flag outside it
+    def forward(b):  # in inference mode, as the engine runs: the job's worker writes the flag outside it
         with torch.inference_mode():
             b.begin_forward(40, K, hold=True, span=40)
             outs = [b.forward(layer, x, ids, w) for layer in range(6)]
@@ -486,14 +486,14 @@ def test_a_prompts_cpu_job_joined_on_the_device_gives_the_host_joins_outputs(cls
         assert all(c.cpu_ms > 0 and 0 <= c.cpu_start_ms <= c.woke_ms for c in with_cpu)
         if join:
             assert all(c.cpu_wait_ms == 0 for c in with_cpu)
-            assert (b.cpu_jobs._posted is not None) == cpu_runner.NATIVE  # the native job thread ran them
+            assert (b.cpu_jobs._posted is not None) == cpu_runner.NATIVE  # posted to the native runner
 
             def fail(*a, **k):
                 raise RuntimeError("a job that fails")
 
             with monkeypatch.context() as m:
                 m.setattr(cpu_jobs, "run_on_cpu", fail)  # a job on the Python thread
-                m.setattr(cpu_kernels.CpuExpertRunner, "post_gather", fail)  # or handed to the native job thread
+                m.setattr(cpu_kernels.CpuExpertRunner, "post_gather", fail)  # or posted to the native runner
                 with pytest.raises(RuntimeError, match="a job that fails"):
                     forward(b)
             for layer, y in enumerate(forward(b)):  # the next forward: the failed one's job is gone

@@ -345,7 +345,7 @@ def test_prompt_threads_default_to_the_expert_threads_and_take_their_own_runner(
 
 @pytest.mark.skipif(not cpu_runner.NATIVE, reason="native CPU kernels not built")
 def test_a_cpu_job_starts_before_the_engine_thread_goes_on(pool, monkeypatch):
-    """On the Python worker thread (a job the native job thread does not take), CpuJobs.start returns once its
+    """On the Python worker thread (a job the native runner does not take), CpuJobs.start returns once its
     job is at the native call, which needs no GIL: the engine thread, going on to queue the device's work in
     Python, would otherwise hold the GIL the job's Python needs for up to the interpreter's switch interval. A job
     that fails still lets start return, and its error comes from result()."""

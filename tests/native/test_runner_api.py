@@ -1,4 +1,5 @@
 """CpuExpertRunner: async submit/wait, GIL release, input checks, and the torch fallback."""
+import os
 import threading
 import time
 import warnings
@@ -365,12 +366,12 @@ def _gather_case(hidden: int, inter: int, num_experts: int, tokens: int, n: int,
 
 @native
 @pytest.mark.parametrize("joins", [False, True])
-def test_post_gather_runs_run_gathers_job_on_the_job_thread_and_raises_the_flag(joins):
+def test_post_gather_runs_run_gathers_job_and_raises_the_flag(joins):
     """post_gather (a prompt's CPU job with no Python thread between: cpu_jobs.CpuJobs): the outputs run_gather
     gives, the flag raised to seq once they are written, wait_gather's start on perf_counter's clock within the
     call; a second post waits for the first, whose outputs stand; bad ids, rows and flags raise and the runner
-    serves on. Fresh random inputs; with and without the caller joining the pool (the job thread is then worker
-    0)."""
+    serves on. Fresh random inputs; with and without the caller joining the pool (its own thread is then
+    worker 0; else the worker that ends the job raises the flag)."""
     hidden = 64
     table, x, experts, rows, runner, want = _gather_case(hidden, 32, 8, 16, 40, joins)
     n = len(experts)
@@ -422,3 +423,26 @@ def test_a_posted_job_holds_the_runner_until_its_flag_is_up(joins):
         assert seen == [seq]
         runner.wait_gather()
         assert torch.equal(posted, want) and torch.equal(other, alone)
+
+
+def _threads_of_this_process() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@native
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize("joins", [False, True])
+def test_a_posted_job_is_ended_by_its_workers_unless_the_caller_joins(joins):
+    """Where the pool's caller does not join, post_gather starts no thread of its own: the worker that ends the
+    job raises the flag and marks it done (nothing to wake between the job's end and the device's wait). Where it
+    joins, one thread runs worker 0's share of every posted job. Fresh random inputs, several jobs."""
+    hidden = 64
+    table, x, experts, rows, runner, want = _gather_case(hidden, 32, 8, 16, 40, joins)
+    before = _threads_of_this_process()
+    flag = torch.zeros(1, dtype=torch.long)
+    for seq in range(1, 4):
+        out = torch.full_like(want, float("nan"))
+        runner.post_gather(table, experts, rows, x, out, flag, seq)
+        started, seconds = runner.wait_gather()
+        assert int(flag[0]) == seq and torch.equal(out, want) and seconds > 0
+    assert _threads_of_this_process() - before == (1 if joins else 0)
