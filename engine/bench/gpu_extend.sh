@@ -11,6 +11,9 @@
 #     ARGS="..." ...    more bench model flags for every process (an arm: --extend-idle-ms 300, --cpu-join host)
 #     PACK=FILE ...     also keeps FILE, a tarball of OUT, fresh every 15 s (see gpu_prelude.sh)
 #     ZIPF=A ...        the routers' Zipf exponent (default 1.0); ZIPF= (empty) routes uniformly
+#     OLD_NATIVE=FILE   an A/B of a native change on one machine: the processes alternate between the native build
+#                       in FILE (an earlier call's box-cache.tgz: old{N}.*) and this tree's (run{N}.*), old first,
+#                       and each arm gets its table (old_table.{md,json} beside table.{md,json})
 # Results under $OUT: summary.txt (each step with its rc and the second it ended, the extend lines, the table),
 # run{N}.{txt,json,log}, profile.{txt,json}, table.{md,json}, pytest.txt.
 DEADLINE=${DEADLINE:-420}
@@ -19,6 +22,11 @@ source engine/bench/gpu_prelude.sh
 S="$OUT/summary.txt"
 build_native
 nvidia-smi -L >> "$S"
+if [ -n "${OLD_NATIVE:-}" ]; then  # both builds kept aside; native/ holds this tree's except while an old run runs
+    rm -rf /tmp/ab-native && mkdir -p /tmp/ab-native/new && tar xzf "$OLD_NATIVE" -C /tmp/ab-native &&
+        ls /tmp/ab-native/native/_cpu_experts*.so > /dev/null && cp native/_cpu_experts*.so /tmp/ab-native/new/ ||
+        { echo "gpu_extend: OLD_NATIVE=$OLD_NATIVE holds no native build" | tee -a "$S"; exit 2; }
+fi
 if [ -n "${TESTS:-}" ]; then
     timeout "$(upto 150)" $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_experts_cuda.py \
         tests/kernels/test_moe.py tests/native/test_runner_api.py > "$OUT/pytest.txt" 2>&1
@@ -31,12 +39,18 @@ EXT="--synthetic qwen3.6-35b-a3b --layers 8 --batches 1 --moe-slots 37.5% --moe-
 limit=90; [ -f .box-cache-triton.tgz ] || limit=200
 for i in $(seq 1 "${RUNS:-6}"); do
     [ "$(left)" -gt 100 ] || break
+    name=run$i
+    if [ -n "${OLD_NATIVE:-}" ] && [ $((i % 2)) = 1 ]; then
+        name=old$i
+        cp /tmp/ab-native/native/_cpu_experts*.so native/
+    fi
     # shellcheck disable=SC2086  # the flags split on purpose
     XDG_CACHE_HOME=$(mktemp -d) timeout -s ABRT "$(upto $limit)" $PY -X faulthandler -m engine.bench.model $EXT \
-        ${ARGS:-} --json "$OUT/run$i.json" > "$OUT/run$i.txt" 2> "$OUT/run$i.log"
-    status "run$i" $?
+        ${ARGS:-} --json "$OUT/$name.json" > "$OUT/$name.txt" 2> "$OUT/$name.log"
+    status "$name" $?
+    [ -n "${OLD_NATIVE:-}" ] && cp /tmp/ab-native/new/_cpu_experts*.so native/
     limit=90
-    grep -E "extend_256 " "$OUT/run$i.txt" | cut -c1-190 | sed "s/^/run$i: /" >> "$S"
+    grep -E "extend_256 " "$OUT/$name.txt" | cut -c1-190 | sed "s/^/$name: /" >> "$S"
 done
 if [ "$(left)" -gt 60 ]; then
     timeout -s ABRT "$(upto 80)" $PY -X faulthandler -m engine.bench.profile_decode --layers 8 --moe-backend hybrid \
@@ -46,5 +60,7 @@ if [ "$(left)" -gt 60 ]; then
 fi
 ls "$OUT"/run*.json > /dev/null 2>&1 && $PY -m engine.bench.extend_table "$OUT"/run*.json --json "$OUT/table.json" \
     > "$OUT/table.md" && cat "$OUT/table.md" >> "$S"
+ls "$OUT"/old*.json > /dev/null 2>&1 && $PY -m engine.bench.extend_table "$OUT"/old*.json \
+    --json "$OUT/old_table.json" > "$OUT/old_table.md" && { echo "old native:"; cat "$OUT/old_table.md"; } >> "$S"
 date -u >> "$S"
 exit 0

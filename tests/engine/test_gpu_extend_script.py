@@ -23,6 +23,7 @@ case "$args" in
   *"-m engine.bench.extend_table"*) exec "$REAL_PY" "$@" ;;
   *"-m engine.bench.model"*)
     echo "$args" >> "$CALLS"
+    cat native/_cpu_experts*.so >> "$CALLS.native" 2>/dev/null
     [ "$(wc -l < "$CALLS")" = "${FAIL_RUN:-0}" ] && { echo "CUDA error" >&2; exit 3; }
     while [ $# -gt 0 ]; do [ "$1" = "--json" ] && out=$2; shift; done
     cp "$RECORDED.json" "$out"; cat "$RECORDED.txt" ;;
@@ -100,3 +101,34 @@ def test_a_failed_process_is_named_and_the_table_covers_the_others(box):
     assert "CUDA error" in (out / "run2.log").read_text()
     assert [row["name"] for row in json.loads((out / "table.json").read_text())["rows"]] == ["run1", "run3"]
     assert "2 of 2" in summary
+
+
+def test_old_native_alternates_the_builds_and_tables_each_arm(box):
+    """OLD_NATIVE=FILE: odd processes run the native build in FILE (a box-cache.tgz), even ones this tree's, which
+    native/ holds again after each old run and at the end; each arm gets its table."""
+    tmp, env = box
+    native = tmp / "repo" / "native"
+    native.mkdir()
+    so = "_cpu_experts.cpython-312-x86_64-linux-gnu.so"
+    (native / so).write_text("new\n")
+    old = tmp / "old" / "native"
+    old.mkdir(parents=True)
+    (old / so).write_text("old\n")
+    subprocess.run(["tar", "czf", str(tmp / "old.tgz"), "-C", str(tmp / "old"), "native"], check=True)
+    out, summary = _run(box, RUNS="3", OLD_NATIVE=str(tmp / "old.tgz"))
+    assert (tmp / "calls.txt.native").read_text().split() == ["old", "new", "old"]
+    assert (native / so).read_text() == "new\n"
+    assert "old1 rc=0" in summary and "run2 rc=0" in summary and "old3 rc=0" in summary
+    assert [row["name"] for row in json.loads((out / "table.json").read_text())["rows"]] == ["run2"]
+    assert [row["name"] for row in json.loads((out / "old_table.json").read_text())["rows"]] == ["old1", "old3"]
+    assert "old native:" in summary
+
+
+def test_an_old_native_file_without_a_build_stops_the_call(box):
+    tmp, env = box
+    (tmp / "empty").mkdir()
+    subprocess.run(["tar", "czf", str(tmp / "empty.tgz"), "-C", str(tmp / "empty"), "."], check=True)
+    done = subprocess.run(["bash", "engine/bench/gpu_extend.sh"], cwd=tmp / "repo",
+                          env={**env, "OLD_NATIVE": str(tmp / "empty.tgz")}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "holds no native build" in (tmp / "out" / "summary.txt").read_text()
