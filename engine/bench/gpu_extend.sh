@@ -9,6 +9,7 @@
 #     OUT=/some/dir bash engine/bench/gpu_extend.sh
 #     TESTS=1 ...       first the CUDA expert and kernel tests and the native runner's (~50 s)
 #     ARGS="..." ...    more bench model flags for every process (an arm: --extend-idle-ms 300, --cpu-join host)
+#     PROFILE_ARGS="..." more profile_decode flags (--extend-runs 8: more timed extends, each with its stalls)
 #     PACK=FILE ...     also keeps FILE, a tarball of OUT, fresh every 15 s (see gpu_prelude.sh)
 #     ZIPF=A ...        the routers' Zipf exponent (default 1.0); ZIPF= (empty) routes uniformly
 #     OLD_NATIVE=FILE   an A/B of a native change on one machine: the processes alternate between the native build
@@ -54,7 +55,8 @@ for i in $(seq 1 "${RUNS:-6}"); do
 done
 if [ "$(left)" -gt 60 ]; then
     timeout -s ABRT "$(upto 80)" $PY -X faulthandler -m engine.bench.profile_decode --layers 8 --moe-backend hybrid \
-        --moe-slots 37.5% ${ZIPF:+--router-zipf $ZIPF} --prefill 8192 --extend 256 --json "$OUT/profile.json" \
+        --moe-slots 37.5% ${ZIPF:+--router-zipf $ZIPF} --prefill 8192 --extend 256 ${PROFILE_ARGS:-} \
+        --json "$OUT/profile.json" \
         > "$OUT/profile.txt" 2> "$OUT/profile.log"
     status profile $?
 fi

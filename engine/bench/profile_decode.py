@@ -17,16 +17,18 @@ expert cache it also prints the host side: torch ops by self CPU time, and the P
 With --extend N (after --prefill P), a short prompt of N tokens on a state holding a P-token prompt, as an agent's
 tool result extends its cached context: its wall time; with an expert cache, each MoE layer call of the last timed
 extend (its misses filled, run on the CPU or copied ahead for the next layer, and when its routing came back and its
-CPU job ran: OffloadBackend.call_log); under the profiler where the compute stream waited (its idle gaps over the
-extend, and the engine thread's torch ops inside them: what the host was doing while the device had nothing queued;
-and its device work by kernel, copies and the wait for a joined CPU job among them), then the Python functions by
-their own and cumulative time (cProfile, another run), and on CUDA the host syncs of one more extend by the engine
-line that made each (syncs.SyncSites).
+CPU job ran: OffloadBackend.call_log) with where the engine thread sat still in it and the garbage collector's
+pauses (stalls.Stalls: the timed extends run under its sampler); under the profiler where the compute stream waited
+(its idle gaps over the extend, and the engine thread's torch ops inside them: what the host was doing while the
+device had nothing queued; and its device work by kernel, copies and the wait for a joined CPU job among them), then
+the Python functions by their own and cumulative time (cProfile, another run), and on CUDA the host syncs of one
+more extend by the engine line that made each (syncs.SyncSites).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from collections import defaultdict
 
@@ -35,6 +37,7 @@ import torch
 from engine.bench.args import set_expert_threads_from
 from engine.bench.prof_events import GAP_US, compute_gaps, device_work_by_kernel, host_ops, union_us
 from engine.bench.report import print_buckets, print_split
+from engine.bench.stalls import Stalls
 from engine.bench.syncs import SyncSites
 from engine.bench.traffic import ExpertTraffic
 from engine.flags import SYNTH_SIZES, add_cpu_expert_arguments, device_arg, moe_slots_arg
@@ -233,6 +236,11 @@ def _prefill(model, args, sync, g) -> dict:
     return out
 
 
+# the timed extends' engine thread sampled this often, and a stack still this long reported (Stalls)
+STALL_EVERY_S = 0.0005
+STALL_MIN_S = 0.0015
+
+
 def _extend(model, args, sync, g) -> dict:
     """args.extend tokens after a cached prompt of args.prefill, each run on a prompt of its own (as bench model's
     extend rows): wall times, then one extend under torch.profiler (the compute stream's idle gaps and the engine
@@ -247,6 +255,7 @@ def _extend(model, args, sync, g) -> dict:
 
     experts = model.experts if hasattr(model.experts, "call_log") else None  # an expert cache's layer calls
     layer_calls: list = []  # each timed extend's (OffloadBackend.call_log)
+    stalls: list = []  # each timed extend's engine-thread Stalls
 
     def once(wrap=None, log: bool = False) -> float:
         st = model.new_state(args.prefill + args.extend + 8)
@@ -256,7 +265,12 @@ def _extend(model, args, sync, g) -> dict:
         if log and experts is not None:
             experts.call_log = []
         t = time.perf_counter()
-        if wrap is None:
+        if log:
+            with Stalls(threading.get_ident(), STALL_EVERY_S) as watch:
+                model.forward([(ext, st)], logits="last")
+                sync()
+            stalls.append(watch)
+        elif wrap is None:
             model.forward([(ext, st)], logits="last")
         else:
             with wrap:
@@ -293,8 +307,8 @@ def _extend(model, args, sync, g) -> dict:
     walls_ms = [w * 1e3 for w in walls]  # in run order: a slow first one shows what it learnt from the untimed one
     median = sorted(walls_ms)[len(walls_ms) // 2]
     print(f"\nextend {args.extend} tokens after a cached {args.prefill}: wall {median:.1f} ms "
-          f"(median of {', '.join(f'{w:.1f}' for w in walls_ms)}, in run order); under the profiler "
-          f"{profiled_wall * 1e3:.1f} ms, under cProfile {cprofile_wall * 1e3:.1f}")
+          f"(median of {', '.join(f'{w:.1f}' for w in walls_ms)}, in run order, under the stall sampler); under the "
+          f"profiler {profiled_wall * 1e3:.1f} ms, under cProfile {cprofile_wall * 1e3:.1f}")
     print(f"compute stream: busy {gaps['busy_ms']:.1f} ms of {gaps['span_ms']:.1f} from its first kernel to its last; "
           f"idle {gaps['idle_ms']:.1f} ms in {len(gaps['gaps'])} gaps of {GAP_US} us or more; every stream busy "
           + ", ".join(f"{s} {ms:.1f} ms" for s, ms in gaps["streams"].items()) + " (compute: "
@@ -309,6 +323,8 @@ def _extend(model, args, sync, g) -> dict:
         print_split(policy)
     for k, calls in enumerate(layer_calls, 1):
         _print_calls(calls, f"timed extend {k} of {len(layer_calls)} ({walls_ms[k - 1]:.1f} ms)")
+        if calls and k <= len(stalls):
+            _print_stalls(stalls[k - 1], calls[0].at)
     print(f"{'gap start (ms)':>14}{'length':>8}  the engine thread's ops inside it (ms)")
     for gap in gaps["gaps"][:60]:
         ops = ", ".join(f"{n} {ms:.2f}" for n, ms in gap["ops"][:5])
@@ -327,9 +343,30 @@ def _extend(model, args, sync, g) -> dict:
             "cprofile_ms": cprofile_wall * 1e3,
             "layer_calls": [c._asdict() for c in layer_calls[-1]] if layer_calls else [],
             "layer_calls_runs": [[c._asdict() for c in calls] for calls in layer_calls],
+            "stalls_runs": [_stalls_json(w, calls[0].at if calls else 0.0) for w, calls in zip(stalls, layer_calls)],
             "prompt_buckets": buckets, "policy_at_start": policy,
             "compute_stream": gaps, "kernels": kernels, "functions_own": own,
             "functions_cumulative": cumulative, "syncs": syncs.sites()}
+
+
+def _print_stalls(watch: Stalls, t0: float) -> None:
+    """A timed extend's engine-thread stalls of STALL_MIN_S or more (where its stack sat still, sampled every
+    STALL_EVERY_S) and its garbage collections, ms from the first MoE layer call's start."""
+    found = watch.stalls(STALL_MIN_S)
+    print(f"engine thread still for {STALL_MIN_S * 1e3:.1f} ms or more (sampled every {STALL_EVERY_S * 1e3:.1f} ms; "
+          f"{len(watch.samples)} samples): {len(found)}" + ("" if found else " none"))
+    for s in found[:8]:
+        print(f"  at {(s.start - t0) * 1e3:7.2f} for {s.seconds * 1e3:6.2f} ms: " + " < ".join(s.where))
+    gcs = ", ".join(f"gen {c.generation} at {(c.start - t0) * 1e3:.2f} for {c.seconds * 1e3:.2f} ms"
+                    for c in watch.collections)
+    print(f"garbage collections: {len(watch.collections)}" + (f" ({gcs})" if gcs else ""))
+
+
+def _stalls_json(watch: Stalls, t0: float) -> dict:
+    return {"stalls": [{"at_ms": (s.start - t0) * 1e3, "ms": s.seconds * 1e3, "where": list(s.where)}
+                       for s in watch.stalls(STALL_MIN_S)],
+            "collections": [{"generation": c.generation, "at_ms": (c.start - t0) * 1e3, "ms": c.seconds * 1e3}
+                            for c in watch.collections], "samples": len(watch.samples)}
 
 
 def _print_calls(calls, which: str) -> None:

@@ -319,6 +319,9 @@ def test_profile_decode_runs_a_prompts_cpu_experts_on_the_workers_serve_would(mo
     for k, wall in enumerate(ext["walls_ms"], 1):
         assert f"timed extend {k} of 2 ({wall:.1f} ms): its MoE layer calls" in text
     assert f"median of {ext['walls_ms'][0]:.1f}, {ext['walls_ms'][1]:.1f}, in run order" in text
+    # each timed extend sampled for the engine thread's stalls, its collections counted
+    assert len(ext["stalls_runs"]) == 2 and all(r["samples"] > 0 for r in ext["stalls_runs"])
+    assert text.count("engine thread still for 1.5 ms or more") == 2 and "garbage collections:" in text
 
 
 def test_a_synthetic_size_no_bench_knows_is_one_usage_line(capsys):

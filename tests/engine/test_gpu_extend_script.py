@@ -27,7 +27,7 @@ case "$args" in
     [ "$(wc -l < "$CALLS")" = "${FAIL_RUN:-0}" ] && { echo "CUDA error" >&2; exit 3; }
     while [ $# -gt 0 ]; do [ "$1" = "--json" ] && out=$2; shift; done
     cp "$RECORDED.json" "$out"; cat "$RECORDED.txt" ;;
-  *"-m engine.bench.profile_decode"*) echo "profile" ;;
+  *"-m engine.bench.profile_decode"*) echo "$args" >> "$CALLS.profile"; echo "profile" ;;
   *) exit 0 ;;
 esac
 """
@@ -85,8 +85,11 @@ def test_zipf_empty_routes_uniformly_and_a_value_is_passed_on(box):
     calls = (out.parent / "calls.txt").read_text().splitlines()
     assert len(calls) == 1 and "--router-zipf" not in calls[0] and "--moe-slots 37.5%" in calls[0]
     (out.parent / "calls.txt").unlink()
-    out, _ = _run(box, RUNS="1", ZIPF="0.8")
+    out, _ = _run(box, RUNS="1", ZIPF="0.8", PROFILE_ARGS="--extend-runs 8")
     assert "--router-zipf 0.8 " in (out.parent / "calls.txt").read_text()
+    profiles = (out.parent / "calls.txt.profile").read_text().splitlines()
+    assert "--router-zipf" not in profiles[0] and "--router-zipf 0.8 " in profiles[1]
+    assert "--extend-runs 8" not in profiles[0] and "--extend 256 --extend-runs 8 --json" in profiles[1]
 
 
 def test_a_deadline_too_short_for_a_process_runs_none_and_writes_no_table(box):
