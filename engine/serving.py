@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import threading
 import time
@@ -81,6 +82,12 @@ class EngineCore:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "EngineCore":
+        """Start the engine thread. What the process holds by then (the model, its kernels and graphs, every
+        module) is frozen out of the garbage collector's later passes: a full pass walks all of it (110-120 ms
+        over the 168k objects of a tiny model's engine on the dev box) inside whichever step it falls in.
+        Objects still free by their reference counts; stop() unfreezes."""
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="killick-engine", daemon=True)
         self._thread.start()
         return self
@@ -92,6 +99,7 @@ class EngineCore:
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
+        gc.unfreeze()  # (start's freeze)
         if self._thread is not None:
             self._thread.join(timeout=30)
             if self._thread.is_alive():  # still inside a step: its workers are in use

@@ -2,6 +2,7 @@
 
 The real model runner is exercised end to end in test_runner.py and the proxy tests."""
 import asyncio
+import gc
 import threading
 import time
 
@@ -205,3 +206,18 @@ def test_stop_closes_the_runner_once_its_thread_has_ended():
     core.stop()
     core.stop()
     assert runner.closed == [False, False]
+
+
+def test_start_freezes_what_exists_out_of_the_collectors_passes_and_stop_unfreezes():
+    """A full garbage collection walks every object the collector tracks; after start() the engine's own (the
+    model, modules, kernels) are frozen out of it, so a pass inside a step walks only what came since."""
+    gc.unfreeze()
+    core = EngineCore(CountingRunner())
+    try:
+        core.start()
+        assert gc.get_freeze_count() > 0
+        events = collect(core, GenerateRequest([1, 2, 3], 3))
+        assert events[-1].final  # serving as before
+    finally:
+        core.stop()
+    assert gc.get_freeze_count() == 0
