@@ -94,7 +94,8 @@ class CpuJobs:
         table = self._tables[layer]
         runner = native_runner(job_threads(x.shape[0] >= PROMPT_TOKENS)) \
             if table is not None and x.dtype in GATHER_DTYPES else None
-        out = self._buffers(x.dtype, len(jobs.pos)) if self.zero_copy or raise_flag or runner is not None else None
+        out = self._buffers(x.dtype, len(jobs.pos), x.shape[0] * routing.top_k) \
+            if self.zero_copy or raise_flag or runner is not None else None
         seq = self._next_flag(out, len(jobs.pos)) if raise_flag else None
         staged, self._staged = self._staged, None
         rows, copied = staged[1] if staged is not None and staged[0] is x else self._host_rows(x)
@@ -255,14 +256,18 @@ class CpuJobs:
         pinned = out is not None and self.device.type == "cuda" and vals.data_ptr() == out[1].data_ptr()
         return CpuResult(pos, vals, time.perf_counter() - t0, t0, pinned)
 
-    def _buffers(self, dtype: torch.dtype, rows: int):
+    def _buffers(self, dtype: torch.dtype, rows: int, bound: int):
         """(positions [>= rows] int64, outputs [>= rows, H]) for a job to write, page-locked on CUDA; the last
-        scatter_rows that read them has run (normally long since: the routing's read-back waited for it)."""
+        scatter_rows that read them has run (normally long since: the routing's read-back waited for it). Grown
+        to hold `bound` rows (every pair of the call: however the split goes, no later call of its size grows
+        them): page-locking a grown buffer held the engine thread 3.2-4.2 ms between a split and its job, in
+        the first timed extend of a process whose CPU share passed its warm-up's (H100 and H200 boxes, docs/PERF.md
+        forty-sixth session)."""
         if self._scatter_done is not None:
             self._scatter_done.synchronize()
         buf = self._out.get(dtype)
         if buf is None or buf[0].shape[0] < rows:
-            cap = _capacity(rows)
+            cap = _capacity(max(rows, bound))
             pin = self.device.type == "cuda"
             buf = self._out[dtype] = (torch.empty(cap, dtype=torch.long, pin_memory=pin),
                                       torch.empty(cap, self.pool.layout.hidden, dtype=dtype, pin_memory=pin))

@@ -384,3 +384,26 @@ def test_a_cpu_job_starts_before_the_engine_thread_goes_on(pool, monkeypatch):
         jobs.close()
     finally:
         sys.setswitchinterval(interval)
+
+
+@pytest.mark.skipif(not cpu_runner.NATIVE, reason="native CPU kernels not built")
+def test_a_jobs_outputs_are_sized_for_every_pair_of_its_call_from_the_first_job(src, pool):
+    """The buffers a job writes are grown, at the first job of a call size, for every (token, expert) pair of
+    that call: a later call of the size whose split sends more of its experts to the CPU writes into the same
+    buffers (page-locking a grown one held the engine thread between a split and its job on the GPU box). Fresh
+    random routing; each job's rows are the reference's."""
+    jobs = cpu_jobs.CpuJobs(pool, torch.device("cpu"), zero_copy=False)
+    T = 400  # T * K = 1200 pairs, past the least capacity (1024 rows)
+    x, ids, w = routing(T, seed=int(torch.randint(1 << 30, ())))
+    r = Routing.of(ids)
+    layer = L_IDS[1]
+    first = jobs.start(layer, x, r, [0]).result()
+    buf = jobs._out[x.dtype]
+    assert first.vals.shape[0] == int(r.counts[0]) < 1024 <= T * K <= buf[0].shape[0]
+    done = jobs.start(layer, x, r, list(range(len(r.experts)))).result()
+    assert jobs._out[x.dtype] is buf and done.vals.shape[0] == T * K
+    y = torch.zeros(T * K, H)
+    jobs.place(y, done)
+    out = (y.view(T, K, H) * w[..., None]).sum(1)
+    torch.testing.assert_close(out, reference(src, layer, x, ids, w), rtol=1e-4, atol=1e-4)
+    jobs.close()
