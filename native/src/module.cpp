@@ -39,7 +39,9 @@ PYBIND11_MODULE(_cpu_experts, m) {
       .def_readwrite("prefetch_bytes", &Runner::prefetch_bytes)
       .def_readwrite("tile_tokens", &Runner::tile_tokens)
       .def_property_readonly("has_tiles", [](Runner& r) { return r.kernels->tile != nullptr; })
-      .def_property_readonly("last_tiles", [](Runner& r) { return r.planner_last_tiles(); })
+      .def_property_readonly(
+          "last_tiles", [](Runner& r) { py::gil_scoped_release release; return r.planner_last_tiles(); },
+          "whether the last job took the tile path (waits, the GIL let go, while a posted job holds the runner)")
       .def("submit_moe", &Runner::submit_moe)
       .def("run_gather", &Runner::run_gather, py::arg("table"), py::arg("experts"), py::arg("rows"), py::arg("x"),
            py::arg("x_fmt"), py::arg("x_stride"), py::arg("T"), py::arg("out"), py::arg("out_fmt"),

@@ -446,3 +446,30 @@ def test_a_posted_job_is_ended_by_its_workers_unless_the_caller_joins(joins):
         started, seconds = runner.wait_gather()
         assert int(flag[0]) == seq and torch.equal(out, want) and seconds > 0
     assert _threads_of_this_process() - before == (1 if joins else 0)
+
+
+@native
+@pytest.mark.parametrize("joins", [False, True])
+def test_reading_last_tiles_while_a_posted_job_holds_the_runner_lets_python_run(joins):
+    """last_call_tiles waits while a posted job holds the runner (until its flag is up), with the GIL let go: the
+    other threads' Python goes on meanwhile (the engine thread queueing the device's work), where holding it
+    stopped them until the job's end. Fresh random inputs, a job of ~0.2 s on the dev box."""
+    table, x, experts, rows, runner, _ = _gather_case(512, 256, 16, 8, 96, joins)
+    experts, rows = experts * 200, rows * 200
+    flag = torch.zeros(1, dtype=torch.long)
+    out = torch.empty(len(experts), 512, dtype=torch.bfloat16)
+    runner.post_gather(table, experts, rows, x, out, flag, 1)
+    entered = threading.Event()
+
+    def reader():
+        entered.set()
+        assert runner.last_call_tiles in (True, False)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    entered.wait()
+    time.sleep(0.02)  # the reader is in its wait by now
+    seen = int(flag[0])  # Python on this thread while the reader waits: the job is still on
+    thread.join(60)
+    runner.wait_gather()
+    assert seen == 0 and int(flag[0]) == 1
