@@ -195,16 +195,12 @@ class GatherJobs {
     if (joins_) cv_.notify_one();
   }
 
-  // -> (when the last posted job began, steady-clock ns; seconds it ran), once it is done. The pool's wait then
-  // counts it waited on (its profile, Pool::set_profile).
+  // -> (when the last posted job began, steady-clock ns; seconds it ran), once it is done. (The pool counts it
+  // waited on, in its profile, at the runner's next wait: Pool::set_profile.)
   std::pair<int64_t, double> wait() {
     py::gil_scoped_release release;
     std::unique_lock<std::mutex> lock(m_);
     done_cv_.wait(lock, [&] { return done_ == posted_; });
-    {
-      auto run = r_.hold();
-      r_.pool.wait();
-    }
     return {started_, (end_ - started_) * 1e-9};
   }
 
