@@ -255,7 +255,6 @@ def _extend(model, args, sync, g) -> dict:
 
     experts = model.experts if hasattr(model.experts, "call_log") else None  # an expert cache's layer calls
     layer_calls: list = []  # each timed extend's (OffloadBackend.call_log)
-    stalls: list = []  # each timed extend's engine-thread Stalls
 
     def once(wrap=None, log: bool = False) -> float:
         st = model.new_state(args.prefill + args.extend + 8)
@@ -265,12 +264,7 @@ def _extend(model, args, sync, g) -> dict:
         if log and experts is not None:
             experts.call_log = []
         t = time.perf_counter()
-        if log:
-            with Stalls(threading.get_ident(), STALL_EVERY_S) as watch:
-                model.forward([(ext, st)], logits="last")
-                sync()
-            stalls.append(watch)
-        elif wrap is None:
+        if wrap is None:
             model.forward([(ext, st)], logits="last")
         else:
             with wrap:
@@ -288,7 +282,8 @@ def _extend(model, args, sync, g) -> dict:
     # hybrid: the split's choices and rates as the timed extends begin, which their plans go by (learned in this
     # process, under the profiled decode steps and prompt too; bench model's may differ)
     policy = ExpertTraffic(model, measure_bp=False).split()
-    walls = [once(log=True) for _ in range(max(1, args.extend_runs))]
+    stalls = [Stalls(threading.get_ident(), STALL_EVERY_S) for _ in range(max(1, args.extend_runs))]
+    walls = [once(watch, log=True) for watch in stalls]  # each timed extend under its stall sampler
     prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
     profiled_wall = once(prof)
     if args.extend_trace:
@@ -323,7 +318,7 @@ def _extend(model, args, sync, g) -> dict:
         print_split(policy)
     for k, calls in enumerate(layer_calls, 1):
         _print_calls(calls, f"timed extend {k} of {len(layer_calls)} ({walls_ms[k - 1]:.1f} ms)")
-        if calls and k <= len(stalls):
+        if calls:
             _print_stalls(stalls[k - 1], calls[0].at)
     print(f"{'gap start (ms)':>14}{'length':>8}  the engine thread's ops inside it (ms)")
     for gap in gaps["gaps"][:60]:
