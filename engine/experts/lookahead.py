@@ -50,8 +50,9 @@ class CopiesAhead:
         forward: a resident of a layer after `layer` (or of `layer` itself, for its later pieces in a held
         forward) counts as KEEP_RATIO x its heat at the forward's end (what the prompt's tokens will add, and
         the refill its eviction would cost: REFILL_USES). So a layer's fills land where the layers before it
-        worked, unless a resident there is several times hotter than what a later layer will read. None
-        outside a routed prompt forward."""
+        worked, unless a resident there is several times hotter than what a later layer will read. The slots of
+        a later layer holding every one of its experts (_whole_later) go after all others, the farthest such
+        layer's first. None outside a routed prompt forward."""
         if self._ahead is None:
             return None
         t, e = self.cache.table, self.pool.num_experts
@@ -61,7 +62,22 @@ class CopiesAhead:
         out = np.zeros(len(owner))
         heat = t.slot_heat[later] / t.moment()[1]  # uses now; victims adds it back: KEEP_RATIO x (heat + ahead)
         out[later] = (KEEP_RATIO - 1) * heat + KEEP_RATIO * self._ahead[rows[later], owner[later] % e]
+        whole = self._whole_later(later)
+        if whole.any():  # above every other slot's heat and bonus: each such layer one step higher, the nearest top
+            uses = t.slot_heat / t.moment()[1]
+            floor = float(uses[np.isfinite(uses)].max(initial=0.0)) + float(out.max()) + 1.0
+            out[whole] += floor * (len(self.pool.layers) - rows[whole])
         return out
+
+    def _whole_later(self, later: np.ndarray) -> np.ndarray:
+        """[S] of the slots `later` (those of layers still to run), the ones whose layer holds every one of its
+        experts. Such a layer runs unread (DeviceRuns._forward_unread); one expert taken from it, and it reads its
+        routing back and handles the miss, 2-3 ms more (TOP_UP_S) than the refill of the expert taken alone: an
+        extend's layer 6 of 8, emptied of 5-10 experts by layer 5's fills, turned routed in every extend and
+        took its tail from ~2 to ~7 ms (H100 and H200 boxes, docs/PERF.md forty-sixth session)."""
+        t = self.cache.table
+        whole = (t.resident >= 0).all(1)
+        return later & whole[t.owner // self.pool.num_experts]
 
     def _ahead_plan(self, layer: int, behind: int, inputs: "AheadInputs | None" = None):
         """For a routed prompt forward with `lookahead`: (the next MoE layer, its likely misses to copy in
@@ -131,12 +147,13 @@ class CopiesAhead:
     def _kept(self, running: int) -> np.ndarray:
         """[S] slots a copy ahead leaves alone while pool row `running` runs: those holding an expert that a
         layer still to run (or this one, when more of its pieces follow) will likely read (touched with p >=
-        LIKELY_READ). A cold resident of a later layer goes for a likely miss of the next."""
+        LIKELY_READ), or any expert of such a layer that holds all of its own (_whole_later). A cold resident of
+        any other later layer goes for a likely miss of the next."""
         owner, e = self.cache.table.owner, self.pool.num_experts
         rows = owner // e
         later = (owner >= 0) & ((rows > running) | ((rows == running) & self._more_pieces(running)))
-        out = np.zeros(len(owner), dtype=bool)
-        out[later] = self._touch[rows[later], owner[later] % e] >= LIKELY_READ
+        out = self._whole_later(later)
+        out[later] |= self._touch[rows[later], owner[later] % e] >= LIKELY_READ
         return out
 
     def _more_pieces(self, row: int) -> bool:

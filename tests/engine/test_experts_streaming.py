@@ -10,7 +10,7 @@ from engine.experts.hybrid import HybridBackend
 from engine.experts.lru import prompt_use_weights
 from engine.experts.offload import OffloadBackend
 from engine.experts.policy import BandwidthEstimate
-from engine.experts.prefill_stream import routed_fills
+from engine.experts.prefill_stream import LIKELY_READ, routed_fills
 
 from tests.engine.backends_util import (E, K, L_IDS, check_table, deep_pool, reference, routing,
                                        run_prompt)
@@ -212,18 +212,44 @@ def test_a_routed_prompt_fills_into_the_slots_of_layers_it_has_run(layout, keep,
 
 @pytest.mark.parametrize("done_heat,taken", [(1.0, 0), (1000.0, 2)])
 def test_a_later_layers_resident_goes_first_only_against_a_far_hotter_slot(done_heat, taken):
-    """keep_bonus: while layer 1 of a routed prompt fills, a resident of layer 2 (still to run) counts KEEP_RATIO x
-    its heat at the forward's end; layer 0's slots (already run) count their heat. As hot as layer 2's, layer 0's
-    slots go first; a thousand times hotter (a decode's popular experts), layer 2's go first."""
+    """keep_bonus: while layer 1 of a routed prompt fills, a resident of layer 2 (still to run, all but one of its
+    experts in slots) counts KEEP_RATIO x its heat at the forward's end; layer 0's slots (already run) count their
+    heat. As hot as layer 2's, layer 0's slots go first; a thousand times hotter (a decode's popular experts),
+    layer 2's go first."""
     src, deep = deep_pool(layers=3)
-    b = OffloadBackend(deep, 2 * E, "cpu", stream_prefill="off", slot_policy="lfu")
+    b = OffloadBackend(deep, 2 * E - 1, "cpu", stream_prefill="off", slot_policy="lfu")
     t = b.cache.table
-    for layer, heat in ((0, done_heat), (2, 1.0)):
-        b.cache.admit(layer, list(range(E)))
+    for layer, heat, held in ((0, done_heat, E), (2, 1.0, E - 1)):
+        b.cache.admit(layer, list(range(held)))
         t.unlock_all()
         t.note_use(layer, np.arange(E), weights=np.full(E, heat))
     b.begin_forward(40, K, hold=True, span=40)
-    victims = t.victims(E, bonus=b.keep_bonus(1))
+    victims = t.victims(E - 1, bonus=b.keep_bonus(1))
     assert set((t.owner[victims] // E).tolist()) == {taken}
+    b.end_forward()
+    b.close()
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_the_slots_of_a_later_layer_holding_all_its_experts_go_last(policy):
+    """keep_bonus: layers 2 and 3 (still to run) hold every one of their experts, so each runs without reading its
+    routing back; a fill of layer 1 takes layer 0's slots first however much hotter they are (a thousand times
+    here) and though half of layer 2's experts are cold (the prompt will likely not read them), then the farthest
+    whole layer's (3), the next layer's last. Copies ahead (_kept) never take them, the cold ones included."""
+    src, deep = deep_pool(layers=4)
+    b = OffloadBackend(deep, 3 * E, "cpu", stream_prefill="off", slot_policy=policy, lookahead="on")
+    t = b.cache.table
+    for layer, heat, used in ((0, 1000.0, E), (2, 1000.0, E // 2), (3, 1.0, E)):
+        b.cache.admit(layer, list(range(E)))
+        t.unlock_all()
+        t.note_use(layer, np.arange(used), weights=np.full(used, heat))
+    b.begin_forward(40, K, hold=True, span=40)
+    assert (b._touch[2, E // 2:] < LIKELY_READ).all()
+    victims = t.victims(E + 3, bonus=b.keep_bonus(1))
+    assert (t.owner[victims[:E]] // E == 0).all()
+    if policy == "lfu":  # (lru takes the slots with a bonus last, in its own order)
+        assert (t.owner[victims[E:]] // E == 3).all()
+    kept = b._kept(1)
+    assert kept[t.resident[2]].all() and kept[t.resident[3]].all() and not kept[t.resident[0]].any()
     b.end_forward()
     b.close()
