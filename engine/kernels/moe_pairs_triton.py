@@ -4,6 +4,7 @@ cache's decode (ExpertMap).
 
     ids, w = route_topk(logits, top_k, norm_topk, shared)       # [N, KP] int32 / fp32, KP = K (+1 shared)
     blocks = pair_blocks(ids) | group_blocks(ids) | expert_blocks(ids, E, BM)   # which pairs each program runs
+    blocks = expert_blocks_fused(ids, E, BM)                    # expert_blocks' in one launch (a few thousand pairs)
     rows, expert = host_blocks(pos, counts, run_ids, BM)        # expert_blocks' made on the host, pairs grouped there
 
 A block is BM pairs of one expert: `pair_blocks` gives each pair its own block (static shapes, graph-safe),
@@ -118,10 +119,20 @@ GROUP_PAIRS = 128  # from this many (token, expert) pairs on, experts run groupe
 GROUP_BLOCK = 64  # pairs per block when grouped
 
 
+# up to this many pairs (an extend of 512 tokens at top 8) expert_blocks runs as one kernel (expert_blocks_fused):
+# the sort's ~25 small launches took ~1 ms of the engine thread at a routed prompt's wholly resident first layer,
+# where the device waits for the host (H100 and H200 boxes, docs/PERF.md forty-fifth session); past it the
+# prompt's host runs ahead of the device, and every program of the fused kernel reading all the pairs twice grows
+# with them
+FUSED_BLOCK_PAIRS = 4096
+
+
 def blocks_for(ids: torch.Tensor, num_experts: int) -> "Blocks":
     """The block mapping a batch of pairs runs best in: a block per pair for a few (each expert read once when
     the tokens fit a block: as a decode step of that many tokens runs), grouped per expert for many."""
     if ids.numel() >= GROUP_PAIRS:
+        if ids.numel() <= FUSED_BLOCK_PAIRS:
+            return expert_blocks_fused(ids, num_experts, GROUP_BLOCK)
         return expert_blocks(ids, num_experts, GROUP_BLOCK)
     return group_blocks(ids) if ROUTE_GROUP_TOKENS <= ids.shape[0] <= PAIR_ROWS else pair_blocks(ids)
 
@@ -192,6 +203,57 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
     expert = torch.full((nb + 1,), -1, dtype=torch.int32, device=dev)
     expert[block] = torch.where(routed, e_sorted, -1).int()
     return Blocks(rows[:nb], expert[:nb])
+
+
+@triton.jit
+def _expert_blocks_kernel(ids_ptr, rows_ptr, expert_ptr, P, E, NB, BM: tl.constexpr, BLOCK_E: tl.constexpr,
+                          CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program e < E writes expert e's blocks (its pairs in order, BM to a block, after the blocks of the experts
+    before it); program E marks the blocks past the used ones idle. Each counts every expert's pairs itself."""
+    pdl_enter(PDL)
+    e = tl.program_id(0)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, P, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        key = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+        counts += tl.histogram(tl.where((key >= 0) & (key < E), key, E), BLOCK_E)  # bin E: padding, unused
+    cols = tl.arange(0, BLOCK_E)
+    blocks_of = tl.where(cols < E, (counts + BM - 1) // BM, 0)
+    lane = tl.arange(0, BM)
+    if e < E:
+        first = tl.sum(tl.where(cols < e, blocks_of, 0), axis=0)
+        mine = tl.sum(tl.where(cols == e, counts, 0), axis=0)
+        seen = 0
+        for start in range(0, P, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            hit = tl.load(ids_ptr + offs, mask=offs < P, other=-1) == e
+            rank = seen + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            tl.store(rows_ptr + (first + rank // BM) * BM + rank % BM, offs.to(tl.int32), mask=hit)
+            seen += tl.sum(hit.to(tl.int32), axis=0)
+        used = (mine + BM - 1) // BM
+        if mine % BM > 0:  # the last block's empty rows
+            tl.store(rows_ptr + (first + used - 1) * BM + lane, -1, mask=lane >= mine % BM)
+        for b in range(0, used):
+            tl.store(expert_ptr + first + b, e)
+    else:
+        for b in range(tl.sum(blocks_of, axis=0), NB):
+            tl.store(expert_ptr + b, -1)
+            tl.store(rows_ptr + b * BM + lane, -1)
+
+
+def expert_blocks_fused(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
+    """expert_blocks' mapping, bit for bit, in one launch (E + 1 programs, no sort): for a few thousand pairs,
+    where the host's launches, not the device, set the pace."""
+    flat = ids.reshape(-1).contiguous()
+    P = flat.numel()
+    nb = min(P, -(-P // bm) + num_experts)
+    rows = torch.empty((nb, bm), dtype=torch.int32, device=ids.device)
+    expert = torch.empty((nb,), dtype=torch.int32, device=ids.device)
+    if P:
+        _expert_blocks_kernel[(num_experts + 1,)](flat, rows, expert, P, num_experts, nb, BM=bm,
+                                                  BLOCK_E=triton.next_power_of_2(num_experts + 1), CHUNK=256,
+                                                  num_warps=4, **pdl_args(flat))
+    return Blocks(rows, expert)
 
 
 def host_blocks(pos: np.ndarray, counts: np.ndarray, run_ids: np.ndarray, bm: int) -> tuple[np.ndarray, np.ndarray]:

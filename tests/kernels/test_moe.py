@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from engine.kernels.moe_pairs_triton import (LOC_CPU, LOC_HOST, LOC_SHARED, PAIR_ROWS, Blocks, ExpertMap,
-                                             expert_blocks, group_blocks, host_blocks, pair_blocks, route_topk,
-                                             route_topk_ref)
+                                             expert_blocks, expert_blocks_fused, group_blocks, host_blocks,
+                                             pair_blocks, route_topk, route_topk_ref)
 from engine.kernels.moe_triton import run_experts, run_experts_ref, run_experts_routed
 from engine.kernels.stage_triton import stage_guess, stage_guess_ref, stage_programs
 from tests.kernels.conftest import float_dtypes, rel_err, tol
@@ -44,6 +44,19 @@ def test_expert_blocks_cover_every_pair_once(dev, padding):
             assert torch.equal(r, r.sort().values)  # pair order kept inside an expert
         else:
             assert expert[blk] == -1
+
+
+@pytest.mark.parametrize("E,bm,N,K", [(9, 4, 13, 3), (257, 64, 256, 9), (5, 1, 7, 2), (33, 16, 50, 4)])
+def test_expert_blocks_fused_is_expert_blocks_bit_for_bit(dev, E, bm, N, K):
+    """One launch against the sort (the reference), on fresh random routing with padding pairs and experts no pair
+    routes to: the same blocks, rows and idle tail."""
+    seed = int(torch.randint(1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, E - 1 if E > 8 else E, (N, K), generator=g).int()  # (the last expert unrouted)
+    ids[torch.rand(ids.shape, generator=g) < 0.1] = -1
+    got, want = expert_blocks_fused(ids.to(dev), E, bm), expert_blocks(ids.to(dev), E, bm)
+    assert torch.equal(got.rows.cpu(), want.rows.cpu()), seed
+    assert torch.equal(got.expert.cpu(), want.expert.cpu()), seed
 
 
 def _random_experts(g, dev, dtype, N: int, E: int, KP: int, H: int, I: int):
