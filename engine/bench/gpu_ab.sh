@@ -18,19 +18,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_prelude.sh"
 S="$OUT/summary.txt"
 MODEL_ARGS=${MODEL_ARGS:-"--synthetic qwen3.6-35b-a3b --layers 8"}
 ROOT=$PWD
-OLD_DIR=$(mktemp -d)
-if [ -n "${OLD_TREE:-}" ]; then
-    cp -r "$OLD_TREE/engine" "$OLD_DIR/" || { echo "gpu_ab: OLD_TREE=$OLD_TREE holds no engine/" | tee -a "$S"; exit 2; }
-elif [ -n "${OLD:-}" ]; then
-    git archive "$OLD" engine | tar -x -C "$OLD_DIR" || {
-        echo "gpu_ab: $OLD is not in this checkout's .git (on the box: the session's starting point); carry the old" \
-             "tree and pass OLD_TREE=DIR" | tee -a "$S"; exit 2; }
-else
-    echo "gpu_ab: set OLD=REV or OLD_TREE=DIR (the tree to compare this one with)" | tee -a "$S"; exit 2
-fi
+old_tree gpu_ab ||
+    { echo "gpu_ab: set OLD=REV or OLD_TREE=DIR (the tree to compare this one with)" | tee -a "$S"; exit 2; }
 [ -n "${ARMS:-}" ] || { echo "gpu_ab: set ARMS=\"name: bench model arguments | ...\"" | tee -a "$S"; exit 2; }
 build_native
-mkdir -p "$OLD_DIR/native" && cp native/*.py native/_cpu_experts*.so "$OLD_DIR/native/" 2>/dev/null
+old_native
 
 bench() {  # name, directory, arguments...
     local name=$1 dir=$2

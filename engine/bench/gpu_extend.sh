@@ -15,8 +15,9 @@
 #     OLD_NATIVE=FILE   an A/B of a native change on one machine: the processes alternate between the native build
 #                       in FILE (an earlier call's box-cache.tgz: old{N}.*) and this tree's (run{N}.*), old first,
 #                       and each arm gets its table (old_table.{md,json} beside table.{md,json})
-#     OLD_TREE=FILE     the same for a Python change: the old processes run from the tree in FILE (an earlier commit's
-#                       `git archive -o .old-tree.tgz REV engine native`, carried), with this tree's native build
+#     OLD=REV | OLD_TREE=DIR  the same for a change of the engine's Python: the old processes run the engine/ of REV
+#                       (this checkout's .git: on the box, commits up to the session's start) or of a carried DIR,
+#                       with this tree's native build (gpu_prelude.sh's old_tree)
 # Results under $OUT: summary.txt (each step with its rc and the second it ended, the extend lines, the table),
 # run{N}.{txt,json,log}, profile.{txt,json}, table.{md,json}, pytest.txt.
 DEADLINE=${DEADLINE:-420}
@@ -26,12 +27,7 @@ S="$OUT/summary.txt"
 build_native
 nvidia-smi -L >> "$S"
 OUT=$(cd "$OUT" && pwd)  # (the old tree's processes run from another directory)
-if [ -n "${OLD_TREE:-}" ]; then
-    rm -rf /tmp/ab-tree && mkdir -p /tmp/ab-tree && tar xzf "$OLD_TREE" -C /tmp/ab-tree && [ -d /tmp/ab-tree/engine ] &&
-        mkdir -p /tmp/ab-tree/native && cp native/_cpu_experts*.so /tmp/ab-tree/native/ ||
-        { echo "gpu_extend: OLD_TREE=$OLD_TREE holds no engine/ (or this tree has no native build)" | tee -a "$S"
-          exit 2; }
-fi
+old_tree gpu_extend && old_native
 if [ -n "${OLD_NATIVE:-}" ]; then  # both builds kept aside; native/ holds this tree's except while an old run runs
     rm -rf /tmp/ab-native && mkdir -p /tmp/ab-native/new && tar xzf "$OLD_NATIVE" -C /tmp/ab-native &&
         ls /tmp/ab-native/native/_cpu_experts*.so > /dev/null && cp native/_cpu_experts*.so /tmp/ab-native/new/ ||
@@ -50,10 +46,10 @@ limit=90; [ -f .box-cache-triton.tgz ] || limit=200
 for i in $(seq 1 "${RUNS:-6}"); do
     [ "$(left)" -gt 100 ] || break
     name=run$i tree=.
-    if [ -n "${OLD_NATIVE:-}${OLD_TREE:-}" ] && [ $((i % 2)) = 1 ]; then
+    if [ -n "${OLD_NATIVE:-}${OLD_DIR:-}" ] && [ $((i % 2)) = 1 ]; then
         name=old$i
         [ -n "${OLD_NATIVE:-}" ] && cp /tmp/ab-native/native/_cpu_experts*.so native/
-        [ -n "${OLD_TREE:-}" ] && tree=/tmp/ab-tree
+        [ -n "${OLD_DIR:-}" ] && tree=$OLD_DIR
     fi
     # shellcheck disable=SC2086  # the flags split on purpose
     (cd "$tree" && XDG_CACHE_HOME=$(mktemp -d) timeout -s ABRT "$(upto $limit)" $PY -X faulthandler \
@@ -74,6 +70,6 @@ ls "$OUT"/run*.json > /dev/null 2>&1 && $PY -m engine.bench.extend_table "$OUT"/
     > "$OUT/table.md" && cat "$OUT/table.md" >> "$S"
 ls "$OUT"/old*.json > /dev/null 2>&1 && $PY -m engine.bench.extend_table "$OUT"/old*.json \
     --json "$OUT/old_table.json" > "$OUT/old_table.md" &&
-    { echo "old${OLD_TREE:+ tree}${OLD_NATIVE:+ native}:"; cat "$OUT/old_table.md"; } >> "$S"
+    { echo "old${OLD_DIR:+ tree}${OLD_NATIVE:+ native}:"; cat "$OUT/old_table.md"; } >> "$S"
 date -u >> "$S"
 exit 0

@@ -70,5 +70,23 @@ build_native() {
     timeout "$(upto 240)" $PY setup.py build_ext --inplace -j "$(nproc)" > "$OUT/build_native.log" 2>&1
     status build_native $?
 }
+# old_tree NAME: for a call that measures this tree against an earlier one, OLD_DIR (a new directory) holding the
+# earlier engine/: `git archive $OLD engine` of this checkout's .git (on the box that .git is the session's starting
+# point, so a commit made since is not in it), or a carried OLD_TREE=DIR's. Neither set: returns 1; a tree that
+# cannot be had: exits 2, saying so (NAME: the script's). old_native: this tree's native loader and build into
+# OLD_DIR's native/ (after build_native), which serve both trees.
+old_tree() {
+    [ -n "${OLD_TREE:-}${OLD:-}" ] || return 1
+    OLD_DIR=$(mktemp -d)
+    if [ -n "${OLD_TREE:-}" ]; then
+        cp -r "$OLD_TREE/engine" "$OLD_DIR/" ||
+            { echo "$1: OLD_TREE=$OLD_TREE holds no engine/" | tee -a "$OUT/summary.txt"; exit 2; }
+    else
+        git archive "$OLD" engine | tar -x -C "$OLD_DIR" || {
+            echo "$1: $OLD is not in this checkout's .git (on the box: the session's starting point); carry the" \
+                 "old tree and pass OLD_TREE=DIR" | tee -a "$OUT/summary.txt"; exit 2; }
+    fi
+}
+old_native() { mkdir -p "$OLD_DIR/native" && cp native/*.py native/_cpu_experts*.so "$OLD_DIR/native/" 2>/dev/null; }
 { date -u; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; nproc; git log -1 --format=%h
   $PY -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"; } > "$OUT/env.log" 2>&1

@@ -129,26 +129,24 @@ def test_old_native_alternates_the_builds_and_tables_each_arm(box):
 
 
 def test_old_tree_runs_the_odd_processes_from_that_tree_with_this_trees_native_build(box):
-    """OLD_TREE=FILE (an earlier commit's engine/ and native/): odd processes run from it, with this tree's native
-    build copied in, even ones from this checkout; each arm gets its table, and the profile runs this tree."""
+    """OLD_TREE=DIR (an earlier commit's engine/, carried): odd processes run from a copy of it, with this tree's
+    native build beside it, even ones from this checkout; each arm gets its table, and the profile runs this tree.
+    A DIR without engine/ stops the call, saying so."""
     tmp, env = box
     native = tmp / "repo" / "native"
     native.mkdir()
     (native / "_cpu_experts.cpython-312-x86_64-linux-gnu.so").write_text("new\n")
     (tmp / "old" / "engine").mkdir(parents=True)
-    subprocess.run(["tar", "czf", str(tmp / "old.tgz"), "-C", str(tmp / "old"), "engine"], check=True)
-    out, summary = _run(box, RUNS="3", OLD_TREE=str(tmp / "old.tgz"))
+    out, summary = _run(box, RUNS="3", OLD_TREE=str(tmp / "old"))
     cwd = (tmp / "calls.txt.cwd").read_text().split()
-    assert cwd == ["/tmp/ab-tree", str(tmp / "repo"), "/tmp/ab-tree"]
+    assert cwd[1] == str(tmp / "repo") and cwd[0] == cwd[2] != cwd[1]
     assert (tmp / "calls.txt.native").read_text().split() == ["new"] * 3
     assert "old1 rc=0" in summary and "run2 rc=0" in summary and "old3 rc=0" in summary
     assert [row["name"] for row in json.loads((out / "old_table.json").read_text())["rows"]] == ["old1", "old3"]
     assert "old tree:" in summary and "profile rc=0" in summary
     (tmp / "bare").mkdir()
-    subprocess.run(["tar", "czf", str(tmp / "bare.tgz"), "-C", str(tmp / "bare"), "."], check=True)
     done = subprocess.run(["bash", "engine/bench/gpu_extend.sh"], cwd=tmp / "repo",
-                          env={**env, "OLD_TREE": str(tmp / "bare.tgz")}, capture_output=True, text=True,
-                          timeout=120)
+                          env={**env, "OLD_TREE": str(tmp / "bare")}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "holds no engine/" in (tmp / "out" / "summary.txt").read_text()
 
 
