@@ -72,9 +72,10 @@ class CopiesAhead:
     def _whole_later(self, later: np.ndarray) -> np.ndarray:
         """[S] of the slots `later` (those of layers still to run), the ones whose layer holds every one of its
         experts. Such a layer runs unread (DeviceRuns._forward_unread); one expert taken from it, and it reads its
-        routing back and handles the miss, 2-3 ms more (TOP_UP_S) than the refill of the expert taken alone: an
-        extend's layer 6 of 8, emptied of 5-10 experts by layer 5's fills, turned routed in every extend and
-        took its tail from ~2 to ~7 ms (H100 and H200 boxes, docs/PERF.md forty-sixth session)."""
+        routing back and handles the miss, 2-3 ms more (TOP_UP_S) than the refill of the expert taken alone. An
+        extend's layer 6 of 8 ran routed with 5-10 misses in every profiled extend although layer 5 had copied
+        none ahead for it (none were missing when it planned): its fills had taken them (H100 and H200 boxes,
+        docs/PERF.md forty-fifth and forty-sixth sessions)."""
         t = self.cache.table
         whole = (t.resident >= 0).all(1)
         return later & whole[t.owner // self.pool.num_experts]
