@@ -150,6 +150,24 @@ def test_old_tree_runs_the_odd_processes_from_that_tree_with_this_trees_native_b
     assert done.returncode == 2 and "holds no engine/" in (tmp / "out" / "summary.txt").read_text()
 
 
+def test_old_rev_runs_the_odd_processes_from_that_commits_engine(box):
+    """OLD=REV: the old processes run `git archive REV engine` of the checkout's .git; a REV it lacks stops the call,
+    saying to carry the tree instead."""
+    tmp, env = box
+    repo = tmp / "repo"
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "engine"], check=True)
+    subprocess.run(git + ["commit", "-qm", "old"], check=True)
+    out, summary = _run(box, RUNS="2", OLD="HEAD")
+    cwd = (tmp / "calls.txt.cwd").read_text().split()
+    assert cwd[1] == str(repo) and cwd[0] != cwd[1] and Path(cwd[0], "engine").exists()
+    assert "old1 rc=0" in summary and "run2 rc=0" in summary and "old tree:" in summary
+    done = subprocess.run(["bash", "engine/bench/gpu_extend.sh"], cwd=repo, env={**env, "OLD": "no-such-rev"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "is not in this checkout's .git" in (tmp / "out" / "summary.txt").read_text()
+
+
 def test_an_old_native_file_without_a_build_stops_the_call(box):
     tmp, env = box
     (tmp / "empty").mkdir()
