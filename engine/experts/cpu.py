@@ -9,6 +9,7 @@ from engine.experts.offload import OffloadBackend
 class CpuBackend(OffloadBackend):
     name = "cpu"
     tops_up = False
+    runs_cpu_share = True
 
     def split(self, m: int, busy: int = 0, per: float = 1.0) -> int:
         return 0

@@ -145,10 +145,7 @@ class CpuJobs:
         if x.device.type != "cuda":
             return x.to("cpu"), None
         T, H = x.shape
-        buf = self._x_host.get(x.dtype)
-        if buf is None or buf.shape[0] < T or buf.shape[1] != H:
-            buf = self._x_host[x.dtype] = torch.empty(_capacity(T), H, dtype=x.dtype, pin_memory=True)
-        rows = buf[:T]
+        rows = self._grow_rows(x.dtype, T, H)[:T]
         rows.copy_(x, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
@@ -266,11 +263,34 @@ class CpuJobs:
         if self._scatter_done is not None:
             self._scatter_done.synchronize()
         buf = self._out.get(dtype)
-        if buf is None or buf[0].shape[0] < rows:
-            cap = _capacity(max(rows, bound))
-            pin = self.device.type == "cuda"
-            buf = self._out[dtype] = (torch.empty(cap, dtype=torch.long, pin_memory=pin),
-                                      torch.empty(cap, self.pool.layout.hidden, dtype=dtype, pin_memory=pin))
+        return buf if buf is not None and buf[0].shape[0] >= rows else self._grow_out(dtype, max(rows, bound))
+
+    def reserve(self, tokens: int, top_k: int, dtype: torch.dtype) -> None:
+        """Size now, outside any request (the engine's warm-up), the buffers a prompt call of `tokens` tokens
+        routed to top_k experts each can need: the job's outputs (_buffers) and, on CUDA, the call's rows
+        (_host_rows). Grown inside a layer call instead, their page-locking held the engine thread there: 3.0 ms
+        in a process's first 256-token extend (H100 box, docs/PERF.md forty-seventh session), more for a longer
+        prompt's. The warm-up's own prompts need not grow them: a cold hybrid split may fill every miss."""
+        if self._scatter_done is not None:
+            self._scatter_done.synchronize()
+        buf = self._out.get(dtype)
+        if buf is None or buf[0].shape[0] < tokens * top_k:
+            self._grow_out(dtype, tokens * top_k)
+        if self.device.type == "cuda":
+            self._grow_rows(dtype, tokens, self.pool.layout.hidden)
+
+    def _grow_out(self, dtype: torch.dtype, rows: int):
+        """_buffers' pair, replaced by one of _capacity(rows) rows."""
+        cap, pin = _capacity(rows), self.device.type == "cuda"
+        buf = self._out[dtype] = (torch.empty(cap, dtype=torch.long, pin_memory=pin),
+                                  torch.empty(cap, self.pool.layout.hidden, dtype=dtype, pin_memory=pin))
+        return buf
+
+    def _grow_rows(self, dtype: torch.dtype, tokens: int, hidden: int) -> torch.Tensor:
+        """_host_rows' page-locked buffer [>= tokens, hidden], replaced when smaller (or of another width)."""
+        buf = self._x_host.get(dtype)
+        if buf is None or buf.shape[0] < tokens or buf.shape[1] != hidden:
+            buf = self._x_host[dtype] = torch.empty(_capacity(tokens), hidden, dtype=dtype, pin_memory=True)
         return buf
 
 

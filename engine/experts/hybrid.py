@@ -15,6 +15,7 @@ from engine.experts.policy import SplitPolicy
 class HybridBackend(OffloadBackend):
     name = "hybrid"
     uses_handoff = True
+    runs_cpu_share = True
 
     def __init__(self, pool, num_slots: int, device="cpu", **kw) -> None:
         super().__init__(pool, num_slots, device, **kw)

@@ -60,6 +60,7 @@ class CallPlan(NamedTuple):
 class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCounting, CpuCollect):
     name = "offload"
     uses_handoff = False  # whether split / ahead_fills read self.handoff (the CPU's idle time per layer call)
+    runs_cpu_share = False  # whether a layer call may run some of its misses on the CPU (cpu_jobs.py)
     tops_up = True  # whether a nearly resident layer's last missing experts are copied ahead (lookahead.TOP_UP_S)
 
     def __init__(self, pool: HostPool, num_slots: int, device: torch.device | str = "cpu", *,
@@ -138,6 +139,12 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
 
     def cpu_share(self) -> float:
         return 0.0
+
+    def reserve(self, tokens: int, top_k: int, dtype: torch.dtype) -> None:
+        """Outside any request (the engine's warm-up): the buffers of the CPU's share of a prompt call of up to
+        `tokens` tokens sized now (CpuJobs.reserve), for a backend that runs one."""
+        if self.runs_cpu_share:
+            self.cpu_jobs.reserve(tokens, top_k, dtype)
 
     def observe(self, path: str, nbytes: int, seconds: float, together: bool, per: float = 1.0) -> None:
         """The time the fill path ("fill") or the CPU path ("cpu") took for nbytes of experts; together:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import FULL, ModelConfig
+from engine.experts.registry import is_expert_cache
 from engine.layers.attention import Attention
 from engine.layers.deltanet import GatedDeltaNet
 from engine.layers.mlp import DenseMLP
@@ -142,13 +143,17 @@ class Model:
         """Run the fast path once through what serving hits — prefill chunks of full and odd lengths with
         checkpoints inside, a prompt in each token bucket of a short run (token_graphs.BUCKETS), then a decode
         step at every batch bucket — so Triton compiles its kernel variants and each decode graph and each
-        bucket's graphs are captured before the first request instead of during it."""
+        bucket's graphs are captured before the first request instead of during it. An expert cache's buffers for
+        its CPU share are sized for a prompt piece of `chunk` tokens (OffloadBackend.reserve)."""
+        if self.fast is not None:
+            chunk = max(min(chunk, self.fast.pool.capacity - 1), 16)  # a slot holds capacity tokens, no more
+        if is_expert_cache(self.experts):
+            self.experts.reserve(chunk, self.config.top_k, self.dtype)
         if self.fast is None:
             return
         from engine.models.token_graphs import BUCKETS
 
         g = torch.Generator().manual_seed(0)
-        chunk = max(min(chunk, self.fast.pool.capacity - 1), 16)  # a slot holds capacity tokens, no more
         buckets = [(b - 1, ()) for b in BUCKETS if b - 1 <= chunk]
         for n, inside in ((chunk, ()), (chunk // 2 + 7, (chunk // 4 + 3,)), (13, (5,)), *buckets):
             state = self.fast.pool.new_state()

@@ -88,3 +88,28 @@ def test_greedy_identical_after_the_idle_refresh(checkpoints, engine_for, backen
     assert moved > 0 and eng.model.experts.stats()["total"]["refreshed"] == moved
     assert eng.generate(PROMPT, NEW) == ref
     eng.model.experts.close()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "hybrid", "offload"])
+def test_warm_up_sizes_the_cpu_shares_buffers_so_a_prompt_grows_none(checkpoints, backend):
+    """warm_up reserves the CPU share's output buffers for a prompt piece (OffloadBackend.reserve): a prompt's CPU
+    job then writes into them, none grown during the request. Offload runs nothing on the CPU and reserves
+    nothing. Greedy output as the fused engine's."""
+    ref = Engine.from_pretrained(checkpoints["qwen3_5_moe", "fused"]).generate(PROMPT, NEW)
+    made = {}
+    for warm in (False, True):
+        eng = Engine.from_pretrained(checkpoints["qwen3_5_moe", "fused"], expert_device="cpu", experts=experts_factory(
+            backend, slots=3, estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True), stream_prefill="off"))
+        jobs = eng.model.experts.cpu_jobs
+        if warm:
+            eng.model.warm_up(64)
+        before = {k: v[1].data_ptr() for k, v in jobs._out.items()}
+        assert eng.generate(PROMPT, NEW) == ref
+        made[warm] = {k: v[1].data_ptr() for k, v in jobs._out.items()}
+        if warm:
+            assert made[warm] == before  # (the same buffers, or none for offload)
+            assert (len(before) > 0) == (backend != "offload")
+            assert all(v[0].shape[0] >= 64 * eng.model.config.top_k for v in jobs._out.values())
+        eng.model.experts.close()
+    if backend != "offload" and not made[False]:
+        pytest.skip("the CPU jobs ran without the native runner's output buffers")
