@@ -95,6 +95,8 @@ def main(argv=None) -> int:
     if model.device.type == "cuda":
         model.enable_fast(slots=args.batch + (1 if args.prefill else 0), graphs=True,
                           capacity=max(args.context + args.steps * 8 + 64, args.prefill + args.extend + 64))
+    if cached:  # as the engine's warm-up does: the CPU share's buffers sized before any timed call
+        model.experts.reserve(max(args.piece_tokens, args.extend), model.config.top_k, model.dtype)
     states = [model.new_state() for _ in range(args.batch)]
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
