@@ -271,11 +271,7 @@ class CpuJobs:
         (_host_rows). Grown inside a layer call instead, their page-locking held the engine thread there: 3.0 ms
         in a process's first 256-token extend (H100 box, docs/PERF.md forty-seventh session), more for a longer
         prompt's. The warm-up's own prompts need not grow them: a cold hybrid split may fill every miss."""
-        if self._scatter_done is not None:
-            self._scatter_done.synchronize()
-        buf = self._out.get(dtype)
-        if buf is None or buf[0].shape[0] < tokens * top_k:
-            self._grow_out(dtype, tokens * top_k)
+        self._buffers(dtype, tokens * top_k, tokens * top_k)
         if self.device.type == "cuda":
             self._grow_rows(dtype, tokens, self.pool.layout.hidden)
 

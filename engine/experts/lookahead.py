@@ -60,11 +60,11 @@ class CopiesAhead:
         rows, row = owner // e, self.pool.row[layer]
         later = (owner >= 0) & ((rows > row) | ((rows == row) & self._held))
         out = np.zeros(len(owner))
-        heat = t.slot_heat[later] / t.moment()[1]  # uses now; victims adds it back: KEEP_RATIO x (heat + ahead)
-        out[later] = (KEEP_RATIO - 1) * heat + KEEP_RATIO * self._ahead[rows[later], owner[later] % e]
+        uses = t.slot_heat / t.moment()[1]  # each slot's heat in uses now
+        # victims adds the heat back: KEEP_RATIO x (heat + ahead)
+        out[later] = (KEEP_RATIO - 1) * uses[later] + KEEP_RATIO * self._ahead[rows[later], owner[later] % e]
         whole = self._whole_later(later)
         if whole.any():  # above every other slot's heat and bonus: each such layer one step higher, the nearest top
-            uses = t.slot_heat / t.moment()[1]
             floor = float(uses[np.isfinite(uses)].max(initial=0.0)) + float(out.max()) + 1.0
             out[whole] += floor * (len(self.pool.layers) - rows[whole])
         return out
