@@ -25,8 +25,11 @@ def print_split(res: dict) -> None:
     rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sp["rates"].items())
     ratios = ", ".join(f"{n}+ tokens {r:.2f}" for n, r in sorted(sp.get("touch_ratio", {}).items()))
     touched = f"; a prompt's experts touched / predicted: {ratios}" if ratios else ""
+    tail = sp.get("tail")
+    lag = (f"; a prompt's last routed layer counts its fills {tail['lag_ms']:+.1f} ms late ({tail['samples']} "
+           f"measured, the last {tail['last_ms']:+.1f} ms)") if tail and tail["samples"] else ""
     print(f"hybrid split over the run: choices {sp['arms']} ({sp['explored']} explorations); rates GB/s: {rates}"
-          + touched)
+          + touched + lag)
 
 
 def _numa(res: dict) -> str:

@@ -11,7 +11,7 @@ class CpuBackend(OffloadBackend):
     tops_up = False
     runs_cpu_share = True
 
-    def split(self, m: int, busy: int = 0, per: float = 1.0) -> int:
+    def split(self, m: int, busy: int = 0, per: float = 1.0, tail: bool = False) -> int:
         return 0
 
     def ahead_fills(self, expected: float, likely: int, per: float = 1.0, behind: int = 0) -> int:

@@ -15,10 +15,16 @@ from engine.experts.compute import Routing
 from engine.experts.policy import sample_weight
 from engine.experts.stats import NO_CPU, CpuWait
 
+# a fill that landed before the tail clock looked, when it looked this soon after the CPU job's end, did not land
+# late; and a device wait for the job this short is the wait kernel's own time
+TAIL_LOOK_S = 5e-4
+TAIL_WAIT_S = 2e-5
+
 
 class CpuCollect:
     def _collect_cpu(self, layer: int, pending, y: torch.Tensor, routing: Routing, plan, routed_at: float) -> CpuWait:
         """The CPU job's outputs placed into y, its rate observed."""
+        self._tail_probe = None  # (the tail clock times joined jobs alone)
         if pending is None:
             return NO_CPU
         waited = time.perf_counter()
@@ -31,16 +37,21 @@ class CpuCollect:
     def _join_cpu(self, layer: int, pending, y: torch.Tensor, routing: Routing, plan, routed_at: float) -> CpuWait:
         """The CPU job's outputs joined into y on the device (cpu_jobs.JOIN_ON_DEVICE) and the call returning at once;
         its rate observed when the job is collected (the next routed call's, or end_forward), which also fills in
-        this call's log entry, written next."""
-        self.cpu_jobs.join_on_device(y)
+        this call's log entry, written next. A prompt's last routed layer's (_tail_probe: its fills' end) also times
+        the device's wait for the job, for the tail clock (_time_tail)."""
+        probe, self._tail_probe = self._tail_probe, None
+        waits = self.cpu_jobs.join_on_device(y, timed=probe is not None)
+        tail = (probe, waits) if probe is not None and waits is not None else None
         entry = len(self.call_log) if self.call_log is not None else None
-        self.cpu_jobs.defer(pending, lambda done: self._observe_cpu(layer, routing, plan, routed_at, entry, done))
+        self.cpu_jobs.defer(pending, lambda done: self._observe_cpu(layer, routing, plan, routed_at, entry, done,
+                                                                     tail))
         return CpuWait(None, None, 0.0, None, joined=True)
 
-    def _observe_cpu(self, layer: int, routing: Routing, plan, routed_at: float, entry: int | None, done) -> None:
+    def _observe_cpu(self, layer: int, routing: Routing, plan, routed_at: float, entry: int | None, done,
+                     tail=None) -> None:
         """A CPU job's rate observed (the estimate's, the split's, the handoff's) and its run counted in the
         layer's cpu_seconds; a joined call's log entry (`entry`) given the job's start, run and when the engine
-        thread had its result."""
+        thread had its result; tail: (its fills' end, the device's wait's events) of a last routed layer."""
         seconds, started = done.seconds, done.started
         self.stats_[layer].cpu_seconds += seconds
         nbytes = len(plan.on_cpu) * self.pool.expert_bytes
@@ -51,3 +62,22 @@ class CpuCollect:
         if self._timing_handoff():
             self.handoff_clock.observe(started - routed_at)
         self._log_joined_job(entry, started, seconds)
+        if tail is not None:
+            self._time_tail(*tail, started + seconds)
+
+    def _time_tail(self, fills_end, waits, cpu_end: float) -> None:
+        """A prompt's last routed layer's fills against its CPU job, for the tail clock: when the fills are still
+        in flight (the job is collected as it ends: end_forward waits for it), the seconds until they land; else
+        minus the time the device waited for the job (its wait queued after the fills' kernels). A fill found
+        landed on a late look with no wait says nothing."""
+        looked = time.perf_counter()
+        if not fills_end.query():
+            fills_end.synchronize()
+            self.tail.observe(time.perf_counter() - cpu_end)
+            return
+        waits[1].synchronize()
+        wait = waits[0].elapsed_time(waits[1]) / 1e3
+        if wait > TAIL_WAIT_S:
+            self.tail.observe(-wait)
+        elif looked - cpu_end <= TAIL_LOOK_S:
+            self.tail.observe(0.0)

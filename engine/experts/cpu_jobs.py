@@ -162,17 +162,25 @@ class CpuJobs:
         self._flagged = (out[0][:rows], out[1][:rows], self._seq)
         return self._seq
 
-    def join_on_device(self, y: torch.Tensor) -> None:
+    def join_on_device(self, y: torch.Tensor, timed: bool = False):
         """Queue on y's stream: wait until the last raise_flag job is done, then y [T*K, H] at its positions <-
-        its outputs, read in place. The host goes on at once."""
+        its outputs, read in place. The host goes on at once. timed (CUDA): -> timing events (before, after) the
+        wait, whose elapsed time is how long the device waited for the job; else None."""
         from engine.kernels.mailbox_triton import scatter_rows, wait_flag
 
         pos, vals, seq = self._flagged
+        waits = None
+        if timed and self.device.type == "cuda":
+            waits = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            waits[0].record()
         wait_flag(self._flag, seq, self._err)
+        if waits is not None:
+            waits[1].record()
         scatter_rows(y, pos, vals)
         if self.device.type == "cuda":
             self._scatter_done = torch.cuda.Event()
             self._scatter_done.record()
+        return waits
 
     def defer(self, pending: Future, on_done) -> None:
         """A raise_flag job joined on the device: collect() takes its result later and hands it to on_done."""

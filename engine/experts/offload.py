@@ -55,6 +55,7 @@ class CallPlan(NamedTuple):
     on_cpu: list[int]  # the other misses, run on the CPU from the host pool
     ahead: tuple | None  # (the next MoE layer, its experts to copy in while this one runs) or None
     behind: int  # experts' worth of copies still in flight that the plan counted (_behind)
+    tail: bool = False  # a prompt's last routed layer: nothing copied ahead, every later layer wholly resident
 
 
 class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCounting, CpuCollect):
@@ -104,6 +105,8 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         self.cpu_jobs = CpuJobs(pool, self.device, zero_copy=self.grouped and self.device.type == "cuda")
         self.mapped = None  # MappedExperts, made by mapped_decode() for a fast path
         self.call_log: list[LayerCall] | None = None  # a list: every layer call appends its LayerCall
+        self.tail = None  # hybrid.TailClock: how late a prompt's last routed layer's fills land (hybrid's split)
+        self._tail_probe = None  # the running tail call's fills' end event (CUDA), for the clock
 
     def _set_modes(self, lookahead: bool | str, refresh: bool | str, decode: str, prefetch: bool | str) -> None:
         """--moe-lookahead, --moe-refresh, --moe-decode and --moe-prefetch, checked (ValueError) and resolved for
@@ -125,10 +128,10 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         self.prefetch = prefetch == "on" or (prefetch == "auto" and not host_decode and self.device.type == "cuda")
 
     # --- policy hooks, overridden by cpu / hybrid
-    def split(self, m: int, busy: int = 0, per: float = 1.0) -> int:
+    def split(self, m: int, busy: int = 0, per: float = 1.0, tail: bool = False) -> int:
         """How many of m misses to fill (the rest run on the CPU); busy: experts the copy stream moves besides
         (the next layer's, copied ahead, and earlier copies still in flight: _behind); per: (token, expert) pairs
-        per miss (a CPU run's rate depends on it)."""
+        per miss (a CPU run's rate depends on it); tail: a prompt's last routed layer (CallPlan.tail)."""
         return m
 
     def ahead_fills(self, expected: float, likely: int, per: float = 1.0, behind: int = 0) -> int:
@@ -191,7 +194,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
             span > 1 or (self.streamer is not None and not decode)) else None
         if self.streamer is not None:
             self.streamer.begin(num_tokens, top_k, q, decode=decode)
-        self._ahead = self._touch = self._pick = None
+        self._ahead = self._touch = self._pick = self._tail_probe = None
         self.handoff_clock.begin()
         self.handoff_clock.read_gaps()  # the last forward's, done by now
         self._looked, self._seen, self._tokens, self._top_k = {}, {}, num_tokens, top_k
@@ -305,11 +308,15 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         behind = self._behind() if not streaming and (len(miss) or self._looking_ahead()) else 0
         ahead = None if streaming else self._ahead_plan(layer, behind, early)
         per = float(routing.counts[miss].mean()) if len(miss) else 1.0
-        q = len(miss) if streaming else self.split(len(miss), busy=(len(ahead[1]) if ahead else 0) + behind, per=per)
+        # a prompt's last routed layer: nothing to copy ahead, and no later layer misses an expert
+        later_whole = bool((table.resident[row + 1:] >= 0).all())
+        tail = not streaming and self._held and not (ahead and len(ahead[1])) and later_whole
+        q = len(miss) if streaming else self.split(len(miss), busy=(len(ahead[1]) if ahead else 0) + behind, per=per,
+                                                   tail=tail)
         misses = miss.tolist()
         if ahead:  # the fills of this layer take spare slots first; their slots count again after its kernels
             ahead = ahead[0], ahead[1][: ahead[2]]
-        return CallPlan(hit.tolist(), hit_slots, misses, misses[:q], misses[q:], ahead, behind)
+        return CallPlan(hit.tolist(), hit_slots, misses, misses[:q], misses[q:], ahead, behind, tail)
 
     def _queue_device(self, layer: int, x: torch.Tensor, y: torch.Tensor, routing: Routing, topk_ids: torch.Tensor,
                       plan: CallPlan, with_cpu: bool, streaming: bool) -> float:
@@ -323,6 +330,12 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
             self.cache.ready()
         in_rounds = self._run_device(layer, x, y, routing, plan.hit_slots.tolist(), plan.hits, plan.fills, with_cpu,
                                      topk_ids)
+        self._tail_probe = None
+        if plan.tail and self.tail is not None and not self.estimate.frozen:
+            timed = plan.fills and with_cpu and not in_rounds
+            self._tail_probe = self.cache.last_copy_end() if timed else None
+            if self._tail_probe is None:  # (nothing to time: the clock forgets some of its lag)
+                self.tail.forget()
         ran = time.perf_counter()
         if plan.ahead and len(plan.ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
             self._copy_ahead(*plan.ahead, with_cpu=with_cpu, after=None if in_rounds else read, then=not in_rounds)

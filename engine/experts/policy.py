@@ -173,39 +173,50 @@ class SplitPolicy:
                 return rate.value
         return self.rates[path, together].value
 
-    def options(self, m: int, busy: int = 0, cpu_extra: float = 0.0, per: float = 1.0) -> list[Choice]:
+    def options(self, m: int, busy: int = 0, cpu_extra: float = 0.0, per: float = 1.0,
+                fill_lag: float = 0.0) -> list[Choice]:
         """The choices for m >= 1 misses with their predicted seconds; "split" only where both paths get work.
         busy: experts the fill path copies besides (a routed prompt's next layer, copied ahead while this one
         runs): they add to the fills' time, and with them "cpu" runs alongside the copies. cpu_extra: seconds
         the CPU path loses per call besides its runs (with copies ahead the copy engine works through a layer's
         handoff, the routing's return and the next attention, while the CPU waits for its next input). per:
-        (token, expert) pairs per missed expert (the CPU's rate for that many, PER_BUCKETS)."""
+        (token, expert) pairs per missed expert (the CPU's rate for that many, PER_BUCKETS). fill_lag: seconds
+        the fills are taken to land later than their rate says (negative: sooner; hybrid.TailClock)."""
         fill, cpu = self._value("fill", False), self._value("cpu", False, per)
         bp, bh = self._value("fill", True), self._value("cpu", True, per)
 
         def on_cpu(n: int, rate: float) -> float:
             return self._seconds(n, rate) + cpu_extra if n else 0.0
 
+        def filled(n: int, rate: float) -> float:
+            return max(0.0, self._seconds(n, rate) + fill_lag)
+
         alone_cpu = on_cpu(m, cpu) if not busy else max(on_cpu(m, bh), self._seconds(busy, bp))
-        out = [Choice("fill", m, self._seconds(m + busy, fill)), Choice("cpu", 0, alone_cpu)]
+        out = [Choice("fill", m, filled(m + busy, fill)), Choice("cpu", 0, alone_cpu)]
         extra = round(cpu_extra * bh / self.expert_bytes) if cpu_extra > 0 else 0  # the handoff in experts
-        q = max(0, q_balanced(m + busy + extra, bp, bh) - busy)
+        head = busy + fill_lag * bp / self.expert_bytes  # the fills' work besides their own, in experts
+        if fill_lag and 0 < bp < math.inf:  # q_balanced with the lag as copies besides, a float number of experts
+            q = max(0, math.floor((m + head + extra) * bp / (bp + bh) - head + 0.5))
+        else:
+            q = max(0, q_balanced(m + busy + extra, bp, bh) - busy)
         if 0 < q < m:
-            out.insert(0, Choice("split", q, max(self._seconds(q + busy, bp), on_cpu(m - q, bh))))
+            out.insert(0, Choice("split", q, max(filled(q + busy, bp), on_cpu(m - q, bh))))
         return out
 
-    def best(self, m: int, busy: int = 0, cpu_extra: float = 0.0, per: float = 1.0) -> Choice:
+    def best(self, m: int, busy: int = 0, cpu_extra: float = 0.0, per: float = 1.0,
+             fill_lag: float = 0.0) -> Choice:
         """The fastest predicted choice for m misses; no side effects."""
         if m <= 0:
             return Choice("none", 0, 0.0)
-        return _fastest(self.options(m, busy, cpu_extra, per))
+        return _fastest(self.options(m, busy, cpu_extra, per, fill_lag))
 
-    def choose(self, m: int, busy: int = 0, cpu_extra: float = 0.0, per: float = 1.0) -> Choice:
-        """The split for this call's m misses (busy, cpu_extra: as in options): the fastest predicted, or on
-        schedule one due for re-measuring."""
+    def choose(self, m: int, busy: int = 0, cpu_extra: float = 0.0, per: float = 1.0,
+               fill_lag: float = 0.0) -> Choice:
+        """The split for this call's m misses (busy, cpu_extra, fill_lag: as in options): the fastest predicted, or
+        on schedule one due for re-measuring."""
         if m <= 0:
             return Choice("none", 0, 0.0)
-        options = self.options(m, busy, cpu_extra, per)
+        options = self.options(m, busy, cpu_extra, per, fill_lag)
         pick = _fastest(options)
         due = self._due(options, pick) if m >= self.explore_min and not self.estimate.frozen else []
         if due:

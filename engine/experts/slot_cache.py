@@ -297,6 +297,11 @@ class SlotCache:
         if self.copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
+    def last_copy_end(self):
+        """The CUDA event after the copies issued last, while they may be in flight (None on a CPU device, or
+        once their timing has been taken)."""
+        return self._copies[-1].end if self._copies and self._copies[-1].start is not None else None
+
     def take_fill_timings(self) -> list[FillTiming]:
         """The timings of the copy batches finished since the last call, oldest first, without blocking (on CUDA
         the stream runs them in order: reading stops at the first still in flight)."""

@@ -52,8 +52,8 @@ def test_hybrid_measurements_reach_the_policy_tagged_as_issued(pool):
     chosen, copies, issued, seen = [], [], [], []  # choices; with_cpu of each admit that copied; observations
     admit, take, observe = b.cache.admit, b.cache.take_fill_timings, b.policy.observe
 
-    def cycle(m, busy=0, cpu_extra=0.0, per=1.0):  # every choice in turn, whatever the measured rates say
-        options = b.policy.options(m, busy, cpu_extra, per) if m else [b.policy.best(m)]
+    def cycle(m, busy=0, cpu_extra=0.0, per=1.0, fill_lag=0.0):  # every choice in turn, whatever the rates say
+        options = b.policy.options(m, busy, cpu_extra, per, fill_lag) if m else [b.policy.best(m)]
         chosen.append(options[len(chosen) % len(options)])
         return chosen[-1]
 
@@ -90,7 +90,7 @@ def test_the_split_counts_copies_still_in_flight_as_busy(pool):
     rates, calls = [], []
     b.cache.copy_backlog = lambda rate: rates.append(rate) or 5.4 * pool.expert_bytes
     split = b.split
-    b.split = lambda m, busy=0, per=1.0: calls.append((m, busy)) or split(m, busy, per)
+    b.split = lambda m, busy=0, per=1.0, tail=False: calls.append((m, busy)) or split(m, busy, per, tail)
     b.forward(L_IDS[0], *routing(6, seed=11))
     b.close()
     assert calls and all(busy == 5 for m, busy in calls if m) and rates == [b.policy.fill_rate()] * len(rates)

@@ -1,9 +1,11 @@
 """SplitPolicy on a simulated machine: hidden true rates, slower while both paths run (torch-free)."""
+import os
 import random
 from dataclasses import dataclass
 
 import pytest
 
+from engine.experts.hybrid import TailClock
 from engine.experts.policy import FULL_SAMPLE_EXPERTS, BandwidthEstimate, SplitPolicy, q_balanced
 from engine.experts.slot_cache import copy_backlog
 
@@ -307,14 +309,18 @@ def test_a_small_run_moves_the_rate_by_its_share_of_a_full_sample():
     assert 9e9 < small and p.stats()["rates"]["cpu_together"] < 5e9
 
 
-def extend_model(r_true: float, r_est: float, backlog: bool, cpu: float = 14.1, handoff_ms: float = 4.3) -> float:
+def extend_model(r_true: float, r_est: float, backlog: bool, cpu: float = 14.1, handoff_ms: float = 4.3,
+                 tail: TailClock | None = None, joined: bool = False) -> float:
     """ms a uniform hybrid extend takes in a model of the H200 box's (s45 layer-call log, 8 layers at 37.5% in
     slots after a streamed prompt: 0, 6, 7 resident, 1-5 routed with 256 misses each): copies run one after the
     other at r_true experts/ms, the CPU at `cpu`, which waits handoff_ms between its jobs (the routing's return
     1.1 ms before its job, 0.6 + 2.3 ms after it to the next layer's routing, 0.3 for that), each layer's hits
     (its copies ahead) and fills land before the next routing. The split and the copies ahead come from
     SplitPolicy at r_est; with `backlog` they count the copies still in flight (slot_cache.copy_backlog, each
-    batch taken to start where the ones before it end at r_est, as SlotCache chains them)."""
+    batch taken to start where the ones before it end at r_est, as SlotCache chains them). With `tail`, the last
+    routed layer's split counts that clock's lag and the clock measures its fills against its CPU job; `joined`:
+    the device joins the last CPU job (cpu_jobs.JOIN_ON_DEVICE), so layers 6 and 7 follow the later of its end
+    and its layer's fills, not the host's handoff."""
     eb = 6291456
     pol = SplitPolicy(BandwidthEstimate(bp=r_est * eb * 1e3, bh=cpu * eb * 1e3, frozen=True), eb)
     extra = handoff_ms / 1e3
@@ -340,13 +346,16 @@ def extend_model(r_true: float, r_est: float, backlog: bool, cpu: float = 14.1, 
         late = behind(now)
         nxt = 0 if layer == 5 else min(256, pol.best(256, busy=late, cpu_extra=extra, per=8).q)
         m = 256 - ahead[layer]
-        q = pol.choose(m, nxt + late, extra if nxt + late else 0.0, 8).q
+        lag = tail.lag if tail is not None and layer == 5 else 0.0
+        q = pol.choose(m, nxt + late, extra if nxt + late else 0.0, 8, fill_lag=lag).q
         cpu_end = now + (m - q) / cpu
         filled = copy(now, q) if q else now
+        if tail is not None and layer == 5:
+            tail.observe((filled - cpu_end) / 1e3) if 0 < q < m else tail.forget()
         if nxt:
             lands[layer + 1], ahead[layer + 1] = copy(now, nxt), nxt
         done, t = max(cpu_end, filled, lands[layer]) + 0.2, cpu_end + 2.9
-    return max(t + 0.3, done) + 3.0  # layers 6 and 7, resident
+    return (done if joined else max(t + 0.3, done)) + 3.0  # layers 6 and 7, resident
 
 
 def test_counting_the_copies_in_flight_shortens_a_modelled_extend():
@@ -359,3 +368,51 @@ def test_counting_the_copies_in_flight_shortens_a_modelled_extend():
     assert without == pytest.approx(86.6, abs=1.0) and with_ < 0.95 * without
     for r in (5.5, 6.4, 7.63, 8.27, 9.0):
         assert extend_model(r, r, backlog=True) <= extend_model(r, r, backlog=False) + 0.5
+
+
+def test_a_fill_lag_moves_the_split_by_the_experts_it_is_worth():
+    """fill_lag: seconds the fills land later than their rate says (the tail clock's). The split fills fewer the
+    later they land and more with a negative lag; its predicted time is the later of the lagged fills and the
+    CPU's runs, within one expert of the best integer split; a zero lag is the plain split."""
+    rnd = random.Random(int.from_bytes(os.urandom(4), "little"))
+    for _ in range(300):
+        bp, bh = rnd.uniform(5e9, 60e9), rnd.uniform(5e9, 60e9)
+        p = SplitPolicy(BandwidthEstimate(bp=bp, bh=bh, frozen=True), EB)
+        m, busy, a = rnd.randint(2, 256), rnd.randint(0, 50), rnd.uniform(0.0, 0.01)
+        assert p.options(m, busy, fill_lag=0.0) == p.options(m, busy)
+        q = {}
+        for lag in (-a, 0.0, a):
+            split = [c for c in p.options(m, busy, fill_lag=lag) if c.arm == "split"]
+            if not split:
+                continue
+            c, q[lag] = split[0], split[0].q
+
+            def fill_s(n):
+                return max(0.0, (n + busy) * EB / bp + lag)
+            assert c.seconds == pytest.approx(max(fill_s(c.q), (m - c.q) * EB / bh))
+            assert c.seconds <= min(max(fill_s(n), (m - n) * EB / bh) for n in range(1, m)) + EB / min(bp, bh)
+        if len(q) == 3:
+            assert q[-a] >= q[0.0] >= q[a]
+
+
+def test_the_tail_clock_lands_the_last_routed_layers_fills_with_its_cpu_job():
+    """In the model of the box's extend with the last CPU job joined on the device, the last routed layer's
+    fills landed after its CPU job wherever the copies run slower than the split takes them (and, the rates
+    right, where the split counts the CPU's handoff that this layer does not wait out); the clock's lag moves
+    that split within a few extends: faster by 1.5-10 ms there, and never slower where the fills were on time,
+    its measured lag then within 0.2 ms of zero. A call that sends every miss one way forgets some of the lag."""
+    for r_true, r_est, gain in ((5.5, 8.27, 5.0), (7.0, 8.27, 5.0), (7.63, 8.27, 2.5), (9.0, 9.0, 1.5),
+                                (8.27, 8.27, 0.0), (9.0, 8.27, 0.0), (5.5, 5.5, 0.0)):
+        plain = extend_model(r_true, r_est, backlog=True, joined=True)
+        clock = TailClock()
+        times = [extend_model(r_true, r_est, backlog=True, tail=clock, joined=True) for _ in range(8)]
+        assert max(times[4:]) <= plain - gain + 0.3, (r_true, r_est, times)
+        if gain == 0.0:
+            assert abs(clock.last) < 2e-4 and abs(clock.lag) < 1e-3
+    clock = TailClock()
+    clock.observe(0.004)
+    assert clock.lag == pytest.approx(0.002) and clock.last == 0.004 and clock.samples == 1
+    clock.observe(1.0)
+    assert clock.lag == clock.bound  # at most TAIL_BOUND either way
+    clock.forget()
+    assert clock.lag == pytest.approx(0.9 * clock.bound)
