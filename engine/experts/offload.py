@@ -310,7 +310,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         per = float(routing.counts[miss].mean()) if len(miss) else 1.0
         # a prompt's last routed layer: nothing to copy ahead, and no later layer misses an expert
         later_whole = bool((table.resident[row + 1:] >= 0).all())
-        tail = not streaming and self._held and not (ahead and len(ahead[1])) and later_whole
+        tail = not streaming and self._held and self._span > 1 and not (ahead and len(ahead[1])) and later_whole
         q = len(miss) if streaming else self.split(len(miss), busy=(len(ahead[1]) if ahead else 0) + behind, per=per,
                                                    tail=tail)
         misses = miss.tolist()
