@@ -8,10 +8,11 @@ so the split is a fixed function of m. `stats()["split"]` counts the choices tak
 rates and the touched / predicted experts of routed prompt calls that its copies ahead plan by (TouchRatio).
 
 A prompt's last routed layer (no copies ahead after it: every later layer holds all its experts) ends the CPU's
-work in the forward, and the layers after it run once both its paths are done. Its split learns from the device
-how much later its fills landed than its CPU job ended (TailClock): on the box the fills of that layer landed ~3 ms
-after the job in every profiled extend, the rates shared with the layers before it, where copies ahead run through
-the CPU's idle handoffs, saying the two would end together (H100 box, docs/PERF.md forty-seventh session)."""
+work in the forward, and the layers after it run once both its paths are done; its rates are the ones the layers
+before it measured, where copies ahead also run through the CPU's idle handoffs. Its split learns from the device
+how much later its fills landed than its CPU job ended (TailClock). A profile had read that layer's fills as
+landing ~3 ms after the job; the clock's own measure on the box found them within 1.5 ms of it, settling at -0.4 ms
+(H100 box, docs/PERF.md forty-seventh and forty-eighth sessions)."""
 from __future__ import annotations
 
 from engine.experts.offload import OffloadBackend
