@@ -160,6 +160,27 @@ class SlotTable:
         self.stamp[slot] = self.clock
         self.slot_heat[slot] = self.heat[layer, expert]
 
+    def assign_many(self, slots, layer: int, experts) -> None:
+        """assign(slots[i], layer, experts[i]) for each i (distinct slots, distinct experts), at once: what the
+        slots held stops being resident, then any other slot holding one of the experts is freed. The same table
+        as assigning them in turn (test_experts_lru.py), without a Python call per expert: placing an extend's
+        first copies ahead (~124 experts, inside its first layer call, before the next layer is queued) took the
+        engine thread 0.27 ms one at a time, 0.05 ms at once (the 2-core dev box)."""
+        slots = np.asarray(slots, dtype=np.int64).ravel()
+        experts = np.asarray(experts, dtype=np.int64).ravel()
+        if not len(slots):
+            return
+        prev = self.owner[slots]
+        held = prev[prev != EMPTY]
+        self.resident[held // self.num_experts, held % self.num_experts] = EMPTY
+        old = self.resident[layer, experts]
+        old = old[old != EMPTY]  # (none of them is one of `slots`: those were just cleared)
+        self.owner[old], self.stamp[old], self.slot_heat[old] = EMPTY, _FREE_STAMP, -np.inf
+        self.resident[layer, experts] = slots
+        self.owner[slots] = layer * self.num_experts + experts
+        self.stamp[slots] = self.clock
+        self.slot_heat[slots] = self.heat[layer, experts]
+
     def release(self, slots) -> None:
         """The slots hold nothing from now on (their experts stop being resident)."""
         for s in np.asarray(slots, dtype=np.int64).ravel():

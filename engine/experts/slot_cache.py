@@ -164,9 +164,7 @@ class SlotCache:
         the event `after` when the caller knows the victims' last readers came before it. -> a CUDA event
         after the copies (None on a CPU device: they are done)."""
         done = self._copy(layer, experts, slots, with_cpu, after)
-        row = self.pool.row[layer]
-        for e, s in zip(experts, slots):
-            self.table.assign(s, row, e)
+        self.table.assign_many(slots, self.pool.row[layer], experts)
         return done
 
     def windows(self) -> int:

@@ -224,3 +224,26 @@ def test_a_prompts_uses_weigh_each_token_as_a_decoded_one_would():
     t.note_use(0, [0, 1, 2], weights=got[:3])
     assert t.heat[0, 3] / t._inc == pytest.approx(2.0 ** (-T / hl), rel=1e-9)
     assert t.heat[0, 0] / t._inc == pytest.approx(per_token.sum(), rel=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12), st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5)), max_size=30),
+       st.integers(0, 2), st.data())
+def test_assign_many_equals_assigning_in_turn(num_slots, history, layer, data):
+    """assign_many on any table (slots full, partly free, experts resident elsewhere or in the very slots they
+    go to) leaves the table assign() one pair at a time leaves."""
+    tables = [SlotTable(3, 6, num_slots, policy="lfu") for _ in range(2)]
+    for t in tables:
+        for i, (row, e) in enumerate(history):  # the same past on both
+            t.tick()
+            t.note_use(row, np.array([e]))
+            if t.resident[row, e] == EMPTY:
+                t.assign(i % num_slots, row, e)
+    n = data.draw(st.integers(0, min(num_slots, 6)))
+    slots = data.draw(st.permutations(range(num_slots)))[:n]
+    experts = data.draw(st.permutations(range(6)))[:n]
+    for s, e in zip(slots, experts):
+        tables[0].assign(s, layer, e)
+    tables[1].assign_many(slots, layer, experts)
+    for name in ("resident", "owner", "stamp", "slot_heat"):
+        np.testing.assert_array_equal(getattr(tables[0], name), getattr(tables[1], name), err_msg=name)
