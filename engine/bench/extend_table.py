@@ -6,8 +6,10 @@ process: the expert cache's target for an agent's turn).
 
 Each row: the extend's TTFT median and range over its runs (ms), x (the pool once at B_P over the median),
 floor (the extend's misses read once at the process's host DRAM rate, ms), read (that rate, GB/s), CPU (the
-median rate of the extends' CPU jobs, GB/s), and the medians of the copies ahead (those the layers read),
-fills and experts run on the CPU. Torch-free: it reads the files the bench wrote, on any machine.
+median rate of the extends' CPU jobs, GB/s), the medians of the copies ahead (those the layers read), fills and
+experts run on the CPU, and the lag hybrid's last routed layer counted at the process's end (hybrid.TailClock, ms,
+with the lags it measured; "-" where the file has none). Torch-free: it reads the files the bench wrote, on any
+machine.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ class ExtendRow(NamedTuple):
     ahead_read: float
     fills: float
     on_cpu: float
+    tail_ms: float = float("nan")  # hybrid.TailClock's lag at the process's end
+    tail_samples: int = 0
 
 
 def read_row(path: Path) -> ExtendRow:
@@ -59,18 +63,24 @@ def read_row(path: Path) -> ExtendRow:
     return ExtendRow(path.stem, str(doc.get("device", "")), float(r["ttft_ms"]), min(ms), max(ms),
                      float(r["of_stream_bound"]), float(r.get("dram_bound_s", float("nan"))) * 1e3,
                      float(r.get("host_read_gbs", float("nan"))), median("cpu_gbs"), median("ahead"),
-                     median("ahead_used"), median("fills"), median("cpu_runs"))
+                     median("ahead_used"), median("fills"), median("cpu_runs"), *_tail(doc))
+
+
+def _tail(doc: dict) -> tuple[float, int]:
+    tail = (doc.get("split") or {}).get("tail") or {}
+    return float(tail.get("lag_ms", float("nan"))), int(tail.get("samples", 0))
 
 
 def table(rows: list[ExtendRow], line: float = LINE) -> str:
     """Markdown rows as docs/PERF.md writes them, past-the-line figures in bold, and the count."""
-    out = ["| process | median (range) | x | floor | read | CPU | copies ahead (read) / fills / on the CPU |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| process | median (range) | x | floor | read | CPU | copies ahead (read) / fills / on the CPU | tail |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         bold = (lambda s: f"**{s}**") if r.x >= line else (lambda s: s)
         out.append(f"| {r.name} | {bold(f'{r.median_ms:.1f}')} ms ({r.low_ms:.1f}-{r.high_ms:.1f}) | "
                    f"{bold(f'{r.x:.2f}')} | {r.floor_ms:.1f} | {r.read_gbs:.0f} | {r.cpu_gbs:.1f} | "
-                   f"{r.ahead:.0f} ({r.ahead_read:.0f}) / {r.fills:.0f} / {r.on_cpu:.0f} |")
+                   f"{r.ahead:.0f} ({r.ahead_read:.0f}) / {r.fills:.0f} / {r.on_cpu:.0f} | "
+                   + (f"{r.tail_ms:+.1f} ({r.tail_samples}) |" if r.tail_samples else "- |"))
     past = sum(r.x >= line for r in rows)
     devices = ", ".join(sorted({r.device for r in rows if r.device})) or "unknown device"
     out.append(f"\n{past} of {len(rows)} processes at or past {line:g}x ({devices})")

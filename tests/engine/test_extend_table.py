@@ -43,3 +43,16 @@ def test_a_file_without_an_extend_row_is_one_usage_line(tmp_path, capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and str(bad) in err and says in err
+
+
+def test_a_hybrid_process_gives_its_tail_clocks_lag():
+    """A hybrid process's JSON carries hybrid.TailClock's stats (split.tail): the row shows the lag counted and
+    the lags measured; older files, without them, show '-'."""
+    hybrid = PERF / "2026-12-07-h100-s68-call9-bench_hybrid.json"
+    tail = json.loads(hybrid.read_text())["split"]["tail"]
+    row = extend_table.read_row(hybrid)
+    assert (row.tail_ms, row.tail_samples) == (tail["lag_ms"], tail["samples"]) and row.tail_samples > 0
+    old = extend_table.read_row(RUNS[0])
+    assert old.tail_samples == 0
+    lines = extend_table.table([row, old]).splitlines()
+    assert lines[2].endswith(f"| {tail['lag_ms']:+.1f} ({tail['samples']}) |") and lines[3].endswith("| - |")
