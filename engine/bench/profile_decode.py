@@ -392,6 +392,10 @@ def _print_calls(calls, which: str) -> None:
         print(f"the CPU's {len(jobs)} jobs ran {run:.2f} ms of the {span:.2f} from the first's start to the last's "
               f"end (idle between them {span - run:.2f} ms); {sum(c.ahead for c in calls)} experts copied ahead, "
               f"{sum(c.fills for c in calls)} filled, {sum(c.cpu for c in calls)} run on the CPU")
+    for c in calls:
+        if c.tail_ms == c.tail_ms:  # (not nan)
+            print(f"the last routed layer ({c.layer}): its fills landed {c.tail_ms:+.2f} ms after its CPU job's end "
+                  "(negative: the device waited for the job; hybrid.TailClock)")
 
 
 def _host_side(model, step, steps: int, sync) -> dict:

@@ -63,21 +63,22 @@ class CpuCollect:
             self.handoff_clock.observe(started - routed_at)
         self._log_joined_job(entry, started, seconds)
         if tail is not None:
-            self._time_tail(*tail, started + seconds)
+            lag = self._time_tail(*tail, started + seconds)
+            if lag is not None:
+                self.tail.observe(lag)
+                self._log_tail(entry, lag)
 
-    def _time_tail(self, fills_end, waits, cpu_end: float) -> None:
+    def _time_tail(self, fills_end, waits, cpu_end: float) -> float | None:
         """A prompt's last routed layer's fills against its CPU job, for the tail clock: when the fills are still
         in flight (the job is collected as it ends: end_forward waits for it), the seconds until they land; else
         minus the time the device waited for the job (its wait queued after the fills' kernels). A fill found
-        landed on a late look with no wait says nothing."""
+        landed on a late look with no wait says nothing (None)."""
         looked = time.perf_counter()
         if not fills_end.query():
             fills_end.synchronize()
-            self.tail.observe(time.perf_counter() - cpu_end)
-            return
+            return time.perf_counter() - cpu_end
         waits[1].synchronize()
         wait = waits[0].elapsed_time(waits[1]) / 1e3
         if wait > TAIL_WAIT_S:
-            self.tail.observe(-wait)
-        elif looked - cpu_end <= TAIL_LOOK_S:
-            self.tail.observe(0.0)
+            return -wait
+        return 0.0 if looked - cpu_end <= TAIL_LOOK_S else None

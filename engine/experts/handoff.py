@@ -116,6 +116,11 @@ class CallTiming:
         self.call_log[entry] = call._replace(cpu_start_ms=_ms_after(call.at, started), cpu_ms=seconds * 1e3,
                                              woke_ms=_ms_after(call.at, time.perf_counter()))
 
+    def _log_tail(self, entry: int | None, lag: float) -> None:
+        """Call log entry `entry` given the tail clock's measured lag (seconds) of its fills behind its CPU job."""
+        if entry is not None and self.call_log is not None and entry < len(self.call_log):
+            self.call_log[entry] = self.call_log[entry]._replace(tail_ms=lag * 1e3)
+
     def _mark_enter(self, layer: int) -> None:
         """A routed prompt's MoE layer call begins: the device's time since the last one ended, the layers'
         attention and the rest, is CPU idle time (HandoffClock)."""

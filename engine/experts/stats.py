@@ -81,6 +81,9 @@ class LayerCall(NamedTuple):
     woke_ms: float = -1.0  # when the engine thread had the CPU job's result (-1: none)
     ran_ms: float = -1.0  # when the device's hits and fills were queued (-1: unread)
     queued_ms: float = -1.0  # when the next layer's copies ahead were queued too (-1: unread)
+    # a prompt's last routed layer: how long after its CPU job ended its fills landed (negative: the device waited
+    # that long for the job; hybrid.TailClock), in ms; nan: not measured
+    tail_ms: float = float("nan")
 
 
 class CpuWait(NamedTuple):

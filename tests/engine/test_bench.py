@@ -412,9 +412,12 @@ def test_profile_decode_prints_an_extends_layer_calls(capsys):
     calls = [LayerCall(0, "unread", -1, 0, 0, 0, 115, 84, 2.84, 10.0, -1.0, -1.0, 0.0, 0.0, 3.0),
              LayerCall(1, "routed", 115, 141, 0, 141, 113, 0, 2.47, 10.00541, 0.29, 1.55, 10.45, 7.86, 12.63, 0.9,
                        12.1, 2.2, 3.4),
-             LayerCall(2, "routed", 120, 100, 10, 90, 0, 0, 2.47, 10.020, 4.0, 5.0, 8.0, 3.0, 9.5, 4.5, 9.0)]
+             LayerCall(2, "routed", 120, 100, 10, 90, 0, 0, 2.47, 10.020, 4.0, 5.0, 8.0, 3.0, 9.5, 4.5, 9.0,
+                       tail_ms=1.25)]
     _print_calls(calls, "the last timed extend")
     lines = capsys.readouterr().out.strip().splitlines()
+    assert lines.pop() == ("the last routed layer (2): its fills landed +1.25 ms after its CPU job's end (negative: "
+                           "the device waited for the job; hybrid.TailClock)")
     # jobs at 5.41 + 1.55 = 6.96 for 10.45 ms and 20 + 5 = 25 for 8: 25 + 8 - 6.96 = 26.04 ms, idle 7.59
     assert lines[-1] == ("the CPU's 2 jobs ran 18.45 ms of the 26.04 from the first's start to the last's end "
                          "(idle between them 7.59 ms); 228 experts copied ahead, 10 filled, 231 run on the CPU")

@@ -99,6 +99,9 @@ def test_the_last_routed_layer_splits_by_the_tail_clock_and_times_its_fills_agai
                 else:
                     assert b.tail.last == pytest.approx(lag)
                 assert b.tail.lag == pytest.approx(before[0] + TAIL_GAIN * b.tail.last)
+                assert b.call_log[1].tail_ms == pytest.approx(b.tail.last * 1e3)  # in the call log too
+            untimed = [c for i, c in enumerate(b.call_log) if frozen or i != 1]
+            assert all(c.tail_ms != c.tail_ms for c in untimed)  # (nan: not measured)
             b.close()
     b = HybridBackend(deep, 4 * E, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=1e9))
     b.policy.explore_first, b.policy.explore_every = 0, 1 << 30  # the fastest choice, no exploring
