@@ -24,7 +24,6 @@ TAIL_WAIT_S = 2e-5
 class CpuCollect:
     def _collect_cpu(self, layer: int, pending, y: torch.Tensor, routing: Routing, plan, routed_at: float) -> CpuWait:
         """The CPU job's outputs placed into y, its rate observed."""
-        self._tail_probe = None  # (the tail clock times joined jobs alone)
         if pending is None:
             return NO_CPU
         waited = time.perf_counter()
@@ -34,12 +33,12 @@ class CpuCollect:
         self._observe_cpu(layer, routing, plan, routed_at, None, done)
         return CpuWait(done.started, done.seconds, woke - waited, woke)
 
-    def _join_cpu(self, layer: int, pending, y: torch.Tensor, routing: Routing, plan, routed_at: float) -> CpuWait:
+    def _join_cpu(self, layer: int, pending, y: torch.Tensor, routing: Routing, plan, routed_at: float,
+                  probe=None) -> CpuWait:
         """The CPU job's outputs joined into y on the device (cpu_jobs.JOIN_ON_DEVICE) and the call returning at once;
         its rate observed when the job is collected (the next routed call's, or end_forward), which also fills in
-        this call's log entry, written next. A prompt's last routed layer's (_tail_probe: its fills' end) also times
-        the device's wait for the job, for the tail clock (_time_tail)."""
-        probe, self._tail_probe = self._tail_probe, None
+        this call's log entry, written next. A prompt's last routed layer's (probe: its fills' end event) also
+        times the device's wait for the job, for the tail clock (_time_tail)."""
         waits = self.cpu_jobs.join_on_device(y, timed=probe is not None)
         tail = (probe, waits) if probe is not None and waits is not None else None
         entry = len(self.call_log) if self.call_log is not None else None

@@ -106,7 +106,6 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         self.mapped = None  # MappedExperts, made by mapped_decode() for a fast path
         self.call_log: list[LayerCall] | None = None  # a list: every layer call appends its LayerCall
         self.tail = None  # hybrid.TailClock: how late a prompt's last routed layer's fills land (hybrid's split)
-        self._tail_probe = None  # the running tail call's fills' end event (CUDA), for the clock
 
     def _set_modes(self, lookahead: bool | str, refresh: bool | str, decode: str, prefetch: bool | str) -> None:
         """--moe-lookahead, --moe-refresh, --moe-decode and --moe-prefetch, checked (ValueError) and resolved for
@@ -194,7 +193,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
             span > 1 or (self.streamer is not None and not decode)) else None
         if self.streamer is not None:
             self.streamer.begin(num_tokens, top_k, q, decode=decode)
-        self._ahead = self._touch = self._pick = self._tail_probe = None
+        self._ahead = self._touch = self._pick = None
         self.handoff_clock.begin()
         self.handoff_clock.read_gaps()  # the last forward's, done by now
         self._looked, self._seen, self._tokens, self._top_k = {}, {}, num_tokens, top_k
@@ -242,9 +241,9 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         pending = self.cpu_jobs.start(layer, x, routing, plan.on_cpu, raise_flag=join)
         self._count_looked(layer, routing.experts)  # (counts alone: after the CPU's job is under way)
         self._observe_touch(layer, routing.experts, x.shape[0])
-        ran = self._queue_device(layer, x, y, routing, topk_ids, plan, pending is not None, streaming)
+        ran, probe = self._queue_device(layer, x, y, routing, topk_ids, plan, pending is not None, streaming)
         queued = time.perf_counter()
-        cpu = self._join_cpu(layer, pending, y, routing, plan, routed_at) if join and pending is not None \
+        cpu = self._join_cpu(layer, pending, y, routing, plan, routed_at, probe) if join and pending is not None \
             else self._collect_cpu(layer, pending, y, routing, plan, routed_at)
         self._unlock()
         self._count(layer, len(plan.hits), len(plan.misses), len(plan.fills), len(plan.on_cpu))
@@ -309,8 +308,8 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         ahead = None if streaming else self._ahead_plan(layer, behind, early)
         per = float(routing.counts[miss].mean()) if len(miss) else 1.0
         # a prompt's last routed layer: nothing to copy ahead, and no later layer misses an expert
-        later_whole = bool((table.resident[row + 1:] >= 0).all())
-        tail = not streaming and self._held and self._span > 1 and not (ahead and len(ahead[1])) and later_whole
+        tail = not streaming and self._held and self._span > 1 and not (ahead and len(ahead[1])) \
+            and bool((table.resident[row + 1:] >= 0).all())
         q = len(miss) if streaming else self.split(len(miss), busy=(len(ahead[1]) if ahead else 0) + behind, per=per,
                                                    tail=tail)
         misses = miss.tolist()
@@ -319,9 +318,10 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         return CallPlan(hit.tolist(), hit_slots, misses, misses[:q], misses[q:], ahead, behind, tail)
 
     def _queue_device(self, layer: int, x: torch.Tensor, y: torch.Tensor, routing: Routing, topk_ids: torch.Tensor,
-                      plan: CallPlan, with_cpu: bool, streaming: bool) -> float:
+                      plan: CallPlan, with_cpu: bool, streaming: bool):
         """The device's share of a routed call, queued while its CPU job runs: hits and fills into y
-        (DeviceRuns._run_device), then the next layer's copies ahead. -> perf_counter between the two."""
+        (DeviceRuns._run_device), then the next layer's copies ahead. -> (perf_counter between the two, the fills'
+        end event of a tail call the tail clock times, else None)."""
         read = self.cache.mark() if plan.ahead else None  # the last reader of an unlocked slot is queued before this...
         if not streaming:
             # hits may sit in slots that copies still in flight fill (the last layer's copies ahead). Waited for
@@ -330,16 +330,15 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
             self.cache.ready()
         in_rounds = self._run_device(layer, x, y, routing, plan.hit_slots.tolist(), plan.hits, plan.fills, with_cpu,
                                      topk_ids)
-        self._tail_probe = None
+        probe = None
         if plan.tail and self.tail is not None and not self.estimate.frozen:
-            timed = plan.fills and with_cpu and not in_rounds
-            self._tail_probe = self.cache.last_copy_end() if timed else None
-            if self._tail_probe is None:  # (nothing to time: the clock forgets some of its lag)
+            probe = self.cache.last_copy_end() if plan.fills and with_cpu and not in_rounds else None
+            if probe is None:  # (nothing to time: the clock forgets some of its lag)
                 self.tail.forget()
         ran = time.perf_counter()
         if plan.ahead and len(plan.ahead[1]):  # ...unless this layer's fills went in rounds, reusing their slots
             self._copy_ahead(*plan.ahead, with_cpu=with_cpu, after=None if in_rounds else read, then=not in_rounds)
-        return ran
+        return ran, probe
 
     def _unlock(self) -> None:
         self.cache.table.unlock_all()

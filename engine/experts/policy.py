@@ -194,8 +194,8 @@ class SplitPolicy:
         alone_cpu = on_cpu(m, cpu) if not busy else max(on_cpu(m, bh), self._seconds(busy, bp))
         out = [Choice("fill", m, filled(m + busy, fill)), Choice("cpu", 0, alone_cpu)]
         extra = round(cpu_extra * bh / self.expert_bytes) if cpu_extra > 0 else 0  # the handoff in experts
-        head = busy + fill_lag * bp / self.expert_bytes  # the fills' work besides their own, in experts
         if fill_lag and 0 < bp < math.inf:  # q_balanced with the lag as copies besides, a float number of experts
+            head = busy + fill_lag * bp / self.expert_bytes  # the fills' work besides their own, in experts
             q = max(0, math.floor((m + head + extra) * bp / (bp + bh) - head + 0.5))
         else:
             q = max(0, q_balanced(m + busy + extra, bp, bh) - busy)
