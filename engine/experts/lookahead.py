@@ -6,7 +6,9 @@ heat (prefill_stream.pick_probability, made per forward in OffloadBackend.begin_
 backend's ahead_fills asks for (offload: all, hybrid: the fill share of the next layer's expected misses, scaled
 by TouchRatio, with the copies still in flight ahead of them counted), or every expert the next layer lacks when
 the rest take under TOP_UP_S to copy (a backend that fills, `tops_up`), into slots holding experts no later layer
-will likely read (_kept). A layer's own fills place by keep_bonus.
+will likely read (_kept). Which of the near-certain experts about as likely as the last one planned go, and into
+which of the slots about as cold as the last victim, is chosen for few copy runs (_ahead_tier, aligned.py). A
+layer's own fills place by keep_bonus.
 
 CopiesAhead is the part of OffloadBackend that plans them; it reads the backend's cache, pool, stats_,
 lookahead, ahead_fills, touch_ratio and _behind, and the forward's _touch, _pick, _ahead, _looked, _seen, _tokens,
@@ -18,6 +20,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from engine.experts import aligned
+from engine.experts.aligned import Tiered
 from engine.experts.prefill_stream import KEEP_RATIO, LIKELY_READ
 from engine.experts.slot_cache import COALESCE_FILLS
 
@@ -172,20 +176,25 @@ class CopiesAhead:
         `ahead` (a wrong guess shows as ahead - ahead_used)."""
         t = self.cache.table
         bonus = np.where(self._kept(self.pool.row[layer] - 1), np.inf, 0.0)  # never taken
-        looked, placed = [], 0
+        cand = self._ahead_tier(layer, experts)
+        looked: list[int] = []
         for batch in range(2 if then else 1):
             if batch:
                 t.locked[self._running_slots(self.pool.row[layer] - 1)] = False
                 after = self.cache.mark()
-            want = experts[placed: placed + int((~t.locked & (bonus == 0)).sum())].tolist()
-            if not want:
+            n = min(len(experts) - len(looked), int((~t.locked & (bonus == 0)).sum()))
+            if n <= 0:
                 continue
-            got = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=len(want) > COALESCE_FILLS,
-                                   after=after, bonus=bonus)
-            looked += want[: len(got)]
-            placed += len(got)
-            if placed == len(experts):
+            if n > COALESCE_FILLS:
+                got = self.cache.admit_tiered(layer, cand, n, with_cpu=with_cpu, after=after, bonus=bonus)[0]
+            else:
+                got = cand.items[:n].tolist()
+                got = got[: len(self.cache.admit(layer, got, with_cpu=with_cpu, after=after, bonus=bonus))]
+            looked += got
+            cand = cand.without(got)
+            if len(looked) == len(experts):
                 break
+        placed = len(looked)
         if not placed:
             return
         self._looked[layer] = np.asarray(looked)
@@ -193,6 +202,23 @@ class CopiesAhead:
         st.fills += placed
         st.ahead += placed
         st.bytes_moved += placed * self.pool.expert_bytes
+
+    def _ahead_tier(self, layer: int, experts: np.ndarray) -> Tiered:
+        """The copies ahead `experts` planned for `layer` (most likely first), with the experts they may give way to:
+        when the last of them is near-certain to be read (TOUCH_CERTAIN), every missing expert of the layer as
+        near-certain whose pick probability is within aligned.TIER of that one's is as much worth copying, the
+        planned ones above that tier first (aligned.pick_aligned then chooses among the rest for runs)."""
+        experts = np.asarray(experts, dtype=np.int64)
+        row = self.pool.row[layer]
+        p, q = self._touch[row], self._pick[row]
+        if not len(experts) or p[experts[-1]] < TOUCH_CERTAIN:
+            return Tiered(experts, len(experts))
+        qb = q[experts[-1]]
+        near = (q >= qb / aligned.TIER) & (q <= qb * aligned.TIER)
+        mates = (self.cache.table.resident[row] < 0) & (p >= TOUCH_CERTAIN) & near
+        above = ~mates[experts]
+        mates[experts] = False
+        return Tiered(np.concatenate([experts[above], experts[~above], np.flatnonzero(mates)]), int(above.sum()))
 
     def _observe_touch(self, layer: int, experts: np.ndarray, tokens: int) -> None:
         """A routed prompt call of `tokens` tokens to `experts` (distinct) of `layer`: how many of those the heat

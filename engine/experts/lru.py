@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.experts import aligned
+from engine.experts.aligned import Tiered, tier_bounds
+
 EMPTY = -1
 _FREE_STAMP = -1  # older than any real use: free slots are evicted first
 
@@ -127,6 +130,23 @@ class SlotTable:
         kept = bonus[lo:hi][cand] > 0
         out = self._first(cand[~kept], k, lo, hi)
         return np.concatenate([out, self._first(cand[kept], k - len(out), lo, hi)]) if len(out) < k else out
+
+    def victim_tier(self, k: int, lo: int = 0, hi: int | None = None, bonus: np.ndarray | None = None) -> Tiered:
+        """victims(k), and under lfu every other unlocked slot in [lo, hi) about as cold as the k-th (heat plus
+        bonus within aligned.TIER of its: tier_bounds), ranked: the slots colder than that tier are `must`, the
+        tier's are interchangeable. lru ranks by recency alone: its k victims, all must."""
+        hi = self.num_slots if hi is None else hi
+        cand = np.flatnonzero(~self.locked[lo:hi])
+        k = min(k, len(cand))
+        if self.policy != "lfu" or k <= 0:
+            out = self.victims(k, lo, hi, bonus)
+            return Tiered(out, len(out))
+        heat = self.slot_heat[lo:hi][cand]
+        if bonus is not None:
+            heat = heat + bonus[lo:hi][cand] * self._inc
+        order = np.lexsort((self.stamp[lo:hi][cand] * (hi - lo + 1) + cand, heat))  # victims' order, every one
+        must, end = tier_bounds(heat[order], k, aligned.TIER)
+        return Tiered(cand[order[:end]] + lo, must)
 
     def _first(self, cand: np.ndarray, k: int, lo: int, hi: int, extra: np.ndarray | None = None) -> np.ndarray:
         """The k of cand (slot ids less lo) the policy evicts first, in order, as slot ids; extra: heat added

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine.experts.aligned import Tiered, pick_aligned
 from engine.experts.block_layout import split_block
 from engine.experts.host_pool import HostPool
 from engine.experts.lru import SlotTable
@@ -53,16 +54,6 @@ def copy_backlog(batches, rate: float, now: float) -> float:
     return min(total, max(total - batches[0][1], (end - now) * rate))
 
 
-def pair_sorted(experts: list[int], victims) -> list[int]:
-    """Slots for `experts` (in their order): the i-th smallest expert gets the i-th smallest victim. Any
-    victim may take any expert; pairing both in order lets consecutive experts land in consecutive slots,
-    so a layer streamed into the slots another layer left copies in a few long runs (copy_runs)."""
-    slots = [0] * len(experts)
-    for i, s in zip(sorted(range(len(experts)), key=experts.__getitem__), sorted(int(v) for v in victims)):
-        slots[i] = s
-    return slots
-
-
 def copy_runs(experts: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
     """(first expert, first slot, count) per run where both step by one: one copy each. A prefill stream
     issued 256 copies a layer, and at ~70 us of host time apiece once the copy queue is deep (H200 box)
@@ -82,8 +73,8 @@ def window_runs(todo: np.ndarray) -> int:
     return int(len(todo) > 0) + int((np.diff(todo) != 1).sum())
 
 
-# More fills than this in one layer call (a prompt's tokens routing to most of a layer) pair experts and slots
-# in sorted order so runs of both copy at once (SlotCache.admit's coalesce); decode's few fills keep theirs.
+# More fills than this in one layer call (a prompt's tokens routing to most of a layer) choose and pair their slots
+# so runs of both copy at once (SlotCache.admit's coalesce, aligned.py); decode's few fills keep theirs.
 COALESCE_FILLS = 16
 # a layer mostly in place in its streaming window copies the experts missing there in at most this many copies
 # (runs of consecutive slots); more, and it copies the whole layer in one (stream_layer)
@@ -144,19 +135,34 @@ class SlotCache:
         """Copy as many of `experts` (of `layer`) as unlocked slots in [lo, hi) allow; lock and return
         their slots (a prefix of `experts`). On CUDA the copies run on the copy stream; call `ready()`.
         with_cpu: CPU expert runs go on alongside these copies (reported back by `take_fill_timings`).
-        coalesce: pair experts and victims in sorted order (pair_sorted) so runs of both copy at once — for a
-        layer streamed whole; otherwise the first victim goes to the first expert (fills come hottest first,
-        and under lru that decides which of them a tie evicts next). after: a CUDA event after the last work
-        that read any victim (default: everything queued on the compute stream so far). bonus: heat each
-        slot is still to gain (SlotTable.victims)."""
+        coalesce: choose among the victims about as cold as the last one needed and pair them so that runs copy
+        at once (aligned.pick_aligned) — for many experts at once; otherwise the first victim goes to the first
+        expert (fills come hottest first, and under lru that decides which of them a tie evicts next). after: a
+        CUDA event after the last work that read any victim (default: everything queued on the compute stream so
+        far). bonus: heat each slot is still to gain (SlotTable.victims)."""
+        if coalesce:
+            return self.admit_tiered(layer, Tiered(np.asarray(experts, dtype=np.int64), len(experts)), len(experts),
+                                     lo, hi, with_cpu=with_cpu, after=after, bonus=bonus)[1]
         victims = self.table.victims(len(experts), lo, hi, bonus)
         if not len(victims):
             return []
-        experts = list(experts[: len(victims)])
-        victims = pair_sorted(experts, victims) if coalesce else victims.tolist()
-        self.place(layer, experts, victims, with_cpu=with_cpu, after=after)
+        victims = victims.tolist()
+        self.place(layer, list(experts[: len(victims)]), victims, with_cpu=with_cpu, after=after)
         self.table.lock(victims)
         return victims
+
+    def admit_tiered(self, layer: int, experts: Tiered, n: int, lo: int = 0, hi: int | None = None, *,
+                     with_cpu: bool = False, after=None, bonus=None) -> tuple[list[int], list[int]]:
+        """admit for n of `experts` (its must ones first, any of its tier after) into victims chosen and paired
+        by aligned.pick_aligned among the slots SlotTable.victim_tier gives: as few copy runs as the choice
+        allows. -> (the experts placed, their slots), locked; fewer when fewer slots are unlocked."""
+        victims = self.table.victim_tier(n, lo, hi, bonus)
+        if not len(victims.items) or n <= 0:
+            return [], []
+        placed, slots = pick_aligned(experts, victims, n, self.pool.num_experts)
+        self.place(layer, placed, slots, with_cpu=with_cpu, after=after)
+        self.table.lock(slots)
+        return placed, slots
 
     def place(self, layer: int, experts: list[int], slots: list[int], *, with_cpu: bool = False, after=None):
         """Copy `experts` of `layer` into `slots` (pairwise) and record them there; on CUDA on the copy stream,

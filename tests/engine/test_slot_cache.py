@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.experts.host_pool import pool_from_source
-from engine.experts.slot_cache import SlotCache, copy_backlog, copy_runs, pair_sorted, window_runs
+from engine.experts.aligned import pair_sorted
+from engine.experts.slot_cache import SlotCache, copy_backlog, copy_runs, window_runs
 from engine.experts.source import ExpertWeights
 
 
