@@ -7,7 +7,11 @@ small widths, so the experts themselves take little; 37.5% of the pool in slots.
 engine: on the GPU box the same code runs between the routing's read-back and the job (profile_decode --extend's
 'routed', 'planned' and 'cpu at' columns).
 
-    python -m engine.bench.plan [--tokens 256] [--extends 40] [--json out.json]
+Also the copies: experts copied and copy calls issued per extend (one a run of consecutive experts into
+consecutive slots), and the engine thread's time queueing the next layer's copies ahead in each such call. --tier
+sets aligned.TIER (1.0: rank alone, ties only, as before bulk placements chose among interchangeable candidates).
+
+    python -m engine.bench.plan [--tokens 256] [--extends 40] [--tier 1.25] [--json out.json]
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import time
 
 import torch
 
+from engine.experts import aligned
 from engine.experts.host_pool import pool_from_source
 from engine.experts.hybrid import HybridBackend
 from engine.experts.policy import BandwidthEstimate
@@ -47,12 +52,15 @@ def _extend(backend: HybridBackend, tokens: int, seed: int) -> None:
     backend.end_forward()
 
 
-def run(tokens: int, extends: int, warmup: int = 6) -> dict:
+def run(tokens: int, extends: int, warmup: int = 6, tier: float | None = None) -> dict:
+    kept = aligned.TIER
+    aligned.TIER = kept if tier is None else tier
     backend = _backend(0)
     try:
         for s in range(warmup):
             _extend(backend, tokens, s)
-        plans, parts, calls = [], {"split": [], "start": []}, 0
+        plans, parts, calls, ahead_ms = [], {"split": [], "start": []}, 0, []
+        copies, copied = backend.cache.copy_calls, backend.stats()["total"]["fills"]
         t0 = time.perf_counter()
         for s in range(warmup, warmup + extends):
             backend.call_log = []
@@ -62,9 +70,12 @@ def run(tokens: int, extends: int, warmup: int = 6) -> dict:
             plans += [c.cpu_start_ms - c.routed_ms for c in timed]
             parts["split"] += [c.planned_ms - c.routed_ms for c in timed]
             parts["start"] += [c.cpu_start_ms - c.planned_ms for c in timed]
+            ahead_ms += [c.queued_ms - c.ran_ms for c in backend.call_log if c.ahead > 0 and c.ran_ms >= 0]
         wall = time.perf_counter() - t0
+        copies, copied = backend.cache.copy_calls - copies, backend.stats()["total"]["fills"] - copied
     finally:
         backend.close()
+        aligned.TIER = kept
     if not plans:
         raise RuntimeError("no layer call ran experts on the CPU: nothing to time")
     return {"what": "part of the engine: OffloadBackend.forward's planning (hybrid, CPU device, synthetic pool)",
@@ -72,6 +83,9 @@ def run(tokens: int, extends: int, warmup: int = 6) -> dict:
             "plan_ms_median": statistics.median(plans), "plan_ms_mean": statistics.fmean(plans),
             "plan_ms_max": max(plans), "extend_ms_mean": wall / extends * 1e3,
             **{f"{part}_ms_median": statistics.median(v) for part, v in parts.items()},
+            "tier": aligned.TIER if tier is None else tier, "copied_per_extend": copied / extends,
+            "copy_calls_per_extend": copies / extends,
+            "ahead_ms_median": statistics.median(ahead_ms) if ahead_ms else float("nan"),
             "date": time.strftime("%Y-%m-%d")}
 
 
@@ -79,17 +93,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m engine.bench.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=256, help="tokens of each extend (default 256)")
     ap.add_argument("--extends", type=int, default=40, help="timed extends (default 40)")
+    ap.add_argument("--tier", type=float, default=aligned.TIER,
+                    help=f"interchangeable candidates' factor, aligned.TIER (default {aligned.TIER}; 1.0: rank alone)")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.extends < 1:
         ap.error("--tokens and --extends must be at least 1")
-    res = run(args.tokens, args.extends)
+    if args.tier < 1.0:
+        ap.error(f"--tier is a factor of at least 1.0, got {args.tier}")
+    res = run(args.tokens, args.extends, tier=args.tier)
     print(f"{res['what']}\n{res['timed_calls']} layer calls with a CPU share, of {res['layer_calls']}, "
           f"{args.tokens}-token extends")
     print(f"{'routing -> CPU job start':28s} median {res['plan_ms_median']:.3f} ms   mean {res['plan_ms_mean']:.3f}"
           f"   max {res['plan_ms_max']:.3f}")
     print(f"{'  routing -> split made':28s} median {res['split_ms_median']:.3f} ms")
     print(f"{'  split made -> job start':28s} median {res['start_ms_median']:.3f} ms")
+    print(f"{'copies ahead queued':28s} median {res['ahead_ms_median']:.3f} ms a call with copies ahead")
+    print(f"{'copies per extend':28s} {res['copy_calls_per_extend']:.1f} calls for {res['copied_per_extend']:.1f} "
+          f"experts (tier {res['tier']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

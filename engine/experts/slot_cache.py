@@ -102,6 +102,7 @@ class SlotCache:
         self.copy_rate = 0.0
         self._drained = 0.0  # host time
         self.placements = 0  # calls that copied experts into slots (a mapped decode checks it, mapped.py)
+        self.copy_calls = 0  # copies issued, one a run of consecutive experts into consecutive slots (_copy_rows)
         self._buf_rows: tuple | None = None  # self.buf's slots as views, made at the first copy (_copy_rows)
         self._host_rows: dict[int, tuple] = {}  # pool row -> (its host blocks' address, their views)
 
@@ -277,6 +278,7 @@ class SlotCache:
         runs = copy_runs(experts, slots)
         if not runs:
             return
+        self.copy_calls += len(runs)
         if self._buf_rows is None:
             self._buf_rows = self.buf.unbind(0)
         kept = self._host_rows.get(row)
