@@ -257,6 +257,7 @@ def _extend(model, args, sync, g) -> dict:
 
     experts = model.experts if hasattr(model.experts, "call_log") else None  # an expert cache's layer calls
     layer_calls: list = []  # each timed extend's (OffloadBackend.call_log)
+    copy_calls: list[int] = []  # each timed extend's copies issued to the slots (SlotCache.copy_calls)
 
     def once(wrap=None, log: bool = False) -> float:
         st = model.new_state(args.prefill + args.extend + 8)
@@ -265,6 +266,7 @@ def _extend(model, args, sync, g) -> dict:
         sync()
         if log and experts is not None:
             experts.call_log = []
+            copies = experts.cache.copy_calls
         t = time.perf_counter()
         if wrap is None:
             model.forward([(ext, st)], logits="last")
@@ -277,6 +279,7 @@ def _extend(model, args, sync, g) -> dict:
         if log and experts is not None:
             layer_calls.append(experts.call_log)
             experts.call_log = None
+            copy_calls.append(experts.cache.copy_calls - copies)
         _release(st)
         return wall
 
@@ -320,6 +323,8 @@ def _extend(model, args, sync, g) -> dict:
         print_split(policy)
     for k, calls in enumerate(layer_calls, 1):
         _print_calls(calls, f"timed extend {k} of {len(layer_calls)} ({walls_ms[k - 1]:.1f} ms)")
+        print(f"copies issued to the slots: {copy_calls[k - 1]} (one a run of consecutive experts into consecutive "
+              "slots)")
         if calls:
             _print_stalls(stalls[k - 1], calls[0].at)
     print(f"{'gap start (ms)':>14}{'length':>8}  the engine thread's ops inside it (ms)")
@@ -339,7 +344,7 @@ def _extend(model, args, sync, g) -> dict:
     return {"tokens": args.extend, "after": args.prefill, "walls_ms": walls_ms, "profiled_ms": profiled_wall * 1e3,
             "cprofile_ms": cprofile_wall * 1e3,
             "layer_calls": [c._asdict() for c in layer_calls[-1]] if layer_calls else [],
-            "layer_calls_runs": [[c._asdict() for c in calls] for calls in layer_calls],
+            "layer_calls_runs": [[c._asdict() for c in calls] for calls in layer_calls], "copy_calls_runs": copy_calls,
             "stalls_runs": [_stalls_json(w, calls[0].at if calls else 0.0) for w, calls in zip(stalls, layer_calls)],
             "prompt_buckets": buckets, "policy_at_start": policy,
             "compute_stream": gaps, "kernels": kernels, "functions_own": own,

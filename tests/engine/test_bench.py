@@ -313,6 +313,7 @@ def test_profile_decode_runs_a_prompts_cpu_experts_on_the_workers_serve_would(mo
     assert skewed == [1.0]
     ext = json.loads(out.read_text())["extend"]
     assert ext["tokens"] == 32 and len(ext["walls_ms"]) == len(ext["layer_calls_runs"]) == 2
+    assert len(ext["copy_calls_runs"]) == 2 and all(n >= 0 for n in ext["copy_calls_runs"])
     text = capsys.readouterr().out
     assert "extend 32 tokens after a cached 64" in text
     # the walls in run order, each beside its extend's layer calls
@@ -322,6 +323,8 @@ def test_profile_decode_runs_a_prompts_cpu_experts_on_the_workers_serve_would(mo
     # each timed extend sampled for the engine thread's stalls, its collections counted
     assert len(ext["stalls_runs"]) == 2 and all(r["samples"] > 0 for r in ext["stalls_runs"])
     assert text.count("engine thread still for 1.5 ms or more") == 2 and "garbage collections:" in text
+    for n in ext["copy_calls_runs"]:
+        assert f"copies issued to the slots: {n} (one a run" in text
 
 
 def test_a_synthetic_size_no_bench_knows_is_one_usage_line(capsys):
