@@ -27,7 +27,7 @@ from engine.kernels.moe_pairs_triton import LOC_CPU, _topk_row
 WAIT_LIMIT = 5_000_000
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "row"])
 def _publish_kernel(h_ptr, logits_ptr, lstride, E, valid_ptr, N, H, ids_ptr, x_ptr, meta_ptr, seq_ptr, row,
                     K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -65,7 +65,7 @@ def _spin_until(word_ptr, target, err_ptr, LIMIT):
     return i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _wait_kernel(ids_ptr, loc_ptr, P, seq_ptr, done_ptr, err_ptr, spins_ptr, LIMIT, BLOCK_P: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     e = tl.load(ids_ptr + p, mask=p < P, other=-1)
@@ -151,7 +151,11 @@ def scatter_rows(y: torch.Tensor, pos: torch.Tensor, src: torch.Tensor) -> None:
         _scatter_rows_kernel[(n,)](pos, src, y, H, BLOCK_H=1024, num_warps=4)
 
 
-@triton.jit
+# Counts that change from call to call are not specialized on: Triton compiles (or loads) a variant of a kernel
+# for an int argument equal to 1 or divisible by 16, and a variant's first launch mid-run held a layer call of an
+# extend ~10-12 ms in the engine thread (_init_handles, H100 box profiles, docs/PERF.md); the target here is the
+# joined CPU job's sequence number, a new variant at 1 and at 16
+@triton.jit(do_not_specialize=["target"])
 def _wait_flag_kernel(flag_ptr, target, err_ptr, LIMIT):
     _spin_until(flag_ptr, target, err_ptr, LIMIT)
 

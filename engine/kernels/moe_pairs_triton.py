@@ -205,7 +205,8 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
     return Blocks(rows[:nb], expert[:nb])
 
 
-@triton.jit
+# (the pairs and blocks change call to call: not specialized on, mailbox_triton.py)
+@triton.jit(do_not_specialize=["P", "NB"])
 def _expert_blocks_kernel(ids_ptr, rows_ptr, expert_ptr, P, E, NB, BM: tl.constexpr, BLOCK_E: tl.constexpr,
                           CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program e < E writes expert e's blocks (its pairs in order, BM to a block, after the blocks of the experts

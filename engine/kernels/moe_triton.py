@@ -81,7 +81,8 @@ def _pair_route(logits_ptr, b, lstride, E, valid_ptr, KP, K: tl.constexpr, SHARE
     return tl.sum(tl.where(pick, ids, 0), axis=0), tl.sum(tl.where(pick, ws, 0.0), axis=0)
 
 
-@triton.jit
+# (the pairs' blocks and the staged copy's target change call to call: not specialized on, mailbox_triton.py)
+@triton.jit(do_not_specialize=["P", "done_target"])
 def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, KP, P,
                       logits_ptr, lstride, E, valid_ptr, pw_ptr, loc_ptr, h_ptr, h_stride, sh_ptr,
                       stage_ptr, stage_w_ptr, stage_rows, done_ptr, done_target,
@@ -135,7 +136,7 @@ def _expert_up_kernel(x_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, act_ptr, H, I, 
         tl.store(out, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _expert_down_kernel(act_ptr, w_ptr, w_stride, rows_ptr, exp_ptr, pw_ptr, y_ptr, H, I, P,
                         loc_ptr, h_ptr, h_stride, sh_ptr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,

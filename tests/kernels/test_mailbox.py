@@ -125,3 +125,34 @@ def test_wait_flag_holds_the_stream_until_a_cpu_thread_raises_the_flag(dev, monk
     assert int(err[0]) == 1
     with pytest.raises(ValueError, match="wait_flag"):
         wait_flag(torch.zeros(1, dtype=torch.int32), 1, err)
+
+
+def test_counts_that_change_call_to_call_make_no_new_kernel_variant(dev):
+    """The kernels a routed prompt's layer call launches with a count that changes from call to call (a joined CPU
+    job's sequence number, the pairs and their blocks) mark it not to specialize on: Triton compiles or loads a
+    variant for an int equal to 1 or divisible by 16, which held a layer call ~10 ms when the first such count came
+    mid-run. On CUDA: wait_flag at targets 1, 2, 16, 17, 32 runs one compiled variant."""
+    from engine.kernels import mailbox_triton, moe_pairs_triton, moe_triton
+    from engine.kernels.mailbox_triton import wait_flag
+
+    unspecialized = {
+        mailbox_triton._wait_flag_kernel: {"target"}, mailbox_triton._wait_kernel: {"P"},
+        mailbox_triton._publish_kernel: {"N", "row"}, moe_triton._expert_up_kernel: {"P", "done_target"},
+        moe_triton._expert_down_kernel: {"P"}, moe_pairs_triton._expert_blocks_kernel: {"P", "NB"}}
+    for kernel, names in unspecialized.items():
+        if hasattr(kernel, "params"):  # compiled
+            marked = {p.name for p in kernel.params if p.do_not_specialize}
+        else:  # under Triton's interpreter: the decorator's arguments, each one of the kernel's
+            marked = set(kernel.kwargs.get("do_not_specialize") or ())
+            assert marked <= set(kernel.arg_names)
+        assert marked == names, kernel.fn.__name__
+    if dev != "cuda":
+        return
+    flag = torch.full((1,), 100, dtype=torch.long, pin_memory=True)
+    err = torch.zeros(1, dtype=torch.int32, device=dev)
+    for target in (1, 2, 16, 17, 32):
+        wait_flag(flag, target, err)
+    torch.cuda.synchronize()
+    assert int(err[0]) == 0
+    compiled = mailbox_triton._wait_flag_kernel.device_caches[torch.cuda.current_device()][0]
+    assert len(compiled) == 1
