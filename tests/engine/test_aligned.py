@@ -66,7 +66,8 @@ def test_fill_blocks_finds_the_fewest_blocks_a_brute_force_finds():
 
 def test_the_victim_tier_holds_the_victims_and_the_slots_as_cold_as_the_last():
     """lfu: victims(k) are among the tier's slots, the must ones are colder than the tier, every tier slot's heat
-    (with its bonus) within TIER of the k-th victim's; lru: exactly victims(k), all must."""
+    (with its bonus) within TIER of the k-th victim's; lru: exactly victims(k), all must. Within [lo, hi) when
+    given."""
     rng = np.random.default_rng()
     for policy in ("lfu", "lru"):
         for _ in range(200):
@@ -81,9 +82,12 @@ def test_the_victim_tier_holds_the_victims_and_the_slots_as_cold_as_the_last():
                 t.tick(int(rng.integers(1, 50)))
             t.lock(rng.choice(40, 5, replace=False))
             bonus = np.where(rng.random(40) < 0.2, rng.random(40) * 5, 0.0)
+            lo = int(rng.integers(0, 8)) if rng.random() < 0.5 else 0
+            hi = int(rng.integers(32, 41)) if rng.random() < 0.5 else None
             k = int(rng.integers(1, 36))
-            tier = t.victim_tier(k, bonus=bonus)
-            want = t.victims(k, bonus=bonus)
+            tier = t.victim_tier(k, lo, hi, bonus=bonus)
+            want = t.victims(k, lo, hi, bonus=bonus)
+            assert ((tier.items >= lo) & (tier.items < (hi or 40))).all()
             if policy == "lru":
                 assert tier.items.tolist() == want.tolist() and tier.must == len(want)
                 continue
