@@ -376,11 +376,12 @@ def _print_calls(calls, which: str) -> None:
     which is ms from the first call's start) its routing came back, its split was made, its CPU job ran, its hits and
     fills were queued on the device ('ran'), then the next layer's copies ahead ('queued'), the engine thread had the
     job's result and the call returned; then how long the CPU sat idle between its jobs (a copy engine behind on
-    copies ahead, or a device behind on the layers between, keeps it waiting)."""
+    copies ahead, or a device behind on the layers between, keeps it waiting). 'copies': the copy calls the layer
+    call issued (its fills and the next layer's copies ahead, one a run of consecutive experts)."""
     print(f"\n{which}: its MoE layer calls (ms; 'unread': every expert in a slot, routing not read back; "
           "'joined': the CPU job joined on the device, its 'woke' when the engine thread collected it)")
-    head = ("layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "behind", "handoff", "routed",
-            "planned", "cpu at", "cpu run", "waited", "ran", "queued", "woke", "end")
+    head = ("layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "copies", "behind", "handoff",
+            "routed", "planned", "cpu at", "cpu run", "waited", "ran", "queued", "woke", "end")
     print("".join(f"{h:>8}" for h in head))
     t0 = calls[0].at
     at = lambda ms: f"{ms:>8.2f}" if ms >= 0 else f"{'-':>8}"  # noqa: E731
@@ -388,7 +389,8 @@ def _print_calls(calls, which: str) -> None:
         cpu = (f"{c.cpu_start_ms:>8.2f}{c.cpu_ms:>8.2f}{c.cpu_wait_ms:>8.2f}" if c.cpu_start_ms >= 0
                else f"{'-':>8}" * 3)
         print(f"{c.layer:>8}{c.kind:>8}{(c.at - t0) * 1e3:>8.2f}{c.hits:>8}{c.misses:>8}{c.fills:>8}{c.cpu:>8}"
-              f"{c.ahead:>8}{c.behind:>8}{c.handoff_ms:>8.2f}{at(c.routed_ms)}{at(c.planned_ms)}{cpu}"
+              f"{c.ahead:>8}{c.copies if c.copies >= 0 else '-':>8}{c.behind:>8}{c.handoff_ms:>8.2f}"
+              f"{at(c.routed_ms)}{at(c.planned_ms)}{cpu}"
               f"{at(c.ran_ms)}{at(c.queued_ms)}{at(c.woke_ms)}{c.end_ms:>8.2f}")
     jobs = [((c.at - t0) * 1e3 + c.cpu_start_ms, c.cpu_ms) for c in calls if c.cpu_start_ms >= 0]
     if jobs:

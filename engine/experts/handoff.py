@@ -105,7 +105,7 @@ class CallTiming:
         self.call_log.append(LayerCall(layer, kind, hits, misses, fills, cpu, ahead, behind, self.handoff * 1e3,
                                        t_in, ms(routed_at), ms(started), (seconds or 0.0) * 1e3,
                                        (waited or 0.0) * 1e3, ms(time.perf_counter()), ms(planned), ms(woke),
-                                       ms(ran), ms(queued)))
+                                       ms(ran), ms(queued), copies=self.cache.copy_calls - self._copies_in))
 
     def _log_joined_job(self, entry: int | None, started: float, seconds: float) -> None:
         """Call log entry `entry` (a joined call's, written as it returned; None: no log) given its CPU job's start

@@ -105,6 +105,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         self.cpu_jobs = CpuJobs(pool, self.device, zero_copy=self.grouped and self.device.type == "cuda")
         self.mapped = None  # MappedExperts, made by mapped_decode() for a fast path
         self.call_log: list[LayerCall] | None = None  # a list: every layer call appends its LayerCall
+        self._copies_in = 0  # the cache's copy calls as the running layer call began
         self.tail = None  # hybrid.TailClock: how late a prompt's last routed layer's fills land (hybrid's split)
 
     def _set_modes(self, lookahead: bool | str, refresh: bool | str, decode: str, prefetch: bool | str) -> None:
@@ -220,6 +221,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, K], topk_w [T, K] -> [T, H] (routed experts only)."""
         t_in = time.perf_counter()
+        self._copies_in = self.cache.copy_calls  # (the call log counts the copies the call issues)
         streaming = self._enter_call(layer, x, topk_ids)
         slots = self._unread_slots(layer, x, streaming)
         if slots is not None:

@@ -84,6 +84,7 @@ class LayerCall(NamedTuple):
     # a prompt's last routed layer: how long after its CPU job ended its fills landed (negative: the device waited
     # that long for the job; hybrid.TailClock), in ms; nan: not measured
     tail_ms: float = float("nan")
+    copies: int = -1  # copy calls the layer call issued (SlotCache.copy_calls: one a run; -1: not counted)
 
 
 class CpuWait(NamedTuple):

@@ -114,7 +114,7 @@ def test_a_held_prompts_copies_ahead_copy_in_few_runs_and_keep_the_outputs(monke
     expert with heat from uniform random routing; a held 256-token forward copies ~60% of layers 1-3 ahead, into
     the slots of the layers done. With the choice among the interchangeable experts and slots (aligned.TIER) the
     copies ahead go in far fewer runs than with rank alone (a tier of exact ties), and the outputs equal the
-    per-expert reference either way."""
+    per-expert reference either way. The call log counts each layer call's copy calls."""
     monkeypatch.setattr(lookahead, "TOP_UP_S", 0.0)
     layers, e_count, k, seed = 6, 64, 4, int(torch.randint(1 << 30, ()))
     src, deep = _deep(layers, e_count, seed)
@@ -139,6 +139,7 @@ def test_a_held_prompts_copies_ahead_copy_in_few_runs_and_keep_the_outputs(monke
             b.cache.admit(layer, list(range(e_count)), coalesce=True)
             b.cache.table.unlock_all()
         runs.clear()
+        b.call_log = []
         b.begin_forward(256, k, hold=True, span=256)
         for layer in range(layers):
             y = b.forward(layer, x, ids, w)
@@ -150,4 +151,5 @@ def test_a_held_prompts_copies_ahead_copy_in_few_runs_and_keep_the_outputs(monke
         b.end_forward()
         assert int(b.stats()["total"]["ahead"]) >= 3 * 30
         count[tier] = sum(runs)
+        assert sum(c.copies for c in b.call_log) == count[tier]  # each layer call's copies in the call log
     assert count[1.25] * 1.6 <= count[1.0], count  # (2.1-2.6x on the dev box)

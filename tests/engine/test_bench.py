@@ -407,12 +407,13 @@ def test_profile_decode_extend_gaps_name_the_engine_threads_ops_inside_them():
 
 
 def test_profile_decode_prints_an_extends_layer_calls(capsys):
-    """One row a MoE layer call: when it started (from the first call), its plan, and its times; a call that read
-    no routing back or ran nothing on the CPU shows '-' there."""
+    """One row a MoE layer call: when it started (from the first call), its plan, its copy calls, and its times; a
+    call that read no routing back or ran nothing on the CPU shows '-' there, as an entry whose copies were not
+    counted does."""
     from engine.bench.profile_decode import _print_calls
     from engine.experts.stats import LayerCall
 
-    calls = [LayerCall(0, "unread", -1, 0, 0, 0, 115, 84, 2.84, 10.0, -1.0, -1.0, 0.0, 0.0, 3.0),
+    calls = [LayerCall(0, "unread", -1, 0, 0, 0, 115, 84, 2.84, 10.0, -1.0, -1.0, 0.0, 0.0, 3.0, copies=12),
              LayerCall(1, "routed", 115, 141, 0, 141, 113, 0, 2.47, 10.00541, 0.29, 1.55, 10.45, 7.86, 12.63, 0.9,
                        12.1, 2.2, 3.4),
              LayerCall(2, "routed", 120, 100, 10, 90, 0, 0, 2.47, 10.020, 4.0, 5.0, 8.0, 3.0, 9.5, 4.5, 9.0,
@@ -425,13 +426,13 @@ def test_profile_decode_prints_an_extends_layer_calls(capsys):
     assert lines[-1] == ("the CPU's 2 jobs ran 18.45 ms of the 26.04 from the first's start to the last's end "
                          "(idle between them 7.59 ms); 228 experts copied ahead, 10 filled, 231 run on the CPU")
     assert lines[0].startswith("the last timed extend: its MoE layer calls")
-    assert lines[1].split() == ["layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "behind",
-                                "handoff", "routed", "planned", "cpu", "at", "cpu", "run", "waited", "ran", "queued",
-                                "woke", "end"]
-    assert lines[2].split() == ["0", "unread", "0.00", "-1", "0", "0", "0", "115", "84", "2.84", "-", "-", "-", "-",
-                                "-", "-", "-", "-", "3.00"]
-    assert lines[3].split() == ["1", "routed", "5.41", "115", "141", "0", "141", "113", "0", "2.47", "0.29", "0.90",
-                                "1.55", "10.45", "7.86", "2.20", "3.40", "12.10", "12.63"]
+    assert lines[1].split() == ["layer", "kind", "start", "hits", "misses", "fills", "cpu", "ahead", "copies",
+                                "behind", "handoff", "routed", "planned", "cpu", "at", "cpu", "run", "waited", "ran",
+                                "queued", "woke", "end"]
+    assert lines[2].split() == ["0", "unread", "0.00", "-1", "0", "0", "0", "115", "12", "84", "2.84", "-", "-",
+                                "-", "-", "-", "-", "-", "-", "3.00"]
+    assert lines[3].split() == ["1", "routed", "5.41", "115", "141", "0", "141", "113", "-", "0", "2.47", "0.29",
+                                "0.90", "1.55", "10.45", "7.86", "2.20", "3.40", "12.10", "12.63"]
 
 
 def test_spy_top_counts_each_thread_self_and_inclusive_frames():
