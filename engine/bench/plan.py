@@ -9,9 +9,10 @@ engine: on the GPU box the same code runs between the routing's read-back and th
 
 Also the copies: experts copied and copy calls issued per extend (one a run of consecutive experts into
 consecutive slots), and the engine thread's time queueing the next layer's copies ahead in each such call. --tier
-sets aligned.TIER (1.0: rank alone, ties only, as before bulk placements chose among interchangeable candidates).
+and --noise-z set aligned.TIER and aligned.NOISE_Z (1.0 and 0: rank alone, ties only, as before bulk placements
+chose among interchangeable candidates).
 
-    python -m engine.bench.plan [--tokens 256] [--extends 40] [--tier 1.25] [--json out.json]
+    python -m engine.bench.plan [--tokens 256] [--extends 40] [--tier 1.25] [--noise-z 2] [--json out.json]
 """
 from __future__ import annotations
 
@@ -52,9 +53,11 @@ def _extend(backend: HybridBackend, tokens: int, seed: int) -> None:
     backend.end_forward()
 
 
-def run(tokens: int, extends: int, warmup: int = 6, tier: float | None = None) -> dict:
-    kept = aligned.TIER
-    aligned.TIER = kept if tier is None else tier
+def run(tokens: int, extends: int, warmup: int = 6, tier: float | None = None,
+        noise_z: float | None = None) -> dict:
+    kept = aligned.TIER, aligned.NOISE_Z
+    aligned.TIER = kept[0] if tier is None else tier
+    aligned.NOISE_Z = kept[1] if noise_z is None else noise_z
     backend = _backend(0)
     try:
         for s in range(warmup):
@@ -75,7 +78,7 @@ def run(tokens: int, extends: int, warmup: int = 6, tier: float | None = None) -
         copies, copied = backend.cache.copy_calls - copies, backend.stats()["total"]["fills"] - copied
     finally:
         backend.close()
-        aligned.TIER = kept
+        aligned.TIER, aligned.NOISE_Z = kept
     if not plans:
         raise RuntimeError("no layer call ran experts on the CPU: nothing to time")
     return {"what": "part of the engine: OffloadBackend.forward's planning (hybrid, CPU device, synthetic pool)",
@@ -83,7 +86,8 @@ def run(tokens: int, extends: int, warmup: int = 6, tier: float | None = None) -
             "plan_ms_median": statistics.median(plans), "plan_ms_mean": statistics.fmean(plans),
             "plan_ms_max": max(plans), "extend_ms_mean": wall / extends * 1e3,
             **{f"{part}_ms_median": statistics.median(v) for part, v in parts.items()},
-            "tier": aligned.TIER if tier is None else tier, "copied_per_extend": copied / extends,
+            "tier": kept[0] if tier is None else tier, "noise_z": kept[1] if noise_z is None else noise_z,
+            "copied_per_extend": copied / extends,
             "copy_calls_per_extend": copies / extends,
             "ahead_ms_median": statistics.median(ahead_ms) if ahead_ms else float("nan"),
             "date": time.strftime("%Y-%m-%d")}
@@ -94,14 +98,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=256, help="tokens of each extend (default 256)")
     ap.add_argument("--extends", type=int, default=40, help="timed extends (default 40)")
     ap.add_argument("--tier", type=float, default=aligned.TIER,
-                    help=f"interchangeable candidates' factor, aligned.TIER (default {aligned.TIER}; 1.0: rank alone)")
+                    help=f"interchangeable candidates' heat factor, aligned.TIER (default {aligned.TIER})")
+    ap.add_argument("--noise-z", type=float, default=aligned.NOISE_Z,
+                    help=f"... or standard deviations of their uses, aligned.NOISE_Z (default {aligned.NOISE_Z}; "
+                         "--tier 1 --noise-z 0: rank alone)")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.extends < 1:
         ap.error("--tokens and --extends must be at least 1")
-    if args.tier < 1.0:
-        ap.error(f"--tier is a factor of at least 1.0, got {args.tier}")
-    res = run(args.tokens, args.extends, tier=args.tier)
+    if args.tier < 1.0 or args.noise_z < 0:
+        ap.error(f"--tier is a factor of at least 1.0 and --noise-z at least 0, got {args.tier} and {args.noise_z}")
+    res = run(args.tokens, args.extends, tier=args.tier, noise_z=args.noise_z)
     print(f"{res['what']}\n{res['timed_calls']} layer calls with a CPU share, of {res['layer_calls']}, "
           f"{args.tokens}-token extends")
     print(f"{'routing -> CPU job start':28s} median {res['plan_ms_median']:.3f} ms   mean {res['plan_ms_mean']:.3f}"
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'  split made -> job start':28s} median {res['start_ms_median']:.3f} ms")
     print(f"{'copies ahead queued':28s} median {res['ahead_ms_median']:.3f} ms a call with copies ahead")
     print(f"{'copies per extend':28s} {res['copy_calls_per_extend']:.1f} calls for {res['copied_per_extend']:.1f} "
-          f"experts (tier {res['tier']})")
+          f"experts (tier {res['tier']}, noise z {res['noise_z']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -6,8 +6,8 @@ likely expert to the coldest slot, pair_sorted) they copied in about one run per
 ~370-460 copies (H100 and H200 boxes, docs/PERF.md), ~7-13 us of engine-thread time each, the first layer's before
 the layer after it is queued. Often the choice is free: under uniform routing every missing expert of a later layer
 is near-certain to be read and about as hot as the next, and the slots of the layer that just ran are about as cold
-as each other. Candidates within TIER of the boundary one (the last expert the plan would copy, the last slot the
-policy would evict) are taken as interchangeable; those outside it keep their rank.
+as each other. Candidates about as worth placing or evicting as the boundary one (the last expert the plan would
+copy, the last slot the policy would evict) are taken as interchangeable (worth_range); those outside keep their rank.
 
 Torch-free (numpy only).
 """
@@ -17,9 +17,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-# candidates whose worth (an expert's pick probability, a slot's heat with its bonus) is within this factor of the
-# boundary candidate's count as equally worth placing or evicting
+# Candidates whose heat (an expert's, or a slot's with its bonus) is within this factor of the boundary candidate's,
+# or within NOISE_Z standard deviations of its uses counted as a Poisson count, whichever is wider, count as equally
+# worth placing or evicting. Heat from a prompt or two is a few uses an expert (256 tokens, top 8 of 256: ~8 +- 3),
+# so under uniform routing a factor alone split equal experts by noise; under skew the hot ones' heat is hundreds of
+# uses and the factor decides.
 TIER = 1.25
+NOISE_Z = 2.0
 
 
 class Tiered(NamedTuple):
@@ -45,12 +49,19 @@ def pair_sorted(experts: list[int], victims) -> list[int]:
     return slots
 
 
-def tier_bounds(values: np.ndarray, k: int, tier: float) -> tuple[int, int]:
-    """values ascending (a ranking's keys, coldest or best first), k >= 1 of them wanted: (how many come before the
-    k-th's tier, how many up to its end). The tier is [v / tier, v * tier] around the k-th value v when v > 0, else
-    the values equal to v (0, or -inf: free slots)."""
-    v = float(values[k - 1])
-    lo, hi = (v / tier, v * tier) if 0 < v < np.inf else (v, v)
+def worth_range(v: float, unit: float) -> tuple[float, float]:
+    """The heat values as worth as heat v, a use weighing `unit`: within TIER of v, or within NOISE_Z standard
+    deviations of its uses (sqrt of the count), whichever is wider; v alone when v is 0, -inf (a free slot) or inf."""
+    if not 0 < v < np.inf:
+        return v, v
+    spread = NOISE_Z * float(np.sqrt(v / unit)) * unit
+    return min(v / TIER, v - spread), max(v * TIER, v + spread)
+
+
+def tier_bounds(values: np.ndarray, k: int, unit: float) -> tuple[int, int]:
+    """values ascending (heat, coldest first, a use weighing `unit`), k >= 1 of them wanted: (how many come before the
+    k-th's tier, how many up to its end); the tier is worth_range of the k-th value."""
+    lo, hi = worth_range(float(values[k - 1]), unit)
     return int(np.searchsorted(values, lo, "left")), int(np.searchsorted(values, hi, "right"))
 
 

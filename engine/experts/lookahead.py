@@ -206,16 +206,15 @@ class CopiesAhead:
     def _ahead_tier(self, layer: int, experts: np.ndarray) -> Tiered:
         """The copies ahead `experts` planned for `layer` (most likely first), with the experts they may give way to:
         when the last of them is near-certain to be read (TOUCH_CERTAIN), every missing expert of the layer as
-        near-certain whose pick probability is within aligned.TIER of that one's is as much worth copying, the
-        planned ones above that tier first (aligned.pick_aligned then chooses among the rest for runs)."""
+        near-certain whose heat is within that one's aligned.worth_range is as much worth copying, the planned ones
+        above that range first (aligned.pick_aligned then chooses among the rest for runs)."""
         experts = np.asarray(experts, dtype=np.int64)
-        row = self.pool.row[layer]
-        p, q = self._touch[row], self._pick[row]
+        row, t = self.pool.row[layer], self.cache.table
+        p, heat = self._touch[row], t.heat[row]
         if not len(experts) or p[experts[-1]] < TOUCH_CERTAIN:
             return Tiered(experts, len(experts))
-        qb = q[experts[-1]]
-        near = (q >= qb / aligned.TIER) & (q <= qb * aligned.TIER)
-        mates = (self.cache.table.resident[row] < 0) & (p >= TOUCH_CERTAIN) & near
+        lo, hi = aligned.worth_range(float(heat[experts[-1]]), t.moment()[1])
+        mates = (t.resident[row] < 0) & (p >= TOUCH_CERTAIN) & (heat >= lo) & (heat <= hi)
         above = ~mates[experts]
         mates[experts] = False
         return Tiered(np.concatenate([experts[above], experts[~above], np.flatnonzero(mates)]), int(above.sum()))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.experts import aligned
 from engine.experts.aligned import Tiered, tier_bounds
 
 EMPTY = -1
@@ -133,7 +132,7 @@ class SlotTable:
 
     def victim_tier(self, k: int, lo: int = 0, hi: int | None = None, bonus: np.ndarray | None = None) -> Tiered:
         """victims(k), and under lfu every other unlocked slot in [lo, hi) about as cold as the k-th (heat plus
-        bonus within aligned.TIER of its: tier_bounds), ranked: the slots colder than that tier are `must`, the
+        bonus within its aligned.worth_range), ranked: the slots colder than that tier are `must`, the
         tier's are interchangeable. lru ranks by recency alone: its k victims, all must."""
         hi = self.num_slots if hi is None else hi
         cand = np.flatnonzero(~self.locked[lo:hi])
@@ -145,7 +144,7 @@ class SlotTable:
         if bonus is not None:
             heat = heat + bonus[lo:hi][cand] * self._inc
         order = np.lexsort((self.stamp[lo:hi][cand] * (hi - lo + 1) + cand, heat))  # victims' order, every one
-        must, end = tier_bounds(heat[order], k, aligned.TIER)
+        must, end = tier_bounds(heat[order], k, self._inc)
         return Tiered(cand[order[:end]] + lo, must)
 
     def _first(self, cand: np.ndarray, k: int, lo: int, hi: int, extra: np.ndarray | None = None) -> np.ndarray:
