@@ -62,8 +62,8 @@ def run(tokens: int, extends: int, warmup: int = 6, tier: float | None = None,
     try:
         for s in range(warmup):
             _extend(backend, tokens, s)
-        plans, parts, calls, ahead_ms = [], {"split": [], "start": []}, 0, []
-        copies, copied = backend.cache.copy_calls, backend.stats()["total"]["fills"]
+        plans, parts, calls, ahead_ms, copies = [], {"split": [], "start": []}, 0, [], 0
+        copied = backend.stats()["total"]["fills"]
         t0 = time.perf_counter()
         for s in range(warmup, warmup + extends):
             backend.call_log = []
@@ -74,8 +74,9 @@ def run(tokens: int, extends: int, warmup: int = 6, tier: float | None = None,
             parts["split"] += [c.planned_ms - c.routed_ms for c in timed]
             parts["start"] += [c.cpu_start_ms - c.planned_ms for c in timed]
             ahead_ms += [c.queued_ms - c.ran_ms for c in backend.call_log if c.ahead > 0 and c.ran_ms >= 0]
+            copies += sum(c.copies for c in backend.call_log)
         wall = time.perf_counter() - t0
-        copies, copied = backend.cache.copy_calls - copies, backend.stats()["total"]["fills"] - copied
+        copied = backend.stats()["total"]["fills"] - copied
     finally:
         backend.close()
         aligned.TIER, aligned.NOISE_Z = kept

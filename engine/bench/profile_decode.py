@@ -257,7 +257,6 @@ def _extend(model, args, sync, g) -> dict:
 
     experts = model.experts if hasattr(model.experts, "call_log") else None  # an expert cache's layer calls
     layer_calls: list = []  # each timed extend's (OffloadBackend.call_log)
-    copy_calls: list[int] = []  # each timed extend's copies issued to the slots (SlotCache.copy_calls)
 
     def once(wrap=None, log: bool = False) -> float:
         st = model.new_state(args.prefill + args.extend + 8)
@@ -266,7 +265,6 @@ def _extend(model, args, sync, g) -> dict:
         sync()
         if log and experts is not None:
             experts.call_log = []
-            copies = experts.cache.copy_calls
         t = time.perf_counter()
         if wrap is None:
             model.forward([(ext, st)], logits="last")
@@ -279,7 +277,6 @@ def _extend(model, args, sync, g) -> dict:
         if log and experts is not None:
             layer_calls.append(experts.call_log)
             experts.call_log = None
-            copy_calls.append(experts.cache.copy_calls - copies)
         _release(st)
         return wall
 
@@ -321,6 +318,7 @@ def _extend(model, args, sync, g) -> dict:
     if policy:
         print("\nas the timed extends began:")
         print_split(policy)
+    copy_calls = [sum(c.copies for c in calls) for calls in layer_calls]  # each timed extend's (LayerCall.copies)
     for k, calls in enumerate(layer_calls, 1):
         _print_calls(calls, f"timed extend {k} of {len(layer_calls)} ({walls_ms[k - 1]:.1f} ms)")
         print(f"copies issued to the slots: {copy_calls[k - 1]} (one a run of consecutive experts into consecutive "

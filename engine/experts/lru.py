@@ -135,17 +135,15 @@ class SlotTable:
         bonus within its aligned.worth_range), ranked: the slots colder than that tier are `must`, the
         tier's are interchangeable. lru ranks by recency alone: its k victims, all must."""
         hi = self.num_slots if hi is None else hi
-        cand = np.flatnonzero(~self.locked[lo:hi])
-        k = min(k, len(cand))
+        unlocked = int((~self.locked[lo:hi]).sum())
+        k = min(k, unlocked)
         if self.policy != "lfu" or k <= 0:
             out = self.victims(k, lo, hi, bonus)
             return Tiered(out, len(out))
-        heat = self.slot_heat[lo:hi][cand]
-        if bonus is not None:
-            heat = heat + bonus[lo:hi][cand] * self._inc
-        order = np.lexsort((self.stamp[lo:hi][cand] * (hi - lo + 1) + cand, heat))  # victims' order, every one
-        must, end = tier_bounds(heat[order], k, self._inc)
-        return Tiered(cand[order[:end]] + lo, must)
+        order = self.victims(unlocked, lo, hi, bonus)  # every unlocked slot, in the order victims() evicts them
+        heat = self.slot_heat[order] if bonus is None else self.slot_heat[order] + bonus[order] * self._inc
+        must, end = tier_bounds(heat, k, self._inc)
+        return Tiered(order[:end], must)
 
     def _first(self, cand: np.ndarray, k: int, lo: int, hi: int, extra: np.ndarray | None = None) -> np.ndarray:
         """The k of cand (slot ids less lo) the policy evicts first, in order, as slot ids; extra: heat added
