@@ -6,7 +6,7 @@
 #   2. meanwhile, CUDA tests of overlapped decode (tests/engine/test_overlap.py: offload and hybrid among them)
 #      and of the slot backends (greedy == fused for every backend and slot count,
 #      layer-major prompts, the fast path around the cache, the grouped expert kernels reading slots in place,
-#      the mapped decode), then `python -m engine.bench.mapped` (zero-copy rates against the copy engines)
+#      the mapped decode, the CPU job's mailbox kernels), then `python -m engine.bench.mapped` (zero-copy rates against the copy engines)
 #   3. once llama-bench is done (nothing of ours runs beside it), on the very files it converted: bench model
 #      offload, then hybrid, with 37.5% of the experts in device slots (llama.cpp's -ncmoe 5 share), each with
 #      B_P measured in its process, the pool's bytes moved per row and decode against its fills at B_P; then
@@ -53,7 +53,7 @@ build_native  # the CPU expert kernels (hybrid and bench bw use them)
 
 timeout $(upto ${TEST_S:-150}) $PY -m pytest -q -p no:cacheprovider tests/engine/test_overlap.py \
     tests/gpu/test_experts_cuda.py \
-    tests/kernels/test_moe.py \
+    tests/kernels/test_moe.py tests/kernels/test_mailbox.py \
     "tests/engine/test_fast_path.py::test_fast_path_with_an_expert_cache_matches_eager" \
     "tests/engine/test_fast_path.py::test_mapped_decode_reads_misses_in_place_and_keeps_greedy_output" \
     > "$OUT/pytest_gpu.log" 2>&1
