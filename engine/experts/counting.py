@@ -6,8 +6,8 @@ sync for all of them after the forward's work is queued. A prompt's calls add he
 expert (lru.prompt_use_weights), a decode's one use per expert. Admissions made outside a routed layer call
 (idle refresh, the mapped decode) are copied in and counted as fills by place_admitted.
 
-CallCounting is the part of OffloadBackend that counts; it reads the backend's cache, pool, stats_ and _count_looked,
-and the forward's _unsettled, which settle() empties.
+CallCounting is the part of OffloadBackend that counts; it reads the backend's cache, pool, device, stats_ and
+_count_looked, and the forward's _unsettled and _sent, which settle() empties.
 """
 from __future__ import annotations
 
@@ -35,18 +35,41 @@ class CallCounting:
             out.append((done, [(row, e, s) for e, s in pairs]))
         return out
 
+    def send_back(self) -> None:
+        """Start the unsettled calls' routing on its way to the host without waiting for it: settle() then waits
+        for the layers alone, not for what the caller queues after this (a prompt's head), and counts while the
+        device runs that (on a CPU device the routing is the host's already)."""
+        pending, self._unsettled = self._unsettled, []
+        if not pending:
+            return
+        ids, landed = _routing(pending), None
+        if ids.is_cuda:
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record()
+            ids = host
+        self._sent.append((pending, ids, landed))
+
     def settle(self) -> None:
         """Count the layer calls a streamed forward, or a wholly resident layer, ran without reading their routing
         back (heat, recency, hits): one host sync for all of them, after the forward's work is queued. On the
         engine's thread only (it changes the slot table): end_forward, the next begin_forward, the last layer of
         a forward that was not held."""
+        sent, self._sent = self._sent, []
+        for pending, host, landed in sent:  # send_back's, in the order the calls ran
+            if landed is not None:
+                landed.synchronize()
+            self._settle(pending, host.to(torch.long).numpy())
         pending, self._unsettled = self._unsettled, []
-        if not pending:
-            return
+        if pending:
+            # one read-back for all the calls; grouping each call's routing (Routing.of, one read-back apiece) took
+            # ~40 ms after an 8k prompt's 32 pieces (H200 box), all of it before the first token
+            self._settle(pending, _routing(pending).to("cpu", torch.long).numpy())
+
+    def _settle(self, pending: list[tuple], flat: np.ndarray) -> None:
+        """Count the calls of pending from flat, their routing read back one after another."""
         table, e = self.cache.table, self.pool.num_experts
-        # one read-back for all the calls; grouping each call's routing (Routing.of, one read-back apiece) took
-        # ~40 ms after an 8k prompt's 32 pieces (H200 box), all of it before the first token
-        flat = torch.cat([ids.reshape(-1) for _, ids, _, _ in pending]).to("cpu", torch.long).numpy()
         start = 0
         for layer, topk_ids, at, span in pending:
             ids = flat[start: start + topk_ids.numel()]
@@ -73,3 +96,8 @@ class CallCounting:
         st.fills += fills
         st.cpu_runs += cpu
         st.bytes_moved += fills * self.pool.expert_bytes
+
+
+def _routing(pending: list[tuple]) -> torch.Tensor:
+    """The routing of the calls of pending, one after another, flat (on the device)."""
+    return torch.cat([ids.reshape(-1) for _, ids, _, _ in pending])

@@ -84,6 +84,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         self.device_flops = 4e13 if self.device.type == "cuda" else 5e10
         self._held = False  # a forward announced by begin_forward(hold=True) runs until end_forward
         self._unsettled: list[tuple] = []  # streamed layer calls not yet counted: (layer, topk_ids, moment, span)
+        self._sent: list[tuple] = []  # ... whose routing is on its way to the host (send_back): (calls, host, event)
         self._span = 1  # the longest sequence's tokens in the running forward (begin_forward)
         # [L, E]: heat a routed prompt forward will add to each expert, plus a refill (begin_forward)
         self._ahead = None

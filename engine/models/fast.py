@@ -288,16 +288,17 @@ class FastPath:
             tiles.append(prefill_tiles(rows, block, model.device))
         x = F.embedding(tokens, model.embed)
         x, h = add_rms_norm(x, None, model.layers[0].input_norm, eps, zc)
-        with one_expert_pass(model.experts, tokens.shape[0], self.cfg.top_k, max(lengths)):
+        with one_expert_pass(model.experts, tokens.shape[0], self.cfg.top_k, max(lengths)) as layers_done:
             for i in range(len(model.layers)):
                 for (a, b), piece_tiles in zip(pieces, tiles):
                     spans = piece_spans(states, offsets, lengths, i, a, b)
                     # the piece's result goes straight into its rows of x and h: no copy a piece
                     self._prefill_layer(i, x[a:b], h[a:b], slots[a:b], positions[a:b], piece_tiles, spans,
                                         into=(x[a:b], h[a:b]))
-        if logits == "last":
-            h = h[[off + n - 1 for off, n in zip(offsets, lengths)]]
-        return F.linear(h, model.lm_head).float()
+            layers_done()
+            if logits == "last":
+                h = h[[off + n - 1 for off, n in zip(offsets, lengths)]]
+            return F.linear(h, model.lm_head).float()  # (queued before the cache's counting at the pass's end)
 
     def _prefill_layer(self, i, x, h, slots, positions, tiles, spans, into):
         """Layer i over rows x (residual) / h (its normed input): the residual and the next layer's normed input

@@ -2,7 +2,8 @@
 
     for a, b in row_pieces(N, piece):                          # [(0, piece), (piece, 2 * piece), ...]
         spans = piece_spans(states, offsets, lengths, layer, a, b)  # each sequence's rows in [a, b)
-    with one_expert_pass(experts, N, top_k): ...               # an expert cache plans for all N tokens
+    with one_expert_pass(experts, N, top_k) as layers_done:    # an expert cache plans for all N tokens
+        ...; layers_done(); head                               # the cache's counting overlaps the head
 
 An expert cache streams its pool once per forward; a layer-major forward of a whole prompt therefore moves it
 once per prompt, while activations and attention stay piece-sized. N = rows of the batch.
@@ -44,12 +45,17 @@ def one_expert_pass(experts, num_tokens: int, top_k: int, span: int = 1):
     """Tell an expert cache that one forward of num_tokens tokens runs through its layers now, however many
     pieces each layer takes (it plans layer streaming for the whole batch); span: the longest sequence's
     tokens (how much time the forward stands for, for the cache's heat). Backends without a cache (fused)
-    need no notice."""
+    need no notice. Yields layers_done(): called after the last layer is queued, the cache starts that layer's
+    bookkeeping read-back, so the work queued after it (the head) runs while the host counts at the end."""
     if not is_expert_cache(experts):
-        yield
+        yield _nothing
         return
     experts.begin_forward(num_tokens, top_k, hold=True, span=span)
     try:
-        yield
+        yield experts.send_back
     finally:
         experts.end_forward()
+
+
+def _nothing() -> None:
+    return None

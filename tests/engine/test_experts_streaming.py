@@ -253,3 +253,30 @@ def test_the_slots_of_a_later_layer_holding_all_its_experts_go_last(policy):
     assert kept[t.resident[2]].all() and kept[t.resident[3]].all() and not kept[t.resident[0]].any()
     b.end_forward()
     b.close()
+
+
+def test_routing_sent_back_before_the_end_counts_as_read_at_the_end(pool):
+    """send_back() after some of a streamed forward's layers (a prompt calls it after its last, before its head)
+    counts the same as settle() reading every call back at the forward's end: heat, recency and stats equal, and
+    nothing left to count after end_forward."""
+    pytest.importorskip("triton")
+    x, ids, w = routing(40, seed=3)
+    seen = []
+    for sent_after in ((), (L_IDS[0], L_IDS[-1])):
+        b = OffloadBackend(pool, 2 * E, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True), grouped=True)
+        b.begin_forward(40, K, hold=True, span=40)
+        for layer in L_IDS:
+            for a, z in ((0, 24), (24, 40)):
+                b.forward(layer, x[a:z], ids[a:z], w[a:z])
+            if layer in sent_after:
+                b.send_back()
+                assert not b._unsettled and b._sent
+        assert b._unsettled or b._sent
+        b.end_forward()
+        assert not b._unsettled and not b._sent
+        t = b.cache.table
+        seen.append((t.heat.copy(), t.stamp.copy(), b.stats()["layers"]))
+        check_table(b)
+        b.close()
+    (heat, stamp, stats), (heat2, stamp2, stats2) = seen
+    assert heat.any() and np.array_equal(heat, heat2) and np.array_equal(stamp, stamp2) and stats == stats2

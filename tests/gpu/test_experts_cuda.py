@@ -2,10 +2,12 @@
 equals the CUDA fused reference for every backend and slot count."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from engine import Engine
+from engine.experts.offload import OffloadBackend
 from engine.experts.policy import BandwidthEstimate
 from engine.experts.registry import experts_factory
 from engine.synth import synth_checkpoint
@@ -58,6 +60,33 @@ def test_cuda_layer_major_prompt_matches_fused(ckpt, backend):
     assert b.stats()["total"]["fills"] <= pool_experts  # the pool streamed once, not once a piece
     assert eng.generate(prompt, 6) == ref  # decode after the cached prompt
     b.close()
+
+
+def test_cuda_routing_sent_back_before_the_head_counts_as_read_at_the_end(ckpt, monkeypatch):
+    """A layer-major prompt sends its unread layers' routing to the host (page-locked, behind an event) before its
+    head is queued: the slot table and stats count what one read-back at the forward's end counts."""
+    prompt = [(13 * i + 1) % 250 for i in range(1100)]
+    send_back, sent = OffloadBackend.send_back, []
+
+    def counted(self):
+        send_back(self)
+        sent.append(len(self._sent))
+
+    seen = []
+    for early in (True, False):
+        monkeypatch.setattr(OffloadBackend, "send_back", counted if early else (lambda self: None))
+        est = BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)
+        eng = Engine.from_pretrained(ckpt, device="cuda", expert_device="cpu",
+                                     experts=experts_factory("offload", device="cuda", slots=16, estimate=est))
+        eng.generate(prompt, 1)
+        b = eng.model.experts
+        t = b.cache.table
+        seen.append((t.heat.copy(), t.stamp.copy(), b.stats()["layers"]))
+        assert not b._sent and not b._unsettled
+        b.close()
+    assert sent and sent[-1] == 1  # the prompt's unread calls went back in one copy
+    (heat, stamp, stats), (heat2, stamp2, stats2) = seen
+    assert heat.any() and np.array_equal(heat, heat2) and np.array_equal(stamp, stamp2) and stats == stats2
 
 
 @pytest.mark.parametrize("stream", ["on", "off"])
