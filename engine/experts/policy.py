@@ -67,9 +67,16 @@ class BandwidthEstimate:
         return cpu / (cpu + pcie) if cpu + pcie > 0 else 0.0
 
 
-def q_balanced(m: int, bp: float, bh: float) -> int:
-    """round(m * B_P / (B_P + B_H)) in [0, m]: the fills and the CPU runs of m misses end together."""
-    return q_star(m, bp, bp + bh)
+def q_balanced(m: int, bp: float, bh: float, head: float = 0.0) -> int:
+    """round((m + head) * B_P / (B_P + B_H) - head) in [0, m]: the fills of m misses and the CPU's runs of the rest
+    end together, where the fill path has `head` experts' worth of work besides them (copies ahead, a lag at B_P:
+    a float, negative where the fills land sooner). Every miss to the fills where B_P is infinite or neither path
+    has a rate."""
+    if m <= 0:
+        return 0
+    if bp == float("inf") or bp + bh <= 0:
+        return m
+    return max(0, min(m, math.floor((m + head) * bp / (bp + bh) - head + 0.5)))  # halves up, as q_star
 
 
 class Choice(NamedTuple):
@@ -194,11 +201,8 @@ class SplitPolicy:
         alone_cpu = on_cpu(m, cpu) if not busy else max(on_cpu(m, bh), self._seconds(busy, bp))
         out = [Choice("fill", m, filled(m + busy, fill)), Choice("cpu", 0, alone_cpu)]
         extra = round(cpu_extra * bh / self.expert_bytes) if cpu_extra > 0 else 0  # the handoff in experts
-        if fill_lag and 0 < bp < math.inf:  # q_balanced with the lag as copies besides, a float number of experts
-            head = busy + fill_lag * bp / self.expert_bytes  # the fills' work besides their own, in experts
-            q = max(0, math.floor((m + head + extra) * bp / (bp + bh) - head + 0.5))
-        else:
-            q = max(0, q_balanced(m + busy + extra, bp, bh) - busy)
+        lag = fill_lag * bp / self.expert_bytes if 0 < bp < math.inf else 0.0  # the lag in experts at B_P
+        q = q_balanced(m + extra, bp, bh, head=busy + lag)  # the fills' work besides their own: busy and the lag
         if 0 < q < m:
             out.insert(0, Choice("split", q, max(filled(q + busy, bp), on_cpu(m - q, bh))))
         return out

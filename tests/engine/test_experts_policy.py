@@ -28,6 +28,11 @@ def test_q_balanced_ends_both_paths_together():
     assert q_balanced(8, 54e9, 58e9) == 4  # lent box at 6 threads: about half
     assert q_balanced(8, 54e9, 0.0) == 8 and q_balanced(8, 0.0, 5e9) == 0 and q_balanced(0, 1e9, 1e9) == 0
     assert q_balanced(8, float("inf"), 5e9) == 8
+    # work the fill path has besides (copies ahead, a lag in experts): both paths still end together
+    assert q_balanced(10, 1e9, 1e9, head=2) == 4 and q_balanced(10, 1e9, 1e9, head=-2) == 6
+    assert q_balanced(10, 1e9, 1e9, head=2.6) == 4  # (12.6 / 2 - 2.6 = 3.7)
+    assert q_balanced(10, 1e9, 1e9, head=20) == 0 and q_balanced(10, 1e9, 1e9, head=-30) == 10  # clamped to [0, m]
+    assert q_balanced(10, float("inf"), 1e9, head=20) == 10
 
 
 def test_estimate_follows_measurements_unless_frozen():
