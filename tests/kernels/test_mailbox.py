@@ -131,7 +131,7 @@ def test_counts_that_change_call_to_call_make_no_new_kernel_variant(dev):
     """The kernels a routed prompt's layer call launches with a count that changes from call to call (a joined CPU
     job's sequence number, the pairs and their blocks) mark it not to specialize on: Triton compiles or loads a
     variant for an int equal to 1 or divisible by 16, which held a layer call ~10 ms when the first such count came
-    mid-run. On CUDA: wait_flag at targets 1, 2, 16, 17, 32 runs one compiled variant."""
+    mid-run. On CUDA: wait_flag at targets 2, 16, 17, 32 after 1 compiles no other variant."""
     from engine.kernels import mailbox_triton, moe_pairs_triton, moe_triton
     from engine.kernels.mailbox_triton import wait_flag
 
@@ -150,9 +150,11 @@ def test_counts_that_change_call_to_call_make_no_new_kernel_variant(dev):
         return
     flag = torch.full((1,), 100, dtype=torch.long, pin_memory=True)
     err = torch.zeros(1, dtype=torch.int32, device=dev)
-    for target in (1, 2, 16, 17, 32):
+    compiled = mailbox_triton._wait_flag_kernel.device_caches[torch.cuda.current_device()][0]
+    wait_flag(flag, 1, err)  # (variants of other tests' arguments, a flag's alignment among them, may be there)
+    variants = len(compiled)
+    for target in (2, 16, 17, 32):
         wait_flag(flag, target, err)
     torch.cuda.synchronize()
     assert int(err[0]) == 0
-    compiled = mailbox_triton._wait_flag_kernel.device_caches[torch.cuda.current_device()][0]
-    assert len(compiled) == 1
+    assert len(compiled) == variants
