@@ -141,6 +141,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rule-tiles", type=_rule_tiles, metavar="NORM,BLOCK_V,WARPS",
                    help="the decode step's DeltaNet rule in these tiles (as `python -m engine.bench.tiles --only "
                         "rule` names them, e.g. last,32,4; NORM fused, launch or last; default: the engine's)")
+    p.add_argument("--skinny-tiles", type=_skinny_tiles, metavar="CLASS=BN,BK,WARPS,STAGES[/...]",
+                   help="decode projections of a width class (narrow: up to 4,096 outputs, wide, head: the "
+                        "vocabulary's) in these tiles, as `python -m engine.bench.tiles --only projections` names "
+                        "them, e.g. head=32,128,4,6 (default: the engine's)")
     p.add_argument("--seam-topk", action="store_true",
                    help="decode steps of 2-16 tokens route each row in the add+norm+router launch (one launch a MoE "
                         "layer fewer; off by default until run on a GPU: engine/models/fast.py SEAM_TOPK)")
@@ -170,6 +174,24 @@ def _rule_tiles(text: str):
         raise argparse.ArgumentTypeError(f"expected NORM,BLOCK_V,WARPS with NORM one of {', '.join(RULE_NORMS)} "
                                          f"and two positive integers, got {text!r}")
     return RuleTiles(parts[0], int(parts[1]), int(parts[2]))
+
+
+def _skinny_tiles(text: str) -> dict:
+    """An argparse type: CLASS=BN,BK,WARPS,STAGES joined by "/" -> {class: tiles} (a bad value is one usage line
+    naming it)."""
+    from engine.kernels.linear_triton import SKINNY_TILES
+
+    out = {}
+    for part in text.split("/"):
+        name, _, tiles = part.partition("=")
+        values = tiles.split(",")
+        if name not in SKINNY_TILES or name in out or len(values) != 4 \
+                or not all(v.isdigit() and int(v) > 0 for v in values):
+            raise argparse.ArgumentTypeError(f"expected CLASS=BN,BK,WARPS,STAGES (CLASS one of "
+                                             f"{', '.join(SKINNY_TILES)}, once each, four positive integers) joined "
+                                             f"by '/', got {text!r}")
+        out[name] = tuple(int(v) for v in values)
+    return out
 
 
 SLOT_BACKENDS = ("offload", "cpu", "hybrid")

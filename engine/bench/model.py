@@ -286,21 +286,26 @@ def run(args) -> dict:
 
         args.device = default_device()
     from engine.kernels.deltanet_triton import set_rule_tiles
+    from engine.kernels.linear_triton import set_skinny_tiles
     from engine.models import fast
 
     from engine.experts import cpu_jobs
 
     seam, join = fast.SEAM_TOPK, cpu_jobs.JOIN_ON_DEVICE  # (--cpu-join sets the join as serve does, in _run)
     set_rule_tiles(args.rule_tiles)
+    set_skinny_tiles(args.skinny_tiles)
     fast.set_seam_topk(args.seam_topk or seam)
     try:
         res = _run(args)
     finally:
         set_rule_tiles(None)
+        set_skinny_tiles(None)
         fast.set_seam_topk(seam)
         cpu_jobs.set_join_on_device(join)
     if args.rule_tiles is not None:
         res["rule_tiles"] = list(args.rule_tiles)
+    if args.skinny_tiles is not None:
+        res["skinny_tiles"] = {k: list(v) for k, v in args.skinny_tiles.items()}
     return dict(res, seam_topk=args.seam_topk or seam, cpu_join=args.cpu_join if args.moe_backend != "fused" else None)
 
 

@@ -63,6 +63,9 @@ def print_table(res: dict) -> None:
                                                                        res["prompt_rule"] == "torch" else "")
     if res.get("rule_tiles"):
         overlap += ", DeltaNet decode rule in tiles " + ",".join(map(str, res["rule_tiles"]))
+    if res.get("skinny_tiles"):
+        overlap += ", decode projections in tiles " + " ".join(
+            f"{k}={','.join(map(str, v))}" for k, v in res["skinny_tiles"].items())
     print(f"bench model — {res['what']}; {res['model']}, {res['dtype']}, {res['path']} path{overlap}, "
           f"{res['device']}, prompts of {res.get('prompts', 'random ids')}, HBM copy {res['hbm_copy_gbs']:.0f} GB/s"
           f"{cached}, commit {res['commit']}")

@@ -24,13 +24,17 @@ import torch.nn.functional as F
 H, I, E, TOP_K = 2048, 512, 256, 8
 PROJECTIONS = (("out/o", 2048, 4096), ("deltanet in", 12352, 2048), ("attn q|k|v", 9216, 2048),
                ("router", 257, 2048), ("lm_head", 248320, 2048))
+# skinny calls of each projection a decode step of the 40-layer model makes (30 DeltaNet layers, 10 attention, one
+# head; the router runs in the add + norm launch before it): how a width class's candidates are weighed
+STEP_CALLS = {"out/o": 40, "deltanet in": 30, "attn q|k|v": 10, "lm_head": 1}
 # (BN, BK, warps, stages)
 UP_TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4),
             (16, 128, 4, 4), (16, 256, 4, 4), (16, 256, 4, 5), (16, 512, 4, 3), (32, 128, 8, 5), (64, 256, 8, 3)]
 DOWN_TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 2), (32, 512, 4, 1),
               (16, 128, 4, 4), (16, 256, 4, 2), (16, 512, 4, 1), (64, 256, 4, 2), (128, 128, 4, 3)]
 SKINNY_TILES = [(16, 256, 4, 4), (16, 128, 4, 6), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3),
-                (64, 128, 4, 4), (32, 256, 8, 4)]
+                (64, 128, 4, 4), (32, 256, 8, 4), (32, 64, 4, 6), (32, 128, 4, 6), (64, 64, 4, 6), (64, 128, 8, 3),
+                (16, 128, 2, 6), (16, 256, 2, 4)]
 
 
 def graph_us(fn, reps: int = 25) -> float:
@@ -203,6 +207,26 @@ def sweep_projections(batches: list[int], device) -> list[dict]:
     return rows
 
 
+def best_by_class(rows: list[dict], batch: int) -> dict[str, tuple[tuple, float, float]]:
+    """Width class (linear_triton.width_class) -> (the skinny tiles with the least microseconds a decode step over
+    the class's projections, weighed by STEP_CALLS; those microseconds; the engine's own tiles' microseconds), from
+    sweep_projections' rows of one batch size. Torch-free."""
+    from engine.kernels.linear_triton import skinny_tiles, width_class
+
+    per: dict[str, dict[tuple, float]] = {}
+    for r in rows:
+        if r["kind"] != "projection" or r["batch"] != batch or r["tiles"] == "cublas" or not STEP_CALLS.get(r["name"]):
+            continue
+        cls = per.setdefault(width_class(r["n"]), {})
+        cls[tuple(r["tiles"])] = cls.get(tuple(r["tiles"]), 0.0) + STEP_CALLS[r["name"]] * r["us"]
+    out = {}
+    for cls, by_tiles in per.items():
+        best = min(by_tiles, key=by_tiles.get)
+        own = next(skinny_tiles(r["n"]) for r in rows if r["kind"] == "projection" and width_class(r["n"]) == cls)
+        out[cls] = (best, by_tiles[best], by_tiles.get(tuple(own), float("nan")))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench.tiles", description=__doc__.split("\n\n")[0])
     p.add_argument("--copies", type=int, default=8, help="distinct expert weight sets (layers) a replay reads")
@@ -233,6 +257,11 @@ def main(argv=None) -> int:
             best = min(cand, key=lambda r: r["us"])
             cub = next(r for r in cand if r["tiles"] == "cublas")
             print(f"best {name:<12} b{batch}: {best['tiles']} {best['us']:.2f} us vs cublas {cub['us']:.2f}")
+        classes = best_by_class(rows, batch)
+        if classes:
+            print(f"best by width class b{batch} (us a 40-layer step: best / the engine's): " + ", ".join(
+                f"{c} {t[1]:.1f} / {t[2]:.1f}" for c, t in classes.items()))
+            print("  --skinny-tiles " + "/".join(f"{c}={','.join(map(str, t[0]))}" for c, t in classes.items()))
         rule = [r for r in rows if r["kind"] == "rule" and r["batch"] == batch]
         if rule:
             best = min(rule, key=lambda r: r["us"])
@@ -248,7 +277,8 @@ def main(argv=None) -> int:
               f"({best['tbs']:.2f} TB/s) vs current {exp[0]['us']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"hbm_copy_tbs": rate / 1e12, "rows": rows}, f, indent=1)
+            best = {b: {c: list(t[0]) for c, t in best_by_class(rows, b).items()} for b in batches}
+            json.dump({"hbm_copy_tbs": rate / 1e12, "rows": rows, "skinny_best": best}, f, indent=1)
     return 0
 
 

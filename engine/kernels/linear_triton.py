@@ -39,12 +39,32 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
              mask=mmask[:, None] & nmask[None, :])
 
 
+# (BN, BK, warps, stages) for 16-bit weights by output width, from `python -m engine.bench.tiles` on the H200
+# (weights read from HBM, docs/PERF.md issue 20): outputs of a few thousand (out / o, 4096 -> 2048) read best in
+# 16-row tiles of 512 (8.7 us, cuBLAS 9.0); wide ones (DeltaNet in 12,352, q|k|v 9,216) and the vocabulary's
+# (the lm_head) in 32-row tiles of 128 (15.8 / 13.0 / 233.6 us against cuBLAS's 17.0 / 13.0 / 242.6)
+SKINNY_TILES = {"narrow": (16, 512, 4, 3), "wide": (32, 128, 4, 4), "head": (32, 128, 4, 4)}
+_CHOSEN: dict = {}  # set_skinny_tiles' choice
+
+
+def width_class(n: int) -> str:
+    """SKINNY_TILES' key for an output of width n: narrow up to 4,096, head past 65,536 (a vocabulary)."""
+    return "narrow" if n <= 4096 else "wide" if n <= 65536 else "head"
+
+
+def set_skinny_tiles(tiles: dict | None) -> None:
+    """Width class -> (BN, BK, warps, stages) for every skinny product from now on, the others as SKINNY_TILES
+    (None: all of them as SKINNY_TILES again); `killick bench model --skinny-tiles` times the whole step so."""
+    if tiles is not None and not set(tiles) <= set(SKINNY_TILES):
+        raise ValueError(f"set_skinny_tiles: width classes are {', '.join(SKINNY_TILES)}, got {', '.join(tiles)}")
+    _CHOSEN.clear()
+    _CHOSEN.update({k: tuple(v) for k, v in (tiles or {}).items()})
+
+
 def skinny_tiles(n: int) -> tuple[int, int, int, int]:
-    """(BN, BK, warps, stages) for 16-bit weights, from `python -m engine.bench.tiles` on the H200 (weights
-    read from HBM, docs/PERF.md issue 20): outputs of a few thousand (out / o, 4096 -> 2048) read best in
-    16-row tiles of 512 (8.7 us, cuBLAS 9.0); wide ones (DeltaNet in 12,352, q|k|v 9,216, the lm_head) in
-    32-row tiles of 128 (15.8 / 13.0 / 233.6 us against cuBLAS's 17.0 / 13.0 / 242.6)."""
-    return (16, 512, 4, 3) if n <= 4096 else (32, 128, 4, 4)
+    """(BN, BK, warps, stages) of an output n wide: set_skinny_tiles' choice for its class, else SKINNY_TILES'."""
+    c = width_class(n)
+    return _CHOSEN.get(c, SKINNY_TILES[c])
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,

@@ -222,29 +222,38 @@ def test_bench_model_says_what_each_extend_did(tmp_path, capsys):
 
 
 def test_bench_model_runs_the_rule_in_the_tiles_and_the_routing_asked_for(tmp_path, capsys):
-    """--rule-tiles NORM,BLOCK_V,WARPS, --seam-topk and --cpu-join host: the run says which (JSON and header)
-    and leaves the defaults as they were; a bad value is one usage line naming the form."""
+    """--rule-tiles NORM,BLOCK_V,WARPS, --skinny-tiles, --seam-topk and --cpu-join host: the run says which (JSON
+    and header) and leaves the defaults as they were; a bad value is one usage line naming the form."""
     from engine.bench import model as bench_model
     from engine.experts import cpu_jobs
     from engine.kernels.deltanet_triton import RuleTiles, rule_tiles
+    from engine.kernels.linear_triton import SKINNY_TILES, skinny_tiles
     from engine.models import fast
 
     out = tmp_path / "tiles.json"
     assert bench_model.main(["--synthetic", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1",
                              "--steps", "2", "--warmup", "1", "--prompt", "8", "--prefill", "0",
                              "--rule-tiles", "last,16,2", "--seam-topk", "--cpu-join", "host",
+                             "--skinny-tiles", "narrow=32,64,4,2/head=16,128,2,6",
                              "--moe-backend", "hybrid", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["rule_tiles"] == ["last", 16, 2] and res["seam_topk"] is True and res["cpu_join"] == "host"
+    assert res["skinny_tiles"] == {"narrow": [32, 64, 4, 2], "head": [16, 128, 2, 6]}
     printed = capsys.readouterr().out
     assert "DeltaNet decode rule in tiles last,16,2" in printed and "routed in the add+norm+router launch" in printed
+    assert "decode projections in tiles narrow=32,64,4,2 head=16,128,2,6" in printed
     assert "a prompt's CPU experts joined on the host" in printed
     assert rule_tiles(128) == RuleTiles("fused", 128, 8) and fast.SEAM_TOPK is False
     assert cpu_jobs.JOIN_ON_DEVICE is True
+    assert skinny_tiles(37) == SKINNY_TILES["narrow"] and skinny_tiles(248320) == SKINNY_TILES["head"]
     for bad in ("after,16,2", "last,16", "last,x,2"):
         with pytest.raises(SystemExit) as exit_:
             bench_model.main(["--synthetic", "tiny", "--device", "cpu", "--rule-tiles", bad])
         assert exit_.value.code == 2 and "expected NORM,BLOCK_V,WARPS" in capsys.readouterr().err
+    for bad in ("vocab=32,128,4,4", "head=32,128,4", "head=32,128,4,0", "head=1,2,3,4/head=1,2,3,4"):
+        with pytest.raises(SystemExit) as exit_:
+            bench_model.main(["--synthetic", "tiny", "--device", "cpu", "--skinny-tiles", bad])
+        assert exit_.value.code == 2 and "expected CLASS=BN,BK,WARPS,STAGES" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag, value, says", [
@@ -583,6 +592,29 @@ def test_tiles_rule_sweep_times_every_candidate_over_every_layers_state(monkeypa
     assert [(r["batch"], r["what"]) for r in rows] == [(b, w) for b in (1, 3) for w in whats]
     assert all(r["us"] == 3.0 for r in rows)  # per copy
     assert rows[len(whats)]["tbs"] == pytest.approx(2 * 3 * 4 * 32 * 32 * 4 / 3.0 / 1e6)
+
+
+def test_tiles_picks_each_width_class_by_a_steps_worth_of_its_projections():
+    """bench tiles' best_by_class: a class's candidates are summed over its projections weighed by how often a
+    decode step calls each (30 DeltaNet in for 10 q|k|v), beside the engine's own tiles' sum; cuBLAS and the
+    router (not a skinny call in the step) do not count."""
+    from engine.bench.tiles import best_by_class
+    from engine.kernels.linear_triton import SKINNY_TILES
+
+    own, other = list(SKINNY_TILES["wide"]), [64, 64, 4, 6]
+
+    def row(name, n, tiles, us, batch=1):
+        return dict(kind="projection", name=name, n=n, k=2048, batch=batch, tiles=tiles, us=us)
+
+    rows = [row("deltanet in", 12352, own, 10.0), row("deltanet in", 12352, other, 12.0),
+            row("attn q|k|v", 9216, own, 10.0), row("attn q|k|v", 9216, other, 5.0),
+            row("deltanet in", 12352, "cublas", 1.0), row("router", 257, other, 0.1),
+            row("lm_head", 248320, own, 300.0), row("lm_head", 248320, other, 280.0),
+            row("lm_head", 248320, own, 1.0, batch=8)]
+    best = best_by_class(rows, 1)
+    # other is faster summed alone (12 + 5 against 10 + 10), slower over a step (30 x 12 + 10 x 5 = 410 against 400)
+    assert best["wide"] == (tuple(own), 400.0, 400.0)
+    assert best["head"] == (tuple(other), 280.0, 300.0) and "narrow" not in best
 
 
 def test_bench_model_header_names_the_prompt_rule(capsys):

@@ -35,3 +35,23 @@ def test_skinny_linear_writes_float32_sums_when_asked(dev):
     y = skinny_linear(x, w, dtype=torch.float32)
     assert y.dtype == torch.float32
     assert rel_err(y, x.double() @ w.double().T) < 1e-4  # fp16 operands, fp32 sums, no fp16 rounding at the end
+
+
+def test_each_width_class_takes_the_tiles_set_for_it(dev):
+    """set_skinny_tiles (bench model --skinny-tiles) changes the tiles of the classes it names alone, the product
+    stays the product, and None restores the engine's own."""
+    from engine.kernels.linear_triton import SKINNY_TILES, set_skinny_tiles, skinny_tiles, width_class
+
+    assert [width_class(n) for n in (37, 4096, 4097, 65536, 65537, 248320)] == \
+        ["narrow", "narrow", "wide", "wide", "head", "head"]
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 300, generator=g).to(dev), (torch.randn(37, 300, generator=g) * 0.1).to(dev)
+    try:
+        set_skinny_tiles({"narrow": (32, 64, 4, 2)})
+        assert skinny_tiles(37) == (32, 64, 4, 2) and skinny_tiles(248320) == SKINNY_TILES["head"]
+        assert rel_err(skinny_linear(x, w), x.double() @ w.double().T) < tol(torch.float32)
+        with pytest.raises(ValueError, match="width classes are narrow, wide, head"):
+            set_skinny_tiles({"vocab": (32, 128, 4, 4)})
+    finally:
+        set_skinny_tiles(None)
+    assert skinny_tiles(37) == SKINNY_TILES["narrow"]
