@@ -43,7 +43,7 @@ from engine.layers.mlp import swiglu_fused
 from engine.layers.moe import MoE
 from engine.models.fused import (CachedMoE, FusedAttention, FusedMoE, fuse_attention, fuse_cached_moe, fuse_deltanet,
                                  fuse_moe)
-from engine.models.pieces import one_expert_pass, piece_rows, piece_spans, row_pieces
+from engine.models.pieces import last_rows, one_expert_pass, piece_rows, piece_spans, row_pieces
 from engine.models.token_graphs import BucketedRoute, BucketedRule
 
 # Decode steps of 2-16 tokens route each row in the add+norm+router launch (its program that finishes a row's
@@ -297,7 +297,7 @@ class FastPath:
                                         into=(x[a:b], h[a:b]))
             layers_done()
             if logits == "last":
-                h = h[[off + n - 1 for off, n in zip(offsets, lengths)]]
+                h = last_rows(h, offsets, lengths)
             return F.linear(h, model.lm_head).float()  # (queued before the cache's counting at the pass's end)
 
     def _prefill_layer(self, i, x, h, slots, positions, tiles, spans, into):

@@ -4,6 +4,7 @@
         spans = piece_spans(states, offsets, lengths, layer, a, b)  # each sequence's rows in [a, b)
     with one_expert_pass(experts, N, top_k) as layers_done:    # an expert cache plans for all N tokens
         ...; layers_done(); head                               # the cache's counting overlaps the head
+    last_rows(h, offsets, lengths)                             # each sequence's last row, no host sync
 
 An expert cache streams its pool once per forward; a layer-major forward of a whole prompt therefore moves it
 once per prompt, while activations and attention stay piece-sized. N = rows of the batch.
@@ -11,6 +12,8 @@ once per prompt, while activations and attention stay piece-sized. N = rows of t
 from __future__ import annotations
 
 from contextlib import contextmanager
+
+import torch
 
 from engine.experts.registry import is_expert_cache
 from engine.models.state import Span
@@ -59,3 +62,16 @@ def one_expert_pass(experts, num_tokens: int, top_k: int, span: int = 1):
 
 def _nothing() -> None:
     return None
+
+
+def last_rows(h: torch.Tensor, offsets: list[int], lengths: list[int]) -> torch.Tensor:
+    """Each sequence's last row of h [N, ...] -> [sequences, ...], queued without waiting for the device: one
+    sequence's is a slice, several take their index from page-locked memory (an index copied from pageable memory
+    waits for all the device's queued work first: after a prompt's layers, their whole time before the head)."""
+    ends = [off + n - 1 for off, n in zip(offsets, lengths)]
+    if len(ends) == 1:
+        return h[ends[0]: ends[0] + 1]
+    index = torch.tensor(ends, dtype=torch.long)
+    if h.is_cuda:
+        index = index.pin_memory().to(h.device, non_blocking=True)
+    return h.index_select(0, index)

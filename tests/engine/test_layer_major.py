@@ -114,3 +114,13 @@ def test_serving_gives_a_slot_backend_whole_prompts(checkpoints):
 def test_prefill_budget_below_the_step_is_refused():
     with pytest.raises(ValueError, match="--max-prefill-tokens"):
         EngineOptions(max_step_tokens=512, max_prefill_tokens=100)
+
+
+def test_last_rows_are_each_sequences_last():
+    """A prompt batch's head reads each sequence's last row: one sequence's as a slice of h, several through an
+    index (on CUDA from page-locked memory, so queuing the head waits for nothing)."""
+    from engine.models.pieces import last_rows
+
+    h = torch.arange(40.0).reshape(10, 4)
+    assert torch.equal(last_rows(h, [0], [10]), h[9:10]) and last_rows(h, [0], [10]).data_ptr() == h[9].data_ptr()
+    assert torch.equal(last_rows(h, [0, 3, 4], [3, 1, 6]), h[[2, 3, 9]])

@@ -159,3 +159,18 @@ def test_route_graphs_equal_the_padded_routing_launched_directly():
             assert torch.equal(a.ids, b.ids) and torch.equal(a.w, b.w) and torch.equal(a.shared, b.shared), (T, seed)
             assert (a.ids == alone.ids).float().mean() > 0.99 and rel(a.shared, alone.shared) < 1e-2, (T, seed)
     assert graphed.modes() == {64: "graph", 256: "graph"}
+
+
+def test_last_rows_of_several_sequences_queue_without_a_host_sync():
+    """Several sequences' last rows through an index copied from page-locked memory: the same rows, and no
+    synchronizing call (CUDA's sync debug mode raises on one)."""
+    from engine.models.pieces import last_rows
+
+    h = torch.randn(10, 4, device="cuda")
+    torch.cuda._sleep(10_000_000)  # queued work the index must not wait for
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = last_rows(h, [0, 3, 4], [3, 1, 6])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(rows, h[[2, 3, 9]])
