@@ -35,22 +35,14 @@ bench() {  # name, directory, arguments...
 if [ "${WARM:-1}" != 0 ]; then  # compiles and autotunes the kernels both trees use; not recorded
     bench warm "$ROOT" --prefill 0 --steps 8 --moe-backend offload --moe-slots 37.5%
 fi
-IFS='|' read -ra arms <<< "$ARMS"
-for r in $(seq 1 "${ROUNDS:-1}"); do
-    for arm in "${arms[@]}"; do
-        name=$(echo "${arm%%:*}" | tr -d ' ')
-        read -ra args <<< "${arm#*:}"
-        bench "${name}_old$r" "$OLD_DIR" "${args[@]}"
-        bench "${name}_new$r" "$ROOT" "${args[@]}"
-    done
-done
-for arm in "${arms[@]}"; do
-    name=$(echo "${arm%%:*}" | tr -d ' ')
-    old=$(ls "$OUT/${name}"_old*.json 2>/dev/null); new=$(ls "$OUT/${name}"_new*.json 2>/dev/null)
-    [ -n "$old" ] && [ -n "$new" ] || { echo "$name: no pair of results" >> "$S"; continue; }
-    { echo "== $name"; $PY -m engine.bench.ab --old $old --new $new --json "$OUT/ab_$name.json"; } > "$OUT/ab_$name.txt" 2>&1
-    cat "$OUT/ab_$name.txt" >> "$S"
-done
+arm_run() {  # name, side (old1, new1, ...), arguments: from the old tree or this one
+    local name=$1 side=$2
+    shift 2
+    local dir=$ROOT
+    [ "${side#old}" != "$side" ] && dir=$OLD_DIR
+    bench "${name}_$side" "$dir" "$@"
+}
+arms_ab "${ROUNDS:-1}" old new ""
 date -u >> "$S"
 cat "$S"
 exit 0

@@ -88,5 +88,35 @@ old_tree() {
     fi
 }
 old_native() { mkdir -p "$OLD_DIR/native" && cp native/*.py native/_cpu_experts*.so "$OLD_DIR/native/" 2>/dev/null; }
+# arms_ab ROUNDS A B HEADER: the arms of ARMS ("name: bench model arguments | ...") in ROUNDS rounds, each arm
+# run by the script's arm_run NAME SIDE ARGUMENTS... as side A then side B (SIDE: A or B and the round's number),
+# then each arm's ab_table, A against B, under "== NAME" and HEADER
+arms_ab() {
+    local r arm name args
+    IFS='|' read -ra arms <<< "$ARMS"
+    for r in $(seq 1 "$1"); do
+        for arm in "${arms[@]}"; do
+            name=$(echo "${arm%%:*}" | tr -d ' ')
+            read -ra args <<< "${arm#*:}"
+            arm_run "$name" "$2$r" "${args[@]}"
+            arm_run "$name" "$3$r" "${args[@]}"
+        done
+    done
+    for arm in "${arms[@]}"; do
+        name=$(echo "${arm%%:*}" | tr -d ' ')
+        ab_table "$name" "$2" "$3" "== $name$4"
+    done
+}
+# ab_table NAME OLD NEW HEADER: `python -m engine.bench.ab` of $OUT/NAME_OLD*.json against $OUT/NAME_NEW*.json (bench
+# model runs of two arms) into $OUT/ab_NAME.{txt,json} under the line HEADER, appended to the summary
+ab_table() {
+    local old new
+    old=$(ls "$OUT/$1_$2"*.json 2>/dev/null); new=$(ls "$OUT/$1_$3"*.json 2>/dev/null)
+    [ -n "$old" ] && [ -n "$new" ] || { echo "$1: no pair of results" >> "$OUT/summary.txt"; return; }
+    echo "$4" > "$OUT/ab_$1.txt"
+    $PY -m engine.bench.ab --old $old --new $new --json "$OUT/ab_$1.json" \
+        >> "$OUT/ab_$1.txt" 2>&1
+    cat "$OUT/ab_$1.txt" >> "$OUT/summary.txt"
+}
 { date -u; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; nproc; git log -1 --format=%h
   $PY -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"; } > "$OUT/env.log" 2>&1

@@ -39,23 +39,13 @@ bench() {  # name, arguments...
         --prefill 0 "$@" --json "$OUT/$name.json" > "$OUT/$name.txt" 2> "$OUT/$name.log"
     status "$name" $?
 }
-IFS='|' read -ra arms <<< "$ARMS"
-for r in $(seq 1 "${ROUNDS:-2}"); do
-    for arm in "${arms[@]}"; do
-        name=$(echo "${arm%%:*}" | tr -d ' ')
-        read -ra args <<< "${arm#*:}"
-        bench "${name}_own$r" "${args[@]}"
-        bench "${name}_swept$r" "${args[@]}" --skinny-tiles "$SWEPT"
-    done
-done
-for arm in "${arms[@]}"; do
-    name=$(echo "${arm%%:*}" | tr -d ' ')
-    own=$(ls "$OUT/${name}"_own*.json 2>/dev/null); swept=$(ls "$OUT/${name}"_swept*.json 2>/dev/null)
-    [ -n "$own" ] && [ -n "$swept" ] || { echo "$name: no pair of results" >> "$S"; continue; }
-    echo "== $name (old: the engine's tiles, new: --skinny-tiles $SWEPT)" > "$OUT/ab_$name.txt"
-    $PY -m engine.bench.ab --old $own --new $swept --json "$OUT/ab_$name.json" >> "$OUT/ab_$name.txt" 2>&1
-    cat "$OUT/ab_$name.txt" >> "$S"
-done
+arm_run() {  # name, side (own1, swept1, ...), arguments: the swept side with the sweep's tiles
+    local name=$1 side=$2
+    shift 2
+    [ "${side#swept}" != "$side" ] && set -- "$@" --skinny-tiles "$SWEPT"
+    bench "${name}_$side" "$@"
+}
+arms_ab "${ROUNDS:-2}" own swept " (old: the engine's tiles, new: --skinny-tiles $SWEPT)"
 date -u >> "$S"
 cat "$S"
 exit 0

@@ -5,60 +5,27 @@ extend_table runs on the files the stand-in wrote."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-RECORDED = ROOT / "docs/perf/2026-12-06-h100-s61-call2-default1"
+from tests.engine.box_util import run_script, stand_in, stand_in_box
 
-STAND_IN = """#!/usr/bin/env bash
-# python on the GPU box, as gpu_extend.sh calls it
-args="$*"
-case "$args" in
-  *"-m engine.bench.extend_table"*) exec "$REAL_PY" "$@" ;;
-  *"-m engine.bench.model"*)
-    echo "$args" >> "$CALLS"
-    pwd >> "$CALLS.cwd"
-    cat native/_cpu_experts*.so >> "$CALLS.native" 2>/dev/null
-    [ "$(wc -l < "$CALLS")" = "${FAIL_RUN:-0}" ] && { echo "CUDA error" >&2; exit 3; }
-    while [ $# -gt 0 ]; do [ "$1" = "--json" ] && out=$2; shift; done
-    cp "$RECORDED.json" "$out"; cat "$RECORDED.txt" ;;
-  *"-m engine.bench.profile_decode"*) echo "$args" >> "$CALLS.profile"; echo "profile" ;;
-  *) exit 0 ;;
-esac
-"""
+STAND_IN = stand_in("gpu_extend.sh", "engine.bench.extend_table",
+                    '  *"-m engine.bench.profile_decode"*) echo "$args" >> "$CALLS.profile"; echo "profile" ;;')
 
 
 @pytest.fixture()
 def box(tmp_path):
-    if shutil.which("bash") is None or shutil.which("timeout") is None:
-        pytest.skip("needs bash and coreutils' timeout")
-    # a checkout of its own (the engine package linked in): the script finds no box cache and no native build
-    # there, so it copies nothing into this checkout's native/
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    (repo / "engine").symlink_to(ROOT / "engine")
-    py = tmp_path / "python"
-    py.write_text(STAND_IN)
-    py.chmod(0o755)
-    env = {**os.environ, "PY": str(py), "REAL_PY": sys.executable, "RECORDED": str(RECORDED),
-           "CALLS": str(tmp_path / "calls.txt"), "OUT": str(tmp_path / "out"),
-           "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PATH": os.environ.get("PATH", "")}
-    return tmp_path, env
+    return stand_in_box(tmp_path, STAND_IN)
 
 
 def _run(box, **extra: str) -> tuple[Path, str]:
     """Run the script in the box's checkout -> (its OUT, the summary it wrote)."""
-    tmp, env = box
-    done = subprocess.run(["bash", "engine/bench/gpu_extend.sh"], cwd=tmp / "repo", env={**env, **extra},
-                          capture_output=True, text=True, timeout=120)
+    done = run_script(box, "gpu_extend.sh", **extra)
     assert done.returncode == 0, done.stderr[-2000:]
-    return tmp / "out", (tmp / "out" / "summary.txt").read_text()
+    return box[0] / "out", (box[0] / "out" / "summary.txt").read_text()
 
 
 def test_every_process_reaches_the_table_with_its_status(box):
@@ -110,7 +77,7 @@ def test_a_failed_process_is_named_and_the_table_covers_the_others(box):
 def test_old_native_alternates_the_builds_and_tables_each_arm(box):
     """OLD_NATIVE=FILE: odd processes run the native build in FILE (a box-cache.tgz), even ones this tree's, which
     native/ holds again after each old run and at the end; each arm gets its table."""
-    tmp, env = box
+    tmp = box[0]
     native = tmp / "repo" / "native"
     native.mkdir()
     so = "_cpu_experts.cpython-312-x86_64-linux-gnu.so"
@@ -132,7 +99,7 @@ def test_old_tree_runs_the_odd_processes_from_that_tree_with_this_trees_native_b
     """OLD_TREE=DIR (an earlier commit's engine/, carried): odd processes run from a copy of it, with this tree's
     native build beside it, even ones from this checkout; each arm gets its table, and the profile runs this tree.
     A DIR without engine/ stops the call, saying so."""
-    tmp, env = box
+    tmp = box[0]
     native = tmp / "repo" / "native"
     native.mkdir()
     (native / "_cpu_experts.cpython-312-x86_64-linux-gnu.so").write_text("new\n")
@@ -145,15 +112,14 @@ def test_old_tree_runs_the_odd_processes_from_that_tree_with_this_trees_native_b
     assert [row["name"] for row in json.loads((out / "old_table.json").read_text())["rows"]] == ["old1", "old3"]
     assert "old tree:" in summary and "profile rc=0" in summary
     (tmp / "bare").mkdir()
-    done = subprocess.run(["bash", "engine/bench/gpu_extend.sh"], cwd=tmp / "repo",
-                          env={**env, "OLD_TREE": str(tmp / "bare")}, capture_output=True, text=True, timeout=120)
+    done = run_script(box, "gpu_extend.sh", OLD_TREE=str(tmp / "bare"))
     assert done.returncode == 2 and "holds no engine/" in (tmp / "out" / "summary.txt").read_text()
 
 
 def test_old_rev_runs_the_odd_processes_from_that_commits_engine(box):
     """OLD=REV: the old processes run `git archive REV engine` of the checkout's .git; a REV it lacks stops the call,
     saying to carry the tree instead."""
-    tmp, env = box
+    tmp = box[0]
     repo = tmp / "repo"
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
     subprocess.run(git + ["init", "-q"], check=True)
@@ -163,16 +129,13 @@ def test_old_rev_runs_the_odd_processes_from_that_commits_engine(box):
     cwd = (tmp / "calls.txt.cwd").read_text().split()
     assert cwd[1] == str(repo) and cwd[0] != cwd[1] and Path(cwd[0], "engine").exists()
     assert "old1 rc=0" in summary and "run2 rc=0" in summary and "old tree:" in summary
-    done = subprocess.run(["bash", "engine/bench/gpu_extend.sh"], cwd=repo, env={**env, "OLD": "no-such-rev"},
-                          capture_output=True, text=True, timeout=120)
+    done = run_script(box, "gpu_extend.sh", OLD="no-such-rev")
     assert done.returncode == 2 and "is not in this checkout's .git" in (tmp / "out" / "summary.txt").read_text()
 
 
 def test_an_old_native_file_without_a_build_stops_the_call(box):
-    tmp, env = box
+    tmp = box[0]
     (tmp / "empty").mkdir()
     subprocess.run(["tar", "czf", str(tmp / "empty.tgz"), "-C", str(tmp / "empty"), "."], check=True)
-    done = subprocess.run(["bash", "engine/bench/gpu_extend.sh"], cwd=tmp / "repo",
-                          env={**env, "OLD_NATIVE": str(tmp / "empty.tgz")}, capture_output=True, text=True,
-                          timeout=120)
+    done = run_script(box, "gpu_extend.sh", OLD_NATIVE=str(tmp / "empty.tgz"))
     assert done.returncode == 2 and "holds no native build" in (tmp / "out" / "summary.txt").read_text()

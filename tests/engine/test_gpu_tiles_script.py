@@ -4,58 +4,26 @@ the script's flow — the sweep's tiles handed to every other process, the own /
 is checked without a GPU. The real `bench ab` runs on the files the stand-in wrote."""
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-RECORDED = ROOT / "docs/perf/2026-12-06-h100-s61-call2-default1"
+from tests.engine.box_util import run_script, stand_in, stand_in_box
 
-STAND_IN = """#!/usr/bin/env bash
-# python on the GPU box, as gpu_tiles.sh calls it
-args="$*"
-case "$args" in
-  *"-m engine.bench.ab"*) exec "$REAL_PY" "$@" ;;
-  *"-m engine.bench.tiles"*)
+STAND_IN = stand_in("gpu_tiles.sh", "engine.bench.ab", """  *"-m engine.bench.tiles"*)
     echo "$args" >> "$CALLS.tiles"
     echo "HBM copy rate 2.98 TB/s (read + write)"
     [ -n "${NO_CHOICE:-}" ] && exit 0
     echo "best lm_head      b1: [32, 64, 4, 6] 340.00 us vs cublas 360.00"
     echo "best by width class b1 (us a 40-layer step: best / the engine's): head 340.0 / 380.0"
-    echo "  --skinny-tiles head=32,64,4,6/wide=32,128,4,4" ;;
-  *"-m engine.bench.model"*)
-    echo "$args" >> "$CALLS"
-    while [ $# -gt 0 ]; do [ "$1" = "--json" ] && out=$2; shift; done
-    cp "$RECORDED.json" "$out"; cat "$RECORDED.txt" ;;
-  *) exit 0 ;;
-esac
-"""
+    echo "  --skinny-tiles head=32,64,4,6/wide=32,128,4,4" ;;""")
 
 
 @pytest.fixture()
 def box(tmp_path):
-    if shutil.which("bash") is None or shutil.which("timeout") is None:
-        pytest.skip("needs bash and coreutils' timeout")
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    (repo / "engine").symlink_to(ROOT / "engine")
-    py = tmp_path / "python"
-    py.write_text(STAND_IN)
-    py.chmod(0o755)
-    env = {**os.environ, "PY": str(py), "REAL_PY": sys.executable, "RECORDED": str(RECORDED),
-           "CALLS": str(tmp_path / "calls.txt"), "OUT": str(tmp_path / "out"),
-           "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PATH": os.environ.get("PATH", "")}
-    return tmp_path, env
+    return stand_in_box(tmp_path, STAND_IN)
 
 
-def _run(box, **extra: str) -> subprocess.CompletedProcess:
-    tmp, env = box
-    return subprocess.run(["bash", "engine/bench/gpu_tiles.sh"], cwd=tmp / "repo", env={**env, **extra},
-                          capture_output=True, text=True, timeout=120)
+def _run(box, **extra: str):
+    return run_script(box, "gpu_tiles.sh", **extra)
 
 
 def test_the_sweeps_tiles_go_to_every_other_process_and_each_arm_gets_its_ab(box):
