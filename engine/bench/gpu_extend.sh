@@ -7,7 +7,8 @@
 # Run from the repo root on the GPU box with .whl/ (fla-core, einops) and, from an earlier call, .box-cache.tgz
 # and .box-cache-triton.tgz (gpu_prelude.sh):
 #     OUT=/some/dir bash engine/bench/gpu_extend.sh
-#     TESTS=1 ...       first the CUDA expert, kernel and mailbox tests and the native runner's (~50 s)
+#     TESTS=1 ...       first the CUDA expert, kernel and mailbox tests, the prompt's last rows' and the native
+#                       runner's (~50 s)
 #     ARGS="..." ...    more bench model flags for every process (an arm: --extend-idle-ms 300, --cpu-join host)
 #     PROFILE_ARGS="..." more profile_decode flags (--extend-runs 8: more timed extends, each with its stalls)
 #     PACK=FILE ...     also keeps FILE, a tarball of OUT, fresh every 15 s (see gpu_prelude.sh)
@@ -35,7 +36,9 @@ if [ -n "${OLD_NATIVE:-}" ]; then  # both builds kept aside; native/ holds this 
 fi
 if [ -n "${TESTS:-}" ]; then
     timeout "$(upto 150)" $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_experts_cuda.py \
-        tests/kernels/test_moe.py tests/kernels/test_mailbox.py tests/native/test_runner_api.py > "$OUT/pytest.txt" 2>&1
+        tests/kernels/test_moe.py tests/kernels/test_mailbox.py tests/native/test_runner_api.py \
+        "tests/gpu/test_fast_cuda.py::test_last_rows_of_several_sequences_queue_without_a_host_sync" \
+        > "$OUT/pytest.txt" 2>&1
     status pytest $?; tail -1 "$OUT/pytest.txt" >> "$S"
 fi
 EXT="--synthetic qwen3.6-35b-a3b --layers 8 --batches 1 --moe-slots 37.5% --moe-backend hybrid --steps 8 --warmup 8
