@@ -6,8 +6,8 @@ sync for all of them after the forward's work is queued. A prompt's calls add he
 expert (lru.prompt_use_weights), a decode's one use per expert. Admissions made outside a routed layer call
 (idle refresh, the mapped decode) are copied in and counted as fills by place_admitted.
 
-CallCounting is the part of OffloadBackend that counts; it reads the backend's cache, pool, device, stats_ and
-_count_looked, and the forward's _unsettled and _sent, which settle() empties.
+CallCounting is the part of OffloadBackend that counts; it reads the backend's cache, pool, stats_ and _count_looked,
+and the forward's _unsettled and _sent, which settle() empties.
 """
 from __future__ import annotations
 

@@ -48,8 +48,8 @@ def one_expert_pass(experts, num_tokens: int, top_k: int, span: int = 1):
     """Tell an expert cache that one forward of num_tokens tokens runs through its layers now, however many
     pieces each layer takes (it plans layer streaming for the whole batch); span: the longest sequence's
     tokens (how much time the forward stands for, for the cache's heat). Backends without a cache (fused)
-    need no notice. Yields layers_done(): called after the last layer is queued, the cache starts that layer's
-    bookkeeping read-back, so the work queued after it (the head) runs while the host counts at the end."""
+    need no notice. Yields layers_done(): called after the last layer is queued, the cache starts the read-back of
+    the routing it counts at the end, so the work queued after it (the head) runs while the host counts."""
     if not is_expert_cache(experts):
         yield _nothing
         return
