@@ -1,7 +1,7 @@
 """A GPU-box script run on this machine: the box's python replaced by a stand-in (a bash script each test file
-writes) that answers each benchmark process with a recorded `bench model` result, in a checkout of its own with
-the engine package linked in (no box cache and no native build there, so the script copies nothing into this
-checkout)."""
+composes with stand_in) that answers each benchmark process with a recorded `bench model` result, in a checkout of
+its own with the engine package linked in (no box cache and no native build there, so the script copies nothing
+into this checkout)."""
 from __future__ import annotations
 
 import os
