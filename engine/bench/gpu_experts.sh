@@ -21,6 +21,10 @@
 #     REUSE_PEER=1 ...  in a call that follows one of these on the still-warm machine: llama.cpp's results and
 #                       the checkpoint from that call, so this one has its whole time for killick's rows
 #     STREAM_AB=1 ...   also offload with --prefill-stream off and on: the streaming choice against both options
+# llama.cpp's build is kept: a call that built it leaves $OUT/box-cache-peer.tgz (llama-bench and its libraries;
+# it comes back where it is under the 16 MiB a returned file may take); carried as .peer/llama-bench-cuda.tgz, the
+# next call runs llama-bench from it (engine/bench/peers/llama_cpp.sh --prebuilt) and builds nothing, unless it
+# does not run there. The sdist stays in .peer/ (the converter comes from it).
 # What worked on 2026-12-02 (27 device minutes): call 1 plain (builds llama.cpp, ~8 min: no time left for
 # killick's rows), at once call 2 plain again with TEST_S=1 (build and GGUF reused: llama-bench, then every
 # killick row, ~3 min), at once ZIPF=1.0 TEST_S=1 (converts the skewed checkpoint, ~4 min). A machine stays
@@ -41,9 +45,13 @@ if [ -n "${REUSE_PEER:-}" ] && [ -f "$KEPT" ] && [ -f "$CKPT/config.json" ]; the
     echo "llama.cpp: results of the previous call on this machine ($KEPT)" > "$OUT/peer.log"
     PEER=""
 else
+    # llama.cpp's build (most of a first call) from an earlier call's box-cache-peer.tgz carried as
+    # .peer/llama-bench-cuda.tgz, where one is; else built, and kept as $OUT/box-cache-peer.tgz for the next call
+    KEEP=(--save-build "$OUT/box-cache-peer.tgz")
+    [ -f .peer/llama-bench-cuda.tgz ] && KEEP=(--prebuilt .peer/llama-bench-cuda.tgz)
     ( timeout $(upto ${PEER_S:-480}) bash engine/bench/peers/llama_cpp.sh --synthetic qwen3.6-35b-a3b --layers 8 \
         --backend cuda ${ZIPF:+--router-zipf $ZIPF} --ncmoe ${NCMOE:-0,5} --reps 2 --jobs $(( $(nproc) - 3 )) \
-        --out "$OUT/peer" > "$OUT/peer.log" 2>&1
+        "${KEEP[@]}" --out "$OUT/peer" > "$OUT/peer.log" 2>&1
       rc=$?; echo $rc > "$OUT/peer.rc"
       [ $rc = 0 ] && cp "$OUT/peer/llama_bench.json" "$KEPT" ) &
     PEER=$!
@@ -73,6 +81,7 @@ grep -E "huge|experts_host|read_4096" "$OUT/mapped_small.txt" >> "$OUT/summary.t
 
 [ -n "$PEER" ] && wait $PEER
 status peer "$(cat "$OUT/peer.rc" 2>/dev/null)"
+grep -E "build: (prebuilt|saved|the prebuilt)" "$OUT/peer.log" >> "$OUT/summary.txt"
 tail -3 "$OUT/peer.log" >> "$OUT/summary.txt"
 
 if [ -f "$CKPT/config.json" ]; then

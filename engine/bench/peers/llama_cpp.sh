@@ -12,7 +12,8 @@
 #   2. build   llama-bench only, with CMake + ninja, Release, -j all cores; CUDA for --cuda-arch (90 = H200)
 #              when nvcc and a GPU are there, else CPU-only. No tests, examples, server, app, UI, OpenSSL
 #              (nothing is downloaded). WORK/build-<backend> is reused when configured alike (ninja then
-#              does nothing).
+#              does nothing). --prebuilt FILE: an earlier build's llama-bench and libraries (--save-build's
+#              tarball) instead, when they run here (else it builds, saying why).
 #   3. convert the checkpoint with llama.cpp's convert_hf_to_gguf.py --outtype bf16 --no-mtp, through
 #              engine.bench.peers.to_gguf (it stands in for the converter's pre-tokenizer table, which does
 #              not know killick's shipped tokenizer). With --synthetic, first writes killick's seeded
@@ -40,6 +41,8 @@
 #   --threads N       [all cores]                               --jobs N    build jobs [all cores]
 #   --backend B       auto | cuda | cpu [auto]                  --cuda-arch A  [90]
 #   --python PY       interpreter for the conversion [$PYTHON, else .venv/bin/python, else python3]
+#   --prebuilt FILE   a tarball of bin/ (llama-bench and the libraries it loads) from --save-build [none]
+#   --save-build FILE after building, write that tarball there, for a later run's --prebuilt [none]
 #
 # Time on the H200 box (16 cores), 8-layer checkpoint at Qwen3.6-35B-A3B widths: CUDA build about 4.5 min,
 # with writing the ~15 GB checkpoint and converting it (a minute or two each) beside it; bench about 2.5 min
@@ -62,6 +65,7 @@ set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 
 CKPT="" SYNTH="" LAYERS="" ZIPF="" GGUF="" OUT="" KILLICK="" SDIST="" WORK="$REPO/build/peers" MAKING=""
+PREBUILT="" SAVE_BUILD=""
 PROMPT=8192 GEN=128 NCMOE="0,5,8" REPS=2 BACKEND=auto CUDA_ARCH=90
 THREADS=$(nproc) JOBS=$(nproc)
 PY=${PYTHON:-}
@@ -84,7 +88,7 @@ parse_args() {
             --reps) REPS=$2 ;;          --threads) THREADS=$2 ;;  --jobs) JOBS=$2 ;;
             --backend) BACKEND=$2 ;;    --cuda-arch) CUDA_ARCH=$2 ;;
             --synthetic) SYNTH=$2 ;;    --layers) LAYERS=$2 ;;    --python) PY=$2 ;;
-            --router-zipf) ZIPF=$2 ;;
+            --router-zipf) ZIPF=$2 ;;   --prebuilt) PREBUILT=$2 ;;  --save-build) SAVE_BUILD=$2 ;;
             *) die "unknown option $1 (see --help)" ;;
         esac
         shift 2
@@ -95,6 +99,7 @@ parse_args() {
     [[ $given -eq 1 ]] || die "give one of --ckpt DIR, --synthetic SIZE, --gguf FILE"
     [[ -z $CKPT || -f $CKPT/config.json ]] || die "--ckpt $CKPT has no config.json"
     [[ -z $GGUF || -f $GGUF ]] || die "--gguf $GGUF not found"
+    [[ -z $PREBUILT || -f $PREBUILT ]] || die "--prebuilt $PREBUILT not found"
     [[ $BACKEND =~ ^(auto|cuda|cpu)$ ]] || die "--backend is auto, cuda or cpu"
     local n
     for n in PROMPT GEN REPS THREADS JOBS LAYERS; do
@@ -103,7 +108,7 @@ parse_args() {
     [[ $NCMOE =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--ncmoe takes whole numbers separated by commas, not '$NCMOE'"
     [[ -z $ZIPF || ( -n $SYNTH && $ZIPF =~ ^[0-9]+(\.[0-9]+)?$ ) ]] \
         || die "--router-zipf takes an exponent like 1.0, and only with --synthetic"
-    for v in CKPT GGUF OUT KILLICK SDIST WORK; do  # the paths as the caller meant them, before cd "$REPO"
+    for v in CKPT GGUF OUT KILLICK SDIST WORK PREBUILT SAVE_BUILD; do  # the paths as the caller meant them, before cd
         [[ -z ${!v} ]] || printf -v "$v" '%s' "$(realpath -m "${!v}")"
     done
 }
@@ -193,7 +198,36 @@ unpack() {
     touch "$SRC/.unpacked"
 }
 
+# prebuilt: --prebuilt's llama-bench unpacked under WORK and its libraries on the loader's path, if it runs here
+prebuilt() {
+    local dir=$WORK/prebuilt-$BACKEND usage
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    tar -xzf "$PREBUILT" -C "$dir" 2>/dev/null && [[ -x $dir/bin/llama-bench ]] \
+        || { say "build: $PREBUILT holds no bin/llama-bench; building"; return 1; }
+    usage=$(LD_LIBRARY_PATH="$dir/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$dir/bin/llama-bench" --help 2>&1 || true)
+    grep -qi "usage" <<<"$usage" || { say "build: the prebuilt llama-bench does not run here (${usage:0:200}); building"
+                                      return 1; }
+    export LD_LIBRARY_PATH="$dir/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    BENCH=$dir/bin/llama-bench
+    say "build: prebuilt $PREBUILT"
+}
+
+# save_build: the build's llama-bench and every library it made, as bin/ in the tarball SAVE_BUILD
+save_build() {
+    local stage
+    stage=$(mktemp -d)
+    mkdir -p "$stage/bin"
+    cp "$BENCH" "$stage/bin/"
+    find "$BUILD" -name 'lib*.so*' \( -type f -o -type l \) -exec cp -P {} "$stage/bin/" \;
+    mkdir -p "$(dirname "$SAVE_BUILD")"
+    tar -czf "$SAVE_BUILD" -C "$stage" bin
+    rm -rf "$stage"
+    say "build: saved as $SAVE_BUILD ($(du -h "$SAVE_BUILD" | cut -f1))"
+}
+
 build() {
+    if [[ -n $PREBUILT ]] && prebuilt; then return; fi
     BUILD=$WORK/build-$BACKEND
     local number flags=(-DCMAKE_BUILD_TYPE=Release -DGGML_CCACHE=OFF -DLLAMA_BUILD_TESTS=OFF
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF
@@ -218,6 +252,7 @@ build() {
     step build "$T_BUILD" cmake --build "$BUILD" --config Release --target llama-bench -j "$JOBS"
     BENCH=$BUILD/bin/llama-bench
     [[ -x $BENCH ]] || die "the build made no $BENCH"
+    [[ -z $SAVE_BUILD ]] || save_build
 }
 
 # The GGUF's name carries a digest of the checkpoint's path and metadata, so another checkpoint never reuses it.
