@@ -142,13 +142,16 @@ def test_a_saved_build_runs_the_next_bench_without_building(peer_box):
 
 
 def test_a_prebuilt_that_does_not_run_here_is_built_instead(peer_box):
+    """... and a build that cannot be saved where asked still runs the bench."""
     tmp, env, base = peer_box
     (tmp / "broken" / "bin").mkdir(parents=True)
     (tmp / "broken" / "bin" / "llama-bench").write_text("#!/usr/bin/env bash\necho 'cannot open libcuda.so.1'\n")
     (tmp / "broken" / "bin" / "llama-bench").chmod(0o755)
     subprocess.run(["tar", "czf", str(tmp / "broken.tgz"), "-C", str(tmp / "broken"), "bin"], check=True)
     res = subprocess.run(["bash", str(SCRIPT), *base, "--out", str(tmp / "out"), "--prebuilt",
-                          str(tmp / "broken.tgz")], capture_output=True, text=True, timeout=60, env=env)
+                          str(tmp / "broken.tgz"), "--save-build", str(tmp / "model.gguf" / "kept.tgz")],
+                         capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "does not run here (cannot open libcuda.so.1); building" in res.stdout
     assert (tmp / "builds.txt").read_text().split() == ["built"]
+    assert "could not save it as" in res.stdout and (tmp / "out" / "llama_bench.json").exists()

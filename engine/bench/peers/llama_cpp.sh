@@ -215,15 +215,13 @@ prebuilt() {
 
 # save_build: the build's llama-bench and every library it made, as bin/ in the tarball SAVE_BUILD
 save_build() {
-    local stage
-    stage=$(mktemp -d)
-    mkdir -p "$stage/bin"
-    cp "$BENCH" "$stage/bin/"
-    find "$BUILD" -name 'lib*.so*' \( -type f -o -type l \) -exec cp -P {} "$stage/bin/" \;
-    mkdir -p "$(dirname "$SAVE_BUILD")"
-    tar -czf "$SAVE_BUILD" -C "$stage" bin
+    local stage rc=0
+    stage=$(mktemp -d) || return 1
+    { mkdir -p "$stage/bin" && cp "$BENCH" "$stage/bin/" \
+        && find "$BUILD" -name 'lib*.so*' \( -type f -o -type l \) -exec cp -P {} "$stage/bin/" \; \
+        && mkdir -p "$(dirname "$SAVE_BUILD")" && tar -czf "$SAVE_BUILD" -C "$stage" bin; } || rc=1
     rm -rf "$stage"
-    say "build: saved as $SAVE_BUILD ($(du -h "$SAVE_BUILD" | cut -f1))"
+    [[ $rc -eq 0 ]] && say "build: saved as $SAVE_BUILD ($(du -h "$SAVE_BUILD" | cut -f1))"
 }
 
 build() {
@@ -252,7 +250,7 @@ build() {
     step build "$T_BUILD" cmake --build "$BUILD" --config Release --target llama-bench -j "$JOBS"
     BENCH=$BUILD/bin/llama-bench
     [[ -x $BENCH ]] || die "the build made no $BENCH"
-    [[ -z $SAVE_BUILD ]] || save_build
+    [[ -z $SAVE_BUILD ]] || save_build || say "build: could not save it as $SAVE_BUILD (the bench goes on)"
 }
 
 # The GGUF's name carries a digest of the checkpoint's path and metadata, so another checkpoint never reuses it.
