@@ -22,7 +22,8 @@
 #                       the checkpoint from that call, so this one has its whole time for killick's rows
 #     STREAM_AB=1 ...   also offload with --prefill-stream off and on: the streaming choice against both options
 # llama.cpp's build is kept: a call that built it leaves $OUT/box-cache-peer.tgz (llama-bench and its libraries;
-# it comes back where it is under the 16 MiB a returned file may take); carried as .peer/llama-bench-cuda.tgz, the
+# a call returns 8 files, its top folder's first, each up to 16 MiB: move it up there, `...; mv $OUT/r/box-cache-
+# peer.tgz $OUT/` where the script's OUT is the call's $OUT/r); carried as .peer/llama-bench-cuda.tgz, the
 # next call runs llama-bench from it (engine/bench/peers/llama_cpp.sh --prebuilt) and builds nothing, unless it
 # does not run there. The sdist stays in .peer/ (the converter comes from it).
 # What worked on 2026-12-02 (27 device minutes): call 1 plain (builds llama.cpp, ~8 min: no time left for
