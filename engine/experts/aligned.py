@@ -39,14 +39,15 @@ class Tiered(NamedTuple):
         return Tiered(self.items[keep], int(keep[: self.must].sum()))
 
 
-def pair_sorted(experts: list[int], victims) -> list[int]:
-    """Slots for `experts` (in their order): the i-th smallest expert gets the i-th smallest victim. Any
-    victim may take any expert; pairing both in order lets consecutive experts land in consecutive slots,
-    so a layer streamed into the slots another layer left copies in a few long runs (copy_runs)."""
-    slots = [0] * len(experts)
-    for i, s in zip(sorted(range(len(experts)), key=experts.__getitem__), sorted(int(v) for v in victims)):
-        slots[i] = s
-    return slots
+def pair_sorted(experts, victims) -> list[int]:
+    """Slots for `experts` (in their order): the i-th smallest expert gets the i-th smallest victim (of as many
+    as there are experts; past the victims, slot 0). Any victim may take any expert; pairing both in order lets
+    consecutive experts land in consecutive slots, so they copy in a few long runs (copy_runs)."""
+    order = np.argsort(np.asarray(experts, dtype=np.int64), kind="stable")
+    ranked = np.sort(np.asarray(victims, dtype=np.int64))[: len(order)]
+    slots = np.zeros(len(order), dtype=np.int64)
+    slots[order[: len(ranked)]] = ranked
+    return slots.tolist()
 
 
 def worth_range(v: float, unit: float) -> tuple[float, float]:
@@ -93,10 +94,10 @@ def pick_aligned(experts: Tiered, slots: Tiered, n: int, num_experts: int) -> tu
     at = at[np.unique(home[at], return_index=True)[1]]  # each chosen expert's first own slot among the picked
     slot_of = np.full(num_experts, -1, dtype=np.int64)
     slot_of[home[at]] = picked[at]
-    left = np.sort(chosen[slot_of[chosen] < 0])
+    left = chosen[slot_of[chosen] < 0]
     spare = np.ones(len(picked), dtype=bool)
     spare[at] = False
-    slot_of[left] = picked[spare][: len(left)]  # (both ascending)
+    slot_of[left] = pair_sorted(left, picked[spare])
     return chosen.tolist(), slot_of[chosen].tolist()
 
 
