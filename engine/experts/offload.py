@@ -83,6 +83,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         # weights of routed experts: ~4e13/s with attention, DeltaNet and the rest of the layer counted in)
         self.device_flops = 4e13 if self.device.type == "cuda" else 5e10
         self._held = False  # a forward announced by begin_forward(hold=True) runs until end_forward
+        self._deferred = None  # begin_forward(defer=True)'s (num_tokens, top_k, span), until the first layer call
         self._unsettled: list[tuple] = []  # streamed layer calls not yet counted: (layer, topk_ids, moment, span)
         self._sent: list[tuple] = []  # ... whose routing is on its way to the host (send_back): (calls, host, event)
         self._span = 1  # the longest sequence's tokens in the running forward (begin_forward)
@@ -177,13 +178,23 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         return self.mapped
 
     # --- the seam
-    def begin_forward(self, num_tokens: int, top_k: int, hold: bool = False, span: int | None = None) -> None:
+    def begin_forward(self, num_tokens: int, top_k: int, hold: bool = False, span: int | None = None,
+                      defer: bool = False) -> None:
         """Once per forward, before its layers: picks layer streaming or not for all its tokens. Without
         it `forward` begins a forward at the first MoE layer itself (one call per layer); `hold=True`
         keeps this one until `end_forward`, for a model that runs a layer in several pieces. span: the
         longest sequence's tokens in this forward (a prompt's length; 1: decode tokens, one a sequence, which
         never stream; None: not said, as 1 but for streaming): the cache's heat ages by them and weighs each
-        expert by the tokens routed to it (lru.prompt_use_weights)."""
+        expert by the tokens routed to it (lru.prompt_use_weights). defer (held forwards): the work is done at
+        the forward's first layer call instead, so the device runs the layers queued before it (the embedding,
+        the first layer's mixer) while the host plans; nothing of the cache changes in between."""
+        if defer:
+            if not hold:
+                raise ValueError("begin_forward(defer=True) is for a held forward (hold=True)")
+            self.cpu_jobs.drop()
+            self._deferred, self._held = (num_tokens, top_k, span), True
+            return
+        self._deferred = None
         decode, span = span == 1, span or 1
         self.cpu_jobs.drop()  # a joined CPU job of a forward that failed before its end_forward
         self._held = hold
@@ -213,6 +224,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
                 self._copy_ahead(first[0], first[1], with_cpu=False, after=None, then=False)
 
     def end_forward(self) -> None:
+        self._deferred = None  # a held forward that ran no layer call
         self.cpu_jobs.collect()  # the last CPU job joined on the device, its rate counted while the forward's on
         self._held = False
         self.settle()  # before _looked goes: a resident layer's copies ahead are counted there
@@ -264,7 +276,9 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         """A layer call begins (and the forward, at its first MoE layer unless begin_forward held it): the fill
         timings taken in, the slot table's clock ticked, a streamed layer's copy waited for or the tokens of a
         routed one's pieces counted (CopiesAhead._more_pieces). -> whether the forward streams."""
-        if layer == self.pool.layers[0] and not self._held:  # the first MoE layer sees all its tokens
+        if self._deferred is not None:
+            self.begin_forward(*self._deferred[:2], hold=True, span=self._deferred[2])
+        elif layer == self.pool.layers[0] and not self._held:  # the first MoE layer sees all its tokens
             self.begin_forward(x.shape[0], topk_ids.shape[1])
         self._observe_fill()
         self.cache.table.tick()

@@ -47,13 +47,14 @@ def piece_spans(states: list, offsets: list[int], lengths: list[int], index: int
 def one_expert_pass(experts, num_tokens: int, top_k: int, span: int = 1):
     """Tell an expert cache that one forward of num_tokens tokens runs through its layers now, however many
     pieces each layer takes (it plans layer streaming for the whole batch); span: the longest sequence's
-    tokens (how much time the forward stands for, for the cache's heat). Backends without a cache (fused)
+    tokens (how much time the forward stands for, for the cache's heat); the cache plans at its first layer call
+    (begin_forward's defer), while the device runs the layers queued before. Backends without a cache (fused)
     need no notice. Yields layers_done(): called after the last layer is queued, the cache starts the read-back of
     the routing it counts at the end, so the work queued after it (the head) runs while the host counts."""
     if not is_expert_cache(experts):
         yield _nothing
         return
-    experts.begin_forward(num_tokens, top_k, hold=True, span=span)
+    experts.begin_forward(num_tokens, top_k, hold=True, span=span, defer=True)
     try:
         yield experts.send_back
     finally:

@@ -280,3 +280,47 @@ def test_routing_sent_back_before_the_end_counts_as_read_at_the_end(pool):
         b.close()
     (heat, stamp, stats), (heat2, stamp2, stats2) = seen
     assert heat.any() and np.array_equal(heat, heat2) and np.array_equal(stamp, stamp2) and stats == stats2
+
+
+@pytest.mark.parametrize("cls,kw", [(OffloadBackend, dict(stream_prefill="on")),
+                                    (HybridBackend, dict(stream_prefill="off", lookahead="on"))])
+def test_a_deferred_begin_plans_at_the_first_layer_call_as_one_made_upfront(cls, kw):
+    """begin_forward(defer=True) (a prompt's one_expert_pass: the device runs the embedding and the first
+    mixer while the host plans) leaves the cache as it is until the forward's first layer call, then decides as
+    a begin made before the layers would have: a streamed prompt and a routed hybrid one with copies ahead give
+    the same outputs, layer calls, stats and slot table either way. A deferred forward that ran no layer call
+    ends with nothing of it left for the next; defer without hold is refused."""
+    src, deep = deep_pool()
+    x, ids, w = routing(40, seed=7)
+    seen = []
+    for defer in (False, True):
+        b = cls(deep, 3 * E, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True), slot_policy="lfu", **kw)
+        run_prompt(b, range(6), 40, seed=1)  # heat and residents for the forward under test to plan by
+        b.begin_forward(40, K, hold=True, span=40, defer=True)
+        b.end_forward()  # a forward that failed before its first layer call: nothing of it stays
+        t = b.cache.table
+        before = (t.clock, t.heat.copy(), t.owner.copy())
+        b.call_log = []
+        b.begin_forward(40, K, hold=True, span=40, defer=defer)
+        if defer:  # the slot table as it was: its clock not advanced by the prompt's tokens, no copy issued
+            assert t.clock == before[0] and np.array_equal(t.heat, before[1]) and np.array_equal(t.owner, before[2])
+        else:
+            assert t.clock > before[0]
+        outs = []
+        for layer in range(6):
+            for a, z in ((0, 24), (24, 40)):
+                outs.append(b.forward(layer, x[a:z], ids[a:z], w[a:z]))
+            torch.testing.assert_close(torch.cat(outs[-2:]), reference(src, layer, x, ids, w), rtol=1e-5, atol=1e-5)
+        b.end_forward()
+        calls = [(c.layer, c.kind, c.misses, c.fills, c.cpu, c.ahead) for c in b.call_log]
+        stats = {layer: {k: v for k, v in st.items() if k != "cpu_seconds"}  # (a time)
+                 for layer, st in b.stats()["layers"].items()}
+        seen.append((torch.cat(outs), calls, stats, t.heat.copy(), t.owner.copy(), t.clock))
+        check_table(b)
+        b.close()
+    (y0, calls0, stats0, heat0, owner0, clock0), (y1, calls1, stats1, heat1, owner1, clock1) = seen
+    assert torch.equal(y0, y1) and calls0 == calls1 and stats0 == stats1 and clock0 == clock1
+    assert np.array_equal(heat0, heat1) and np.array_equal(owner0, owner1)
+    assert stats0[0]["fills"] > 0 or any(c[4] for c in calls0)
+    with pytest.raises(ValueError, match="hold=True"):
+        b.begin_forward(40, K, defer=True)
