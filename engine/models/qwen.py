@@ -20,7 +20,7 @@ from engine.layers.mlp import DenseMLP
 from engine.layers.moe import MoE
 from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
-from engine.models.pieces import one_expert_pass, piece_spans, row_pieces
+from engine.models.pieces import last_rows, one_expert_pass, piece_spans, row_pieces
 from engine.models.slots import SlotState
 from engine.models.state import KVCache, LinearState, SequenceState, StateCheckpoint
 
@@ -133,7 +133,7 @@ class Model:
         for n, (_, state) in zip(lengths, items):
             state.length += n
         if logits == "last":
-            x = x[[off + n - 1 for off, n in zip(offsets, lengths)]]
+            x = last_rows(x, offsets, lengths)
             lengths = [1] * len(lengths)
         x = rms_norm(x, self.final_norm, self.config.rms_norm_eps, self.config.zero_centered_norm)
         return list(F.linear(x, self.lm_head).float().split(lengths))
