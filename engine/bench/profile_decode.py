@@ -257,6 +257,7 @@ def _extend(model, args, sync, g) -> dict:
 
     experts = model.experts if hasattr(model.experts, "call_log") else None  # an expert cache's layer calls
     layer_calls: list = []  # each timed extend's (OffloadBackend.call_log)
+    starts: list = []  # ... and when its forward began (perf_counter)
 
     def once(wrap=None, log: bool = False) -> float:
         st = model.new_state(args.prefill + args.extend + 8)
@@ -276,6 +277,7 @@ def _extend(model, args, sync, g) -> dict:
         wall = time.perf_counter() - t
         if log and experts is not None:
             layer_calls.append(experts.call_log)
+            starts.append(t)
             experts.call_log = None
         _release(st)
         return wall
@@ -321,6 +323,8 @@ def _extend(model, args, sync, g) -> dict:
     copy_calls = [sum(c.copies for c in calls) for calls in layer_calls]  # each timed extend's (LayerCall.copies)
     for k, calls in enumerate(layer_calls, 1):
         _print_calls(calls, f"timed extend {k} of {len(layer_calls)} ({walls_ms[k - 1]:.1f} ms)")
+        if calls:
+            print(_ends(calls, starts[k - 1], walls_ms[k - 1]))
         print(f"copies issued to the slots: {copy_calls[k - 1]} (one a run of consecutive experts into consecutive "
               "slots)")
         if calls:
@@ -343,6 +347,7 @@ def _extend(model, args, sync, g) -> dict:
             "cprofile_ms": cprofile_wall * 1e3,
             "layer_calls": [c._asdict() for c in layer_calls[-1]] if layer_calls else [],
             "layer_calls_runs": [[c._asdict() for c in calls] for calls in layer_calls], "copy_calls_runs": copy_calls,
+            "forward_at_runs": starts,
             "stalls_runs": [_stalls_json(w, calls[0].at if calls else 0.0) for w, calls in zip(stalls, layer_calls)],
             "prompt_buckets": buckets, "policy_at_start": policy,
             "compute_stream": gaps, "kernels": kernels, "functions_own": own,
@@ -401,6 +406,21 @@ def _print_calls(calls, which: str) -> None:
         if c.tail_ms == c.tail_ms:  # (not nan)
             print(f"the last routed layer ({c.layer}): its fills landed {c.tail_ms:+.2f} ms after its CPU job's end "
                   "(negative: the device waited for the job; hybrid.TailClock)")
+
+
+def _ends(calls, start: float, wall_ms: float) -> str:
+    """Where an extend's time before its CPU's first job and after its last one goes: when (ms from the forward's
+    start) its first MoE layer call began and its first CPU job started, and how long before the extend's end (its
+    result on the host) its last CPU job and its last MoE layer call ended. The CPU waits out the first; the
+    device's last layers, the head and its read-back are the second."""
+    at = lambda c: (c.at - start) * 1e3  # noqa: E731
+    jobs = [(at(c) + c.cpu_start_ms, at(c) + c.cpu_start_ms + c.cpu_ms) for c in calls if c.cpu_start_ms >= 0]
+    first = f"its first MoE layer call began {at(calls[0]):.2f} ms into the forward"
+    last = f"its last returned {wall_ms - at(calls[-1]) - calls[-1].end_ms:.2f} ms before the extend's end"
+    if not jobs:
+        return f"{first}, {last}; no CPU job"
+    return (f"{first}, its first CPU job {jobs[0][0]:.2f} ms; its last CPU job ended {wall_ms - jobs[-1][1]:.2f} ms "
+            f"and {last}")
 
 
 def _host_side(model, step, steps: int, sync) -> dict:

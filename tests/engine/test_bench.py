@@ -323,7 +323,9 @@ def test_profile_decode_runs_a_prompts_cpu_experts_on_the_workers_serve_would(mo
     ext = json.loads(out.read_text())["extend"]
     assert ext["tokens"] == 32 and len(ext["walls_ms"]) == len(ext["layer_calls_runs"]) == 2
     assert len(ext["copy_calls_runs"]) == 2 and all(n >= 0 for n in ext["copy_calls_runs"])
+    assert len(ext["forward_at_runs"]) == 2
     text = capsys.readouterr().out
+    assert text.count("its first MoE layer call began") == 2
     assert "extend 32 tokens after a cached 64" in text
     # the walls in run order, each beside its extend's layer calls
     for k, wall in enumerate(ext["walls_ms"], 1):
@@ -442,6 +444,24 @@ def test_profile_decode_prints_an_extends_layer_calls(capsys):
                                 "-", "-", "-", "-", "-", "-", "3.00"]
     assert lines[3].split() == ["1", "routed", "5.41", "115", "141", "0", "141", "113", "-", "0", "2.47", "0.29",
                                 "0.90", "1.55", "10.45", "7.86", "2.20", "3.40", "12.10", "12.63"]
+
+
+def test_profile_decode_says_where_an_extends_start_and_end_go():
+    """From the forward's start: its first MoE layer call and its CPU's first job; before the extend's end (its
+    result on the host): the CPU's last job's end and the last layer call's return."""
+    from engine.bench.profile_decode import _ends
+    from engine.experts.stats import LayerCall
+
+    calls = [LayerCall(0, "unread", -1, 0, 0, 0, 115, 84, 2.84, 10.004, -1.0, -1.0, 0.0, 0.0, 3.0),
+             LayerCall(1, "joined", 115, 141, 0, 141, 113, 0, 2.47, 10.009, 0.29, 1.5, 10.0, 0.0, 2.0),
+             LayerCall(2, "joined", 120, 100, 10, 90, 0, 0, 2.47, 10.020, 4.0, 5.0, 8.0, 0.0, 1.0),
+             LayerCall(3, "unread", -1, 0, 0, 0, 0, 0, 2.47, 10.032, -1.0, -1.0, 0.0, 0.0, 1.0)]
+    # the first job at 9 + 1.5 ms, the last ends at 20 + 5 + 8 = 33 ms, the last call returns at 32 + 1 = 33 ms
+    assert _ends(calls, 10.0, 40.0) == ("its first MoE layer call began 4.00 ms into the forward, its first CPU job "
+                                       "10.50 ms; its last CPU job ended 7.00 ms and its last returned 7.00 ms "
+                                       "before the extend's end")
+    assert _ends(calls[:1], 10.0, 8.0) == ("its first MoE layer call began 4.00 ms into the forward, its last "
+                                          "returned 1.00 ms before the extend's end; no CPU job")
 
 
 def test_spy_top_counts_each_thread_self_and_inclusive_frames():
