@@ -35,7 +35,12 @@ class Tiered(NamedTuple):
 
     def without(self, taken) -> "Tiered":
         """The candidates left once `taken` are placed (the must count shrinks by the must ones among them)."""
-        keep = ~np.isin(self.items, np.asarray(taken, dtype=np.int64))
+        taken = np.asarray(taken, dtype=np.int64)
+        if not len(taken) or not len(self.items):
+            return self
+        gone = np.zeros(int(max(self.items.max(), taken.max())) + 1, dtype=bool)  # (ids are >= 0)
+        gone[taken] = True
+        keep = ~gone[self.items]
         return Tiered(self.items[keep], int(keep[: self.must].sum()))
 
 

@@ -49,6 +49,22 @@ def test_pick_aligned_takes_the_must_ones_and_pairs_distinct_candidates():
         ([0, 1, 2, 3, 4], [16, 17, 18, 19, 20])
 
 
+def test_tiered_without_keeps_what_was_not_taken_in_rank():
+    """On fresh random candidates and takings (ids beyond the candidates', repeats, none): the candidates not taken,
+    in their order, the must count less the must ones taken, as a set difference does it."""
+    rng = np.random.default_rng()
+    for _ in range(2000):
+        items = rng.permutation(int(rng.integers(1, 300)))[: int(rng.integers(0, 40))]
+        tiered = Tiered(items, int(rng.integers(0, len(items) + 1)))
+        taken = rng.integers(0, 320, int(rng.integers(0, 30))).tolist()
+        if len(items) and rng.random() < 0.5:
+            taken += rng.choice(items, int(rng.integers(1, len(items) + 1))).tolist()
+        left = tiered.without(taken)
+        kept = [i for i in items.tolist() if i not in set(taken)]
+        assert left.items.tolist() == kept
+        assert left.must == sum(1 for i in items[: tiered.must].tolist() if i not in set(taken))
+
+
 def test_fill_blocks_finds_the_fewest_blocks_a_brute_force_finds():
     """Against every choice of q free slots, on small random slot sets: the greedy's set (must slots and its
     choice) falls in as few blocks of consecutive slots as the best choice's."""
