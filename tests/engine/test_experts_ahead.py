@@ -137,6 +137,42 @@ def test_a_wholly_resident_layer_runs_without_its_routing_and_the_next_layers_co
         torch.testing.assert_close(a, z, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend])
+def test_no_copies_ahead_are_planned_for_a_wholly_resident_layer(cls, monkeypatch):
+    """A layer holding every one of its experts has nothing to copy in: its copies-ahead plan is None and its
+    inputs are never made (the layers of a prompt after its last routed one are queued with the device waiting
+    for them), while the other layers' plans are made as before; outputs equal the reference's."""
+    src, deep = deep_pool()
+    made, planned = [], []
+    row_inputs, plan_row = lookahead.CopiesAhead._row_inputs, lookahead.CopiesAhead._plan_row
+    monkeypatch.setattr(lookahead.CopiesAhead, "_row_inputs", lambda self, i: made.append(i) or row_inputs(self, i))
+
+    def plan(self, i, behind, inputs=None):
+        whole = i < len(self.pool.layers) and bool((self.cache.table.resident[i] >= 0).all())
+        got = plan_row(self, i, behind, inputs)
+        planned.append((i, whole, got))
+        return got
+
+    monkeypatch.setattr(lookahead.CopiesAhead, "_plan_row", plan)
+    b = cls(deep, 3 * E, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True), stream_prefill="off",
+            slot_policy="lfu", lookahead="on")
+    for layer in (0, 4, 5):
+        b.cache.admit(layer, list(range(E)))
+        b.cache.table.unlock_all()
+    x, ids, w = routing(40, seed=int(torch.randint(1 << 30, ())))
+    b.begin_forward(40, K, hold=True, span=40)
+    for layer in range(6):
+        torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w), rtol=1e-5,
+                                   atol=1e-5)
+    b.end_forward()
+    b.close()
+    whole = {i for i, w_, _ in planned if w_}
+    assert {0, 4, 5} <= whole  # the forward's first row at its start, the last two as the rows before them ran
+    assert all(got is None for i, w_, got in planned if w_)
+    assert not whole & set(made)
+    assert any(got is not None for _, w_, got in planned if not w_)  # the others still copy ahead
+
+
 @pytest.mark.parametrize("cls", [OffloadBackend, HybridBackend, CpuBackend])
 def test_a_nearly_resident_layers_last_misses_are_copied_ahead_when_they_fit_the_top_up_time(cls, monkeypatch):
     """Layer 2 holds 6 of its 8 experts; the heat calls the other two unlikely, and the prompt routes to them.
