@@ -17,7 +17,8 @@ expert cache it also prints the host side: torch ops by self CPU time, and the P
 With --extend N (after --prefill P), a short prompt of N tokens on a state holding a P-token prompt, as an agent's
 tool result extends its cached context: its wall time; with an expert cache, each MoE layer call of the last timed
 extend (its misses filled, run on the CPU or copied ahead for the next layer, and when its routing came back and its
-CPU job ran: OffloadBackend.call_log) with where the engine thread sat still in it and the garbage collector's
+CPU job ran: OffloadBackend.call_log; how far into the forward its first layer call and CPU job began, and how long
+before its end its last CPU job ended) with where the engine thread sat still in it and the garbage collector's
 pauses (stalls.Stalls: the timed extends run under its sampler); under the profiler where the compute stream waited
 (its idle gaps over the extend, and the engine thread's torch ops inside them: what the host was doing while the
 device had nothing queued; and its device work by kernel, copies and the wait for a joined CPU job among them), then
