@@ -161,9 +161,10 @@ def test_run_experts_names_a_dtype_mismatch(dev):
 @pytest.mark.parametrize("N", [2, 5, PAIR_ROWS])
 def test_group_blocks_equal_a_block_a_pair(dev, N):
     """group_blocks (every pair of an expert in the block of its first pair, one read of the expert) computes
-    what pair_blocks does, bit for bit, on fresh random routing where most experts serve several tokens (the
-    shared one all of them), with a padding token, and mapped with experts in slots, read in place and run by
-    the CPU (whose rows stay unwritten); more tokens than a block has rows are refused."""
+    what pair_blocks does, bit for bit (under Triton's interpreter within a few float32 units), on fresh random
+    routing where most experts serve several tokens (the shared one all of them), with a padding token, and mapped
+    with experts in slots, read in place and run by the CPU (whose rows stay unwritten); more tokens than a block
+    has rows are refused."""
     seed = int(torch.randint(1 << 30, ()))
     g = torch.Generator().manual_seed(seed)
     E, K, H, I, S = 6, 3, 40, 24, 3
@@ -192,7 +193,11 @@ def test_group_blocks_equal_a_block_a_pair(dev, N):
             y = torch.full((N, K + 1, H), float("nan"), device=dev)
             run_experts(x, *weights, ids, w, blocks, out=(torch.empty(N * (K + 1), I, device=dev), y), mapped=mapped)
             ys.append(y.cpu())
-        assert torch.equal(ys[0].nan_to_num(7.0), ys[1].nan_to_num(7.0)), (seed, mapped is not None)
+        if dev == "cuda":
+            assert torch.equal(ys[0].nan_to_num(7.0), ys[1].nan_to_num(7.0)), (seed, mapped is not None)
+        else:  # the interpreter's dots are numpy's, whose float32 sums may round a row apart by its block's rows
+            torch.testing.assert_close(ys[1], ys[0], rtol=0, atol=4e-7, equal_nan=True,
+                                       msg=f"seed {seed}, mapped {mapped is not None}")
         ran = (ids >= 0) & ((ids != 2) if mapped is not None else True)
         assert not ys[1][ran.cpu()].isnan().any() and ys[1][~ran.cpu()].isnan().all(), seed
     with pytest.raises(ValueError, match="at most"):
