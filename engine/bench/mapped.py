@@ -23,6 +23,7 @@ import torch
 from engine.experts.block_layout import ExpertLayout
 from engine.experts.host_pool import anon_huge_kb, host_buffer
 from engine.experts.synthetic import get_shape
+from engine.kernels.launch import cdiv
 
 
 def _register(buf: torch.Tensor, flags: int) -> bool:
@@ -99,7 +100,7 @@ def run(args) -> dict:
     out = torch.zeros(1, dtype=torch.float32, device="cuda")
     numel = host.numel()
     for block, iters in ((4096, 16), (8192, 8), (2048, 64)):
-        grid = triton.cdiv(numel, block * iters)
+        grid = cdiv(numel, block * iters)
         try:
             t = _time(lambda: _sum_kernel[(grid,)](host, out, numel, BLOCK=block, ITERS=iters, num_warps=8), args.reps)
             res[f"read_{block}x{iters}"] = nbytes / t
@@ -114,7 +115,7 @@ def run(args) -> dict:
         except Exception as exc:  # noqa: BLE001
             res[f"read_tiles_{bn}x{bk}"] = f"failed: {exc}"
     hbm = torch.empty_like(host, device="cuda").copy_(host)
-    res["read_hbm"] = nbytes / _time(lambda: _sum_kernel[(triton.cdiv(numel, 4096 * 16),)](
+    res["read_hbm"] = nbytes / _time(lambda: _sum_kernel[(cdiv(numel, 4096 * 16),)](
         hbm, out, numel, BLOCK=4096, ITERS=16, num_warps=8), args.reps)
 
     # one decode token's routed experts, weights read in place from the host blocks or a device copy

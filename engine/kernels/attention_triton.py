@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import pdl_args, pdl_enter
+from engine.kernels.launch import cdiv, next_pow2, pdl_args, pdl_enter
 
 from engine.layers.attention import attend_reference
 from engine.layers.norm import rms_norm
@@ -190,7 +190,7 @@ def _precision(x: torch.Tensor) -> str:
 
 def decode_splits(cap: int) -> int:
     """Key ranges a decode step splits each (sequence, KV head) into: enough programs for long contexts."""
-    return max(4, min(64, triton.cdiv(cap, 1024)))
+    return max(4, min(64, cdiv(cap, 1024)))
 
 
 def decode_attention(q: torch.Tensor, proj: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor,
@@ -206,11 +206,11 @@ def decode_attention(q: torch.Tensor, proj: torch.Tensor, k_slab: torch.Tensor, 
     bn = 64 if D <= 128 else 32
     _decode_split_kernel[(B, c.kv_heads, splits)](q, k_slab, v_slab, slots, positions, o_part, lse, D ** -0.5, cap,
                                                   c.heads, c.kv_heads, splits, G=G,
-                                                  GP=max(16, triton.next_power_of_2(G)),
+                                                  GP=max(16, next_pow2(G)),
                                                   D=D, BN=bn, PREC=_precision(q), num_warps=4, **pdl_args(q))
     out = out if out is not None else torch.empty(B, c.heads * D, dtype=q.dtype, device=q.device)
     _combine_kernel[(B, c.heads)](o_part, lse, proj, proj.stride(0), out, c.heads, splits, c.q_width, D=D,
-                                  BS=triton.next_power_of_2(splits), GATED=c.gated, num_warps=4, **pdl_args(o_part))
+                                  BS=next_pow2(splits), GATED=c.gated, num_warps=4, **pdl_args(o_part))
     return out
 
 

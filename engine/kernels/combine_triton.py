@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import cdiv
+
 BLOCK_H = 512
 
 
@@ -34,5 +36,5 @@ def combine_rows(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"combine_rows: y must be contiguous [{T * K}, H] for w [{T}, {K}], got {tuple(y.shape)}")
     out = torch.empty(T, H, dtype=y.dtype, device=y.device)
     if T:
-        _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, w.contiguous(), out, H, K=K, BH=BLOCK_H, num_warps=4)
+        _combine_kernel[(T, cdiv(H, BLOCK_H))](y, w.contiguous(), out, H, K=K, BH=BLOCK_H, num_warps=4)
     return out

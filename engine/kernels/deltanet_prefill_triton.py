@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import cdiv, next_pow2
+
 BLOCK_T, BLOCK_C = 32, 128
 
 
@@ -67,9 +69,9 @@ def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor
     out = torch.empty(T, C, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C))
+    grid = (cdiv(T, BLOCK_T), cdiv(C, BLOCK_C))
     _conv_prefill_kernel[grid](x, x.stride(0), conv_state, conv_w.contiguous(), out, T, C, KW=km1 + 1,
-                               BT=BLOCK_T, BC=BLOCK_C, BW=triton.next_power_of_2(max(km1, 2)), num_warps=4)
+                               BT=BLOCK_T, BC=BLOCK_C, BW=next_pow2(max(km1, 2)), num_warps=4)
     return out
 
 
@@ -103,6 +105,6 @@ def prefill_gates(proj: torch.Tensor, b_off: int, a_off: int, neg_A: torch.Tenso
     g = torch.empty(T, Hv, dtype=torch.float32, device=proj.device)
     if T:
         bt = 32
-        _gates_kernel[(triton.cdiv(T, bt),)](proj, proj.stride(0), b_off, a_off, neg_A.contiguous(), dt_bias, beta,
-                                             g, T, Hv, BT=bt, BH=triton.next_power_of_2(Hv), num_warps=4)
+        _gates_kernel[(cdiv(T, bt),)](proj, proj.stride(0), b_off, a_off, neg_A.contiguous(), dt_bias, beta,
+                                             g, T, Hv, BT=bt, BH=next_pow2(Hv), num_warps=4)
     return beta, g

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import last_to_finish, pdl_args, pdl_enter, zeroed_counts
+from engine.kernels.launch import cdiv, last_to_finish, next_pow2, pdl_args, pdl_enter, zeroed_counts
 
 from engine.layers.delta_rule import recurrent_gated_delta_rule
 from engine.layers.norm import gated_rms_norm
@@ -68,9 +68,9 @@ def conv_step(proj: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
         raise ValueError("conv_step wants slots int32 [B]")
     out = out if out is not None else torch.empty(B, C, dtype=proj.dtype, device=proj.device)
     block_c = 256
-    _conv_step_kernel[(B, triton.cdiv(C, block_c))](proj, proj.stride(0), conv_state, slots, conv_w.contiguous(),
+    _conv_step_kernel[(B, cdiv(C, block_c))](proj, proj.stride(0), conv_state, slots, conv_w.contiguous(),
                                                     out, C, KW=km1 + 1, BLOCK_C=block_c,
-                                                    BLOCK_W=triton.next_power_of_2(max(km1, 2)), num_warps=4,
+                                                    BLOCK_W=next_pow2(max(km1, 2)), num_warps=4,
                                                     **pdl_args(proj))
     return out
 
@@ -251,8 +251,8 @@ def gated_norm(o: torch.Tensor, proj: torch.Tensor, z_off: int, consts: RuleCons
     if not o.is_contiguous() or o.shape != (N, values) or proj.stride(1) != 1 or proj.shape[1] < z_off + values:
         raise ValueError(f"gated_norm: o must be contiguous [N, {values}] and proj hold z at column {z_off}")
     out = out if out is not None else torch.empty(N, values, dtype=proj.dtype, device=o.device)
-    bh = min(triton.next_power_of_2(c.value_heads), max(1, 4096 // c.value_dim))  # heads a program (masked)
-    _gated_norm_kernel[(N, triton.cdiv(c.value_heads, bh))](o, proj, proj.stride(0), z_off, c.norm_w, out, c.eps,
+    bh = min(next_pow2(c.value_heads), max(1, 4096 // c.value_dim))  # heads a program (masked)
+    _gated_norm_kernel[(N, cdiv(c.value_heads, bh))](o, proj, proj.stride(0), z_off, c.norm_w, out, c.eps,
                                                             c.value_heads, DV=c.value_dim, BH=bh, num_warps=4,
                                                             **pdl_args(o))
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import pdl_args, pdl_enter
+from engine.kernels.launch import cdiv, next_pow2, pdl_args, pdl_enter
 
 SKINNY_ROWS = 16
 
@@ -82,8 +82,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         raise ValueError("skinny_linear wants contiguous x and w of one dtype")
     y = out if out is not None else torch.empty(M, N, dtype=dtype or x.dtype, device=x.device)
     bn, bk, warps, stages = tiles or skinny_tiles(N)
-    bk = min(bk, triton.next_power_of_2(K))
+    bk = min(bk, next_pow2(K))
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 exact; 16-bit inputs ignore it
-    _skinny_kernel[(triton.cdiv(N, bn),)](x, w, y, M, N, K, BM=SKINNY_ROWS, BN=bn, BK=bk, PREC=prec, num_warps=warps,
+    _skinny_kernel[(cdiv(N, bn),)](x, w, y, M, N, K, BM=SKINNY_ROWS, BN=bn, BK=bk, PREC=prec, num_warps=warps,
                                           num_stages=stages, **pdl_args(x))
     return y

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import next_pow2
 from engine.kernels.moe_pairs_triton import LOC_CPU, _topk_row
 
 # spins of the wait kernel (one read of host memory each, ~1 us over PCIe) before it gives up: the CPU
@@ -101,8 +102,8 @@ def publish(box, row: int, h: torch.Tensor, logits: torch.Tensor, valid: torch.T
     E = logits.shape[1] - (1 if shared else 0)
     kp = top_k + (1 if shared else 0)
     _publish_kernel[(1,)](h, logits, logits.stride(0), E, valid, N, H, box.ids, box.x, box.meta, box.seq, row,
-                          K=top_k, KP=kp, SHARED=shared, NORM=norm_topk, BLOCK_E=triton.next_power_of_2(E),
-                          BLOCK_K=triton.next_power_of_2(max(kp, 2)), BLOCK_H=1024, num_warps=4)
+                          K=top_k, KP=kp, SHARED=shared, NORM=norm_topk, BLOCK_E=next_pow2(E),
+                          BLOCK_K=next_pow2(max(kp, 2)), BLOCK_H=1024, num_warps=4)
     _post_kernel[(1,)](box.seq, box.posted, num_warps=1)
 
 
@@ -112,7 +113,7 @@ def join(box, row: int, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     N, KP, H = y.shape
     P = N * KP
     _wait_kernel[(1,)](ids, loc, P, box.seq, box.done, box.err, box.spins[row:], WAIT_LIMIT,
-                       BLOCK_P=triton.next_power_of_2(max(P, 2)), num_warps=1)
+                       BLOCK_P=next_pow2(max(P, 2)), num_warps=1)
     _join_kernel[(P,)](ids, weights, loc, y, box.out, H, BLOCK_H=1024, num_warps=4)
 
 

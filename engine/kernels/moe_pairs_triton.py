@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import pdl_args, pdl_enter
+from engine.kernels.launch import next_pow2, pdl_args, pdl_enter
 
 @triton.jit
 def _topk_row(logits_ptr, row, stride, E, valid, K: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr,
@@ -92,8 +92,8 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool, shared: bool,
     ids, w = out if out is not None else (torch.empty(N, kp, dtype=torch.int32, device=logits.device),
                                           torch.empty(N, kp, dtype=torch.float32, device=logits.device))
     _route_topk_kernel[(N,)](logits, ids, w, valid, logits.stride(0), E, K=top_k, KP=kp, SHARED=shared,
-                             NORM=norm_topk, BLOCK_E=triton.next_power_of_2(E),
-                             BLOCK_K=triton.next_power_of_2(kp), num_warps=4, **pdl_args(logits))
+                             NORM=norm_topk, BLOCK_E=next_pow2(E),
+                             BLOCK_K=next_pow2(kp), num_warps=4, **pdl_args(logits))
     return ids, w
 
 
@@ -252,7 +252,7 @@ def expert_blocks_fused(ids: torch.Tensor, num_experts: int, bm: int) -> Blocks:
     expert = torch.empty((nb,), dtype=torch.int32, device=ids.device)
     if P:
         _expert_blocks_kernel[(num_experts + 1,)](flat, rows, expert, P, num_experts, nb, BM=bm,
-                                                  BLOCK_E=triton.next_power_of_2(num_experts + 1), CHUNK=256,
+                                                  BLOCK_E=next_pow2(num_experts + 1), CHUNK=256,
                                                   num_warps=4, **pdl_args(flat))
     return Blocks(rows, expert)
 

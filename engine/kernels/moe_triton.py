@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import pdl_args, pdl_enter
+from engine.kernels.launch import cdiv, next_pow2, pdl_args, pdl_enter
 from engine.kernels.moe_pairs_triton import (PAIR_ROWS, ROUTE_GROUP_TOKENS, Blocks, ExpertMap, _topk_row,
                                              group_blocks, pair_blocks, route_topk)
 from engine.kernels.stage_triton import stage_programs
@@ -174,8 +174,8 @@ def _tiles(bm: int, n: int, k: int, up: bool) -> tuple[int, int, int, int]:
     runs 17 us a layer against 7.5 on resident experts and gains nothing over PCIe in the offload decode
     (docs/PERF.md, twelfth session)."""
     if bm <= 16:
-        return min(64, triton.next_power_of_2(n)), min(128, triton.next_power_of_2(k)), 4, 4 if up else 3
-    return min(64, triton.next_power_of_2(n)), min(64, triton.next_power_of_2(k)), 4, 3
+        return min(64, next_pow2(n)), min(128, next_pow2(k)), 4, 4 if up else 3
+    return min(64, next_pow2(n)), min(64, next_pow2(k)), 4, 3
 
 
 # polls of the copy's done count a staged gate/up tile makes before it reads its rows from the host instead
@@ -270,7 +270,7 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
     else:
         act, y = out
     nb, bm = blocks.rows.shape
-    group = {"GROUP": blocks.group, "BLOCK_P": triton.next_power_of_2(nb) if blocks.group else 1}
+    group = {"GROUP": blocks.group, "BLOCK_P": next_pow2(nb) if blocks.group else 1}
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 exact; 16-bit inputs ignore it
     if route is None:
         logits, lstride, E, valid, top_k, shared, norm = x, 0, 0, blocks.expert, 1, False, False
@@ -287,15 +287,15 @@ def _launch(x, gate_up, down, blocks: Blocks, weights, out, tiles, route, mapped
     # a staged layer's gate/up waits for the prefetch's pick on another stream: plain stream order, no PDL edge
     pdl = {"PDL": False, "launch_pdl": False} if staged else pdl_args(x)
     bn, bk, warps, stages = tiles[0] if tiles else _tiles(bm, I, H, up=True)
-    _expert_up_kernel[(nb, triton.cdiv(I, bn))](
+    _expert_up_kernel[(nb, cdiv(I, bn))](
         x, gate_up, gate_up.stride(0), blocks.rows, blocks.expert, act, H, I, KP, nb, logits, lstride, E, valid,
         weights,
         *up_map, *stage, BM=bm, BN=bn, BK=bk, PREC=prec, ROUTE=route is not None, K=top_k, SHARED=shared,
-        NORM=norm, BLOCK_E=triton.next_power_of_2(max(E, 2)), BLOCK_K=triton.next_power_of_2(max(KP, 2)),
+        NORM=norm, BLOCK_E=next_pow2(max(E, 2)), BLOCK_K=next_pow2(max(KP, 2)),
         MAPPED=mapped is not None, STAGED=staged, WAIT=wait, SPIN=STAGE_SPIN, **group, num_warps=warps,
         num_stages=stages, **pdl)
     bn, bk, warps, stages = tiles[1] if tiles else _tiles(bm, H, I, up=False)
-    _expert_down_kernel[(nb, triton.cdiv(H, bn))](
+    _expert_down_kernel[(nb, cdiv(H, bn))](
         act, down, down.stride(0), blocks.rows, blocks.expert, weights, y, H, I, nb, *down_map,
         BM=bm, BN=bn, BK=bk, PREC=prec, MAPPED=mapped is not None, **group, num_warps=warps, num_stages=stages,
         **pdl_args(act))

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import last_to_finish, pdl_args, pdl_enter, zeroed_counts
+from engine.kernels.launch import cdiv, last_to_finish, next_pow2, pdl_args, pdl_enter, zeroed_counts
 from engine.kernels.moe_pairs_triton import _topk_of
 
 from engine.layers.norm import rms_norm
@@ -90,7 +90,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     x_out, h = out if out is not None else (torch.empty_like(x) if delta is not None else x, torch.empty_like(x))
     _add_rms_norm_kernel[(N,)](x, delta if delta is not None else x, weight, x_out, h, eps, H,
                                R=0 if delta is None else delta.shape[1], ZERO_CENTERED=zero_centered,
-                               HAS_DELTA=delta is not None, BLOCK_H=triton.next_power_of_2(H),
+                               HAS_DELTA=delta is not None, BLOCK_H=next_pow2(H),
                                num_warps=4 if H <= 2048 else 8, **pdl_args(x))
     return x_out, h
 
@@ -205,7 +205,7 @@ def _router_seam(x, delta, weight, eps, zero_centered, guess_w, router_w, out, r
     x_out, h, logits = out if out is not None else (
         torch.empty_like(x), torch.empty_like(x),
         torch.empty(N, E, dtype=x.dtype if guess_w is None else torch.float32, device=x.device))
-    block_h = triton.next_power_of_2(H)
+    block_h = next_pow2(H)
     be = max(1, min(16, 8192 // block_h))  # a [BE, H] router tile of at most 8k values per program
     if route is None:
         topk = dict(TOPK=False, K=1, KP=1, SHARED=False, NORM_TOPK=False, BLOCK_E=2, BLOCK_K=2)
@@ -213,9 +213,9 @@ def _router_seam(x, delta, weight, eps, zero_centered, guess_w, router_w, out, r
     else:
         kp = route.top_k + route.shared
         topk = dict(TOPK=True, K=route.top_k, KP=kp, SHARED=route.shared, NORM_TOPK=route.norm_topk,
-                    BLOCK_E=triton.next_power_of_2(E - route.shared), BLOCK_K=triton.next_power_of_2(max(kp, 2)))
+                    BLOCK_E=next_pow2(E - route.shared), BLOCK_K=next_pow2(max(kp, 2)))
         into = (route.valid, route.ids, route.weights, zeroed_counts("router seam", N, x.device))
-    _add_norm_router_kernel[(N, triton.cdiv(E, be))](x, delta, weight, x_out, h,
+    _add_norm_router_kernel[(N, cdiv(E, be))](x, delta, weight, x_out, h,
                                                      weight if guess_w is None else guess_w, router_w,
                                                      router_w.stride(0), logits, eps, H, E, *into, R=delta.shape[1],
                                                      ZERO_CENTERED=zero_centered, BLOCK_H=block_h, BE=be,

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import next_pow2
+
 
 @triton.jit(do_not_specialize=["layer", "clock"])
 def _route_kernel(ids_ptr, resident_ptr, owner_ptr, stamp_ptr, slot_ids_ptr, fill_e_ptr, fill_s_ptr,
@@ -72,7 +74,7 @@ def route_triton(topk_ids: torch.Tensor, resident: torch.Tensor, owner: torch.Te
     num_layers, num_experts = resident.shape
     tk, s = topk_ids.numel(), owner.numel()
     f = min(tk, num_experts)
-    block_tk, block_e = triton.next_power_of_2(tk), triton.next_power_of_2(num_experts)
+    block_tk, block_e = next_pow2(tk), next_pow2(num_experts)
     if block_tk * block_e > 1 << 16 or s > 1 << 15:
         raise ValueError(f"route_triton is a decode kernel: {tk} routed pairs x {num_experts} experts or "
                          f"{s} slots is too many for one program; use route_ref")
@@ -82,11 +84,11 @@ def route_triton(topk_ids: torch.Tensor, resident: torch.Tensor, owner: torch.Te
     fill_s = torch.empty(f, dtype=torch.int32, device=dev)
     cpu = torch.empty(num_experts, dtype=torch.int8, device=dev)
     counts = torch.empty(2, dtype=torch.int32, device=dev)
-    block_s = triton.next_power_of_2(s)
+    block_s = next_pow2(s)
     scratch_sorted = torch.empty(block_s, dtype=torch.int64, device=dev)
     scratch_order = torch.empty(block_e, dtype=torch.int32, device=dev)
     _route_kernel[(1,)](topk_ids, resident, owner, stamp, slot_ids, fill_e, fill_s, cpu, counts,
                         scratch_sorted, scratch_order, layer, clock, ratio,
                         TK=tk, E=num_experts, S=s, F=f, BLOCK_TK=block_tk, BLOCK_E=block_e,
-                        BLOCK_S=block_s, BLOCK_F=triton.next_power_of_2(f), num_warps=8)
+                        BLOCK_S=block_s, BLOCK_F=next_pow2(f), num_warps=8)
     return slot_ids, fill_e, fill_s, cpu.bool(), counts

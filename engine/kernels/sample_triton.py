@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import cdiv, next_pow2
+
 BLOCK_V = 4096  # tokens a program races (a 248k vocabulary: 61 programs a row)
 NOISE_MIN = 1e-20  # the smallest Exp(1) draw, as sampling.NOISE_MIN (a draw of 0 would win whatever its token)
 
@@ -45,11 +47,11 @@ def race_rows(logits: torch.Tensor, temperature: float, seed: int, block: int = 
     if logits.dim() != 2 or logits.stride(1) != 1 or not temperature > 0:
         raise ValueError("race_rows: logits must be [n, V] with unit stride along V, temperature > 0")
     n, V = logits.shape
-    nb = triton.cdiv(V, block)
+    nb = cdiv(V, block)
     best = torch.empty(n, nb, dtype=torch.float32, device=logits.device)
     where = torch.empty(n, nb, dtype=torch.int32, device=logits.device)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     _race_blocks_kernel[(n, nb)](logits, logits.stride(0), V, 1.0 / temperature, seed, best, where, nb,
                                  NOISE_MIN=NOISE_MIN, BLOCK=block)
-    _race_pick_kernel[(n,)](best, where, out, nb, BLOCK_NB=triton.next_power_of_2(max(nb, 2)))
+    _race_pick_kernel[(n,)](best, where, out, nb, BLOCK_NB=next_pow2(max(nb, 2)))
     return out

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import cdiv, next_pow2
 from engine.kernels.moe_pairs_triton import LOC_HOST
 
 @triton.jit
@@ -72,9 +73,9 @@ STAGE_BLOCK, STAGE_PROGRAMS, STAGE_WARPS = 4096, 32, 4
 def stage_grid(inter: int, hidden: int, rows: int | None = None) -> tuple[int, int]:
     """(programs, loads each) of stage_guess's copy for experts of this width staging `rows` (None: all) of the
     gate and of the up rows. The programs are the done count at which every staged row has landed."""
-    loads = triton.cdiv(2 * (inter if rows is None else rows) * hidden, STAGE_BLOCK)
+    loads = cdiv(2 * (inter if rows is None else rows) * hidden, STAGE_BLOCK)
     programs = min(STAGE_PROGRAMS, loads)
-    return programs, triton.cdiv(loads, programs)
+    return programs, cdiv(loads, programs)
 
 
 def stage_programs(inter: int, hidden: int, rows: int | None = None) -> int:
@@ -108,7 +109,7 @@ def stage_guess(logits: torch.Tensor, valid: torch.Tensor, loc: torch.Tensor, ho
     if done is None:
         done = torch.zeros(1, dtype=torch.int32, device=logits.device)
     _stage_pick_kernel[(1,)](logits, logits.stride(0), valid, E, loc, stage_id, done, N=N,
-                             BLOCK_E=triton.next_power_of_2(max(E, 2)))
+                             BLOCK_E=next_pow2(max(E, 2)))
     if picked is not None:
         picked()
     programs, loads = stage_grid(I, H, rows)
