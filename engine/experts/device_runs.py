@@ -1,8 +1,9 @@
 """Device runs: the experts of a layer call that run on the device, from their slots.
 
 Hits run from their slots while the fills copy in, then the fills run: with `grouped` (the default on CUDA) in
-two launch pairs of the grouped Triton kernels reading the slots in place; else, and when the fills go in rounds (a
-cache smaller than one step's experts), one expert at a time through torch (slot_runner.py). A layer with every
+two launch pairs of the grouped Triton kernels reading the slots in place (one pair after the copies in a prompt's
+call with a CPU job, which the layer waits for anyway); else, and when the fills go in rounds (a cache smaller than
+one step's experts), one expert at a time through torch (slot_runner.py). A layer with every
 expert in a slot (streamed, or wholly resident in a routed prompt) runs without reading its routing back, counted
 later at settle() (counting.py).
 
@@ -18,6 +19,7 @@ import time
 import torch
 
 from engine.experts.compute import Routing, combine
+from engine.experts.cpu_jobs import PROMPT_TOKENS
 from engine.experts.slot_cache import COALESCE_FILLS
 
 
@@ -65,6 +67,13 @@ class DeviceRuns:
         coalesce = len(want) > COALESCE_FILLS
         admitted = self.cache.admit(layer, want, with_cpu=with_cpu, coalesce=coalesce, bonus=self.keep_bonus(layer))
         if self.grouped and len(admitted) == len(fills) and x.dtype == self.pool.dtype:
+            if fills and with_cpu and x.shape[0] >= PROMPT_TOKENS:
+                # a prompt's CPU job runs meanwhile and the layer's output waits for it: hits and fills in one launch
+                # pair once the fills are in (the engine thread queues one launch_blocks, ~0.8 ms of it on the H100
+                # box, fewer before the layers after it; the device computes the hits after the copies, not beside)
+                self.cache.ready()
+                self.runner.run_grouped(x, y, routing, hits + fills, hit_slots + admitted, topk_ids)
+                return False
             self.runner.run_grouped(x, y, routing, hits, hit_slots, topk_ids)  # overlapping the copies
             self.cache.ready()
             self.runner.run_grouped(x, y, routing, fills, admitted, topk_ids)

@@ -128,7 +128,8 @@ def test_grouped_device_experts_match_one_at_a_time(pool, cls, slots):
     """The grouped Triton kernels reading the slots in place (the CUDA default; here under Triton's
     interpreter) against one expert at a time through torch, on fresh routing: same outputs to fp32 rounding,
     the same experts counted, every miss served. With 3 slots a 40-token step fills in rounds and takes the torch
-    path; a 64-token step's grouped calls take blocks made on the host (SlotRunner.launch_blocks). (Hits may
+    path; a 64-token step's grouped calls take blocks made on the host (SlotRunner.launch_blocks), and hybrid's
+    40- and 64-token calls with fills and a CPU job run hits and fills in one launch pair after the copies. (Hits may
     differ: a wholly resident layer's grouped call counts its experts' use only at the forward's end, settle(),
     so a later layer's fills in the same forward may evict other slots than the torch path's.)"""
     pytest.importorskip("triton")
