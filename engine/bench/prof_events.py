@@ -51,6 +51,35 @@ def compute_gaps(prof) -> dict:
             "streams": {str(s): union_us(v) / 1e3 for s, v in dev.items()}}
 
 
+def copy_timeline(prof) -> dict | None:
+    """The copy stream's place in the profiled work (the stream with the most host-to-device copy time): when its
+    first copy began and its last one ended, in ms from the first device work of any stream and before the last
+    one's end, and its idle gaps of GAP_US or more between them (the longest first). An extend's copies ahead wait
+    for slots the layers before free, so this says how long the copy engine, one of the two paths a hybrid extend
+    is bound by, sat out its start, its middle and its end. None when the profile holds no such copy."""
+    spans, everything = defaultdict(list), []
+    for ev in prof.events():
+        if ev.time_range is None or ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (ev.time_range.start, ev.time_range.end)
+        everything.append(span)
+        if ev.name.lower().startswith("memcpy htod"):
+            spans[ev.device_resource_id].append(span)
+    if not spans:
+        return None
+    stream = max(spans, key=lambda s: union_us(spans[s]))
+    copies = sorted(spans[stream])
+    origin, end = min(a for a, _ in everything), max(b for _, b in everything)
+    gaps, reach = [], copies[0][1]
+    for a, b in copies[1:]:
+        if a - reach >= GAP_US:
+            gaps.append(((reach - origin) / 1e3, (a - reach) / 1e3))
+        reach = max(reach, b)
+    return {"stream": stream, "first_ms": (copies[0][0] - origin) / 1e3, "ends_before_ms": (end - reach) / 1e3,
+            "span_ms": (end - origin) / 1e3, "busy_ms": union_us(copies) / 1e3, "idle_ms": sum(ms for _, ms in gaps),
+            "gaps": sorted(gaps, key=lambda g: -g[1])}
+
+
 def device_work_by_kernel(prof, top: int = 20) -> list[tuple[str, int, float]]:
     """A profile's device work by kernel name, copies included: (name, calls, ms), most time first. A CPU job
     joined on the device shows as the kernel that waits for its flag (mailbox_triton.py), busy while the device

@@ -21,7 +21,8 @@ CPU job ran: OffloadBackend.call_log; how far into the forward its first layer c
 before its end its last CPU job ended) with where the engine thread sat still in it and the garbage collector's
 pauses (stalls.Stalls: the timed extends run under its sampler); under the profiler where the compute stream waited
 (its idle gaps over the extend, and the engine thread's torch ops inside them: what the host was doing while the
-device had nothing queued; and its device work by kernel, copies and the wait for a joined CPU job among them), then
+device had nothing queued; when the copy stream began and stopped copying and its idle gaps between; and its
+device work by kernel, copies and the wait for a joined CPU job among them), then
 the Python functions by their own and cumulative time (cProfile, another run), and on CUDA the host syncs of one
 more extend by the engine line that made each (syncs.SyncSites).
 """
@@ -36,7 +37,7 @@ from collections import defaultdict
 import torch
 
 from engine.bench.args import set_expert_threads_from
-from engine.bench.prof_events import GAP_US, compute_gaps, device_work_by_kernel, host_ops, union_us
+from engine.bench.prof_events import GAP_US, compute_gaps, copy_timeline, device_work_by_kernel, host_ops, union_us
 from engine.bench.report import print_buckets, print_split
 from engine.bench.stalls import Stalls
 from engine.bench.syncs import SyncSites
@@ -294,6 +295,7 @@ def _extend(model, args, sync, g) -> dict:
     if args.extend_trace:
         prof.export_chrome_trace(args.extend_trace)
     gaps = compute_gaps(prof)
+    copies = copy_timeline(prof)
     kernels = device_work_by_kernel(prof)
     cp = cProfile.Profile()  # a context manager: enabled inside once()'s `with`
     cprofile_wall = once(cp)
@@ -313,6 +315,8 @@ def _extend(model, args, sync, g) -> dict:
           f"idle {gaps['idle_ms']:.1f} ms in {len(gaps['gaps'])} gaps of {GAP_US} us or more; every stream busy "
           + ", ".join(f"{s} {ms:.1f} ms" for s, ms in gaps["streams"].items()) + " (compute: "
           + str(gaps.get("stream")) + ")")
+    if copies is not None:
+        print(_copy_line(copies))
     print(f"{'kernel (the profiled extend, every stream)':<72}{'calls':>7}{'ms':>9}")
     for name, calls, ms in kernels:
         print(f"{name[:71]:<72}{calls:>7}{ms:>9.2f}")
@@ -351,7 +355,7 @@ def _extend(model, args, sync, g) -> dict:
             "forward_at_runs": starts,
             "stalls_runs": [_stalls_json(w, calls[0].at if calls else 0.0) for w, calls in zip(stalls, layer_calls)],
             "prompt_buckets": buckets, "policy_at_start": policy,
-            "compute_stream": gaps, "kernels": kernels, "functions_own": own,
+            "compute_stream": gaps, "copy_stream": copies, "kernels": kernels, "functions_own": own,
             "functions_cumulative": cumulative, "syncs": syncs.sites()}
 
 
@@ -407,6 +411,15 @@ def _print_calls(calls, which: str) -> None:
         if c.tail_ms == c.tail_ms:  # (not nan)
             print(f"the last routed layer ({c.layer}): its fills landed {c.tail_ms:+.2f} ms after its CPU job's end "
                   "(negative: the device waited for the job; hybrid.TailClock)")
+
+
+def _copy_line(c: dict) -> str:
+    """prof_events.copy_timeline's copy stream as one line: where in the profiled extend's device work it copied."""
+    longest = ", ".join(f"{ms:.2f} at {at:.2f}" for at, ms in c["gaps"][:4])
+    return (f"copy stream {c['stream']}: its first copy began {c['first_ms']:.2f} ms into the device's work and its "
+            f"last ended {c['ends_before_ms']:.2f} ms before that work's end ({c['span_ms']:.1f} ms); busy "
+            f"{c['busy_ms']:.1f} ms, idle {c['idle_ms']:.1f} ms between in {len(c['gaps'])} gaps of {GAP_US} us or "
+            f"more" + (f" (the longest: {longest})" if longest else ""))
 
 
 def _ends(calls, start: float, wall_ms: float) -> str:

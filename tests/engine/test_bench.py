@@ -417,6 +417,40 @@ def test_profile_decode_extend_gaps_name_the_engine_threads_ops_inside_them():
     assert compute_gaps(NS(events=lambda: [top]))["gaps"] == []  # no device work: nothing to say
 
 
+def test_profile_decode_places_the_copy_stream_in_the_extends_device_work():
+    """The stream with the most host-to-device copy time: its first copy's start from the first device work of any
+    stream, its last copy's end before the last device work's end, its busy time (overlaps once) and its gaps of
+    GAP_US or more between copies, the longest first; another stream's copies, device-to-host copies, host events
+    and spanless events do not count; no such copy: None."""
+    from types import SimpleNamespace as NS
+
+    from engine.bench.prof_events import GAP_US, copy_timeline
+    from engine.bench.profile_decode import _copy_line
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(start, end, name, stream=9, device=cuda):
+        return NS(time_range=NS(start=start, end=end), name=name, device_type=device, device_resource_id=stream)
+
+    events = [ev(0, 400, "k0", 7), ev(1000, 3000, "Memcpy HtoD (Pinned -> Device)"),
+              ev(2500, 3050, "Memcpy HtoD (Pinned -> Device)"),  # overlaps the one before: no gap
+              ev(3050 + GAP_US - 1, 4000, "Memcpy HtoD (Pinned -> Device)"),  # shorter than GAP_US: spacing
+              ev(4000 + 2 * GAP_US, 5000, "Memcpy HtoD (Pinned -> Device)"),
+              ev(5000 + 5 * GAP_US, 6000, "Memcpy HtoD (Pinned -> Device)"),
+              ev(0, 200, "Memcpy HtoD (Pinned -> Device)", 11),  # a smaller copy stream
+              ev(6000, 7500, "Memcpy DtoH (Device -> Pinned)", 7), ev(7500, 8000, "k1", 7),
+              ev(0, 9000, "aten::copy_", None, cpu), NS(time_range=None, name="x", device_type=cuda)]
+    c = copy_timeline(NS(events=lambda: events))
+    assert c["stream"] == 9 and c["first_ms"] == 1.0 and c["ends_before_ms"] == 2.0 and c["span_ms"] == 8.0
+    assert c["gaps"] == [(5.0, 5 * GAP_US / 1e3), (4.0, 2 * GAP_US / 1e3)]
+    assert c["idle_ms"] == 7 * GAP_US / 1e3
+    assert c["busy_ms"] == (3050 - 1000 + 4000 - 3050 - GAP_US + 1 + 1000 - 2 * GAP_US + 1000 - 5 * GAP_US) / 1e3
+    line = _copy_line(c)
+    assert line.startswith("copy stream 9: its first copy began 1.00 ms") and "last ended 2.00 ms before" in line
+    assert f"in 2 gaps of {GAP_US} us or more (the longest: {5 * GAP_US / 1e3:.2f} at 5.00" in line
+    assert copy_timeline(NS(events=lambda: events[:1] + events[-4:])) is None
+
+
 def test_profile_decode_prints_an_extends_layer_calls(capsys):
     """One row a MoE layer call: when it started (from the first call), its plan, its copy calls, and its times; a
     call that read no routing back or ran nothing on the CPU shows '-' there, as an entry whose copies were not
