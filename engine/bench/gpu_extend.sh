@@ -9,6 +9,8 @@
 #     OUT=/some/dir bash engine/bench/gpu_extend.sh
 #     TESTS=1 ...       first the CUDA expert, kernel and mailbox tests, the prompt's last rows' and the native
 #                       runner's (~50 s)
+# Before the extends, engine/bench/host_python.py: how much slower the engine thread's Python runs beside the
+# CPU's expert workers (host_python.{txt,json}).
 #     ARGS="..." ...    more bench model flags for every process (an arm: --extend-idle-ms 300, --cpu-join host)
 #     PROFILE_ARGS="..." more profile_decode flags (--extend-runs 8: more timed extends, each with its stalls)
 #     PACK=FILE ...     also keeps FILE, a tarball of OUT, fresh every 15 s (see gpu_prelude.sh)
@@ -41,6 +43,9 @@ if [ -n "${TESTS:-}" ]; then
         > "$OUT/pytest.txt" 2>&1
     status pytest $?; tail -1 "$OUT/pytest.txt" >> "$S"
 fi
+# the engine thread's Python idle against beside the prompt workers' read pass (and pinned): ~10 s
+timeout "$(upto 40)" $PY -m engine.bench.host_python --json "$OUT/host_python.json" > "$OUT/host_python.txt" 2>&1
+status host_python $?; cat "$OUT/host_python.txt" >> "$S"
 EXT="--synthetic qwen3.6-35b-a3b --layers 8 --batches 1 --moe-slots 37.5% --moe-backend hybrid --steps 8 --warmup 8
      --prefill-runs 1 --extend-runs 5 ${ZIPF:+--router-zipf $ZIPF}"
 # a process takes ~25-35 s once the kernels are compiled; the first on a box without the Triton cache compiles and

@@ -345,6 +345,11 @@ class CpuExpertRunner:
             raise ValueError("profiling needs the native extension")
         return dict(self._pool.profile())
 
+    @property
+    def cpus(self) -> list[int]:
+        """The CPUs the workers are pinned to, in worker order (empty: not pinned; the torch fallback)."""
+        return list(self._pool.cpus) if self.backend == "native" else []
+
     def read_bandwidth_pass(self, buf: torch.Tensor, streams: int = 1, chunk_bytes: int = 0) -> int:
         """One read of a contiguous CPU tensor on this runner's threads (native only); returns the XOR of its
         8-byte words. chunk_bytes 0: each worker reads its own contiguous part (STREAM's static split); else
