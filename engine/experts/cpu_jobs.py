@@ -125,7 +125,7 @@ class CpuJobs:
         pos.copy_(torch.from_numpy(jobs.pos))
         if copied is not None:
             copied.synchronize()  # (done already where stage() queued the copy: the routing's read-back waited)
-        runner.post_gather(table, jobs.experts.tolist(), (jobs.pos // top_k).tolist(), rows, vals,
+        runner.post_gather(table, jobs.experts, jobs.pos // top_k, rows, vals,
                            self._flag if seq is not None else None, seq or 0)
         self._posted = runner
         return PostedJob(runner, pos, vals, in_place)

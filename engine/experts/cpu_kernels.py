@@ -225,7 +225,8 @@ class CpuExpertRunner:
     def post_gather(self, table: ExpertTable, experts: list, rows: list, x: torch.Tensor, out: torch.Tensor,
                     flag: torch.Tensor | None = None, seq: int = 0) -> None:
         """run_gather's job started, not waited for: the pool's workers take it at once and the caller goes on (a
-        prompt's CPU job with no Python thread between: cpu_jobs.CpuJobs). The worker that ends it stores seq into
+        prompt's CPU job with no Python thread between: cpu_jobs.CpuJobs). experts and rows: lists or int64 numpy
+        arrays (taken as they are, no conversion pair by pair). The worker that ends it stores seq into
         flag (int64 [1], page-locked on CUDA for mailbox_triton.wait_flag) there and then, and wait_gather()
         returns. x and out are read and written until then: the caller keeps them. Native only; one such job at a
         time (a second waits for the first), and until its flag is up the runner's other calls, from any thread,

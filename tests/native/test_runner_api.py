@@ -4,6 +4,7 @@ import threading
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -390,9 +391,18 @@ def test_post_gather_runs_run_gathers_job_and_raises_the_flag(joins):
         runner.post_gather(table, [0], [16], x, outs[0][:1], flag, 5)
     with pytest.raises(ValueError, match="int64"):
         runner.post_gather(table, [0], [0], x, outs[0][:1], flag.int(), 5)
+    with pytest.raises(ValueError, match="one-dimensional"):
+        runner.post_gather(table, np.asarray(experts)[:, None], rows, x, outs[0], flag, 5)
     runner.post_gather(table, experts, rows, x, outs[0])  # still serving after the errors; no flag
     runner.wait_gather()
     assert torch.equal(outs[0], want) and int(flag[0]) == 4
+    # int64 arrays as the engine passes them (cpu_jobs), a strided view and int32 converted alike
+    for e, r in ((np.asarray(experts, np.int64), np.asarray(rows, np.int64)),
+                 (np.repeat(np.asarray(experts, np.int64), 2)[::2], np.asarray(rows, np.int32))):
+        outs[1].fill_(float("nan"))
+        runner.post_gather(table, e, r, x, outs[1], flag, 6)
+        runner.wait_gather()
+        assert torch.equal(outs[1], want) and int(flag[0]) == 6
 
 
 @native
