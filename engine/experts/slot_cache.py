@@ -7,7 +7,7 @@ and a fill is a plain copy, so every piece of bookkeeping runs in CI exactly as 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import NamedTuple
 
 import numpy as np
@@ -79,6 +79,9 @@ COALESCE_FILLS = 16
 # a layer mostly in place in its streaming window copies the experts missing there in at most this many copies
 # (runs of consecutive slots); more, and it copies the whole layer in one (stream_layer)
 PARTIAL_RUNS = 8
+# device lookup tables kept by content (lookup_table): a forward's wholly resident and streamed layers' (each
+# prompt streamed into the same windows makes the same tables)
+LOOKUPS_KEPT = 32
 
 
 class SlotCache:
@@ -105,6 +108,8 @@ class SlotCache:
         self.copy_calls = 0  # copies issued, one a run of consecutive experts into consecutive slots (_copy_rows)
         self._buf_rows: tuple | None = None  # self.buf's slots as views, made at the first copy (_copy_rows)
         self._host_rows: dict[int, tuple] = {}  # pool row -> (its host blocks' address, their views)
+        # device lookup tables by their content (lookup_table): a wholly resident layer's is the same call after call
+        self._lookups: OrderedDict[bytes, torch.Tensor] = OrderedDict()
 
     @property
     def num_slots(self) -> int:
@@ -226,18 +231,27 @@ class SlotCache:
         is -1 (what routing id -1, a padding pair, looks up), for pairs to find their slots on the device.
         On CUDA it goes on the copy stream, ahead of the copies issued after it: on the compute stream the
         1 KB copy queued on the copy engine behind the next layer's stream and held that layer's compute
-        until the whole 1.6 GB had crossed (H200 box, 2026-12-02: compute and copies ran one after the other)."""
-        host = torch.from_numpy(np.append(slots, -1).astype(np.int32))
+        until the whole 1.6 GB had crossed (H200 box, 2026-12-02: compute and copies ran one after the other).
+        The LOOKUPS_KEPT last tables are kept by content and handed out again (never written after their upload)."""
+        host = np.append(slots, -1).astype(np.int32)
         if self.copy_stream is None:
-            return host
+            return torch.from_numpy(host)
+        key = host.tobytes()
+        kept = self._lookups.get(key)
+        if kept is not None:  # uploaded earlier and never written since: no pinned buffer, copy or stream switch
+            self._lookups.move_to_end(key)
+            return kept
         reader = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):
             # allocated on the stream that writes it: a block the compute stream freed may still be written by
             # its queued kernels (the allocator hands it back to that stream at once), and a copy on another
             # stream into it raced them (a 256-token extend read a garbage table, H200 box, 2026-12-02)
-            out = torch.empty_like(host, device=self.device)
-            out.copy_(host.pin_memory(), non_blocking=True)
+            out = torch.empty(host.shape, dtype=torch.int32, device=self.device)
+            out.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         out.record_stream(reader)  # not handed out again before the compute stream's read of it
+        self._lookups[key] = out
+        if len(self._lookups) > LOOKUPS_KEPT:
+            self._lookups.popitem(last=False)  # (freed behind the reads queued so far: record_stream)
         return out
 
     def _copy(self, layer: int, experts, slots, with_cpu: bool, after) -> torch.cuda.Event | None:

@@ -163,8 +163,8 @@ def test_lookup_table_is_not_overwritten_by_compute_still_queued(ckpt):
                                                          estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)))
     cache = eng.model.experts.cache
     E = eng.model.experts.pool.num_experts
-    slots = np.arange(E, dtype=np.int64)[::-1].copy()
-    for _ in range(8):
+    for i in range(8):
+        slots = np.roll(np.arange(E, dtype=np.int64)[::-1], i)  # a new table each time (the same one is kept)
         bait = torch.empty(E + 1, dtype=torch.int32, device="cuda")
         torch.cuda._sleep(20_000_000)  # ~10 ms of the compute stream before the bait's fill runs
         bait.fill_(-7)
@@ -172,6 +172,34 @@ def test_lookup_table_is_not_overwritten_by_compute_still_queued(ckpt):
         table = cache.lookup_table(slots)
         cache.ready()
         assert table.tolist() == slots.tolist() + [-1]
+    eng.model.experts.close()
+
+
+def test_lookup_tables_are_kept_by_content(ckpt):
+    """The same slots give the same device table back (no upload), other slots another; LOOKUPS_KEPT tables are
+    kept, the least recently handed out goes first; every table reads what it was made from."""
+    import numpy as np
+
+    from engine.experts.slot_cache import LOOKUPS_KEPT
+
+    eng = Engine.from_pretrained(ckpt, device="cuda", expert_device="cpu",
+                                 experts=experts_factory("offload", device="cuda", slots=16,
+                                                         estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True)))
+    cache = eng.model.experts.cache
+    E = eng.model.experts.pool.num_experts
+    rng = np.random.default_rng(int(torch.randint(1 << 30, ())))
+    tables = [rng.integers(-1, 16, E) for _ in range(LOOKUPS_KEPT + 1)]
+    first = cache.lookup_table(tables[0])
+    assert cache.lookup_table(tables[0].copy()) is first
+    made = [cache.lookup_table(t) for t in tables[1:]]  # the first is pushed out by the last
+    cache.ready()
+    assert len({id(t) for t in made}) == LOOKUPS_KEPT and all(t is not first for t in made)
+    for t, want in zip([first] + made, tables):
+        assert t.tolist() == want.tolist() + [-1]
+    assert cache.lookup_table(tables[1]) is made[0]
+    again = cache.lookup_table(tables[0])
+    cache.ready()
+    assert again is not first and again.tolist() == tables[0].tolist() + [-1]
     eng.model.experts.close()
 
 
