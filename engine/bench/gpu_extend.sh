@@ -15,6 +15,7 @@
 #     PROFILE_ARGS="..." more profile_decode flags (--extend-runs 8: more timed extends, each with its stalls)
 #     PACK=FILE ...     also keeps FILE, a tarball of OUT, fresh every 15 s (see gpu_prelude.sh)
 #     ZIPF=A ...        the routers' Zipf exponent (default 1.0); ZIPF= (empty) routes uniformly
+#     OFFLOAD=1 ...     after the extends, one offload process: its decode against its fills' bound (offload.*)
 #     OLD_NATIVE=FILE   an A/B of a native change on one machine: the processes alternate between the native build
 #                       in FILE (an earlier call's box-cache.tgz: old{N}.*) and this tree's (run{N}.*), old first,
 #                       and each arm gets its table (old_table.{md,json} beside table.{md,json})
@@ -67,6 +68,14 @@ for i in $(seq 1 "${RUNS:-6}"); do
     limit=90
     grep -E "extend_256 " "$OUT/$name.txt" | cut -c1-190 | sed "s/^/$name: /" >> "$S"
 done
+# OFFLOAD=1: one offload process too (uniform routing unless ZIPF says): its decode row against the bound of its
+# fills at B_P, the line the extend is held to in the same run (issue 17)
+if [ -n "${OFFLOAD:-}" ] && [ "$(left)" -gt 70 ]; then
+    timeout -s ABRT "$(upto 70)" $PY -X faulthandler -m engine.bench.model --synthetic qwen3.6-35b-a3b --layers 8 \
+        --batches 1 --moe-slots 37.5% --moe-backend offload --steps 48 ${ZIPF:+--router-zipf $ZIPF} \
+        --json "$OUT/offload.json" > "$OUT/offload.txt" 2> "$OUT/offload.log"
+    status offload $?; grep -E "^decode_b1 |^extend_256 " "$OUT/offload.txt" | cut -c1-250 >> "$S"
+fi
 if [ "$(left)" -gt 60 ]; then
     timeout -s ABRT "$(upto 80)" $PY -X faulthandler -m engine.bench.profile_decode --layers 8 --moe-backend hybrid \
         --moe-slots 37.5% ${ZIPF:+--router-zipf $ZIPF} --prefill 8192 --extend 256 ${PROFILE_ARGS:-} \
