@@ -240,6 +240,7 @@ class SlotCache:
         kept = self._lookups.get(key)
         if kept is not None:  # uploaded earlier and never written since: no pinned buffer, copy or stream switch
             self._lookups.move_to_end(key)
+            kept.record_stream(torch.cuda.current_stream(self.device))  # (a reader on another stream than before)
             return kept
         reader = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):
