@@ -17,7 +17,6 @@ and on CUDA `launch` (a small Triton kernel and a torch op queued, no sync: a la
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import threading
@@ -25,6 +24,9 @@ import time
 
 import numpy as np
 import torch
+
+from engine.bench.args import print_and_save
+
 
 def _python_piece(state: dict) -> int:
     """Bookkeeping like the planner's: a dict of counters, a list built and sorted, attribute reads."""
@@ -190,10 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads < 1 or args.seconds <= 0 or args.pool_mb < 64:
         ap.error("--threads must be >= 1, --seconds > 0 and --pool-mb >= 64")
     res = run(args.threads, args.seconds, args.pool_mb << 20)
-    print(report(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    print_and_save(res, lambda r: print(report(r)), args.json)
     return res
 
 
