@@ -222,8 +222,8 @@ class CpuExpertRunner:
         with self._routed_call():
             self._pool.run_gather(table._native, experts, rows, *io)
 
-    def post_gather(self, table: ExpertTable, experts: list, rows: list, x: torch.Tensor, out: torch.Tensor,
-                    flag: torch.Tensor | None = None, seq: int = 0) -> None:
+    def post_gather(self, table: ExpertTable, experts: Sequence[int], rows: Sequence[int], x: torch.Tensor,
+                    out: torch.Tensor, flag: torch.Tensor | None = None, seq: int = 0) -> None:
         """run_gather's job started, not waited for: the pool's workers take it at once and the caller goes on (a
         prompt's CPU job with no Python thread between: cpu_jobs.CpuJobs). experts and rows: lists or int64 numpy
         arrays (taken as they are, no conversion pair by pair). The worker that ends it stores seq into

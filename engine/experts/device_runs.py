@@ -69,8 +69,8 @@ class DeviceRuns:
         if self.grouped and len(admitted) == len(fills) and x.dtype == self.pool.dtype:
             if fills and with_cpu and x.shape[0] >= PROMPT_TOKENS:
                 # a prompt's CPU job runs meanwhile and the layer's output waits for it: hits and fills in one launch
-                # pair once the fills are in (the engine thread queues one launch_blocks, ~0.8 ms of it on the H100
-                # box, fewer before the layers after it; the device computes the hits after the copies, not beside)
+                # pair once the fills are in (one launch_blocks fewer, ~0.8 ms of the engine thread on the H100 box,
+                # before it queues the layers after this one; the device computes the hits after the copies)
                 self.cache.ready()
                 self.runner.run_grouped(x, y, routing, hits + fills, hit_slots + admitted, topk_ids)
                 return False
