@@ -5,8 +5,9 @@ A hybrid extend is held up wherever the engine thread's Python sits between the 
 planning took ~0.3 ms on the dev box and ~1 ms on the GPU box with the CPU's job running. This times fixed pieces
 of host work on this thread alone, then while the native runner's read pass (the STREAM read `bench bw` takes)
 runs on `--threads` workers in a background thread, then the same with this thread pinned to a core no worker
-holds: whether the workers' DRAM traffic (or a shared core) slows the host's Python, and whether a core of its own
-gives it back. A part of the engine, not the engine.
+holds (another such core left to the reader's thread; without one, no pinned run): whether the workers' DRAM
+traffic (or a shared core) slows the host's Python, and whether a core of its own gives it back. A part of the
+engine, not the engine.
 
     python -m engine.bench.host_python [--threads N] [--seconds 0.5] [--pool-mb 2048] [--json out.json]
 
@@ -100,9 +101,15 @@ class _Reader:
         self._stop = threading.Event()
         self.passes = 0
         self.seconds = 0.0
+        taken = set(self.runner.cpus)
+        # the cores no worker holds: the reader's own thread (which waits out each pass spinning) takes the first,
+        # the timed thread's pinned run the last, so the two never share one
+        self.free = [c for c in sorted(os.sched_getaffinity(0)) if c not in taken]
         self._thread = threading.Thread(target=self._loop, name="host-python-reader", daemon=True)
 
     def _loop(self) -> None:
+        if len(self.free) >= 2:
+            os.sched_setaffinity(0, {self.free[0]})  # this thread alone (Linux: pid 0 is the calling thread)
         t0 = time.perf_counter()
         for _ in range(1_000_000):  # bounded; each pass reads the whole pool
             if self._stop.is_set():
@@ -125,10 +132,9 @@ class _Reader:
         return self.passes * self.buf.numel() * 2 / self.seconds / 1e9 if self.seconds else 0.0
 
     def free_core(self) -> int | None:
-        """The last CPU of this process's mask that no worker is pinned to, if any."""
-        taken = set(self.runner.cpus)
-        free = [c for c in sorted(os.sched_getaffinity(0)) if c not in taken]
-        return free[-1] if free else None
+        """The core the timed thread's pinned run takes: the last no worker holds, None unless another such is
+        left for the reader's thread."""
+        return self.free[-1] if len(self.free) >= 2 else None
 
 
 def run(threads: int, seconds: float, pool_bytes: int) -> dict:
