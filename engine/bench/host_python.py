@@ -180,8 +180,6 @@ def report(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from engine.experts.cpu_runner import prompt_threads
-
     ap = argparse.ArgumentParser(prog="python -m engine.bench.host_python", description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=None,
                     help="workers of the read pass (default: a prompt's CPU job's, as serve sets them on CUDA)")
@@ -190,11 +188,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     if args.threads is None:
-        from engine.build import PROMPT_SPARE_CORES
-        from engine.experts.cpu_kernels import physical_cores
+        from engine.build import EngineOptions, prompt_expert_threads
 
-        cores = min(physical_cores(), len(os.sched_getaffinity(0)))
-        args.threads = max(1, cores - PROMPT_SPARE_CORES) if torch.cuda.is_available() else max(1, prompt_threads())
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        args.threads = prompt_expert_threads(EngineOptions(), device)
     if args.threads < 1 or args.seconds <= 0 or args.pool_mb < 64:
         ap.error("--threads must be >= 1, --seconds > 0 and --pool-mb >= 64")
     res = run(args.threads, args.seconds, args.pool_mb << 20)
