@@ -43,11 +43,10 @@ def _python_piece(state: dict) -> int:
 
 def _numpy_piece(state: dict) -> int:
     """One layer's split and copies-ahead arithmetic: 256 experts, 2,048 slots, 256 tokens x 8 routed."""
-    rng, heat, owner = state["rng"], state["heat"], state["owner"]
-    ids = state["ids"]
-    counts = np.bincount(ids, minlength=256)
+    rng, heat, resident, owner = state["rng"], state["heat"], state["resident"], state["owner"]
+    counts = np.bincount(state["ids"], minlength=256)
     experts = np.flatnonzero(counts)
-    miss = experts[owner[experts] < 0]
+    miss = experts[resident[experts] < 0]
     order = miss[np.lexsort((-heat[miss], -counts[miss]))]
     free = np.flatnonzero(owner < 0)
     picked = free[: len(order)]
@@ -57,10 +56,12 @@ def _numpy_piece(state: dict) -> int:
 
 def _make_state() -> dict:
     rng = np.random.default_rng(0)
-    owner = np.full(2048, -1, dtype=np.int64)
+    resident = np.full(256, -1, dtype=np.int64)  # the layer's expert -> slot
+    resident[rng.choice(256, 96, replace=False)] = rng.choice(2048, 96, replace=False)
+    owner = np.full(2048, -1, dtype=np.int64)  # slot -> expert (of any layer): 768 of 2,048 held
     owner[rng.choice(2048, 768, replace=False)] = rng.integers(0, 256, 768)
     return {"items": [list(range(i % 7)) for i in range(64)], "rng": rng, "heat": rng.random(256),
-            "owner": owner[:256], "ids": rng.integers(0, 256, 256 * 8)}
+            "resident": resident, "owner": owner, "ids": rng.integers(0, 256, 256 * 8)}
 
 
 def _launch_piece(state: dict) -> int:
