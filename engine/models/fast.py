@@ -13,7 +13,8 @@ block of logits) routes each row and each expert is read once for all its pairs;
 experts' rows into the residual. With an expert cache a step is segments of device work around each MoE layer's
 routed experts, which the cache runs on the host's schedule (decode_segments). Prefill chunks run the same
 projections with the prefill attention kernel, the DeltaNet gates, conv and gated norm one launch each, the chunked
-delta rule (fla's kernels on CUDA) and experts grouped per expert; a short run's rule and, with an expert cache, its
+delta rule (fla's kernels on CUDA) and experts grouped per expert; a short run's rule (for one sequence without
+checkpoints inside it, the DeltaNet layer's whole work between its projections) and, with an expert cache, its
 routing are padded to a token bucket and replayed as graphs (token_graphs.py).
 N = tokens, B = sequences, H = hidden, V = vocab, KP = expert pairs per token.
 """
@@ -44,7 +45,7 @@ from engine.layers.moe import MoE
 from engine.models.fused import (CachedMoE, FusedAttention, FusedMoE, fuse_attention, fuse_cached_moe, fuse_deltanet,
                                  fuse_moe)
 from engine.models.pieces import last_rows, one_expert_pass, piece_rows, piece_spans, row_pieces
-from engine.models.token_graphs import BucketedRoute, BucketedRule
+from engine.models.token_graphs import BucketedMixer, BucketedRoute, BucketedRule
 
 # Decode steps of 2-16 tokens route each row in the add+norm+router launch (its program that finishes a row's
 # logits runs the top-k), one launch a MoE layer fewer. Off until it has run on a GPU: its programs hand data to
@@ -65,6 +66,9 @@ class FastPath:
         self.model, self.pool, self.cfg = model, pool, cfg
         self.chunked_rule = chunked_rule  # None: the eager layers' own
         self.prompt_route = BucketedRoute(route_cached, capture)  # an expert-cache layer's routing of a prompt
+        # a prompt's DeltaNet layers of one short run between their projections, where its rule is bucketed too
+        self.prompt_mixer = BucketedMixer(chunked_rule.rule, capture) if isinstance(chunked_rule, BucketedRule) \
+            else None
         self.mixers, self.mlps = [], []
         # an expert cache keeps the routed experts (host pool + device slots): its layers route here and run
         # the experts through it; a decode step is graphs between those layers (graphs.py)
@@ -105,7 +109,9 @@ class FastPath:
         """How a prompt's short runs went by token bucket so far (token_graphs.py: graph or direct): the chunked
         delta rule's (when it is a BucketedRule) and the expert-cache layers' routing."""
         rule = self.chunked_rule.modes() if isinstance(self.chunked_rule, BucketedRule) else {}
-        return {name: modes for name, modes in (("rule", rule), ("route", self.prompt_route.modes())) if modes}
+        mixer = self.prompt_mixer.modes() if self.prompt_mixer is not None else {}
+        return {name: modes for name, modes in (("rule", rule), ("route", self.prompt_route.modes()),
+                                                ("mixer", mixer)) if modes}
 
     # -- one token per sequence -----------------------------------------------------------------------
     def decode(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
@@ -311,19 +317,25 @@ class FastPath:
             qk_rope_store(proj, q, k, v, slots, positions, m.consts)
             mix = F.linear(prefill_attention(q, proj, k, v, tiles, m.consts), m.o_w)
         else:
-            mix = self._deltanet_prefill(self.model.layers[i].mixer, m, h, spans)
+            mix = self._deltanet_prefill(i, m, h, spans)
         post, nxt = self.norms[i]
         x, h = add_rms_norm(x, mix, post, eps, zc)
         return add_rms_norm(x, self._mlp(i, h, None), nxt, eps, zc, out=into)
 
-    def _deltanet_prefill(self, net, m, h, spans):
-        """The eager layer's per-sequence conv + chunked rule (with checkpoints), on one fused projection; the
-        gates, the conv (the layer's prefill_conv) and the gated norm one launch each (a dozen torch ops apiece in
-        the eager layer's)."""
+    def _deltanet_prefill(self, i, m, h, spans):
+        """Layer i's: the eager layer's per-sequence conv + chunked rule (with checkpoints), on one fused projection;
+        the gates, the conv (the layer's prefill_conv) and the gated norm one launch each (a dozen torch ops apiece
+        in the eager layer's). One short run without checkpoints: the work between the projections bucketed
+        (token_graphs.BucketedMixer), one graph replay."""
         c = m.consts
         C = 2 * c.key_heads * c.key_dim + c.value_heads * c.value_dim
         values = c.value_heads * c.value_dim
         proj = F.linear(h, m.in_w)
+        if self.prompt_mixer is not None and len(spans) == 1:
+            normed = self.prompt_mixer(i, m, proj, spans[0])
+            if normed is not None:
+                return F.linear(normed, m.out_w)
+        net = self.model.layers[i].mixer
         beta, g = prefill_gates(proj, C + values, C + values + c.value_heads, c.neg_A, c.dt_bias)
         out = torch.empty(h.shape[0], c.value_heads, c.value_dim, dtype=h.dtype, device=h.device)
         for span in spans:

@@ -4,6 +4,8 @@
     o, state = rule(q, k, v, g, beta, state)        # the chunked rule's contract (engine/layers/delta_rule.py)
     route = BucketedRoute(route_cached, capture=True)
     call = route(mlp, h)                            # route_cached(mlp, h, None)'s ExpertCall (models/fast.py)
+    mixer = BucketedMixer(chunked_gated_delta_rule_fla, capture=True)
+    normed = mixer(i, m, proj, span)                # a DeltaNet layer's gated-norm rows (models/fast.py), or None
 
 A 256-token extend after a cached prompt is host-bound between its MoE layer calls: the CPU's share of the next
 layer waits while the host queues the layer's launches (an extend's DeltaNet layers took 2.2-2.4 ms of host time
@@ -13,6 +15,11 @@ Python wrappers) and an expert-cache layer's routing with its shared expert (~10
 tokens is copied into static buffers of the next bucket's size and the work runs there: as a graph captured on
 the bucket's first use (capture=True, CUDA) or launched directly (capture=False: the same shapes, so the two give
 the same bits). Longer runs go as they come: their launches are a small part of their time.
+
+A DeltaNet layer of one sequence's run with no checkpoint inside it goes further (BucketedMixer): its gates, conv,
+rule and gated norm, some twenty launches and the host's Python between them, are one graph a (layer, bucket) over
+the layer's projected rows; the states go in and come out by copies, the projections stay outside (their matrix
+products over the real rows keep the bits a run as it comes gets).
 
 Padding rows: the rule's carry beta = 0 and g = 0, steps that leave the state as it is (decay exp(0) = 1, a
 delta times 0), appended after the real rows, which no later row influences; the routing's are routed and
@@ -26,6 +33,10 @@ import gc
 import logging
 
 import torch
+
+from engine.kernels.deltanet_prefill_triton import conv_prefill, prefill_gates
+from engine.kernels.deltanet_triton import gated_norm
+from engine.models.slots import SlotLinear
 
 log = logging.getLogger("killick.engine")
 
@@ -234,3 +245,89 @@ def _route_into(call, out: tuple):
         if buf is not None:
             buf.copy_(t)
     return call
+
+
+class _MixerIO:
+    """One bucket's static rows, states and outputs, shared by every DeltaNet layer's graph at that bucket (a
+    layer's outputs are read within its call, before the next layer's replay)."""
+
+    def __init__(self, size: int, proj: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor, values: int):
+        dev = proj.device
+        self.proj = torch.zeros(size, proj.shape[1], dtype=proj.dtype, device=dev)
+        self.conv = torch.zeros(conv.shape, dtype=conv.dtype, device=dev)  # the conv overwrites it: copied in each call
+        self.rec = torch.zeros(rec.shape, dtype=torch.float32, device=dev)
+        self.rows = torch.arange(size, device=dev)
+        self.n = torch.zeros((), dtype=torch.long, device=dev)  # the call's real rows, read inside the graph
+        self.normed = torch.zeros(size, values, dtype=proj.dtype, device=dev)
+        self.state = torch.zeros(rec.shape, dtype=torch.float32, device=dev)
+
+
+class _MixerRun:
+    def __init__(self):
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out = None
+
+
+class BucketedMixer(_Graphs):
+    """A prompt's DeltaNet layer between its two projections, for one sequence's run of at most BUCKETS[-1] rows
+    with no checkpoint inside it (FastPath._deltanet_prefill's case of an extend): the gates (zero past the real
+    rows), the conv, the chunked rule (rule: its contract) and the gated norm over the bucket's rows, one graph a
+    (layer, bucket) when capture is on, else the same launches. The real rows' results are those of the layer run
+    as it comes with a BucketedRule: the conv and the norm are row by row, the rule pads as that one does."""
+
+    def __init__(self, rule, capture: bool, buckets: tuple[int, ...] = BUCKETS):
+        super().__init__(capture, buckets)
+        self.rule = rule
+        self._io: dict[tuple, _MixerIO] = {}
+
+    def __call__(self, layer: int, m, proj: torch.Tensor, span) -> torch.Tensor | None:
+        """layer's fused weights m (FusedDeltaNet), its projected rows proj [n, P] and the Span of the sequence they
+        are -> the gated norm's rows [n, Hv*dv] (valid until the next call at this bucket), the span's state moved
+        on past them; None (nothing done) when the run is not one this takes."""
+        n, size, state = proj.shape[0], self.bucket(proj), span.state
+        inside = any(span.position < p <= span.position + span.length for p in span.checkpoint_positions)
+        if size is None or inside or n < 2 or span.offset != 0 or span.length != n:  # (one row: the recurrent rule)
+            return None
+        c = m.consts
+        C, values = 2 * c.key_heads * c.key_dim + c.value_heads * c.value_dim, c.value_heads * c.value_dim
+        io = self._io.get((size, proj.device, proj.dtype))
+        if io is None:
+            io = self._io[(size, proj.device, proj.dtype)] = _MixerIO(size, proj, state.conv, state.recurrent, values)
+        io.proj[:n].copy_(proj)
+        io.n.fill_(n)
+        io.rec.copy_(state.recurrent)
+        key = (size, layer, proj.device, proj.dtype)
+        run = self._runs.get(key)
+        if run is None:
+            run = self._runs[key] = _MixerRun()
+            # (the warm-up runs overwrite io.conv: the state goes in below, after them)
+            self._capture(run, lambda *_: self._mix(m, io, C, values), (io.proj,),
+                          f"DeltaNet layer {layer}'s gates, conv, rule and norm over {size} tokens")
+        io.conv.copy_(state.conv)
+        if run.graph is not None:
+            run.graph.replay()
+        else:
+            self._mix(m, io, C, values)
+        km1 = io.conv.shape[1]  # the conv state: the last K-1 inputs, of the earlier state where n < K-1
+        last = io.proj[n - km1: n, :C].t() if n >= km1 else torch.cat([state.conv[:, n:], io.proj[:n, :C].t()], 1)
+        _store(state, "conv", last)
+        _store(state, "recurrent", io.state)
+        return io.normed[:n]
+
+    def _mix(self, m, io: _MixerIO, C: int, values: int) -> None:
+        c, size = m.consts, io.proj.shape[0]
+        beta, g = prefill_gates(io.proj, C + values, C + values + c.value_heads, c.neg_A, c.dt_bias)
+        keep = (io.rows < io.n)[:, None]  # padding rows: beta = g = 0 leave the rule's state as it is
+        beta, g = torch.where(keep, beta, 0.0), torch.where(keep, g, 0.0)
+        kd, vd = c.key_heads * c.key_dim, c.value_heads * c.value_dim
+        q, k, v = conv_prefill(io.proj[:, :C], io.conv, m.conv_w).split([kd, kd, vd], dim=-1)
+        o, new = self.rule(q.reshape(size, c.key_heads, -1), k.reshape(size, c.key_heads, -1),
+                           v.reshape(size, c.value_heads, -1), g, beta, io.rec)
+        gated_norm(o.to(io.proj.dtype).reshape(size, values), io.proj, C, c, out=io.normed)
+        io.state.copy_(new)
+
+
+def _store(state, name: str, value: torch.Tensor) -> None:
+    """state.<name> <- value's numbers: a slot state copies them into its slot; another keeps a copy of its own
+    (value may be a view of a bucket's buffers)."""
+    setattr(state, name, value if isinstance(state, SlotLinear) else value.clone(memory_format=torch.contiguous_format))

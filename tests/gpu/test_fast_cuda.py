@@ -56,6 +56,30 @@ def test_graph_replay_equals_direct_launch(demo_ckpt):
     assert graphed.decode_steps.replays > 0 and direct.decode_steps.replays == 0
 
 
+def test_mixer_graphs_give_the_layers_as_they_come_bit_for_bit(demo_ckpt):
+    """One sequence's prompt and extends (each run one bucket's DeltaNet layers, token_graphs.BucketedMixer):
+    replayed graphs, the same launches direct, and the layers as they come (no bucketed mixer) give the same
+    logits and slot states, bit for bit."""
+    pytest.importorskip("fla")
+    models = []
+    for graphs, mixer in ((True, True), (False, True), (True, False)):
+        model = load_model(demo_ckpt, device="cuda", dtype="bfloat16")
+        model.enable_fast(slots=2, capacity=512, graphs=graphs)
+        if not mixer:
+            model.fast.prompt_mixer = None
+        models.append(model)
+    states = [m.new_state() for m in models]
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    for n in (20, 7, 256, 100, 2):
+        toks = torch.randint(0, models[0].config.vocab_size, (n,), generator=g)
+        out = [m.forward([(toks, s)], logits="all")[0] for m, s in zip(models, states)]
+        assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2]), n
+    for layers in zip(*(m.fast.pool.layers for m in models)):
+        assert all(torch.equal(a[0], layers[0][0]) and torch.equal(a[1], layers[0][1]) for a in layers)
+    assert models[0].fast.bucket_modes()["mixer"] == {64: "graph", 128: "graph", 256: "graph"}
+    assert models[1].fast.bucket_modes()["mixer"] == {64: "direct", 128: "direct", 256: "direct"}
+
+
 def test_seam_topk_equals_the_routing_launch(demo_ckpt, monkeypatch):
     """Decode steps of 2-16 tokens routed in the add+norm+router launch (fast.SEAM_TOPK: its programs hand a
     row's logits to the one that finishes it) give what route_topk's own launch gives, bit for bit, graphed."""
