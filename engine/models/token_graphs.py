@@ -290,9 +290,10 @@ class BucketedMixer(_Graphs):
             return None
         c = m.consts
         C, values = 2 * c.key_heads * c.key_dim + c.value_heads * c.value_dim, c.value_heads * c.value_dim
-        io = self._io.get((size, proj.device, proj.dtype))
+        at = (size, proj.device, proj.dtype, proj.shape[1], state.conv.shape, state.recurrent.shape)
+        io = self._io.get(at)
         if io is None:
-            io = self._io[(size, proj.device, proj.dtype)] = _MixerIO(size, proj, state.conv, state.recurrent, values)
+            io = self._io[at] = _MixerIO(size, proj, state.conv, state.recurrent, values)
         io.proj[:n].copy_(proj)
         io.n.fill_(n)
         io.rec.copy_(state.recurrent)
