@@ -10,7 +10,8 @@
 #     TESTS=1 ...       first the CUDA expert, kernel and mailbox tests, the prompt's last rows' and the native
 #                       runner's (~50 s)
 # Before the extends, engine/bench/host_python.py: how much slower the engine thread's Python runs beside the
-# CPU's expert workers (host_python.{txt,json}).
+# CPU's expert workers (host_python.{txt,json}); engine/bench/mixer_host.py: a DeltaNet layer call's host time with
+# and without the bucketed mixer (mixer_host.{txt,json}).
 #     ARGS="..." ...    more bench model flags for every process (an arm: --extend-idle-ms 300, --cpu-join host)
 #     PROFILE_ARGS="..." more profile_decode flags (--extend-runs 8: more timed extends, each with its stalls)
 #     PACK=FILE ...     also keeps FILE, a tarball of OUT, fresh every 15 s (see gpu_prelude.sh)
@@ -47,6 +48,9 @@ fi
 # the engine thread's Python idle against beside the prompt workers' read pass (and pinned): ~10 s
 timeout "$(upto 40)" $PY -m engine.bench.host_python --json "$OUT/host_python.json" > "$OUT/host_python.txt" 2>&1
 status host_python $?; cat "$OUT/host_python.txt" >> "$S"
+# a DeltaNet layer call's host time with the bucketed mixer's graph and with the launches as they come: ~30 s
+timeout "$(upto 90)" $PY -m engine.bench.mixer_host --json "$OUT/mixer_host.json" > "$OUT/mixer_host.txt" 2>&1
+status mixer_host $?; cat "$OUT/mixer_host.txt" >> "$S"
 EXT="--synthetic qwen3.6-35b-a3b --layers 8 --batches 1 --moe-slots 37.5% --moe-backend hybrid --steps 8 --warmup 8
      --prefill-runs 1 --extend-runs 5 ${ZIPF:+--router-zipf $ZIPF}"
 # a process takes ~25-35 s once the kernels are compiled; the first on a box without the Triton cache compiles and
