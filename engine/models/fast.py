@@ -272,7 +272,7 @@ class FastPath:
         slots_tok = [st.slot for st, n in zip(states, lengths) for _ in range(n)]
         pos_tok = [p for st, n in zip(states, lengths) for p in range(st.length, st.length + n)]
         meta = torch.tensor([slots_tok, pos_tok], dtype=torch.int32).to(dev, non_blocking=True)
-        tokens = torch.cat(ids)
+        tokens = ids[0] if len(ids) == 1 else torch.cat(ids)  # (one sequence, an extend: no copy to queue)
         one_each = all(n == 1 for n in lengths)
         if one_each:
             out = self.decode(tokens, meta[0], meta[1])
