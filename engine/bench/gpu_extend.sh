@@ -7,8 +7,8 @@
 # Run from the repo root on the GPU box with .whl/ (fla-core, einops) and, from an earlier call, .box-cache.tgz
 # and .box-cache-triton.tgz (gpu_prelude.sh):
 #     OUT=/some/dir bash engine/bench/gpu_extend.sh
-#     TESTS=1 ...       first the CUDA expert, kernel and mailbox tests, the prompt's last rows' and the native
-#                       runner's (~50 s)
+#     TESTS=1 ...       first the CUDA expert, kernel and mailbox tests, the prompt's last rows', the bucketed
+#                       mixer's graphs and the native runner's (~60 s)
 # Before the extends, engine/bench/host_python.py: how much slower the engine thread's Python runs beside the
 # CPU's expert workers (host_python.{txt,json}); engine/bench/mixer_host.py: a DeltaNet layer call's host time with
 # and without the bucketed mixer (mixer_host.{txt,json}).
@@ -42,6 +42,7 @@ if [ -n "${TESTS:-}" ]; then
     timeout "$(upto 150)" $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_experts_cuda.py \
         tests/kernels/test_moe.py tests/kernels/test_mailbox.py tests/native/test_runner_api.py \
         "tests/gpu/test_fast_cuda.py::test_last_rows_of_several_sequences_queue_without_a_host_sync" \
+        "tests/gpu/test_fast_cuda.py::test_mixer_graphs_give_the_layers_as_they_come_bit_for_bit" \
         > "$OUT/pytest.txt" 2>&1
     status pytest $?; tail -1 "$OUT/pytest.txt" >> "$S"
 fi
