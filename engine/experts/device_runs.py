@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from engine.experts.compute import Routing, combine
+from engine.experts.compute import Routing
 from engine.experts.cpu_jobs import PROMPT_TOKENS
 from engine.experts.slot_cache import COALESCE_FILLS
 
@@ -36,11 +36,9 @@ class DeviceRuns:
         issue 17). In a routed prompt the next layer's copies ahead may then take this layer's slots, behind its
         kernels: the first layer of an extend after a streamed prompt is one such, and its locked slots left the
         copy engine idle until the second layer's routing (H200 box, docs/PERF.md twenty-fourth session)."""
-        T, K = topk_ids.shape
         self._mark_enter(layer)  # (a routed prompt's: the device's gap before it counts in the CPU's handoff)
         self.handoff_clock.read_gaps()  # those done by now, without waiting
-        y = x.new_zeros(T * K, x.shape[1])  # padding pairs are left unwritten and must read zero
-        self.runner.launch(x, y, slots[topk_ids])  # id -1 (padding) looks up -1
+        out = self.runner.unread(x, topk_ids, topk_w, slots)
         # a copy: read at settle(), after the caller may have reused its tensor (token_graphs.BucketedRoute's
         # graph writes a layer's routing of every piece of a prompt into the same buffer)
         self._unsettled.append((layer, topk_ids.clone(), self.cache.table.moment(), self._span))
@@ -55,7 +53,7 @@ class DeviceRuns:
         if self.call_log is not None:
             self._log_call(layer, "unread", t_in, -1, 0, 0, 0, len(self._looked.get(ahead[0], ())) if ahead else 0,
                            behind)
-        return combine(y, topk_w)
+        return out
 
     def _run_device(self, layer, x, y, routing: Routing, hit_slots, hits, fills, with_cpu: bool,
                     topk_ids: torch.Tensor) -> bool:

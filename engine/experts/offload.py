@@ -151,6 +151,11 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         if self.runs_cpu_share:
             self.cpu_jobs.reserve(tokens, top_k, dtype)
 
+    def prompt_graphs(self, capture: bool) -> None:
+        """A fast path's prompts: a wholly resident layer's run padded to a token bucket, one CUDA graph a bucket
+        when capture (SlotRunner.unread)."""
+        self.runner.prompt_graphs(capture)
+
     def observe(self, path: str, nbytes: int, seconds: float, together: bool, per: float = 1.0) -> None:
         """The time the fill path ("fill") or the CPU path ("cpu") took for nbytes of experts; together:
         the other path ran alongside; per: (token, expert) pairs per expert. Only hybrid chooses by it."""

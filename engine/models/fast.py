@@ -73,6 +73,8 @@ class FastPath:
         # an expert cache keeps the routed experts (host pool + device slots): its layers route here and run
         # the experts through it; a decode step is graphs between those layers (graphs.py)
         self.cached_experts = is_expert_cache(model.experts)
+        if self.cached_experts and hasattr(model.experts, "prompt_graphs"):  # a prompt's wholly resident layers:
+            model.experts.prompt_graphs(capture)  # their experts one graph a bucket too
         # mapped decode (engine/experts/mapped.py): the cache's missing experts read in place by the kernels,
         # the step one graph; None: the host runs each cache layer's experts between graphs (segments)
         self.mapped = model.experts.mapped_decode() \

@@ -288,3 +288,38 @@ def test_cuda_prompts_with_cpu_jobs_joined_on_the_device_or_host_match_fused(ckp
     assert staged and min(staged) >= cpu_jobs.PROMPT_TOKENS  # the prompts' rows copied before their routing
     assert b.cpu_jobs._err is None or int(b.cpu_jobs._err[0]) == 0
     b.close()
+
+
+def test_unread_buckets_replay_what_the_runs_as_they_come_give():
+    """A wholly resident layer's experts over prompt runs padded to token buckets (SlotRunner.unread with
+    prompt_graphs): replayed graphs, the same launches direct and the runs as they come give the same rows, bit for
+    bit, across buckets and a shorter run after a longer one."""
+    from engine.experts.host_pool import pool_from_source
+    from engine.experts.source import ExpertWeights
+
+    seed = int(torch.randint(1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    E, H, I, K = 16, 256, 128, 8
+    src = ExpertWeights({0: (torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16()},
+                        {0: (torch.randn(E, H, I, generator=g) * 0.05).bfloat16()})
+    backends = []
+    for capture in (True, False, None):
+        b = OffloadBackend(pool_from_source(src), E, "cuda", estimate=BandwidthEstimate(bp=1e9, bh=2e9, frozen=True),
+                           stream_prefill="off")
+        b.cache.admit(0, list(range(E)))
+        if capture is not None:
+            b.prompt_graphs(capture)
+        backends.append(b)
+    tables = [b.cache.lookup_table(b.cache.table.resident[0]) for b in backends]
+    for b in backends:
+        b.cache.ready()  # the slots' copies and the table's upload, before the compute stream reads them
+    for T in (200, 40, 256, 100, 37):
+        x = torch.randn(T, H, generator=g).bfloat16().cuda()
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
+        w = torch.softmax(torch.randn(T, K, generator=g), -1).bfloat16().cuda()
+        rows = [b.runner.unread(x, ids, w, t) for b, t in zip(backends, tables)]
+        assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2]), (T, seed)
+    assert all(io.graph is not None for io in backends[0].runner._io.values())
+    assert sorted(k[0] for k in backends[0].runner._io) == [64, 128, 256]
+    for b in backends:
+        b.close()
