@@ -54,6 +54,11 @@ class SlotRunner:
         """unread's prompt runs from now on padded to a token bucket, one graph a bucket when capture (CUDA)."""
         self.bucketed, self.capture = True, bool(capture)
 
+    def unread_modes(self) -> dict[int, str]:
+        """How unread's bucketed runs go by token bucket so far: "graph", or "direct" (capture off or failed)."""
+        return {key[0]: "graph" if io.graph is not None else "direct" for key, io in sorted(self._io.items(),
+                                                                                           key=lambda kv: kv[0][0])}
+
     def unread(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """A layer with every expert in a slot: x [T, H], ids [T, K] expert ids (-1: padding, left out), w [T, K],
         table [E + 1] int32 each expert's slot (entry E -1) -> the weighed sum of each row's experts [T, H]."""

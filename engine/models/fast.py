@@ -109,11 +109,14 @@ class FastPath:
 
     def bucket_modes(self) -> dict[str, dict[int, str]]:
         """How a prompt's short runs went by token bucket so far (token_graphs.py: graph or direct): the chunked
-        delta rule's (when it is a BucketedRule) and the expert-cache layers' routing."""
+        delta rule's (when it is a BucketedRule), the DeltaNet layers' (mixer), the expert-cache layers' routing and
+        their wholly resident layers' experts (unread: SlotRunner.unread)."""
         rule = self.chunked_rule.modes() if isinstance(self.chunked_rule, BucketedRule) else {}
         mixer = self.prompt_mixer.modes() if self.prompt_mixer is not None else {}
+        runner = getattr(self.model.experts, "runner", None) if self.cached_experts else None
+        unread = runner.unread_modes() if runner is not None else {}
         return {name: modes for name, modes in (("rule", rule), ("route", self.prompt_route.modes()),
-                                                ("mixer", mixer)) if modes}
+                                                ("mixer", mixer), ("unread", unread)) if modes}
 
     # -- one token per sequence -----------------------------------------------------------------------
     def decode(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,

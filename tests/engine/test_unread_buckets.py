@@ -46,7 +46,7 @@ def test_padded_runs_equal_the_runs_as_they_come(pool, src):
         assert got.shape == (T, x.shape[1]) and torch.equal(got, want), (T, s)
         torch.testing.assert_close(got, reference(src, layer, x, ids.clamp(min=0), w * (ids >= 0)),
                                    rtol=1e-4, atol=1e-5)
-    assert sorted(k[0] for k in padded.runner._io) == [64, 128] and not plain.runner._io
+    assert padded.runner.unread_modes() == {64: "direct", 128: "direct"} and not plain.runner.unread_modes()
     plain.close()
     padded.close()
 
@@ -57,7 +57,7 @@ def test_decode_sized_runs_and_ones_of_few_pairs_go_as_they_come(pool):
     for T in (4, 31, 40):  # (40 x 3 pairs: fewer than GROUP_PAIRS)
         x, ids, w = routing(T, seed())
         b.runner.unread(x, ids, w, table)
-    assert not b.runner._io
+    assert not b.runner.unread_modes()
     b.close()
 
 

@@ -319,7 +319,7 @@ def test_unread_buckets_replay_what_the_runs_as_they_come_give():
         w = torch.softmax(torch.randn(T, K, generator=g), -1).bfloat16().cuda()
         rows = [b.runner.unread(x, ids, w, t) for b, t in zip(backends, tables)]
         assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2]), (T, seed)
-    assert all(io.graph is not None for io in backends[0].runner._io.values())
-    assert sorted(k[0] for k in backends[0].runner._io) == [64, 128, 256]
+    assert backends[0].runner.unread_modes() == {64: "graph", 128: "graph", 256: "graph"}
+    assert backends[1].runner.unread_modes() == {64: "direct", 128: "direct", 256: "direct"}
     for b in backends:
         b.close()
