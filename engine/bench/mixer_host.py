@@ -36,7 +36,7 @@ class _Counts:
     @contextlib.contextmanager
     def on(self):
         import triton.runtime.jit as jit
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 
         counts = self
 
@@ -62,7 +62,7 @@ class _Counts:
 
             def interpreted(*args, _fn=fn, **kwargs):
                 counts.launches += 1
-                with _outside(mode):  # the interpreter's own torch calls are not the host's queue
+                with _pop_mode_temporarily():  # the interpreter's own torch calls are not the host's queue
                     return _fn(*args, **kwargs)
             interp.InterpretedFunction.run = interpreted
         except (ImportError, AttributeError):
@@ -74,15 +74,6 @@ class _Counts:
         finally:
             for cls, name, fn in kept:
                 setattr(cls, name, fn)
-
-
-@contextlib.contextmanager
-def _outside(mode):
-    """Torch ops inside this block go uncounted (the dispatch mode popped for its length)."""
-    from torch.utils._python_dispatch import _pop_mode_temporarily
-
-    with _pop_mode_temporarily():
-        yield
 
 
 def _model(layers: int):

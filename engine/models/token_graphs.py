@@ -194,10 +194,13 @@ class _RouteIO:
         self.out = None  # (ids, w, shared or None): made like the first routing's outputs
 
 
-class _RouteRun:
+class _Run:
+    """One key's graph once captured, and what it returned (a BucketedRoute's ExpertCall, its tensors dropped: they
+    are copied into _RouteIO.out inside the graph)."""
+
     def __init__(self):
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out = None  # the graph's ExpertCall, its tensors dropped (copied into _RouteIO.out inside the graph)
+        self.out = None
 
 
 class BucketedRoute(_Graphs):
@@ -220,7 +223,7 @@ class BucketedRoute(_Graphs):
         key = (size, mlp.layer, h.device, h.dtype)
         run = self._runs.get(key)
         if run is None:
-            run = self._runs[key] = _RouteRun()
+            run = self._runs[key] = _Run()
             if self.capture:
                 if io.out is None:
                     call = self.route(mlp, io.h, None)
@@ -262,12 +265,6 @@ class _MixerIO:
         self.state = torch.zeros(rec.shape, dtype=torch.float32, device=dev)
 
 
-class _MixerRun:
-    def __init__(self):
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out = None
-
-
 class BucketedMixer(_Graphs):
     """A prompt's DeltaNet layer between its two projections, for one sequence's run of at most BUCKETS[-1] rows
     with no checkpoint inside it (FastPath._deltanet_prefill's case of an extend): the gates (zero past the real
@@ -300,7 +297,7 @@ class BucketedMixer(_Graphs):
         key = (size, layer, proj.device, proj.dtype)
         run = self._runs.get(key)
         if run is None:
-            run = self._runs[key] = _MixerRun()
+            run = self._runs[key] = _Run()
             # (the warm-up runs overwrite io.conv: the state goes in below, after them)
             self._capture(run, lambda *_: self._mix(m, io, C, values), (io.proj,),
                           f"DeltaNet layer {layer}'s gates, conv, rule and norm over {size} tokens")
@@ -320,8 +317,8 @@ class BucketedMixer(_Graphs):
         beta, g = prefill_gates(io.proj, C + values, C + values + c.value_heads, c.neg_A, c.dt_bias)
         keep = (io.rows < io.n)[:, None]  # padding rows: beta = g = 0 leave the rule's state as it is
         beta, g = torch.where(keep, beta, 0.0), torch.where(keep, g, 0.0)
-        kd, vd = c.key_heads * c.key_dim, c.value_heads * c.value_dim
-        q, k, v = conv_prefill(io.proj[:, :C], io.conv, m.conv_w).split([kd, kd, vd], dim=-1)
+        kd = c.key_heads * c.key_dim
+        q, k, v = conv_prefill(io.proj[:, :C], io.conv, m.conv_w).split([kd, kd, values], dim=-1)
         o, new = self.rule(q.reshape(size, c.key_heads, -1), k.reshape(size, c.key_heads, -1),
                            v.reshape(size, c.value_heads, -1), g, beta, io.rec)
         gated_norm(o.to(io.proj.dtype).reshape(size, values), io.proj, C, c, out=io.normed)
