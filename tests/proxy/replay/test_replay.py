@@ -185,7 +185,11 @@ def test_fixture_replay_anchors_beat_cache_off(name, demo_size_dir):
     median_off = statistics.median(r.ttft_s for r in off)
     print(f"{name}: median TTFT over turns {[r.turn for r in sample]}: anchors {median_anchors * 1e3:.1f} ms, "
           f"off {median_off * 1e3:.1f} ms")
-    assert median_anchors <= 0.3 * median_off, (median_anchors, median_off)
+    # the work is counted, the time only ordered: a ratio of times is a benchmark's (`killick replay`), and on a
+    # loaded 2-core machine it moved past any fixed bound
+    prefilled = sum(r.prefilled_tokens for r in sample), sum(r.prefilled_tokens for r in off)
+    assert prefilled[0] <= 0.3 * prefilled[1], prefilled
+    assert median_anchors < median_off, (median_anchors, median_off)
     for r in later:  # every later turn prefills exactly what is new: the tokens after its edit point
         assert r.prefilled_tokens == r.prompt_tokens - r.resume_at, (r.turn, r.edit_class, r.prefilled_tokens)
         if r.edit_class == "system_changed":  # an edit inside a volatile block resumes at the block's start
