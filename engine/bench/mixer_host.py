@@ -94,13 +94,9 @@ def run(tokens: int, runs: int, layers: int) -> dict:
         if cuda:
             raise RuntimeError("no bucketed mixer on this model: fla-core is missing or the model is fp32")
         from engine.layers.delta_rule import chunked_gated_delta_rule
-        from engine.models.token_graphs import BucketedMixer, BucketedRule
+        from engine.models.token_graphs import BucketedRule
 
-        rule = BucketedRule(chunked_gated_delta_rule, capture=False)
-        fast.chunked_rule = rule
-        for net in (layer.mixer for layer in model.layers if not layer.is_attention):
-            net.chunked_rule = rule
-        fast.prompt_mixer = BucketedMixer(rule.rule, capture=False)
+        fast.use_rule(BucketedRule(chunked_gated_delta_rule, capture=False))
     mixer, plain = fast.prompt_mixer, fast._deltanet_prefill
     walls = {arm: [] for arm in ARMS}
     counted = {arm: _Counts() for arm in ARMS}

@@ -64,11 +64,8 @@ class FastPath:
         """capture: a prompt's short runs (token_graphs.py) replay CUDA graphs, else launch the same shapes."""
         cfg = model.config
         self.model, self.pool, self.cfg = model, pool, cfg
-        self.chunked_rule = chunked_rule  # None: the eager layers' own
         self.prompt_route = BucketedRoute(route_cached, capture)  # an expert-cache layer's routing of a prompt
-        # a prompt's DeltaNet layers of one short run between their projections, where its rule is bucketed too
-        self.prompt_mixer = BucketedMixer(chunked_rule.rule, capture) if isinstance(chunked_rule, BucketedRule) \
-            else None
+        self.use_rule(chunked_rule)
         self.mixers, self.mlps = [], []
         # an expert cache keeps the routed experts (host pool + device slots): its layers route here and run
         # the experts through it; a decode step is graphs between those layers (graphs.py)
@@ -87,8 +84,6 @@ class FastPath:
             self.mlps.append(fuse_mlp(layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp)
             if not layer.is_attention:
                 layer.mixer.prefill_conv = functools.partial(conv_prefill, conv_w=mixer.conv_w)
-                if chunked_rule is not None:
-                    layer.mixer.chunked_rule = chunked_rule
                 if tail_rule is not None:
                     layer.mixer.tail_rule, layer.mixer.tail_tokens = tail_rule, TAIL_TOKENS
         # mapped with prefetch: each cache layer's likely expert copied in on this stream while its mixer runs
@@ -106,6 +101,18 @@ class FastPath:
         norms = [layer.input_norm for layer in model.layers] + [model.final_norm]
         self.norms = [(layer.post_norm, norms[i + 1]) for i, layer in enumerate(model.layers)]
         self.splits = decode_splits(pool.capacity)
+
+    def use_rule(self, rule, mixer: bool = True) -> None:
+        """rule: a prompt's chunked DeltaNet rule for every DeltaNet layer (None: the eager layers' own). Where it is
+        a BucketedRule and `mixer`, a prompt's DeltaNet layers of one short run take the bucketed mixer over its
+        rule between their projections (same capture and buckets)."""
+        self.chunked_rule = rule
+        if rule is not None:
+            for layer in self.model.layers:
+                if not layer.is_attention:
+                    layer.mixer.chunked_rule = rule
+        bucketed = mixer and isinstance(rule, BucketedRule)
+        self.prompt_mixer = BucketedMixer(rule.rule, rule.capture, rule.buckets) if bucketed else None
 
     def bucket_modes(self) -> dict[str, dict[int, str]]:
         """How a prompt's short runs went by token bucket so far (token_graphs.py: graph or direct): the chunked

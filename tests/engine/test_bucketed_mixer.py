@@ -123,11 +123,7 @@ def fast_pair(checkpoints):
     for with_mixer in (False, True):
         model = Engine.from_pretrained(ckpt, device="cpu", fast=False).model
         model.enable_fast(slots=3, capacity=96, graphs=False)
-        rule = BucketedRule(chunked_gated_delta_rule, capture=False, buckets=(8, 16))
-        model.fast.chunked_rule = rule
-        for net in (layer.mixer for layer in model.layers if not layer.is_attention):
-            net.chunked_rule = rule
-        model.fast.prompt_mixer = BucketedMixer(rule.rule, False, (8, 16)) if with_mixer else None
+        model.fast.use_rule(BucketedRule(chunked_gated_delta_rule, capture=False, buckets=(8, 16)), with_mixer)
         models.append(model)
     return models
 
