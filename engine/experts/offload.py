@@ -209,14 +209,15 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         # fills both predict by it
         q = pick_probability(t.heat / t.moment()[1], top_k) if num_tokens > 1 and (
             span > 1 or (self.streamer is not None and not decode)) else None
+        touch = None if q is None else 1.0 - (1.0 - q) ** num_tokens  # (~0.15 ms at [8, 256]: made once)
         if self.streamer is not None:
-            self.streamer.begin(num_tokens, top_k, q, decode=decode)
+            self.streamer.begin(num_tokens, top_k, touch, decode=decode)
         self._ahead = self._touch = self._pick = None
         self.handoff_clock.begin()
         self.handoff_clock.read_gaps()  # the last forward's, done by now
         self._looked, self._seen, self._tokens, self._top_k = {}, {}, num_tokens, top_k
         if span > 1 and not (self.streamer is not None and self.streamer.active):
-            self._pick, self._touch = q, 1.0 - (1.0 - q) ** num_tokens
+            self._pick, self._touch = q, touch
             self._ahead = self._use_weights(num_tokens * q, span) + REFILL_USES * self._touch
         self._span = max(1, int(span))
         self.cache.table.tokens_passed(self._span - 1)

@@ -77,6 +77,15 @@ def touched(heat: np.ndarray, num_tokens: int, top_k: int, prior: float = PRIOR_
     return 1.0 - (1.0 - pick_probability(heat, top_k, prior)) ** num_tokens
 
 
+def row_sums(warm: np.ndarray, touch: np.ndarray) -> tuple[list[int], list[float], list[float]]:
+    """warm [L, E] (in a slot), touch [L, E] (touched by the forward's tokens) -> per row: the experts missing, the
+    touched ones among them (their probabilities summed) and the residents likely read (touch >= LIKELY_READ)."""
+    missing = (~warm).sum(1).tolist()
+    cold_hit = np.where(warm, 0.0, touch).sum(1).tolist()
+    likely = (warm & (touch >= LIKELY_READ)).sum(1).astype(np.float64).tolist()
+    return missing, cold_hit, likely
+
+
 def routed_fills(touched_missing: list[float], likely_resident: list[float], num_slots: int,
                  cpu_share: float = 0.0) -> float:
     """Experts the per-expert path copies (or, the cpu_share of the misses, runs on the CPU) in one prompt
@@ -148,36 +157,37 @@ class PrefillStreamer:
         self.tables: dict[int, object] = {}
         self.streamed_forwards = 0
 
-    def begin(self, num_tokens: int, top_k: int, pick: np.ndarray | None = None, decode: bool = False) -> None:
-        """A forward of num_tokens begins: stream it or not. pick [L, E]: each expert's probability per token
-        (pick_probability of the slot table's heat; computed here when not given). decode: its tokens are one a
-        sequence (a batched decode step), which never streams, whatever the mode: no prompt in it."""
+    def begin(self, num_tokens: int, top_k: int, touch: np.ndarray | None = None, decode: bool = False) -> None:
+        """A forward of num_tokens begins: stream it or not. touch [L, E]: each expert's probability of being
+        touched by the forward's tokens (`touched` of the slot table's heat; computed here when not given). decode:
+        its tokens are one a sequence (a batched decode step), which never streams, whatever the mode: no prompt
+        in it."""
         cache, pool = self.b.cache, self.b.pool
         e = pool.num_experts
         self.active, self.reserved, self._prefetched, self._current = False, [], set(), None
         self.tables = {}
         if cache.num_slots < 2 * e or num_tokens <= 1 or decode:
             return
-        self.active = self.mode == "on" or self._predicted_faster(num_tokens, top_k, pick)
+        self.active = self.mode == "on" or self._predicted_faster(num_tokens, top_k, touch)
         self.streamed_forwards += self.active
         if self.active:
             # the first layer's copy now, not at its first piece: that one follows the piece's mixer (~9 ms of an
             # 8k prompt on the H200 box) with the copy engine idle; kept locked (reserved) until that piece ran
             self.reserved = self._prefetch(pool.layers[0], after=None)
 
-    def _predicted_faster(self, num_tokens: int, top_k: int, pick: np.ndarray | None) -> bool:
+    def _predicted_faster(self, num_tokens: int, top_k: int, touch: np.ndarray | None) -> bool:
+        """Whether streaming this forward's layers is predicted faster than routing them (should_stream): every
+        extend asks, at its first layer call, while the device waits for the host, so the per-layer sums are made
+        for all rows at once."""
         cache, pool, est = self.b.cache, self.b.pool, self.b.estimate
         t, w = cache.table, cache.windows()
         # [L, E] touched, rows in pool.layers' order (pool.row)
-        p = touched(t.heat / t.moment()[1], num_tokens, top_k) if pick is None else 1.0 - (1.0 - pick) ** num_tokens
-        missing, cold_hit, likely, streamed = [], [], [], 0
-        for i, layer in enumerate(pool.layers):
-            warm = t.resident[i] >= 0
-            missing.append(int((~warm).sum()))
-            cold_hit.append(float(p[i][~warm].sum()))
-            likely.append(float((warm & (p[i] >= LIKELY_READ)).sum()))
-            # the first w - 2 layers stream into windows kept from the forward before (window_for)
-            streamed += cache.stream_copies(layer, w - 1 - i) if w >= 3 and i < w - 2 else pool.num_experts
+        p = touched(t.heat / t.moment()[1], num_tokens, top_k) if touch is None else touch
+        missing, cold_hit, likely = row_sums(t.resident >= 0, p)
+        # the first w - 2 layers stream into windows kept from the forward before (window_for)
+        kept = pool.layers[: max(0, w - 2)] if w >= 3 else []
+        streamed = sum(cache.stream_copies(layer, w - 1 - i) for i, layer in enumerate(kept)) \
+            + pool.num_experts * (len(pool.layers) - len(kept))
         share = self.b.cpu_share()
         routed = routed_fills(cold_hit, likely, cache.num_slots, share)
         return should_stream(num_tokens=num_tokens, top_k=top_k, num_experts=pool.num_experts, missing=missing,

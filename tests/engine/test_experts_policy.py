@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.experts.policy import BandwidthEstimate, choose_backend, q_balanced, q_star, slots_from_spec
-from engine.experts.prefill_stream import expected_touched, routed_fills, should_stream, touched
+from engine.experts.prefill_stream import (LIKELY_READ, expected_touched, routed_fills, row_sums, should_stream,
+                                          touched)
 from engine.experts.registry import resolve
 
 
@@ -142,3 +143,17 @@ def test_touched_experts_from_the_slot_tables_heat():
     # rows of a [L, E] heat are layers of their own
     rows = np.stack([np.zeros(e), heat, np.arange(e, dtype=float)])
     np.testing.assert_allclose(touched(rows, 40, k), np.stack([touched(r, 40, k) for r in rows]))
+
+
+@given(st.integers(1, 12), st.integers(1, 300), st.integers(0, 2**31 - 1))
+def test_row_sums_are_the_rows_summed_one_at_a_time(rows, experts, seed):
+    """The streaming choice's per-row sums, made for every row at once, against a row at a time: the counts equal,
+    the touched misses' sum to the last bits the order of the additions moves."""
+    g = np.random.default_rng(seed)
+    warm = g.random((rows, experts)) < g.random()
+    touch = np.where(g.random((rows, experts)) < 0.2, LIKELY_READ, g.random((rows, experts)))  # ties at the bound
+    missing, cold_hit, likely = row_sums(warm, touch)
+    for i in range(rows):
+        assert missing[i] == int((~warm[i]).sum())
+        assert cold_hit[i] == pytest.approx(float(touch[i][~warm[i]].sum()), rel=1e-12, abs=1e-12)
+        assert likely[i] == float((warm[i] & (touch[i] >= LIKELY_READ)).sum())
