@@ -7,7 +7,7 @@ import torch
 
 from engine.experts.host_pool import pool_from_source
 from engine.experts.aligned import pair_sorted
-from engine.experts.slot_cache import SlotCache, copy_backlog, copy_runs, window_runs
+from engine.experts.slot_cache import NUMPY_RUNS, SlotCache, copy_backlog, copy_runs, copy_runs_loop, window_runs
 from engine.experts.source import ExpertWeights
 
 
@@ -35,6 +35,24 @@ def test_copy_runs_cover_each_pair_once_and_merge_only_where_both_step_by_one():
         for (e0, s0, c0), (e1, s1, _) in zip(runs, runs[1:]):
             assert not (e0 + c0 == e1 and s0 + c0 == s1)  # a mergeable neighbour would have been merged
     assert copy_runs(list(range(10, 20)), list(range(5, 15))) == [(10, 5, 10)]
+
+
+def test_copy_runs_of_many_pairs_are_those_made_one_pair_at_a_time():
+    """copy_runs' numpy way (NUMPY_RUNS pairs or more) against the loop, on fresh pairs: scattered, aligned runs
+    (an expert to its own offset), a repeated expert, across the threshold."""
+    rng = random.Random()
+    for _ in range(200):
+        n = rng.randint(NUMPY_RUNS - 2, 300)
+        experts = rng.sample(range(512), n)
+        kind = rng.random()
+        if kind < 0.4:
+            slots = rng.sample(range(1024), n)
+        else:
+            base = rng.choice([0, 256, 512])
+            slots = [base + e if rng.random() < 0.9 else 2000 + i for i, e in enumerate(experts)]
+        if kind > 0.9:
+            experts[-1] = experts[0]  # (a caller's repeat: kept as its own run)
+        assert copy_runs(experts, slots) == copy_runs_loop(experts, slots), (experts, slots)
 
 
 def test_window_runs_counts_the_copy_runs_of_a_window():
