@@ -381,9 +381,10 @@ def _stalls_json(watch: Stalls, t0: float) -> dict:
 
 def _print_calls(calls, which: str) -> None:
     """An extend's MoE layer calls (OffloadBackend.call_log): what each planned, and when (ms from the call's start,
-    which is ms from the first call's start) its routing came back, its split was made, its CPU job ran, its hits and
-    fills were queued on the device ('ran'), then the next layer's copies ahead ('queued'), the engine thread had the
-    job's result and the call returned; then how long the CPU sat idle between its jobs (a copy engine behind on
+    which is ms from the first call's start) its routing came back, its split was made (an unread call's 'planned':
+    its begin and slot table done), its CPU job ran, its hits and fills (or an unread call's experts) were queued on
+    the device ('ran'), then the next layer's copies ahead ('queued'), the engine thread had the job's result and the
+    call returned; then how long the CPU sat idle between its jobs (a copy engine behind on
     copies ahead, or a device behind on the layers between, keeps it waiting). 'copies': the copy calls the layer
     call issued (its fills and the next layer's copies ahead, one a run of consecutive experts)."""
     print(f"\n{which}: its MoE layer calls (ms; 'unread': every expert in a slot, routing not read back; "

@@ -36,9 +36,11 @@ class DeviceRuns:
         issue 17). In a routed prompt the next layer's copies ahead may then take this layer's slots, behind its
         kernels: the first layer of an extend after a streamed prompt is one such, and its locked slots left the
         copy engine idle until the second layer's routing (H200 box, docs/PERF.md twenty-fourth session)."""
+        entered = time.perf_counter()  # (the call's begin and its slot table done: the call log's 'planned')
         self._mark_enter(layer)  # (a routed prompt's: the device's gap before it counts in the CPU's handoff)
         self.handoff_clock.read_gaps()  # those done by now, without waiting
         out = self.runner.unread(x, topk_ids, topk_w, slots)
+        ran = time.perf_counter()
         # a copy: read at settle(), after the caller may have reused its tensor (token_graphs.BucketedRoute's
         # graph writes a layer's routing of every piece of a prompt into the same buffer)
         self._unsettled.append((layer, topk_ids.clone(), self.cache.table.moment(), self._span))
@@ -46,13 +48,14 @@ class DeviceRuns:
         ahead = self._ahead_plan(layer, behind)  # None in a streamed forward
         if ahead and len(ahead[1]):
             self._copy_ahead(ahead[0], ahead[1], with_cpu=False, after=self.cache.mark())  # after this layer's reads
+        queued = time.perf_counter()
         self._unlock()  # as a layer call ends: the copies' slots are the next layer's to plan with
         self._mark_exit(layer)
         if layer == self.pool.layers[-1] and not self._held:
             self.settle()
         if self.call_log is not None:
             self._log_call(layer, "unread", t_in, -1, 0, 0, 0, len(self._looked.get(ahead[0], ())) if ahead else 0,
-                           behind)
+                           behind, planned=entered, ran=ran, queued=queued)
         return out
 
     def _run_device(self, layer, x, y, routing: Routing, hit_slots, hits, fills, with_cpu: bool,

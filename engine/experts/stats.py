@@ -77,10 +77,12 @@ class LayerCall(NamedTuple):
     cpu_ms: float  # its run
     cpu_wait_ms: float  # the engine thread's wait for it
     end_ms: float  # when the call returned
-    planned_ms: float = -1.0  # when its split was made, the CPU job about to start (-1: unread)
+    # when its split was made, the CPU job about to start; an unread call's: when its begin (a forward's first
+    # call: the deferred one) and its slot table were done, its experts about to be queued
+    planned_ms: float = -1.0
     woke_ms: float = -1.0  # when the engine thread had the CPU job's result (-1: none)
-    ran_ms: float = -1.0  # when the device's hits and fills were queued (-1: unread)
-    queued_ms: float = -1.0  # when the next layer's copies ahead were queued too (-1: unread)
+    ran_ms: float = -1.0  # when the device's hits and fills were queued (an unread call's: its experts)
+    queued_ms: float = -1.0  # when the next layer's copies ahead were queued too
     # a prompt's last routed layer: how long after its CPU job ended its fills landed (negative: the device waited
     # that long for the job; hybrid.TailClock), in ms; nan: not measured
     tail_ms: float = float("nan")

@@ -289,6 +289,8 @@ def test_wholly_resident_layers_time_the_handoff_so_a_long_first_estimate_goes()
                                        rtol=1e-5, atol=1e-5)
         b.end_forward()
         assert [c.kind for c in b.call_log] == ["unread"] * 6
+        # each logs where its host time went: begun, experts queued, copies ahead queued, returned
+        assert all(0 <= c.planned_ms <= c.ran_ms <= c.queued_ms <= c.end_ms for c in b.call_log)
         assert b.handoff == pytest.approx(step)  # (the host's part: no routed call, none)
         ahead.append(b.ahead_fills(200.0, 1000))
     assert ahead[0] == 200 and ahead[-1] < 200  # the CPU takes a share again
