@@ -233,6 +233,9 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         self._deferred = None  # a held forward that ran no layer call
         self.cpu_jobs.collect()  # the last CPU job joined on the device, its rate counted while the forward's on
         self._held = False
+        # the forward's copies timed now, while the device runs its last layers (settle waits for them next): else
+        # the next forward's first layer call took them in, before it queued anything
+        self._observe_fill()
         self.settle()  # before _looked goes: a resident layer's copies ahead are counted there
         self._ahead = self._touch = self._pick = None
         self._looked = {}
