@@ -16,6 +16,7 @@ or, joined on the device (`raise_flag`: the host goes on queuing the layers afte
     jobs.defer(pending, on_done)
     ...
     jobs.collect()                                       # later: on_done(its result), or its error raised
+    jobs.collect(hold=True); ...; jobs.observe_held()    # or its error now, on_done at observe_held()
 
 T = tokens, K = experts per token, H = hidden. A native job, or one with zero_copy (CUDA, grouped kernels), writes
 its positions and outputs into buffers kept for the next call, page-locked on CUDA; with zero_copy the device
@@ -77,6 +78,7 @@ class CpuJobs:
         self._seq = 0
         self._flagged = None
         self._deferred = None  # a joined job to collect: (its Future, on_done)
+        self._held = None  # a collected job's (on_done, result), for observe_held()
         self._staged = None  # stage()'s (x, (rows, event))
         self._posted = None  # the runner the last _post went to
 
@@ -187,11 +189,12 @@ class CpuJobs:
         self.collect()
         self._deferred = (pending, on_done)
 
-    def collect(self) -> None:
+    def collect(self, hold: bool = False) -> None:
         """The deferred job's result (waited for: by the time the device has read its outputs, which a later
-        routing's read-back implies, it is there), handed to its on_done. Its error raises here, as does the
-        device's wait given up before the job was done (the layer's output read unwritten rows). Nothing without
-        one."""
+        routing's read-back implies, it is there), handed to its on_done; with `hold`, kept for observe_held()
+        instead. Its error raises here, as does the device's wait given up before the job was done (the layer's
+        output read unwritten rows). Nothing without one."""
+        self.observe_held()
         if self._deferred is None:
             return
         (pending, on_done), self._deferred = self._deferred, None
@@ -200,10 +203,23 @@ class CpuJobs:
             self._err.zero_()
             raise RuntimeError(f"the device gave up waiting for a CPU expert job after {done.seconds:.1f} s: that "
                                "layer's output is wrong; the request fails")
-        on_done(done)
+        if hold:
+            self._held = (on_done, done)
+        else:
+            on_done(done)
+
+    def observe_held(self) -> None:
+        """on_done of the result collect(hold=True) kept, if any: a routed call takes the last job's result before
+        its plan and hands it on once its own job is posted, so the rates it observes (~0.25 ms of the engine
+        thread between the routing and the job on the H100 box) run while the CPU works."""
+        held, self._held = self._held, None
+        if held is not None:
+            held[0](held[1])
 
     def drop(self) -> None:
-        """The deferred job, if any, waited for and forgotten, its outcome with it (its forward has failed)."""
+        """The deferred job, if any, waited for and forgotten, its outcome with it (its forward has failed), as is a
+        result collect(hold=True) kept."""
+        self._held = None
         if self._deferred is not None:
             pending, self._deferred = self._deferred[0], None
             pending.exception()  # waits; the job's error, if any, goes with it
@@ -229,7 +245,7 @@ class CpuJobs:
         if self._posted is not None:  # its job writes this object's buffers until done
             self._posted.wait_gather()
             self._posted = None
-        self._deferred = self._staged = None
+        self._deferred = self._staged = self._held = None
         self._tables.clear()
 
     def _run(self, x_cpu: torch.Tensor, host: torch.Tensor, jobs: Pairs, top_k: int, table, out=None,

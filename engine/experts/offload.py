@@ -257,13 +257,16 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         routing = Routing.of(topk_ids)
         routed_at = time.perf_counter()
         self.handoff_clock.read_gaps()  # the routing's read-back waited for the device: earlier gaps' are done
-        self.cpu_jobs.collect()  # a CPU job joined on the device, whose outputs this routing read: its rate counted
+        # a CPU job joined on the device, whose outputs this routing read: taken now, its rate counted once this
+        # call's own job is under way (the plan below splits by the rates of the jobs before it)
+        self.cpu_jobs.collect(hold=True)
         plan = self._plan_call(layer, routing, streaming, early)
         y = (x.new_zeros if routing.unrouted else x.new_empty)(x.shape[0] * routing.top_k, x.shape[1])  # [T*K, H]
         planned = time.perf_counter()
         join = cpu_jobs.JOIN_ON_DEVICE and self.grouped and self._held and x.shape[0] >= PROMPT_TOKENS
         pending = self.cpu_jobs.start(layer, x, routing, plan.on_cpu, raise_flag=join)
-        self._count_looked(layer, routing.experts)  # (counts alone: after the CPU's job is under way)
+        self.cpu_jobs.observe_held()  # (after the CPU's job is under way, as the counts alone)
+        self._count_looked(layer, routing.experts)
         self._observe_touch(layer, routing.experts, x.shape[0])
         ran, probe = self._queue_device(layer, x, y, routing, topk_ids, plan, pending is not None, streaming)
         queued = time.perf_counter()

@@ -80,7 +80,9 @@ class LayerCall(NamedTuple):
     # when its split was made, the CPU job about to start; an unread call's: when its begin (a forward's first
     # call: the deferred one) and its slot table were done, its experts about to be queued
     planned_ms: float = -1.0
-    woke_ms: float = -1.0  # when the engine thread had the CPU job's result (-1: none)
+    # when the engine thread took the CPU job's result in (-1: none); a joined job's: in the next routed call, once
+    # that call's own job was posted
+    woke_ms: float = -1.0
     ran_ms: float = -1.0  # when the device's hits and fills were queued (an unread call's: its experts)
     queued_ms: float = -1.0  # when the next layer's copies ahead were queued too
     # a prompt's last routed layer: how long after its CPU job ended its fills landed (negative: the device waited

@@ -111,3 +111,35 @@ def test_the_last_routed_layer_splits_by_the_tail_clock_and_times_its_fills_agai
     assert b.split(40, 3, 8.0) == b.policy.best(40, 3, b.handoff, 8.0).q >= lagged.q
     assert b.stats()["split"]["tail"] == {"lag_ms": pytest.approx(4.0), "last_ms": 0.0, "samples": 0}
     b.close()
+
+
+def test_a_joined_job_is_observed_once_the_next_calls_job_is_under_way(monkeypatch):
+    """A held prompt's routed calls, each with a CPU job joined on the device: a call takes the last job's result
+    before its plan and observes its rates only after posting its own job; the last job is observed at
+    end_forward. Every job observed once, in order, and the outputs equal the reference's."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(cpu_jobs, "JOIN_ON_DEVICE", True)
+    src, deep = deep_pool(layers=4)
+    x, ids, w = routing(40, seed=int(torch.randint(1 << 30, ())))
+    b = HybridBackend(deep, 4 * E, "cpu", estimate=BandwidthEstimate(bp=1e9, bh=1e9, frozen=True),
+                      stream_prefill="off", slot_policy="lfu", lookahead="off", grouped=True)
+    b.call_log = []
+    events = []
+    start, observe = b.cpu_jobs.start, b._observe_cpu
+    monkeypatch.setattr(b, "split", lambda m, busy=0, per=1.0, tail=False: m // 2)  # half of the misses on the CPU
+    monkeypatch.setattr(b.cpu_jobs, "start", lambda layer, *a, **k: (events.append(("start", layer)),
+                                                                     start(layer, *a, **k))[1])
+    monkeypatch.setattr(b, "_observe_cpu", lambda layer, *a, **k: (events.append(("observe", layer)),
+                                                                   observe(layer, *a, **k))[1])
+    with torch.inference_mode():
+        b.begin_forward(40, K, hold=True, span=40)
+        for layer in range(4):
+            torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
+                                       rtol=1e-5, atol=1e-5)
+        b.end_forward()
+    assert [c.kind for c in b.call_log] == ["joined"] * 4
+    assert events == [("start", 0), ("start", 1), ("observe", 0), ("start", 2), ("observe", 1), ("start", 3),
+                      ("observe", 2), ("observe", 3)]
+    assert all(c.woke_ms >= 0 and c.cpu_start_ms >= 0 for c in b.call_log)
+    check_table(b)
+    b.close()
