@@ -185,7 +185,7 @@ class PrefillStreamer:
         p = touched(t.heat / t.moment()[1], num_tokens, top_k) if touch is None else touch
         missing, cold_hit, likely = row_sums(t.resident >= 0, p)
         # the first w - 2 layers stream into windows kept from the forward before (window_for)
-        kept = pool.layers[: max(0, w - 2)] if w >= 3 else []
+        kept = pool.layers[: w - 2] if w >= 3 else []
         streamed = sum(cache.stream_copies(layer, w - 1 - i) for i, layer in enumerate(kept)) \
             + pool.num_experts * (len(pool.layers) - len(kept))
         share = self.b.cpu_share()

@@ -58,7 +58,7 @@ def copy_runs(experts: list[int], slots: list[int]) -> list[tuple[int, int, int]
     """(first expert, first slot, count) per run where both step by one: one copy each. A prefill stream
     issued 256 copies a layer, and at ~70 us of host time apiece once the copy queue is deep (H200 box)
     they, not PCIe, set the layer's pace. Many pairs (an extend's first copies ahead, ~140-256, inside its first
-    layer call) are sorted and split by numpy: 256 took the loop ~145 us of the dev box, numpy ~40."""
+    layer call) are sorted and split by numpy: 256 pairs in one run took the loop 193 us of the dev box, numpy 60."""
     if len(experts) < NUMPY_RUNS:
         return copy_runs_loop(experts, slots)
     e, s = np.asarray(experts, dtype=np.int64), np.asarray(slots, dtype=np.int64)
