@@ -62,6 +62,16 @@ def deep_pool(layers=6, seed=5):
     return src, pool_from_source(src)
 
 
+def check_prompt(b, src, layers, x, ids, w, msg=None):
+    """One held prompt forward of x's tokens through backend b's `layers`, each layer's output against the
+    reference's over the source `src`."""
+    b.begin_forward(x.shape[0], K, hold=True, span=x.shape[0])
+    for layer in layers:
+        torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w), rtol=1e-5,
+                                   atol=1e-5, msg=msg)
+    b.end_forward()
+
+
 def run_prompt(b, layers, T, seed):
     """One held prompt forward of T tokens through backend b's `layers`, random routing of `seed`."""
     x, ids, w = routing(T, seed)

@@ -13,7 +13,7 @@ from engine.experts.offload import OffloadBackend
 from engine.experts.policy import BandwidthEstimate
 from engine.experts.source import ExpertWeights
 
-from tests.engine.backends_util import E, H, I, K, L_IDS, check_table, deep_pool, reference, routing
+from tests.engine.backends_util import E, H, I, K, L_IDS, check_prompt, check_table, deep_pool, reference, routing
 from tests.engine.backends_util import pool, src  # noqa: F401 (pytest fixtures)
 
 
@@ -283,11 +283,7 @@ def test_wholly_resident_layers_time_the_handoff_so_a_long_first_estimate_goes()
     for step in (0.325, 1e-7, 1e-7):  # (1e-7 s: 0.1 us, about two of these tiny experts at 50 GB/s)
         events.step = step
         b.call_log = []
-        b.begin_forward(40, K, hold=True, span=40)
-        for layer in range(6):
-            torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
-                                       rtol=1e-5, atol=1e-5)
-        b.end_forward()
+        check_prompt(b, src, range(6), x, ids, w)
         assert [c.kind for c in b.call_log] == ["unread"] * 6
         # each logs where its host time went: begun, experts queued, copies ahead queued, returned
         assert all(0 <= c.planned_ms <= c.ran_ms <= c.queued_ms <= c.end_ms for c in b.call_log)

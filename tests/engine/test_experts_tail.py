@@ -10,7 +10,7 @@ from engine.experts import cpu_jobs, lookahead
 from engine.experts.hybrid import TAIL_GAIN, HybridBackend
 from engine.experts.policy import BandwidthEstimate
 
-from tests.engine.backends_util import E, K, check_table, deep_pool, reference, routing
+from tests.engine.backends_util import E, check_prompt, check_table, deep_pool, routing
 
 
 class Event:
@@ -81,11 +81,7 @@ def test_the_last_routed_layer_splits_by_the_tail_clock_and_times_its_fills_agai
             b = backend(frozen, clock, fills_end, wait_ms, asked, joins)
             clock, before = b.tail, (b.tail.lag, b.tail.samples)
             with torch.inference_mode():
-                b.begin_forward(40, K, hold=True, span=40)
-                for layer in range(4):
-                    torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
-                                               rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
-                b.end_forward()
+                check_prompt(b, src, range(4), x, ids, w, msg=f"seed {seed}")
             assert [c.kind for c in b.call_log][1:] == ["joined", "unread", "unread"]
             assert asked == [False] * (len(asked) - 1) + [True]  # the tail's split alone
             assert joins == [False] * (len(joins) - 1) + [not frozen]  # the tail's join alone timed
@@ -132,11 +128,7 @@ def test_a_joined_job_is_observed_once_the_next_calls_job_is_under_way(monkeypat
     monkeypatch.setattr(b, "_observe_cpu", lambda layer, *a, **k: (events.append(("observe", layer)),
                                                                    observe(layer, *a, **k))[1])
     with torch.inference_mode():
-        b.begin_forward(40, K, hold=True, span=40)
-        for layer in range(4):
-            torch.testing.assert_close(b.forward(layer, x, ids, w), reference(src, layer, x, ids, w),
-                                       rtol=1e-5, atol=1e-5)
-        b.end_forward()
+        check_prompt(b, src, range(4), x, ids, w)
     assert [c.kind for c in b.call_log] == ["joined"] * 4
     assert events == [("start", 0), ("start", 1), ("observe", 0), ("start", 2), ("observe", 1), ("start", 3),
                       ("observe", 2), ("observe", 3)]
