@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.experts import aligned
 from engine.experts.aligned import Tiered
-from engine.experts.prefill_stream import KEEP_RATIO, LIKELY_READ
+from engine.experts.prefill_stream import KEEP_RATIO, LIKELY_READ, touch_of
 from engine.experts.slot_cache import COALESCE_FILLS
 
 # a routed prompt forward copies the next MoE layer's likely misses while a layer runs (`lookahead`): the
@@ -230,7 +230,7 @@ class CopiesAhead:
         """A routed prompt call of `tokens` tokens to `experts` (distinct) of `layer`: how many of those the heat
         gave under TOUCH_CERTAIN it touched, against the heat's prediction (touch_ratio)."""
         if tokens > 1 and self._pick is not None:
-            p = 1.0 - (1.0 - self._pick[self.pool.row[layer]]) ** tokens
+            p = touch_of(self._pick[self.pool.row[layer]], tokens)
             unsure = p < TOUCH_CERTAIN
             if unsure.any():
                 self.touch_ratio.observe(tokens, int(unsure[experts].sum()), float(p[unsure].sum()))

@@ -31,7 +31,7 @@ from engine.experts.handoff import CallTiming, HandoffClock
 from engine.experts.host_pool import HostPool
 from engine.experts.lookahead import LOOKAHEAD_MODES, CopiesAhead, TouchRatio
 from engine.experts.policy import BandwidthEstimate
-from engine.experts.prefill_stream import REFILL_USES, STREAM_MODES, PrefillStreamer, pick_probability
+from engine.experts.prefill_stream import REFILL_USES, STREAM_MODES, PrefillStreamer, pick_probability, touch_of
 from engine.experts.refresh import REFRESH_MODES, IdleRefresh
 from engine.experts.slot_cache import SlotCache
 from engine.experts.slot_runner import SlotRunner
@@ -209,7 +209,7 @@ class OffloadBackend(CopiesAhead, IdleRefresh, CallTiming, DeviceRuns, CallCount
         # fills both predict by it
         q = pick_probability(t.heat / t.moment()[1], top_k) if num_tokens > 1 and (
             span > 1 or (self.streamer is not None and not decode)) else None
-        touch = None if q is None else 1.0 - (1.0 - q) ** num_tokens  # (~0.15 ms at [8, 256]: made once)
+        touch = None if q is None else touch_of(q, num_tokens)  # (~0.15 ms at [8, 256]: made once)
         if self.streamer is not None:
             self.streamer.begin(num_tokens, top_k, touch, decode=decode)
         self._ahead = self._touch = self._pick = None

@@ -74,7 +74,13 @@ def touched(heat: np.ndarray, num_tokens: int, top_k: int, prior: float = PRIOR_
     """[..., E]: the probability that T tokens route to each expert of a layer at least once (pick_probability
     per token). With no history that is uniform routing (expected_touched); under skew the cold experts, the
     ones usually missing, are touched less often than uniform routing would say."""
-    return 1.0 - (1.0 - pick_probability(heat, top_k, prior)) ** num_tokens
+    return touch_of(pick_probability(heat, top_k, prior), num_tokens)
+
+
+def touch_of(pick: np.ndarray, num_tokens: int) -> np.ndarray:
+    """[..., E]: the probability that num_tokens tokens route to each expert at least once, from each one's per
+    token (pick_probability's)."""
+    return 1.0 - (1.0 - pick) ** num_tokens
 
 
 def row_sums(warm: np.ndarray, touch: np.ndarray) -> tuple[list[int], list[float], list[float]]:
@@ -157,11 +163,11 @@ class PrefillStreamer:
         self.tables: dict[int, object] = {}
         self.streamed_forwards = 0
 
-    def begin(self, num_tokens: int, top_k: int, touch: np.ndarray | None = None, decode: bool = False) -> None:
+    def begin(self, num_tokens: int, top_k: int, touch: np.ndarray | None, decode: bool = False) -> None:
         """A forward of num_tokens begins: stream it or not. touch [L, E]: each expert's probability of being
-        touched by the forward's tokens (`touched` of the slot table's heat; computed here when not given). decode:
-        its tokens are one a sequence (a batched decode step), which never streams, whatever the mode: no prompt
-        in it."""
+        touched by the forward's tokens (`touched` of the slot table's heat, OffloadBackend.begin_forward's); None
+        only for a forward that never streams (one token, or decode). decode: its tokens are one a sequence (a
+        batched decode step), which never streams, whatever the mode: no prompt in it."""
         cache, pool = self.b.cache, self.b.pool
         e = pool.num_experts
         self.active, self.reserved, self._prefetched, self._current = False, [], set(), None
@@ -175,15 +181,13 @@ class PrefillStreamer:
             # 8k prompt on the H200 box) with the copy engine idle; kept locked (reserved) until that piece ran
             self.reserved = self._prefetch(pool.layers[0], after=None)
 
-    def _predicted_faster(self, num_tokens: int, top_k: int, touch: np.ndarray | None) -> bool:
+    def _predicted_faster(self, num_tokens: int, top_k: int, touch: np.ndarray) -> bool:
         """Whether streaming this forward's layers is predicted faster than routing them (should_stream): every
         extend asks, at its first layer call, while the device waits for the host, so the per-layer sums are made
         for all rows at once."""
         cache, pool, est = self.b.cache, self.b.pool, self.b.estimate
         t, w = cache.table, cache.windows()
-        # [L, E] touched, rows in pool.layers' order (pool.row)
-        p = touched(t.heat / t.moment()[1], num_tokens, top_k) if touch is None else touch
-        missing, cold_hit, likely = row_sums(t.resident >= 0, p)
+        missing, cold_hit, likely = row_sums(t.resident >= 0, touch)  # (rows in pool.layers' order: pool.row)
         # the first w - 2 layers stream into windows kept from the forward before (window_for)
         kept = pool.layers[: w - 2] if w >= 3 else []
         streamed = sum(cache.stream_copies(layer, w - 1 - i) for i, layer in enumerate(kept)) \
